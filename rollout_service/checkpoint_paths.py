@@ -1,0 +1,40 @@
+"""Confinement of paths to the configured checkpoint root.
+
+Every path that comes from a request, a manifest or a directory listing goes
+through :func:`resolve_inside` before it is opened or handed to SGLang.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .checkpoint_format import CheckpointError
+
+
+def resolve_inside(root: Path | str, candidate: Path | str) -> Path:
+    """Resolve ``candidate`` (absolute, or relative to ``root``) and require it inside root.
+
+    Symlinks are followed; a path whose real location is outside the root's real
+    location raises ``CheckpointError('path_escape')``.
+    """
+    real_root = Path(os.path.realpath(root))
+    path = Path(candidate)
+    if not path.is_absolute():
+        path = Path(root) / path
+    real = Path(os.path.realpath(path))
+    if real != real_root and real_root not in real.parents:
+        raise CheckpointError(
+            "path_escape",
+            f"{candidate} resolves to {real}, outside the checkpoint root {real_root};"
+            " only paths inside the root are accepted",
+        )
+    return real
+
+
+def check_plain_file_name(name: str, where: str) -> None:
+    """A manifest file name must be a bare name: no directories, no '..', no hidden names."""
+    if not name or name != os.path.basename(name) or name in (".", "..") or name.startswith("."):
+        raise CheckpointError(
+            "path_escape", f"{where} lists the file name {name!r}; only bare file names are allowed"
+        )

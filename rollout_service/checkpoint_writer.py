@@ -1,0 +1,346 @@
+"""Atomic, streaming publication of checkpoints (the writer side of the format).
+
+``publish_checkpoint`` takes an iterable of ``(name, tensor)`` pairs and writes
+them as safetensors shards into a hidden temporary directory beside the final
+one, digesting bytes as they are written. Only one shard's tensors are held at a
+time (plus dtype-converted copies of that shard), never a second copy of the
+whole model. The manifest is written last, every file and directory is fsynced,
+the directory is renamed into place, and then ``LATEST`` is replaced atomically.
+A writer killed at any moment leaves at most a hidden ``.tmp-*`` directory,
+which :func:`cleanup_stale_temp_dirs` removes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import struct
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint_format import (
+    CONFIG_NAME, DTYPE_SIZES, FLOAT_DTYPES, INDEX_NAME, LATEST_NAME, MANIFEST_NAME, TEMP_PREFIX,
+    FileEntry, Manifest, normalize_dtype, step_dir_name,
+    weight_version_for_step,
+)
+from .checkpoint_reader import read_latest_pointer
+from .digest import format_digest, new_hasher
+
+log = logging.getLogger(__name__)
+
+_TORCH_TO_TAG = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+for _name, _tag in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        _TORCH_TO_TAG[getattr(torch, _name)] = _tag
+_TAG_TO_TORCH = {v: k for k, v in _TORCH_TO_TAG.items()}
+
+DEFAULT_MAX_SHARD_BYTES = 2 << 30
+
+
+@dataclass
+class PublishResult:
+    """What a publication produced, with its timings in seconds."""
+
+    path: Path
+    step: int
+    weight_version: str
+    total_bytes: int
+    tensor_count: int
+    files: int
+    write_seconds: float
+    total_seconds: float
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a hidden temp file + fsync + rename + parent fsync."""
+    path = Path(path)
+    tmp = path.parent / f"{TEMP_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _prepare(tensor: torch.Tensor, target: str | None) -> torch.Tensor:
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if target is not None and _TORCH_TO_TAG.get(t.dtype) in FLOAT_DTYPES:
+        want = _TAG_TO_TORCH[target]
+        if t.dtype != want:
+            t = t.to(want)
+    if t.dtype not in _TORCH_TO_TAG:
+        raise TypeError(f"tensor dtype {t.dtype} cannot be stored in safetensors")
+    return t.contiguous()
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_shard(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> FileEntry:
+    """Write one safetensors file (header, then raw data), digesting as it goes, and fsync it."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors:
+        n = t.numel() * DTYPE_SIZES[_TORCH_TO_TAG[t.dtype]]
+        header[name] = {"dtype": _TORCH_TO_TAG[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    prefix = struct.pack("<Q", len(blob)) + blob
+    hasher = new_hasher()
+    hasher.update(prefix)
+    with open(path, "wb", buffering=0) as f:
+        f.write(prefix)
+        for _, t in tensors:
+            view = _byte_view(t)
+            hasher.update(view)
+            written = 0
+            while written < len(view):
+                written += f.write(view[written:])
+        os.fsync(f.fileno())
+    return FileEntry(size=len(prefix) + offset, digest=format_digest(hasher), tensors=len(tensors))
+
+
+def _shards(named: Iterable[tuple[str, torch.Tensor]], target: str | None,
+            max_shard_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    batch: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    seen: set[str] = set()
+    for name, tensor in named:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
+        if name in seen:
+            raise ValueError(f"tensor {name!r} appears twice in the published state")
+        seen.add(name)
+        t = _prepare(tensor, target)
+        n = t.numel() * t.element_size()
+        if batch and size + n > max_shard_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append((name, t))
+        size += n
+    if batch:
+        yield batch
+
+
+def _file_digest_entry(path: Path) -> FileEntry:
+    from .digest import file_digest
+
+    return FileEntry(size=path.stat().st_size, digest=file_digest(path))
+
+
+def publish_checkpoint(
+    root: Path | str,
+    step: int,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    config: dict[str, Any] | Path | str | None,
+    dtype: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    base_model: str | None = None,
+    extra_files: dict[str, Path] | None = None,
+    extra_manifest: dict[str, Any] | None = None,
+    update_latest: bool = True,
+) -> PublishResult:
+    """Publish ``tensors`` as ``<root>/step-<step>`` atomically and return what was written.
+
+    ``config`` is the model's ``config.json`` (a dict or a path to the file);
+    ``dtype`` converts floating tensors (``"bfloat16"``...); ``extra_files`` are
+    copied in (e.g. tokenizer files) and listed in the manifest. Raises
+    ``FileExistsError`` if that step is already published.
+    """
+    t0 = time.perf_counter()
+    root = Path(root)
+    name = step_dir_name(step)
+    target = normalize_dtype(dtype)
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / name
+    if final.exists():
+        raise FileExistsError(
+            f"{final} is already published; steps are immutable, publish a new step instead"
+        )
+    tmp = root / f"{TEMP_PREFIX}{name}-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    try:
+        files: dict[str, FileEntry] = {}
+        weight_map: dict[str, str] = {}
+        dtypes: set[str] = set()
+        data_bytes = 0
+        for i, shard in enumerate(_shards(tensors, target, max_shard_bytes), start=1):
+            part = f"shard-{i:05d}.part"
+            files[part] = _write_shard(tmp / part, shard)
+            for tname, t in shard:
+                weight_map[tname] = part
+                data_bytes += t.numel() * t.element_size()
+                tag = _TORCH_TO_TAG[t.dtype]
+                if tag in FLOAT_DTYPES:
+                    dtypes.add(tag)
+            del shard
+        if not files:
+            raise ValueError("no tensors to publish: the iterable was empty")
+        write_seconds = time.perf_counter() - t0
+        # Give shards their final names now that their count is known.
+        parts = sorted(files)
+        if len(parts) == 1:
+            names = {parts[0]: "model.safetensors"}
+        else:
+            names = {p: f"model-{i:05d}-of-{len(parts):05d}.safetensors"
+                     for i, p in enumerate(parts, start=1)}
+        files = {names[p]: files[p] for p in parts}
+        for p, final_name in names.items():
+            os.rename(tmp / p, tmp / final_name)
+        if len(parts) > 1:
+            index = {"metadata": {"total_size": data_bytes},
+                     "weight_map": {k: names[v] for k, v in sorted(weight_map.items())}}
+            _write_small(tmp / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+            files[INDEX_NAME] = _file_digest_entry(tmp / INDEX_NAME)
+        if config is not None:
+            if isinstance(config, dict):
+                _write_small(tmp / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
+            else:
+                _copy_small(Path(config), tmp / CONFIG_NAME)
+            files[CONFIG_NAME] = _file_digest_entry(tmp / CONFIG_NAME)
+        for fname, src in (extra_files or {}).items():
+            if fname in files or fname == MANIFEST_NAME or os.path.basename(fname) != fname:
+                raise ValueError(f"extra file name {fname!r} is reserved or not a bare file name")
+            _copy_small(Path(src), tmp / fname)
+            files[fname] = _file_digest_entry(tmp / fname)
+        manifest = Manifest(
+            step=step, weight_version=weight_version_for_step(step), created_at=time.time(),
+            writer={"host": socket.gethostname(), "pid": os.getpid(), "tool": "rollout-service"},
+            base_model=base_model,
+            dtype=target or (dtypes.pop() if len(dtypes) == 1 else None),
+            total_bytes=sum(e.size for e in files.values()),
+            tensor_count=len(weight_map), files=files, extra=dict(extra_manifest or {}),
+        )
+        _write_small(tmp / MANIFEST_NAME, manifest.to_json())
+        fsync_dir(tmp)
+        if final.exists():
+            raise FileExistsError(f"{final} was published by another writer meanwhile")
+        os.rename(tmp, final)
+        fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if update_latest:
+        _update_latest(root, step)
+    total = time.perf_counter() - t0
+    log.info("published %s: %d tensors, %.1f MB in %.2f s", final, manifest.tensor_count,
+             manifest.total_bytes / 1e6, total)
+    return PublishResult(path=final, step=step, weight_version=manifest.weight_version,
+                         total_bytes=manifest.total_bytes, tensor_count=manifest.tensor_count,
+                         files=len(files), write_seconds=write_seconds, total_seconds=total)
+
+
+def _update_latest(root: Path, step: int) -> None:
+    """Point LATEST at ``step`` unless it already names a newer step."""
+    current = read_latest_pointer(root)
+    if current is not None and current > step:
+        return
+    atomic_write_text(root / LATEST_NAME, step_dir_name(step) + "\n")
+
+
+def _write_small(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _copy_small(src: Path, dst: Path) -> None:
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        shutil.copyfileobj(fin, fout)
+        fout.flush()
+        os.fsync(fout.fileno())
+
+
+def cleanup_stale_temp_dirs(root: Path | str, older_than_s: float = 3600.0) -> list[Path]:
+    """Remove hidden ``.tmp-*`` entries older than ``older_than_s`` (left by killed writers)."""
+    root = Path(root)
+    removed = []
+    now = time.time()
+    if not root.is_dir():
+        return removed
+    for entry in root.iterdir():
+        if not entry.name.startswith(TEMP_PREFIX):
+            continue
+        try:
+            if now - entry.lstat().st_mtime < older_than_s:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(entry)
+        except FileNotFoundError:
+            continue
+    return removed
+
+
+def iter_unique_tensors(state: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Drop tensors that share storage with an earlier one (tied ``lm_head`` and the like),
+    as ``save_pretrained`` does, so a checkpoint of a tied model matches its base model."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    for name, t in state:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) \
+            if t.device.type != "meta" else (id(t), 0, ())
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        yield name, t
+
+
+def iter_model_dir_tensors(model_dir: Path | str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream the tensors of an HF model directory's safetensors files, one at a time."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} holds no *.safetensors files to publish")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def publish_model_dir(model_dir: Path | str, root: Path | str, step: int, *,
+                      dtype: str | None = None,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> PublishResult:
+    """Publish an existing HF model directory as ``step`` (seeding, rollback, tests)."""
+    model_dir = Path(model_dir)
+    config = model_dir / CONFIG_NAME
+    if not config.is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json; pass an HF model directory")
+    return publish_checkpoint(root, step, iter_model_dir_tensors(model_dir), config=config,
+                              dtype=dtype, max_shard_bytes=max_shard_bytes,
+                              base_model=str(model_dir.resolve()))

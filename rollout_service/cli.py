@@ -1,0 +1,123 @@
+"""The ``rollout-service`` command: publish, validate, sidecar, serve, demo, make-tiny-model.
+
+Run ``rollout-service <command> --help`` for each command's flags. Flags of the
+long-running commands can also be set with ``ROLLOUT_*`` environment variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from .checkpoint_format import CheckpointError
+from .cli_env import add_env_argument
+
+
+def _cmd_publish(args: argparse.Namespace) -> int:
+    from .checkpoint_writer import publish_model_dir
+
+    result = publish_model_dir(args.model_dir, args.checkpoint_path, args.step, dtype=args.dtype,
+                               max_shard_bytes=int(args.max_shard_mb * (1 << 20)))
+    print(json.dumps({"published": str(result.path), "step": result.step,
+                      "weight_version": result.weight_version, "bytes": result.total_bytes,
+                      "tensors": result.tensor_count, "files": result.files,
+                      "seconds": round(result.total_seconds, 3)}))
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from .checkpoint_reader import read_model_specs, validate_checkpoint
+
+    reference = read_model_specs(args.reference) if args.reference else None
+    try:
+        report = validate_checkpoint(args.dir, root=args.root, reference=reference,
+                                     allow_float_cast=args.allow_float_cast,
+                                     check_digests=args.digests)
+    except CheckpointError as exc:
+        print(f"INVALID ({exc.reason}): {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({"valid": str(report.path), "step": report.manifest.step,
+                      "tensors": len(report.specs), "bytes": report.manifest.total_bytes,
+                      "checks": report.checks}))
+    return 0
+
+
+def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from .tiny_model import make_tiny_model
+
+    path = make_tiny_model(Path(args.out), tied=args.tied, seed=args.seed)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollout-service",
+        description="SGLang rollouts for TRL GRPO, synced through safetensors checkpoints on"
+                    " shared storage.",
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("publish", help="publish an HF model directory as checkpoint step N",
+                       description="Publish an existing HF model directory (safetensors +"
+                       " config.json) atomically as <checkpoint-path>/step-<N>. For seeding a"
+                       " checkpoint root, rolling back, and tests.")
+    p.add_argument("--model-dir", required=True, help="HF model directory to publish")
+    p.add_argument("--checkpoint-path", required=True, help="checkpoint root directory")
+    p.add_argument("--step", required=True, type=int, help="step number (0..99999999)")
+    p.add_argument("--dtype", default=None,
+                   help="convert floating tensors to this dtype (bfloat16, float16, float32)")
+    p.add_argument("--max-shard-mb", type=float, default=2048, help="max shard size in MiB")
+    p.set_defaults(func=_cmd_publish)
+
+    p = sub.add_parser("validate", help="validate one published checkpoint",
+                       description="Validate a checkpoint directory; exits 1 with the reason"
+                       " when it is not loadable.")
+    p.add_argument("dir", help="checkpoint directory (e.g. ROOT/step-00000003)")
+    p.add_argument("--reference", default=None,
+                   help="model or checkpoint directory whose tensor names/shapes/dtypes must match")
+    p.add_argument("--allow-float-cast", action="store_true",
+                   help="accept floating dtypes that differ from the reference")
+    p.add_argument("--digests", action="store_true", help="also re-read every byte and check digests")
+    p.add_argument("--root", default=None,
+                   help="checkpoint root that paths must stay inside (default: DIR's parent)")
+    p.set_defaults(func=_cmd_validate)
+
+    p = sub.add_parser("make-tiny-model", help="build the tiny local test model",
+                       description="Build a tiny deterministic Qwen2 model with a locally trained"
+                       " tokenizer (no model hub needed).")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--tied", action="store_true", help="tie input and output embeddings")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_make_tiny_model)
+
+    for register in _extra_commands():
+        register(sub, add_env_argument)
+    return parser
+
+
+def _extra_commands():
+    """Commands that live in their own modules (imported lazily so --help stays fast)."""
+    from . import cli_commands
+
+    return cli_commands.REGISTRARS
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+"""Registration of the long-running commands (sidecar, serve, demo) on the CLI parser."""
+
+REGISTRARS: list = []

@@ -1,0 +1,232 @@
+"""Build a tiny, deterministic Qwen2 model and tokenizer locally, without a model hub.
+
+Tests, the CPU demo and benchmarks need a real model folder that both transformers (the trainer)
+and SGLang (the rollout server) load. `make_tiny_model` writes one: a byte-level BPE tokenizer
+trained with the `tokenizers` library on a fixed, sorted set of Python standard-library sources,
+wrapped as `PreTrainedTokenizerFast` with ChatML special tokens and chat template, plus a seeded
+`Qwen2ForCausalLM` (hidden 128, 2 layers by default) saved as safetensors. `ensure_tiny_model`
+caches the result on disk and builds it atomically, so concurrent test workers share one copy.
+
+torch, transformers and tokenizers are imported inside the functions: importing this module is
+cheap and works in the slim sidecar environment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+"""Bump when the output of `make_tiny_model` changes for the same arguments (invalidates caches)."""
+
+DEFAULT_CACHE_DIR = Path("~/.cache/rollout-service/tiny-models")
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML, as used by Qwen2 chat models, without a default system prompt."""
+
+MIN_CORPUS_BYTES = 2_000_000
+CORPUS_BYTES_PER_TOKEN = 400
+MAX_POSITION_EMBEDDINGS = 2048
+INITIALIZER_RANGE = 0.1
+"""Wider than Qwen2's 0.02 so that greedy decoding has clear winners: engines that differ in the
+last float bits (SGLang vs transformers) then still agree token for token."""
+
+
+def make_tiny_model(
+    out_dir: str | os.PathLike[str],
+    *,
+    tied: bool = False,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    vocab_size: int = 4096,
+    dtype: str = "float32",
+) -> Path:
+    """Write a tiny Qwen2ForCausalLM and its tokenizer into `out_dir`; return the folder.
+
+    The same arguments on the same Python version give the same tokenizer and the same weights.
+    `tied` shares the input embedding with `lm_head` (the checkpoint then has no
+    `lm_head.weight`), which exercises engines' tied-weight reload paths.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    if hidden_size % 32 != 0:
+        raise ValueError(f"hidden_size must be a multiple of 32 (4 heads of even size), got {hidden_size}")
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"dtype must name a torch dtype such as 'float32' or 'bfloat16', got {dtype!r}")
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size)
+    if len(tokenizer) > vocab_size:
+        raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens, more than vocab_size={vocab_size}")
+
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        initializer_range=INITIALIZER_RANGE,
+        tie_word_embeddings=tied,
+        bos_token_id=ids[ENDOFTEXT],
+        eos_token_id=ids[ENDOFTEXT],
+        pad_token_id=ids[ENDOFTEXT],
+        use_sliding_window=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch_dtype)
+    model.config.dtype = torch_dtype
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids[ENDOFTEXT],
+        eos_token_id=ids[ENDOFTEXT],
+        pad_token_id=ids[ENDOFTEXT],
+        do_sample=False,
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    logger.info("wrote tiny Qwen2 model (%s, %s) to %s", "tied" if tied else "untied", dtype, out)
+    return out
+
+
+def build_tokenizer(vocab_size: int = 4096) -> Any:
+    """Train the byte-level BPE tokenizer on standard-library sources; return a
+    `PreTrainedTokenizerFast` with ChatML special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = training_corpus(max(MIN_CORPUS_BYTES, vocab_size * CORPUS_BYTES_PER_TOKEN))
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    if bpe.get_vocab_size() < vocab_size:
+        logger.warning("BPE training reached only %d of %d tokens; the model keeps %d rows",
+                       bpe.get_vocab_size(), vocab_size, vocab_size)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token=ENDOFTEXT,
+        eos_token=ENDOFTEXT,
+        pad_token=ENDOFTEXT,
+        additional_special_tokens=[IM_START, IM_END],
+        model_max_length=MAX_POSITION_EMBEDDINGS,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def training_corpus(min_bytes: int) -> list[str]:
+    """The tokenizer's training text: standard-library `.py` files in sorted path order, up to
+    at least `min_bytes` bytes (all files if there are fewer)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        (p for p in stdlib.rglob("*.py")
+         if not {"site-packages", "dist-packages", "__pycache__"} & set(p.relative_to(stdlib).parts)),
+        key=lambda p: p.relative_to(stdlib).as_posix(),
+    )
+    if not files:
+        raise RuntimeError(
+            f"found no .py files under the standard library at {stdlib}; the tiny tokenizer is "
+            "trained on them: use a Python installation that ships its sources"
+        )
+    texts: list[str] = []
+    total = 0
+    for path in files:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        texts.append(text)
+        total += len(text)
+        if total >= min_bytes:
+            break
+    return texts
+
+
+def tiny_model_params(
+    *,
+    tied: bool = False,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    vocab_size: int = 4096,
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """Everything that determines a tiny model's files, as used for its cache key."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "tied": tied,
+        "seed": seed,
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "vocab_size": vocab_size,
+        "dtype": dtype,
+    }
+
+
+def ensure_tiny_model(
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    tied: bool = False,
+    **kwargs: Any,
+) -> Path:
+    """Return the cached tiny model folder for these arguments, building it first if needed.
+
+    The folder is `<cache_dir>/qwen2-<tied|untied>-<hash>` (default cache dir
+    `~/.cache/rollout-service/tiny-models`). It is built in a temporary sibling and renamed into
+    place, so a folder that exists is complete; when two processes build at once, the first rename
+    wins and the other discards its copy. `kwargs` are those of `make_tiny_model`.
+    """
+    params = tiny_model_params(tied=tied, **kwargs)
+    digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
+    root = Path(cache_dir).expanduser() if cache_dir is not None else DEFAULT_CACHE_DIR.expanduser()
+    final = root / f"qwen2-{'tied' if tied else 'untied'}-{digest}"
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=root))
+    try:
+        make_tiny_model(staging, tied=tied, **kwargs)
+        (staging / "tiny_model_params.json").write_text(json.dumps(params, indent=2, sort_keys=True))
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+            logger.info("another process built %s first; using its copy", final)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return final

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Run a command inside the project's environment, building that environment first if needed.
+#
+#   ./scripts/run.sh pytest -q                      # the test suite
+#   ./scripts/run.sh rollout-service demo           # the CPU GRPO demo
+#
+# The environment is a venv with sglang 0.5.23's CPU-capable dependency set (no CUDA kernel
+# packages), TRL and this project, pinned by requirements/cpu.lock. It is cached under
+# $ROLLOUT_CACHE_DIR (default ~/.cache/rollout-service) in a folder keyed by a hash of the lock
+# file, so it is built once per machine (~7 GB, a few minutes) and reused afterwards.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${ROLLOUT_CACHE_DIR:-$HOME/.cache/rollout-service}"
+PYTHON="${ROLLOUT_PYTHON:-python3}"
+LOCK="$REPO/requirements/cpu.lock"
+KEY="$( (cat "$LOCK"; "$PYTHON" -c 'import sys; print(sys.version)'; echo v1) | sha256sum | cut -c1-16)"
+VENV="$CACHE/venv-$KEY"
+
+mkdir -p "$CACHE"
+exec 9>"$CACHE/venv-$KEY.lock"
+flock 9
+if [ ! -f "$VENV/.complete" ]; then
+    echo "[run.sh] building environment $VENV from requirements/cpu.lock (several minutes, once per machine)" >&2
+    rm -rf "$VENV"
+    "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/pip" install --quiet --upgrade "pip>=25" >&2
+    # --no-deps: the lock is complete, and sglang's own metadata asks for CUDA-only kernels.
+    "$VENV/bin/pip" install --quiet --no-deps -r "$LOCK" >&2
+    touch "$VENV/.complete"
+fi
+# The project itself (editable, no deps): cheap, and points at this checkout.
+if ! "$VENV/bin/python" -c "import rollout_service, os, sys; sys.exit(0 if os.path.dirname(os.path.dirname(rollout_service.__file__)) == '$REPO' else 1)" 2>/dev/null; then
+    "$VENV/bin/pip" install --quiet --no-deps --no-build-isolation -e "$REPO" >&2
+fi
+flock -u 9
+export PATH="$VENV/bin:$PATH"
+export VIRTUAL_ENV="$VENV"
+cd "$REPO"
+exec "$@"

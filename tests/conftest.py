@@ -1,0 +1,62 @@
+"""Shared pytest fixtures: tiny local models and a real SGLang server on the CPU.
+
+The server fixture starts `python -m sglang.launch_server` once per test session on the untied
+tiny model; tests that use it are slow to set up (tens of seconds) but then fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from rollout_service.sglang_launcher import SGLangServer
+from rollout_service.tiny_model import ensure_tiny_model
+
+from helpers import free_port as _free_port
+
+SERVER_HEALTH_TIMEOUT_S = 300.0
+"""CI machines are slow (two cores shared with other jobs): SGLang may need minutes to start."""
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The cached untied tiny Qwen2 model folder (built on first use)."""
+    return ensure_tiny_model(tied=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_tied() -> Path:
+    """The cached tiny Qwen2 model folder with tied input/output embeddings."""
+    return ensure_tiny_model(tied=True)
+
+
+@pytest.fixture(scope="session")
+def sglang_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangServer]:
+    """A real SGLang server on the CPU serving the untied tiny model, shared by the session."""
+    logging.getLogger("rollout_service").setLevel(logging.INFO)
+    log_path = tmp_path_factory.mktemp("sglang") / "server.log"
+    server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable, log_path=log_path)
+    server.start()
+    try:
+        server.wait_healthy(SERVER_HEALTH_TIMEOUT_S)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def checkpoint_root(tmp_path: Path) -> Path:
+    """An empty folder for checkpoints, unique to the test."""
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    return root
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free when asked."""
+    return _free_port()
