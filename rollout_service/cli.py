@@ -108,8 +108,17 @@ def _extra_commands():
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in argv:  # `serve ... -- extra SGLang arguments`
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
     parser = build_parser()
     args = parser.parse_args(argv)
+    if passthrough:
+        if not hasattr(args, "sglang_args"):
+            parser.error("arguments after '--' are only accepted by `serve`")
+        args.sglang_args = passthrough
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -1,3 +1,105 @@
-"""Registration of the long-running commands (sidecar, serve, demo) on the CLI parser."""
+"""The long-running commands (sidecar, serve) and the demo, registered on the CLI parser."""
 
-REGISTRARS: list = []
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def _add_sidecar_flags(p: argparse.ArgumentParser, add_env, *, with_url: bool) -> None:
+    add_env(p, "--checkpoint-path", required=True,
+            help="checkpoint root the trainer publishes step-* directories into")
+    if with_url:
+        add_env(p, "--sglang-url", required=True, help="SGLang server to load checkpoints into")
+    add_env(p, "--poll", type=float, default=None,
+            help="poll the checkpoint root every N seconds instead of inotify (NFS, CephFS, Lustre)")
+    add_env(p, "--replica-id", default="",
+            help="name of this replica in acks/<id>.json and /status (default: HOSTNAME-PORT)")
+    add_env(p, "--host", default="127.0.0.1", help="address the sidecar binds to")
+    add_env(p, "--token", default=None,
+            help="token required by POST endpoints ('Authorization: Bearer TOKEN')")
+    add_env(p, "--sglang-api-key", default=None, help="API key SGLang was started with, if any")
+    add_env(p, "--reference-dir", default=None,
+            help="model directory whose tensor names/shapes new checkpoints must match (default:"
+                 " the previously loaded checkpoint)")
+    add_env(p, "--check-digests", action="store_true",
+            help="re-read every byte and check digests before loading (slower, catches bit rot)")
+    add_env(p, "--health-interval", type=float, default=2.0,
+            help="seconds between SGLang health checks")
+    add_env(p, "--load-timeout", type=float, default=1800.0,
+            help="seconds to allow one /update_weights_from_disk call")
+
+
+def _settings(args: argparse.Namespace, sglang_url: str, port: int):
+    from .sidecar.settings import SidecarSettings
+
+    return SidecarSettings(
+        checkpoint_path=Path(args.checkpoint_path), sglang_url=sglang_url,
+        replica_id=args.replica_id, poll_interval_s=args.poll, host=args.host, port=port,
+        token=args.token, sglang_api_key=args.sglang_api_key,
+        reference_dir=Path(args.reference_dir) if args.reference_dir else None,
+        check_digests=args.check_digests, health_interval_s=args.health_interval,
+        load_timeout_s=args.load_timeout)
+
+
+def _cmd_sidecar(args: argparse.Namespace) -> int:
+    from .sidecar.app import run_sidecar
+
+    run_sidecar(_settings(args, args.sglang_url, args.port))
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .serve import RestartPolicy, run_serve
+    from .sglang_launcher import SGLangServer
+
+    Path(args.checkpoint_path).mkdir(parents=True, exist_ok=True)
+    server = SGLangServer(model_path=args.model, host=args.sglang_host, port=args.port,
+                          device=args.device, extra_args=list(args.sglang_args or []),
+                          max_total_tokens=args.max_total_tokens,
+                          log_path=Path(args.sglang_log) if args.sglang_log else None)
+    policy = RestartPolicy(max_restarts=args.max_restarts, startup_timeout_s=args.startup_timeout)
+    settings = _settings(args, server.url, args.sidecar_port)
+    return run_serve(server, settings, policy)
+
+
+def register_sidecar(sub, add_env) -> None:
+    p = sub.add_parser(
+        "sidecar", help="watch a checkpoint root and load new checkpoints into a running SGLang",
+        description="Watch CHECKPOINT_PATH; validate each newly published step-* checkpoint and load"
+        " it into SGLang with /update_weights_from_disk (weight_version = step); acknowledge it over"
+        " HTTP and in CHECKPOINT_PATH/acks/REPLICA_ID.json. API: GET /healthz /readyz /status"
+        " /wait?version=N&timeout=S /metrics, POST /sync.")
+    _add_sidecar_flags(p, add_env, with_url=True)
+    add_env(p, "--port", type=int, default=8100, help="port of the sidecar's HTTP API")
+    p.set_defaults(func=_cmd_sidecar)
+
+
+def register_serve(sub, add_env) -> None:
+    p = sub.add_parser(
+        "serve", help="start SGLang and its sidecar as one supervised unit (like trl vllm-serve)",
+        description="Start an SGLang server on MODEL (CPU or GPU flags chosen for this machine) and"
+        " a sidecar that keeps it on the newest checkpoint under CHECKPOINT_PATH. A crashed SGLang"
+        " is restarted with back-off and the newest checkpoint re-applied. Arguments after '--' go"
+        " to sglang.launch_server verbatim, e.g. `rollout-service serve --model M --checkpoint-path"
+        " C -- --tp-size 2`.")
+    add_env(p, "--model", required=True, help="HF model directory SGLang starts from (base weights)")
+    _add_sidecar_flags(p, add_env, with_url=False)
+    add_env(p, "--port", type=int, default=30000, help="SGLang's port")
+    add_env(p, "--sglang-host", default="127.0.0.1", help="address SGLang binds to")
+    add_env(p, "--sidecar-port", type=int, default=8100, help="port of the sidecar's HTTP API")
+    add_env(p, "--device", default="auto", help="auto, cpu or cuda")
+    add_env(p, "--max-total-tokens", type=int, default=16384,
+            help="KV cache size on CPU (bounded, or SGLang reserves ~15 GB)")
+    add_env(p, "--max-restarts", type=int, default=5, help="SGLang restarts before giving up")
+    add_env(p, "--startup-timeout", type=float, default=600.0,
+            help="seconds to wait for SGLang's /health at each start")
+    add_env(p, "--sglang-log", default=None, help="file for SGLang's output (default: a temp file)")
+    p.set_defaults(func=_cmd_serve, sglang_args=[])
+
+
+REGISTRARS = [register_sidecar, register_serve]

@@ -110,8 +110,18 @@ def make_tiny_model(
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    _make_world_readable(out)
     logger.info("wrote tiny Qwen2 model (%s, %s) to %s", "tied" if tied else "untied", dtype, out)
     return out
+
+
+def _make_world_readable(folder: Path) -> None:
+    """transformers writes weights 0600 and `ensure_tiny_model` stages in a 0700 folder; a shared
+    model cache must be readable by other users and containers."""
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        if path.is_file():
+            path.chmod(0o644)
 
 
 def build_tokenizer(vocab_size: int = 4096) -> Any:

@@ -1,0 +1,120 @@
+"""The sidecar's HTTP API (FastAPI) and its lifecycle (watcher + sync loop).
+
+Routes: ``GET /healthz``, ``GET /readyz``, ``GET /status``, ``GET /wait``,
+``POST /sync`` (token-protected when a token is set), ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..checkpoint_format import CheckpointError
+from .controller import SyncController
+from .settings import SidecarSettings
+from .watcher import CheckpointWatcher
+
+log = logging.getLogger(__name__)
+
+MAX_WAIT_S = 3600.0
+
+
+def create_app(settings: SidecarSettings) -> FastAPI:
+    """Build the app; the sync loop and the watcher run for the app's lifetime."""
+    controller = SyncController(settings)
+    watcher = CheckpointWatcher(settings.checkpoint_path, controller.notify, settings.poll_interval_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(controller.run(), name="sidecar-sync-loop")
+        watcher.start()
+        try:
+            yield
+        finally:
+            watcher.stop()
+            await controller.stop()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    app = FastAPI(title="rollout-service sidecar", lifespan=lifespan,
+                  description="Loads each new checkpoint from shared storage into SGLang.")
+    app.state.controller = controller
+
+    def require_token(request: Request) -> None:
+        if not settings.token:
+            return
+        supplied = request.headers.get("x-rollout-token") or ""
+        auth = request.headers.get("authorization") or ""
+        if auth.lower().startswith("bearer "):
+            supplied = supplied or auth[7:]
+        if not hmac.compare_digest(supplied.encode(), settings.token.encode()):
+            raise HTTPException(status_code=401, detail="missing or wrong token: send"
+                                " 'Authorization: Bearer <token>'")
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"ok": True}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        s = controller.state
+        body = {"ready": s.ready, "loaded_step": s.loaded_step, "newest_known_step": s.newest_known_step,
+                "sglang_healthy": s.sglang_healthy}
+        return JSONResponse(body, status_code=200 if s.ready else 503)
+
+    @app.get("/status")
+    async def status() -> dict[str, Any]:
+        return controller.state.to_dict()
+
+    @app.get("/wait")
+    async def wait(version: int = Query(..., ge=0, description="checkpoint step to wait for"),
+                   timeout: float = Query(60.0, gt=0, le=MAX_WAIT_S)) -> JSONResponse:
+        ok = await controller.wait_for_step(version, timeout)
+        body = controller.state.to_dict()
+        body["waited_for"] = version
+        return JSONResponse(body, status_code=200 if ok else 504)
+
+    @app.post("/sync", dependencies=[Depends(require_token)])
+    async def sync(request: Request) -> JSONResponse:
+        checkpoint = None
+        if await request.body():
+            try:
+                data = await request.json()
+            except ValueError:
+                raise HTTPException(status_code=400, detail="body must be JSON, e.g."
+                                    ' {"checkpoint": "step-00000003"}') from None
+            checkpoint = data.get("checkpoint") if isinstance(data, dict) else None
+            if checkpoint is not None and not isinstance(checkpoint, str):
+                raise HTTPException(status_code=400, detail="'checkpoint' must be a string")
+        if checkpoint is None:
+            controller.notify("api")
+            return JSONResponse({"triggered": True}, status_code=202)
+        try:
+            path = controller.request_checkpoint(checkpoint)
+        except CheckpointError as exc:
+            return JSONResponse({"error": exc.reason, "detail": str(exc)}, status_code=400)
+        return JSONResponse({"triggered": True, "checkpoint": str(path)}, status_code=202)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(controller.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def run_sidecar(settings: SidecarSettings) -> None:
+    """Serve the sidecar with uvicorn until interrupted."""
+    import uvicorn
+
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.token:
+        log.warning("the sidecar listens on %s without a token: anyone who can reach it can trigger"
+                    " syncs. Set --token (or ROLLOUT_TOKEN).", settings.host)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")

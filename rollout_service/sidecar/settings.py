@@ -1,0 +1,53 @@
+"""Configuration of one sidecar (from CLI flags or ``ROLLOUT_*`` environment variables)."""
+
+from __future__ import annotations
+
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+_REPLICA_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+@dataclass
+class SidecarSettings:
+    """What a sidecar watches, whom it talks to, and how it serves its own API."""
+
+    checkpoint_path: Path
+    sglang_url: str
+    replica_id: str = ""
+    poll_interval_s: float | None = None  # None: inotify; a number: polling observer period
+    host: str = "127.0.0.1"
+    port: int = 8100
+    token: str | None = None
+    sglang_api_key: str | None = None
+    reference_dir: Path | None = None
+    check_digests: bool = False
+    health_interval_s: float = 2.0
+    rescan_interval_s: float = 30.0
+    ack_interval_s: float = 5.0
+    load_timeout_s: float = 1800.0
+    request_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        self.checkpoint_path = Path(self.checkpoint_path)
+        if not self.replica_id:
+            self.replica_id = f"{socket.gethostname()}-{self.port}"
+        if not _REPLICA_RE.match(self.replica_id):
+            raise ValueError(
+                f"replica id {self.replica_id!r} is not usable as a file name: use letters, digits,"
+                " '.', '_' and '-' (at most 128 characters)"
+            )
+        self.sglang_url = self.sglang_url.rstrip("/")
+        if not self.sglang_url.startswith(("http://", "https://")):
+            raise ValueError(f"--sglang-url must start with http:// or https://, got {self.sglang_url!r}")
+        if self.poll_interval_s is not None and self.poll_interval_s <= 0:
+            raise ValueError(f"--poll must be a positive number of seconds, got {self.poll_interval_s}")
+        if not self.checkpoint_path.is_dir():
+            raise ValueError(
+                f"checkpoint path {self.checkpoint_path} is not a directory; create it or mount"
+                " the shared checkpoint volume there"
+            )
+        if self.reference_dir is not None:
+            self.reference_dir = Path(self.reference_dir)

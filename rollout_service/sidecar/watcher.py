@@ -1,0 +1,63 @@
+"""File-system watching of the checkpoint root with watchdog.
+
+Only the completion signals matter: a ``step-*`` directory appearing (the
+writer's atomic rename) and ``LATEST`` being replaced. Everything else a writer
+does happens inside hidden ``.tmp-*`` directories and is ignored. inotify by
+default; a polling observer for NFS and other shared file systems whose changes
+made on another machine raise no inotify events.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+from watchdog.observers.polling import PollingObserver
+
+from ..checkpoint_format import LATEST_NAME, parse_step_dir_name
+
+log = logging.getLogger(__name__)
+
+
+def is_completion_event(event: FileSystemEvent) -> bool:
+    """True for events that can mean "a checkpoint was published"."""
+    for path in (event.src_path, getattr(event, "dest_path", "")):
+        if not path:
+            continue
+        name = os.path.basename(os.fsdecode(path))
+        if name == LATEST_NAME or parse_step_dir_name(name) is not None:
+            return event.event_type in ("created", "moved", "modified")
+    return False
+
+
+class _Handler(FileSystemEventHandler):
+    def __init__(self, on_change: Callable[[str], None]):
+        self._on_change = on_change
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        if is_completion_event(event):
+            self._on_change(f"{event.event_type}:{os.path.basename(os.fsdecode(event.dest_path or event.src_path))}")
+
+
+class CheckpointWatcher:
+    """Calls ``on_change(description)`` from a watchdog thread when a publication may have landed."""
+
+    def __init__(self, root: Path, on_change: Callable[[str], None],
+                 poll_interval_s: float | None = None):
+        self.root = Path(root)
+        self.mode = "inotify" if poll_interval_s is None else "polling"
+        self._observer = (Observer() if poll_interval_s is None
+                          else PollingObserver(timeout=poll_interval_s))
+        self._observer.schedule(_Handler(on_change), str(self.root), recursive=False)
+
+    def start(self) -> None:
+        self._observer.start()
+        log.info("watching %s with %s", self.root, self.mode)
+
+    def stop(self) -> None:
+        self._observer.stop()
+        self._observer.join(timeout=10)

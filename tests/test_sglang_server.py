@@ -1,0 +1,128 @@
+"""Tests against a real SGLang server on the CPU: the HTTP answers the rollout path relies on,
+agreement with transformers, and the launcher's start-up failure and shutdown behaviour."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rollout_service.sglang_launcher import SGLangServer, SGLangStartError
+
+from helpers import generate
+
+pytestmark = pytest.mark.sglang
+
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n",
+    "class Queue:\n    def __init__(self):",
+    "# Copyright",
+]
+
+
+def _encode(model_dir: Path, texts: list[str]) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [tokenizer.encode(text) for text in texts]
+
+
+def test_generate_batch_returns_int_token_ids_with_matching_logprobs(sglang_server, tiny_model_dir):
+    prompts = _encode(tiny_model_dir, PROMPTS[:2])
+    out = generate(sglang_server.url, prompts, max_new_tokens=8, temperature=1.0, n=2,
+                   return_logprob=True, ignore_eos=True)
+
+    assert isinstance(out, list) and len(out) == len(prompts) * 2
+    for item in out:
+        ids = item["output_ids"]
+        assert len(ids) == 8
+        assert all(type(token) is int for token in ids), ids
+        meta = item["meta_info"]
+        logprobs = meta["output_token_logprobs"]
+        assert [entry[1] for entry in logprobs] == ids
+        assert all(isinstance(entry[0], float) and entry[0] <= 0.0 for entry in logprobs)
+        assert meta["weight_version"] == "default"
+
+
+def test_greedy_generation_matches_transformers(sglang_server, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    max_new_tokens = 24
+    prompts = _encode(tiny_model_dir, PROMPTS)
+    out = generate(sglang_server.url, prompts, max_new_tokens=max_new_tokens, temperature=0.0,
+                   ignore_eos=True, min_new_tokens=max_new_tokens)
+    served = [item["output_ids"] for item in out]
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    expected = []
+    with torch.no_grad():
+        for ids in prompts:
+            result = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+            )
+            expected.append(result[0, len(ids):].tolist())
+
+    assert served == expected
+
+
+def test_wait_healthy_reports_exit_code_and_log_when_model_path_is_bogus(tmp_path):
+    bogus = tmp_path / "not-a-model"
+    bogus.mkdir()
+    (bogus / "README.txt").write_text("no config.json here\n")
+    server = SGLangServer(bogus, device="cpu", python=sys.executable, log_path=tmp_path / "server.log")
+    server.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(SGLangStartError) as caught:
+            server.wait_healthy(timeout_s=300)
+    finally:
+        server.stop()
+    message = str(caught.value)
+    assert "exited with code" in message
+    assert "last log lines" in message
+    assert server.log_tail(40).strip() and server.log_tail(40).strip()[-200:] in message
+    assert time.monotonic() - started < 300
+
+
+def test_stop_leaves_no_process_of_the_group_alive(tiny_model_dir, tmp_path):
+    server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable,
+                          log_path=tmp_path / "server.log")
+    server.start()
+    try:
+        server.wait_healthy(timeout_s=300)
+        pgid = server.pgid
+        assert pgid is not None
+        members = _group_members(pgid)
+        assert len(members) >= 2, f"expected the server and its scheduler children, found {members}"
+    finally:
+        server.stop()
+
+    assert not server.is_running()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+    for pid in members:
+        assert not Path(f"/proc/{pid}").exists() or _pgid_of(pid) != pgid
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _pgid_of(int(entry.name)) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def _pgid_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
