@@ -10,6 +10,7 @@ SIGTERM stops the sidecar and the whole SGLang process group.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -97,16 +98,25 @@ def run_serve(server: SGLangServer, settings: SidecarSettings, policy: RestartPo
                                 on_give_up=give_up)
         supervisor.start()
         log.info("sidecar on http://%s:%d (readiness: /readyz)", settings.host, settings.port)
+        # uvicorn re-raises the signal that stopped it once it has shut down; with these
+        # handlers installed that lands here instead of killing us before SGLang is stopped.
+        previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             http.run()
         finally:
             supervisor.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     except SGLangStartError as exc:
         log.error("%s", exc)
         exit_code = 2
     finally:
         server.stop()
     return exit_code
+
+
+def _note_signal(signum, frame) -> None:
+    log.info("received %s; stopping SGLang and the sidecar", signal.Signals(signum).name)
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:

@@ -21,6 +21,10 @@ from helpers import free_port as _free_port
 SERVER_HEALTH_TIMEOUT_S = 300.0
 """CI machines are slow (two cores shared with other jobs): SGLang may need minutes to start."""
 
+SERVER_EXTRA_ARGS = ("--dtype", "float32")
+"""SGLang's `--dtype auto` serves a float32 checkpoint as float16; the trainer and transformers
+use float32, so the test server does too (greedy tokens and logprobs then agree with them)."""
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
@@ -39,7 +43,8 @@ def sglang_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     """A real SGLang server on the CPU serving the untied tiny model, shared by the session."""
     logging.getLogger("rollout_service").setLevel(logging.INFO)
     log_path = tmp_path_factory.mktemp("sglang") / "server.log"
-    server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable, log_path=log_path)
+    server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable, log_path=log_path,
+                          extra_args=SERVER_EXTRA_ARGS)
     server.start()
     try:
         server.wait_healthy(SERVER_HEALTH_TIMEOUT_S)

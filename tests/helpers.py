@@ -5,20 +5,16 @@ Kept free of torch and sglang imports so that sidecar-only tests can use them to
 
 from __future__ import annotations
 
-import socket
 from typing import Any, Sequence
 
 import httpx
 
+from rollout_service.sglang_launcher import free_port
+
+__all__ = ["free_port", "generate"]
+
 GENERATE_TIMEOUT_S = 300.0
 """Generous: the CI machines have two cores and other jobs share them."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that was free when asked."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def generate(

@@ -94,6 +94,7 @@ class SyncController:
         self._changed: asyncio.Condition | None = None
         self._detected_at: dict[int, float] = {}
         self._crashes: dict[int, int] = {}
+        self._loaded_before: set[int] = set()
         self._reference: TensorSpecs | None = None
         self._last_ack = 0.0
         self._stopping = False
@@ -209,7 +210,7 @@ class SyncController:
             self.state.loaded_step = None
         if self.state.loaded_step is None and view.weight_version is not None:
             step = _step_of_version(view.weight_version)
-            if step is not None and (self.root / _dir(step)).is_dir():
+            if step is not None and _same_path(view.model_path, self.root / _dir(step)):
                 # A restarted sidecar beside a server that already serves a published step.
                 self.state.loaded_step = step
                 self._crashes.pop(step, None)
@@ -230,7 +231,8 @@ class SyncController:
 
     async def _try_load(self, step: int, path: Path) -> bool:
         detected = self._detected_at.pop(step, time.time())
-        published = _published_at(path)
+        # Publish-time latencies only mean something the first time a step is loaded.
+        published = None if step in self._loaded_before else _published_at(path)
         self.state.loading_step = step
         try:
             t0 = time.perf_counter()
@@ -269,6 +271,7 @@ class SyncController:
                 return False
             finished = time.time()
             self.state.loaded_step = step
+            self._loaded_before.add(step)
             self.state.sglang_weight_version = version
             self._crashes.pop(step, None)
             self._reference = report.specs
@@ -337,6 +340,11 @@ def _dir(step: int) -> str:
     from ..checkpoint_format import step_dir_name
 
     return step_dir_name(step)
+
+
+def _same_path(a: str | None, b: Path) -> bool:
+    """SGLang's model_path moves with each disk update: it names what it loaded last."""
+    return bool(a) and os.path.realpath(a) == os.path.realpath(b) and os.path.isdir(b)
 
 
 def _step_of_version(version: str) -> int | None:

@@ -1,0 +1,133 @@
+"""Helpers for sidecar tests: a sidecar (or `serve`) subprocess, and perturbed checkpoints."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from helpers import free_port
+
+START_TIMEOUT_S = 60.0
+
+
+class CLIProcess:
+    """A `rollout-service ...` subprocess in its own process group, with its log in a file."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.args = args
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rollout_service.cli", *args], stdout=self._log,
+            stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})})
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+        self._log.close()
+
+
+class Sidecar(CLIProcess):
+    """`rollout-service sidecar` against an SGLang URL."""
+
+    def __init__(self, root: Path, sglang_url: str, log_path: Path, *extra: str,
+                 replica_id: str = "r0", port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(["sidecar", "--checkpoint-path", str(root), "--sglang-url", sglang_url,
+                          "--port", str(self.port), "--replica-id", replica_id,
+                          "--health-interval", "0.5", *extra], log_path)
+        wait_http(f"{self.url}/healthz", START_TIMEOUT_S, self)
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=kw.pop("timeout", 30), **kw)
+
+    def status(self) -> dict:
+        return self.get("/status").json()
+
+    def wait_step(self, step: int, timeout_s: float = 120.0) -> dict:
+        r = self.get(f"/wait?version={step}&timeout={timeout_s}", timeout=timeout_s + 30)
+        assert r.status_code == 200, f"step {step} not loaded: {r.text}\n--- log ---\n{self.log_tail()}"
+        return r.json()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample's value from /metrics (0.0 when absent)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        for family in text_string_to_metric_families(self.get("/metrics").text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return float(sample.value)
+        return 0.0
+
+
+def wait_http(url: str, timeout_s: float, proc: CLIProcess | None = None, status: int = 200) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.proc.poll() is not None:
+            raise AssertionError(f"{proc.args[0]} exited with {proc.proc.returncode}:\n{proc.log_tail()}")
+        try:
+            if httpx.get(url, timeout=5).status_code == status:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{url} did not answer {status} within {timeout_s} s"
+                         + (f"\n--- log ---\n{proc.log_tail()}" if proc else ""))
+
+
+def perturbed_state(model_dir: Path, step: int, scale: float = 0.05) -> dict:
+    """The model's tensors plus step-seeded noise: each step has distinct, known weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    g = torch.Generator().manual_seed(1000 + step)
+    return {k: (v + scale * torch.randn(v.shape, generator=g).to(v.dtype)) if v.is_floating_point() else v
+            for k, v in state.items()}
+
+
+def publish_step(root: Path, model_dir: Path, step: int, state: dict | None = None):
+    from rollout_service.checkpoint_writer import publish_checkpoint
+
+    state = perturbed_state(model_dir, step) if state is None else state
+    return publish_checkpoint(root, step, state.items(), config=model_dir / "config.json",
+                              base_model=str(model_dir))
+
+
+def transformers_greedy(model_dir: Path, state: dict, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by transformers with ``state`` loaded over the model's weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+    model.eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -1,0 +1,90 @@
+"""`rollout-service serve` as a supervised unit, and two replicas sharing one checkpoint root."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from helpers import free_port, generate
+from rollout_service.sglang_launcher import SGLangServer
+from sidecar_helpers import CLIProcess, Sidecar, publish_step, wait_http
+
+STARTUP_S = 400.0
+
+
+def sglang_children(pid: int) -> list[psutil.Process]:
+    return [p for p in psutil.Process(pid).children(recursive=True)
+            if "sglang.launch_server" in " ".join(p.cmdline())]
+
+
+def test_serve_restarts_a_killed_sglang_and_reapplies_the_newest_checkpoint(
+        tiny_model_dir, checkpoint_root, tmp_path):
+    port, sidecar_port = free_port(), free_port()
+    serve = CLIProcess(["serve", "--model", str(tiny_model_dir), "--checkpoint-path",
+                        str(checkpoint_root), "--port", str(port), "--sidecar-port", str(sidecar_port),
+                        "--device", "cpu", "--health-interval", "0.5", "--replica-id", "served"],
+                       tmp_path / "serve.log")
+    sidecar = f"http://127.0.0.1:{sidecar_port}"
+    sglang = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{sidecar}/readyz", STARTUP_S, serve)
+        publish_step(checkpoint_root, tiny_model_dir, 1)
+        assert httpx.get(f"{sidecar}/wait?version=1&timeout=120", timeout=150).status_code == 200
+        [leader] = [p for p in sglang_children(serve.proc.pid) if p.pid == os.getpgid(p.pid)] or \
+            sglang_children(serve.proc.pid)[:1]
+        os.killpg(os.getpgid(leader.pid), signal.SIGKILL)
+        wait_http(f"{sidecar}/readyz", 60, serve, status=503)
+        wait_http(f"{sidecar}/readyz", STARTUP_S, serve)
+        status = httpx.get(f"{sidecar}/status", timeout=30).json()
+        assert status["loaded_step"] == 1 and status["sglang_weight_version"] == "1"
+        assert generate(sglang, [5, 6, 7], max_new_tokens=4)["meta_info"]["weight_version"] == "1"
+        metrics = httpx.get(f"{sidecar}/metrics", timeout=30).text
+        assert "rollout_sidecar_sglang_restarts_total 1.0" in metrics
+        assert "restart 1 of 5" in serve.log_path.read_text()
+        children = [p.pid for p in psutil.Process(serve.proc.pid).children(recursive=True)]
+    finally:
+        serve.kill(signal.SIGTERM)
+    assert serve.proc.returncode == 0, serve.log_tail()
+    time.sleep(1)
+    alive = [pid for pid in children if psutil.pid_exists(pid)
+             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"serve left processes behind: {alive}"
+
+
+@pytest.fixture(scope="module")
+def second_sglang_server(tiny_model_dir, tmp_path_factory):
+    server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable,
+                          log_path=tmp_path_factory.mktemp("sglang2") / "server.log")
+    server.start()
+    try:
+        server.wait_healthy(STARTUP_S)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_two_replicas_load_and_acknowledge_every_step(sglang_server, second_sglang_server,
+                                                      checkpoint_root, tiny_model_dir, tmp_path):
+    a = Sidecar(checkpoint_root, sglang_server.url, tmp_path / "a.log", replica_id="replica-a")
+    b = Sidecar(checkpoint_root, second_sglang_server.url, tmp_path / "b.log", replica_id="replica-b")
+    try:
+        for step in (1, 2, 3):
+            publish_step(checkpoint_root, tiny_model_dir, step)
+            for sidecar, server in ((a, sglang_server), (b, second_sglang_server)):
+                assert sidecar.wait_step(step)["loaded_step"] == step
+                out = generate(server.url, [1, 2, 3], max_new_tokens=2)
+                assert out["meta_info"]["weight_version"] == str(step)
+            acks = {p.stem: json.loads(p.read_text()) for p in (checkpoint_root / "acks").glob("*.json")}
+            assert {k: v["loaded_step"] for k, v in acks.items()} == {"replica-a": step, "replica-b": step}
+        for sidecar in (a, b):
+            assert sidecar.metric("rollout_sidecar_syncs_total", outcome="loaded", reason="ok") == 3
+    finally:
+        a.stop()
+        b.stop()

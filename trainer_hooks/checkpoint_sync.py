@@ -1,0 +1,228 @@
+"""Publishing the policy as a checkpoint version and waiting until the replicas serve it.
+
+:class:`CheckpointPublisher` owns the trainer's side of a sync on the main process: it picks
+the next version (one above anything already under the root, so versions only grow, also
+across restarts), streams the weights into ``publish_checkpoint`` (one shard in memory at a
+time), wakes the sidecars, waits for every expected replica through a
+:class:`~trainer_hooks.replica_wait.ReplicaWaiter`, prunes old checkpoints, and records how long
+each phase took (:class:`SyncRecord`).
+
+With ``background=True`` the weights are first copied to CPU memory (one copy of the model),
+and writing + waiting run in a worker thread; at most one such job is in flight: the next sync
+first waits for it. An error in the worker is raised by the next call into the publisher.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollout_service.checkpoint_reader import latest_checkpoint
+from rollout_service.checkpoint_writer import cleanup_stale_temp_dirs, publish_checkpoint
+from rollout_service.sidecar.acks import read_acks
+
+from .checkpoint_retention import prune_checkpoints
+from .replica_wait import ReplicaWaiter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncRecord:
+    """One finished sync: the version and its phase times in seconds."""
+
+    version: int
+    gather_s: float
+    write_s: float
+    wait_s: float
+    total_s: float
+    bytes: int
+    background: bool
+    pruned: int = 0
+
+
+class _TimedIterator:
+    """Wraps the weight iterator to measure time spent producing tensors (the gather)."""
+
+    def __init__(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._it = iter(tensors)
+        self.seconds = 0.0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        t0 = time.perf_counter()
+        try:
+            return next(self._it)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def drain(self) -> None:
+        """Consume what is left (gathers are collective: other processes wait for them)."""
+        for _ in self:
+            pass
+
+
+class CheckpointPublisher:
+    """Versioned publication of the policy under a checkpoint root, then a wait for the replicas."""
+
+    def __init__(
+        self,
+        root: Path | str,
+        waiter: ReplicaWaiter,
+        *,
+        config: dict[str, Any],
+        dtype: str | None,
+        max_shard_bytes: int,
+        keep: int | None,
+        sync_timeout_s: float,
+        heartbeat_max_age_s: float,
+        base_model: str | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.waiter = waiter
+        self.config = config
+        self.dtype = dtype
+        self.max_shard_bytes = max_shard_bytes
+        self.keep = keep
+        self.sync_timeout_s = sync_timeout_s
+        self.heartbeat_max_age_s = heartbeat_max_age_s
+        self.base_model = base_model
+        self.latest_version: int | None = None
+        """The newest version this publisher started publishing."""
+        self.confirmed_version: int | None = None
+        """The newest version every expected replica acknowledged."""
+        self.first_version: int | None = None
+        self._records: list[SyncRecord] = []
+        self._records_lock = threading.Lock()
+        self._worker: threading.Thread | None = None
+        self._worker_error: BaseException | None = None
+        removed = cleanup_stale_temp_dirs(self.root)
+        if removed:
+            log.info("removed %d stale temporary entries under %s left by killed writers", len(removed), self.root)
+
+    def next_version(self) -> int:
+        """One above both the last version used and the newest step under the root."""
+        newest = latest_checkpoint(self.root)
+        candidates = [0, self.latest_version or 0, newest.step if newest else 0]
+        return max(candidates) + 1
+
+    def publish_and_wait(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncRecord:
+        """Publish ``tensors`` as ``version`` (streaming) and wait for the replicas, in this thread.
+
+        The iterator is always exhausted, also when writing fails, so that processes taking part
+        in collective gathers are not left waiting.
+        """
+        self.raise_if_failed()
+        self.join()
+        timed = _TimedIterator(tensors)
+        self._start(version)
+        t0 = time.perf_counter()
+        try:
+            result = publish_checkpoint(
+                self.root, version, timed, config=self.config, dtype=self.dtype,
+                max_shard_bytes=self.max_shard_bytes, base_model=self.base_model)
+        except BaseException:
+            timed.drain()
+            raise
+        publish_s = time.perf_counter() - t0
+        return self._finish(version, gather_s=timed.seconds, write_s=max(0.0, publish_s - timed.seconds),
+                            nbytes=result.total_bytes, started=t0, before_s=0.0, background=False)
+
+    def publish_in_background(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Copy ``tensors`` to CPU now, then write and wait in a worker thread; return the copy time."""
+        self.raise_if_failed()
+        self.join()
+        t0 = time.perf_counter()
+        source = iter(tensors)
+        try:
+            snapshot = [(name, t.detach().to("cpu", copy=True)) for name, t in source]
+        except BaseException:
+            for _ in source:  # take part in the remaining collective gathers
+                pass
+            raise
+        gather_s = time.perf_counter() - t0
+        self._start(version)
+
+        def work() -> None:
+            try:
+                t1 = time.perf_counter()
+                result = publish_checkpoint(
+                    self.root, version, snapshot, config=self.config, dtype=self.dtype,
+                    max_shard_bytes=self.max_shard_bytes, base_model=self.base_model)
+                snapshot.clear()
+                self._finish(version, gather_s=gather_s, write_s=time.perf_counter() - t1,
+                             nbytes=result.total_bytes, started=t1, before_s=gather_s, background=True)
+            except BaseException as exc:  # surfaced by the next call into the publisher
+                log.error("background sync of version %d failed: %s", version, exc)
+                self._worker_error = exc
+
+        self._worker = threading.Thread(target=work, name=f"checkpoint-sync-{version}", daemon=True)
+        self._worker.start()
+        return gather_s
+
+    def join(self) -> None:
+        """Wait for the background job (if any), then raise its error (if any)."""
+        worker = self._worker
+        if worker is not None:
+            worker.join()
+            self._worker = None
+        self.raise_if_failed()
+
+    @property
+    def busy(self) -> bool:
+        return self._worker is not None and self._worker.is_alive()
+
+    def raise_if_failed(self) -> None:
+        error = self._worker_error
+        if error is not None:
+            self._worker_error = None
+            raise RuntimeError(f"the background checkpoint sync failed: {error}") from error
+
+    def drain_records(self) -> list[SyncRecord]:
+        with self._records_lock:
+            records, self._records = self._records, []
+        return records
+
+    def _start(self, version: int) -> None:
+        self.latest_version = version
+        if self.first_version is None:
+            self.first_version = version
+
+    def _finish(self, version: int, *, gather_s: float, write_s: float, nbytes: int, started: float,
+                before_s: float, background: bool) -> SyncRecord:
+        """Wake and wait for the replicas, prune, record; ``started``/``before_s`` give the total time."""
+        self.waiter.notify(version)
+        t_wait = time.perf_counter()
+        self.waiter.wait(version, self.sync_timeout_s)
+        wait_s = time.perf_counter() - t_wait
+        self.confirmed_version = max(self.confirmed_version or 0, version)
+        pruned = self._prune(version)
+        record = SyncRecord(version=version, gather_s=gather_s, write_s=write_s, wait_s=wait_s,
+                            total_s=before_s + (time.perf_counter() - started), bytes=nbytes,
+                            background=background, pruned=len(pruned))
+        with self._records_lock:
+            self._records.append(record)
+        log.info("sync version %d: gather %.3f s, write %.3f s (%.1f MB), replicas %.3f s%s", version, gather_s,
+                 write_s, nbytes / 1e6, wait_s, " (background)" if background else "")
+        return record
+
+    def _prune(self, newest: int) -> list[int]:
+        if self.keep is None:
+            return []
+        protected = {newest} | self.waiter.protected_versions()
+        for ack in read_acks(self.root, max_age_s=self.heartbeat_max_age_s).values():
+            protected.update(s for s in (ack.get("loaded_step"), ack.get("loading_step")) if isinstance(s, int))
+        try:
+            return prune_checkpoints(self.root, self.keep, protected)
+        except OSError as exc:
+            log.warning("could not prune old checkpoints under %s: %s", self.root, exc)
+            return []

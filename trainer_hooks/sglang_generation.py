@@ -1,0 +1,417 @@
+"""SGLang as TRL's generation backend: the two calls a TRL trainer makes, and nothing else.
+
+TRL's GRPO and RLOO trainers talk to their generation backend through exactly two methods
+(see ``trl/generation/vllm_generation.py``), which :class:`SGLangGeneration` implements:
+
+``sync_weights()``
+    Called when ``trainer.state.global_step`` changed since the last sync (TRL keeps
+    ``_last_loaded_step``; this class checks again). Every process gathers the full weights
+    (collective under FSDP / ZeRO-3); the main process publishes them as the next checkpoint
+    version under ``checkpoint_path`` and waits until every expected replica serves it. With
+    ``max_staleness > 0`` the write and the wait run in a background thread (after the first
+    version, which is always waited for).
+
+``generate(prompts, images, num_generations, profiler)``
+    ``prompts`` are this process's prompt token ids, each repeated ``num_generations`` times in a
+    row. They are gathered from all processes, de-duplicated with ``[::num_generations]``, sent
+    to SGLang as one batch per endpoint with ``n=num_generations``, checked (integer token ids,
+    weight version within ``max_staleness`` of the newest checkpoint, else retried after waiting
+    for the replica) and scattered back. Returns ``(prompt_ids, completion_ids, logprobs,
+    logprob_token_ids)``: lists per completion, logprobs shaped ``[[lp], ...]`` per token (the
+    sampled token's logprob after temperature scaling, which is what TRL's importance sampling
+    needs), ``logprob_token_ids`` likewise ``[[token_id], ...]``.
+
+Errors on the main process (SGLang down, replicas lagging past ``sync_timeout``) are broadcast
+to every process, so all of them raise instead of some waiting forever in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict, deque
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from accelerate.utils import broadcast_object_list, gather_object
+
+from rollout_service.checkpoint_format import normalize_dtype
+
+from .checkpoint_sync import CheckpointPublisher
+from .config import SGLangRolloutArguments
+from .replica_wait import AckFileWaiter, ReplicaSyncTimeout, ReplicaWaiter, SidecarWaiter
+from .sglang_endpoints import SGLangEndpoints
+from .sglang_responses import Completion
+from .weight_gather import is_peft, iter_full_weights, unwrap_model
+
+log = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+STALE_RETRY_PAUSE_S = 1.0
+STALE_WAIT_SLICE_S = 10.0
+
+
+class StaleWeightsError(RuntimeError):
+    """SGLang kept answering with weights older than the staleness bound allows."""
+
+
+@dataclass
+class GenerationRecord:
+    """What one ``generate`` call saw: the version it required and the versions that answered."""
+
+    published_version: int | None
+    required_version: int | None
+    versions: list[int | None]
+    stale_retries: int
+    seconds: float
+
+
+@dataclass
+class _Metrics:
+    values: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+    def add(self, key: str, value: float | None) -> None:
+        if value is not None:
+            self.values[key].append(float(value))
+
+
+class _ProcessedLogprobsServerInfo:
+    """Answers TRL's start-up question to a vLLM server ("which logprobs do you return?").
+
+    SGLang returns each sampled token's logprob after temperature scaling (``processed``), which
+    is what TRL's importance-sampling correction expects.
+    """
+
+    @staticmethod
+    def get_server_info() -> dict[str, Any]:
+        return {"model_config": {"logprobs_mode": "processed_logprobs"}}
+
+
+class SGLangGeneration:
+    """TRL's generation seam implemented with SGLang servers and a shared checkpoint root.
+
+    Arguments:
+        model: the policy being trained (plain, DDP, FSDP2, DeepSpeed or PEFT model).
+        accelerator: the trainer's ``accelerate.Accelerator``.
+        processing_class: the trainer's tokenizer or processor (unused: prompts arrive as ids).
+        args: the trainer's config (a :class:`~trainer_hooks.config.SGLangRolloutArguments`).
+
+        > Sampling (as TRL passes them to its vLLM backend)
+
+        temperature, top_p, top_k, min_p, repetition_penalty: sampling parameters (``top_k``
+            0 or None and ``min_p`` None mean disabled).
+        max_completion_length: SGLang's ``max_new_tokens``.
+        logprobs: 0 to return the sampled token's logprob (GRPO), None for none (RLOO).
+        generation_kwargs: extra SGLang sampling parameters, by SGLang's names; they override
+            the ones above.
+
+        > Trainer hook
+
+        current_step: returns the trainer's ``global_step``; ``sync_weights`` does nothing when
+            it has not changed since the last sync.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        accelerator: Any,
+        processing_class: Any,
+        *,
+        args: SGLangRolloutArguments,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int | None = 0,
+        min_p: float | None = 0.0,
+        repetition_penalty: float = 1.0,
+        max_completion_length: int = 16,
+        logprobs: int | None = 0,
+        generation_kwargs: dict[str, Any] | None = None,
+        current_step: Callable[[], int] | None = None,
+    ) -> None:
+        if logprobs not in (None, 0):
+            raise ValueError(
+                f"logprobs={logprobs} asks for top-{logprobs} logprobs per token; SGLangGeneration returns the "
+                "sampled token's logprob only (logprobs=0) or none (logprobs=None)"
+            )
+        self.model = model
+        self.accelerator = accelerator
+        self.processing_class = processing_class
+        self.args = args
+        self.max_staleness = int(args.max_staleness)
+        self.sync_timeout = float(args.sync_timeout)
+        self.want_logprobs = logprobs is not None
+        self.current_step = current_step
+        self.sampling_params: dict[str, Any] = {
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": -1 if not top_k else int(top_k),
+            "min_p": 0.0 if min_p is None else min_p,
+            "repetition_penalty": repetition_penalty,
+            "max_new_tokens": max_completion_length,
+            **dict(generation_kwargs or {}),
+        }
+        self.history: deque[GenerationRecord] = deque(maxlen=10_000)
+        """One record per ``generate`` call on the main process (tests and debugging read it)."""
+        self._metrics = _Metrics()
+        self._synced_step: int | None = None
+        self._endpoints: SGLangEndpoints | None = None
+        self.waiter: ReplicaWaiter | None = None
+        self.publisher: CheckpointPublisher | None = None
+        if accelerator.is_main_process:
+            self._setup_main(model, args)
+
+    # --- TRL's server-mode start-up check --------------------------------------------------
+    @property
+    def vllm_client(self) -> _ProcessedLogprobsServerInfo:
+        """Stands in for TRL's ``VLLMClient`` in the one call TRL makes at start-up."""
+        return _ProcessedLogprobsServerInfo()
+
+    # --- the seam ---------------------------------------------------------------------------
+    def sync_weights(self) -> None:
+        """Publish the current policy as the next checkpoint version and wait for the replicas.
+
+        Every process must call it (weights are gathered collectively). Raises on every process
+        when the main process fails (write error, replicas not acknowledging in ``sync_timeout``).
+        """
+        step = self.current_step() if self.current_step is not None else None
+        if step is not None and step == self._synced_step:
+            return
+        accelerator = self.accelerator
+        tensors = iter_full_weights(self.model, accelerator)
+        error: BaseException | None = None
+        if accelerator.is_main_process:
+            assert self.publisher is not None
+            try:
+                version = self.publisher.next_version()
+                if self.max_staleness > 0 and self.publisher.first_version is not None:
+                    gather_s = self.publisher.publish_in_background(version, tensors)
+                    log.info("publishing version %d in the background (copy %.3f s); rollouts may use weights "
+                             "up to %d version(s) old", version, gather_s, self.max_staleness)
+                else:
+                    self.publisher.publish_and_wait(version, tensors)
+            except Exception as exc:  # reported to every process below
+                error = exc
+        _drain(tensors)
+        _raise_everywhere(accelerator, error, "sync_weights")
+        self._synced_step = step
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        images: list[Any] | None,
+        num_generations: int,
+        profiler: Any = None,
+    ) -> tuple[list[list[int]], list[list[int]], list[list[list[float | None]]] | None,
+               list[list[list[int]]] | None]:
+        """Generate ``num_generations`` completions per prompt group; see the module docstring."""
+        profiler = profiler or nullcontext()
+        accelerator = self.accelerator
+        all_prompts = gather_object(prompts)
+        # Gathered even when None: gather_object is collective and images may be None on some ranks only.
+        all_images = gather_object(images if images is not None else [None] * len(prompts))
+        payload: tuple[list[list[int]], list[list[float | None]] | None] | None = None
+        error: BaseException | None = None
+        if accelerator.is_main_process:
+            try:
+                if any(image is not None for image in all_images):
+                    raise NotImplementedError(
+                        "SGLangGeneration sends token ids only; prompts with images are not supported yet. "
+                        "Use a text-only dataset, or TRL's vLLM backend for vision-language models"
+                    )
+                unique = _unique_prompts(all_prompts, num_generations)
+                with profiler:
+                    groups = self._generate_on_main(unique, num_generations)
+                completions = [c for group in groups for c in group]
+                payload = ([c.token_ids for c in completions],
+                           [c.logprobs for c in completions] if self.want_logprobs else None)  # type: ignore[misc]
+            except Exception as exc:  # reported to every process below
+                error = exc
+        _raise_everywhere(accelerator, error, "generate")
+        if accelerator.num_processes > 1:
+            box = [payload]
+            broadcast_object_list(box, from_process=0)
+            payload = box[0]
+        assert payload is not None
+        all_completion_ids, all_logprobs = payload
+        start = accelerator.process_index * len(prompts)
+        local = slice(start, start + len(prompts))
+        completion_ids = all_completion_ids[local]
+        if len(completion_ids) != len(prompts):
+            raise RuntimeError(
+                f"process {accelerator.process_index} expected {len(prompts)} completions, got {len(completion_ids)}: "
+                "processes passed different numbers of prompts to generate()"
+            )
+        logprobs = logprob_token_ids = None
+        if all_logprobs is not None:
+            local_logprobs = all_logprobs[local]
+            logprobs = [[[lp] for lp in seq] for seq in local_logprobs]
+            logprob_token_ids = [[[t] for t in ids] for ids in completion_ids]
+        return [list(p) for p in prompts], completion_ids, logprobs, logprob_token_ids
+
+    # --- metrics ----------------------------------------------------------------------------
+    def drain_metrics(self) -> dict[str, list[float]]:
+        """Sync and generation metrics recorded since the last call (main process; empty elsewhere)."""
+        if self.publisher is not None:
+            for record in self.publisher.drain_records():
+                self._metrics.add("sglang/sync_version", record.version)
+                self._metrics.add("sglang/sync_gather_s", record.gather_s)
+                self._metrics.add("sglang/sync_write_s", record.write_s)
+                self._metrics.add("sglang/sync_wait_s", record.wait_s)
+                self._metrics.add("sglang/sync_total_s", record.total_s)
+                self._metrics.add("sglang/sync_mb", record.bytes / 1e6)
+        values, self._metrics = self._metrics.values, _Metrics()
+        return dict(values)
+
+    def close(self) -> None:
+        """Finish a background sync (raising its error) and release HTTP resources."""
+        try:
+            if self.publisher is not None:
+                self.publisher.join()
+        finally:
+            if self._endpoints is not None:
+                self._endpoints.close()
+
+    # --- main-process internals -----------------------------------------------------------
+    def _setup_main(self, model: torch.nn.Module, args: SGLangRolloutArguments) -> None:
+        base = unwrap_model(model)
+        if is_peft(base):
+            base = base.get_base_model()
+        config = base.config
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        vocab_size = getattr(text_config, "vocab_size", None)
+        self._endpoints = SGLangEndpoints(args.sglang_urls, request_timeout_s=args.sglang_request_timeout,
+                                          vocab_size=vocab_size)
+        if args.sidecar_urls:
+            self.waiter = SidecarWaiter(args.sidecar_urls, token=args.sidecar_token)
+        else:
+            assert args.expected_replicas is not None
+            self.waiter = AckFileWaiter(args.checkpoint_path, args.expected_replicas,  # type: ignore[arg-type]
+                                        max_age_s=args.replica_heartbeat_max_age)
+        dtype = _checkpoint_dtype(args.checkpoint_dtype, base)
+        config_dict = json.loads(config.to_json_string())
+        config_dict["dtype"] = dtype
+        self.publisher = CheckpointPublisher(
+            args.checkpoint_path, self.waiter, config=config_dict, dtype=dtype,  # type: ignore[arg-type]
+            max_shard_bytes=int(args.checkpoint_max_shard_mb * 1024 * 1024), keep=args.keep_checkpoints,
+            sync_timeout_s=args.sync_timeout, heartbeat_max_age_s=args.replica_heartbeat_max_age,
+            base_model=getattr(base, "name_or_path", None) or None)
+
+    def _required_version(self) -> int | None:
+        """The oldest checkpoint version a completion may come from (None before the first sync)."""
+        assert self.publisher is not None
+        latest, first = self.publisher.latest_version, self.publisher.first_version
+        if latest is None or first is None:
+            return None
+        return max(latest - self.max_staleness, first)
+
+    def _generate_on_main(self, unique: list[list[int]], n: int) -> list[list[Completion]]:
+        assert self._endpoints is not None and self.publisher is not None
+        self.publisher.raise_if_failed()
+        started = time.monotonic()
+        deadline = started + self.sync_timeout
+        params = dict(self.sampling_params, n=n)
+        groups: list[list[Completion] | None] = [None] * len(unique)
+        todo = list(range(len(unique)))
+        retries = 0
+        while True:
+            answers = self._endpoints.generate([unique[i] for i in todo], params,
+                                               want_logprobs=self.want_logprobs, deadline=deadline)
+            required = self._required_version()
+            stale = []
+            for i, group in zip(todo, answers):
+                groups[i] = group
+                if required is not None and any(c.weight_version is None or c.weight_version < required
+                                                for c in group):
+                    stale.append(i)
+            if not stale:
+                break
+            seen = sorted({c.raw_weight_version or "none" for i in stale for c in groups[i] or []})
+            if time.monotonic() >= deadline:
+                raise StaleWeightsError(
+                    f"SGLang kept answering {len(stale)} prompt(s) with weights of version(s) {seen}, but the "
+                    f"trainer published version {self.publisher.latest_version} and max_staleness="
+                    f"{self.max_staleness} requires version >= {required}; the replicas did not catch up within "
+                    f"sync_timeout={self.sync_timeout:g} s. A replica behind the endpoints {self._endpoints.urls} "
+                    "is not loading checkpoints: check its sidecar (GET /status) and its --checkpoint-path"
+                )
+            retries += 1
+            log.warning("%d prompt(s) answered with stale weights (versions %s, need >= %s); waiting for the "
+                        "replicas and retrying (attempt %d)", len(stale), seen, required, retries)
+            self._wait_for_replicas(required, deadline, pause=min(STALE_RETRY_PAUSE_S * retries, 5.0))
+            todo = stale
+        done = [g for g in groups if g is not None]
+        versions = [c.weight_version for g in done for c in g]
+        latest = self.publisher.latest_version
+        known = [v for v in versions if v is not None]
+        seconds = time.monotonic() - started
+        self.history.append(GenerationRecord(published_version=latest, required_version=self._required_version(),
+                                             versions=versions, stale_retries=retries, seconds=seconds))
+        if latest is not None and known:
+            self._metrics.add("sglang/version_lag", latest - min(known))
+        self._metrics.add("sglang/stale_retries", retries)
+        self._metrics.add("sglang/generate_s", seconds)
+        return done
+
+    def _wait_for_replicas(self, version: int | None, deadline: float, pause: float) -> None:
+        assert self.waiter is not None
+        remaining = deadline - time.monotonic()
+        if version is not None and remaining > 0:
+            try:
+                self.waiter.wait(version, min(STALE_WAIT_SLICE_S, remaining))
+            except ReplicaSyncTimeout:
+                pass
+        time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+
+
+def _unique_prompts(all_prompts: list[list[int]], num_generations: int) -> list[list[int]]:
+    if num_generations < 1 or len(all_prompts) % num_generations:
+        raise ValueError(
+            f"generate() got {len(all_prompts)} prompts in total, not a multiple of num_generations="
+            f"{num_generations}: TRL passes each prompt num_generations times in a row"
+        )
+    unique = all_prompts[::num_generations]
+    for g, prompt in enumerate(unique):
+        block = all_prompts[g * num_generations:(g + 1) * num_generations]
+        if any(list(p) != list(prompt) for p in block):
+            raise ValueError(
+                f"prompt group {g} does not repeat one prompt {num_generations} times; generate() expects TRL's "
+                "RepeatSampler layout (each prompt num_generations times in a row across processes)"
+            )
+    return [list(p) for p in unique]
+
+
+def _checkpoint_dtype(requested: str | None, model: torch.nn.Module) -> str:
+    """The dtype name checkpoints are written in: the requested one, else the model's configured one."""
+    if requested is not None:
+        return _DTYPE_NAMES[normalize_dtype(requested)]  # type: ignore[index]
+    configured = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
+    if isinstance(configured, torch.dtype):
+        configured = str(configured).removeprefix("torch.")
+    if isinstance(configured, str) and configured not in ("auto", ""):
+        try:
+            return _DTYPE_NAMES[normalize_dtype(configured)]  # type: ignore[index]
+        except (KeyError, ValueError):
+            pass
+    for param in model.parameters():
+        if param.is_floating_point():
+            return str(param.dtype).removeprefix("torch.")
+    return "float32"
+
+
+def _drain(iterator: Any) -> None:
+    for _ in iterator:
+        pass
+
+
+def _raise_everywhere(accelerator: Any, error: BaseException | None, where: str) -> None:
+    """Raise ``error`` (found on the main process) on every process; a no-op when there is none."""
+    if accelerator.num_processes > 1:
+        box = [None if error is None else f"{type(error).__name__}: {error}"]
+        broadcast_object_list(box, from_process=0)
+        if box[0] is not None and error is None:
+            raise RuntimeError(f"{where} failed on the main process: {box[0]}")
+    if error is not None:
+        raise error

@@ -1,0 +1,138 @@
+"""Drop-in TRL trainers whose rollouts come from SGLang servers synced through a checkpoint root.
+
+:class:`GRPOTrainer` (and :class:`RLOOTrainer`) take exactly the constructor arguments of
+TRL's trainers, with ``args`` a :class:`trainer_hooks.config.GRPOConfig` (``RLOOConfig``).
+TRL builds its generation backend in ``__init__`` by calling ``VLLMGeneration(...)`` when
+``use_vllm`` is set; while the parent constructor runs, that name is bound to a factory that
+builds :class:`~trainer_hooks.sglang_generation.SGLangGeneration` from the same arguments.
+Everything else stays TRL's: the reward pipeline, evaluation and the importance-sampling
+correction (gated on ``use_vllm``) run unchanged on SGLang's completions and logprobs.
+
+The seam is private to TRL and changes between minor versions, so construction fails on TRL
+versions this was not tested with. Sync and rollout metrics (``sglang/sync_*_s``,
+``sglang/version_lag``, ...) are logged through the trainer's own metric mechanism.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import trl
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+from trl.trainer import grpo_trainer as _trl_grpo_module
+from trl.trainer import rloo_trainer as _trl_rloo_module
+
+from .config import GRPOConfig, RLOOConfig, SGLangRolloutArguments
+from .sglang_generation import SGLangGeneration
+
+TESTED_TRL_VERSIONS = SpecifierSet(">=1.16.0,<1.17")
+"""TRL versions whose generation seam (``VLLMGeneration`` built in ``__init__``, then
+``sync_weights()`` / ``generate()``) this module was tested against."""
+
+_INSTALL_LOCK = threading.Lock()
+
+
+def check_trl_version(version: str | None = None) -> None:
+    """Raise RuntimeError unless ``version`` (default: the installed TRL) is a tested one."""
+    version = version or trl.__version__
+    if Version(version) not in TESTED_TRL_VERSIONS:
+        raise RuntimeError(
+            f"trainer_hooks was tested with TRL {TESTED_TRL_VERSIONS} but TRL {version} is installed. It plugs "
+            "into TRL's private generation seam, which changes between minor versions: install "
+            "`trl>=1.16,<1.17` or update trainer_hooks for this TRL"
+        )
+
+
+def _sglang_factory(config: SGLangRolloutArguments, current_step: Callable[[], int]) -> Callable[..., SGLangGeneration]:
+    """A stand-in for ``VLLMGeneration`` taking the keyword arguments TRL passes to it."""
+
+    def build(*, model: Any, accelerator: Any, processing_class: Any, repetition_penalty: float = 1.0,
+              temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = 0, min_p: float | None = 0.0,
+              max_completion_length: int = 16, logprobs: int | None = 0,
+              generation_kwargs: dict[str, Any] | None = None, structured_outputs_regex: str | None = None,
+              **vllm_only: Any) -> SGLangGeneration:
+        kwargs = dict(generation_kwargs or {})
+        if structured_outputs_regex is not None:
+            kwargs.setdefault("regex", structured_outputs_regex)  # SGLang's name for the same constraint
+        return SGLangGeneration(
+            model, accelerator, processing_class, args=config, temperature=temperature, top_p=top_p, top_k=top_k,
+            min_p=min_p, repetition_penalty=repetition_penalty, max_completion_length=max_completion_length,
+            logprobs=logprobs, generation_kwargs=kwargs, current_step=current_step)
+
+    return build
+
+
+@contextlib.contextmanager
+def _backend_installed(module: ModuleType, factory: Callable[..., SGLangGeneration]) -> Iterator[None]:
+    """Bind ``module.VLLMGeneration`` to ``factory`` for the duration (one trainer at a time)."""
+    if not hasattr(module, "VLLMGeneration"):
+        raise RuntimeError(
+            f"{module.__name__} has no VLLMGeneration: this TRL builds its generation backend differently; "
+            "trainer_hooks needs updating for it"
+        )
+    with _INSTALL_LOCK:
+        original = module.VLLMGeneration
+        module.VLLMGeneration = factory
+        try:
+            yield
+        finally:
+            module.VLLMGeneration = original
+
+
+class _SGLangBackendMixin:
+    """Builds the SGLang backend during TRL's constructor and logs its metrics."""
+
+    _trl_module: ModuleType
+    _config_class: type
+    vllm_generation: SGLangGeneration
+
+    def _init_with_sglang(self, parent_init: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        check_trl_version()
+        bound = inspect.signature(parent_init).bind(self, *args, **kwargs)
+        config = bound.arguments.get("args")
+        if not isinstance(config, SGLangRolloutArguments):
+            name = self._config_class.__name__
+            raise TypeError(
+                f"{type(self).__name__} needs args=trainer_hooks.{name}(...) with checkpoint_path, sglang_urls and "
+                f"sidecar_urls (or expected_replicas); got {type(config).__name__}"
+            )
+        factory = _sglang_factory(config, lambda: self.state.global_step)  # type: ignore[attr-defined]
+        with _backend_installed(self._trl_module, factory):
+            parent_init(self, *args, **kwargs)
+        if not isinstance(getattr(self, "vllm_generation", None), SGLangGeneration):
+            raise RuntimeError(
+                "TRL did not build the SGLang generation backend (use_vllm was off?); trainer_hooks needs updating "
+                "for this TRL"
+            )
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"  # type: ignore[attr-defined]
+        for key, values in self.vllm_generation.drain_metrics().items():
+            self._metrics[mode][key].extend(values)  # type: ignore[attr-defined]
+        super().log(logs, start_time)  # type: ignore[misc]
+
+
+class GRPOTrainer(_SGLangBackendMixin, trl.GRPOTrainer):
+    """TRL's GRPOTrainer generating with SGLang; same constructor, ``args`` a trainer_hooks GRPOConfig."""
+
+    _trl_module = _trl_grpo_module
+    _config_class = GRPOConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._init_with_sglang(trl.GRPOTrainer.__init__, *args, **kwargs)
+
+
+class RLOOTrainer(_SGLangBackendMixin, trl.RLOOTrainer):
+    """TRL's RLOOTrainer generating with SGLang; same constructor, ``args`` a trainer_hooks RLOOConfig."""
+
+    _trl_module = _trl_rloo_module
+    _config_class = RLOOConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._init_with_sglang(trl.RLOOTrainer.__init__, *args, **kwargs)

@@ -1,0 +1,115 @@
+"""Reading the training model's full weights under the names a Hugging Face checkpoint uses.
+
+:func:`iter_full_weights` yields ``(name, full tensor)`` one parameter at a time, whatever
+holds the parameters: a plain module, DDP (unwrapped), FSDP2 (``DTensor.full_tensor()``),
+DeepSpeed ZeRO-3 (``deepspeed.zero.GatheredParameters`` per parameter) or PEFT (adapters merged
+into the base weights for the duration, ``base_model.model.`` / ``.base_layer`` stripped, LoRA
+tensors skipped, then unmerged), as TRL does for vLLM. Gathering is collective under FSDP and
+ZeRO-3: every process must exhaust the iterator, also processes that publish nothing.
+
+A yielded tensor may be the live parameter storage (plain modules) or a buffer that is freed
+at the next step (ZeRO-3): copy it before keeping it past the next ``next()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strip DDP / DeepSpeed-engine / torch.compile wrappers (``.module``, ``._orig_mod``)."""
+    seen = 0
+    while seen < 8:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) or type(model).__name__ == "DeepSpeedEngine":
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            break
+        seen += 1
+    return model
+
+
+def is_zero3(accelerator: Any) -> bool:
+    """True when the accelerator runs DeepSpeed ZeRO stage 3."""
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    return bool(plugin is not None and getattr(plugin, "zero_stage", 0) == 3)
+
+
+def is_peft(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def clean_name(name: str, peft_prefix: str | None = None) -> str | None:
+    """The Hugging Face checkpoint name of a parameter, or None when it must not be published."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    if peft_prefix is not None:
+        name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        if peft_prefix in name or "original_module" in name:
+            return None
+        name = name.replace("modules_to_save.default.", "")
+    return name
+
+
+def iter_full_weights(model: nn.Module, accelerator: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every parameter of ``model`` as ``(hf_name, full tensor)``; see the module docstring."""
+    model = unwrap_model(model)
+    zero3 = is_zero3(accelerator)
+    device = getattr(accelerator, "device", None)
+    if is_peft(model):
+        prefix = getattr(model, "prefix", "lora_")
+        # Merging needs every shard of the base weights at once.
+        with _gathered(list(model.parameters()), zero3):
+            model.merge_adapter()
+            try:
+                for name, param in model.named_parameters():
+                    hf_name = clean_name(name, prefix)
+                    if hf_name is None:
+                        continue
+                    yield hf_name, _full(param, device)
+            finally:
+                model.unmerge_adapter()
+        return
+    for name, param in model.named_parameters():
+        hf_name = clean_name(name)
+        assert hf_name is not None
+        with _gathered([param], zero3):
+            yield hf_name, _full(param, device)
+
+
+def _full(param: torch.Tensor, device: Any) -> torch.Tensor:
+    data = param.detach()
+    full_tensor = getattr(data, "full_tensor", None)
+    if full_tensor is not None:  # FSDP2 / any DTensor: an all-gather over the mesh
+        if data.device.type == "cpu" and device is not None and torch.device(device).type != "cpu":
+            data = data.to(device)  # CPU-offloaded shards: the collective runs on the accelerator
+        return data.full_tensor()
+    return data
+
+
+@contextlib.contextmanager
+def _gathered(params: list[torch.Tensor], zero3: bool) -> Iterator[None]:
+    if not zero3:
+        yield
+        return
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise RuntimeError(
+            "the accelerator runs DeepSpeed ZeRO-3 but `import deepspeed` fails; install deepspeed in the "
+            "trainer's environment"
+        ) from exc
+    with deepspeed.zero.GatheredParameters(params):
+        yield
