@@ -192,6 +192,10 @@ class SGLangServer:
         if self.device == "cpu":
             cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--skip-server-warmup"]
             cmd += ["--max-total-tokens", str(cfg.max_total_tokens)]
+            if not any(a == "--dtype" or a.startswith("--dtype=") for a in cfg.extra_args):
+                # SGLang's "auto" serves float32 checkpoints as float16, which makes rollout
+                # logprobs disagree with a float32 trainer on CPU. Pass --dtype to override.
+                cmd += ["--dtype", "float32"]
         cmd += list(cfg.extra_args)
         return cmd
 

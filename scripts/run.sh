@@ -26,11 +26,14 @@ if [ ! -f "$VENV/.complete" ]; then
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/pip" install --quiet --upgrade "pip>=25" >&2
     # --no-deps: the lock is complete, and sglang's own metadata asks for CUDA-only kernels.
-    "$VENV/bin/pip" install --quiet --no-deps -r "$LOCK" >&2
+    "$VENV/bin/pip" install --quiet --no-deps -r "$LOCK" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+    "$VENV/bin/python" -c "import sglang, trl, torch, safetensors, watchdog, fastapi" \
+        || { echo "[run.sh] the environment is incomplete; see the pip output above" >&2; exit 1; }
     touch "$VENV/.complete"
 fi
 # The project itself (editable, no deps): cheap, and points at this checkout.
-if ! "$VENV/bin/python" -c "import rollout_service, os, sys; sys.exit(0 if os.path.dirname(os.path.dirname(rollout_service.__file__)) == '$REPO' else 1)" 2>/dev/null; then
+# (-I: ignore the current directory, which would hide a missing install.)
+if ! "$VENV/bin/python" -I -c "import rollout_service, os, sys; sys.exit(0 if os.path.dirname(os.path.dirname(rollout_service.__file__)) == '$REPO' else 1)" 2>/dev/null; then
     "$VENV/bin/pip" install --quiet --no-deps --no-build-isolation -e "$REPO" >&2
 fi
 flock -u 9

@@ -308,7 +308,11 @@ def _check_cli(argv: list[str], env: dict[str, str], where: str,
             monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    parser = build_parser()
+    try:  # ROLLOUT_* values are parsed when the parser is built
+        parser = build_parser()
+    except SystemExit as exc:
+        raise AssertionError(f"{where}: the environment {env} is not valid for rollout-service"
+                             f" (exit {exc.code}); see the argparse message above") from None
     subcommands = _subcommands(parser)
     command = argv[1]
     if command not in subcommands:
@@ -681,7 +685,8 @@ def test_compose_probes_ports_and_volumes_match_the_cli_and_sidecar():
         service = services[name]
         env = _compose_environment(service)
         command = service["command"][1]
-        port = int(env.get(port_variable) or _option_default(command, "--" + port_variable[8:].lower().replace("_", "-")))
+        flag = "--" + port_variable[len(ENV_PREFIX):].lower().replace("_", "-")
+        port = int(env.get(port_variable) or _option_default(command, flag))
         assert env["ROLLOUT_HOST"] == "0.0.0.0", f"{name}: other containers must reach the sidecar"
         (url,) = _urls(" ".join(service["healthcheck"]["test"]))
         assert httpx.URL(url).path == "/readyz" and "/readyz" in routes
