@@ -19,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -126,7 +125,13 @@ def _stop_unit(proc: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-    for child in descendants:
+    # serve may exit before stopping SGLang (uvicorn re-raises SIGTERM after its own shutdown).
+    alive = [child for child in descendants if child.is_running()]
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, alive = psutil.wait_procs(alive, timeout=20)
+    for child in alive:
         with contextlib.suppress(psutil.Error):
             child.kill()
 
@@ -442,7 +447,8 @@ def _check_logprobs_match_after_sync(unit: RolloutUnit, tmp_path: Path) -> None:
                          temperature=temperature, max_completion_length=12)
     trainer = make_trainer(unit.model_dir, config)
     model = trainer.model
-    base = copy.deepcopy(model).eval()
+    # Not a deepcopy: the trainer binds an instance-level forward that a copy would still call.
+    base = AutoModelForCausalLM.from_pretrained(unit.model_dir, dtype=torch.float32).eval()
     torch.manual_seed(1)
     with torch.no_grad():  # weights SGLang has never seen: only a sync can make them agree
         for param in model.parameters():
@@ -545,7 +551,7 @@ def test_stale_answers_are_retried_until_the_replica_catches_up(tiny_model_dir: 
 def test_stale_answers_fail_after_sync_timeout(tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout) -> None:
     fake.fixed_version = "default"
     trainer = make_trainer(tiny_model_dir, make_config(tmp_path, tmp_path, [fake.url], [fake.url], sync_timeout=3))
-    with pytest.raises(StaleWeightsError, match=r"versions? \['default'\], but the trainer published version 1 "
+    with pytest.raises(StaleWeightsError, match=r"weights of version\(s\) \['default'\], but the trainer published version 1 "
                                                r"and max_staleness=0 requires version >= 1"):
         trainer.train()
 
