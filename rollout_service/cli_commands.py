@@ -30,6 +30,8 @@ def _add_sidecar_flags(p: argparse.ArgumentParser, add_env, *, with_url: bool) -
             help="re-read every byte and check digests before loading (slower, catches bit rot)")
     add_env(p, "--health-interval", type=float, default=2.0,
             help="seconds between SGLang health checks")
+    add_env(p, "--deep-health-interval", type=float, default=30.0,
+            help="seconds between SGLang /health calls (each runs a one-token generation)")
     add_env(p, "--load-timeout", type=float, default=1800.0,
             help="seconds to allow one /update_weights_from_disk call")
 
@@ -43,6 +45,7 @@ def _settings(args: argparse.Namespace, sglang_url: str, port: int):
         token=args.token, sglang_api_key=args.sglang_api_key,
         reference_dir=Path(args.reference_dir) if args.reference_dir else None,
         check_digests=args.check_digests, health_interval_s=args.health_interval,
+        deep_health_interval_s=args.deep_health_interval,
         load_timeout_s=args.load_timeout)
 
 
@@ -102,4 +105,47 @@ def register_serve(sub, add_env) -> None:
     p.set_defaults(func=_cmd_serve, sglang_args=[])
 
 
-REGISTRARS = [register_sidecar, register_serve]
+def register_demo(sub, add_env) -> None:
+    p = sub.add_parser(
+        "demo", help="GRPO with SGLang rollouts + checkpoint sync on one machine (CPU is fine)",
+        description="Train GRPO for a few steps on a tiny local model (or --model) with SGLang"
+        " rollouts: starts `serve` (SGLang + sidecar) unless --sglang-url/--sidecar-url are given,"
+        " publishes a checkpoint every step and waits for the sidecar to load it, then writes"
+        " summary.json and demo.png to --output-dir. Needs the [trainer] extra.")
+    add_env(p, "--output-dir", default="runs/demo", help="where summary.json and demo.png go")
+    add_env(p, "--model", default=None, help="HF model directory (default: the tiny local model)")
+    add_env(p, "--steps", type=int, default=30, help="GRPO steps")
+    add_env(p, "--learning-rate", type=float, default=3e-3, help="learning rate (0: a control run)")
+    add_env(p, "--num-generations", type=int, default=8, help="completions per prompt")
+    add_env(p, "--prompts-per-step", type=int, default=4, help="prompts per step")
+    add_env(p, "--max-completion-length", type=int, default=16, help="new tokens per completion")
+    add_env(p, "--sglang-url", default=None,
+            help="use this running SGLang instead of starting `serve` (with --sidecar-url)")
+    add_env(p, "--sidecar-url", default=None, help="the sidecar beside --sglang-url")
+    add_env(p, "--checkpoint-path", default=None,
+            help="checkpoint root (default OUTPUT_DIR/checkpoints; with --sglang-url, the sidecar's)")
+    add_env(p, "--device", default="cpu", help="device of the SGLang server the demo starts")
+    add_env(p, "--seed", type=int, default=0, help="random seed")
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    if (args.sglang_url is None) != (args.sidecar_url is None):
+        raise ValueError("pass both --sglang-url and --sidecar-url, or neither")
+    try:
+        from trainer_hooks.demo import run_demo
+    except ImportError as exc:
+        print(f"error: the demo needs TRL and torch ({exc}); install the [trainer] extra",
+              file=sys.stderr)
+        return 2
+    run_demo(Path(args.output_dir), model=Path(args.model) if args.model else None,
+             steps=args.steps, learning_rate=args.learning_rate,
+             num_generations=args.num_generations, prompts_per_step=args.prompts_per_step,
+             max_completion_length=args.max_completion_length, sglang_url=args.sglang_url,
+             sidecar_url=args.sidecar_url,
+             checkpoint_path=Path(args.checkpoint_path) if args.checkpoint_path else None,
+             device=args.device, seed=args.seed)
+    return 0
+
+
+REGISTRARS = [register_sidecar, register_serve, register_demo]

@@ -97,6 +97,7 @@ class SyncController:
         self._loaded_before: set[int] = set()
         self._reference: TensorSpecs | None = None
         self._last_ack = 0.0
+        self._last_deep = 0.0
         self._stopping = False
         self._was_healthy = False
 
@@ -189,7 +190,11 @@ class SyncController:
         return steps[-1] if steps else None
 
     async def _check_server(self) -> None:
-        view = await self.client.view()
+        now = time.monotonic()
+        deep = not self._was_healthy or now - self._last_deep >= self.settings.deep_health_interval_s
+        view = await self.client.view(deep=deep)
+        if deep and view.healthy:
+            self._last_deep = now
         was = self._was_healthy
         self.state.sglang_healthy = view.healthy
         self._was_healthy = view.healthy

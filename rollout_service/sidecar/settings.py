@@ -25,6 +25,7 @@ class SidecarSettings:
     reference_dir: Path | None = None
     check_digests: bool = False
     health_interval_s: float = 2.0
+    deep_health_interval_s: float = 30.0
     rescan_interval_s: float = 30.0
     ack_interval_s: float = 5.0
     load_timeout_s: float = 1800.0

@@ -38,12 +38,18 @@ class SGLangClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def view(self) -> ServerView:
-        """Health plus the served weight version; ``healthy=False`` when SGLang is down."""
+    async def view(self, deep: bool = False) -> ServerView:
+        """The served weight version; ``healthy=False`` when SGLang does not answer.
+
+        ``deep`` also calls ``/health``, which in SGLang 0.5.23 runs a one-token generation
+        (it proves the scheduler works, but costs a forward pass, and ~1 s on a busy CPU), so
+        the sidecar does it only when SGLang (re)appears and every ``deep_health_interval``.
+        """
         try:
-            health = await self._http.get("/health", timeout=self._timeout)
-            if health.status_code != 200:
-                return ServerView(healthy=False)
+            if deep:
+                health = await self._http.get("/health", timeout=self._timeout)
+                if health.status_code != 200:
+                    return ServerView(healthy=False)
             info = await self._http.get("/model_info", timeout=self._timeout)
             info.raise_for_status()
             data = info.json()

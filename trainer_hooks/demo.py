@@ -1,0 +1,221 @@
+"""``rollout-service demo``: a GRPO run with SGLang rollouts and checkpoint sync, on one machine.
+
+It makes (or uses) a model, starts ``rollout-service serve`` (SGLang + sidecar)
+unless ``--sglang-url``/``--sidecar-url`` point at a running stack, and trains
+GRPO for ``--steps`` steps on a task a tiny random model can learn: **start new
+words** (the reward is the share of completion tokens that begin with a space,
+about 1/3 for the untrained tiny model). Every step publishes a checkpoint that
+the sidecar loads before the next rollouts. It writes ``summary.json`` (per-step
+reward, sync timings, step time split) and ``demo.png`` to ``--output-dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+WORDS = ("the data file import class return value list self path name error test string"
+         " module open read write print format number result object type index key").split()
+
+
+def make_prompts(n: int, seed: int = 0) -> list[str]:
+    """Short code-and-prose prompts in the tiny tokenizer's domain (Python sources)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 7))) for _ in range(n)]
+
+
+def word_start_reward(tokenizer: Any):
+    """Reward: the share of completion tokens that start a new word (byte-level 'Ġ' prefix)."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    starts = {i for i, t in enumerate(tokens) if t and t.startswith("Ġ")}
+
+    def new_words(completions, completion_ids, **kwargs) -> list[float]:
+        return [sum(int(t) in starts for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+    return new_words
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """``rollout-service serve`` in its own process group, stopped with SIGTERM."""
+
+    def __init__(self, model: Path, checkpoint_path: Path, log_path: Path, device: str):
+        self.port, self.sidecar_port = _free_port(), _free_port()
+        self.sglang_url = f"http://127.0.0.1:{self.port}"
+        self.sidecar_url = f"http://127.0.0.1:{self.sidecar_port}"
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rollout_service.cli", "serve", "--model", str(model),
+             "--checkpoint-path", str(checkpoint_path), "--port", str(self.port),
+             "--sidecar-port", str(self.sidecar_port), "--device", device,
+             "--health-interval", "0.5", "--replica-id", "demo"],
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import httpx
+
+        t0 = time.monotonic()
+        last_note = t0
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"`rollout-service serve` exited with {self.proc.returncode}; see"
+                                   f" {self.log_path}:\n{self._tail()}")
+            try:
+                if httpx.get(f"{self.sidecar_url}/readyz", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - last_note > 10:
+                last_note = time.monotonic()
+                print(f"  waiting for SGLang + sidecar to be ready ({time.monotonic() - t0:.0f} s)",
+                      flush=True)
+            time.sleep(0.5)
+        raise TimeoutError(f"SGLang + sidecar not ready after {timeout_s:.0f} s; see {self.log_path}:\n"
+                           f"{self._tail()}")
+
+    def _tail(self, n: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=60)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._log.close()
+
+
+def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 30,
+             learning_rate: float = 3e-3, num_generations: int = 8, prompts_per_step: int = 4,
+             max_completion_length: int = 16, sglang_url: str | None = None,
+             sidecar_url: str | None = None, checkpoint_path: Path | None = None,
+             device: str = "cpu", seed: int = 0, plot: bool = True,
+             startup_timeout_s: float = 600.0) -> dict[str, Any]:
+    """Train, then write ``summary.json`` (+ ``demo.png``) into ``output_dir``; return the summary."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from rollout_service.tiny_model import ensure_tiny_model
+    from trainer_hooks import GRPOConfig, GRPOTrainer
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(model) if model else ensure_tiny_model(tied=False)
+    checkpoint_path = Path(checkpoint_path or output_dir / "checkpoints")
+    checkpoint_path.mkdir(parents=True, exist_ok=True)
+    serve = None
+    if sglang_url is None:
+        print(f"starting SGLang + sidecar on {model_dir} (log: {output_dir / 'serve.log'})", flush=True)
+        serve = ServeProcess(model_dir, checkpoint_path, output_dir / "serve.log", device)
+        sglang_url, sidecar_url = serve.sglang_url, serve.sidecar_url
+    try:
+        if serve is not None:
+            serve.wait_ready(startup_timeout_s)
+        torch.manual_seed(seed)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        dataset = Dataset.from_dict({"prompt": make_prompts(max(64, steps * prompts_per_step), seed)})
+        args = GRPOConfig(
+            output_dir=str(output_dir / "trainer"), checkpoint_path=str(checkpoint_path),
+            sglang_urls=[sglang_url], sidecar_urls=[sidecar_url] if sidecar_url else [],
+            expected_replicas=None if sidecar_url else 1,
+            per_device_train_batch_size=prompts_per_step * num_generations,
+            num_generations=num_generations, max_completion_length=max_completion_length,
+            max_steps=steps, learning_rate=learning_rate, lr_scheduler_type="constant",
+            beta=0.0, temperature=1.0, logging_steps=1, save_strategy="no", report_to=[],
+            seed=seed, use_cpu=device == "cpu", bf16=False, disable_tqdm=True,
+            sync_timeout=300.0, keep_checkpoints=3)
+        step_times: list[float] = []
+
+        class Progress(TrainerCallback):
+            def __init__(self) -> None:
+                self.t = time.perf_counter()
+
+            def on_step_end(self, args_, state, control, **kw):
+                now = time.perf_counter()
+                step_times.append(now - self.t)
+                self.t = now
+
+            def on_log(self, args_, state, control, logs=None, **kw):
+                if logs and "reward" in logs:
+                    print(f"  step {state.global_step:>3}/{steps}  reward {logs['reward']:.3f}"
+                          f"  sync {logs.get('sglang/sync_total_s', float('nan')):.3f} s", flush=True)
+
+        trainer = GRPOTrainer(model=policy, reward_funcs=word_start_reward(tokenizer), args=args,
+                              train_dataset=dataset, processing_class=tokenizer,
+                              callbacks=[Progress()])
+        t0 = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - t0
+    finally:
+        if serve is not None:
+            serve.stop()
+    history = [h for h in trainer.state.log_history if "reward" in h]
+    summary = {
+        "model": str(model_dir), "steps": steps, "learning_rate": learning_rate,
+        "num_generations": num_generations, "prompts_per_step": prompts_per_step,
+        "max_completion_length": max_completion_length, "train_seconds": wall,
+        "rewards": [h["reward"] for h in history],
+        "step_seconds": step_times,
+        "sync": {k: [h.get(k) for h in history] for k in sorted({k for h in history for k in h
+                                                                  if k.startswith("sglang/")})},
+        "log_history": history,
+    }
+    r = summary["rewards"]
+    k = max(1, len(r) // 5)
+    summary["reward_first"] = sum(r[:k]) / k if r else None
+    summary["reward_last"] = sum(r[-k:]) / k if r else None
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if plot:
+        _plot(summary, output_dir / "demo.png")
+    print(f"reward {summary['reward_first']:.3f} (first {k} steps) -> {summary['reward_last']:.3f}"
+          f" (last {k}); {wall:.1f} s for {steps} steps; wrote {output_dir / 'summary.json'}"
+          + (f" and {output_dir / 'demo.png'}" if plot else ""), flush=True)
+    return summary
+
+
+def _plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = list(range(1, len(summary["rewards"]) + 1))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    ax1.plot(steps, summary["rewards"], marker="o", ms=3)
+    ax1.set_ylabel("reward (share of new-word tokens)")
+    ax1.set_title("GRPO with SGLang rollouts and checkpoint sync")
+    for key, label in (("sglang/sync_total_s", "sync total"), ("sglang/sync_write_s", "write"),
+                       ("sglang/sync_wait_s", "wait for replicas")):
+        values = summary["sync"].get(key)
+        if values and any(v is not None for v in values):
+            ax2.plot(steps[:len(values)], [float("nan") if v is None else v for v in values],
+                     marker=".", label=label)
+    ax2.set_ylabel("seconds")
+    ax2.set_xlabel("step")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
