@@ -37,7 +37,7 @@ from rollout_service.sidecar.acks import write_ack
 from trainer_hooks import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trainer_hooks.checkpoint_retention import prune_checkpoints
 from trainer_hooks.checkpoint_sync import CheckpointPublisher
-from trainer_hooks.replica_wait import ReplicaSyncTimeout
+from trainer_hooks.replica_wait import AckFileWaiter, ReplicaSyncTimeout
 from trainer_hooks.sglang_endpoints import SGLangEndpoints, SGLangUnavailableError
 from trainer_hooks.sglang_generation import StaleWeightsError
 from trainer_hooks.sglang_responses import SGLangResponseError, parse_generate_response
@@ -73,8 +73,8 @@ def _serve_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "rollout_service.cli"]
 
 
-@contextlib.contextmanager
-def running_unit(model_dir: Path, workdir: Path) -> Iterator[RolloutUnit]:
+def launch_unit(model_dir: Path, workdir: Path) -> RolloutUnit:
+    """Start `rollout-service serve` in its own session; returns at once (see `_wait_ready`)."""
     root = workdir / "ckpts"
     root.mkdir(parents=True)
     sglang_port, sidecar_port = free_port(), free_port()
@@ -86,13 +86,8 @@ def running_unit(model_dir: Path, workdir: Path) -> Iterator[RolloutUnit]:
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
-    unit = RolloutUnit(model_dir, root, f"http://127.0.0.1:{sglang_port}", f"http://127.0.0.1:{sidecar_port}",
+    return RolloutUnit(model_dir, root, f"http://127.0.0.1:{sglang_port}", f"http://127.0.0.1:{sidecar_port}",
                        proc, log_path)
-    try:
-        _wait_ready(unit)
-        yield unit
-    finally:
-        _stop_unit(proc)
 
 
 def _wait_ready(unit: RolloutUnit) -> None:
@@ -125,7 +120,7 @@ def _stop_unit(proc: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-    # serve may exit before stopping SGLang (uvicorn re-raises SIGTERM after its own shutdown).
+    # Belt and braces: whatever of serve's process tree outlived it (SGLang runs in its own group).
     alive = [child for child in descendants if child.is_running()]
     for child in alive:
         with contextlib.suppress(psutil.Error):
@@ -144,16 +139,29 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 @pytest.fixture(scope="module")
-def untied_unit(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RolloutUnit]:
-    with running_unit(tiny_model_dir, tmp_path_factory.mktemp("unit-untied")) as unit:
-        yield unit
+def rollout_units(tiny_model_dir: Path, tiny_model_dir_tied: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RolloutUnit]]:
+    """Both units (untied and tied model), launched together so that their slow start-ups overlap."""
+    units: dict[str, RolloutUnit] = {}
+    try:
+        units["untied"] = launch_unit(tiny_model_dir, tmp_path_factory.mktemp("unit-untied"))
+        units["tied"] = launch_unit(tiny_model_dir_tied, tmp_path_factory.mktemp("unit-tied"))
+        yield units
+    finally:
+        for unit in units.values():
+            _stop_unit(unit.process)
 
 
-@pytest.fixture
-def tied_unit(tiny_model_dir_tied: Path, tmp_path: Path) -> Iterator[RolloutUnit]:
-    """Only one test uses it: stopped right after, so two SGLang servers rarely run at once."""
-    with running_unit(tiny_model_dir_tied, tmp_path / "unit-tied") as unit:
-        yield unit
+@pytest.fixture(scope="module")
+def untied_unit(rollout_units: dict[str, RolloutUnit]) -> RolloutUnit:
+    _wait_ready(rollout_units["untied"])
+    return rollout_units["untied"]
+
+
+@pytest.fixture(scope="module")
+def tied_unit(rollout_units: dict[str, RolloutUnit]) -> RolloutUnit:
+    _wait_ready(rollout_units["tied"])
+    return rollout_units["tied"]
 
 
 # --- a fake SGLang server + sidecar in one HTTP server ------------------------------------------------------
@@ -169,6 +177,7 @@ class FakeRollout:
     float_token_ids: bool = False
     fixed_version: str | None = None
     stale_answers: int = 0
+    abort_answers: int = 0
     generate_delay_s: float = 0.0
     wait_status: int = 200
     wait_body: dict[str, Any] = field(default_factory=dict)
@@ -233,6 +242,10 @@ class FakeRollout:
             version = "default"
         else:
             version = str(self.loaded)
+        finish = "length"
+        if self.abort_answers > 0:
+            self.abort_answers -= 1
+            finish = "abort"
         rng = random.Random(len(self.generate_requests))
         out = []
         for prompt in body["input_ids"]:
@@ -240,7 +253,7 @@ class FakeRollout:
                 ids = [prompt[0]] + [rng.randrange(10, VOCAB_SIZE) for _ in range(length - 1)]
                 wire = [float(t) for t in ids] if self.float_token_ids else ids
                 out.append({"output_ids": wire, "meta_info": {
-                    "weight_version": version, "finish_reason": {"type": "length"},
+                    "weight_version": version, "finish_reason": {"type": finish},
                     "output_token_logprobs": [[-8.0, t, None] for t in wire]}})
         return out
 
@@ -420,9 +433,10 @@ def test_background_sync_keeps_rollouts_within_max_staleness(untied_unit: Rollou
     config = make_config(tmp_path, untied_unit.checkpoint_root, [untied_unit.sglang_url], [untied_unit.sidecar_url],
                          max_staleness=1)
     trainer = make_trainer(untied_unit.model_dir, config)
-    trainer.train()
+    trainer.train()  # returns after the last background sync finished (or raises its error)
     generation = trainer.vllm_generation
-    generation.close()  # finish the last background sync, raising its error if it failed
+    assert generation.publisher is not None and not generation.publisher.busy
+    assert generation.publisher.confirmed_version == generation.publisher.latest_version
     history = list(generation.history)
     assert len(history) == 3
     first = history[0].published_version
@@ -430,6 +444,28 @@ def test_background_sync_keeps_rollouts_within_max_staleness(untied_unit: Rollou
         assert record.required_version == max(record.published_version - 1, first)
         assert all(v is not None and v >= record.required_version for v in record.versions), record
     assert max(logged(trainer, "sglang/version_lag")) <= 1
+
+
+def test_grpo_waits_through_ack_files_with_expected_replicas(untied_unit: RolloutUnit, tmp_path: Path) -> None:
+    config = make_config(tmp_path, untied_unit.checkpoint_root, [untied_unit.sglang_url], [], expected_replicas=1,
+                         max_steps=1)
+    trainer = make_trainer(untied_unit.model_dir, config)
+    trainer.train()
+    [record] = trainer.vllm_generation.history
+    assert set(record.versions) == {record.published_version}
+
+
+def test_ack_file_timeout_names_lagging_and_dead_replicas(tmp_path: Path) -> None:
+    write_ack(tmp_path, "alive", {"loaded_step": 3, "loading_step": 4})
+    write_ack(tmp_path, "gone", {"loaded_step": 3})
+    gone = tmp_path / "acks" / "gone.json"
+    gone.write_text(json.dumps({**json.loads(gone.read_text()), "heartbeat": time.time() - 600}))
+    waiter = AckFileWaiter(tmp_path, expected=2, max_age_s=60)
+    with pytest.raises(ReplicaSyncTimeout, match=r"only 0 of expected_replicas=2 replica\(s\) acknowledged checkpoint "
+                                                r"step-00000004 within sync_timeout=1 s\. Live replicas: 1\. Lagging: "
+                                                r"alive \(loaded 3, loading 4\)\. Replicas without a fresh heartbeat "
+                                                r"\(dead\?\): gone \(last heartbeat 60\d s ago\)"):
+        waiter.wait(4, timeout_s=1)
 
 
 # --- (c) SGLang's logprobs match the trainer's after a sync ----------------------------------------------------
@@ -546,6 +582,14 @@ def test_stale_answers_are_retried_until_the_replica_catches_up(tiny_model_dir: 
     trainer.train()
     [record] = trainer.vllm_generation.history
     assert record.stale_retries == 1 and set(record.versions) == {record.published_version}
+
+
+def test_aborted_answers_are_generated_again(tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout) -> None:
+    fake.abort_answers = 1
+    trainer = make_trainer(tiny_model_dir, make_config(tmp_path, tmp_path, [fake.url], [fake.url], max_steps=1))
+    trainer.train()
+    [record] = trainer.vllm_generation.history
+    assert record.stale_retries == 1 and len(fake.generate_requests) == 2
 
 
 def test_stale_answers_fail_after_sync_timeout(tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout) -> None:

@@ -265,6 +265,16 @@ class SGLangGeneration:
         values, self._metrics = self._metrics.values, _Metrics()
         return dict(values)
 
+    def finish_pending_sync(self) -> None:
+        """Wait for a background sync to finish; raise its error on every process."""
+        error: BaseException | None = None
+        if self.publisher is not None:
+            try:
+                self.publisher.join()
+            except Exception as exc:  # reported to every process below
+                error = exc
+        _raise_everywhere(self.accelerator, error, "the last background sync")
+
     def close(self) -> None:
         """Finish a background sync (raising its error) and release HTTP resources."""
         try:
@@ -320,28 +330,45 @@ class SGLangGeneration:
             answers = self._endpoints.generate([unique[i] for i in todo], params,
                                                want_logprobs=self.want_logprobs, deadline=deadline)
             required = self._required_version()
-            stale = []
+            retry: list[int] = []
+            stale_versions: set[str] = set()
+            aborted = 0
             for i, group in zip(todo, answers):
                 groups[i] = group
-                if required is not None and any(c.weight_version is None or c.weight_version < required
-                                                for c in group):
-                    stale.append(i)
-            if not stale:
+                if any(c.finish_reason == "abort" for c in group):
+                    aborted += 1
+                    retry.append(i)
+                elif required is not None and any(c.weight_version is None or c.weight_version < required
+                                                  for c in group):
+                    stale_versions.update(c.raw_weight_version or "none" for c in group)
+                    retry.append(i)
+            if not retry:
                 break
-            seen = sorted({c.raw_weight_version or "none" for i in stale for c in groups[i] or []})
             if time.monotonic() >= deadline:
-                raise StaleWeightsError(
-                    f"SGLang kept answering {len(stale)} prompt(s) with weights of version(s) {seen}, but the "
-                    f"trainer published version {self.publisher.latest_version} and max_staleness="
-                    f"{self.max_staleness} requires version >= {required}; the replicas did not catch up within "
-                    f"sync_timeout={self.sync_timeout:g} s. A replica behind the endpoints {self._endpoints.urls} "
-                    "is not loading checkpoints: check its sidecar (GET /status) and its --checkpoint-path"
+                if stale_versions:
+                    raise StaleWeightsError(
+                        f"SGLang kept answering {len(retry) - aborted} prompt(s) with weights of version(s) "
+                        f"{sorted(stale_versions)}, but the trainer published version {self.publisher.latest_version} "
+                        f"and max_staleness={self.max_staleness} requires version >= {required}; the replicas did "
+                        f"not catch up within sync_timeout={self.sync_timeout:g} s. A replica behind the endpoints "
+                        f"{self._endpoints.urls} is not loading checkpoints: check its sidecar (GET /status) and its "
+                        "--checkpoint-path"
+                    )
+                raise RuntimeError(
+                    f"SGLang kept aborting {aborted} prompt group(s) until sync_timeout={self.sync_timeout:g} s ran "
+                    f"out; check the SGLang server logs behind {self._endpoints.urls}"
                 )
             retries += 1
-            log.warning("%d prompt(s) answered with stale weights (versions %s, need >= %s); waiting for the "
-                        "replicas and retrying (attempt %d)", len(stale), seen, required, retries)
-            self._wait_for_replicas(required, deadline, pause=min(STALE_RETRY_PAUSE_S * retries, 5.0))
-            todo = stale
+            if aborted:
+                log.warning("SGLang aborted %d prompt group(s) (a restart or weight update cut them off); "
+                            "generating them again (attempt %d)", aborted, retries)
+            if stale_versions:
+                log.warning("%d prompt(s) answered with stale weights (versions %s, need >= %s); waiting for the "
+                            "replicas and retrying (attempt %d)", len(retry) - aborted, sorted(stale_versions),
+                            required, retries)
+            self._wait_for_replicas(required if stale_versions else None, deadline,
+                                    pause=min(STALE_RETRY_PAUSE_S * retries, 5.0))
+            todo = retry
         done = [g for g in groups if g is not None]
         versions = [c.weight_version for g in done for c in g]
         latest = self.publisher.latest_version

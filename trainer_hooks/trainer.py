@@ -111,6 +111,12 @@ class _SGLangBackendMixin:
                 "for this TRL"
             )
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's ``train``, then wait for a background checkpoint sync still in flight (and its errors)."""
+        output = super().train(*args, **kwargs)  # type: ignore[misc]
+        self.vllm_generation.finish_pending_sync()
+        return output
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"  # type: ignore[attr-defined]
         for key, values in self.vllm_generation.drain_metrics().items():
