@@ -14,7 +14,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${ROLLOUT_CACHE_DIR:-$HOME/.cache/rollout-service}"
 PYTHON="${ROLLOUT_PYTHON:-python3}"
 LOCK="$REPO/requirements/cpu.lock"
-KEY="$( (cat "$LOCK"; "$PYTHON" -c 'import sys; print(sys.version)'; echo v1) | sha256sum | cut -c1-16)"
+KEY="$( (cat "$LOCK"; "$PYTHON" -c 'import sys; print(sys.version)'; echo v2) | sha256sum | cut -c1-16)"
 VENV="$CACHE/venv-$KEY"
 
 mkdir -p "$CACHE"
@@ -24,7 +24,7 @@ if [ ! -f "$VENV/.complete" ]; then
     echo "[run.sh] building environment $VENV from requirements/cpu.lock (several minutes, once per machine)" >&2
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet --upgrade "pip>=25" >&2
+    "$VENV/bin/pip" install --quiet --upgrade "pip>=25" "setuptools>=77,<81" wheel 2>&1 | grep -v "is ignored: it is neither" >&2 || true
     # --no-deps: the lock is complete, and sglang's own metadata asks for CUDA-only kernels.
     "$VENV/bin/pip" install --quiet --no-deps -r "$LOCK" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
     "$VENV/bin/python" -c "import sglang, trl, torch, safetensors, watchdog, fastapi" \

@@ -1,0 +1,515 @@
+"""End-to-end weight sync, phase by phase, against the physical limit and the naive TRL path.
+
+    ./scripts/run.sh python benchmarks/sync_bench.py [--sizes tiny,0.5,1,2] [--storage local,shm]
+        [--repeats 3] [--device cpu|cuda] [--skip-naive] [--json OUT] [--quick]
+
+For each model size it builds (or reuses) a random-weight Qwen2 model of about that many GB in
+bfloat16 (``tiny`` is the project's tiny float32 model; see ``model_factory.py``), loads it as
+the trainer's copy with transformers and starts one real SGLang server on it (``--dtype``
+bfloat16 for bf16 models). Then, for each storage directory, with a fresh checkpoint root each,
+it measures three ways of getting the trainer's weights into SGLang:
+
+* ``physical limit``: the same bytes written raw to one file + fsync, then read back, once right
+  after the write (page cache hot, as SGLang reads a checkpoint just written on the same node)
+  and once cold (``drop_caches`` when writable, else ``posix_fadvise(DONTNEED)``; tmpfs has no
+  cold read). ``limit`` = write+fsync + hot read; ``limit-cold`` = write+fsync + cold read.
+* ``naive``: the path of the original TRL pull request: ``model.save_pretrained(fixed_dir)``
+  (no fsync, overwritten every step) and the trainer calling ``/update_weights_from_disk``
+  itself; both times.
+* ``ours``: ``publish_checkpoint`` of the model's state dict into the root, and a sidecar
+  subprocess (inotify) that detects, validates and loads it into SGLang; phases from the
+  sidecar's ``/wait`` answer (its ``last_sync``): detection (step directory renamed into place
+  -> sidecar woken), validation, SGLang load, acknowledgement (load done -> the trainer's
+  ``/wait`` returned); end to end = publish start -> the trainer knows the step is served.
+
+Physical and naive runs alternate per repeat; the sidecar runs come after them (a naive load
+would make a running sidecar re-apply its own checkpoint). ``--warmup`` untimed syncs (default
+1) precede the timed naive and sidecar runs, so that first-call costs (imports, the sidecar's
+first validation) are not counted as a sync's. Prints medians, the ratios
+ours/limit and ours/naive, and writes everything as JSON (``--json``). ``--no-sglang``
+measures only the trainer side (publish, raw write, save_pretrained), for machines where
+SGLang cannot run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from model_factory import ensure_bench_model  # noqa: E402
+from rollout_service.checkpoint_writer import iter_unique_tensors, publish_checkpoint  # noqa: E402
+from rollout_service.sglang_launcher import SGLangServer  # noqa: E402
+from rollout_service.tiny_model import ensure_tiny_model  # noqa: E402
+
+log = logging.getLogger("sync_bench")
+
+STORAGE_ALIASES = {"local": REPO / "benchmarks" / "results" / "sync-bench-work", "shm": Path("/dev/shm")}
+MEMORY_FILESYSTEMS = {"tmpfs", "ramfs"}
+READ_CHUNK = 64 << 20
+
+
+@dataclass
+class Case:
+    """One (model size, storage) measurement and its runs."""
+
+    size: str
+    storage: str
+    fs_type: str
+    cold_read: str
+    model_bytes: int = 0
+    tensors: int = 0
+    physical: list[dict[str, float]] = field(default_factory=list)
+    naive: list[dict[str, float]] = field(default_factory=list)
+    ours: list[dict[str, float]] = field(default_factory=list)
+    error: str | None = None
+
+    def medians(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for kind in ("physical", "naive", "ours"):
+            runs = getattr(self, kind)
+            for key in (runs[0] if runs else {}):
+                values = [r[key] for r in runs if r.get(key) is not None]
+                if values:
+                    out[f"{kind}.{key}"] = statistics.median(values)
+        return out
+
+    def ratios(self) -> dict[str, float]:
+        med = self.medians()
+        ours = med.get("ours.end_to_end_s")
+        out = {}
+        for name, key in (("ours/limit", "physical.limit_s"), ("ours/limit-cold", "physical.limit_cold_s"),
+                          ("ours/naive", "naive.total_s")):
+            if ours is not None and med.get(key):
+                out[name] = ours / med[key]
+        return out
+
+
+# --- storage and the physical limit ---------------------------------------------------------
+
+def fs_type(path: Path) -> str:
+    """File-system type of the mount holding ``path`` (from /proc/mounts; "unknown" if unreadable)."""
+    real = os.path.realpath(path)
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mount = parts[1].replace("\\040", " ")
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, kind = mount, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def choose_cold_read(path: Path, wanted: str) -> str:
+    """How this storage's cold read empties the page cache: drop_caches, fadvise or none."""
+    if fs_type(path) in MEMORY_FILESYSTEMS:
+        return "none (tmpfs: the files are the memory)"
+    if wanted in ("auto", "drop_caches"):
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+            return "drop_caches"
+        except OSError as exc:
+            if wanted == "drop_caches":
+                raise RuntimeError(f"cannot write /proc/sys/vm/drop_caches ({exc}); run as root"
+                                   " or pass --cold-read fadvise") from exc
+    return "fadvise"
+
+
+def evict(path: Path, method: str) -> None:
+    if method == "drop_caches":
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+    elif method == "fadvise":
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+_read_buffer: memoryview | None = None
+
+
+def read_all(path: Path) -> int:
+    """Read a whole file into one reused, already touched buffer (no allocation in the timing)."""
+    global _read_buffer
+    if _read_buffer is None:
+        _read_buffer = memoryview(bytearray(b"\1" * READ_CHUNK))
+    view = _read_buffer
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            total += n
+    return total
+
+
+def physical_limit(work: Path, cpu_state: dict[str, torch.Tensor], cold_read: str) -> dict[str, float]:
+    """Raw write + fsync of the state's bytes, then a hot and a cold read of them."""
+    path = work / "raw.bin"
+    try:
+        t0 = time.perf_counter()
+        with open(path, "wb", buffering=0) as f:
+            for t in cpu_state.values():
+                view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                written = 0
+                while written < len(view):
+                    written += f.write(view[written:])
+            os.fsync(f.fileno())
+        write_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        read_all(path)
+        read_hot_s = time.perf_counter() - t0
+        evict(path, cold_read)
+        t0 = time.perf_counter()
+        read_all(path)
+        read_cold_s = time.perf_counter() - t0
+    finally:
+        path.unlink(missing_ok=True)
+    return {"write_fsync_s": write_s, "read_hot_s": read_hot_s, "read_cold_s": read_cold_s,
+            "limit_s": write_s + read_hot_s, "limit_cold_s": write_s + read_cold_s}
+
+
+# --- the naive path and ours -----------------------------------------------------------------
+
+def load_into_sglang(url: str, path: Path, version: str, timeout_s: float) -> None:
+    r = httpx.post(f"{url}/update_weights_from_disk",
+                   json={"model_path": str(path), "weight_version": version, "flush_cache": True},
+                   timeout=timeout_s)
+    data = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+    if r.status_code != 200 or not data.get("success", False):
+        raise RuntimeError(f"SGLang refused {path} (HTTP {r.status_code}): {r.text[:500]}")
+
+
+def naive_sync(trainer: Any, fixed: Path, url: str | None, version: str,
+               timeout_s: float) -> dict[str, float]:
+    """save_pretrained into one fixed folder, then the trainer asks SGLang to load it."""
+    t0 = time.perf_counter()
+    trainer.save_pretrained(fixed)
+    save_s = time.perf_counter() - t0
+    if url is None:
+        return {"save_s": save_s, "total_s": save_s}
+    t1 = time.perf_counter()
+    load_into_sglang(url, fixed, version, timeout_s)
+    load_s = time.perf_counter() - t1
+    return {"save_s": save_s, "load_s": load_s, "total_s": save_s + load_s}
+
+
+def wait_served(sidecar: Any, step: int, timeout_s: float) -> dict[str, Any]:
+    r = sidecar.get(f"/wait?version={step}&timeout={timeout_s}", timeout=timeout_s + 30)
+    if r.status_code != 200:
+        raise RuntimeError(f"step {step} was not served within {timeout_s:.0f} s: {r.text[:500]}\n"
+                           f"--- sidecar log ---\n{sidecar.log_tail()}")
+    return r.json()
+
+
+def our_sync(root: Path, step: int, state: dict[str, torch.Tensor], config: Path,
+             sidecar: Any | None, timeout_s: float) -> dict[str, float]:
+    """publish_checkpoint, then wait until the sidecar reports the step served."""
+    t0 = time.time()
+    result = publish_checkpoint(root, step, state.items(), config=config)
+    out = {"publish_s": result.total_seconds, "publish_write_s": result.write_seconds}
+    if sidecar is None:
+        out["end_to_end_s"] = result.total_seconds
+        return out
+    body = wait_served(sidecar, step, timeout_s)
+    acked = time.time()
+    last = body.get("last_sync") or {}
+    if last.get("step") != step or last.get("total_s") is None:
+        raise RuntimeError(f"the sidecar's last_sync is not step {step}'s first load: {last}")
+    published = last["finished_at"] - last["total_s"]
+    load_end = published + last["detect_s"] + last["validate_s"] + last["load_s"]
+    out.update(detect_s=last["detect_s"], validate_s=last["validate_s"], load_s=last["load_s"],
+               ack_s=acked - load_end, sidecar_total_s=last["total_s"], end_to_end_s=acked - t0)
+    return out
+
+
+# --- one size, one storage -------------------------------------------------------------------
+
+def run_case(case: Case, work: Path, args: argparse.Namespace, trainer: Any,
+             state: dict[str, torch.Tensor], cpu_state: dict[str, torch.Tensor], config: Path,
+             server: SGLangServer | None, log_dir: Path) -> None:
+    from sidecar_helpers import Sidecar
+
+    url = server.url if server is not None else None
+    fixed = work / "naive-fixed"
+    if not args.skip_naive:
+        for w in range(args.warmup):  # first-call costs (imports, allocations) are not a sync's
+            naive_sync(trainer, fixed, url, f"naive-warmup-{w}", args.sync_timeout)
+    for rep in range(args.repeats):
+        order = ["physical", "naive"] if rep % 2 == 0 else ["naive", "physical"]
+        for kind in order:
+            if kind == "physical":
+                case.physical.append(physical_limit(work, cpu_state, case.cold_read))
+            elif not args.skip_naive:
+                case.naive.append(naive_sync(trainer, fixed, url, f"naive-{rep}", args.sync_timeout))
+        progress(f"  repeat {rep + 1}: limit {case.physical[-1]['limit_s']:.3f} s"
+                 + (f", naive {case.naive[-1]['total_s']:.3f} s" if case.naive else ""))
+    shutil.rmtree(fixed, ignore_errors=True)
+
+    root = work / "ckpt"
+    root.mkdir()
+    sidecar = None
+    if server is not None:
+        sidecar = Sidecar(root, server.url, log_dir / f"sidecar-{case.size}-{Path(case.storage).name}.log",
+                          "--deep-health-interval", "3600", replica_id="bench")
+    try:
+        if sidecar is not None:
+            deadline = time.monotonic() + 120
+            while not sidecar.status().get("sglang_healthy"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the sidecar never saw SGLang healthy:\n{sidecar.log_tail()}")
+                time.sleep(0.2)
+        for step in range(1, args.warmup + args.repeats + 1):
+            run = our_sync(root, step, state, config, sidecar, args.sync_timeout)
+            if step > args.warmup:
+                case.ours.append(run)
+                progress(f"  repeat {step - args.warmup}: ours {run['end_to_end_s']:.3f} s")
+            # Served (or, without SGLang, never read): keep only the newest step on the storage.
+            for old in root.glob("step-*"):
+                if old.name != f"step-{step:08d}" and old.is_dir():
+                    shutil.rmtree(old)
+            time.sleep(0.2)
+    finally:
+        if sidecar is not None:
+            sidecar.stop()
+
+
+# --- models, servers, reporting --------------------------------------------------------------
+
+def resolve_model(size: str) -> tuple[Path, torch.dtype]:
+    if size == "tiny":
+        return ensure_tiny_model(), torch.float32
+    return ensure_bench_model(float(size)), torch.bfloat16
+
+
+def load_trainer(model_dir: Path, dtype: torch.dtype, device: str) -> Any:
+    """The trainer's copy of the model, in its own memory (not backed by the model files)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.to(device, copy=True)
+    model.eval()
+    return model
+
+
+def start_server(model_dir: Path, dtype: torch.dtype, args: argparse.Namespace,
+                 log_dir: Path, label: str) -> SGLangServer:
+    extra = shlex.split(args.sglang_args or "")
+    if not any(a.split("=")[0] == "--dtype" for a in extra):
+        extra += ["--dtype", str(dtype).removeprefix("torch.")]
+    if args.device == "cuda" and not any(a.split("=")[0] == "--mem-fraction-static" for a in extra):
+        extra += ["--mem-fraction-static", "0.5"]  # leave room for the trainer's copy
+    server = SGLangServer(model_dir, device=args.device, max_total_tokens=args.max_total_tokens,
+                          extra_args=extra, log_path=log_dir / f"sglang-{label}.log")
+    server.start()
+    try:
+        server.wait_healthy(args.startup_timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def environment(args: argparse.Namespace) -> dict[str, Any]:
+    env: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
+                           "machine": platform.machine(), "device": args.device}
+    for pkg in ("torch", "transformers", "sglang", "safetensors"):
+        try:
+            env[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            env[pkg] = None
+    if args.device == "cuda" and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        env["loadavg"] = os.getloadavg()
+    except OSError:
+        pass
+    return env
+
+
+def fmt(value: float | None, width: int, digits: int = 3) -> str:
+    return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
+
+def print_tables(cases: list[Case]) -> None:
+    print("\nThis project's sync, phase by phase (medians, seconds):")
+    head = (f"{'size':<6}{'storage':<22}{'GB':>6}{'publish':>9}{'(write)':>9}{'detect':>8}"
+            f"{'valid.':>8}{'load':>8}{'ack':>8}{'end2end':>9}{'GB/s':>7}")
+    print(head)
+    for c in cases:
+        m = c.medians()
+        e2e = m.get("ours.end_to_end_s")
+        print(f"{c.size:<6}{c.storage[-21:]:<22}{c.model_bytes / 1e9:>6.2f}"
+              f"{fmt(m.get('ours.publish_s'), 9)}{fmt(m.get('ours.publish_write_s'), 9)}"
+              f"{fmt(m.get('ours.detect_s'), 8)}{fmt(m.get('ours.validate_s'), 8)}"
+              f"{fmt(m.get('ours.load_s'), 8)}{fmt(m.get('ours.ack_s'), 8)}{fmt(e2e, 9)}"
+              f"{fmt(c.model_bytes / e2e / 1e9 if e2e else None, 7, 2)}"
+              + (f"   ERROR: {c.error.splitlines()[0][:80]}" if c.error else ""))
+    print("\nAgainst the physical limit and the naive path (medians, seconds):")
+    print(f"{'size':<6}{'storage':<22}{'wr+fsync':>9}{'rd hot':>8}{'rd cold':>8}{'limit':>8}"
+          f"{'nv save':>8}{'nv load':>8}{'naive':>8}{'ours':>8}{'/limit':>8}{'/cold':>7}{'/naive':>8}"
+          "   cold read")
+    for c in cases:
+        m, r = c.medians(), c.ratios()
+        print(f"{c.size:<6}{c.storage[-21:]:<22}{fmt(m.get('physical.write_fsync_s'), 9)}"
+              f"{fmt(m.get('physical.read_hot_s'), 8)}{fmt(m.get('physical.read_cold_s'), 8)}"
+              f"{fmt(m.get('physical.limit_s'), 8)}{fmt(m.get('naive.save_s'), 8)}"
+              f"{fmt(m.get('naive.load_s'), 8)}{fmt(m.get('naive.total_s'), 8)}"
+              f"{fmt(m.get('ours.end_to_end_s'), 8)}{fmt(r.get('ours/limit'), 7, 2)}x"
+              f"{fmt(r.get('ours/limit-cold'), 6, 2)}x{fmt(r.get('ours/naive'), 7, 2)}x   {c.cold_read}")
+    print("limit = raw write+fsync + hot read (same node, just written, as SGLang reads ours);"
+          " naive = save_pretrained (no fsync) + trainer's own /update_weights_from_disk")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default=None,
+                        help="comma-separated model sizes in GB, or 'tiny' (default tiny,0.5,1,2)")
+    parser.add_argument("--storage", default=None,
+                        help="comma-separated directories; 'local' = benchmarks/results/sync-bench-work,"
+                             " 'shm' = /dev/shm (default local,shm)")
+    parser.add_argument("--repeats", type=int, default=None, help="syncs per path (default 3)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed syncs per path before the timed ones (default 1)")
+    parser.add_argument("--json", default=None, help="write all figures here")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where SGLang and the trainer's copy live (default cpu)")
+    parser.add_argument("--skip-naive", action="store_true", help="do not measure the naive path")
+    parser.add_argument("--no-sglang", action="store_true",
+                        help="trainer side only: publish, raw write, save_pretrained (no server)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: sizes tiny,0.1, storage shm, 1 repeat (unless given)")
+    parser.add_argument("--cold-read", choices=("auto", "drop_caches", "fadvise"), default="auto",
+                        help="how to empty the page cache before the cold read (default: drop_caches"
+                             " when writable, else fadvise)")
+    parser.add_argument("--max-total-tokens", type=int, default=4096, help="SGLang KV cache (CPU)")
+    parser.add_argument("--sglang-args", default="",
+                        help="extra SGLang flags, one string (e.g. '--disable-cuda-graph')")
+    parser.add_argument("--startup-timeout", type=float, default=900.0, help="SGLang /health wait, s")
+    parser.add_argument("--sync-timeout", type=float, default=900.0, help="one load's wait, s")
+    parser.add_argument("--log-dir", default=None,
+                        help="SGLang and sidecar logs (default benchmarks/results/sync-bench-logs)")
+    args = parser.parse_args(argv)
+    quick = {"sizes": "tiny,0.1", "storage": "shm", "repeats": 1}
+    full = {"sizes": "tiny,0.5,1,2", "storage": "local,shm", "repeats": 3}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error(f"--repeats must be at least 1 and --warmup at least 0, got {args.repeats},"
+                     f" {args.warmup}")
+    for size in args.sizes.split(","):
+        if size != "tiny":
+            try:
+                float(size)
+            except ValueError:
+                parser.error(f"--sizes takes 'tiny' or numbers of GB, got {size!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("rollout_service.checkpoint_writer").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda, but torch sees no CUDA device")
+    storages = [STORAGE_ALIASES.get(s, Path(s)).expanduser() for s in args.storage.split(",")]
+    log_dir = Path(args.log_dir) if args.log_dir else REPO / "benchmarks" / "results" / "sync-bench-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for storage in storages:
+        storage.mkdir(parents=True, exist_ok=True)
+    cases: list[Case] = []
+    for size in args.sizes.split(","):
+        progress(f"== size {size}")
+        size_cases = [Case(size=size, storage=str(s), fs_type=fs_type(s), cold_read="")
+                      for s in storages]
+        cases += size_cases
+        server = None
+        trainer = None
+        try:
+            model_dir, dtype = resolve_model(size)
+            trainer = load_trainer(model_dir, dtype, args.device)
+            state = dict(iter_unique_tensors(trainer.state_dict().items()))
+            cpu_state = state if args.device == "cpu" else {k: v.cpu() for k, v in state.items()}
+            nbytes = sum(t.numel() * t.element_size() for t in cpu_state.values())
+            progress(f"   model {model_dir} ({nbytes / 1e9:.3f} GB, {len(state)} tensors, {dtype})")
+            if not args.no_sglang:
+                server = start_server(model_dir, dtype, args, log_dir, size)
+            for case, storage in zip(size_cases, storages):
+                case.model_bytes, case.tensors = nbytes, len(state)
+                work = Path(tempfile.mkdtemp(prefix=f"sync-bench-{size}-", dir=storage))
+                progress(f"-- size {size}, storage {storage} ({case.fs_type}), work {work}")
+                try:
+                    case.cold_read = choose_cold_read(work, args.cold_read)
+                    run_case(case, work, args, trainer, state, cpu_state, model_dir / "config.json",
+                             server, log_dir)
+                except Exception:
+                    case.error = traceback.format_exc()
+                    progress(case.error)
+                finally:
+                    shutil.rmtree(work, ignore_errors=True)
+        except Exception:
+            error = traceback.format_exc()
+            progress(error)
+            for case in size_cases:
+                case.error = case.error or error
+        finally:
+            if server is not None:
+                server.stop()
+            trainer = state = cpu_state = None
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    print_tables(cases)
+    if args.json:
+        out = {"config": {k: v for k, v in vars(args).items()}, "environment": environment(args),
+               "log_dir": str(log_dir),
+               "results": [{"size": c.size, "storage": c.storage, "fs_type": c.fs_type,
+                            "cold_read": c.cold_read, "model_bytes": c.model_bytes,
+                            "tensors": c.tensors, "median_s": c.medians(), "ratios": c.ratios(),
+                            "runs": {"physical": c.physical, "naive": c.naive, "ours": c.ours},
+                            "error": c.error} for c in cases]}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 1 if any(c.error for c in cases) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
