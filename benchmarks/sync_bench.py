@@ -42,6 +42,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -76,8 +77,10 @@ class Case:
 
     size: str
     storage: str
+    path: str
     fs_type: str
     cold_read: str
+    sglang: bool
     model_bytes: int = 0
     tensors: int = 0
     physical: list[dict[str, float]] = field(default_factory=list)
@@ -99,8 +102,10 @@ class Case:
         med = self.medians()
         ours = med.get("ours.end_to_end_s")
         out = {}
-        for name, key in (("ours/limit", "physical.limit_s"), ("ours/limit-cold", "physical.limit_cold_s"),
-                          ("ours/naive", "naive.total_s")):
+        # Without SGLang nothing is read back: the limit is the write alone.
+        limits = ((("ours/limit", "physical.limit_s"), ("ours/limit-cold", "physical.limit_cold_s"))
+                  if self.sglang else (("ours/limit", "physical.write_fsync_s"),))
+        for name, key in (*limits, ("ours/naive", "naive.total_s")):
             if ours is not None and med.get(key):
                 out[name] = ours / med[key]
         return out
@@ -160,12 +165,16 @@ def evict(path: Path, method: str) -> None:
 _read_buffer: memoryview | None = None
 
 
-def read_all(path: Path) -> int:
-    """Read a whole file into one reused, already touched buffer (no allocation in the timing)."""
+def read_buffer() -> memoryview:
+    """One reused, already touched buffer for reads (allocated outside any timing)."""
     global _read_buffer
     if _read_buffer is None:
         _read_buffer = memoryview(bytearray(b"\1" * READ_CHUNK))
-    view = _read_buffer
+    return _read_buffer
+
+
+def read_all(path: Path) -> int:
+    view = read_buffer()
     total = 0
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(view):
@@ -176,6 +185,7 @@ def read_all(path: Path) -> int:
 def physical_limit(work: Path, cpu_state: dict[str, torch.Tensor], cold_read: str) -> dict[str, float]:
     """Raw write + fsync of the state's bytes, then a hot and a cold read of them."""
     path = work / "raw.bin"
+    read_buffer()
     try:
         t0 = time.perf_counter()
         with open(path, "wb", buffering=0) as f:
@@ -280,7 +290,7 @@ def run_case(case: Case, work: Path, args: argparse.Namespace, trainer: Any,
     root.mkdir()
     sidecar = None
     if server is not None:
-        sidecar = Sidecar(root, server.url, log_dir / f"sidecar-{case.size}-{Path(case.storage).name}.log",
+        sidecar = Sidecar(root, server.url, log_dir / f"sidecar-{case.size}-{Path(case.path).name}.log",
                           "--deep-health-interval", "3600", replica_id="bench")
     try:
         if sidecar is not None:
@@ -367,34 +377,42 @@ def fmt(value: float | None, width: int, digits: int = 3) -> str:
     return f"{value:>{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
 
 
+def ratio(value: float | None, width: int) -> str:
+    return f"{value:>{width - 1}.2f}x" if value is not None else f"{'-':>{width}}"
+
+
 def print_tables(cases: list[Case]) -> None:
     print("\nThis project's sync, phase by phase (medians, seconds):")
-    head = (f"{'size':<6}{'storage':<22}{'GB':>6}{'publish':>9}{'(write)':>9}{'detect':>8}"
+    head = (f"{'size':<6}{'storage':<16}{'GB':>6}{'publish':>9}{'(write)':>9}{'detect':>8}"
             f"{'valid.':>8}{'load':>8}{'ack':>8}{'end2end':>9}{'GB/s':>7}")
     print(head)
     for c in cases:
         m = c.medians()
         e2e = m.get("ours.end_to_end_s")
-        print(f"{c.size:<6}{c.storage[-21:]:<22}{c.model_bytes / 1e9:>6.2f}"
+        print(f"{c.size:<6}{c.storage[-15:]:<16}{c.model_bytes / 1e9:>6.2f}"
               f"{fmt(m.get('ours.publish_s'), 9)}{fmt(m.get('ours.publish_write_s'), 9)}"
               f"{fmt(m.get('ours.detect_s'), 8)}{fmt(m.get('ours.validate_s'), 8)}"
               f"{fmt(m.get('ours.load_s'), 8)}{fmt(m.get('ours.ack_s'), 8)}{fmt(e2e, 9)}"
               f"{fmt(c.model_bytes / e2e / 1e9 if e2e else None, 7, 2)}"
               + (f"   ERROR: {c.error.splitlines()[0][:80]}" if c.error else ""))
     print("\nAgainst the physical limit and the naive path (medians, seconds):")
-    print(f"{'size':<6}{'storage':<22}{'wr+fsync':>9}{'rd hot':>8}{'rd cold':>8}{'limit':>8}"
+    print(f"{'size':<6}{'storage':<16}{'wr+fsync':>9}{'rd hot':>8}{'rd cold':>8}{'limit':>8}"
           f"{'nv save':>8}{'nv load':>8}{'naive':>8}{'ours':>8}{'/limit':>8}{'/cold':>7}{'/naive':>8}"
           "   cold read")
     for c in cases:
         m, r = c.medians(), c.ratios()
-        print(f"{c.size:<6}{c.storage[-21:]:<22}{fmt(m.get('physical.write_fsync_s'), 9)}"
+        print(f"{c.size:<6}{c.storage[-15:]:<16}{fmt(m.get('physical.write_fsync_s'), 9)}"
               f"{fmt(m.get('physical.read_hot_s'), 8)}{fmt(m.get('physical.read_cold_s'), 8)}"
               f"{fmt(m.get('physical.limit_s'), 8)}{fmt(m.get('naive.save_s'), 8)}"
               f"{fmt(m.get('naive.load_s'), 8)}{fmt(m.get('naive.total_s'), 8)}"
-              f"{fmt(m.get('ours.end_to_end_s'), 8)}{fmt(r.get('ours/limit'), 7, 2)}x"
-              f"{fmt(r.get('ours/limit-cold'), 6, 2)}x{fmt(r.get('ours/naive'), 7, 2)}x   {c.cold_read}")
-    print("limit = raw write+fsync + hot read (same node, just written, as SGLang reads ours);"
-          " naive = save_pretrained (no fsync) + trainer's own /update_weights_from_disk")
+              f"{fmt(m.get('ours.end_to_end_s'), 8)}{ratio(r.get('ours/limit'), 8)}"
+              f"{ratio(r.get('ours/limit-cold'), 7)}{ratio(r.get('ours/naive'), 8)}   {c.cold_read}")
+    if any(c.sglang for c in cases):
+        print("limit = raw write+fsync + hot read (same node, just written, as SGLang reads ours);"
+              " naive = save_pretrained (no fsync) + the trainer's own /update_weights_from_disk")
+    if any(not c.sglang for c in cases):
+        print("--no-sglang: ours = publish only, naive = save_pretrained only (no fsync),"
+              " /limit = against the raw write+fsync alone")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -445,21 +463,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # `timeout` sends SIGTERM: unwind so that SGLang and the sidecar are stopped, not orphaned.
+    signal.signal(signal.SIGTERM, _interrupted)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("rollout_service.checkpoint_writer").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda, but torch sees no CUDA device")
-    storages = [STORAGE_ALIASES.get(s, Path(s)).expanduser() for s in args.storage.split(",")]
+    storages = [(s, STORAGE_ALIASES.get(s, Path(s)).expanduser()) for s in args.storage.split(",")]
     log_dir = Path(args.log_dir) if args.log_dir else REPO / "benchmarks" / "results" / "sync-bench-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    for storage in storages:
+    for _, storage in storages:
         storage.mkdir(parents=True, exist_ok=True)
     cases: list[Case] = []
     for size in args.sizes.split(","):
         progress(f"== size {size}")
-        size_cases = [Case(size=size, storage=str(s), fs_type=fs_type(s), cold_read="")
-                      for s in storages]
+        size_cases = [Case(size=size, storage=label, path=str(s), fs_type=fs_type(s), cold_read="",
+                           sglang=not args.no_sglang) for label, s in storages]
         cases += size_cases
         server = None
         trainer = None
@@ -472,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             progress(f"   model {model_dir} ({nbytes / 1e9:.3f} GB, {len(state)} tensors, {dtype})")
             if not args.no_sglang:
                 server = start_server(model_dir, dtype, args, log_dir, size)
-            for case, storage in zip(size_cases, storages):
+            for case, (_, storage) in zip(size_cases, storages):
                 case.model_bytes, case.tensors = nbytes, len(state)
                 work = Path(tempfile.mkdtemp(prefix=f"sync-bench-{size}-", dir=storage))
                 progress(f"-- size {size}, storage {storage} ({case.fs_type}), work {work}")
@@ -497,18 +517,27 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             if args.device == "cuda":
                 torch.cuda.empty_cache()
+            write_json(args, cases, log_dir)  # after each size: a killed run keeps what it measured
     print_tables(cases)
-    if args.json:
-        out = {"config": {k: v for k, v in vars(args).items()}, "environment": environment(args),
-               "log_dir": str(log_dir),
-               "results": [{"size": c.size, "storage": c.storage, "fs_type": c.fs_type,
-                            "cold_read": c.cold_read, "model_bytes": c.model_bytes,
-                            "tensors": c.tensors, "median_s": c.medians(), "ratios": c.ratios(),
-                            "runs": {"physical": c.physical, "naive": c.naive, "ours": c.ours},
-                            "error": c.error} for c in cases]}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 1 if any(c.error for c in cases) else 0
+
+
+def write_json(args: argparse.Namespace, cases: list[Case], log_dir: Path) -> None:
+    if not args.json:
+        return
+    out = {"config": vars(args), "environment": environment(args), "log_dir": str(log_dir),
+           "results": [{"size": c.size, "storage": c.storage, "path": c.path, "fs_type": c.fs_type,
+                        "cold_read": c.cold_read, "sglang": c.sglang, "model_bytes": c.model_bytes,
+                        "tensors": c.tensors, "median_s": c.medians(), "ratios": c.ratios(),
+                        "runs": {"physical": c.physical, "naive": c.naive, "ours": c.ours},
+                        "error": c.error} for c in cases]}
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+
+
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":

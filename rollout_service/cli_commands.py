@@ -64,7 +64,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     server = SGLangServer(model_path=args.model, host=args.sglang_host, port=args.port,
                           device=args.device, extra_args=list(args.sglang_args or []),
                           max_total_tokens=args.max_total_tokens,
-                          log_path=Path(args.sglang_log) if args.sglang_log else None)
+                          log_path=Path(args.sglang_log) if args.sglang_log else None,
+                          die_with_parent=True)
     policy = RestartPolicy(max_restarts=args.max_restarts, startup_timeout_s=args.startup_timeout)
     settings = _settings(args, server.url, args.sidecar_port)
     return run_serve(server, settings, policy)

@@ -92,6 +92,7 @@ class SGLangServerConfig:
     extra_args: Sequence[str] = field(default_factory=tuple)
     env: Mapping[str, str] = field(default_factory=dict)
     log_path: str | os.PathLike[str] | None = None
+    die_with_parent: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -126,6 +127,7 @@ class SGLangServer:
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         log_path: str | os.PathLike[str] | None = None,
+        die_with_parent: bool = False,
     ) -> None:
         self.config = SGLangServerConfig(
             model_path=model_path,
@@ -137,6 +139,7 @@ class SGLangServer:
             extra_args=tuple(extra_args),
             env=dict(env or {}),
             log_path=log_path,
+            die_with_parent=die_with_parent,
         )
         config = self.config
         self.device = detect_device() if config.device == "auto" else config.device
@@ -163,6 +166,7 @@ class SGLangServer:
             extra_args=config.extra_args,
             env=config.env,
             log_path=config.log_path,
+            die_with_parent=config.die_with_parent,
         )
 
     @property
@@ -227,6 +231,7 @@ class SGLangServer:
                 stderr=subprocess.STDOUT,
                 env=self.environment(),
                 start_new_session=True,
+                preexec_fn=kill_me_with_parent if self.config.die_with_parent else None,
             )
         self._pgid = self._process.pid
 
@@ -354,4 +359,19 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
     try:
         os.killpg(pgid, sig)
     except ProcessLookupError:
+        pass
+
+
+def kill_me_with_parent() -> None:
+    """In the child before exec: SIGKILL this process when the thread that started it dies.
+
+    SGLang's own worker processes already die with the server process, so a killed test
+    run or supervisor never leaves a server behind (Linux only; a no-op elsewhere).
+    """
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
         pass

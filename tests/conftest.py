@@ -44,7 +44,7 @@ def sglang_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     logging.getLogger("rollout_service").setLevel(logging.INFO)
     log_path = tmp_path_factory.mktemp("sglang") / "server.log"
     server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable, log_path=log_path,
-                          extra_args=SERVER_EXTRA_ARGS)
+                          extra_args=SERVER_EXTRA_ARGS, die_with_parent=True)
     server.start()
     try:
         server.wait_healthy(SERVER_HEALTH_TIMEOUT_S)

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from helpers import free_port
+from rollout_service.sglang_launcher import kill_me_with_parent
 
 START_TIMEOUT_S = 60.0
 
@@ -26,7 +27,8 @@ class CLIProcess:
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rollout_service.cli", *args], stdout=self._log,
-            stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})})
+            stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
+            preexec_fn=kill_me_with_parent)
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])

@@ -47,6 +47,7 @@ import httpx
 import pytest
 import yaml
 
+from rollout_service.sglang_launcher import kill_me_with_parent
 from rollout_service.cli import build_parser
 from rollout_service.cli_env import ENV_PREFIX, env_name
 
@@ -920,7 +921,7 @@ def test_compose_cpu_profile_serves_and_syncs_a_published_checkpoint(tmp_path):
     log_path = tmp_path / "rollout-cpu.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=kill_me_with_parent)
     groups: set[int] = set()
 
     def log_tail() -> str:

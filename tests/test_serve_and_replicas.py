@@ -61,7 +61,8 @@ def test_serve_restarts_a_killed_sglang_and_reapplies_the_newest_checkpoint(
 @pytest.fixture(scope="module")
 def second_sglang_server(tiny_model_dir, tmp_path_factory):
     server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable,
-                          log_path=tmp_path_factory.mktemp("sglang2") / "server.log")
+                          log_path=tmp_path_factory.mktemp("sglang2") / "server.log",
+                          die_with_parent=True)
     server.start()
     try:
         server.wait_healthy(STARTUP_S)

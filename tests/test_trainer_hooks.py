@@ -31,6 +31,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollout_service.sglang_launcher import kill_me_with_parent
 from rollout_service.checkpoint_reader import list_checkpoints
 from rollout_service.checkpoint_writer import publish_checkpoint
 from rollout_service.sidecar.acks import write_ack
@@ -85,7 +86,7 @@ def launch_unit(model_dir: Path, workdir: Path) -> RolloutUnit:
         "--replica-id", f"test-{sidecar_port}"]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=kill_me_with_parent)
     return RolloutUnit(model_dir, root, f"http://127.0.0.1:{sglang_port}", f"http://127.0.0.1:{sidecar_port}",
                        proc, log_path)
 

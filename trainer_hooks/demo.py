@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollout_service.sglang_launcher import kill_me_with_parent
+
 log = logging.getLogger(__name__)
 
 WORDS = ("the data file import class return value list self path name error test string"
@@ -67,7 +69,8 @@ class ServeProcess:
              "--checkpoint-path", str(checkpoint_path), "--port", str(self.port),
              "--sidecar-port", str(self.sidecar_port), "--device", device,
              "--health-interval", "0.5", "--replica-id", "demo"],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=kill_me_with_parent)
 
     def wait_ready(self, timeout_s: float) -> None:
         import httpx
@@ -116,12 +119,15 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 30,
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
 
     from rollout_service.tiny_model import ensure_tiny_model
     from trainer_hooks import GRPOConfig, GRPOTrainer
 
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     model_dir = Path(model) if model else ensure_tiny_model(tied=False)
     checkpoint_path = Path(checkpoint_path or output_dir / "checkpoints")
     checkpoint_path.mkdir(parents=True, exist_ok=True)
@@ -160,12 +166,16 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 30,
 
             def on_log(self, args_, state, control, logs=None, **kw):
                 if logs and "reward" in logs:
+                    nan = float("nan")
                     print(f"  step {state.global_step:>3}/{steps}  reward {logs['reward']:.3f}"
-                          f"  sync {logs.get('sglang/sync_total_s', float('nan')):.3f} s", flush=True)
+                          f"  generate {logs.get('sglang/generate_s', nan):.2f} s"
+                          f"  sync {logs.get('sglang/sync_total_s', nan):.2f} s"
+                          f"  step {logs.get('step_time', nan):.2f} s", flush=True)
 
         trainer = GRPOTrainer(model=policy, reward_funcs=word_start_reward(tokenizer), args=args,
                               train_dataset=dataset, processing_class=tokenizer,
                               callbacks=[Progress()])
+        trainer.remove_callback(PrinterCallback)  # Progress prints one line per step instead
         t0 = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - t0
@@ -183,6 +193,7 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 30,
                                                                   if k.startswith("sglang/")})},
         "log_history": history,
     }
+    summary["time_split_median_s"] = time_split(history)
     r = summary["rewards"]
     k = max(1, len(r) // 5)
     summary["reward_first"] = sum(r[:k]) / k if r else None
@@ -190,10 +201,27 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 30,
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if plot:
         _plot(summary, output_dir / "demo.png")
+    split = summary["time_split_median_s"]
+    print("median step time split: " + ", ".join(f"{k} {v:.3f} s" for k, v in split.items()))
     print(f"reward {summary['reward_first']:.3f} (first {k} steps) -> {summary['reward_last']:.3f}"
           f" (last {k}); {wall:.1f} s for {steps} steps; wrote {output_dir / 'summary.json'}"
           + (f" and {output_dir / 'demo.png'}" if plot else ""), flush=True)
     return summary
+
+
+def time_split(history: list[dict[str, Any]]) -> dict[str, float]:
+    """Median seconds per step: generate, sync (gather, write, wait), train (the rest), total."""
+    import statistics
+
+    def med(key: str) -> float:
+        values = [float(h[key]) for h in history if h.get(key) is not None]
+        return statistics.median(values) if values else 0.0
+
+    split = {"generate": med("sglang/generate_s"), "sync_gather": med("sglang/sync_gather_s"),
+             "sync_write": med("sglang/sync_write_s"), "sync_wait": med("sglang/sync_wait_s"),
+             "sync_total": med("sglang/sync_total_s"), "step": med("step_time")}
+    split["train"] = max(0.0, split["step"] - split["generate"] - split["sync_total"])
+    return split
 
 
 def _plot(summary: dict[str, Any], path: Path) -> None:
