@@ -85,7 +85,7 @@ for size in $SIZES; do
     say "size $size (${MODE[*]}, storage $storage), timeout ${remaining}s"
     timeout -k 30 "$remaining" "$PY" benchmarks/sync_bench.py "${MODE[@]}" --sizes "$size" \
         --storage "$storage" --repeats "$REPEATS" --warmup 1 --startup-timeout 300 --sync-timeout 300 \
-        --sglang-args "--disable-cuda-graph" --log-dir "$WORK/logs" --json "$RESULTS/sync-$size.json"
+        --sglang-args="--disable-cuda-graph" --log-dir "$WORK/logs" --json "$RESULTS/sync-$size.json"
     rc=$?
     say "size $size finished with exit code $rc"
     if [ "$rc" -ne 0 ]; then

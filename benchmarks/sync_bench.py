@@ -438,7 +438,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              " when writable, else fadvise)")
     parser.add_argument("--max-total-tokens", type=int, default=4096, help="SGLang KV cache (CPU)")
     parser.add_argument("--sglang-args", default="",
-                        help="extra SGLang flags, one string (e.g. '--disable-cuda-graph')")
+                        help="extra SGLang flags as one string; write --sglang-args='--flag ...' (with '=')")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="SGLang /health wait, s")
     parser.add_argument("--sync-timeout", type=float, default=900.0, help="one load's wait, s")
     parser.add_argument("--log-dir", default=None,
