@@ -510,6 +510,10 @@ def main(argv: list[str] | None = None) -> int:
             progress(error)
             for case in size_cases:
                 case.error = case.error or error
+        except KeyboardInterrupt as exc:
+            for case in size_cases:
+                case.error = case.error or f"interrupted ({exc}) before this case finished"
+            raise
         finally:
             if server is not None:
                 server.stop()

@@ -68,7 +68,8 @@ class ServeProcess:
             [sys.executable, "-m", "rollout_service.cli", "serve", "--model", str(model),
              "--checkpoint-path", str(checkpoint_path), "--port", str(self.port),
              "--sidecar-port", str(self.sidecar_port), "--device", device,
-             "--health-interval", "0.5", "--replica-id", "demo"],
+             "--health-interval", "0.5", "--replica-id", "demo",
+             "--sglang-log", str(log_path.with_name("sglang.log"))],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=kill_me_with_parent)
 
