@@ -64,8 +64,6 @@ from rollout_service.checkpoint_writer import iter_unique_tensors, publish_check
 from rollout_service.sglang_launcher import SGLangServer  # noqa: E402
 from rollout_service.tiny_model import ensure_tiny_model  # noqa: E402
 
-log = logging.getLogger("sync_bench")
-
 STORAGE_ALIASES = {"local": REPO / "benchmarks" / "results" / "sync-bench-work", "shm": Path("/dev/shm")}
 MEMORY_FILESYSTEMS = {"tmpfs", "ramfs"}
 READ_CHUNK = 64 << 20
