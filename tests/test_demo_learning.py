@@ -46,3 +46,46 @@ def test_reward_rises_with_learning_and_not_at_lr_zero(serve_unit, tmp_path):
     summary = json.loads((tmp_path / "lr" / "summary.json").read_text())
     assert len(summary["rewards"]) == STEPS and (tmp_path / "lr" / "demo.png").stat().st_size > 0
     assert set(summary["time_split_median_s"]) >= {"generate", "sync_total", "train", "step"}
+
+
+def _run_script(unit, root, out, *extra, processes: int = 1):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "grpo_run.py"
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--cpu",
+                "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "no",
+                "--dynamo_backend", "no"]
+    cmd = launcher + [str(script), "--sglang-url", unit.sglang_url, "--sidecar-url", unit.sidecar_url,
+                      "--checkpoint-path", str(root), "--out", str(out), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+def _status(unit):
+    import httpx
+
+    return httpx.get(f"{unit.sidecar_url}/status", timeout=30).json()
+
+
+def test_two_training_processes_sync_through_the_sidecar(serve_unit, tmp_path):
+    unit, root = serve_unit
+    result = _run_script(unit, root, tmp_path / "ddp.json", "--steps", "3", processes=2)
+    assert result["processes"] == 2
+    versions = [h["sglang/sync_version"] for h in result["history"]]
+    assert len(versions) == 3 and versions == sorted(versions)
+    assert result["published_equals_trained"] and not result["unpublished_tensors"]
+    assert _status(unit)["loaded_step"] == result["final_step"]
+
+
+def test_peft_lora_run_publishes_merged_weights_that_sglang_loads(serve_unit, tmp_path):
+    unit, root = serve_unit
+    result = _run_script(unit, root, tmp_path / "peft.json", "--steps", "3", "--peft")
+    versions = [h["sglang/sync_version"] for h in result["history"]]
+    assert len(versions) == 3 and versions == sorted(versions)
+    # Base names only (no lora_/base_layer tensors), equal to the merged trained model.
+    assert result["published_equals_trained"] and not result["unpublished_tensors"]
+    status = _status(unit)
+    assert status["loaded_step"] == result["final_step"] and not status["rejected"]

@@ -1,0 +1,76 @@
+"""A small GRPO run with trainer_hooks, for tests that need `accelerate launch` or PEFT.
+
+    accelerate launch --cpu --num_processes 2 tests/scripts/grpo_run.py --sglang-url U \
+        --sidecar-url S --checkpoint-path C --out result.json [--steps 3] [--peft]
+
+Writes (main process) the log history, the final checkpoint version, and whether the last
+published checkpoint equals the trained (merged, for PEFT) weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rollout_service.checkpoint_reader import latest_checkpoint
+from rollout_service.tiny_model import ensure_tiny_model
+from trainer_hooks import GRPOConfig, GRPOTrainer
+from trainer_hooks.demo import make_prompts, word_start_reward
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sglang-url", required=True)
+    p.add_argument("--sidecar-url", required=True)
+    p.add_argument("--checkpoint-path", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--peft", action="store_true")
+    a = p.parse_args()
+    model_dir = ensure_tiny_model()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    peft_config = None
+    if a.peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"])
+    args = GRPOConfig(output_dir=str(Path(a.out).parent / "trainer"), checkpoint_path=a.checkpoint_path,
+                      sglang_urls=[a.sglang_url], sidecar_urls=[a.sidecar_url],
+                      per_device_train_batch_size=8, num_generations=8, max_completion_length=8,
+                      max_steps=a.steps, learning_rate=5e-2 if a.peft else 1e-2, beta=0.0,
+                      logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
+                      disable_tqdm=True, sync_timeout=300.0, keep_checkpoints=None, seed=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=word_start_reward(tok), args=args,
+                          train_dataset=Dataset.from_dict({"prompt": make_prompts(64)}),
+                          processing_class=tok, peft_config=peft_config)
+    trainer.train()
+    # Publish the final weights too, the way the next step's sync would.
+    trainer.state.global_step += 1
+    trainer.vllm_generation.sync_weights()
+    if not trainer.accelerator.is_main_process:
+        return
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    if a.peft:
+        unwrapped = unwrapped.merge_and_unload()
+    trained = {k: v.detach() for k, v in unwrapped.state_dict().items()}
+    ckpt = latest_checkpoint(a.checkpoint_path)
+    published = load_file(str(ckpt.path / "model.safetensors"))
+    equal = sorted(published) == sorted(k for k in trained if k in published) and all(
+        torch.equal(published[k], trained[k].to(published[k].dtype)) for k in published)
+    missing = sorted(set(trained) - set(published))
+    history = [h for h in trainer.state.log_history if "reward" in h]
+    Path(a.out).write_text(json.dumps({
+        "processes": trainer.accelerator.num_processes, "history": history,
+        "final_step": ckpt.step, "published_equals_trained": equal,
+        "unpublished_tensors": missing}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
