@@ -65,3 +65,15 @@ def checkpoint_root(tmp_path: Path) -> Path:
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free when asked."""
     return _free_port()
+
+
+@pytest.fixture
+def sglang_server_at_base(sglang_server: SGLangServer, tiny_model_dir: Path) -> SGLangServer:
+    """The session server with the tiny model's own weights back in place (earlier tests may
+    have loaded checkpoints into it), labelled with SGLang's start-up version "default"."""
+    import httpx
+
+    r = httpx.post(f"{sglang_server.url}/update_weights_from_disk",
+                   json={"model_path": str(tiny_model_dir), "weight_version": "default"}, timeout=300)
+    assert r.status_code == 200 and r.json().get("success"), r.text
+    return sglang_server

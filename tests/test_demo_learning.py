@@ -54,12 +54,13 @@ def _run_script(unit, root, out, *extra, processes: int = 1):
     from pathlib import Path
 
     script = Path(__file__).parent / "scripts" / "grpo_run.py"
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--cpu",
-                "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "no",
-                "--dynamo_backend", "no"]
+    # torchrun sets RANK/WORLD_SIZE; accelerate then runs MULTI_CPU with the gloo backend.
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", str(processes)]
     cmd = launcher + [str(script), "--sglang-url", unit.sglang_url, "--sidecar-url", unit.sidecar_url,
                       "--checkpoint-path", str(root), "--out", str(out), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return json.loads(out.read_text())
 

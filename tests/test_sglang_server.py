@@ -31,9 +31,10 @@ def _encode(model_dir: Path, texts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(text) for text in texts]
 
 
-def test_generate_batch_returns_int_token_ids_with_matching_logprobs(sglang_server, tiny_model_dir):
+def test_generate_batch_returns_int_token_ids_with_matching_logprobs(sglang_server_at_base,
+                                                                     tiny_model_dir):
     prompts = _encode(tiny_model_dir, PROMPTS[:2])
-    out = generate(sglang_server.url, prompts, max_new_tokens=8, temperature=1.0, n=2,
+    out = generate(sglang_server_at_base.url, prompts, max_new_tokens=8, temperature=1.0, n=2,
                    return_logprob=True, ignore_eos=True)
 
     assert isinstance(out, list) and len(out) == len(prompts) * 2
@@ -48,13 +49,13 @@ def test_generate_batch_returns_int_token_ids_with_matching_logprobs(sglang_serv
         assert meta["weight_version"] == "default"
 
 
-def test_greedy_generation_matches_transformers(sglang_server, tiny_model_dir):
+def test_greedy_generation_matches_transformers(sglang_server_at_base, tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
     max_new_tokens = 24
     prompts = _encode(tiny_model_dir, PROMPTS)
-    out = generate(sglang_server.url, prompts, max_new_tokens=max_new_tokens, temperature=0.0,
+    out = generate(sglang_server_at_base.url, prompts, max_new_tokens=max_new_tokens, temperature=0.0,
                    ignore_eos=True, min_new_tokens=max_new_tokens)
     served = [item["output_ids"] for item in out]
 

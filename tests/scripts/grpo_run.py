@@ -1,6 +1,6 @@
 """A small GRPO run with trainer_hooks, for tests that need `accelerate launch` or PEFT.
 
-    accelerate launch --cpu --num_processes 2 tests/scripts/grpo_run.py --sglang-url U \
+    torchrun --standalone --nproc_per_node 2 tests/scripts/grpo_run.py --sglang-url U \
         --sidecar-url S --checkpoint-path C --out result.json [--steps 3] [--peft]
 
 Writes (main process) the log history, the final checkpoint version, and whether the last
