@@ -179,7 +179,10 @@ def publish_checkpoint(
 ) -> PublishResult:
     """Publish ``tensors`` as ``<root>/step-<step>`` atomically and return what was written.
 
-    ``config`` is the model's ``config.json`` (a dict or a path to the file);
+    Tensors are kept until the shard they fall in is written (at most ``max_shard_bytes``),
+    so the iterable must not reuse or modify a yielded tensor's storage before it is
+    exhausted: yield copies of transient buffers (gathered ZeRO-3 parameters, merged PEFT
+    weights). ``config`` is the model's ``config.json`` (a dict or a path to the file);
     ``dtype`` converts floating tensors (``"bfloat16"``...); ``extra_files`` are
     copied in (e.g. tokenizer files) and listed in the manifest. Raises
     ``FileExistsError`` if that step is already published.

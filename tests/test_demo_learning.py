@@ -87,6 +87,7 @@ def test_peft_lora_run_publishes_merged_weights_that_sglang_loads(serve_unit, tm
     versions = [h["sglang/sync_version"] for h in result["history"]]
     assert len(versions) == 3 and versions == sorted(versions)
     # Base names only (no lora_/base_layer tensors), equal to the merged trained model.
-    assert result["published_equals_trained"] and not result["unpublished_tensors"]
+    assert not result["extra_published"] and not result["unpublished_tensors"], result
+    assert result["published_equals_trained"], result["max_abs_diff"]
     status = _status(unit)
     assert status["loaded_step"] == result["final_step"] and not status["rejected"]

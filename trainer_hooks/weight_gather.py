@@ -7,8 +7,9 @@ into the base weights for the duration, ``base_model.model.`` / ``.base_layer`` 
 tensors skipped, then unmerged), as TRL does for vLLM. Gathering is collective under FSDP and
 ZeRO-3: every process must exhaust the iterator, also processes that publish nothing.
 
-A yielded tensor may be the live parameter storage (plain modules) or a buffer that is freed
-at the next step (ZeRO-3): copy it before keeping it past the next ``next()``.
+A yielded tensor is either the live parameter (plain modules, DDP: valid while the model is
+not updated) or a private copy (PEFT merged weights, ZeRO-3 gathered buffers, FSDP2 full
+tensors), because the checkpoint writer keeps one shard's tensors before writing them.
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ def iter_full_weights(model: nn.Module, accelerator: Any = None) -> Iterator[tup
                     hf_name = clean_name(name, prefix)
                     if hf_name is None:
                         continue
-                    yield hf_name, _full(param, device)
+                    # A copy: the merged values vanish at unmerge, which runs as soon as the
+                    # writer has drawn the last tensor, before it writes that shard.
+                    yield hf_name, _full(param, device).clone()
             finally:
                 model.unmerge_adapter()
         return
@@ -86,7 +89,10 @@ def iter_full_weights(model: nn.Module, accelerator: Any = None) -> Iterator[tup
         hf_name = clean_name(name)
         assert hf_name is not None
         with _gathered([param], zero3):
-            yield hf_name, _full(param, device)
+            full = _full(param, device)
+            # ZeRO-3 frees the gathered buffer at the next step; the writer keeps a shard's
+            # tensors until it writes the shard, so it gets a copy.
+            yield hf_name, full.clone() if zero3 else full
 
 
 def _full(param: torch.Tensor, device: Any) -> torch.Tensor:

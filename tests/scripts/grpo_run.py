@@ -62,13 +62,19 @@ def main() -> None:
     trained = {k: v.detach() for k, v in unwrapped.state_dict().items()}
     ckpt = latest_checkpoint(a.checkpoint_path)
     published = load_file(str(ckpt.path / "model.safetensors"))
-    equal = sorted(published) == sorted(k for k in trained if k in published) and all(
-        torch.equal(published[k], trained[k].to(published[k].dtype)) for k in published)
+    # PEFT: every sync merges and then unmerges the adapter, which leaves float rounding in the
+    # base weights (as TRL's vLLM path does), so merged weights agree to rounding, not bits.
+    diffs = {k: (published[k] - trained[k].to(published[k].dtype)).abs().max().item()
+             for k in published if k in trained}
+    tolerance = 1e-5 if a.peft else 0.0
+    equal = set(published) <= set(trained) and all(d <= tolerance for d in diffs.values())
     missing = sorted(set(trained) - set(published))
     history = [h for h in trainer.state.log_history if "reward" in h]
     Path(a.out).write_text(json.dumps({
         "processes": trainer.accelerator.num_processes, "history": history,
         "final_step": ckpt.step, "published_equals_trained": equal,
+        "max_abs_diff": max(diffs.values()) if diffs else None,
+        "extra_published": sorted(set(published) - set(trained)),
         "unpublished_tensors": missing}, indent=2))
 
 
