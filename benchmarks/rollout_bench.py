@@ -125,7 +125,11 @@ def main() -> None:
               + " ".join(f"{x:.0f}" for x in o["tokens_per_s"][k]))
     print(f"  trainer_hooks overhead: {100 * o['overhead']:.1f}% (goal: < 3%)")
     if not args.skip_grpo:
+        import torch
+
+        threads = torch.get_num_threads()
         sglang = run_demo(work / "demo", steps=args.steps, plot=False)
+        torch.set_num_threads(threads)  # run_demo leaves a core to a local CPU SGLang; TRL gets all
         baseline = trl_baseline_steps(model_dir, work, args.steps, sglang["learning_rate"])
         med_s = statistics.median(h["step_time"] for h in sglang["log_history"])
         med_t = statistics.median(baseline["step_time"])
