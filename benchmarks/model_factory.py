@@ -16,9 +16,10 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from rollout_service.cached_build import build_once
 
 logger = logging.getLogger(__name__)
 
@@ -142,21 +143,12 @@ def ensure_bench_model(gb: float, *, seed: int = 0,
     final = root / f"qwen2-bf16-{gb:g}gb-{digest}"
     if final.is_dir():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=root))
     logger.info("building %s: %d layers of %s, vocab %d, ~%.2f GB bf16", final.name,
                 spec.num_layers, spec.shape.name, spec.vocab_size, spec.expected_bytes() / 1e9)
-    try:
+
+    def build(staging: Path) -> None:
         make_bench_model(staging, spec, tokenizer_dir)
         (staging / "bench_model_spec.json").write_text(json.dumps(asdict(spec), indent=2,
                                                                   sort_keys=True))
-        try:
-            os.rename(staging, final)
-        except OSError:
-            if not final.is_dir():
-                raise
-            logger.info("another process built %s first; using its copy", final)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return final
+
+    return build_once(final, build)

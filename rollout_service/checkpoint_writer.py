@@ -34,7 +34,7 @@ from .checkpoint_format import (
     weight_version_for_step,
 )
 from .checkpoint_reader import read_latest_pointer
-from .digest import format_digest, new_hasher
+from .digest import file_digest, format_digest, new_hasher
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +159,6 @@ def _shards(named: Iterable[tuple[str, torch.Tensor]], target: str | None,
 
 
 def _file_digest_entry(path: Path) -> FileEntry:
-    from .digest import file_digest
-
     return FileEntry(size=path.stat().st_size, digest=file_digest(path))
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
 from dataclasses import dataclass, field
 
 from .sglang_launcher import SGLangServer, SGLangStartError
@@ -117,13 +116,3 @@ def run_serve(server: SGLangServer, settings: SidecarSettings, policy: RestartPo
 
 def _note_signal(signum, frame) -> None:
     log.info("received %s; stopping SGLang and the sidecar", signal.Signals(signum).name)
-
-
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
-    """Poll ``predicate`` until true or ``timeout_s``; used by tools that wait on the unit."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return False

@@ -17,12 +17,12 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from .cached_build import build_once
 
 logger = logging.getLogger(__name__)
 
@@ -223,20 +223,9 @@ def ensure_tiny_model(
     digest = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cache_dir).expanduser() if cache_dir is not None else DEFAULT_CACHE_DIR.expanduser()
     final = root / f"qwen2-{'tied' if tied else 'untied'}-{digest}"
-    if final.is_dir():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=root))
-    try:
+
+    def build(staging: Path) -> None:
         make_tiny_model(staging, tied=tied, **kwargs)
         (staging / "tiny_model_params.json").write_text(json.dumps(params, indent=2, sort_keys=True))
-        try:
-            os.rename(staging, final)
-        except OSError:
-            if not final.is_dir():
-                raise
-            logger.info("another process built %s first; using its copy", final)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return final
+
+    return build_once(final, build)

@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint_format import CheckpointError, parse_step_dir_name, weight_version_for_step
+from ..checkpoint_format import (
+    CheckpointError, parse_step_dir_name, step_dir_name, weight_version_for_step,
+)
 from ..checkpoint_paths import resolve_inside
 from ..checkpoint_reader import TensorSpecs, list_checkpoints, read_model_specs, validate_checkpoint
 from .acks import write_ack
@@ -215,7 +217,7 @@ class SyncController:
             self.state.loaded_step = None
         if self.state.loaded_step is None and view.weight_version is not None:
             step = _step_of_version(view.weight_version)
-            if step is not None and _same_path(view.model_path, self.root / _dir(step)):
+            if step is not None and _same_path(view.model_path, self.root / step_dir_name(step)):
                 # A restarted sidecar beside a server that already serves a published step.
                 self.state.loaded_step = step
                 self._crashes.pop(step, None)
@@ -339,12 +341,6 @@ class SyncController:
             if self.state.ack_error is None:
                 log.error("cannot write the ack file under %s: %s (HTTP acks still work)", self.root, exc)
             self.state.ack_error = str(exc)
-
-
-def _dir(step: int) -> str:
-    from ..checkpoint_format import step_dir_name
-
-    return step_dir_name(step)
 
 
 def _same_path(a: str | None, b: Path) -> bool:

@@ -1,0 +1,37 @@
+"""Build a cached directory once, atomically, even with several builders at the same time."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def build_once(final: Path, build: Callable[[Path], None]) -> Path:
+    """Return ``final``, first building it with ``build(staging_dir)`` if it does not exist.
+
+    ``build`` fills a hidden staging sibling that is renamed into place; a concurrent builder
+    that wins the rename is used as is, and a failed build leaves nothing behind.
+    """
+    final = Path(final)
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=final.parent))
+    try:
+        build(staging)
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+            logger.info("another process built %s first; using its copy", final)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return final
