@@ -48,12 +48,12 @@ def test_reward_rises_with_learning_and_not_at_lr_zero(serve_unit, tmp_path):
     assert set(summary["time_split_median_s"]) >= {"generate", "sync_total", "train", "step"}
 
 
-def _run_script(unit, root, out, *extra, processes: int = 1):
+def _run_script(unit, root, out, *extra, processes: int = 1, script: str = "grpo_run.py"):
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).parent / "scripts" / "grpo_run.py"
+    script = Path(__file__).parent / "scripts" / script
     # torchrun sets RANK/WORLD_SIZE; accelerate then runs MULTI_CPU with the gloo backend.
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node", str(processes)]
@@ -91,3 +91,86 @@ def test_peft_lora_run_publishes_merged_weights_that_sglang_loads(serve_unit, tm
     assert result["published_equals_trained"], result["max_abs_diff"]
     status = _status(unit)
     assert status["loaded_step"] == result["final_step"] and not status["rejected"]
+
+
+def test_fsdp2_sharded_model_publishes_full_weights_that_sglang_serves(serve_unit, tmp_path):
+    # accelerate runs FSDP on GPU-like devices only, so the model is sharded with FSDP2's own
+    # fully_shard (as accelerate's FSDP2 plugin does) and synced by SGLangGeneration directly.
+    unit, root = serve_unit
+    result = _run_script(unit, root, tmp_path / "fsdp2.json", "--steps", "2", processes=2,
+                         script="fsdp2_sync.py")
+    assert result["processes"] == 2 and result["sharded"]
+    checks = result["checks"]
+    assert [c["step"] for c in checks] == sorted(c["step"] for c in checks) and len(checks) == 2
+    for check in checks:
+        # Several shards, every tensor unsharded and equal to the gathered trained weights.
+        assert check["shards"] > 1 and not check["missing"] and not check["extra"], check
+        assert check["published_equals_trained"], check["max_abs_diff"]
+        # The rollouts right after each sync came from exactly that version.
+        assert check["served_versions"] == [check["step"]] and check["completions"] == 2
+    assert _status(unit)["loaded_step"] == checks[-1]["step"]
+
+
+def _tldr_rows(n: int) -> list[dict[str, str]]:
+    topics = ["my cat", "the rent", "a new job", "our trip", "his bike", "the exam"]
+    return [{"prompt": f"SUBREDDIT: r/advice\nTITLE: about {topics[i % 6]}\nPOST: I worry about {topics[i % 6]} "
+                       f"every day and ask what to do.\nTL;DR:",
+             "completion": f" worried about {topics[i % 6]}"} for i in range(n)]
+
+
+def _example_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "examples" / "grpo_tldr_gpu.py"
+    spec = importlib.util.spec_from_file_location("grpo_tldr_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rouge_reward_reads_the_reference_summary_column():
+    reward = _example_module().rouge_l_reward()
+    scores = reward(["worried about my cat", "bananas", "worried about rent"],
+                    reference_summary=["worried about my cat", "worried about my cat", "worried about the rent"])
+    assert scores[0] == 1.0 and scores[1] == 0.0 and 0.0 < scores[2] < 1.0
+
+
+def test_gpu_example_runs_on_cpu_with_a_local_tldr_dataset(serve_unit, tmp_path, tiny_model_dir):
+    # The GPU example, as documented, with the tiny model and a local file in trl-lib/tldr's format.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    unit, root = serve_unit
+    data = tmp_path / "tldr.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in _tldr_rows(24)))
+    script = Path(__file__).parents[1] / "examples" / "grpo_tldr_gpu.py"
+    cmd = [sys.executable, str(script), "--model", str(tiny_model_dir), "--dataset", str(data),
+           "--checkpoint-path", str(root), "--sglang-url", unit.sglang_url, "--sidecar-url", unit.sidecar_url,
+           "--output-dir", str(tmp_path / "out"), "--max-steps", "2", "--per-device-train-batch-size", "4",
+           "--num-generations", "4", "--max-completion-length", "8", "--learning-rate", "1e-3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    # One log line per step (logging_steps=1 for short runs), with the ROUGE reward and a sync.
+    logged = [line for line in done.stdout.splitlines() if "'rewards/rouge_l/mean'" in line]
+    assert len(logged) == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert all("'sglang/sync_version'" in line for line in logged), logged
+    status = _status(unit)
+    assert status["loaded_step"] is not None and not status["rejected"]
+
+
+def test_gpu_example_names_a_dataset_without_the_tldr_columns(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"text": "no prompt here"}) + "\n")
+    script = Path(__file__).parents[1] / "examples" / "grpo_tldr_gpu.py"
+    done = subprocess.run([sys.executable, str(script), "--model", "unused", "--dataset", str(data),
+                           "--checkpoint-path", str(tmp_path / "c"), "--sglang-url", "http://127.0.0.1:9",
+                           "--sidecar-url", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "missing column(s) ['completion', 'prompt']" in done.stderr, done.stderr[-2000:]
