@@ -6,7 +6,7 @@ units; the policy is synced to them through a shared checkpoint directory every 
 
 On a machine with 2 GPUs (one for SGLang, one for training), from the repository root::
 
-    pip install -e '.[trainer,rollout]' rouge-score
+    pip install -e '.[trainer,rollout,examples]'
     # GPU 0: SGLang + sidecar
     CUDA_VISIBLE_DEVICES=0 rollout-service serve --model Qwen/Qwen2.5-0.5B-Instruct \\
         --checkpoint-path /tmp/ckpts --port 30000 --sidecar-port 8100 -- --mem-fraction-static 0.6
@@ -17,16 +17,26 @@ On a machine with 2 GPUs (one for SGLang, one for training), from the repository
 With 8 GPUs, run ``serve`` on some of them (one unit per GPU, each with its own ports, all on
 the same ``--checkpoint-path``), pass every SGLang URL and sidecar URL, and launch the trainer
 with ``accelerate launch --num_processes N examples/grpo_tldr_gpu.py ...``. The model and the
-dataset come from the Hugging Face Hub, so this needs network access (the CPU demo does not).
+dataset come from the Hugging Face Hub, so this needs network access; ``--model`` and
+``--dataset`` also take local paths (a model directory; a JSON-lines file or a
+``save_to_disk`` folder with ``prompt`` and ``completion`` columns), which is how the test
+suite runs this script on CPU with the tiny model.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+from typing import Any
 
-from datasets import load_dataset
+import torch
+from datasets import Dataset, load_dataset, load_from_disk
 
 from trainer_hooks import GRPOConfig, GRPOTrainer
+
+REFERENCE_COLUMN = "reference_summary"
+"""trl-lib/tldr's ``completion`` column, renamed: TRL keeps ``prompt``/``completion`` columns out
+of the keyword arguments it passes to reward functions."""
 
 
 def rouge_l_reward():
@@ -35,30 +45,56 @@ def rouge_l_reward():
 
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
 
-    def rouge_l(completions, completion, **kwargs) -> list[float]:
-        # trl-lib/tldr: "prompt" is the post, "completion" the reference TL;DR.
-        return [scorer.score(ref, out)["rougeL"].fmeasure for out, ref in zip(completions, completion)]
+    def rouge_l(completions: list[str], reference_summary: list[str], **kwargs: Any) -> list[float]:
+        return [scorer.score(ref, out)["rougeL"].fmeasure for out, ref in zip(completions, reference_summary)]
 
     return rouge_l
 
 
+def load_tldr(name_or_path: str) -> Dataset:
+    """The training split of ``name_or_path`` (Hub name, JSON-lines file or saved dataset folder)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        dataset = load_dataset("json", data_files=str(path), split="train")
+    elif path.is_dir():
+        dataset = load_from_disk(str(path))
+    else:
+        dataset = load_dataset(name_or_path, split="train")
+    missing = {"prompt", "completion"} - set(dataset.column_names)
+    if missing:
+        raise SystemExit(f"--dataset {name_or_path}: missing column(s) {sorted(missing)}; the TL;DR format has a "
+                         "'prompt' (the post) and a 'completion' (the reference summary)")
+    return dataset.rename_column("completion", REFERENCE_COLUMN)
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct")
+    on_gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct", help="Hub name or local model directory")
+    p.add_argument("--dataset", default="trl-lib/tldr", help="Hub name, JSON-lines file or saved dataset folder")
     p.add_argument("--checkpoint-path", required=True, help="the directory the sidecars watch")
     p.add_argument("--sglang-url", action="append", required=True, help="repeat for several servers")
     p.add_argument("--sidecar-url", action="append", required=True, help="one per SGLang server")
     p.add_argument("--output-dir", default="runs/grpo-tldr")
     p.add_argument("--max-steps", type=int, default=500)
+    p.add_argument("--per-device-train-batch-size", type=int, default=16)
+    p.add_argument("--num-generations", type=int, default=8)
+    p.add_argument("--max-completion-length", type=int, default=64)
+    p.add_argument("--learning-rate", type=float, default=1e-6)
+    p.add_argument("--checkpoint-dtype", default="bfloat16" if on_gpu else None,
+                   help="dtype of the published checkpoints (default: bfloat16 on GPU, the model's on CPU)")
     a = p.parse_args()
+    dataset = load_tldr(a.dataset)
     args = GRPOConfig(
         output_dir=a.output_dir, checkpoint_path=a.checkpoint_path, sglang_urls=a.sglang_url,
-        sidecar_urls=a.sidecar_url, max_staleness=0, checkpoint_dtype="bfloat16", keep_checkpoints=3,
-        per_device_train_batch_size=16, num_generations=8, max_completion_length=64,
-        learning_rate=1e-6, max_steps=a.max_steps, bf16=True, logging_steps=5, report_to=[],
-        gradient_checkpointing=True)
-    dataset = load_dataset("trl-lib/tldr", split="train")
-    trainer = GRPOTrainer(model=a.model, reward_funcs=rouge_l_reward(), args=args, train_dataset=dataset)
+        sidecar_urls=a.sidecar_url, max_staleness=0, checkpoint_dtype=a.checkpoint_dtype, keep_checkpoints=3,
+        per_device_train_batch_size=a.per_device_train_batch_size, num_generations=a.num_generations,
+        max_completion_length=a.max_completion_length, learning_rate=a.learning_rate, max_steps=a.max_steps,
+        bf16=on_gpu, use_cpu=not on_gpu, logging_steps=1 if a.max_steps < 20 else 5, report_to=[],
+        save_strategy="no", gradient_checkpointing=True)
+    trainer = GRPOTrainer(model=a.model, reward_funcs=rouge_l_reward(), args=args,
+                          train_dataset=dataset)
     trainer.train()
 
 
