@@ -1,13 +1,18 @@
 """Rollout overhead of trainer_hooks, and GRPO step time against TRL's built-in generation.
 
-    ./scripts/run.sh python benchmarks/rollout_bench.py [--repeats 5] [--steps 10]
+    ./scripts/run.sh python benchmarks/rollout_bench.py [--repeats 20] [--steps 10]
 
 Part 1, generation overhead: on one real SGLang server (tiny model, CPU), the same
 batch (``--prompts`` prompts x ``--n`` completions x ``--max-new-tokens`` tokens,
 ``ignore_eos`` so every run makes the same number of tokens) goes alternately
 through ``trainer_hooks.SGLangGeneration.generate`` (de-duplication, request,
 response checks, int coercion, scatter) and through a direct ``POST /generate``
-with the same payload. Prints tokens/s of each and the overhead (goal: under 3%).
+with the same payload, back to back in pairs. Prints tokens/s of each and the
+overhead (goal: under 3%) as the median of the paired time ratios with a bootstrap
+95% interval. Then, because a shared CPU makes live batches vary by +-15%, it
+replays one recorded answer through both clients with no server (an
+``httpx.MockTransport``), which times each client's own work exactly: the extra
+milliseconds of ``trainer_hooks`` are the overhead any server would see.
 
 Part 2, GRPO step time: the demo's GRPO run (``trainer_hooks`` with SGLang
 rollouts and a checkpoint sync every step) against ``trl.GRPOTrainer`` with its
@@ -29,7 +34,8 @@ import httpx
 
 
 def generation_overhead(model_dir: Path, work: Path, prompts: int, n: int, max_new_tokens: int,
-                        repeats: int) -> dict:
+                        repeats: int, replays: int = 50) -> dict:
+    """Part 1: live paired runs against direct /generate, and the client-side cost on a replay."""
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -38,7 +44,7 @@ def generation_overhead(model_dir: Path, work: Path, prompts: int, n: int, max_n
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     batch = [tokenizer(f"prompt number {i}: def f(x):")["input_ids"] for i in range(prompts)]
-    sampling = {"temperature": 1.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+    repeated = [p for p in batch for _ in range(n)]
     with SGLangServer(model_dir, device="cpu", log_path=work / "sglang.log", die_with_parent=True) as server:
         (work / "ckpt").mkdir()
         args = GRPOConfig(output_dir=str(work / "out"), checkpoint_path=str(work / "ckpt"),
@@ -48,28 +54,71 @@ def generation_overhead(model_dir: Path, work: Path, prompts: int, n: int, max_n
                                Accelerator(cpu=True), tokenizer, args=args, temperature=1.0,
                                max_completion_length=max_new_tokens,
                                generation_kwargs={"ignore_eos": True})
-        payload = {"input_ids": batch, "sampling_params": {**sampling, "n": n}, "return_logprob": True}
+        # Exactly what trainer_hooks sends (its sampling parameters, n, logprobs), sent directly.
+        payload = {"input_ids": batch, "sampling_params": {**gen.sampling_params, "n": n}, "return_logprob": True}
+        client = httpx.Client(timeout=600)
 
-        def direct() -> int:
-            out = httpx.post(f"{server.url}/generate", json=payload, timeout=600).json()
-            return sum(len([int(t) for t in item["output_ids"]]) for item in out)
+        def direct_body() -> bytes:
+            response = client.post(f"{server.url}/generate", json=payload)
+            response.raise_for_status()
+            return response.content
+
+        def direct_tokens(body: bytes) -> int:
+            return sum(len([int(t) for t in item["output_ids"]]) for item in json.loads(body))
 
         def hooks() -> int:
-            repeated = [p for p in batch for _ in range(n)]
             _, completion_ids, _, _ = gen.generate(repeated, None, n)
             return sum(len(c) for c in completion_ids)
 
-        direct(), hooks()  # warm-up: radix cache and connections, for both
-        runs: dict[str, list[float]] = {"direct": [], "trainer_hooks": []}
+        recorded = direct_body()
+        hooks()  # warm-up: radix cache and connections, for both
+        # Live, paired: each repeat runs both paths back to back (order alternating), and the
+        # overhead is the median of the per-pair time ratios, with a bootstrap 95% interval.
+        seconds: dict[str, list[float]] = {"direct": [], "trainer_hooks": []}
         for rep in range(repeats):
-            order = [("direct", direct), ("trainer_hooks", hooks)]
-            for name, fn in (order if rep % 2 == 0 else order[::-1]):
+            order = ["direct", "trainer_hooks"] if rep % 2 == 0 else ["trainer_hooks", "direct"]
+            for name in order:
                 t0 = time.perf_counter()
-                tokens = fn()
-                runs[name].append(tokens / (time.perf_counter() - t0))
-    med = {k: statistics.median(v) for k, v in runs.items()}
-    return {"tokens_per_batch": prompts * n * max_new_tokens, "tokens_per_s": runs, "median": med,
-            "overhead": 1 - med["trainer_hooks"] / med["direct"]}
+                tokens = direct_tokens(direct_body()) if name == "direct" else hooks()
+                seconds[name].append(time.perf_counter() - t0)
+                assert tokens == prompts * n * max_new_tokens, (name, tokens)
+        # Replay: the same recorded answer, no server, so only each client's own work is timed:
+        # trainer_hooks' whole generate() (request building, de-duplication, response checks,
+        # int coercion, weight-version check, scatter) against reading the JSON and the ids.
+        gen._endpoints.close()  # the benchmark swaps the network for a replay of `recorded`
+        gen._endpoints = type(gen._endpoints)(
+            [server.url], request_timeout_s=60.0, vocab_size=gen._endpoints._vocab_size,
+            transport=httpx.MockTransport(lambda request: httpx.Response(200, content=recorded)))
+        replay = {"direct": [], "trainer_hooks": []}
+        for _ in range(replays):
+            t0 = time.perf_counter()
+            direct_tokens(recorded)
+            replay["direct"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            hooks()
+            replay["trainer_hooks"].append(time.perf_counter() - t0)
+        client.close()
+        gen.close()
+    ratios = [h / d for h, d in zip(seconds["trainer_hooks"], seconds["direct"])]
+    low, high = _bootstrap_median_ci(ratios)
+    extra_s = statistics.median(replay["trainer_hooks"]) - statistics.median(replay["direct"])
+    direct_s = statistics.median(seconds["direct"])
+    tokens = prompts * n * max_new_tokens
+    return {"tokens_per_batch": tokens, "seconds": seconds, "pair_ratios": ratios,
+            "tokens_per_s_median": {k: tokens / statistics.median(v) for k, v in seconds.items()},
+            "overhead": statistics.median(ratios) - 1, "overhead_ci95": [low - 1, high - 1],
+            "replay_s": replay, "client_extra_s": extra_s, "client_overhead": extra_s / direct_s,
+            "response_bytes": len(recorded)}
+
+
+def _bootstrap_median_ci(values: list[float], rounds: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the median of ``values``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    data = np.asarray(values)
+    medians = np.median(rng.choice(data, size=(rounds, len(data)), replace=True), axis=1)
+    return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
 
 
 def trl_baseline_steps(model_dir: Path, work: Path, steps: int, lr: float) -> dict:
@@ -104,7 +153,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=20, help="paired live runs (part 1)")
     parser.add_argument("--steps", type=int, default=10, help="GRPO steps per trainer (part 2)")
     parser.add_argument("--skip-grpo", action="store_true", help="only part 1")
     parser.add_argument("--json", default=None)
@@ -118,12 +167,19 @@ def main() -> None:
     results: dict = {"overhead": generation_overhead(model_dir, work, args.prompts, args.n,
                                                      args.max_new_tokens, args.repeats)}
     o = results["overhead"]
-    print(f"generation: {args.prompts} prompts x n={args.n} x {args.max_new_tokens} tokens,"
-          f" {args.repeats} alternating repeats")
+    print(f"generation: {args.prompts} prompts x n={args.n} x {args.max_new_tokens} tokens"
+          f" ({o['tokens_per_batch']} tokens), {args.repeats} paired live runs")
     for k in ("direct", "trainer_hooks"):
-        print(f"  {k:<14} {o['median'][k]:>9.0f} tok/s   runs: "
-              + " ".join(f"{x:.0f}" for x in o["tokens_per_s"][k]))
-    print(f"  trainer_hooks overhead: {100 * o['overhead']:.1f}% (goal: < 3%)")
+        print(f"  {k:<14} {o['tokens_per_s_median'][k]:>9.0f} tok/s   batch seconds: "
+              + " ".join(f"{x:.2f}" for x in o["seconds"][k]))
+    low, high = o["overhead_ci95"]
+    print(f"  live overhead (median of paired ratios): {100 * o['overhead']:+.1f}%"
+          f"  [95% CI {100 * low:+.1f}% .. {100 * high:+.1f}%]  (goal: < 3%)")
+    print(f"  client-side work on a replay of the same {o['response_bytes'] / 1e3:.0f} kB answer: trainer_hooks"
+          f" {1e3 * statistics.median(o['replay_s']['trainer_hooks']):.2f} ms vs direct"
+          f" {1e3 * statistics.median(o['replay_s']['direct']):.2f} ms per batch;"
+          f" extra {1e3 * o['client_extra_s']:.2f} ms = {100 * o['client_overhead']:.2f}% of a"
+          f" {statistics.median(o['seconds']['direct']):.2f} s batch")
     if not args.skip_grpo:
         import torch
 

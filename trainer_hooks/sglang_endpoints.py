@@ -58,7 +58,10 @@ class SGLangEndpoints:
     """A set of SGLang base URLs that generation batches are spread over."""
 
     def __init__(self, urls: Sequence[str], *, request_timeout_s: float,
-                 vocab_size: int | None = None, api_key: str | None = None) -> None:
+                 vocab_size: int | None = None, api_key: str | None = None,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        """``transport`` replaces the network (``httpx.MockTransport`` replays recorded answers
+        in benchmarks); leave it None to talk to the servers."""
         if not urls:
             raise ValueError("SGLangEndpoints needs at least one URL, e.g. ['http://127.0.0.1:30000']")
         self._endpoints = [_Endpoint(url.rstrip("/")) for url in urls]
@@ -69,6 +72,7 @@ class SGLangEndpoints:
         self._client = httpx.Client(
             timeout=httpx.Timeout(request_timeout_s, connect=min(CONNECT_TIMEOUT_S, request_timeout_s)),
             limits=httpx.Limits(max_connections=max(4, 2 * len(urls))),
+            transport=transport,
         )
         self._pool = ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="sglang-generate")
 

@@ -116,7 +116,7 @@ def _parse_item(item: Any, where: str, want_logprobs: bool, vocab_size: int | No
             f"{where}: expected 'output_ids' to be a list of token ids, found {type(raw_ids).__name__}; "
             "the trainer sends input_ids and needs token ids back (use SGLang >= 0.5)"
         )
-    token_ids = [coerce_token_id(t, f"{where} output_ids[{i}]", vocab_size) for i, t in enumerate(raw_ids)]
+    token_ids = _token_ids(raw_ids, f"{where} output_ids", vocab_size)
     logprobs: list[float | None] | None = None
     if want_logprobs:
         entries = meta.get("output_token_logprobs")
@@ -128,18 +128,9 @@ def _parse_item(item: Any, where: str, want_logprobs: bool, vocab_size: int | No
             raise SGLangResponseError(
                 f"{where}: {len(entries)} token logprobs for {len(token_ids)} output ids; they must match"
             )
-        logprobs = []
-        for i, entry in enumerate(entries):
-            if not isinstance(entry, (list, tuple)) or len(entry) < 2:
-                raise SGLangResponseError(
-                    f"{where}: output_token_logprobs[{i}] is {entry!r}, expected [logprob, token_id, ...]"
-                )
-            token = coerce_token_id(entry[1], f"{where} output_token_logprobs[{i}]", vocab_size)
-            if token != token_ids[i]:
-                raise SGLangResponseError(
-                    f"{where}: output_token_logprobs[{i}] is for token {token}, output_ids[{i}] is {token_ids[i]}"
-                )
-            logprobs.append(_logprob(entry[0], f"{where} output_token_logprobs[{i}]"))
+        logprobs = _fast_logprobs(entries, token_ids)
+        if logprobs is None:
+            logprobs = _checked_logprobs(entries, token_ids, where, vocab_size)
     raw_version = meta.get("weight_version")
     finish = meta.get("finish_reason")
     if isinstance(finish, dict):
@@ -151,6 +142,43 @@ def _parse_item(item: Any, where: str, want_logprobs: bool, vocab_size: int | No
         raw_weight_version=None if raw_version is None else str(raw_version),
         finish_reason=finish if isinstance(finish, str) else None,
     )
+
+
+def _token_ids(raw: list[Any], where: str, vocab_size: int | None) -> list[int]:
+    """``raw`` as validated ints: one pass over exact ints in range (what SGLang sends), else
+    token by token through :func:`coerce_token_id` for a message naming the bad one."""
+    if all(type(t) is int for t in raw) and (
+            not raw or (min(raw) >= 0 and (vocab_size is None or max(raw) < vocab_size))):
+        return list(raw)
+    return [coerce_token_id(t, f"{where}[{i}]", vocab_size) for i, t in enumerate(raw)]
+
+
+def _fast_logprobs(entries: list[Any], token_ids: list[int]) -> list[float | None] | None:
+    """The logprobs when every entry is a well-formed ``[float, <the output id>, ...]``; None
+    sends the caller to the entry-by-entry checks (and their error messages)."""
+    if not all(type(e) is list and len(e) >= 2 and type(e[1]) is int and type(e[0]) is float for e in entries):
+        return None
+    if [e[1] for e in entries] != token_ids:
+        return None
+    return [None if e[0] != e[0] else e[0] for e in entries]  # NaN -> None
+
+
+def _checked_logprobs(entries: list[Any], token_ids: list[int], where: str,
+                      vocab_size: int | None) -> list[float | None]:
+    """Entry by entry, raising on the first malformed one with its index."""
+    logprobs: list[float | None] = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+            raise SGLangResponseError(
+                f"{where}: output_token_logprobs[{i}] is {entry!r}, expected [logprob, token_id, ...]"
+            )
+        token = coerce_token_id(entry[1], f"{where} output_token_logprobs[{i}]", vocab_size)
+        if token != token_ids[i]:
+            raise SGLangResponseError(
+                f"{where}: output_token_logprobs[{i}] is for token {token}, output_ids[{i}] is {token_ids[i]}"
+            )
+        logprobs.append(_logprob(entry[0], f"{where} output_token_logprobs[{i}]"))
+    return logprobs
 
 
 def _logprob(value: Any, where: str) -> float | None:
