@@ -93,6 +93,20 @@ def test_peft_lora_run_publishes_merged_weights_that_sglang_loads(serve_unit, tm
     assert status["loaded_step"] == result["final_step"] and not status["rejected"]
 
 
+
+def test_deepspeed_zero3_run_gathers_partitioned_weights_that_sglang_loads(serve_unit, tmp_path):
+    # TRL's GRPOTrainer under accelerate's DeepSpeed plugin, ZeRO stage 3 on 2 CPU processes.
+    unit, root = serve_unit
+    result = _run_script(unit, root, tmp_path / "zero3.json", "--steps", "3", "--zero3", processes=2)
+    assert result["processes"] == 2 and result["distributed_type"] == "DistributedType.DEEPSPEED"
+    # Every parameter is partitioned (empty locally), so a sync must gather each one.
+    assert result["partitioned_parameters"] == result["parameters"] > 0
+    versions = [h["sglang/sync_version"] for h in result["history"]]
+    assert len(versions) == 3 and versions == sorted(versions)
+    assert result["published_equals_trained"] and not result["unpublished_tensors"], result["max_abs_diff"]
+    status = _status(unit)
+    assert status["loaded_step"] == result["final_step"] and not status["rejected"]
+
 def test_fsdp2_sharded_model_publishes_full_weights_that_sglang_serves(serve_unit, tmp_path):
     # accelerate runs FSDP on GPU-like devices only, so the model is sharded with FSDP2's own
     # fully_shard (as accelerate's FSDP2 plugin does) and synced by SGLangGeneration directly.
