@@ -470,6 +470,73 @@ def test_background_sync_keeps_rollouts_within_max_staleness(untied_unit: Rollou
     assert max(logged(trainer, "sglang/version_lag")) <= 1
 
 
+
+def test_trl_tool_loop_runs_multi_turn_through_sglang(untied_unit: RolloutUnit, tmp_path: Path) -> None:
+    # TRL's own tool-calling loop: SGLang writes a tool call (forced by SGLang's regex-constrained
+    # decoding, passed through generation_kwargs: a random tiny model would not write one), TRL runs
+    # the tool, appends its result and asks the backend again for the next turn.
+    import re
+
+    import trl
+
+    calls: list[tuple[int, int]] = []
+
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        calls.append((a, b))
+        return a + b
+
+    tool_call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    config = make_config(tmp_path, untied_unit.checkpoint_root, [untied_unit.sglang_url], [untied_unit.sidecar_url],
+                         max_steps=1, max_completion_length=160, max_tool_calling_iterations=1,
+                         generation_kwargs={"regex": re.escape(tool_call)})
+    tokenizer = AutoTokenizer.from_pretrained(untied_unit.model_dir)
+    # A chat template TRL knows how to parse tool calls from.
+    tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
+    seen: list[Any] = []
+
+    def reward(completions: list[Any], **kwargs: Any) -> list[float]:
+        seen.extend(completions)
+        return [float(len(c)) for c in completions]
+
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(untied_unit.model_dir, dtype=torch.float32),
+                          reward_funcs=reward, args=config, train_dataset=prompts_dataset(), processing_class=tokenizer,
+                          tools=[add])
+    trainer.train()
+    assert calls == [(1, 2)] * 4  # one call per completion
+    assert logged(trainer, "tools/call_frequency") == [1.0] and logged(trainer, "tools/failure_frequency") == [0.0]
+    for turns in seen:  # call, the tool's answer, then the next turn generated after it
+        assert [t["role"] for t in turns] == ["assistant", "tool", "assistant"], turns
+        assert turns[1]["content"] == "3" and turns[2]["tool_calls"][0]["function"]["name"] == "add"
+    # Both turns came from SGLang, on the weights published for the step.
+    first, second = trainer.vllm_generation.history
+    assert first.published_version == second.published_version is not None
+    assert set(first.versions) == set(second.versions) == {first.published_version} and len(second.versions) == 4
+
+
+def test_evaluation_generates_through_sglang_on_the_synced_weights(untied_unit: RolloutUnit, tmp_path: Path) -> None:
+    config = make_config(tmp_path, untied_unit.checkpoint_root, [untied_unit.sglang_url], [untied_unit.sidecar_url],
+                         max_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+    model = AutoModelForCausalLM.from_pretrained(untied_unit.model_dir, dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=config, train_dataset=prompts_dataset(),
+                          eval_dataset=prompts_dataset(4), processing_class=AutoTokenizer.from_pretrained(
+                              untied_unit.model_dir))
+    trainer.train()
+    assert logged(trainer, "eval_reward"), trainer.state.log_history
+    train_records, eval_records = list(trainer.vllm_generation.history)[:2], list(trainer.vllm_generation.history)[2:]
+    assert len(train_records) == 2 and eval_records
+    # Evaluation after step 2 saw step 2's update: a newer version than the last training rollout.
+    for record in eval_records:
+        assert record.published_version > train_records[-1].published_version
+        assert set(record.versions) == {record.published_version}, record
+    metrics = trainer.evaluate()
+    assert "eval_reward" in metrics and "eval_loss" in metrics
+
 def test_grpo_waits_through_ack_files_with_expected_replicas(untied_unit: RolloutUnit, tmp_path: Path) -> None:
     config = make_config(tmp_path, untied_unit.checkpoint_root, [untied_unit.sglang_url], [], expected_replicas=1,
                          max_steps=1)
