@@ -363,6 +363,24 @@ def test_untested_trl_version_is_refused_with_a_clear_message() -> None:
         check_trl_version("1.17.0")
 
 
+
+def test_a_trainer_on_every_core_beside_a_local_cpu_sglang_is_warned(caplog: pytest.LogCaptureFixture) -> None:
+    from trainer_hooks.sglang_generation import warn_if_sharing_the_cpu
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(os.cpu_count() or 1)
+        with caplog.at_level(logging.WARNING):
+            assert warn_if_sharing_the_cpu(["http://10.0.0.5:30000"]) is False  # another machine
+            assert warn_if_sharing_the_cpu(["http://127.0.0.1:30000"]) is (not torch.cuda.is_available())
+        if not torch.cuda.is_available():
+            assert "torch.set_num_threads(" in caplog.text
+        if (os.cpu_count() or 1) > 1:
+            torch.set_num_threads((os.cpu_count() or 2) - 1)
+            assert warn_if_sharing_the_cpu(["http://localhost:30000"]) is False
+    finally:
+        torch.set_num_threads(threads)
+
 # --- (b) token ids are integers ------------------------------------------------------------------------------
 
 def test_integral_float_token_ids_are_coerced_and_others_rejected() -> None:

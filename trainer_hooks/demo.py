@@ -124,6 +124,7 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
 
     from rollout_service.tiny_model import ensure_tiny_model
     from trainer_hooks import GRPOConfig, GRPOTrainer
+    from trainer_hooks.sglang_generation import is_local_url
 
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -141,10 +142,8 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
         if serve is not None:
             serve.wait_ready(startup_timeout_s)
         torch.manual_seed(seed)
-        if device == "cpu" and _is_local(sglang_url):
-            # SGLang's CPU scheduler keeps a core busy even when idle; a trainer using every core
-            # then waits on its own descheduled threads (measured: TRL's step 0.34 s -> 6.5 s with
-            # an idle server beside it on 2 cores, 0.45 s with one trainer thread).
+        if device == "cpu" and is_local_url(sglang_url):
+            # SGLang's CPU scheduler keeps a core busy (see warn_if_sharing_the_cpu).
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -213,12 +212,6 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
           f" (last {k}); {wall:.1f} s for {steps} steps; wrote {output_dir / 'summary.json'}"
           + (f" and {output_dir / 'demo.png'}" if plot else ""), flush=True)
     return summary
-
-
-def _is_local(url: str | None) -> bool:
-    from urllib.parse import urlparse
-
-    return bool(url) and urlparse(url).hostname in ("127.0.0.1", "localhost", "::1")
 
 
 def time_split(history: list[dict[str, Any]]) -> dict[str, float]:
