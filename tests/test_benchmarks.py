@@ -1,0 +1,72 @@
+"""The benchmark scripts still run and report every figure they promise (smallest settings).
+
+These are smoke runs against the real SGLang server on the CPU, not measurements: they check
+that each phase, baseline and ratio is produced and self-consistent, never how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).parents[1] / "benchmarks"
+
+
+def _run(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done
+
+
+def test_sync_bench_reports_every_phase_and_both_baselines(tmp_path: Path) -> None:
+    out = tmp_path / "sync.json"
+    done = _run([sys.executable, str(BENCH / "sync_bench.py"), "--sizes", "tiny", "--storage", str(tmp_path),
+                 "--repeats", "1", "--warmup", "0", "--log-dir", str(tmp_path / "logs"), "--json", str(out)],
+                timeout=900)
+    [result] = json.loads(out.read_text())["results"]
+    assert result["error"] is None and result["sglang"] and result["tensors"] > 0
+    med = result["median_s"]
+    phases = ["publish_s", "detect_s", "validate_s", "load_s", "ack_s", "end_to_end_s"]
+    assert all(med[f"ours.{p}"] >= 0 for p in phases)
+    # End to end covers the publish and everything the sidecar did after it.
+    assert med["ours.end_to_end_s"] >= med["ours.publish_s"]
+    assert med["physical.limit_s"] > 0 and med["naive.total_s"] > 0
+    ratios = result["ratios"]
+    assert abs(ratios["ours/limit"] - med["ours.end_to_end_s"] / med["physical.limit_s"]) < 1e-9
+    assert abs(ratios["ours/naive"] - med["ours.end_to_end_s"] / med["naive.total_s"]) < 1e-9
+    assert "Against the physical limit and the naive path" in done.stdout
+
+
+def test_gpu_check_dry_runs_on_the_cpu_with_its_fallback(tmp_path: Path) -> None:
+    # GPU_CHECK_DEVICE=cpu is the script's dry-run switch; without SGLang's CUDA kernels it takes
+    # its trainer-side fallback, as on a GPU machine without SGLang.
+    results = tmp_path / "results"
+    done = _run(["bash", str(BENCH / "gpu_check.sh")], timeout=600, OUT=str(results), GPU_CHECK_DEVICE="cpu",
+                GPU_CHECK_SIZES="tiny", GPU_CHECK_REPEATS="1", ROLLOUT_GPU_PYTHON=sys.executable)
+    log = (results / "gpu-check.log").read_text()
+    assert "trainer side only (--no-sglang)" in log and "size tiny finished with exit code 0" in log, log[-3000:]
+    measured = json.loads((results / "sync-tiny.json").read_text())["results"]
+    assert measured and {r["storage"] for r in measured} <= {"local", "shm"}  # one result per storage
+    for result in measured:
+        assert result["error"] is None and not result["sglang"] and result["median_s"]["ours.publish_s"] > 0
+    assert (results / "env.txt").exists() and (results / "logs.tar.gz").exists()
+    assert "done in" in done.stdout
+
+
+def test_rollout_bench_reports_live_and_replayed_overhead(tmp_path: Path) -> None:
+    out = tmp_path / "rollout.json"
+    done = _run([sys.executable, str(BENCH / "rollout_bench.py"), "--skip-grpo", "--prompts", "2", "--n", "2",
+                 "--max-new-tokens", "8", "--repeats", "3", "--json", str(out)], timeout=900)
+    o = json.loads(out.read_text())["overhead"]
+    assert o["tokens_per_batch"] == 2 * 2 * 8
+    assert len(o["pair_ratios"]) == 3 and len(o["seconds"]["direct"]) == len(o["seconds"]["trainer_hooks"]) == 3
+    low, high = o["overhead_ci95"]
+    assert low <= o["overhead"] <= high
+    # The replay timed both clients on the recorded answer.
+    assert o["response_bytes"] > 0 and all(t > 0 for t in o["replay_s"]["trainer_hooks"])
+    assert o["client_overhead"] == o["client_extra_s"] / __import__("statistics").median(o["seconds"]["direct"])
+    assert "client-side work on a replay" in done.stdout
