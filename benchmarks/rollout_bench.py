@@ -181,11 +181,7 @@ def main() -> None:
           f" extra {1e3 * o['client_extra_s']:.2f} ms = {100 * o['client_overhead']:.2f}% of a"
           f" {statistics.median(o['seconds']['direct']):.2f} s batch")
     if not args.skip_grpo:
-        import torch
-
-        threads = torch.get_num_threads()
         sglang = run_demo(work / "demo", steps=args.steps, plot=False)
-        torch.set_num_threads(threads)  # run_demo leaves a core to a local CPU SGLang; TRL gets all
         baseline = trl_baseline_steps(model_dir, work, args.steps, sglang["learning_rate"])
         med_s = statistics.median(h["step_time"] for h in sglang["log_history"])
         med_t = statistics.median(baseline["step_time"])

@@ -26,15 +26,6 @@ SERVER_EXTRA_ARGS = ("--dtype", "float32")
 use float32, so the test server does too (greedy tokens and logprobs then agree with them)."""
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # Trainers run in this process beside local CPU SGLang servers, whose schedulers each keep a
-    # core busy; one torch thread avoids the oversubscription that slows a step many times over
-    # (see trainer_hooks.sglang_generation.warn_if_sharing_the_cpu).
-    import torch
-
-    torch.set_num_threads(1)
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The cached untied tiny Qwen2 model folder (built on first use)."""

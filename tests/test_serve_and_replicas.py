@@ -89,3 +89,44 @@ def test_two_replicas_load_and_acknowledge_every_step(sglang_server, second_sgla
     finally:
         a.stop()
         b.stop()
+
+
+def test_grpo_spreads_rollouts_over_two_real_servers_and_skips_a_dead_one(
+        sglang_server, second_sglang_server, checkpoint_root, tiny_model_dir, tmp_path, caplog):
+    import logging
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer_hooks import GRPOConfig, GRPOTrainer
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: connection refused
+    a = Sidecar(checkpoint_root, sglang_server.url, tmp_path / "a.log", replica_id="replica-a")
+    b = Sidecar(checkpoint_root, second_sglang_server.url, tmp_path / "b.log", replica_id="replica-b")
+    try:
+        args = GRPOConfig(output_dir=str(tmp_path / "out"), checkpoint_path=str(checkpoint_root),
+                          sglang_urls=[sglang_server.url, dead, second_sglang_server.url],
+                          sidecar_urls=[a.url, b.url], report_to="none", use_cpu=True, bf16=False,
+                          num_generations=4, per_device_train_batch_size=12, max_completion_length=6,
+                          max_steps=2, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                          sync_timeout=300.0, seed=0)
+        trainer = GRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+            reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions], args=args,
+            train_dataset=Dataset.from_dict({"prompt": [f"count to {i}" for i in range(16)]}),
+            processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+        with caplog.at_level(logging.WARNING, logger="trainer_hooks"):
+            trainer.train()
+        answered = trainer.vllm_generation._endpoints.prompts_answered()
+        # 3 unique prompts per step (one per endpoint), 2 steps: the live servers answered all.
+        assert answered[dead] == 0 and sum(answered.values()) == 6, answered
+        assert answered[sglang_server.url] > 0 and answered[second_sglang_server.url] > 0, answered
+        assert f"SGLang endpoint {dead} failed" in caplog.text
+        # Each step's rollouts came from the version both replicas acknowledged.
+        for record in trainer.vllm_generation.history:
+            assert set(record.versions) == {record.published_version}, record
+        assert a.status()["loaded_step"] == b.status()["loaded_step"] == record.published_version
+    finally:
+        a.stop()
+        b.stop()

@@ -127,3 +127,32 @@ def _pgid_of(pid: int) -> int | None:
         return os.getpgid(pid)
     except (ProcessLookupError, PermissionError):
         return None
+
+
+def test_idle_cpu_server_sleeps_instead_of_busy_polling(sglang_server_at_base):
+    # The launcher passes --sleep-on-idle on CPU: an idle scheduler that busy-polls burns a whole
+    # core (95% measured), which starves a trainer on the same CPU. Sleeping, it uses ~1%.
+    import psutil
+
+    assert "--sleep-on-idle" in sglang_server_at_base.command()
+    generate(sglang_server_at_base.url, [1, 2, 3], max_new_tokens=2)  # served, then idle
+    children = psutil.Process(sglang_server_at_base.pid).children(recursive=True)
+    schedulers = [p for p in children if "scheduler" in p.name()]
+    assert schedulers, [p.name() for p in children]
+    time.sleep(1.0)
+    before = [sum(p.cpu_times()[:2]) for p in schedulers]
+    time.sleep(5.0)
+    used = [sum(p.cpu_times()[:2]) - b for p, b in zip(schedulers, before)]
+    # Busy-polling would take most of the 5 s even on a loaded machine; sleeping takes ~0.05 s.
+    assert max(used) < 1.25, used
+    # The trainer reads the setting back and sees no reason to warn, even on every core.
+    import torch
+
+    from trainer_hooks.sglang_generation import warn_if_sharing_the_cpu
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(os.cpu_count() or 1)
+        assert warn_if_sharing_the_cpu([sglang_server_at_base.url]) is False
+    finally:
+        torch.set_num_threads(threads)

@@ -124,7 +124,6 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
 
     from rollout_service.tiny_model import ensure_tiny_model
     from trainer_hooks import GRPOConfig, GRPOTrainer
-    from trainer_hooks.sglang_generation import is_local_url
 
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -142,9 +141,6 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
         if serve is not None:
             serve.wait_ready(startup_timeout_s)
         torch.manual_seed(seed)
-        if device == "cpu" and is_local_url(sglang_url):
-            # SGLang's CPU scheduler keeps a core busy (see warn_if_sharing_the_cpu).
-            torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         dataset = Dataset.from_dict({"prompt": make_prompts(max(64, steps * prompts_per_step), seed)})

@@ -52,6 +52,7 @@ class _Endpoint:
     dead_until: float = 0.0
     last_error: str | None = None
     failures: int = 0
+    prompts_answered: int = 0
 
 
 class SGLangEndpoints:
@@ -79,6 +80,11 @@ class SGLangEndpoints:
     @property
     def urls(self) -> list[str]:
         return [e.url for e in self._endpoints]
+
+    def prompts_answered(self) -> dict[str, int]:
+        """How many prompts (each with its ``n`` samples) every endpoint has answered so far."""
+        with self._lock:
+            return {e.url: e.prompts_answered for e in self._endpoints}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -120,7 +126,7 @@ class SGLangEndpoints:
                     self._mark_dead(endpoint, exc.reason)
                     failed.extend(chunk)
                     continue
-                self._mark_alive(endpoint)
+                self._mark_alive(endpoint, len(chunk))
                 for i, group in zip(chunk, groups):
                     results[i] = group
             pending = sorted(failed)
@@ -172,8 +178,9 @@ class SGLangEndpoints:
             log.warning("SGLang endpoint %s failed (%s); no endpoint is left, retrying until the deadline",
                         endpoint.url, reason)
 
-    def _mark_alive(self, endpoint: _Endpoint) -> None:
+    def _mark_alive(self, endpoint: _Endpoint, answered: int) -> None:
         with self._lock:
+            endpoint.prompts_answered += answered
             if endpoint.failures:
                 log.info("SGLang endpoint %s answers again", endpoint.url)
             endpoint.failures = 0

@@ -420,20 +420,37 @@ def is_local_url(url: str | None) -> bool:
 
 
 def warn_if_sharing_the_cpu(urls: list[str]) -> bool:
-    """Warn (and return True) when a CPU-only trainer uses every core beside a local SGLang.
+    """Warn (and return True) when a CPU-only trainer uses every core beside a local SGLang that
+    busy-polls.
 
-    SGLang's CPU scheduler keeps a core busy even when idle; a trainer whose torch threads use
-    every core then waits on its own descheduled threads (measured on 2 cores: TRL's step 0.34 s
-    -> 6.5 s with an idle server beside it, 0.45 s with one trainer thread).
+    SGLang's CPU scheduler keeps a core busy even when idle unless it runs with
+    ``--sleep-on-idle`` (``rollout-service serve`` and the launcher pass it on CPU); a trainer
+    whose torch threads use every core then waits on its own descheduled threads (measured on
+    2 cores: TRL's step 0.34 s -> 6.5 s with an idle busy-polling server beside it).
     """
     cores = os.cpu_count() or 1
-    if torch.cuda.is_available() or not any(is_local_url(u) for u in urls) or torch.get_num_threads() < cores:
+    if torch.cuda.is_available() or torch.get_num_threads() < cores:
         return False
-    log.warning("SGLang runs on this machine's CPU beside a trainer using all %d cores (torch threads); its "
-                "scheduler keeps a core busy and training can slow down many times over. Call "
-                "torch.set_num_threads(%d) before training (development setups only; on GPU nodes this does "
-                "not arise)", cores, max(1, cores // 2))
+    polling = [u for u in urls if is_local_url(u) and _sleeps_on_idle(u) is not True]
+    if not polling:
+        return False
+    log.warning("SGLang at %s runs on this machine's CPU, may busy-poll a core while idle, and the trainer uses "
+                "all %d cores: training can slow down many times over. Start SGLang with --sleep-on-idle (as "
+                "`rollout-service serve` does on CPU) or call torch.set_num_threads(%d) before training",
+                ", ".join(polling), cores, max(1, cores // 2))
     return True
+
+
+def _sleeps_on_idle(url: str) -> bool | None:
+    """SGLang's ``sleep_on_idle`` setting from ``GET /server_info``; None when it cannot be read."""
+    import httpx
+
+    try:
+        info = httpx.get(f"{url.rstrip('/')}/server_info", timeout=5.0).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    value = info.get("sleep_on_idle") if isinstance(info, dict) else None
+    return value if isinstance(value, bool) else None
 
 
 def _checkpoint_dtype(requested: str | None, model: torch.nn.Module) -> str:
