@@ -82,22 +82,25 @@ def generation_overhead(model_dir: Path, work: Path, prompts: int, n: int, max_n
                 tokens = direct_tokens(direct_body()) if name == "direct" else hooks()
                 seconds[name].append(time.perf_counter() - t0)
                 assert tokens == prompts * n * max_new_tokens, (name, tokens)
-        # Replay: the same recorded answer, no server, so only each client's own work is timed:
-        # trainer_hooks' whole generate() (request building, de-duplication, response checks,
-        # int coercion, weight-version check, scatter) against reading the JSON and the ids.
+        # Replay: the same recorded answer through the same in-memory transport, no server, so
+        # only each client's own work is timed: trainer_hooks' whole generate() (de-duplication,
+        # response checks, int coercion, weight-version check, scatter) against a plain client
+        # (encode the request, read the JSON and the ids); both pay httpx's request/response work.
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=recorded))
         gen._endpoints.close()  # the benchmark swaps the network for a replay of `recorded`
         gen._endpoints = type(gen._endpoints)(
-            [server.url], request_timeout_s=60.0, vocab_size=gen._endpoints._vocab_size,
-            transport=httpx.MockTransport(lambda request: httpx.Response(200, content=recorded)))
+            [server.url], request_timeout_s=60.0, vocab_size=gen._endpoints._vocab_size, transport=transport)
+        replay_client = httpx.Client(transport=transport)
         replay = {"direct": [], "trainer_hooks": []}
         for _ in range(replays):
             t0 = time.perf_counter()
-            direct_tokens(recorded)
+            direct_tokens(replay_client.post(f"{server.url}/generate", json=payload).content)
             replay["direct"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             hooks()
             replay["trainer_hooks"].append(time.perf_counter() - t0)
         client.close()
+        replay_client.close()
         gen.close()
     ratios = [h / d for h, d in zip(seconds["trainer_hooks"], seconds["direct"])]
     low, high = _bootstrap_median_ci(ratios)

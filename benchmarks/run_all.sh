@@ -10,6 +10,6 @@ run() { local name=$1; shift; echo "== $name: $*"; "$@" 2>"$OUT/$name.err" | tee
 run publish-local python benchmarks/publish_bench.py --gb 1.0 --repeats 5 --json "$OUT/publish-local.json"
 run publish-shm python benchmarks/publish_bench.py --gb 1.0 --repeats 5 --dir /dev/shm --json "$OUT/publish-shm.json"
 run sidecar python benchmarks/sidecar_bench.py --syncs 10 --json "$OUT/sidecar.json"
-run rollout python benchmarks/rollout_bench.py --repeats 5 --steps 10 --json "$OUT/rollout.json"
+run rollout python benchmarks/rollout_bench.py --repeats 30 --steps 10 --json "$OUT/rollout.json"
 run sync python benchmarks/sync_bench.py --sizes "$SIZES" --storage local,shm --repeats 2 --json "$OUT/sync.json"
 python benchmarks/plot_sync.py "$OUT/sync.json" --out docs/img

@@ -152,7 +152,7 @@ def test_idle_cpu_server_sleeps_instead_of_busy_polling(sglang_server_at_base):
 
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
         assert warn_if_sharing_the_cpu([sglang_server_at_base.url]) is False
     finally:
         torch.set_num_threads(threads)

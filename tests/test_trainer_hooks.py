@@ -368,16 +368,18 @@ def test_a_trainer_on_every_core_beside_a_local_cpu_sglang_is_warned(caplog: pyt
     from trainer_hooks.sglang_generation import warn_if_sharing_the_cpu
 
     threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
     try:
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(cores)
         with caplog.at_level(logging.WARNING):
             assert warn_if_sharing_the_cpu(["http://10.0.0.5:30000"]) is False  # another machine
-            assert warn_if_sharing_the_cpu(["http://127.0.0.1:30000"]) is (not torch.cuda.is_available())
+            # Local, and its settings cannot be read (nothing listens): the trainer warns.
+            assert warn_if_sharing_the_cpu([dead_url()]) is (not torch.cuda.is_available())
         if not torch.cuda.is_available():
             assert "torch.set_num_threads(" in caplog.text
-        if (os.cpu_count() or 1) > 1:
-            torch.set_num_threads((os.cpu_count() or 2) - 1)
-            assert warn_if_sharing_the_cpu(["http://localhost:30000"]) is False
+        if cores > 1:
+            torch.set_num_threads(cores - 1)
+            assert warn_if_sharing_the_cpu([dead_url()]) is False
     finally:
         torch.set_num_threads(threads)
 
@@ -407,7 +409,15 @@ def test_well_formed_answers_take_the_fast_path_with_the_same_result_and_checks(
     # and a logprob entry for another token, a negative id or an id beyond the vocabulary still fails.
     item = {"output_ids": [5, 7, 9], "meta_info": {"weight_version": "4", "output_token_logprobs": [
         [-1.0, 5, None], [float("nan"), 7, None], [-0.5, 9, None]]}}
-    [[fast]] = parse_generate_response([item], num_prompts=1, n=1, want_logprobs=True, vocab_size=VOCAB_SIZE)
+    import trainer_hooks.sglang_responses as responses
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the checked path ran for a well-formed answer")
+
+    with pytest.MonkeyPatch.context() as patch:  # proves the one-pass path served it
+        patch.setattr(responses, "coerce_token_id", refuse)
+        patch.setattr(responses, "_checked_logprobs", refuse)
+        [[fast]] = parse_generate_response([item], num_prompts=1, n=1, want_logprobs=True, vocab_size=VOCAB_SIZE)
     slow_item = copy.deepcopy(item)
     slow_item["meta_info"]["output_token_logprobs"][2][0] = -1  # an int logprob: the checked path
     [[slow]] = parse_generate_response([slow_item], num_prompts=1, n=1, want_logprobs=True, vocab_size=VOCAB_SIZE)

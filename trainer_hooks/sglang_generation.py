@@ -428,7 +428,7 @@ def warn_if_sharing_the_cpu(urls: list[str]) -> bool:
     whose torch threads use every core then waits on its own descheduled threads (measured on
     2 cores: TRL's step 0.34 s -> 6.5 s with an idle busy-polling server beside it).
     """
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if torch.cuda.is_available() or torch.get_num_threads() < cores:
         return False
     polling = [u for u in urls if is_local_url(u) and _sleeps_on_idle(u) is not True]

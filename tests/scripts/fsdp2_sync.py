@@ -57,8 +57,8 @@ def main() -> None:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    sharded = all(type(p).__name__ == "DTensor" and p.to_local().numel() < p.numel()
-                  for p in model.parameters() if p.shape[0] >= world)
+    big = [p for p in model.parameters() if p.shape[0] >= world]
+    sharded = bool(big) and all(type(p).__name__ == "DTensor" and p.to_local().numel() < p.numel() for p in big)
 
     step = 0
     generation = SGLangGeneration(model, accelerator, tok, args=args, max_completion_length=6,

@@ -36,8 +36,9 @@ def main() -> None:
     p.add_argument("--checkpoint-path", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--peft", action="store_true")
-    p.add_argument("--zero3", action="store_true", help="DeepSpeed ZeRO-3 on CPU")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--peft", action="store_true")
+    mode.add_argument("--zero3", action="store_true", help="DeepSpeed ZeRO-3 on CPU")
     a = p.parse_args()
     if a.zero3:
         _use_zero3_on_cpu(Path(a.out).parent)
