@@ -16,7 +16,6 @@ equals the full (unsharded) trained weights, and the weight versions SGLang answ
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -34,14 +33,11 @@ from rollout_service.tiny_model import ensure_tiny_model
 from trainer_hooks import GRPOConfig
 from trainer_hooks.sglang_generation import SGLangGeneration
 
+from script_args import rollout_unit_parser
+
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--sglang-url", required=True)
-    p.add_argument("--sidecar-url", required=True)
-    p.add_argument("--checkpoint-path", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=2)
+    p = rollout_unit_parser(steps=2)
     a = p.parse_args()
     # The config first: building TrainingArguments resets accelerate's shared state.
     args = GRPOConfig(output_dir=str(Path(a.out).parent / "fsdp2-trainer"), checkpoint_path=a.checkpoint_path,

@@ -12,7 +12,6 @@ published checkpoint equals the trained (merged, for PEFT) weights.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
@@ -28,14 +27,11 @@ from rollout_service.tiny_model import ensure_tiny_model
 from trainer_hooks import GRPOConfig, GRPOTrainer
 from trainer_hooks.demo import make_prompts, word_start_reward
 
+from script_args import rollout_unit_parser
+
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--sglang-url", required=True)
-    p.add_argument("--sidecar-url", required=True)
-    p.add_argument("--checkpoint-path", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, default=3)
+    p = rollout_unit_parser(steps=3)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--peft", action="store_true")
     mode.add_argument("--zero3", action="store_true", help="DeepSpeed ZeRO-3 on CPU")
