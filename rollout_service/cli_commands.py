@@ -116,7 +116,7 @@ def register_demo(sub, add_env) -> None:
     add_env(p, "--output-dir", default="runs/demo", help="where summary.json and demo.png go")
     add_env(p, "--model", default=None, help="HF model directory (default: the tiny local model)")
     add_env(p, "--steps", type=int, default=20, help="GRPO steps")
-    add_env(p, "--learning-rate", type=float, default=1e-2, help="learning rate (0: a control run)")
+    add_env(p, "--learning-rate", type=float, default=2e-2, help="learning rate (0: a control run)")
     add_env(p, "--num-generations", type=int, default=8, help="completions per prompt")
     add_env(p, "--prompts-per-step", type=int, default=4, help="prompts per step")
     add_env(p, "--max-completion-length", type=int, default=16, help="new tokens per completion")

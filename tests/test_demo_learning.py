@@ -32,7 +32,9 @@ def test_reward_rises_with_learning_and_not_at_lr_zero(serve_unit, tmp_path):
     unit, root = serve_unit
     common = dict(steps=STEPS, sglang_url=unit.sglang_url, sidecar_url=unit.sidecar_url,
                   checkpoint_path=root, plot=True)
-    learned = run_demo(tmp_path / "lr", learning_rate=1e-2, **common)
+    # 2e-2 (the demo's default): reward ~1.0 by step 16 in 3 of 3 probe runs; at 1e-2 the climb
+    # sometimes starts late (one CI run: 0.34 -> 0.48 in 16 steps), SGLang's sampling being unseeded.
+    learned = run_demo(tmp_path / "lr", learning_rate=2e-2, **common)
     control = run_demo(tmp_path / "lr0", learning_rate=0.0, **common)
     gain = learned["reward_last"] - learned["reward_first"]
     control_gain = control["reward_last"] - control["reward_first"]

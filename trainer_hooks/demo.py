@@ -111,7 +111,7 @@ class ServeProcess:
 
 
 def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
-             learning_rate: float = 1e-2, num_generations: int = 8, prompts_per_step: int = 4,
+             learning_rate: float = 2e-2, num_generations: int = 8, prompts_per_step: int = 4,
              max_completion_length: int = 16, sglang_url: str | None = None,
              sidecar_url: str | None = None, checkpoint_path: Path | None = None,
              device: str = "cpu", seed: int = 0, plot: bool = True,
