@@ -156,3 +156,34 @@ def test_idle_cpu_server_sleeps_instead_of_busy_polling(sglang_server_at_base):
         assert warn_if_sharing_the_cpu([sglang_server_at_base.url]) is False
     finally:
         torch.set_num_threads(threads)
+
+
+def test_trainer_talks_to_an_sglang_started_with_an_api_key(tiny_model_dir, tmp_path):
+    import time as _time
+
+    from trainer_hooks.sglang_endpoints import SGLangEndpoints, SGLangRequestError
+    from trainer_hooks.sglang_generation import _sleeps_on_idle
+
+    server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable, log_path=tmp_path / "server.log",
+                          extra_args=("--api-key", "s3cret"), die_with_parent=True)
+    server.start()
+    try:
+        server.wait_healthy(timeout_s=300)  # /health needs no key
+
+        def generate_with(key):
+            endpoints = SGLangEndpoints([server.url], request_timeout_s=120, api_key=key)
+            try:
+                return endpoints.generate([[1, 2, 3]], {"max_new_tokens": 2, "n": 2}, want_logprobs=True,
+                                          deadline=_time.monotonic() + 120)
+            finally:
+                endpoints.close()
+
+        [group] = generate_with("s3cret")
+        assert len(group) == 2 and all(len(c.token_ids) == 2 for c in group)
+        with pytest.raises(SGLangRequestError, match=r"HTTP 401: .*--api-key and the trainer sent none; set sglang_api_token"):
+            generate_with(None)
+        with pytest.raises(SGLangRequestError, match="sent a different key"):
+            generate_with("wrong")
+        assert _sleeps_on_idle(server.url, "s3cret") is True and _sleeps_on_idle(server.url) is None
+    finally:
+        server.stop()

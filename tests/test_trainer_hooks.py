@@ -348,6 +348,12 @@ def test_unwritable_checkpoint_path_fails_at_startup_with_a_clear_error(tmp_path
         (tmp_path / "read-only").chmod(0o755)
 
 
+
+def test_sglang_api_token_is_redacted_in_the_logged_config(tmp_path: Path) -> None:
+    config = make_config(tmp_path, tmp_path, ["http://127.0.0.1:1"], ["http://127.0.0.1:2"], sglang_api_token="s3cret")
+    assert config.sglang_api_token == "s3cret"
+    assert config.to_dict()["sglang_api_token"] != "s3cret" and "s3cret" not in config.to_json_string()
+
 def test_config_without_endpoints_or_a_way_to_wait_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no SGLang endpoint: set sglang_urls"):
         make_config(tmp_path, tmp_path, [], ["http://127.0.0.1:2"])

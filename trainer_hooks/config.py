@@ -99,6 +99,11 @@ class SGLangRolloutArguments:
     sidecar_token: str | None = field(
         default=None, metadata={"help": "Bearer token of the sidecars' POST /sync."},
     )
+    sglang_api_token: str | None = field(
+        default=None,
+        metadata={"help": "The --api-key SGLang was started with, sent as a Bearer token with every request "
+                  "(named *_token so that TrainingArguments redacts it in logs)."},
+    )
     sglang_request_timeout: float = field(
         default=DEFAULT_REQUEST_TIMEOUT_S,
         metadata={"help": "Seconds one POST /generate may take before its endpoint counts as failed."},

@@ -147,6 +147,12 @@ class SGLangEndpoints:
             raise _EndpointFailed(url, f"{type(exc).__name__}: {exc}") from exc
         if response.status_code >= 500:
             raise _EndpointFailed(url, f"HTTP {response.status_code}: {response.text[:300]}")
+        if response.status_code in (401, 403):
+            raise SGLangRequestError(
+                f"SGLang at {url} refused POST /generate with HTTP {response.status_code}: it was started with "
+                "--api-key and the trainer sent " + ("a different key" if self._headers else "none") +
+                "; set sglang_api_token in the config to that key"
+            )
         if response.status_code != 200:
             raise SGLangRequestError(
                 f"SGLang at {url} rejected POST /generate with HTTP {response.status_code}: "

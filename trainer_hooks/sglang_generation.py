@@ -294,14 +294,14 @@ class SGLangGeneration:
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         vocab_size = getattr(text_config, "vocab_size", None)
         self._endpoints = SGLangEndpoints(args.sglang_urls, request_timeout_s=args.sglang_request_timeout,
-                                          vocab_size=vocab_size)
+                                          vocab_size=vocab_size, api_key=args.sglang_api_token)
         if args.sidecar_urls:
             self.waiter = SidecarWaiter(args.sidecar_urls, token=args.sidecar_token)
         else:
             assert args.expected_replicas is not None
             self.waiter = AckFileWaiter(args.checkpoint_path, args.expected_replicas,  # type: ignore[arg-type]
                                         max_age_s=args.replica_heartbeat_max_age)
-        warn_if_sharing_the_cpu(args.sglang_urls)
+        warn_if_sharing_the_cpu(args.sglang_urls, api_key=args.sglang_api_token)
         dtype = _checkpoint_dtype(args.checkpoint_dtype, base)
         config_dict = json.loads(config.to_json_string())
         config_dict["dtype"] = dtype
@@ -419,7 +419,7 @@ def is_local_url(url: str | None) -> bool:
     return bool(url) and urlparse(url).hostname in ("127.0.0.1", "localhost", "::1")
 
 
-def warn_if_sharing_the_cpu(urls: list[str]) -> bool:
+def warn_if_sharing_the_cpu(urls: list[str], api_key: str | None = None) -> bool:
     """Warn (and return True) when a CPU-only trainer uses every core beside a local SGLang that
     busy-polls.
 
@@ -431,7 +431,7 @@ def warn_if_sharing_the_cpu(urls: list[str]) -> bool:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if torch.cuda.is_available() or torch.get_num_threads() < cores:
         return False
-    polling = [u for u in urls if is_local_url(u) and _sleeps_on_idle(u) is not True]
+    polling = [u for u in urls if is_local_url(u) and _sleeps_on_idle(u, api_key) is not True]
     if not polling:
         return False
     log.warning("SGLang at %s runs on this machine's CPU, may busy-poll a core while idle, and the trainer uses "
@@ -441,12 +441,13 @@ def warn_if_sharing_the_cpu(urls: list[str]) -> bool:
     return True
 
 
-def _sleeps_on_idle(url: str) -> bool | None:
+def _sleeps_on_idle(url: str, api_key: str | None = None) -> bool | None:
     """SGLang's ``sleep_on_idle`` setting from ``GET /server_info``; None when it cannot be read."""
     import httpx
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        info = httpx.get(f"{url.rstrip('/')}/server_info", timeout=5.0).json()
+        info = httpx.get(f"{url.rstrip('/')}/server_info", timeout=5.0, headers=headers).json()
     except (httpx.HTTPError, ValueError):
         return None
     value = info.get("sleep_on_idle") if isinstance(info, dict) else None
