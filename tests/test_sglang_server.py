@@ -3,6 +3,7 @@ agreement with transformers, and the launcher's start-up failure and shutdown be
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -148,12 +149,13 @@ def test_idle_cpu_server_sleeps_instead_of_busy_polling(sglang_server_at_base):
     # The trainer reads the setting back and sees no reason to warn, even on every core.
     import torch
 
+    from trainer_hooks.sglang_endpoints import SGLangEndpoints
     from trainer_hooks.sglang_generation import warn_if_sharing_the_cpu
 
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(len(os.sched_getaffinity(0)))
-        assert warn_if_sharing_the_cpu([sglang_server_at_base.url]) is False
+        assert warn_if_sharing_the_cpu(SGLangEndpoints([sglang_server_at_base.url], request_timeout_s=30)) is False
     finally:
         torch.set_num_threads(threads)
 
@@ -162,7 +164,6 @@ def test_trainer_talks_to_an_sglang_started_with_an_api_key(tiny_model_dir, tmp_
     import time as _time
 
     from trainer_hooks.sglang_endpoints import SGLangEndpoints, SGLangRequestError
-    from trainer_hooks.sglang_generation import _sleeps_on_idle
 
     server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable, log_path=tmp_path / "server.log",
                           extra_args=("--api-key", "s3cret"), die_with_parent=True)
@@ -171,12 +172,13 @@ def test_trainer_talks_to_an_sglang_started_with_an_api_key(tiny_model_dir, tmp_
         server.wait_healthy(timeout_s=300)  # /health needs no key
 
         def generate_with(key):
-            endpoints = SGLangEndpoints([server.url], request_timeout_s=120, api_key=key)
-            try:
+            with contextlib.closing(SGLangEndpoints([server.url], request_timeout_s=120, api_key=key)) as endpoints:
                 return endpoints.generate([[1, 2, 3]], {"max_new_tokens": 2, "n": 2}, want_logprobs=True,
                                           deadline=_time.monotonic() + 120)
-            finally:
-                endpoints.close()
+
+        def sleeps_on_idle(key):
+            with contextlib.closing(SGLangEndpoints([server.url], request_timeout_s=30, api_key=key)) as endpoints:
+                return endpoints.sleeps_on_idle(server.url)
 
         [group] = generate_with("s3cret")
         assert len(group) == 2 and all(len(c.token_ids) == 2 for c in group)
@@ -184,6 +186,6 @@ def test_trainer_talks_to_an_sglang_started_with_an_api_key(tiny_model_dir, tmp_
             generate_with(None)
         with pytest.raises(SGLangRequestError, match="sent a different key"):
             generate_with("wrong")
-        assert _sleeps_on_idle(server.url, "s3cret") is True and _sleeps_on_idle(server.url) is None
+        assert sleeps_on_idle("s3cret") is True and sleeps_on_idle(None) is None
     finally:
         server.stop()

@@ -373,19 +373,22 @@ def test_untested_trl_version_is_refused_with_a_clear_message() -> None:
 def test_a_trainer_on_every_core_beside_a_local_cpu_sglang_is_warned(caplog: pytest.LogCaptureFixture) -> None:
     from trainer_hooks.sglang_generation import warn_if_sharing_the_cpu
 
+    def endpoints_at(url: str) -> SGLangEndpoints:
+        return SGLangEndpoints([url], request_timeout_s=5)
+
     threads = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0))
     try:
         torch.set_num_threads(cores)
         with caplog.at_level(logging.WARNING):
-            assert warn_if_sharing_the_cpu(["http://10.0.0.5:30000"]) is False  # another machine
+            assert warn_if_sharing_the_cpu(endpoints_at("http://10.0.0.5:30000")) is False  # another machine
             # Local, and its settings cannot be read (nothing listens): the trainer warns.
-            assert warn_if_sharing_the_cpu([dead_url()]) is (not torch.cuda.is_available())
+            assert warn_if_sharing_the_cpu(endpoints_at(dead_url())) is (not torch.cuda.is_available())
         if not torch.cuda.is_available():
             assert "torch.set_num_threads(" in caplog.text
         if cores > 1:
             torch.set_num_threads(cores - 1)
-            assert warn_if_sharing_the_cpu([dead_url()]) is False
+            assert warn_if_sharing_the_cpu(endpoints_at(dead_url())) is False
     finally:
         torch.set_num_threads(threads)
 

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import httpx
 
 from rollout_service.checkpoint_format import step_dir_name
+from rollout_service.http_auth import bearer_headers
 from rollout_service.sidecar.acks import read_acks
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class SidecarWaiter:
         if not urls:
             raise ValueError("SidecarWaiter needs at least one sidecar URL, e.g. ['http://127.0.0.1:8100']")
         self.urls = [u.rstrip("/") for u in urls]
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = bearer_headers(token)
         self._views: dict[str, ReplicaView] = {u: ReplicaView(u) for u in self.urls}
 
     def notify(self, version: int) -> None:

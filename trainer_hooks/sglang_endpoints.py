@@ -21,6 +21,8 @@ from typing import Any, Sequence
 
 import httpx
 
+from rollout_service.http_auth import bearer_headers
+
 from .sglang_responses import Completion, parse_generate_response
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,8 @@ DEAD_RETRY_S = 10.0
 """How long a failed endpoint is skipped before it is tried again (it may have restarted)."""
 CONNECT_TIMEOUT_S = 10.0
 RETRY_PAUSE_S = 1.0
+SETTINGS_TIMEOUT_S = 5.0
+"""How long a start-up question about a server's settings may take."""
 
 
 class SGLangUnavailableError(RuntimeError):
@@ -68,7 +72,7 @@ class SGLangEndpoints:
         self._endpoints = [_Endpoint(url.rstrip("/")) for url in urls]
         self._request_timeout_s = request_timeout_s
         self._vocab_size = vocab_size
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = bearer_headers(api_key)
         self._lock = threading.Lock()
         self._client = httpx.Client(
             timeout=httpx.Timeout(request_timeout_s, connect=min(CONNECT_TIMEOUT_S, request_timeout_s)),
@@ -85,6 +89,16 @@ class SGLangEndpoints:
         """How many prompts (each with its ``n`` samples) every endpoint has answered so far."""
         with self._lock:
             return {e.url: e.prompts_answered for e in self._endpoints}
+
+    def sleeps_on_idle(self, url: str) -> bool | None:
+        """SGLang's ``sleep_on_idle`` setting from ``GET /server_info``; None when it cannot be read."""
+        try:
+            info = self._client.get(f"{url.rstrip('/')}/server_info", headers=self._headers,
+                                    timeout=SETTINGS_TIMEOUT_S).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        value = info.get("sleep_on_idle") if isinstance(info, dict) else None
+        return value if isinstance(value, bool) else None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

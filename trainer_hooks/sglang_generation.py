@@ -40,6 +40,7 @@ import torch
 from accelerate.utils import broadcast_object_list, gather_object
 
 from rollout_service.checkpoint_format import normalize_dtype
+from rollout_service.http_auth import is_loopback_url
 
 from .checkpoint_sync import CheckpointPublisher
 from .config import SGLangRolloutArguments
@@ -301,7 +302,7 @@ class SGLangGeneration:
             assert args.expected_replicas is not None
             self.waiter = AckFileWaiter(args.checkpoint_path, args.expected_replicas,  # type: ignore[arg-type]
                                         max_age_s=args.replica_heartbeat_max_age)
-        warn_if_sharing_the_cpu(args.sglang_urls, api_key=args.sglang_api_token)
+        warn_if_sharing_the_cpu(self._endpoints)
         dtype = _checkpoint_dtype(args.checkpoint_dtype, base)
         config_dict = json.loads(config.to_json_string())
         config_dict["dtype"] = dtype
@@ -412,14 +413,7 @@ def _unique_prompts(all_prompts: list[list[int]], num_generations: int) -> list[
     return [list(p) for p in unique]
 
 
-def is_local_url(url: str | None) -> bool:
-    """True for a loopback URL (the server runs on this machine)."""
-    from urllib.parse import urlparse
-
-    return bool(url) and urlparse(url).hostname in ("127.0.0.1", "localhost", "::1")
-
-
-def warn_if_sharing_the_cpu(urls: list[str], api_key: str | None = None) -> bool:
+def warn_if_sharing_the_cpu(endpoints: SGLangEndpoints) -> bool:
     """Warn (and return True) when a CPU-only trainer uses every core beside a local SGLang that
     busy-polls.
 
@@ -431,7 +425,7 @@ def warn_if_sharing_the_cpu(urls: list[str], api_key: str | None = None) -> bool
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if torch.cuda.is_available() or torch.get_num_threads() < cores:
         return False
-    polling = [u for u in urls if is_local_url(u) and _sleeps_on_idle(u, api_key) is not True]
+    polling = [u for u in endpoints.urls if is_loopback_url(u) and endpoints.sleeps_on_idle(u) is not True]
     if not polling:
         return False
     log.warning("SGLang at %s runs on this machine's CPU, may busy-poll a core while idle, and the trainer uses "
@@ -439,19 +433,6 @@ def warn_if_sharing_the_cpu(urls: list[str], api_key: str | None = None) -> bool
                 "`rollout-service serve` does on CPU) or call torch.set_num_threads(%d) before training",
                 ", ".join(polling), cores, max(1, cores // 2))
     return True
-
-
-def _sleeps_on_idle(url: str, api_key: str | None = None) -> bool | None:
-    """SGLang's ``sleep_on_idle`` setting from ``GET /server_info``; None when it cannot be read."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        info = httpx.get(f"{url.rstrip('/')}/server_info", timeout=5.0, headers=headers).json()
-    except (httpx.HTTPError, ValueError):
-        return None
-    value = info.get("sleep_on_idle") if isinstance(info, dict) else None
-    return value if isinstance(value, bool) else None
 
 
 def _checkpoint_dtype(requested: str | None, model: torch.nn.Module) -> str:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..checkpoint_format import CheckpointError
+from ..http_auth import LOOPBACK_HOSTS
 from .controller import SyncController
 from .settings import SidecarSettings
 from .watcher import CheckpointWatcher
@@ -114,7 +115,7 @@ def run_sidecar(settings: SidecarSettings) -> None:
     """Serve the sidecar with uvicorn until interrupted."""
     import uvicorn
 
-    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.token:
+    if settings.host not in LOOPBACK_HOSTS and not settings.token:
         log.warning("the sidecar listens on %s without a token: anyone who can reach it can trigger"
                     " syncs. Set --token (or ROLLOUT_TOKEN).", settings.host)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from ..http_auth import bearer_headers
+
 
 class SGLangUnavailable(RuntimeError):
     """SGLang did not answer (down, restarting, or timed out)."""
@@ -29,11 +31,11 @@ class SGLangClient:
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 10.0,
                  load_timeout_s: float = 1800.0):
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
         self._timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
         self._load_timeout = httpx.Timeout(load_timeout_s, connect=min(timeout_s, 3.0))
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers, trust_env=False)
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=bearer_headers(api_key),
+                                       trust_env=False)
 
     async def aclose(self) -> None:
         await self._http.aclose()
