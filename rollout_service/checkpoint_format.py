@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ INDEX_NAME = "model.safetensors.index.json"
 LATEST_NAME = "LATEST"
 ACKS_DIR = "acks"
 TEMP_PREFIX = ".tmp-"
-STEP_DIR_RE = re.compile(r"^step-(\d{8})$")
+STEP_DIR_RE = re.compile(r"^step-([0-9]{8})$", re.ASCII)  # not \d: other scripts' digits
 DIGEST_ALGORITHM = "xxh3_128"
 MAX_STEP = 10**8 - 1
 
@@ -64,13 +65,18 @@ def step_dir_name(step: int) -> str:
 
 def parse_step_dir_name(name: str) -> int | None:
     """The step of a ``step-XXXXXXXX`` directory name, or None for any other name."""
-    match = STEP_DIR_RE.match(name)
+    match = STEP_DIR_RE.fullmatch(name)
     return int(match.group(1)) if match else None
 
 
 def weight_version_for_step(step: int) -> str:
     """The weight version string SGLang is given for a step (what completions carry)."""
     return str(step)
+
+
+def new_run_id() -> str:
+    """A fresh lineage id for one training run's checkpoints."""
+    return uuid.uuid4().hex
 
 
 def normalize_dtype(dtype: str | None) -> str | None:
@@ -112,58 +118,169 @@ class Manifest:
     digest_algorithm: str = DIGEST_ALGORITHM
     format_version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    run_id: str | None = None
+    """The publishing run's lineage id: step numbers only order checkpoints of one run."""
 
     def to_json(self) -> str:
         data = asdict(self)
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, *, where: str = "manifest.json") -> "Manifest":
-        """Parse a manifest; any structural problem raises ``CheckpointError('bad_manifest')``."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise CheckpointError("bad_manifest", f"{where} is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise CheckpointError("bad_manifest", f"{where} must hold a JSON object")
+    def from_json(cls, text: str | bytes, *, where: str = "manifest.json") -> "Manifest":
+        """Parse a manifest strictly; any problem raises ``CheckpointError('bad_manifest')``.
+
+        The text is untrusted: non-UTF-8 bytes, NaN/Infinity, deep nesting, wrong JSON types,
+        booleans or floats where integers belong and out-of-range numbers are all refused.
+        """
+        data = parse_json_object(text, where=where, reason="bad_manifest")
         version = data.get("format_version")
-        if version != FORMAT_VERSION:
+        if version != FORMAT_VERSION or isinstance(version, bool):
             raise CheckpointError(
                 "bad_manifest",
-                f"{where} has format_version {version!r}; this reader understands {FORMAT_VERSION}."
-                " Upgrade rollout-service on the reading side.",
+                f"{where} has format_version {str(version)[:40]!r}; this reader understands"
+                f" {FORMAT_VERSION}. Upgrade rollout-service on the reading side.",
             )
         required = ["step", "weight_version", "created_at", "writer", "base_model", "dtype",
                     "total_bytes", "tensor_count", "files", "digest_algorithm"]
         missing = [k for k in required if k not in data]
         if missing:
             raise CheckpointError("bad_manifest", f"{where} lacks the field(s) {missing}")
-        try:
-            files = {
-                str(name): FileEntry(size=int(e["size"]), digest=str(e["digest"]),
-                                     tensors=int(e.get("tensors", 0)))
-                for name, e in dict(data["files"]).items()
-            }
-            return cls(
-                step=int(data["step"]), weight_version=str(data["weight_version"]),
-                created_at=float(data["created_at"]), writer=dict(data["writer"]),
-                base_model=data["base_model"], dtype=data["dtype"],
-                total_bytes=int(data["total_bytes"]), tensor_count=int(data["tensor_count"]),
-                files=files, digest_algorithm=str(data["digest_algorithm"]),
-                format_version=version, extra=dict(data.get("extra") or {}),
-            )
-        except (TypeError, ValueError, KeyError) as exc:
-            raise CheckpointError("bad_manifest", f"{where} has a malformed field: {exc!r}") from exc
+        field_of = _FieldReader(where)
+        files_raw = field_of.obj(data["files"], "files")
+        if len(files_raw) > MAX_MANIFEST_FILES:
+            raise CheckpointError("bad_manifest", f"{where} lists {len(files_raw)} files, more than"
+                                  f" the {MAX_MANIFEST_FILES} allowed")
+        files = {}
+        for name, e in files_raw.items():
+            e = field_of.obj(e, f"files[{name[:80]!r}]")
+            files[name] = FileEntry(
+                size=field_of.int(e.get("size"), f"files[{name[:80]!r}].size", MAX_FILE_BYTES),
+                digest=field_of.digest(e.get("digest"), f"files[{name[:80]!r}].digest"),
+                tensors=field_of.int(e.get("tensors", 0), f"files[{name[:80]!r}].tensors", 10**7))
+        dtype = data["dtype"]
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            raise CheckpointError("bad_manifest", f"{where}: dtype {str(dtype)[:40]!r} is not one of"
+                                  f" {sorted(FLOAT_DTYPES)}")
+        run_id = data.get("run_id")
+        if run_id is not None and not (isinstance(run_id, str) and RUN_ID_RE.fullmatch(run_id)):
+            raise CheckpointError("bad_manifest", f"{where}: run_id must be 1-64 letters, digits,"
+                                  " '_' or '-'")
+        base_model = data["base_model"]
+        if base_model is not None and not isinstance(base_model, str):
+            raise CheckpointError("bad_manifest", f"{where}: base_model must be a string or null")
+        digest_algorithm = data["digest_algorithm"]
+        if digest_algorithm != DIGEST_ALGORITHM:
+            raise CheckpointError("bad_manifest", f"{where}: digest_algorithm must be"
+                                  f" {DIGEST_ALGORITHM!r}")
+        created_at = data["created_at"]
+        if isinstance(created_at, bool) or not isinstance(created_at, (int, float)):
+            raise CheckpointError("bad_manifest", f"{where}: created_at must be a number")
+        return cls(
+            step=field_of.int(data["step"], "step", MAX_STEP),
+            weight_version=field_of.str(data["weight_version"], "weight_version"),
+            created_at=float(created_at), writer=field_of.obj(data["writer"], "writer"),
+            base_model=base_model, dtype=dtype,
+            total_bytes=field_of.int(data["total_bytes"], "total_bytes", MAX_FILE_BYTES * MAX_MANIFEST_FILES),
+            tensor_count=field_of.int(data["tensor_count"], "tensor_count", 10**7),
+            files=files, digest_algorithm=digest_algorithm, format_version=version,
+            extra=field_of.obj(data.get("extra") or {}, "extra"), run_id=run_id,
+        )
 
     @classmethod
-    def load(cls, checkpoint_dir: Path) -> "Manifest":
-        path = Path(checkpoint_dir) / MANIFEST_NAME
+    def load(cls, checkpoint_dir: Path, *, root: Path | None = None) -> "Manifest":
+        """Read ``manifest.json`` of a checkpoint as untrusted input (see ``untrusted_files``)."""
+        from .untrusted_files import read_small
+
+        checkpoint_dir = Path(checkpoint_dir)
+        path = checkpoint_dir / MANIFEST_NAME
         try:
-            text = path.read_text()
-        except FileNotFoundError as exc:
-            raise CheckpointError(
-                "missing_manifest",
-                f"{path} does not exist: {checkpoint_dir} is not a published checkpoint"
-                " (publish with `rollout-service publish` or trainer_hooks)",
-            ) from exc
-        return cls.from_json(text, where=str(path))
+            raw = read_small(root if root is not None else checkpoint_dir.parent, path,
+                             where=f"{checkpoint_dir.name}/{MANIFEST_NAME}")
+        except CheckpointError as exc:
+            if exc.reason == "missing_file":
+                raise CheckpointError(
+                    "missing_manifest",
+                    f"{path} does not exist: {checkpoint_dir} is not a published checkpoint"
+                    " (publish with `rollout-service publish` or trainer_hooks)",
+                ) from None
+            raise
+        return cls.from_json(raw, where=str(path))
+
+
+MAX_MANIFEST_FILES = 10_000
+MAX_FILE_BYTES = 1 << 44
+"""16 TiB: larger than any real shard, small enough that sizes cannot overflow sums."""
+MAX_JSON_DEPTH = 32
+RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
+_DIGEST_RE = re.compile(r"xxh3_128:[0-9a-f]{32}", re.ASCII)
+
+
+def parse_json_object(text: str | bytes, *, where: str, reason: str) -> dict[str, Any]:
+    """Parse untrusted JSON into a dict: strict UTF-8, no NaN/Infinity, bounded nesting."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(reason, f"{where} is not UTF-8 text ({exc.reason} at byte"
+                                  f" {exc.start})") from None
+    depth = 0
+    in_string = escaped = False
+    for ch in text:  # bounded nesting before json.loads recurses
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise CheckpointError(reason, f"{where} nests JSON deeper than {MAX_JSON_DEPTH} levels")
+        elif ch in "]}":
+            depth -= 1
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not a number JSON allows")
+
+    try:
+        data = json.loads(text, parse_constant=no_constants)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(reason, f"{where} is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(reason, f"{where} must hold a JSON object")
+    return data
+
+
+class _FieldReader:
+    """Type checks for manifest fields, each failure naming the field."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def _bad(self, name: str, want: str, value: Any) -> CheckpointError:
+        shown = repr(value)
+        return CheckpointError("bad_manifest", f"{self.where}: {name} must be {want}, got"
+                               f" {shown[:60] + ('...' if len(shown) > 60 else '')}")
+
+    def int(self, value: Any, name: str, maximum: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= maximum:
+            raise self._bad(name, f"an integer between 0 and {maximum}", value)
+        return value
+
+    def str(self, value: Any, name: str) -> str:
+        if not isinstance(value, str) or len(value) > 256:
+            raise self._bad(name, "a string of at most 256 characters", value)
+        return value
+
+    def obj(self, value: Any, name: str) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self._bad(name, "a JSON object", value)
+        return value
+
+    def digest(self, value: Any, name: str) -> str:
+        if not isinstance(value, str) or not _DIGEST_RE.fullmatch(value):
+            raise self._bad(name, f"'{DIGEST_ALGORITHM}:' and 32 hex digits", value)
+        return value

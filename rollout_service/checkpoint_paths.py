@@ -26,7 +26,7 @@ def resolve_inside(root: Path | str, candidate: Path | str) -> Path:
     if real != real_root and real_root not in real.parents:
         raise CheckpointError(
             "path_escape",
-            f"{candidate} resolves to {real}, outside the checkpoint root {real_root};"
+            f"{candidate} resolves to a place outside the checkpoint root {real_root};"
             " only paths inside the root are accepted",
         )
     return real

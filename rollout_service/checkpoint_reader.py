@@ -1,14 +1,19 @@
 """Listing and validating published checkpoints (the reader side of the format).
 
-Validation reads only headers (safetensors' own parser, with numpy, no torch), so
-the slim sidecar can run it. Each failure raises
-:class:`~rollout_service.checkpoint_format.CheckpointError` with its own
-``reason`` code and a message that names the file and what was wrong.
+Everything under the root is untrusted input: files are opened through
+:mod:`~rollout_service.untrusted_files` (inside the root, regular files only, never
+blocking, sizes capped), JSON is parsed strictly, and a whole validation runs under a
+deadline. By default validation reads headers only (safetensors' own parser, with numpy,
+no torch), so the slim sidecar can run it; ``check_digests`` re-reads every byte and
+``check_finite`` refuses NaN/Inf weights. Every failure, whatever raised it, comes out as
+:class:`~rollout_service.checkpoint_format.CheckpointError` with a stable ``reason`` code
+and a message that names the file and what was wrong.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,11 +21,13 @@ from pathlib import Path
 from safetensors import safe_open
 
 from .checkpoint_format import (
-    CONFIG_NAME, FLOAT_DTYPES, INDEX_NAME, LATEST_NAME, MANIFEST_NAME, CheckpointError, Manifest,
-    parse_step_dir_name,
+    CONFIG_NAME, FLOAT_DTYPES, INDEX_NAME, LATEST_NAME, CheckpointError, Manifest,
+    parse_json_object, parse_step_dir_name,
 )
 from .checkpoint_paths import check_plain_file_name, resolve_inside
-from .digest import file_digest
+from .digest import format_digest, new_hasher
+from .finite import first_non_finite
+from .untrusted_files import NO_DEADLINE, Deadline, fd_path, open_regular, read_small
 
 TensorSpecs = dict[str, tuple[str, tuple[int, ...]]]
 """tensor name -> (safetensors dtype tag, shape)"""
@@ -43,20 +50,32 @@ class ValidationReport:
     specs: TensorSpecs
     digests_checked: bool
     checks: list[str] = field(default_factory=list)
+    finite_checked: bool = False
+
+
+MAX_ROOT_ENTRIES = 1_000_000
+"""A listing is read at most this far (a root flooded with entries cannot stall a reader)."""
+MAX_CHECKPOINT_ENTRIES = 10_000
 
 
 def list_checkpoints(root: Path | str) -> list[PublishedCheckpoint]:
-    """Published checkpoints under ``root`` in step order. Hidden and other entries are ignored."""
+    """Published checkpoints under ``root`` in step order. Hidden and other entries are ignored.
+
+    Step directories are recognised by name only (``step-`` and 8 ASCII digits); whether one
+    is a real directory inside the root is for validation to decide.
+    """
     root = Path(root)
     found = []
     try:
-        entries = list(os.scandir(root))
+        with os.scandir(root) as entries:
+            for i, entry in enumerate(entries):
+                if i >= MAX_ROOT_ENTRIES:
+                    break
+                step = parse_step_dir_name(entry.name)
+                if step is not None:
+                    found.append(PublishedCheckpoint(step=step, path=root / entry.name))
     except FileNotFoundError:
         return []
-    for entry in entries:
-        step = parse_step_dir_name(entry.name)
-        if step is not None and entry.is_dir():
-            found.append(PublishedCheckpoint(step=step, path=root / entry.name))
     return sorted(found, key=lambda c: c.step)
 
 
@@ -66,22 +85,34 @@ def latest_checkpoint(root: Path | str) -> PublishedCheckpoint | None:
     return found[-1] if found else None
 
 
-def read_safetensors_specs(path: Path) -> TensorSpecs:
+CASTABLE_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+"""Floating dtypes SGLang casts into any floating parameter on load (not the FP8 formats,
+whose loading needs scales)."""
+
+
+def read_safetensors_specs(path: Path, *, root: Path | None = None) -> TensorSpecs:
     """Tensor names, dtypes and shapes of one safetensors file, from its header only.
 
     safetensors rejects a header that does not cover the file exactly, which is the
-    same check that makes SGLang crash on a truncated file.
+    same check that makes SGLang crash on a truncated file. The file is opened through
+    :func:`~rollout_service.untrusted_files.open_regular` (inside ``root``: default its folder).
     """
+    path = Path(path)
+    with open_regular(root if root is not None else path.parent, path, where=path.name) as (fd, _):
+        return _specs_of_fd(fd, path.name)
+
+
+def _specs_of_fd(fd: int, where: str) -> TensorSpecs:
     try:
-        with safe_open(str(path), framework="numpy") as f:
+        with safe_open(fd_path(fd), framework="numpy") as f:
             return {k: (str(f.get_slice(k).get_dtype()), tuple(f.get_slice(k).get_shape()))
                     for k in f.keys()}
     except Exception as exc:  # safetensors raises its own error types from Rust
         raise CheckpointError(
             "header_invalid",
-            f"{path.name}: the safetensors header does not describe the file ({exc});"
+            f"{where}: the safetensors header does not describe the file ({str(exc)[:200]});"
             " the file is corrupt or was modified after publishing",
-        ) from exc
+        ) from None
 
 
 def read_model_specs(model_dir: Path | str) -> TensorSpecs:
@@ -92,13 +123,20 @@ def read_model_specs(model_dir: Path | str) -> TensorSpecs:
         raise FileNotFoundError(f"{model_dir} holds no *.safetensors files to compare against")
     specs: TensorSpecs = {}
     for path in files:
-        specs.update(read_safetensors_specs(path))
+        # A model directory the operator names is trusted to link where it likes (the HF
+        # cache links snapshots to blobs); only the file behind the link must be regular.
+        real = Path(os.path.realpath(path))
+        specs.update(read_safetensors_specs(real, root=real.parent))
     return specs
 
 
 def compare_specs(found: TensorSpecs, expected: TensorSpecs, *, where: str,
                   allow_float_cast: bool = False) -> None:
-    """Raise on the first difference in tensor names, shapes or dtypes."""
+    """Raise on the first difference in tensor names, shapes or dtypes.
+
+    ``allow_float_cast`` accepts any of :data:`CASTABLE_FLOAT_DTYPES` where the reference has
+    one of them (SGLang casts on load); integer, boolean and FP8 tensors must match exactly.
+    """
     missing = sorted(set(expected) - set(found))
     if missing:
         raise CheckpointError(
@@ -117,15 +155,28 @@ def compare_specs(found: TensorSpecs, expected: TensorSpecs, *, where: str,
         if shape != want_shape:
             raise CheckpointError(
                 "shape_mismatch",
-                f"{where}: tensor {name} has shape {list(shape)}, the reference has {list(want_shape)}",
+                f"{where}: tensor {name} has shape {list(shape)}, the reference has {list(want_shape)}"
+                " (resized embeddings or another architecture: SGLang cannot load it into the"
+                " served model; start the server from a matching model)",
             )
         if dtype != want_dtype and not (
-            allow_float_cast and dtype in FLOAT_DTYPES and want_dtype in FLOAT_DTYPES
+            allow_float_cast and dtype in CASTABLE_FLOAT_DTYPES and want_dtype in CASTABLE_FLOAT_DTYPES
         ):
             raise CheckpointError(
                 "dtype_mismatch",
                 f"{where}: tensor {name} has dtype {dtype}, the reference has {want_dtype}",
             )
+
+
+def check_loadable_dtypes(specs: TensorSpecs, *, where: str) -> None:
+    """Without a reference, only floating tensors SGLang can cast are accepted."""
+    odd = sorted(k for k, (dt, _) in specs.items() if dt not in CASTABLE_FLOAT_DTYPES)
+    if odd:
+        raise CheckpointError(
+            "dtype_unloadable",
+            f"{where}: tensor {odd[0]} has dtype {specs[odd[0]][0]}, which cannot be loaded into"
+            f" a model's floating parameters (allowed: {sorted(CASTABLE_FLOAT_DTYPES)})",
+        )
 
 
 def validate_checkpoint(
@@ -135,22 +186,44 @@ def validate_checkpoint(
     reference: TensorSpecs | None = None,
     allow_float_cast: bool = False,
     check_digests: bool = False,
+    check_finite: bool = False,
+    timeout_s: float | None = None,
 ) -> ValidationReport:
     """Check that ``checkpoint_dir`` is a complete, self-consistent published checkpoint.
 
     ``root`` confines every path (default: the checkpoint's parent directory).
     ``reference`` (see :func:`read_model_specs`) must match tensor names, shapes
     and dtypes; ``allow_float_cast`` accepts a different floating dtype (SGLang
-    casts on load). ``check_digests`` re-reads every byte and compares digests.
+    casts on load). ``check_digests`` re-reads every byte and compares digests;
+    ``check_finite`` refuses NaN/Inf in floating tensors (it reads every byte too).
+    ``timeout_s`` bounds the whole validation (``validation_timeout``). Any failure, of
+    whatever kind, raises ``CheckpointError``.
     """
     checkpoint_dir = Path(checkpoint_dir)
-    root = Path(root) if root is not None else checkpoint_dir.parent
+    deadline = Deadline(timeout_s) if timeout_s is not None else NO_DEADLINE
+    try:
+        return _validate(checkpoint_dir, Path(root) if root is not None else checkpoint_dir.parent,
+                         reference, allow_float_cast, check_digests, check_finite, deadline)
+    except CheckpointError:
+        raise
+    except MemoryError:
+        raise CheckpointError("unreadable", f"{checkpoint_dir.name}: out of memory while reading"
+                              " it; the checkpoint is not what its manifest describes") from None
+    except Exception as exc:  # untrusted input: whatever broke, it is this checkpoint's fault
+        raise CheckpointError(
+            "unreadable", f"{checkpoint_dir.name} cannot be read: {type(exc).__name__}:"
+            f" {str(exc)[:200]}") from None
+
+
+def _validate(checkpoint_dir: Path, root: Path, reference: TensorSpecs | None,
+              allow_float_cast: bool, check_digests: bool, check_finite: bool,
+              deadline: Deadline) -> ValidationReport:
     real_dir = resolve_inside(root, checkpoint_dir)
     if not real_dir.is_dir():
-        raise CheckpointError("missing_checkpoint", f"{checkpoint_dir} is not a directory")
+        raise CheckpointError("missing_checkpoint", f"{checkpoint_dir.name} is not a directory")
     name = checkpoint_dir.name
     checks = ["inside root"]
-    manifest = Manifest.load(real_dir)
+    manifest = Manifest.load(real_dir, root=root)
     checks.append("manifest parses")
     step = parse_step_dir_name(name)
     if step is not None and manifest.step != step:
@@ -160,34 +233,37 @@ def validate_checkpoint(
     for fname in manifest.files:
         check_plain_file_name(fname, f"{name}/manifest.json")
     # Files SGLang would load but the manifest does not vouch for.
-    for entry in os.scandir(real_dir):
-        if entry.name.endswith(".safetensors") and entry.name not in manifest.files:
-            raise CheckpointError(
-                "unlisted_file",
-                f"{name}/{entry.name} is not in the manifest; SGLang would load it."
-                " Remove it or republish the checkpoint",
-            )
+    with os.scandir(real_dir) as entries:
+        for i, entry in enumerate(entries):
+            if i >= MAX_CHECKPOINT_ENTRIES:
+                raise CheckpointError("too_many_entries", f"{name} holds more than"
+                                      f" {MAX_CHECKPOINT_ENTRIES} entries")
+            if entry.name.endswith(".safetensors") and entry.name not in manifest.files:
+                raise CheckpointError(
+                    "unlisted_file",
+                    f"{name}/{entry.name} is not in the manifest; SGLang would load it."
+                    " Remove it or republish the checkpoint",
+                )
+    deadline.check(name)
     total = 0
     for fname, entry in sorted(manifest.files.items()):
-        path = real_dir / fname
-        if path.is_symlink():
-            resolve_inside(root, path)
+        where = f"{name}/{fname}"
         try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise CheckpointError(
-                "missing_file", f"{name}/{fname} is listed in the manifest but does not exist"
-            ) from None
+            with open_regular(root, real_dir / fname, where=where) as (_, st):
+                size = st.st_size
+        except CheckpointError as exc:
+            if exc.reason == "missing_file":
+                raise CheckpointError(
+                    "missing_file", f"{where} is listed in the manifest but does not exist") from None
+            raise
         if size < entry.size:
             raise CheckpointError(
                 "truncated",
-                f"{name}/{fname} is truncated: {size} bytes on disk, the manifest says {entry.size}",
+                f"{where} is truncated: {size} bytes on disk, the manifest says {entry.size}",
             )
         if size != entry.size:
             raise CheckpointError(
-                "size_mismatch",
-                f"{name}/{fname} has {size} bytes on disk, the manifest says {entry.size}",
-            )
+                "size_mismatch", f"{where} has {size} bytes on disk, the manifest says {entry.size}")
         total += size
     if total != manifest.total_bytes:
         raise CheckpointError(
@@ -200,10 +276,14 @@ def validate_checkpoint(
         raise CheckpointError("missing_file", f"{name}: the manifest lists no .safetensors file")
     if CONFIG_NAME not in manifest.files:
         raise CheckpointError("missing_file", f"{name}: the manifest lists no {CONFIG_NAME}")
+    parse_json_object(read_small(root, real_dir / CONFIG_NAME, where=f"{name}/{CONFIG_NAME}"),
+                      where=f"{name}/{CONFIG_NAME}", reason="bad_config")
     specs: TensorSpecs = {}
     owner: dict[str, str] = {}
     for fname in shards:
-        file_specs = read_safetensors_specs(real_dir / fname)
+        deadline.check(f"{name}/{fname}")
+        with open_regular(root, real_dir / fname, where=f"{name}/{fname}") as (fd, _):
+            file_specs = _specs_of_fd(fd, f"{name}/{fname}")
         if len(file_specs) != manifest.files[fname].tensors:
             raise CheckpointError(
                 "bad_manifest",
@@ -232,38 +312,93 @@ def validate_checkpoint(
                 f" floating tensor is {manifest.dtype}",
             )
     if len(shards) > 1 or INDEX_NAME in manifest.files:
-        _check_index(real_dir, name, owner)
+        _check_index(root, real_dir, name, owner)
         checks.append("index matches shards")
     if reference is not None:
         compare_specs(specs, reference, where=name, allow_float_cast=allow_float_cast)
         checks.append("tensor names, shapes and dtypes match the reference")
-    if check_digests:
+    else:
+        check_loadable_dtypes(specs, where=name)
+        checks.append("every tensor has a loadable floating dtype")
+    if check_digests or check_finite:
         for fname, entry in sorted(manifest.files.items()):
-            digest = file_digest(real_dir / fname)
-            if digest != entry.digest:
-                raise CheckpointError(
+            _read_every_byte(root, real_dir / fname, f"{name}/{fname}", entry.digest,
+                             check_digests, check_finite and fname in shards, deadline)
+        if check_digests:
+            checks.append("digests match")
+        if check_finite:
+            checks.append("every floating weight is finite")
+    return ValidationReport(path=real_dir, manifest=manifest, specs=specs,
+                            digests_checked=check_digests, checks=checks,
+                            finite_checked=check_finite)
+
+
+def _read_every_byte(root: Path, path: Path, where: str, want_digest: str, digest: bool,
+                     finite: bool, deadline: Deadline) -> None:
+    with open_regular(root, path, where=where) as (fd, st):
+        mapped = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ) if st.st_size else None
+        try:
+            error = _scan_bytes(memoryview(mapped if mapped is not None else b""), where,
+                                want_digest, digest, finite, deadline)
+        finally:
+            if mapped is not None:
+                try:
+                    mapped.close()
+                except BufferError:  # a view is still referenced; the GC unmaps it
+                    pass
+    if error is not None:
+        raise error
+
+
+def _scan_bytes(view: memoryview, where: str, want_digest: str, digest: bool, finite: bool,
+                deadline: Deadline) -> CheckpointError | None:
+    """The first problem in a file's bytes, returned (not raised: no frame keeps the map alive)."""
+    try:
+        if digest:
+            hasher = new_hasher()
+            for start in range(0, len(view), 64 << 20):
+                deadline.check(where)
+                hasher.update(view[start:start + (64 << 20)])
+            found = format_digest(hasher)
+            if found != want_digest:
+                return CheckpointError(
                     "digest_mismatch",
-                    f"{name}/{fname} has digest {digest}, the manifest says {entry.digest}:"
+                    f"{where} has digest {found}, the manifest says {want_digest}:"
                     " the file's bytes changed after publishing",
                 )
-        checks.append("digests match")
-    return ValidationReport(path=real_dir, manifest=manifest, specs=specs,
-                            digests_checked=check_digests, checks=checks)
+        if finite:
+            bad = first_non_finite(view, deadline=deadline)
+            if bad is not None:
+                return CheckpointError(
+                    "non_finite",
+                    f"{where}: tensor {bad[0]} holds {bad[1]} NaN/Inf value(s); SGLang would"
+                    " load it and generate garbage. Check the training run for divergence",
+                )
+    except CheckpointError as exc:
+        exc.__traceback__ = None
+        return exc
+    return None
 
 
-def _check_index(real_dir: Path, name: str, owner: dict[str, str]) -> None:
-    path = real_dir / INDEX_NAME
+def _check_index(root: Path, real_dir: Path, name: str, owner: dict[str, str]) -> None:
+    where = f"{name}/{INDEX_NAME}"
     try:
-        weight_map = json.loads(path.read_text())["weight_map"]
-    except FileNotFoundError:
-        raise CheckpointError("missing_file", f"{name} is sharded but has no {INDEX_NAME}") from None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError("index_mismatch", f"{name}/{INDEX_NAME} is malformed: {exc!r}") from exc
+        raw = read_small(root, real_dir / INDEX_NAME, where=where)
+    except CheckpointError as exc:
+        if exc.reason == "missing_file":
+            raise CheckpointError("missing_file", f"{name} is sharded but has no {INDEX_NAME}") from None
+        raise
+    data = parse_json_object(raw, where=where, reason="index_mismatch")
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointError("index_mismatch", f"{where}: weight_map must be an object of"
+                              " tensor name -> shard file name")
     if weight_map != owner:
         diff = sorted(set(weight_map.items()) ^ set(owner.items()))
         raise CheckpointError(
             "index_mismatch",
-            f"{name}/{INDEX_NAME} does not match the shards' contents, e.g. {diff[:2]}",
+            f"{where} does not match the shards' contents, e.g. {diff[:2]}",
         )
 
 

@@ -30,7 +30,7 @@ import torch
 
 from .checkpoint_format import (
     CONFIG_NAME, DTYPE_SIZES, FLOAT_DTYPES, INDEX_NAME, LATEST_NAME, MANIFEST_NAME, TEMP_PREFIX,
-    FileEntry, Manifest, normalize_dtype, step_dir_name,
+    RUN_ID_RE, FileEntry, Manifest, new_run_id, normalize_dtype, step_dir_name,
     weight_version_for_step,
 )
 from .checkpoint_reader import read_latest_pointer
@@ -174,6 +174,7 @@ def publish_checkpoint(
     extra_files: dict[str, Path] | None = None,
     extra_manifest: dict[str, Any] | None = None,
     update_latest: bool = True,
+    run_id: str | None = None,
 ) -> PublishResult:
     """Publish ``tensors`` as ``<root>/step-<step>`` atomically and return what was written.
 
@@ -182,13 +183,18 @@ def publish_checkpoint(
     exhausted: yield copies of transient buffers (gathered ZeRO-3 parameters, merged PEFT
     weights). ``config`` is the model's ``config.json`` (a dict or a path to the file);
     ``dtype`` converts floating tensors (``"bfloat16"``...); ``extra_files`` are
-    copied in (e.g. tokenizer files) and listed in the manifest. Raises
+    copied in (e.g. tokenizer files) and listed in the manifest. ``run_id`` names the
+    publishing run (its lineage; default: a fresh id per call), so that readers can tell
+    this run's step N from another run's step N in a reused root. Raises
     ``FileExistsError`` if that step is already published.
     """
     t0 = time.perf_counter()
     root = Path(root)
     name = step_dir_name(step)
     target = normalize_dtype(dtype)
+    run_id = new_run_id() if run_id is None else run_id
+    if not RUN_ID_RE.fullmatch(run_id):
+        raise ValueError(f"run_id must be 1-64 letters, digits, '_' or '-', got {run_id!r}")
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     root.mkdir(parents=True, exist_ok=True)
@@ -250,6 +256,7 @@ def publish_checkpoint(
             dtype=target or (dtypes.pop() if len(dtypes) == 1 else None),
             total_bytes=sum(e.size for e in files.values()),
             tensor_count=len(weight_map), files=files, extra=dict(extra_manifest or {}),
+            run_id=run_id,
         )
         _write_small(tmp / MANIFEST_NAME, manifest.to_json())
         fsync_dir(tmp)

@@ -1,0 +1,57 @@
+"""Finding NaN/Inf weights in a safetensors file's bytes, at memory speed, without torch.
+
+NaN and Inf are the floating values whose exponent bits are all ones, so each dtype is
+checked on its raw bits with numpy (which has no bfloat16): for bf16 that is
+``bits & 0x7F80 == 0x7F80``. FP8 E4M3 has no Inf; its NaN is ``0x7F``/``0xFF``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+
+from .untrusted_files import NO_DEADLINE, Deadline
+
+# dtype tag -> (unsigned view, exponent mask); a value is non-finite when bits & mask == mask.
+_EXPONENT_MASKS = {
+    "F64": (np.uint64, np.uint64(0x7FF0000000000000)),
+    "F32": (np.uint32, np.uint32(0x7F800000)),
+    "F16": (np.uint16, np.uint16(0x7C00)),
+    "BF16": (np.uint16, np.uint16(0x7F80)),
+    "F8_E5M2": (np.uint8, np.uint8(0x7C)),
+}
+_CHUNK_ELEMENTS = 8 << 20
+
+
+def first_non_finite(data: memoryview, *, deadline: Deadline = NO_DEADLINE) -> tuple[str, int] | None:
+    """``(tensor name, count of NaN/Inf values)`` of the first tensor that has any, else None.
+
+    ``data`` is a whole safetensors file whose header safetensors has already accepted.
+    """
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(bytes(data[8:8 + header_len]))
+    base = 8 + header_len
+    for name, info in sorted(header.items(), key=lambda kv: str(kv[0])):
+        if name == "__metadata__" or not isinstance(info, dict):
+            continue
+        dtype = info.get("dtype")
+        start, end = info["data_offsets"]
+        raw = data[base + start:base + end]
+        if dtype == "F8_E4M3":
+            bits = np.frombuffer(raw, dtype=np.uint8)
+            count = int(np.count_nonzero((bits & np.uint8(0x7F)) == np.uint8(0x7F)))
+        elif dtype in _EXPONENT_MASKS:
+            view_type, mask = _EXPONENT_MASKS[dtype]
+            bits = np.frombuffer(raw, dtype=view_type)
+            count = 0
+            for i in range(0, bits.size, _CHUNK_ELEMENTS):
+                deadline.check(name)
+                chunk = bits[i:i + _CHUNK_ELEMENTS]
+                count += int(np.count_nonzero((chunk & mask) == mask))
+        else:
+            continue
+        if count:
+            return str(name), count
+    return None

@@ -1,0 +1,107 @@
+"""Opening files found under the checkpoint root, which anyone with write access can craft.
+
+Everything a reader takes from the root goes through :func:`open_regular`: the path must
+resolve inside the root, the open never blocks (``O_NONBLOCK``: a FIFO or a device named
+like a checkpoint file is refused after ``fstat`` instead of hanging the reader), the file
+must be a regular file, and its size must be under a cap. :func:`read_small` reads such a
+file whole (manifests, indexes, configs) with a byte cap, so ``manifest.json -> /dev/zero``
+or a 10 GB "manifest" cannot exhaust memory. :class:`Deadline` bounds a whole validation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from .checkpoint_format import CheckpointError
+from .checkpoint_paths import resolve_inside
+
+MAX_SMALL_FILE_BYTES = 16 << 20
+"""Cap on manifest.json, the shard index and config.json (real ones are kilobytes)."""
+
+
+class Deadline:
+    """A wall-clock budget; :meth:`check` raises ``CheckpointError('validation_timeout')``."""
+
+    def __init__(self, seconds: float | None, what: str = "validation"):
+        self.seconds = seconds
+        self.what = what
+        self._end = None if seconds is None else time.monotonic() + seconds
+
+    def check(self, where: str = "") -> None:
+        if self._end is not None and time.monotonic() > self._end:
+            raise CheckpointError(
+                "validation_timeout",
+                f"{self.what} took longer than {self.seconds:g} s{f' ({where})' if where else ''};"
+                " the storage is too slow or the checkpoint too large: raise --validate-timeout",
+            )
+
+
+NO_DEADLINE = Deadline(None)
+
+
+@contextlib.contextmanager
+def open_regular(root: Path, path: Path, *, where: str, max_bytes: int | None = None
+                 ) -> Iterator[tuple[int, os.stat_result]]:
+    """Yield ``(fd, fstat)`` of ``path``: inside ``root``, a regular file, at most ``max_bytes``.
+
+    Raises ``CheckpointError`` with ``path_escape``, ``missing_file``, ``not_a_regular_file``,
+    ``too_large`` or ``unreadable``. The descriptor is closed on exit.
+    """
+    real = resolve_inside(root, path)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(real, flags)
+    except FileNotFoundError:
+        raise CheckpointError("missing_file", f"{where} does not exist") from None
+    except OSError as exc:
+        raise CheckpointError("unreadable", f"{where} cannot be opened: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(
+                "not_a_regular_file",
+                f"{where} is not a regular file ({_kind(st.st_mode)}); checkpoints hold only"
+                " regular files: remove it and republish",
+            )
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise CheckpointError(
+                "too_large", f"{where} has {st.st_size} bytes, more than the {max_bytes} allowed")
+        os.set_blocking(fd, True)
+        yield fd, st
+    finally:
+        os.close(fd)
+
+
+def read_small(root: Path, path: Path, *, where: str, max_bytes: int = MAX_SMALL_FILE_BYTES) -> bytes:
+    """The bytes of a small regular file under ``root``, never more than ``max_bytes``."""
+    with open_regular(root, path, where=where, max_bytes=max_bytes) as (fd, _):
+        chunks = []
+        total = 0
+        while True:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:  # the file grew after fstat
+                raise CheckpointError("too_large", f"{where} holds more than {max_bytes} bytes")
+    return b"".join(chunks)
+
+
+def fd_path(fd: int) -> str:
+    """A path that opens exactly the inode behind ``fd`` (for libraries that take paths)."""
+    return f"/proc/self/fd/{fd}"
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symlink")):
+        if test(mode):
+            return name
+    return "not a plain file"
