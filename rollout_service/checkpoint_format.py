@@ -17,6 +17,7 @@ directory, so a reader that sees it sees all of it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -124,6 +125,10 @@ class Manifest:
     def to_json(self) -> str:
         data = asdict(self)
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    def fingerprint(self) -> str:
+        """Identity of one publication: the same step republished has another fingerprint."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:32]
 
     @classmethod
     def from_json(cls, text: str | bytes, *, where: str = "manifest.json") -> "Manifest":

@@ -34,6 +34,19 @@ def _add_sidecar_flags(p: argparse.ArgumentParser, add_env, *, with_url: bool) -
             help="seconds between SGLang /health calls (each runs a one-token generation)")
     add_env(p, "--load-timeout", type=float, default=1800.0,
             help="seconds to allow one /update_weights_from_disk call")
+    add_env(p, "--stage-dir", default=None,
+            help="node-local folder (one per replica) where each checkpoint is copied and every"
+                 " byte verified before SGLang reads it (default: /dev/shm/rollout-stage-REPLICA when"
+                 " /dev/shm has 8 GiB free, else ~/.cache/rollout-service/stage/REPLICA)")
+    add_env(p, "--no-stage", action="store_true",
+            help="let SGLang read checkpoints straight from shared storage (no copy; a writer can"
+                 " then change files between validation and SGLang's read)")
+    add_env(p, "--no-check-finite", action="store_true",
+            help="do not refuse NaN/Inf weights (checked on bytes that staging or --check-digests"
+                 " reads anyway)")
+    add_env(p, "--validate-timeout", type=float, default=600.0,
+            help="seconds one checkpoint's validation (and staging copy) may take before the step"
+                 " is rejected")
 
 
 def _settings(args: argparse.Namespace, sglang_url: str, port: int):
@@ -46,7 +59,9 @@ def _settings(args: argparse.Namespace, sglang_url: str, port: int):
         reference_dir=Path(args.reference_dir) if args.reference_dir else None,
         check_digests=args.check_digests, health_interval_s=args.health_interval,
         deep_health_interval_s=args.deep_health_interval,
-        load_timeout_s=args.load_timeout)
+        load_timeout_s=args.load_timeout, stage=not args.no_stage,
+        stage_dir=Path(args.stage_dir) if args.stage_dir else None,
+        check_finite=not args.no_check_finite, validate_timeout_s=args.validate_timeout)
 
 
 def _cmd_sidecar(args: argparse.Namespace) -> int:
@@ -66,7 +81,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           max_total_tokens=args.max_total_tokens,
                           log_path=Path(args.sglang_log) if args.sglang_log else None,
                           die_with_parent=True)
-    policy = RestartPolicy(max_restarts=args.max_restarts, startup_timeout_s=args.startup_timeout)
+    policy = RestartPolicy(max_restarts=args.max_restarts, restart_window_s=args.restart_window,
+                           startup_timeout_s=args.startup_timeout)
     settings = _settings(args, server.url, args.sidecar_port)
     return run_serve(server, settings, policy)
 
@@ -99,9 +115,15 @@ def register_serve(sub, add_env) -> None:
     add_env(p, "--device", default="auto", help="auto, cpu or cuda")
     add_env(p, "--max-total-tokens", type=int, default=16384,
             help="KV cache size on CPU (bounded, or SGLang reserves ~15 GB)")
-    add_env(p, "--max-restarts", type=int, default=5, help="SGLang restarts before giving up")
+    add_env(p, "--max-restarts", type=int, default=5,
+            help="SGLang restarts allowed within --restart-window seconds; once spent, SGLang stays"
+                 " down and /readyz and /status report `restart_budget_spent` with its last log lines")
+    add_env(p, "--restart-window", type=float, default=600.0,
+            help="the window, in seconds, over which --max-restarts is counted (as systemd's"
+                 " StartLimitIntervalSec)")
     add_env(p, "--startup-timeout", type=float, default=600.0,
-            help="seconds to wait for SGLang's /health at each start")
+            help="seconds to wait for SGLang's /health at each start; the wait goes on while SGLang's"
+                 " log shows progress (a first download, kernel compilation, CUDA graphs)")
     add_env(p, "--sglang-log", default=None, help="file for SGLang's output (default: a temp file)")
     p.set_defaults(func=_cmd_serve, sglang_args=[])
 

@@ -30,7 +30,8 @@ class Deadline:
     def __init__(self, seconds: float | None, what: str = "validation"):
         self.seconds = seconds
         self.what = what
-        self._end = None if seconds is None else time.monotonic() + seconds
+        self.started = time.monotonic()
+        self._end = None if seconds is None else self.started + seconds
 
     def check(self, where: str = "") -> None:
         if self._end is not None and time.monotonic() > self._end:

@@ -56,6 +56,9 @@ class Sidecar(CLIProcess):
                  replica_id: str = "r0", port: int | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        if "--stage-dir" not in extra and "--no-stage" not in extra:
+            # Each test's own stage (the default, /dev/shm/rollout-stage-REPLICA, is per machine).
+            extra = ("--stage-dir", str(log_path.parent / f"stage-{replica_id}-{self.port}"), *extra)
         super().__init__(["sidecar", "--checkpoint-path", str(root), "--sglang-url", sglang_url,
                           "--port", str(self.port), "--replica-id", replica_id,
                           "--health-interval", "0.5", *extra], log_path)

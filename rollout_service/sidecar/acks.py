@@ -2,52 +2,136 @@
 
 A trainer can wait for N replicas through shared storage alone by reading these
 files (see :func:`read_acks`); ``heartbeat`` tells a live replica from a dead one.
+
+``acks`` lives in the untrusted root, so the writer never follows a symlink there (a
+symlinked ``acks`` would redirect the sidecar's writes outside the root): the directory
+and the files are opened relative to directory descriptors with ``O_NOFOLLOW``. A writer
+killed between writing its temporary file and renaming it leaves ``.tmp-<replica>-*``,
+which that replica's next start removes (and anyone's such files once they are old).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint_format import ACKS_DIR, TEMP_PREFIX
+from ..checkpoint_format import ACKS_DIR, TEMP_PREFIX, CheckpointError
+from ..untrusted_files import read_small
+
+MAX_ACK_BYTES = 64 << 10
+STALE_TEMP_S = 3600.0
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def ack_dir(root: Path) -> Path:
     return Path(root) / ACKS_DIR
 
 
-def write_ack(root: Path, replica_id: str, payload: dict[str, Any]) -> Path:
-    """Atomically replace this replica's ack file with ``payload`` plus a heartbeat time."""
-    directory = ack_dir(root)
-    directory.mkdir(exist_ok=True)
-    path = directory / f"{replica_id}.json"
-    tmp = directory / f"{TEMP_PREFIX}{replica_id}-{uuid.uuid4().hex[:8]}"
-    data = dict(payload, replica_id=replica_id, heartbeat=time.time())
-    with open(tmp, "w") as f:
-        json.dump(data, f, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+class AckWriter:
+    """Writes one replica's ack file under ``<root>/acks`` without following symlinks."""
+
+    def __init__(self, root: Path, replica_id: str):
+        self.root = Path(root)
+        self.replica_id = replica_id
+
+    def _open_dir(self) -> int:
+        root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            try:
+                os.mkdir(ACKS_DIR, 0o755, dir_fd=root_fd)
+            except FileExistsError:
+                pass
+            try:
+                return os.open(ACKS_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | _NOFOLLOW,
+                               dir_fd=root_fd)
+            except OSError as exc:
+                st = os.lstat(ACKS_DIR, dir_fd=root_fd)
+                if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+                    raise OSError(exc.errno, f"{self.root / ACKS_DIR} is not a plain directory (a"
+                                  " symlink or a file); remove it so acks stay inside the root") from None
+                raise
+        finally:
+            os.close(root_fd)
+
+    def write(self, payload: dict[str, Any]) -> None:
+        """Atomically replace this replica's ack file with ``payload`` plus a heartbeat time."""
+        data = json.dumps(dict(payload, replica_id=self.replica_id, heartbeat=time.time()),
+                          sort_keys=True).encode()
+        dir_fd = self._open_dir()
+        tmp = f"{TEMP_PREFIX}{self.replica_id}-{uuid.uuid4().hex[:8]}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _NOFOLLOW,
+                         0o644, dir_fd=dir_fd)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, f"{self.replica_id}.json", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
+            raise
+        finally:
+            os.close(dir_fd)
+
+    def clean_up_leftovers(self) -> int:
+        """Remove this replica's temporary files (and anyone's older than an hour)."""
+        try:
+            dir_fd = self._open_dir()
+        except OSError:
+            return 0
+        removed = 0
+        now = time.time()
+        try:
+            for name in os.listdir(dir_fd):
+                if not name.startswith(TEMP_PREFIX):
+                    continue
+                try:
+                    st = os.lstat(name, dir_fd=dir_fd)
+                    if name.startswith(f"{TEMP_PREFIX}{self.replica_id}-") or now - st.st_mtime > STALE_TEMP_S:
+                        os.unlink(name, dir_fd=dir_fd)
+                        removed += 1
+                except OSError:
+                    continue
+        finally:
+            os.close(dir_fd)
+        return removed
 
 
 def read_acks(root: Path, *, max_age_s: float | None = None) -> dict[str, dict[str, Any]]:
-    """Ack payloads by replica id; with ``max_age_s``, only replicas whose heartbeat is that fresh."""
+    """Ack payloads by replica id; with ``max_age_s``, only replicas whose heartbeat is that fresh.
+
+    Files that are not small regular JSON objects are skipped (the root is untrusted).
+    """
     acks: dict[str, dict[str, Any]] = {}
     directory = ack_dir(root)
-    if not directory.is_dir():
+    if not directory.is_dir() or directory.is_symlink():
         return acks
     now = time.time()
     for path in directory.glob("*.json"):
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
+            data = json.loads(read_small(directory, path, where=path.name, max_bytes=MAX_ACK_BYTES))
+        except (CheckpointError, OSError, ValueError, RecursionError):
             continue
-        if max_age_s is not None and now - float(data.get("heartbeat", 0)) > max_age_s:
+        if not isinstance(data, dict):
+            continue
+        heartbeat = data.get("heartbeat", 0)
+        if max_age_s is not None and (not isinstance(heartbeat, (int, float))
+                                      or now - float(heartbeat) > max_age_s):
             continue
         acks[path.stem] = data
     return acks
+
+
+def write_ack(root: Path, replica_id: str, payload: dict[str, Any]) -> Path:
+    """Write one ack file (what :class:`AckWriter` does; for tools and tests)."""
+    AckWriter(Path(root), replica_id).write(payload)
+    return ack_dir(root) / f"{replica_id}.json"

@@ -9,14 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..checkpoint_format import CheckpointError
+from ..checkpoint_format import MAX_STEP, RUN_ID_RE, CheckpointError
 from ..http_auth import LOOPBACK_HOSTS
 from .controller import SyncController
 from .settings import SidecarSettings
@@ -25,6 +27,9 @@ from .watcher import CheckpointWatcher
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 3600.0
+MAX_SYNC_BODY_BYTES = 4096
+"""``POST /sync`` takes at most ``{"checkpoint": "step-XXXXXXXX"}``; larger bodies are refused
+before they are read."""
 
 
 def create_app(settings: SidecarSettings) -> FastAPI:
@@ -49,6 +54,12 @@ def create_app(settings: SidecarSettings) -> FastAPI:
                   description="Loads each new checkpoint from shared storage into SGLang.")
     app.state.controller = controller
 
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}"
+                             for e in exc.errors()[:5])
+        return JSONResponse({"error": "bad_request", "detail": problems[:1000]}, status_code=400)
+
     def require_token(request: Request) -> None:
         if not settings.token:
             return
@@ -67,32 +78,42 @@ def create_app(settings: SidecarSettings) -> FastAPI:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         s = controller.state
-        body = {"ready": s.ready, "loaded_step": s.loaded_step, "newest_known_step": s.newest_known_step,
-                "sglang_healthy": s.sglang_healthy}
-        return JSONResponse(body, status_code=200 if s.ready else 503)
+        ready, why = controller.readiness()
+        body = {"ready": ready, "reason": why, "loaded_step": s.loaded_step,
+                "newest_known_step": s.newest_known_step, "sglang_healthy": s.sglang_healthy,
+                "fatal": s.fatal}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/status")
     async def status() -> dict[str, Any]:
         return controller.state.to_dict()
 
     @app.get("/wait")
-    async def wait(version: int = Query(..., ge=0, description="checkpoint step to wait for"),
-                   timeout: float = Query(60.0, gt=0, le=MAX_WAIT_S)) -> JSONResponse:
-        ok = await controller.wait_for_step(version, timeout)
+    async def wait(version: int = Query(..., ge=0, le=MAX_STEP, description="checkpoint step to wait for"),
+                   timeout: float = Query(60.0, gt=0, le=MAX_WAIT_S),
+                   run: str | None = Query(None, max_length=64, pattern=f"^{RUN_ID_RE.pattern}$",
+                                           description="the publishing run's id (manifest run_id):"
+                                           " only a checkpoint of that run counts")) -> JSONResponse:
+        ok = await controller.wait_for_step(version, timeout, run_id=run)
         body = controller.state.to_dict()
         body["waited_for"] = version
+        body["waited_for_run"] = run
         return JSONResponse(body, status_code=200 if ok else 504)
 
     @app.post("/sync", dependencies=[Depends(require_token)])
     async def sync(request: Request) -> JSONResponse:
         checkpoint = None
-        if await request.body():
+        raw = await _bounded_body(request, MAX_SYNC_BODY_BYTES)
+        if raw.strip():
             try:
-                data = await request.json()
-            except ValueError:
+                data = json.loads(raw.decode("utf-8"))
+            except (ValueError, RecursionError):
                 raise HTTPException(status_code=400, detail="body must be JSON, e.g."
                                     ' {"checkpoint": "step-00000003"}') from None
-            checkpoint = data.get("checkpoint") if isinstance(data, dict) else None
+            if not isinstance(data, dict):
+                raise HTTPException(status_code=400, detail='body must be a JSON object, e.g.'
+                                    ' {"checkpoint": "step-00000003"}')
+            checkpoint = data.get("checkpoint")
             if checkpoint is not None and not isinstance(checkpoint, str):
                 raise HTTPException(status_code=400, detail="'checkpoint' must be a string")
         if checkpoint is None:
@@ -102,6 +123,9 @@ def create_app(settings: SidecarSettings) -> FastAPI:
             path = controller.request_checkpoint(checkpoint)
         except CheckpointError as exc:
             return JSONResponse({"error": exc.reason, "detail": str(exc)}, status_code=400)
+        except (OSError, ValueError) as exc:
+            return JSONResponse({"error": "bad_request", "detail": f"cannot use that checkpoint"
+                                 f" name: {type(exc).__name__}"}, status_code=400)
         return JSONResponse({"triggered": True, "checkpoint": str(path)}, status_code=202)
 
     @app.get("/metrics")
@@ -109,6 +133,25 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         return Response(generate_latest(controller.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _bounded_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise HTTPException(status_code=400, detail="Content-Length must be a number")
+        if int(declared) > limit:
+            raise HTTPException(status_code=413, detail=f"body larger than {limit} bytes; send"
+                                ' {"checkpoint": "step-XXXXXXXX"} or nothing')
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPException(status_code=413, detail=f"body larger than {limit} bytes; send"
+                                ' {"checkpoint": "step-XXXXXXXX"} or nothing')
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def run_sidecar(settings: SidecarSettings) -> None:

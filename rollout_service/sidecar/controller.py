@@ -6,6 +6,24 @@ scan that picks the newest checkpoint (coalescing). SGLang is health-checked on
 every wake-up: when it is down or comes back with different weights than the
 sidecar loaded, the sidecar reports not-ready and re-applies the newest valid
 checkpoint as soon as SGLang is healthy.
+
+Everything under the root is untrusted (see ``docs/threat-model.md``):
+
+- A checkpoint is checked against the *served model's* tensor names, shapes and dtypes
+  from the first load on (learnt from SGLang's ``model_path`` or ``--reference-dir`` and
+  kept in the stage), because any checkpoint that makes SGLang's load raise kills it.
+- Validation runs in a thread under a deadline; any failure of step N, whatever raised it,
+  rejects N with a reason code. A rejection is remembered until the step directory is
+  replaced (republished).
+- With a stage (the default), SGLang loads a node-local copy whose every byte was checked
+  against the manifest's digests (and for NaN/Inf) while copying: no writer can change the
+  bytes between the check and SGLang's read.
+- The served checkpoint has an identity beyond its step (manifest fingerprint and run id):
+  the sidecar serves the newest checkpoint *in the root*, so a republished step is reloaded
+  and an emptied root reused by another run is followed, and ``/wait`` answers only for
+  the checkpoint SGLang serves.
+- Every loop pass, whatever failed, publishes state and heartbeats the ack file; a pass
+  that failed backs off.
 """
 
 from __future__ import annotations
@@ -19,19 +37,26 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint_format import (
-    CheckpointError, parse_step_dir_name, step_dir_name, weight_version_for_step,
+    CheckpointError, Manifest, parse_step_dir_name, step_dir_name,
+    weight_version_for_step,
 )
 from ..checkpoint_paths import resolve_inside
-from ..checkpoint_reader import TensorSpecs, list_checkpoints, read_model_specs, validate_checkpoint
-from .acks import write_ack
+from ..checkpoint_reader import (
+    PublishedCheckpoint, TensorSpecs, ValidationReport, list_checkpoints, read_model_specs,
+    validate_checkpoint,
+)
+from ..untrusted_files import Deadline
+from .acks import AckWriter
 from .metrics import SidecarMetrics
 from .settings import SidecarSettings
-from .sglang_client import SGLangClient, SGLangLoadRejected, SGLangUnavailable
+from .sglang_client import SGLangClient, SGLangLoadRejected, SGLangUnavailable, ServerView
+from .staging import Stage, StageError
 
 log = logging.getLogger(__name__)
 
 # Loads of one step during which SGLang died, before that step is given up on.
 MAX_CRASHES_PER_STEP = 2
+MAX_BACKOFF_S = 30.0
 
 
 @dataclass
@@ -46,6 +71,8 @@ class SyncRecord:
     load_s: float
     total_s: float | None
     finished_at: float
+    run_id: str | None = None
+    staged: bool = False
 
 
 @dataclass
@@ -57,15 +84,27 @@ class SidecarState:
     sglang_url: str
     watch_mode: str = "inotify"
     loaded_step: int | None = None
+    loaded_run_id: str | None = None
+    loaded_fingerprint: str | None = None
+    loaded_current: bool = True
+    """False once the served checkpoint's directory is gone or was republished."""
     loading_step: int | None = None
     newest_known_step: int | None = None
     sglang_healthy: bool = False
     sglang_weight_version: str | None = None
+    sglang_seen_at: float | None = None
     ready: bool = False
     last_sync: SyncRecord | None = None
     last_error: dict[str, Any] | None = None
     rejected: dict[int, str] = field(default_factory=dict)
     ack_error: str | None = None
+    reference: str | None = None
+    """Where the served model's tensor reference came from."""
+    stage_dir: str | None = None
+    loop_heartbeat: float | None = None
+    loop_errors: int = 0
+    fatal: dict[str, Any] | None = None
+    """Set when the replica cannot recover by itself (e.g. its restart budget is spent)."""
     started_at: float = field(default_factory=time.time)
 
     def to_dict(self) -> dict[str, Any]:
@@ -88,20 +127,26 @@ class SyncController:
         self.client = client or SGLangClient(settings.sglang_url, api_key=settings.sglang_api_key,
                                              timeout_s=settings.request_timeout_s,
                                              load_timeout_s=settings.load_timeout_s)
+        self.stage = Stage(settings.stage_dir) if settings.stage_dir is not None else None
+        self.acks = AckWriter(self.root, settings.replica_id)
         self.state = SidecarState(replica_id=settings.replica_id,
                                   checkpoint_path=str(self.root), sglang_url=settings.sglang_url,
-                                  watch_mode="inotify" if settings.poll_interval_s is None else "polling")
+                                  watch_mode="inotify" if settings.poll_interval_s is None else "polling",
+                                  stage_dir=None if self.stage is None else str(self.stage.path))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._changed: asyncio.Condition | None = None
         self._detected_at: dict[int, float] = {}
         self._crashes: dict[int, int] = {}
         self._loaded_before: set[int] = set()
+        self._rejected_at: dict[int, tuple[int, int, int] | None] = {}
         self._reference: TensorSpecs | None = None
+        self._served_path: str | None = None
         self._last_ack = 0.0
         self._last_deep = 0.0
         self._stopping = False
         self._was_healthy = False
+        self._last_logged_error: str | None = None
 
     # --- wake-ups, from any thread -------------------------------------------------------
     def notify(self, why: str = "") -> None:
@@ -113,28 +158,56 @@ class SyncController:
         if self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 
-    async def wait_for_step(self, step: int, timeout_s: float) -> bool:
-        """Wait until the loaded step is at least ``step``; False on timeout."""
+    def report_fatal(self, reason: str, message: str) -> None:
+        """Mark the replica as unable to recover by itself (thread-safe); /readyz turns 503."""
+        self.state.fatal = {"reason": reason, "message": message, "at": time.time()}
+        log.error("replica cannot recover (%s): %s", reason, message)
+        self.notify("fatal")
+
+    def serves(self, step: int, run_id: str | None = None) -> bool:
+        """True when SGLang serves, right now, a checkpoint at least ``step`` of run ``run_id``."""
+        s = self.state
+        return bool(s.sglang_healthy and s.loaded_step is not None and s.loaded_step >= step
+                    and s.loaded_current and (run_id is None or s.loaded_run_id == run_id))
+
+    async def wait_for_step(self, step: int, timeout_s: float, run_id: str | None = None) -> bool:
+        """Wait until SGLang serves ``step`` or newer (of ``run_id`` when given); False on timeout."""
         assert self._changed is not None
         async with self._changed:
             try:
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: (self.state.loaded_step or -1) >= step and
-                                           self.state.sglang_healthy),
-                    timeout=timeout_s)
+                await asyncio.wait_for(self._changed.wait_for(lambda: self.serves(step, run_id)),
+                                       timeout=timeout_s)
                 return True
             except asyncio.TimeoutError:
                 return False
+
+    def readiness(self) -> tuple[bool, str]:
+        """Whether the replica is ready *now*, and why not: computed when asked, never cached."""
+        s = self.state
+        now = time.time()
+        fresh = max(3 * self.settings.health_interval_s, 5.0) + self.settings.request_timeout_s / 2
+        if s.fatal is not None:
+            return False, f"{s.fatal['reason']}: {s.fatal['message']}"
+        if s.loop_heartbeat is None or (s.loading_step is None and now - s.loop_heartbeat > max(
+                5 * self.settings.health_interval_s, 15.0)):
+            return False, "the sync loop has not completed a pass recently"
+        if s.sglang_seen_at is None or now - s.sglang_seen_at > fresh:
+            return False, f"SGLang at {self.settings.sglang_url} has not answered recently"
+        if not s.ready:
+            if s.loaded_step is None and s.last_error is not None:
+                return False, f"{s.last_error['reason']}: {s.last_error['message']}"
+            return False, "not serving the newest valid checkpoint yet"
+        return True, "serving the newest valid checkpoint"
 
     def request_checkpoint(self, checkpoint: str) -> Path:
         """Confine a client-named checkpoint to the root, check it names a step, and wake the loop."""
         path = resolve_inside(self.root, checkpoint)
         step = parse_step_dir_name(path.name)
         if step is None or path.parent != Path(os.path.realpath(self.root)):
-            raise CheckpointError("not_a_checkpoint", f"{checkpoint} is not a step-XXXXXXXX directory"
-                                  f" directly under {self.root}")
+            raise CheckpointError("not_a_checkpoint", f"{checkpoint[:200]!r} is not a step-XXXXXXXX"
+                                  f" directory directly under {self.root}")
         if not path.is_dir():
-            raise CheckpointError("missing_checkpoint", f"{path} does not exist")
+            raise CheckpointError("missing_checkpoint", f"{path.name} does not exist under {self.root}")
         self.notify(f"api:{path.name}")
         return path
 
@@ -143,30 +216,42 @@ class SyncController:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._changed = asyncio.Condition()
-        log.info("sidecar %s: SGLang %s, checkpoints %s (%s)", self.settings.replica_id,
-                 self.settings.sglang_url, self.root, self.state.watch_mode)
+        log.info("sidecar %s: SGLang %s, checkpoints %s (%s), stage %s", self.settings.replica_id,
+                 self.settings.sglang_url, self.root, self.state.watch_mode,
+                 self.state.stage_dir or "off (SGLang reads shared storage directly)")
+        await asyncio.to_thread(self.acks.clean_up_leftovers)
         last_scan = 0.0
+        backoff = 0.0
         while not self._stopping:
-            try:
-                await self._check_server()
-                if self.state.sglang_healthy:
-                    now = time.monotonic()
-                    await self._sync_newest()
-                    last_scan = now
-                await self._maybe_ack()
-                await self._publish_state()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # keep serving: report and retry on the next wake-up
-                log.exception("sync loop error")
-                self._error("loop_error", str(exc))
-            timeout = self.settings.health_interval_s
-            if time.monotonic() - last_scan > self.settings.rescan_interval_s:
+            failed = False
+            for phase in (self._check_server, self._sync_pass):
+                try:
+                    await phase()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # keep serving: report, back off, retry
+                    failed = True
+                    self._loop_error(phase.__name__, exc)
+            last_scan = time.monotonic()
+            for always in (self._maybe_ack, self._publish_state):
+                try:
+                    await always()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    failed = True
+                    self._loop_error(always.__name__, exc)
+            self.state.loop_heartbeat = time.time()
+            backoff = min(max(2 * backoff, 0.5), MAX_BACKOFF_S) if failed else 0.0
+            timeout = backoff or self.settings.health_interval_s
+            if not failed and time.monotonic() - last_scan > self.settings.rescan_interval_s:
                 timeout = 0.0
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=max(timeout, 0.01))
             except asyncio.TimeoutError:
                 pass
+            if backoff:  # a failing pass must not spin on a flood of wake-ups
+                await asyncio.sleep(min(backoff, 1.0))
             self._wake.clear()
 
     async def stop(self) -> None:
@@ -174,12 +259,22 @@ class SyncController:
         if self._wake is not None:
             self._wake.set()
         await self.client.aclose()
+        if self.stage is not None:
+            self.stage.close()
+
+    def _loop_error(self, where: str, exc: Exception) -> None:
+        self.state.loop_errors += 1
+        message = f"{where}: {type(exc).__name__}: {exc}"
+        if message != self._last_logged_error:  # one traceback per distinct error, not per pass
+            log.exception("sync loop error in %s (backing off)", where)
+            self._last_logged_error = message
+        self._error("loop_error", message)
 
     async def _publish_state(self) -> None:
-        newest = self._newest_candidate_step()
+        newest = await asyncio.to_thread(self._newest_candidate_step)
         self.state.newest_known_step = newest
-        self.state.ready = bool(self.state.sglang_healthy and (
-            newest is None or self.state.loaded_step == newest))
+        self.state.ready = bool(self.state.sglang_healthy and self.state.fatal is None and (
+            newest is None or (self.state.loaded_step == newest and self.state.loaded_current)))
         self.metrics.ready.set(1 if self.state.ready else 0)
         self.metrics.sglang_up.set(1 if self.state.sglang_healthy else 0)
         self.metrics.loaded_version.set(-1 if self.state.loaded_step is None else self.state.loaded_step)
@@ -188,7 +283,7 @@ class SyncController:
             self._changed.notify_all()
 
     def _newest_candidate_step(self) -> int | None:
-        steps = [c.step for c in list_checkpoints(self.root) if c.step not in self.state.rejected]
+        steps = [c.step for c in list_checkpoints(self.root) if not self._is_rejected(c)]
         return steps[-1] if steps else None
 
     async def _check_server(self) -> None:
@@ -202,51 +297,156 @@ class SyncController:
         self._was_healthy = view.healthy
         if not view.healthy:
             if was:
-                log.warning("SGLang at %s stopped answering /health", self.settings.sglang_url)
-                self.metrics.sglang_restarts.inc()
+                log.warning("SGLang at %s stopped answering", self.settings.sglang_url)
                 self._error("sglang_down", f"SGLang at {self.settings.sglang_url} is not answering")
             self.state.ready = False
             return
+        self.state.sglang_seen_at = time.time()
         self.state.sglang_weight_version = view.weight_version
         loaded = self.state.loaded_step
         if loaded is not None and view.weight_version != weight_version_for_step(loaded):
             log.warning("SGLang reports weight version %r but step %d was loaded: it restarted;"
                         " re-applying the newest checkpoint", view.weight_version, loaded)
-            if was:
-                self.metrics.sglang_restarts.inc()
+            self.metrics.sglang_restarts.inc()  # counted only when the weights were really lost
             self.state.loaded_step = None
+            self.state.loaded_fingerprint = self.state.loaded_run_id = None
         if self.state.loaded_step is None and view.weight_version is not None:
-            step = _step_of_version(view.weight_version)
-            if step is not None and _same_path(view.model_path, self.root / step_dir_name(step)):
-                # A restarted sidecar beside a server that already serves a published step.
-                self.state.loaded_step = step
-                self._crashes.pop(step, None)
-                log.info("SGLang already serves step %d; adopting it without a reload", step)
+            await asyncio.to_thread(self._adopt, view)
+        await asyncio.to_thread(self._ensure_reference, view)
+
+    def _adopt(self, view: ServerView) -> None:
+        """A restarted sidecar beside a server that already serves a published step."""
+        step = _step_of_version(view.weight_version)
+        if step is None or not view.model_path:
+            return
+        if self.stage is not None and self.stage.owns(view.model_path):
+            where, root = Path(view.model_path), self.stage.path
+        elif _same_path(view.model_path, self.root / step_dir_name(step)):
+            where, root = self.root / step_dir_name(step), self.root
+        else:
+            return
+        try:
+            manifest = Manifest.load(where, root=root)
+        except CheckpointError:
+            return
+        if manifest.step != step:
+            return
+        self._set_loaded(step, manifest, str(where))
+        self._crashes.pop(step, None)
+        log.info("SGLang already serves step %d (%s); adopting it without a reload", step, where)
+
+    def _ensure_reference(self, view: ServerView) -> None:
+        """Learn the served model's tensor specs once (every checkpoint is checked against them)."""
+        if self._reference is not None:
+            return
+        found: tuple[TensorSpecs, str] | None = None
+        if self.settings.reference_dir is not None:
+            found = read_model_specs(self.settings.reference_dir), str(self.settings.reference_dir)
+        else:
+            model_path = view.model_path
+            persisted = self.stage.load_reference() if self.stage is not None else None
+            ours = self.stage is not None and self.stage.owns(model_path)
+            in_root = bool(model_path) and _inside(model_path, self.root)
+            if persisted is not None and (ours or in_root):
+                found = persisted
+            elif model_path and not ours:
+                local = _local_model_dir(model_path)
+                if local is not None:
+                    found = read_model_specs(local), str(local)
+        if found is None:
+            self._error("no_reference",
+                        f"cannot learn the tensor names and shapes of the model SGLang serves"
+                        f" ({view.model_path!r} is not a local model directory): pass"
+                        " --reference-dir with that model's directory; nothing is loaded until then")
+            return
+        self._reference, self.state.reference = found
+        if self.stage is not None:
+            self.stage.save_reference(*found)
+            self.stage.prune(keep={Path(view.model_path)} if self.stage.owns(view.model_path) else set())
+        log.info("checking checkpoints against %d tensors of the served model (%s)",
+                 len(self._reference), self.state.reference)
+        if self.state.last_error and self.state.last_error.get("reason") == "no_reference":
+            self.state.last_error = None
+
+    async def _sync_pass(self) -> None:
+        if self.state.sglang_healthy and self._reference is not None and self.state.fatal is None:
+            await self._sync_newest()
 
     async def _sync_newest(self) -> None:
-        """Load the newest valid checkpoint that is newer than what is loaded (if any)."""
-        for ckpt in reversed(list_checkpoints(self.root)):
-            loaded = self.state.loaded_step
-            if loaded is not None and ckpt.step <= loaded:
+        """Serve the newest valid checkpoint in the root (if SGLang does not already)."""
+        checkpoints = await asyncio.to_thread(list_checkpoints, self.root)
+        presence = await asyncio.to_thread(self._loaded_presence)
+        self.state.loaded_current = presence == "same"
+        loaded = self.state.loaded_step
+        for ckpt in reversed(checkpoints):
+            if loaded is not None and ckpt.step == loaded and presence == "same":
                 return
-            if ckpt.step in self.state.rejected:
+            if loaded is not None and ckpt.step < loaded and presence != "gone":
+                return  # never go back while the served step is still published
+            if self._is_rejected(ckpt):
                 continue
-            if await self._try_load(ckpt.step, ckpt.path):
+            if await self._try_load(ckpt):
                 return
             if not self.state.sglang_healthy:
                 return
 
-    async def _try_load(self, step: int, path: Path) -> bool:
+    def _loaded_presence(self) -> str:
+        """``same``, ``changed`` (republished) or ``gone``, for the served checkpoint."""
+        step = self.state.loaded_step
+        if step is None:
+            return "same"
+        path = self.root / step_dir_name(step)
+        try:
+            os.stat(path)  # a direct lookup: a stale cached listing cannot make it vanish
+        except FileNotFoundError:
+            return "gone"
+        except OSError:
+            return "changed"
+        try:
+            manifest = Manifest.load(path, root=self.root)
+        except CheckpointError as exc:
+            return "gone" if exc.reason == "missing_manifest" else "changed"
+        return "same" if manifest.fingerprint() == self.state.loaded_fingerprint else "changed"
+
+    def _is_rejected(self, ckpt: PublishedCheckpoint) -> bool:
+        """Rejected, and not replaced since (a republished step directory is looked at anew)."""
+        if ckpt.step not in self.state.rejected:
+            return False
+        if _dir_identity(ckpt.path) == self._rejected_at.get(ckpt.step):
+            return True
+        self.state.rejected.pop(ckpt.step, None)
+        self._rejected_at.pop(ckpt.step, None)
+        self._crashes.pop(ckpt.step, None)
+        return False
+
+    async def _try_load(self, ckpt: PublishedCheckpoint) -> bool:
+        step, path = ckpt.step, ckpt.path
         detected = self._detected_at.pop(step, time.time())
         # Publish-time latencies only mean something the first time a step is loaded.
         published = None if step in self._loaded_before else _published_at(path)
         self.state.loading_step = step
         try:
             t0 = time.perf_counter()
+            budget = self.settings.validate_timeout_s
             try:
-                report = await asyncio.to_thread(self._validate, path)
+                report = await asyncio.wait_for(asyncio.to_thread(self._prepare, path),
+                                                timeout=budget + 5.0)
+            except asyncio.TimeoutError:
+                self._reject(ckpt, "validation_timeout",
+                             f"validating {path.name} did not finish within {budget:g} s (a file"
+                             " that blocks or storage that hangs); raise --validate-timeout if"
+                             " the storage is just slow")
+                return False
             except CheckpointError as exc:
-                self._reject(step, exc.reason, str(exc))
+                self._reject(ckpt, exc.reason, str(exc))
+                return False
+            except StageError as exc:
+                self.metrics.syncs.labels("failed", "stage_failed").inc()
+                self._error("stage_failed", str(exc), step=step)
+                raise
+            except Exception as exc:  # whatever broke while reading step N rejects step N
+                self._reject(ckpt, "unreadable", f"{path.name} could not be validated:"
+                             f" {type(exc).__name__}: {str(exc)[:300]}")
                 return False
             validate_s = time.perf_counter() - t0
             load_started = time.time()
@@ -257,15 +457,15 @@ class SyncController:
             try:
                 await self.client.load_from_disk(str(report.path), version)
             except SGLangLoadRejected as exc:
-                self._reject(step, "sglang_rejected", str(exc))
+                self._reject(ckpt, "sglang_rejected", str(exc))
                 return False
             except SGLangUnavailable as exc:
                 self._crashes[step] = self._crashes.get(step, 0) + 1
                 self.state.sglang_healthy = False
                 self.metrics.syncs.labels("failed", "sglang_unavailable").inc()
                 if self._crashes[step] >= MAX_CRASHES_PER_STEP:
-                    self._reject(step, "sglang_crashed_on_load",
-                                 f"SGLang died {self._crashes[step]} times while loading {path}")
+                    self._reject(ckpt, "sglang_crashed_on_load",
+                                 f"SGLang died {self._crashes[step]} times while loading {path.name}")
                 else:
                     self._error("sglang_unavailable", str(exc), step=step)
                 return False
@@ -273,53 +473,74 @@ class SyncController:
             view = await self.client.view()
             if view.weight_version != version:
                 self.metrics.syncs.labels("failed", "version_not_confirmed").inc()
-                self._error("version_not_confirmed", f"after loading {path} SGLang reports weight"
+                self._error("version_not_confirmed", f"after loading {path.name} SGLang reports weight"
                             f" version {view.weight_version!r}, expected {version!r}", step=step)
                 return False
             finished = time.time()
-            self.state.loaded_step = step
+            self._set_loaded(step, report.manifest, str(report.path))
             self._loaded_before.add(step)
             self.state.sglang_weight_version = version
             self._crashes.pop(step, None)
-            self._reference = report.specs
+            if self.stage is not None:
+                await asyncio.to_thread(self.stage.prune, {report.path})
             record = SyncRecord(
                 step=step, weight_version=version, path=str(report.path),
                 detect_s=None if published is None else max(0.0, detected - published),
                 validate_s=validate_s, load_s=load_s,
-                total_s=None if published is None else finished - published, finished_at=finished)
+                total_s=None if published is None else finished - published, finished_at=finished,
+                run_id=report.manifest.run_id, staged=self.stage is not None)
             self.state.last_sync = record
+            if self.state.last_error is not None and self.state.last_error.get("step") == step:
+                self.state.last_error = None
             self.metrics.syncs.labels("loaded", "ok").inc()
             for phase in ("detect_s", "validate_s", "load_s", "total_s"):
                 value = getattr(record, phase)
                 if value is not None:
                     self.metrics.last_sync_seconds.labels(phase[:-2]).set(value)
-            log.info("loaded step %d into SGLang: validate %.3f s, load %.3f s%s", step, validate_s,
-                     load_s, "" if record.total_s is None else f", publish->serving {record.total_s:.3f} s")
+            log.info("loaded step %d into SGLang: validate%s %.3f s, load %.3f s%s", step,
+                     "+stage" if self.stage is not None else "", validate_s, load_s,
+                     "" if record.total_s is None else f", publish->serving {record.total_s:.3f} s")
             await self._maybe_ack(force=True)
             await self._publish_state()
             return True
         finally:
             self.state.loading_step = None
 
-    def _validate(self, path: Path):
-        reference, allow_cast = self._reference_specs()
-        return validate_checkpoint(path, root=self.root, reference=reference,
-                                   allow_float_cast=allow_cast,
-                                   check_digests=self.settings.check_digests)
+    def _set_loaded(self, step: int, manifest: Manifest, served_path: str) -> None:
+        self.state.loaded_step = step
+        self.state.loaded_run_id = manifest.run_id
+        self.state.loaded_fingerprint = manifest.fingerprint()
+        self.state.loaded_current = True
+        self._served_path = served_path
 
-    def _reference_specs(self) -> tuple[TensorSpecs | None, bool]:
-        """Previously loaded checkpoint (exact), else the served/base model (any float dtype)."""
-        if self._reference is not None:
-            return self._reference, False
-        if self.settings.reference_dir is not None:
-            return read_model_specs(self.settings.reference_dir), True
-        return None, False
+    def _prepare(self, path: Path) -> ValidationReport:
+        """Validate ``path`` and, with a stage, copy and verify it there (runs in a thread)."""
+        s = self.settings
+        deadline = Deadline(s.validate_timeout_s)
+        staged = self.stage is not None
+        report = validate_checkpoint(
+            path, root=self.root, reference=self._reference, allow_float_cast=True,
+            check_digests=s.check_digests and not staged, check_finite=s.check_finite and not staged,
+            timeout_s=s.validate_timeout_s)
+        if self.stage is None:
+            return report
+        copy = self.stage.copy_in(self.root, report.path, report.manifest, deadline)
+        remaining = max(0.001, s.validate_timeout_s - (time.monotonic() - deadline.started))
+        staged_report = validate_checkpoint(
+            copy, root=self.stage.path, reference=self._reference, allow_float_cast=True,
+            check_finite=s.check_finite, timeout_s=remaining)
+        if staged_report.manifest.fingerprint() != report.manifest.fingerprint():
+            raise CheckpointError("changed_while_staging", f"{path.name}'s manifest changed while"
+                                  " it was being staged")
+        staged_report.digests_checked = True
+        return staged_report
 
-    def _reject(self, step: int, reason: str, message: str) -> None:
-        log.error("rejected checkpoint step %d (%s): %s", step, reason, message)
-        self.state.rejected[step] = reason
+    def _reject(self, ckpt: PublishedCheckpoint, reason: str, message: str) -> None:
+        log.error("rejected checkpoint step %d (%s): %s", ckpt.step, reason, message)
+        self.state.rejected[ckpt.step] = reason
+        self._rejected_at[ckpt.step] = _dir_identity(ckpt.path)
         self.metrics.syncs.labels("rejected", reason).inc()
-        self._error(reason, message, step=step)
+        self._error(reason, message, step=ckpt.step)
 
     def _error(self, reason: str, message: str, step: int | None = None) -> None:
         self.state.last_error = {"reason": reason, "message": message, "step": step, "at": time.time()}
@@ -329,18 +550,20 @@ class SyncController:
         if not force and now - self._last_ack < self.settings.ack_interval_s:
             return
         self._last_ack = now
-        loaded = self.state.loaded_step
-        payload = {"loaded_step": loaded,
-                   "weight_version": None if loaded is None else weight_version_for_step(loaded),
-                   "ready": self.state.ready, "sglang_healthy": self.state.sglang_healthy,
-                   "loading_step": self.state.loading_step, "sglang_url": self.settings.sglang_url}
+        s = self.state
+        payload = {"loaded_step": s.loaded_step,
+                   "weight_version": None if s.loaded_step is None else weight_version_for_step(s.loaded_step),
+                   "run_id": s.loaded_run_id, "fingerprint": s.loaded_fingerprint,
+                   "loaded_current": s.loaded_current,
+                   "ready": s.ready, "sglang_healthy": s.sglang_healthy,
+                   "loading_step": s.loading_step, "sglang_url": self.settings.sglang_url}
         try:
-            await asyncio.to_thread(write_ack, self.root, self.settings.replica_id, payload)
-            self.state.ack_error = None
+            await asyncio.to_thread(self.acks.write, payload)
+            s.ack_error = None
         except OSError as exc:
-            if self.state.ack_error is None:
+            if s.ack_error is None:
                 log.error("cannot write the ack file under %s: %s (HTTP acks still work)", self.root, exc)
-            self.state.ack_error = str(exc)
+            s.ack_error = str(exc)
 
 
 def _same_path(a: str | None, b: Path) -> bool:
@@ -348,8 +571,38 @@ def _same_path(a: str | None, b: Path) -> bool:
     return bool(a) and os.path.realpath(a) == os.path.realpath(b) and os.path.isdir(b)
 
 
-def _step_of_version(version: str) -> int | None:
-    return int(version) if version.isdigit() else None
+def _inside(path: str, root: Path) -> bool:
+    real, real_root = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    return real == real_root or real_root in real.parents
+
+
+def _local_model_dir(model_path: str) -> Path | None:
+    """The local folder of SGLang's model: a directory, or a Hub id found in the local HF cache."""
+    if os.path.isdir(model_path):
+        return Path(model_path) if any(Path(model_path).glob("*.safetensors")) else None
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None
+    try:
+        local = Path(snapshot_download(model_path, local_files_only=True,
+                                       allow_patterns=["*.safetensors", "*.json"]))
+    except Exception:  # not cached, not a repo id: no reference from it
+        return None
+    return local if any(local.glob("*.safetensors")) else None
+
+
+def _dir_identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _step_of_version(version: str | None) -> int | None:
+    return parse_step_dir_name(f"step-{int(version):08d}") if version and version.isascii() \
+        and version.isdigit() and len(version) <= 8 else None
 
 
 def _published_at(path: Path) -> float | None:

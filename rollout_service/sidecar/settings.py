@@ -30,6 +30,13 @@ class SidecarSettings:
     ack_interval_s: float = 5.0
     load_timeout_s: float = 1800.0
     request_timeout_s: float = 10.0
+    stage: bool = True
+    """Copy and verify each checkpoint node-locally before SGLang reads it (closes the
+    time-of-check/time-of-use window; see ``sidecar/staging.py``)."""
+    stage_dir: Path | None = None  # None with stage=True: /dev/shm when it has room, else ~/.cache
+    check_finite: bool = True
+    """Refuse NaN/Inf weights (checked on the bytes the stage or digest mode reads anyway)."""
+    validate_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         self.checkpoint_path = Path(self.checkpoint_path)
@@ -52,3 +59,23 @@ class SidecarSettings:
             )
         if self.reference_dir is not None:
             self.reference_dir = Path(self.reference_dir)
+        if not self.stage:
+            self.stage_dir = None
+        elif self.stage_dir is None:
+            from .staging import default_stage_dir
+
+            self.stage_dir = default_stage_dir(self.replica_id)
+        else:
+            self.stage_dir = Path(self.stage_dir)
+        if self.stage_dir is not None and _inside(self.stage_dir, self.checkpoint_path):
+            raise ValueError(f"--stage-dir {self.stage_dir} is inside the checkpoint root; it must be"
+                             " node-local and private to this sidecar")
+        if not self.validate_timeout_s > 0:
+            raise ValueError(f"--validate-timeout must be positive, got {self.validate_timeout_s}")
+
+
+def _inside(path: Path, root: Path) -> bool:
+    import os
+
+    real, real_root = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    return real == real_root or real_root in real.parents
