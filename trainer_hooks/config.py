@@ -14,14 +14,19 @@ trainer). The other ``vllm_*`` settings (server host/port, colocate memory) are 
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import trl
 
 from rollout_service.checkpoint_format import normalize_dtype
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SYNC_TIMEOUT_S = 600.0
 DEFAULT_REQUEST_TIMEOUT_S = 1800.0
@@ -56,6 +61,10 @@ class SGLangRolloutArguments:
             counts as failed.
         replica_heartbeat_max_age: seconds after which an ack file's heartbeat counts as dead
             (sidecars refresh it every few seconds).
+        sglang_log_paths: SGLang's log files, readable by the trainer (same machine or shared
+            storage), one per ``sglang_urls`` entry or a single one for all. When a request kills
+            a server twice, the step's error quotes SGLang's last error lines from them (and the
+            sidecars' ``/status`` ``last_error`` when ``sidecar_urls`` are set).
     """
 
     checkpoint_path: str | None = field(
@@ -112,6 +121,12 @@ class SGLangRolloutArguments:
         default=60.0,
         metadata={"help": "Seconds after which an ack file's heartbeat counts as dead."},
     )
+    sglang_log_paths: list[str] = field(
+        default_factory=list,
+        metadata={"help": "SGLang's log files as the trainer sees them (the --sglang-log of `rollout-service serve`), "
+                  "one per sglang_urls entry or one for all: when a request kills a server, the trainer's error "
+                  "quotes SGLang's last error lines from there."},
+    )
 
     def _validate_rollout_arguments(self, *, is_main_process: bool) -> None:
         """Check and normalize the SGLang fields; raise ValueError saying what to change."""
@@ -127,6 +142,14 @@ class SGLangRolloutArguments:
                 "use vllm_mode='server' (the default of trainer_hooks' config)."
             )
         self.sglang_urls = _normalize_urls(self.sglang_urls, "sglang_urls")
+        if isinstance(self.sglang_log_paths, str):
+            self.sglang_log_paths = [self.sglang_log_paths]
+        self.sglang_log_paths = [os.fspath(Path(p).expanduser()) for p in (self.sglang_log_paths or [])]
+        if self.sglang_log_paths and len(self.sglang_log_paths) not in (1, len(self.sglang_urls)):
+            raise ValueError(
+                f"sglang_log_paths has {len(self.sglang_log_paths)} entries for {len(self.sglang_urls)} sglang_urls: give "
+                "one log path per URL, in the same order, or a single one for all"
+            )
         self.sidecar_urls = _normalize_urls(self.sidecar_urls, "sidecar_urls")
         if not self.sglang_urls:
             raise ValueError(
@@ -228,6 +251,7 @@ class GRPOConfig(SGLangRolloutArguments, trl.GRPOConfig):
     )
 
     def __post_init__(self) -> None:
+        adapt_trl_fields(self, world_size=_world_size())
         super().__post_init__()
         self._validate_rollout_arguments(is_main_process=self.process_index == 0)
 
@@ -246,5 +270,225 @@ class RLOOConfig(SGLangRolloutArguments, trl.RLOOConfig):
     )
 
     def __post_init__(self) -> None:
+        adapt_trl_fields(self, world_size=_world_size())
         super().__post_init__()
         self._validate_rollout_arguments(is_main_process=self.process_index == 0)
+
+
+# --- TRL fields with SGLang rollouts (docs/trl-conformance.md has the table) -----------------
+
+SGLANG_SAMPLING_PARAMS = frozenset({
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "json_schema", "regex",
+    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+    "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "watermark",
+})
+"""The request-level sampling parameters of SGLang 0.5.23's ``/generate`` (``SamplingParams``) that
+``generation_kwargs`` may carry; ``n`` and ``beam_width`` are not among them (see below)."""
+
+CONSTRAINT_PARAMS = ("regex", "json_schema", "ebnf", "structural_tag")
+
+_RENAMED = {  # transformers / vLLM name -> SGLang name, same meaning
+    "stop_strings": "stop", "eos_token_id": "stop_token_ids", "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens", "seed": "sampling_seed", "include_stop_str_in_output": "no_stop_trim",
+}
+_DROPPED = {  # transformers generation options that mean nothing for an HTTP engine
+    "pad_token_id": "SGLang pads nothing (it returns token ids per completion)",
+    "bos_token_id": "prompts arrive as token ids",
+    "use_cache": "SGLang always uses its KV cache",
+    "cache_implementation": "SGLang manages its own KV cache",
+    "output_scores": "SGLang returns the sampled tokens' logprobs",
+    "output_logits": "SGLang returns the sampled tokens' logprobs",
+    "return_dict_in_generate": "not a sampling option",
+    "output_attentions": "not a sampling option",
+    "output_hidden_states": "not a sampling option",
+    "disable_compile": "not a sampling option",
+    "compile_config": "not a sampling option",
+    "renormalize_logits": "SGLang samples from normalized probabilities",
+}
+_REFUSED = {  # name -> what to use instead
+    "n": "num_generations (the trainer sets SGLang's n from it)",
+    "num_return_sequences": "num_generations (the trainer sets SGLang's n from it)",
+    "beam_width": "sampling (GRPO needs samples and their logprobs; SGLang's beam search returns no logprobs)",
+    "length_penalty": "nothing: it only applies to beam search, which GRPO cannot use (SGLang has none with logprobs)",
+    "early_stopping": "nothing: it only applies to beam search",
+    "num_beam_groups": "nothing: it only applies to beam search",
+    "diversity_penalty": "nothing: it only applies to beam search",
+    "constraints": "regex / json_schema / ebnf (SGLang's constrained decoding)",
+    "force_words_ids": "regex / ebnf (SGLang's constrained decoding)",
+    "max_length": "max_completion_length (SGLang's max_new_tokens counts completion tokens only)",
+    "min_length": "min_new_tokens",
+    "no_repeat_ngram_size": "repetition_penalty / frequency_penalty / presence_penalty (SGLang has no n-gram ban)",
+    "encoder_no_repeat_ngram_size": "repetition_penalty (SGLang has no n-gram ban)",
+    "typical_p": "top_p / min_p (SGLang has no typical sampling)",
+    "epsilon_cutoff": "min_p (SGLang has no epsilon sampling)",
+    "eta_cutoff": "min_p (SGLang has no eta sampling)",
+    "top_h": "top_p / min_p",
+    "bad_words_ids": "logit_bias={token_id: -100.0, ...} or a regex",
+    "bad_words": "logit_bias={token_id: -100.0, ...} or a regex",
+    "suppress_tokens": "logit_bias={token_id: -100.0, ...}",
+    "begin_suppress_tokens": "logit_bias or a regex",
+    "sequence_bias": "logit_bias (per token)",
+    "allowed_token_ids": "a regex or logit_bias",
+    "forced_bos_token_id": "a regex, or put the token at the end of the prompt",
+    "forced_eos_token_id": "stop_token_ids",
+    "exponential_decay_length_penalty": "max_completion_length",
+    "penalty_alpha": "sampling (SGLang has no contrastive search)",
+    "guidance_scale": "nothing (SGLang has no classifier-free guidance)",
+    "watermarking_config": "watermark (needs SGLang started with --enable-watermark)",
+    "assistant_model": "SGLang's speculative decoding flags on the server",
+    "prompt_lookup_num_tokens": "SGLang's speculative decoding flags on the server",
+    "dola_layers": "nothing (SGLang has no DoLa decoding)",
+    "token_healing": "nothing (SGLang has no token healing)",
+    "logprobs": "nothing: the trainer asks for the sampled tokens' logprobs itself",
+    "prompt_logprobs": "nothing: the trainer computes prompt logprobs itself",
+    "guided_decoding": "SGLang's regex / json_schema / ebnf / structural_tag keys directly",
+    "structured_outputs": "SGLang's regex / json_schema / ebnf / structural_tag keys directly",
+}
+
+
+def translate_generation_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """TRL's ``generation_kwargs`` as SGLang sampling parameters.
+
+    SGLang names pass unchanged; transformers / vLLM names with an exact SGLang counterpart are
+    renamed, options with no effect on an HTTP engine are dropped, and everything else raises a
+    ValueError naming what to use instead (one log line per adaptation). TRL's own generation hands
+    these to transformers' ``GenerationConfig``; sent to SGLang unchanged they would come back as
+    HTTP 400 at the first generation step.
+    """
+    if not kwargs:
+        return kwargs
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"generation_kwargs must be a dict of sampling parameters, got {type(kwargs).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key in SGLANG_SAMPLING_PARAMS:
+            out[key] = value
+        elif key == "do_sample":
+            if value is False:
+                out.setdefault("top_k", 1)
+                log.warning("generation_kwargs: do_sample=False -> top_k=1 for SGLang (greedy; the returned logprobs "
+                            "stay those of the temperature-scaled distribution, like the trainer's)")
+            else:
+                log.info("generation_kwargs: do_sample=True dropped (SGLang always samples)")
+        elif key == "num_beams":
+            if value in (None, 1):
+                log.info("generation_kwargs: num_beams=1 dropped (SGLang samples without beams)")
+            else:
+                raise ValueError(
+                    f"generation_kwargs num_beams={value!r}: beam search gives GRPO no samples to compare and SGLang "
+                    "0.5.23's beam search returns no logprobs; drop num_beams and sample num_generations completions "
+                    "(temperature / top_p / top_k / min_p)"
+                )
+        elif key in _RENAMED:
+            new = _RENAMED[key]
+            if new in kwargs or new in out:
+                raise ValueError(f"generation_kwargs has both {key!r} and SGLang's {new!r}: keep only {new!r}")
+            log.warning("generation_kwargs: %s=%r renamed to SGLang's %s", key, value, new)
+            if new == "stop_token_ids":
+                value = [int(v) for v in (value if isinstance(value, (list, tuple, set)) else [value])]
+            out[new] = value
+        elif key in _DROPPED:
+            log.warning("generation_kwargs: %s dropped (%s)", key, _DROPPED[key])
+        elif key in _REFUSED:
+            raise ValueError(
+                f"generation_kwargs {key}={value!r} has no SGLang counterpart in /generate; use {_REFUSED[key]}. "
+                "generation_kwargs reach SGLang as sampling parameters by SGLang's names: "
+                + ", ".join(sorted(SGLANG_SAMPLING_PARAMS))
+            )
+        else:
+            raise ValueError(
+                f"generation_kwargs {key}={value!r} is not an SGLang sampling parameter (SGLang would answer HTTP 400). "
+                "Use SGLang's names: " + ", ".join(sorted(SGLANG_SAMPLING_PARAMS))
+            )
+    present = [k for k in CONSTRAINT_PARAMS if out.get(k) is not None]
+    if len(present) > 1:
+        raise ValueError(f"generation_kwargs sets several SGLang constraints {present}; SGLang accepts one per request")
+    return out
+
+
+_IGNORED_VLLM_FIELDS = {  # field: (TRL default, what to use with SGLang)
+    "vllm_server_base_url": (None, "sglang_urls"),
+    "vllm_server_host": ("0.0.0.0", "sglang_urls"),
+    "vllm_server_port": (8000, "sglang_urls"),
+    "vllm_server_timeout": (240.0, "sync_timeout (how long the trainer waits for SGLang and its replicas)"),
+    "vllm_group_port": (51216, "nothing (weights travel as checkpoints through checkpoint_path)"),
+    "vllm_gpu_memory_utilization": (0.3, "SGLang's --mem-fraction-static on the rollout server"),
+    "vllm_tensor_parallel_size": (1, "SGLang's --tp-size on the rollout server"),
+    "vllm_max_model_length": (None, "SGLang's --context-length on the rollout server"),
+    "vllm_model_impl": ("vllm", "SGLang's --model-impl on the rollout server"),
+    "vllm_enable_sleep_mode": (False, "nothing (colocate mode only; SGLang runs outside the trainer)"),
+    "cache_implementation": (None, "nothing (SGLang manages its own KV cache)"),
+    "ds3_gather_for_generation": (True, "nothing (every sync gathers the full weights to publish them)"),
+}
+
+COLLECTIVE_MARGIN_S = 300.0
+"""Room in the collective budget for gathering and writing a checkpoint on the main process."""
+
+
+def collective_budget_s(sync_timeout: float, request_timeout: float, rescoring: bool) -> float:
+    """The longest the main process can work alone (HTTP, replica waits) while the other processes
+    wait in a collective for its result or error.
+
+    One ``generate`` retries until ``sync_timeout`` and a request in flight at that moment may run
+    ``sglang_request_timeout`` more; a second request of the same length rescores completions when
+    the sampling parameters change the distribution (docs/trl-conformance.md). A sync writes and
+    then waits ``sync_timeout``.
+    """
+    return sync_timeout + request_timeout * (2 if rescoring else 1) + COLLECTIVE_MARGIN_S
+
+
+def rescoring_needed(params: dict[str, Any]) -> bool:
+    """Whether SGLang's returned logprobs include processing the trainer does not apply (a grammar,
+    logit_bias, penalties, min_new_tokens), so the completions are rescored for the IS correction."""
+    return bool(
+        any(params.get(k) is not None for k in CONSTRAINT_PARAMS)
+        or params.get("logit_bias")
+        or (params.get("min_new_tokens") or 0) > 0
+        or (params.get("frequency_penalty") or 0.0) != 0.0
+        or (params.get("presence_penalty") or 0.0) != 0.0
+        or (params.get("repetition_penalty") if params.get("repetition_penalty") is not None else 1.0) != 1.0
+    )
+
+
+def adapt_trl_fields(config: Any, *, world_size: int) -> None:
+    """Refuse or adapt the TRL fields that do not work as in TRL's own generation (before TRL's
+    ``__post_init__``, which starts the process group with ``ddp_timeout``)."""
+    config.generation_kwargs = translate_generation_kwargs(config.generation_kwargs)
+    for name in ("use_transformers_continuous_batching", "use_transformers_paged"):
+        if getattr(config, name, False):
+            raise ValueError(
+                f"{name}=True asks TRL to generate in the trainer with transformers, but trainer_hooks generates with "
+                f"SGLang: drop {name}, or use trl's own config for in-process generation"
+            )
+    for name, (default, instead) in _IGNORED_VLLM_FIELDS.items():
+        value = getattr(config, name, default)
+        if value != default:
+            log.warning("%s=%r is not used with SGLang rollouts; use %s", name, value, instead)
+    if (getattr(config, "loss_type", None) == "vespo" and getattr(config, "vllm_importance_sampling_correction", False)
+            and config.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
+        log.warning("loss_type='vespo': vllm_importance_sampling_mode %r -> 'token_truncate' (TRL's VESPO needs a "
+                    "token-level mode once the external-engine IS correction is on; set "
+                    "vllm_importance_sampling_mode='token_mask' or vllm_importance_sampling_correction=False to choose "
+                    "otherwise)", config.vllm_importance_sampling_mode)
+        config.vllm_importance_sampling_mode = "token_truncate"
+    if world_size > 1:
+        params = dict(config.generation_kwargs or {}, repetition_penalty=getattr(config, "repetition_penalty", 1.0))
+        budget = collective_budget_s(config.sync_timeout, config.sglang_request_timeout, rescoring_needed(params))
+        if config.ddp_timeout < budget:
+            new = int(math.ceil(budget))
+            log.warning(
+                "ddp_timeout=%s s -> %d s: with %d processes the others wait in a collective while the main process "
+                "talks to SGLang for up to sync_timeout (%g s) + sglang_request_timeout (%g s)%s + %g s, and a "
+                "shorter ddp_timeout would end a stuck request in a collective abort (NCCL/gloo watchdog) instead of "
+                "the trainer's own error. To keep a shorter ddp_timeout, lower sglang_request_timeout and sync_timeout",
+                config.ddp_timeout, new, world_size, config.sync_timeout, config.sglang_request_timeout,
+                " x2 (rescoring)" if rescoring_needed(params) else "", COLLECTIVE_MARGIN_S)
+            config.ddp_timeout = new
+
+
+def _world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
