@@ -111,21 +111,32 @@ def test_ddp_timeout_is_raised_above_the_main_process_http_budget(tmp_path: Path
     caplog.set_level(logging.INFO, logger="trainer_hooks.config")
     config = _config(tmp_path)  # one process: nothing waits in a collective, nothing changes
     assert config.ddp_timeout == 1800 and config.sglang_request_timeout == 1800
+    config.use_cpu = False  # accelerators: transformers starts the process group with ddp_timeout
     adapt_trl_fields(config, world_size=2)
     budget = collective_budget_s(config.sync_timeout, 1800, rescoring=False)
     assert config.ddp_timeout == int(budget) > 1800 + config.sync_timeout
     [line] = [r.getMessage() for r in caplog.records if "ddp_timeout=1800" in r.getMessage()]
     assert "collective abort" in line and "lower sglang_request_timeout and sync_timeout" in line
     # Rescoring (a grammar) doubles the request part; a large enough ddp_timeout stays as it is.
-    constrained = _config(tmp_path, generation_kwargs={"regex": "[a-z ]+"})
+    constrained = _config(tmp_path, generation_kwargs={"regex": "[a-z ]+"}, use_cpu=False)
     adapt_trl_fields(constrained, world_size=2)
     assert constrained.ddp_timeout == int(collective_budget_s(constrained.sync_timeout, 1800, rescoring=True))
-    roomy = _config(tmp_path, ddp_timeout=99999)
+    roomy = _config(tmp_path, ddp_timeout=99999, use_cpu=False)
     adapt_trl_fields(roomy, world_size=4)
     assert roomy.ddp_timeout == 99999
 
 
-def test_two_processes_start_their_process_group_with_the_adapted_timeout(tmp_path: Path) -> None:
+def test_on_cpu_the_request_timeout_is_fitted_under_torchs_default_watchdog(tmp_path: Path) -> None:
+    # use_cpu=True: transformers passes no ddp_timeout, so torch's 1800 s default is the watchdog.
+    config = _config(tmp_path, sync_timeout=600)
+    adapt_trl_fields(config, world_size=2)
+    assert config.sglang_request_timeout == 900 and config.ddp_timeout == 1800
+    with pytest.raises(ValueError, match=r"use_cpu=True and 2 processes .*lower sync_timeout below 1440"):
+        adapt_trl_fields(_config(tmp_path, sync_timeout=1700), world_size=2)
+
+
+@pytest.mark.parametrize("use_cpu", [False, True])
+def test_two_processes_start_their_process_group_with_the_adapted_timeout(tmp_path: Path, use_cpu: bool) -> None:
     # A real 2-process run: the check must happen before TRL's __post_init__ starts the process group.
     import json
     import os
@@ -135,19 +146,22 @@ def test_two_processes_start_their_process_group_with_the_adapted_timeout(tmp_pa
     script = tmp_path / "build_config.py"
     out = tmp_path / "result"
     script.write_text(f"""
-import json, os, torch.distributed as dist
+import json, torch.distributed as dist
+seen = []
+real_init = dist.init_process_group
+def recording_init(*args, **kwargs):
+    seen.append(kwargs["timeout"].total_seconds() if "timeout" in kwargs else None)
+    return real_init(*args, **kwargs)
+dist.init_process_group = recording_init
 from trainer_hooks import GRPOConfig
 args = GRPOConfig(output_dir={str(tmp_path / 'o')!r}, checkpoint_path={str(tmp_path)!r},
-                  sglang_urls={DEAD!r}, sidecar_urls={DEAD!r}, use_cpu=True, report_to='none',
-                  per_device_train_batch_size=4, num_generations=4)
-pg_timeout = dist.distributed_c10d._get_default_group().options._timeout.total_seconds() \\
-    if hasattr(dist.distributed_c10d._get_default_group(), "options") else None
-from accelerate import PartialState
-state_timeout = PartialState().__dict__.get("timeout")
+                  sglang_urls={DEAD!r}, sidecar_urls={DEAD!r}, use_cpu={use_cpu!r}, ddp_backend='gloo', bf16=False,
+                  report_to='none', per_device_train_batch_size=4, num_generations=4)
 open({str(out)!r} + str(args.process_index), "w").write(json.dumps(dict(
-    ddp_timeout=args.ddp_timeout, initialized=dist.is_initialized(),
-    state_timeout=None if state_timeout is None else state_timeout.total_seconds())))
+    ddp_timeout=args.ddp_timeout, initialized=dist.is_initialized(), pg_timeouts=seen,
+    request_timeout=args.sglang_request_timeout)))
 """)
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=str(tmp_path))
@@ -155,6 +169,13 @@ open({str(out)!r} + str(args.process_index), "w").write(json.dumps(dict(
     results = [json.loads(Path(str(out) + str(i)).read_text()) for i in range(2)]
     expected = int(collective_budget_s(600.0, 1800.0, rescoring=False))
     for r in results:
-        assert r["ddp_timeout"] == expected and r["initialized"], r
-        if r["state_timeout"] is not None:
-            assert r["state_timeout"] == expected, r
+        assert r["initialized"], r
+        if use_cpu:
+            # transformers passes no timeout with use_cpu=True (torch's 1800 s default applies), so the request
+            # timeout is fitted under it instead.
+            assert r["pg_timeouts"] == [None], r
+            assert collective_budget_s(600.0, r["request_timeout"], rescoring=False) <= 1800 < r["request_timeout"] + 1800
+        else:
+            # The process group itself was started with the adapted timeout.
+            assert r["ddp_timeout"] == expected and r["pg_timeouts"] == [expected], r
+            assert r["request_timeout"] == 1800.0

@@ -422,6 +422,8 @@ _IGNORED_VLLM_FIELDS = {  # field: (TRL default, what to use with SGLang)
     "ds3_gather_for_generation": (True, "nothing (every sync gathers the full weights to publish them)"),
 }
 
+TORCH_DEFAULT_PG_TIMEOUT_S = 1800.0
+"""torch.distributed's default process-group timeout (used when transformers passes none)."""
 COLLECTIVE_MARGIN_S = 300.0
 """Room in the collective budget for gathering and writing a checkpoint on the main process."""
 
@@ -474,7 +476,29 @@ def adapt_trl_fields(config: Any, *, world_size: int) -> None:
         config.vllm_importance_sampling_mode = "token_truncate"
     if world_size > 1:
         params = dict(config.generation_kwargs or {}, repetition_penalty=getattr(config, "repetition_penalty", 1.0))
-        budget = collective_budget_s(config.sync_timeout, config.sglang_request_timeout, rescoring_needed(params))
+        rescoring = rescoring_needed(params)
+        budget = collective_budget_s(config.sync_timeout, config.sglang_request_timeout, rescoring)
+        if getattr(config, "use_cpu", False):
+            # transformers starts the process group without ddp_timeout when use_cpu=True, so torch's
+            # default (30 min) is the watchdog: fit the request timeout under it instead.
+            if budget > TORCH_DEFAULT_PG_TIMEOUT_S:
+                fitted = (TORCH_DEFAULT_PG_TIMEOUT_S - config.sync_timeout - COLLECTIVE_MARGIN_S) / (2 if rescoring else 1)
+                if fitted < 60:
+                    raise ValueError(
+                        f"with use_cpu=True and {world_size} processes the process group runs with torch's default "
+                        f"timeout ({TORCH_DEFAULT_PG_TIMEOUT_S:g} s; transformers does not pass ddp_timeout then), which "
+                        f"sync_timeout={config.sync_timeout:g} s leaves no room for SGLang requests under: lower "
+                        "sync_timeout below "
+                        f"{TORCH_DEFAULT_PG_TIMEOUT_S - COLLECTIVE_MARGIN_S - 60 * (2 if rescoring else 1):g} s"
+                    )
+                log.warning(
+                    "sglang_request_timeout=%g s -> %d s: with use_cpu=True transformers starts the %d-process group "
+                    "with torch's default timeout (%g s, ddp_timeout is not used), and the main process must report a "
+                    "stuck request before that watchdog aborts the other processes (sync_timeout %g s + requests + %g s)",
+                    config.sglang_request_timeout, int(fitted), world_size, TORCH_DEFAULT_PG_TIMEOUT_S,
+                    config.sync_timeout, COLLECTIVE_MARGIN_S)
+                config.sglang_request_timeout = float(int(fitted))
+            return
         if config.ddp_timeout < budget:
             new = int(math.ceil(budget))
             log.warning(
