@@ -17,9 +17,14 @@
 #   no SGLang; then the script says so and measures the trainer side only (--no-sglang: publish
 #   from GPU tensors, raw write + fsync limit, save_pretrained), which needs no SGLang.
 # * If the first size (tiny) fails with SGLang, the remaining sizes also fall back to --no-sglang.
+# * SGLang runs as in production: CUDA graphs on (SGLang's default). Before the sync benchmark a
+#   graph check starts SGLang on the tiny model, records greedy tokens + logprobs, loads a
+#   perturbed checkpoint (the answers must change: graph replays read the new weights) and then
+#   the original weights again (the answers must match the first ones), via
+#   /update_weights_from_disk as the sidecar does. GPU_CHECK_DEVICE=cpu runs it on the CPU engine.
 # Outputs (at most 8 files, as the device tool brings back): gpu-check.log (everything printed),
-# env.txt (nvidia-smi, Python packages, disks), sync-<size>.json per size, logs.tar.gz (SGLang
-# and sidecar logs).
+# env.txt (nvidia-smi, Python packages, disks), graph-check.json, sync-<size>.json per size,
+# logs.tar.gz (SGLang and sidecar logs).
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -68,13 +73,91 @@ else
     MODE+=(--no-sglang)
 fi
 
+# Greedy logprobs before and after weight loads, with CUDA graphs on (the production path).
+cat > "$WORK/graph_check.py" <<'PYEOF'
+import json, sys, time
+from pathlib import Path
+
+import httpx
+import torch
+
+from rollout_service.checkpoint_writer import iter_model_dir_tensors, publish_checkpoint
+from rollout_service.sglang_launcher import SGLangServer
+from rollout_service.tiny_model import ensure_tiny_model
+
+device, out, logs = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+TOLERANCE = 1e-3
+model = ensure_tiny_model(tied=False)
+root = logs / "graph-check-ckpts"
+prompts = [[5, 6, 7, 8], [100, 200, 300], [17, 18], [9, 10, 11, 12, 13]]
+result = {"device": device, "tolerance": TOLERANCE, "passed": False}
+
+
+def greedy(url):
+    r = httpx.post(f"{url}/generate", json={"input_ids": prompts, "return_logprob": True, "sampling_params": {
+        "temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}}, timeout=600)
+    r.raise_for_status()
+    return [([int(t) for t in o["output_ids"]], [float(lp[0]) for lp in o["meta_info"]["output_token_logprobs"]])
+            for o in r.json()]
+
+
+def load(url, step):
+    path = root / f"step-{step:08d}"
+    r = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(path), "weight_version": str(step)},
+                   timeout=600)
+    assert r.status_code == 200 and r.json().get("success", True), r.text
+
+
+perturbed = ((n, t * 0.5 if n.endswith("mlp.down_proj.weight") else t) for n, t in iter_model_dir_tensors(model))
+publish_checkpoint(root, 1, perturbed, config=model / "config.json")
+publish_checkpoint(root, 2, iter_model_dir_tensors(model), config=model / "config.json")
+server = SGLangServer(model, device=device, log_path=logs / "graph-check-sglang.log")
+try:
+    server.start()
+    server.wait_healthy(600, progress_grace_s=120)
+    info = httpx.get(f"{server.url}/server_info", timeout=60).json()
+    graphs_off = bool(info.get("disable_cuda_graph"))
+    result["cuda_graphs"] = "n/a on cpu" if device == "cpu" else ("off" if graphs_off else "on")
+    before = greedy(server.url)
+    load(server.url, 1)
+    changed = greedy(server.url)
+    load(server.url, 2)
+    after = greedy(server.url)
+    diff = max(abs(a - b) for (_, la), (_, lb) in zip(before, after) for a, b in zip(la, lb))
+    result.update(
+        same_tokens_after_reload=[t for t, _ in before] == [t for t, _ in after],
+        max_abs_logprob_diff=diff,
+        perturbed_changed_output=[x for x in changed] != [x for x in before],
+    )
+    result["passed"] = bool(result["same_tokens_after_reload"] and diff <= TOLERANCE
+                            and result["perturbed_changed_output"] and result["cuda_graphs"] != "off")
+except Exception as exc:
+    result["error"] = f"{type(exc).__name__}: {exc}"
+finally:
+    server.stop()
+out.write_text(json.dumps(result, indent=1))
+print(f"graph check: {'PASS' if result['passed'] else 'FAIL'} {json.dumps(result)}")
+sys.exit(0 if result["passed"] else 1)
+PYEOF
+
+if timeout 120 "$PY" -c "import sglang" 2>/dev/null \
+        && { [ "$DEVICE" = cpu ] || [[ " ${MODE[*]} " != *" --no-sglang "* ]]; }; then
+    say "graph check: greedy logprobs before and after weight loads (CUDA graphs on when on a GPU)"
+    timeout -k 30 600 "$PY" "$WORK/graph_check.py" "$DEVICE" "$RESULTS/graph-check.json" "$WORK/logs"
+    graph_rc=$?
+    say "graph check finished with exit code $graph_rc"
+else
+    graph_rc=0
+    say "graph check skipped: SGLang is not importable with its kernels here"
+fi
+
 # /dev/shm must hold a raw copy, the naive folder and two checkpoints at once.
 shm_fits() {
     local avail; avail=$(df -B1 --output=avail /dev/shm 2>/dev/null | tail -1)
     awk -v a="${avail:-0}" -v s="$1" 'BEGIN { need = (s == "tiny" ? 0.05 : s) * 4.5e9; exit !(a > need) }'
 }
 
-status=0
+status=$(( graph_rc == 0 ? 0 : 1 ))
 for size in $SIZES; do
     remaining=$(( $(left) - RESERVE_S ))
     if [ "$remaining" -lt "$MIN_SIZE_S" ]; then
@@ -85,7 +168,7 @@ for size in $SIZES; do
     say "size $size (${MODE[*]}, storage $storage), timeout ${remaining}s"
     timeout -k 30 "$remaining" "$PY" benchmarks/sync_bench.py "${MODE[@]}" --sizes "$size" \
         --storage "$storage" --repeats "$REPEATS" --warmup 1 --startup-timeout 300 --sync-timeout 300 \
-        --sglang-args="--disable-cuda-graph" --log-dir "$WORK/logs" --json "$RESULTS/sync-$size.json"
+        --log-dir "$WORK/logs" --json "$RESULTS/sync-$size.json"
     rc=$?
     say "size $size finished with exit code $rc"
     if [ "$rc" -ne 0 ]; then

@@ -11,12 +11,15 @@ On a machine with 2 GPUs (one for SGLang, one for training), from the repository
     CUDA_VISIBLE_DEVICES=0 rollout-service serve --model Qwen/Qwen2.5-0.5B-Instruct \\
         --checkpoint-path /tmp/ckpts --port 30000 --sidecar-port 8100 -- --mem-fraction-static 0.6
     # GPU 1: the trainer
-    CUDA_VISIBLE_DEVICES=1 python examples/grpo_tldr_gpu.py --checkpoint-path /tmp/ckpts \\
+    CUDA_VISIBLE_DEVICES=1 python examples/grpo_tldr_gpu.py --device cuda --checkpoint-path /tmp/ckpts \\
         --sglang-url http://127.0.0.1:30000 --sidecar-url http://127.0.0.1:8100
 
 With 8 GPUs, run ``serve`` on some of them (one unit per GPU, each with its own ports, all on
 the same ``--checkpoint-path``), pass every SGLang URL and sidecar URL, and launch the trainer
-with ``accelerate launch --num_processes N examples/grpo_tldr_gpu.py ...``. The model and the
+with ``CUDA_VISIBLE_DEVICES=<the other GPUs> accelerate launch --num_processes N
+examples/grpo_tldr_gpu.py --device cuda ...`` (README, "Install on GPU machines"). ``--device cuda``
+fails at once when torch sees no GPU (e.g. an NVIDIA driver older than 580 under torch
+2.14.1+cu130) instead of training on the CPU. The model and the
 dataset come from the Hugging Face Hub, so this needs network access; ``--model`` and
 ``--dataset`` also take local paths (a model directory; a JSON-lines file or a
 ``save_to_disk`` folder with ``prompt`` and ``completion`` columns), which is how the test
@@ -67,8 +70,29 @@ def load_tldr(name_or_path: str) -> Dataset:
     return dataset.rename_column("completion", REFERENCE_COLUMN)
 
 
-def main() -> None:
-    on_gpu = torch.cuda.is_available()
+def resolve_device(requested: str) -> str:
+    """"cuda" or "cpu" for ``--device``; never a silent CPU fallback on a machine with GPUs.
+
+    ``auto`` is CUDA when torch sees a GPU, the CPU when the machine has none, and an error when
+    nvidia-smi lists GPUs that torch cannot use (a driver older than torch's CUDA build needs, or a
+    CPU-only torch). ``cuda`` insists on a GPU; ``cpu`` trains on the CPU on purpose.
+    """
+    from rollout_service.sglang_launcher import cuda_unavailable_message, listed_gpus
+
+    if requested not in ("auto", "cuda", "cpu"):
+        raise SystemExit(f"--device must be auto, cuda or cpu, got {requested!r}")
+    if requested == "cpu":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    gpus = listed_gpus()
+    if requested == "cuda" or gpus:
+        raise SystemExit("error: " + cuda_unavailable_message(
+            gpus or ["none listed by nvidia-smi"], f"--device {requested}", torch.__version__))
+    return "cpu"
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct", help="Hub name or local model directory")
@@ -76,19 +100,28 @@ def main() -> None:
     p.add_argument("--checkpoint-path", required=True, help="the directory the sidecars watch")
     p.add_argument("--sglang-url", action="append", required=True, help="repeat for several servers")
     p.add_argument("--sidecar-url", action="append", required=True, help="one per SGLang server")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                   help="auto: CUDA when torch sees a GPU, the CPU on a machine without GPUs, an error"
+                        " when nvidia-smi lists GPUs torch cannot use; cuda: require a GPU")
     p.add_argument("--output-dir", default="runs/grpo-tldr")
     p.add_argument("--max-steps", type=int, default=500)
     p.add_argument("--per-device-train-batch-size", type=int, default=16)
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--max-completion-length", type=int, default=64)
     p.add_argument("--learning-rate", type=float, default=1e-6)
-    p.add_argument("--checkpoint-dtype", default="bfloat16" if on_gpu else None,
+    p.add_argument("--checkpoint-dtype", default=None,
                    help="dtype of the published checkpoints (default: bfloat16 on GPU, the model's on CPU)")
-    a = p.parse_args()
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
+    on_gpu = resolve_device(a.device) == "cuda"
+    checkpoint_dtype = a.checkpoint_dtype or ("bfloat16" if on_gpu else None)
     dataset = load_tldr(a.dataset)
     args = GRPOConfig(
         output_dir=a.output_dir, checkpoint_path=a.checkpoint_path, sglang_urls=a.sglang_url,
-        sidecar_urls=a.sidecar_url, max_staleness=0, checkpoint_dtype=a.checkpoint_dtype, keep_checkpoints=3,
+        sidecar_urls=a.sidecar_url, max_staleness=0, checkpoint_dtype=checkpoint_dtype, keep_checkpoints=3,
         per_device_train_batch_size=a.per_device_train_batch_size, num_generations=a.num_generations,
         max_completion_length=a.max_completion_length, learning_rate=a.learning_rate, max_steps=a.max_steps,
         bf16=on_gpu, use_cpu=not on_gpu, logging_steps=1 if a.max_steps < 20 else 5, report_to=[],

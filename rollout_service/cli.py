@@ -1,4 +1,4 @@
-"""The ``rollout-service`` command: publish, validate, sidecar, serve, demo, make-tiny-model.
+"""The ``rollout-service`` command: publish, validate, sidecar, serve, demo, make-tiny-model, liveness.
 
 Run ``rollout-service <command> --help`` for each command's flags. Flags of the
 long-running commands can also be set with ``ROLLOUT_*`` environment variables.
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .checkpoint_format import CheckpointError
-from .cli_env import add_env_argument
+from .cli_env import EnvArgumentParser, add_env_argument
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
@@ -31,15 +31,21 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 def _cmd_validate(args: argparse.Namespace) -> int:
     from .checkpoint_reader import read_model_specs, validate_checkpoint
 
-    reference = read_model_specs(args.reference) if args.reference else None
+    try:
+        reference = read_model_specs(args.reference) if args.reference else None
+    except (OSError, CheckpointError) as exc:
+        print(f"error: cannot read --reference {args.reference}: {exc}", file=sys.stderr)
+        return 2
     try:
         report = validate_checkpoint(args.dir, root=args.root, reference=reference,
                                      allow_float_cast=args.allow_float_cast,
-                                     check_digests=args.digests)
-    except CheckpointError as exc:
+                                     check_digests=args.digests, check_finite=args.check_finite,
+                                     timeout_s=args.timeout)
+    except CheckpointError as exc:  # every bad input arrives as one (see checkpoint_reader)
         print(f"INVALID ({exc.reason}): {exc}", file=sys.stderr)
         return 1
     print(json.dumps({"valid": str(report.path), "step": report.manifest.step,
+                      "run_id": report.manifest.run_id,
                       "tensors": len(report.specs), "bytes": report.manifest.total_bytes,
                       "checks": report.checks}))
     return 0
@@ -53,6 +59,14 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_liveness(args: argparse.Namespace) -> int:
+    from .liveness import check_liveness
+
+    alive, why = check_liveness(args.sglang_url, args.sidecar_url, timeout_s=args.timeout)
+    print(("alive: " if alive else "NOT alive: ") + why, file=sys.stdout if alive else sys.stderr)
+    return 0 if alive else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollout-service",
@@ -60,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                     " shared storage.",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=EnvArgumentParser)
 
     p = sub.add_parser("publish", help="publish an HF model directory as checkpoint step N",
                        description="Publish an existing HF model directory (safetensors +"
@@ -83,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-float-cast", action="store_true",
                    help="accept floating dtypes that differ from the reference")
     p.add_argument("--digests", action="store_true", help="also re-read every byte and check digests")
+    p.add_argument("--check-finite", action="store_true",
+                   help="also read every weight and refuse NaN/Inf values")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="give up (INVALID, validation_timeout) after this many seconds (default 600)")
     p.add_argument("--root", default=None,
                    help="checkpoint root that paths must stay inside (default: DIR's parent)")
     p.set_defaults(func=_cmd_validate)
@@ -94,6 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_make_tiny_model)
+
+    p = sub.add_parser("liveness", help="liveness probe for SGLang that knows about weight loads",
+                       description="Exit 0 when SGLang is alive: its /health answers, or the sidecar"
+                       " reports a weight load in flight (SGLang's /health then waits on the load, so"
+                       " a plain /health probe would restart SGLang in the middle of a large load)."
+                       " Exit 1 otherwise. For Kubernetes exec liveness probes.")
+    p.add_argument("--sglang-url", default="http://127.0.0.1:30000", help="SGLang server")
+    p.add_argument("--sidecar-url", default="http://127.0.0.1:8100", help="its sidecar")
+    p.add_argument("--timeout", type=float, default=8.0, help="seconds for each HTTP call")
+    p.set_defaults(func=_cmd_liveness)
 
     for register in _extra_commands():
         register(sub, add_env_argument)

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import httpx
 
@@ -49,20 +49,210 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def detect_device() -> str:
-    """Return "cuda" when `nvidia-smi -L` succeeds and lists a GPU, else "cpu"."""
+def listed_gpus() -> list[str]:
+    """The GPUs `nvidia-smi -L` lists ("GPU 0: NVIDIA H200 (UUID: ...)"); [] without nvidia-smi."""
     nvidia_smi = shutil.which("nvidia-smi")
     if nvidia_smi is None:
-        return "cpu"
+        return []
     try:
         result = subprocess.run(
             [nvidia_smi, "-L"], capture_output=True, text=True, timeout=30, check=False
         )
     except (OSError, subprocess.SubprocessError):
-        return "cpu"
-    if result.returncode == 0 and "GPU" in result.stdout:
+        return []
+    if result.returncode != 0:
+        return []
+    return [line.strip() for line in result.stdout.splitlines() if line.strip().startswith("GPU")]
+
+
+def torch_sees_cuda(python: str | None = None) -> bool:
+    """Whether torch in `python` (default: this interpreter) reports a usable CUDA device.
+
+    Asked in a child process so that this module never imports torch (the slim sidecar has none).
+    """
+    try:
+        result = subprocess.run(
+            [python or sys.executable, "-c",
+             "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"],
+            capture_output=True, text=True, timeout=300, check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return result.returncode == 0
+
+
+TORCH_CUDA_DRIVER_FLOOR = "580"
+"""torch 2.14.1+cu130 (what sglang 0.5.23 pins on PyPI) needs an NVIDIA driver of at least this major."""
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver version nvidia-smi reports (e.g. "570.124.06"), or None."""
+    nvidia_smi = shutil.which("nvidia-smi")
+    if nvidia_smi is None:
+        return None
+    try:
+        result = subprocess.run([nvidia_smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]
+    return lines[0] if result.returncode == 0 and lines else None
+
+
+def cuda_unavailable_message(gpus: Sequence[str], who: str, torch_version: str | None = None) -> str:
+    """Why torch sees no GPU although `gpus` are listed, and what to do (for a loud failure)."""
+    driver = driver_version()
+    listed = "; ".join(gpus[:4]) + (f"; ... ({len(gpus)} in all)" if len(gpus) > 4 else "")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (
+        f"{who}: nvidia-smi lists {len(gpus)} GPU(s) ({listed}) but torch"
+        f"{' ' + torch_version if torch_version else ''} sees none (torch.cuda.is_available() is False)"
+        f"{'' if visible is None else f'; CUDA_VISIBLE_DEVICES={visible!r}'}. "
+        f"torch 2.14.1+cu130 needs NVIDIA driver >= {TORCH_CUDA_DRIVER_FLOOR}"
+        f"{f' (this machine has {driver})' if driver else ''}: upgrade the driver, or install a torch"
+        " built for the CUDA your driver supports (pip install torch==<version> --index-url"
+        " https://download.pytorch.org/whl/cu1XX; README, 'Install on GPU machines'). Check"
+        " CUDA_VISIBLE_DEVICES names GPUs that exist. Not falling back to the CPU."
+    )
+
+
+def detect_device(python: str | None = None) -> str:
+    """"cuda" when `nvidia-smi -L` lists a GPU or torch in `python` sees CUDA, else "cpu"."""
+    if listed_gpus():
         return "cuda"
-    return "cpu"
+    return "cuda" if torch_sees_cuda(python) else "cpu"
+
+
+def _is_cpu_shims_dir(entry: str) -> bool:
+    """True for this project's stand-in folder: the package's own, a link to it, or a copy."""
+    if not entry:
+        return False
+    try:
+        if Path(entry).resolve() == CPU_SHIMS_DIR:
+            return True
+        init = Path(entry) / "sgl_kernel" / "__init__.py"
+        return init.is_file() and "IS_STAND_IN = True" in init.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def cuda_environment(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """`env` without the CPU-only settings (the `sgl_kernel` stand-in on PYTHONPATH,
+    SGLANG_USE_CPU_ENGINE); returns the new environment and what was removed."""
+    out = dict(env)
+    removed = []
+    if "SGLANG_USE_CPU_ENGINE" in out:
+        removed.append(f"SGLANG_USE_CPU_ENGINE={out.pop('SGLANG_USE_CPU_ENGINE')}")
+    if out.get("PYTHONPATH"):
+        entries = out["PYTHONPATH"].split(os.pathsep)
+        kept = [e for e in entries if not _is_cpu_shims_dir(e)]
+        if len(kept) != len(entries):
+            removed += [f"PYTHONPATH entry {e}" for e in entries if _is_cpu_shims_dir(e)]
+            if kept:
+                out["PYTHONPATH"] = os.pathsep.join(kept)
+            else:
+                del out["PYTHONPATH"]
+    return out, removed
+
+
+def _flag_value(args: Sequence[str], *names: str) -> str | None:
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                return args[i + 1]
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def _has_flag(args: Sequence[str], *names: str) -> bool:
+    return any(a in names or a.split("=", 1)[0] in names for a in args)
+
+
+@dataclass(frozen=True)
+class GPUMemory:
+    """One GPU as nvidia-smi reports it, and the memory other processes hold on it."""
+
+    index: int
+    uuid: str
+    total_mib: float
+    used_mib: float
+    processes: tuple[str, ...] = ()
+
+    @property
+    def free_fraction(self) -> float:
+        return max(0.0, (self.total_mib - self.used_mib) / self.total_mib) if self.total_mib else 0.0
+
+
+def query_gpu_memory() -> list[GPUMemory]:
+    """Every GPU's total/used memory and compute processes (nvidia-smi); [] when unavailable."""
+    nvidia_smi = shutil.which("nvidia-smi")
+    if nvidia_smi is None:
+        return []
+
+    def query(*args: str) -> list[list[str]]:
+        try:
+            result = subprocess.run([nvidia_smi, *args, "--format=csv,noheader,nounits"],
+                                    capture_output=True, text=True, timeout=30, check=False)
+        except (OSError, subprocess.SubprocessError):
+            return []
+        if result.returncode != 0:
+            return []
+        return [[c.strip() for c in line.split(",")] for line in result.stdout.splitlines() if line.strip()]
+
+    apps: dict[str, list[str]] = {}
+    for row in query("--query-compute-apps=gpu_uuid,pid,process_name,used_memory"):
+        if len(row) >= 4:
+            apps.setdefault(row[0], []).append(f"pid {row[1]} {row[2]} ({row[3]} MiB)")
+    gpus = []
+    for row in query("--query-gpu=index,uuid,memory.total,memory.used"):
+        try:
+            gpus.append(GPUMemory(int(row[0]), row[1], float(row[2]), float(row[3]),
+                                  tuple(apps.get(row[1], ()))))
+        except (IndexError, ValueError):
+            continue
+    return gpus
+
+
+def gpus_for_server(gpus: Sequence[GPUMemory], visible: str | None, base_gpu_id: int,
+                    count: int) -> list[GPUMemory]:
+    """The GPUs one SGLang server uses: `count` from `base_gpu_id` in CUDA_VISIBLE_DEVICES order."""
+    if visible is not None and visible.strip() != "":
+        order = []
+        for item in visible.split(","):
+            item = item.strip()
+            match = [g for g in gpus if (item.isdigit() and g.index == int(item)) or g.uuid.startswith(item)]
+            order += match[:1]
+    else:
+        order = sorted(gpus, key=lambda g: g.index)
+    return order[base_gpu_id:base_gpu_id + count]
+
+
+SHARED_GPU_USED_MIB = 1024.0
+"""Memory other processes must hold on a GPU before SGLang's share of it is reduced."""
+SGLANG_AUTO_FRACTION = 0.9
+"""About what SGLang takes of a GPU by default (its automatic --mem-fraction-static, ~0.93 on an H200)."""
+
+
+def shared_gpu_mem_fraction(gpus: Sequence[GPUMemory]) -> tuple[float | None, str]:
+    """A `--mem-fraction-static` for SGLang when other processes already use its GPUs.
+
+    Returns (None, "") when they are free. Otherwise the fraction leaves a tenth of the GPU
+    beside what is free (SGLang's own activations, CUDA graphs), at least 0.05, and a message
+    that says what was chosen and why.
+    """
+    busy = [g for g in gpus if g.used_mib >= SHARED_GPU_USED_MIB]
+    if not busy:
+        return None, ""
+    fraction = max(0.05, round(min(g.free_fraction for g in busy) - 0.1, 2))
+    fraction = min(fraction, SGLANG_AUTO_FRACTION)
+    what = "; ".join(
+        f"GPU {g.index}: {g.used_mib / 1024:.1f} of {g.total_mib / 1024:.1f} GiB in use"
+        + (f" by {', '.join(g.processes)}" if g.processes else "") for g in busy)
+    return fraction, (
+        f"SGLang shares its GPU with other processes ({what}); starting it with --mem-fraction-static"
+        f" {fraction} instead of SGLang's automatic ~{SGLANG_AUTO_FRACTION}. Pass `-- --mem-fraction-static"
+        " X` to choose, or give SGLang and the trainer different GPUs with CUDA_VISIBLE_DEVICES.")
 
 
 @dataclass
@@ -73,7 +263,11 @@ class SGLangServerConfig:
         model_path: local model folder (or anything SGLang's `--model-path` accepts).
         host: interface to bind.
         port: TCP port; None picks a free one when the server starts.
-        device: "auto" (CUDA if `nvidia-smi -L` lists a GPU, else CPU), "cuda" or "cpu".
+        device: "auto" (CUDA if `nvidia-smi -L` lists a GPU or torch in `python` sees one, else
+            CPU), "cuda" or "cpu". On CUDA the CPU-only settings (the `sgl_kernel` stand-in on
+            PYTHONPATH, SGLANG_USE_CPU_ENGINE) are removed from the server's environment, and when
+            other processes already use the server's GPU a `--mem-fraction-static` that fits is
+            chosen (see `cuda_memory_plan`).
         max_total_tokens: KV-cache size in tokens, used on CPU only (unbounded, SGLang reserves
             ~15 GB of RAM there). On CUDA SGLang sizes the cache itself; pass
             `--max-total-tokens` or `--mem-fraction-static` through `extra_args` to change it.
@@ -142,7 +336,9 @@ class SGLangServer:
             die_with_parent=die_with_parent,
         )
         config = self.config
-        self.device = detect_device() if config.device == "auto" else config.device
+        self.device = detect_device(config.python) if config.device == "auto" else config.device
+        self._cuda_plan: tuple[float | None, str] | None = None
+        self._cuda_checked = False
         self.port = config.port if config.port is not None else free_port(config.host)
         if config.log_path is None:
             fd, name = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
@@ -204,8 +400,31 @@ class SGLangServer:
             # trainer sharing the CPU many times over; with it: ~1% idle, same answers.
             if "--sleep-on-idle" not in cfg.extra_args:
                 cmd += ["--sleep-on-idle"]
+        elif self.device == "cuda":
+            fraction, why = self.cuda_memory_plan()
+            if fraction is not None:
+                cmd += ["--mem-fraction-static", str(fraction)]
         cmd += list(cfg.extra_args)
         return cmd
+
+    def cuda_memory_plan(self) -> tuple[float | None, str]:
+        """(the --mem-fraction-static to add, the reason) on CUDA; (None, "") to keep SGLang's.
+
+        SGLang takes ~90% of each GPU it uses unless told otherwise; when other processes (a
+        trainer) already hold memory there, a fraction that fits beside them is chosen and logged.
+        An explicit `--mem-fraction-static` in `extra_args` always wins.
+        """
+        if self._cuda_plan is None:
+            args = self.config.extra_args
+            if self.device != "cuda" or _has_flag(args, "--mem-fraction-static"):
+                self._cuda_plan = (None, "")
+            else:
+                tp = int(_flag_value(args, "--tp-size", "--tp", "--tensor-parallel-size") or 1)
+                base = int(_flag_value(args, "--base-gpu-id") or 0)
+                visible = {**os.environ, **self.config.env}.get("CUDA_VISIBLE_DEVICES")
+                mine = gpus_for_server(query_gpu_memory(), visible, base, tp)
+                self._cuda_plan = shared_gpu_mem_fraction(mine)
+        return self._cuda_plan
 
     def environment(self) -> dict[str, str]:
         """The environment that `start()` gives the server process."""
@@ -217,13 +436,31 @@ class SGLangServer:
                 [str(CPU_SHIMS_DIR)] + ([previous] if previous else [])
             )
         env.update(self.config.env)
+        if self.device == "cuda":
+            env, removed = cuda_environment(env)
+            if removed:
+                logger.warning("SGLang runs on CUDA: not passing the CPU-only settings %s to it (they"
+                               " would load the CPU sgl_kernel stand-in)", ", ".join(removed))
         return env
 
     def start(self) -> None:
         """Launch the server process group; returns at once (see `wait_healthy`)."""
         if self.is_running():
             raise RuntimeError(f"SGLang server already running with pid {self.pid}; stop() it first")
+        if self.device == "cuda" and not self._cuda_checked:
+            if not torch_sees_cuda(self.config.python):
+                raise SGLangStartError(cuda_unavailable_message(
+                    listed_gpus(), f"SGLang on CUDA (python {self.config.python})"))
+            self._cuda_checked = True
         cmd = self.command()
+        if self.device == "cuda":
+            fraction, why = self.cuda_memory_plan()
+            if why:
+                logger.warning("%s", why)
+            elif not _has_flag(self.config.extra_args, "--mem-fraction-static"):
+                logger.info("SGLang takes ~%d%% of each GPU it uses (its automatic --mem-fraction-static);"
+                            " if a trainer shares the GPU, pass `-- --mem-fraction-static 0.4` or similar",
+                            int(SGLANG_AUTO_FRACTION * 100))
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         logger.info("starting SGLang on %s (%s), log %s: %s", self.url, self.device, self.log_path,
                     " ".join(cmd))
@@ -243,17 +480,23 @@ class SGLangServer:
         """True while the server's main process has not exited."""
         return self._process is not None and self._process.poll() is None
 
-    def wait_healthy(self, timeout_s: float = 300.0) -> None:
+    def wait_healthy(self, timeout_s: float = 300.0, *, progress_grace_s: float | None = None,
+                     timeout_hint: str = "a slow machine may need a larger timeout") -> None:
         """Block until GET /health answers 200.
 
+        With `progress_grace_s`, the wait goes on past `timeout_s` for as long as the server log
+        keeps growing (a first start that downloads the model, compiles kernels or captures CUDA
+        graphs prints progress) and ends once the log has been silent for `progress_grace_s`.
+
         Raises:
-            SGLangStartError: the process exited first (with its exit code) or `timeout_s`
-                passed; the message holds the last lines of the server log.
+            SGLangStartError: the process exited first (with its exit code) or the time ran out;
+                the message holds the last lines of the server log and `timeout_hint`.
         """
         if self._process is None:
             raise RuntimeError("wait_healthy() called before start()")
         started = time.monotonic()
         next_report = started + PROGRESS_EVERY_S
+        log_size, last_growth = self._log_size(), started
         with httpx.Client(timeout=httpx.Timeout(5.0, connect=2.0)) as client:
             while True:
                 code = self._process.poll()
@@ -270,18 +513,36 @@ class SGLangServer:
                 except httpx.HTTPError:
                     pass
                 now = time.monotonic()
+                size = self._log_size()
+                if size != log_size:
+                    log_size, last_growth = size, now
                 if now - started > timeout_s:
+                    if progress_grace_s is not None and now - last_growth < progress_grace_s:
+                        if now >= next_report:
+                            logger.info("SGLang at %s is still starting after %.0f s (past the %.0f s"
+                                        " timeout) and its log shows progress; waiting", self.url,
+                                        now - started, timeout_s)
+                            next_report = now + PROGRESS_EVERY_S
+                        time.sleep(0.5)
+                        continue
+                    silent = (f" and its log {self.log_path} showed no progress for"
+                              f" {now - last_growth:.0f} s" if progress_grace_s is not None else "")
                     raise SGLangStartError(
-                        f"SGLang /health at {self.url} did not answer within {timeout_s:.0f} s "
-                        f"(process {self.pid} still running; log {self.log_path}); a slow machine "
-                        f"may need a larger timeout. Last log lines:\n"
-                        f"{self.log_tail(LOG_TAIL_LINES)}"
+                        f"SGLang /health at {self.url} did not answer within {timeout_s:.0f} s{silent}"
+                        f" (process {self.pid} still running; log {self.log_path}); {timeout_hint}."
+                        f" Last log lines:\n{self.log_tail(LOG_TAIL_LINES)}"
                     )
                 if now >= next_report:
                     logger.info("waiting for SGLang /health at %s (%.0f s elapsed)", self.url,
                                 now - started)
                     next_report = now + PROGRESS_EVERY_S
                 time.sleep(0.5)
+
+    def _log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return -1
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Terminate the whole process group: SIGTERM, then SIGKILL after `timeout_s`.
@@ -315,11 +576,14 @@ class SGLangServer:
             _signal_group(pgid, signal.SIGKILL)
             time.sleep(0.1)
 
-    def restart(self, timeout_s: float = 300.0) -> None:
-        """Stop the server (if running), start it again on the same port and wait healthy."""
+    def restart(self, timeout_s: float = 300.0, **wait_kwargs: Any) -> None:
+        """Stop the server (if running), start it again on the same port and wait healthy.
+
+        `timeout_s` and `wait_kwargs` go to `wait_healthy`.
+        """
         self.stop()
         self.start()
-        self.wait_healthy(timeout_s)
+        self.wait_healthy(timeout_s, **wait_kwargs)
 
     def log_tail(self, n: int = LOG_TAIL_LINES) -> str:
         """The last `n` lines of the server log ("" when there is no log yet)."""

@@ -523,7 +523,8 @@ def test_sglang_and_accelerate_command_lines_parse_with_their_own_parsers():
         elif argv[:2] == ["accelerate", "launch"]:
             seen.add("accelerate")
             args = launch_command_parser().parse_args(argv[2:])
-            assert args.module and args.training_script == "rollout_service.cli", where
+            assert (args.module and args.training_script == "rollout_service.cli") or \
+                args.training_script == "/opt/rollout-service/examples/grpo_tldr_gpu.py", where
     assert seen == {"sglang", "accelerate"}
 
 
@@ -566,10 +567,14 @@ def test_kubernetes_probes_and_ports_match_the_sidecar_and_sglang():
         sglang_argv = _k8s_argv(sglang, _k8s_env(sglang, manifests))
         sglang_port = int(sglang_argv[sglang_argv.index("--port") + 1])
         assert sglang_argv[sglang_argv.index("--host") + 1] == "0.0.0.0"
-        for probe in ("startupProbe", "livenessProbe"):
-            get = sglang[probe]["httpGet"]
-            assert get["path"] == "/health"
-            assert _container_port(sglang, get["port"]) == sglang_port, f"{where}: sglang {probe}"
+        get = sglang["startupProbe"]["httpGet"]
+        assert get["path"] == "/health"
+        assert _container_port(sglang, get["port"]) == sglang_port, f"{where}: sglang startupProbe"
+        # Liveness knows about a weight load in flight (SGLang's /health waits on it).
+        live = build_parser().parse_args(sglang["livenessProbe"]["exec"]["command"][1:])
+        assert live.command == "liveness", f"{where}: sglang livenessProbe"
+        assert _url_port(live.sglang_url) == sglang_port and _url_port(live.sidecar_url) == sidecar_port
+        assert sglang["livenessProbe"]["timeoutSeconds"] > 2 * live.timeout
         assert "readinessProbe" not in sglang, "readiness is the sidecar's call (/readyz)"
         assert _url_port(sidecar_env["ROLLOUT_SGLANG_URL"]) == sglang_port
         assert httpx.URL(sidecar_env["ROLLOUT_SGLANG_URL"]).host == "127.0.0.1"

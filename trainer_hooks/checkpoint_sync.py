@@ -7,8 +7,10 @@ time), wakes the sidecars, waits for every expected replica through a
 :class:`~trainer_hooks.replica_wait.ReplicaWaiter`, prunes old checkpoints, and records how long
 each phase took (:class:`SyncRecord`).
 
-With ``background=True`` the weights are first copied to CPU memory (one copy of the model),
-and writing + waiting run in a worker thread; at most one such job is in flight: the next sync
+Floating tensors on a GPU are cast to the checkpoint dtype there, before they are copied to the
+CPU (:func:`cast_on_device`). With ``background=True`` the weights are first copied to CPU memory
+in the checkpoint dtype (one copy of the model, into pinned buffers reused across syncs when the
+weights are on a GPU), and writing + waiting run in a worker thread; at most one such job is in flight: the next sync
 first waits for it. An error in the worker is raised by the next call into the publisher.
 """
 
@@ -71,6 +73,32 @@ class _TimedIterator:
             pass
 
 
+_FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def target_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype of a checkpoint dtype name ("bfloat16", "bf16", ...), None to keep each tensor's."""
+    if name is None:
+        return None
+    from rollout_service.checkpoint_format import normalize_dtype
+
+    return _FLOAT_DTYPES[normalize_dtype(name)]  # type: ignore[index]
+
+
+def cast_on_device(tensors: Iterable[tuple[str, torch.Tensor]],
+                   dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Cast floating tensors to ``dtype`` where they are (on the GPU), before any copy to the CPU.
+
+    The writer copies each tensor to the CPU and then casts; done here first, a float32 -> bfloat16
+    sync moves half the bytes over PCIe. CPU tensors and tensors already in ``dtype`` pass
+    through untouched (the writer then does what it always did).
+    """
+    for name, t in tensors:
+        if dtype is not None and t.device.type != "cpu" and t.is_floating_point() and t.dtype != dtype:
+            t = t.detach().to(dtype)
+        yield name, t
+
+
 class CheckpointPublisher:
     """Versioned publication of the policy under a checkpoint root, then a wait for the replicas."""
 
@@ -105,6 +133,9 @@ class CheckpointPublisher:
         self._records_lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self._worker_error: BaseException | None = None
+        self._torch_dtype = target_dtype(dtype)
+        self._pinned: dict[str, torch.Tensor] = {}
+        """Pinned host buffers of the last background snapshot, reused by the next one."""
         removed = cleanup_stale_temp_dirs(self.root)
         if removed:
             log.info("removed %d stale temporary entries under %s left by killed writers", len(removed), self.root)
@@ -128,7 +159,8 @@ class CheckpointPublisher:
         t0 = time.perf_counter()
         try:
             result = publish_checkpoint(
-                self.root, version, timed, config=self.config, dtype=self.dtype,
+                self.root, version, cast_on_device(timed, self._torch_dtype), config=self.config,
+                dtype=self.dtype,
                 max_shard_bytes=self.max_shard_bytes, base_model=self.base_model)
         except BaseException:
             timed.drain()
@@ -144,7 +176,7 @@ class CheckpointPublisher:
         t0 = time.perf_counter()
         source = iter(tensors)
         try:
-            snapshot = [(name, t.detach().to("cpu", copy=True)) for name, t in source]
+            snapshot = self._snapshot(source)
         except BaseException:
             for _ in source:  # take part in the remaining collective gathers
                 pass
@@ -168,6 +200,42 @@ class CheckpointPublisher:
         self._worker = threading.Thread(target=work, name=f"checkpoint-sync-{version}", daemon=True)
         self._worker.start()
         return gather_s
+
+    def _snapshot(self, source: Iterator[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """A CPU copy of every tensor, already in the checkpoint dtype (one copy, never two).
+
+        A GPU tensor is cast on the GPU, then copied into a pinned host buffer kept for the next
+        sync (same name, shape and dtype: reused, no new allocation). A CPU tensor is cast (which
+        copies) or, when already in the checkpoint dtype, cloned: the live parameter changes
+        while the worker writes.
+        """
+        want = self._torch_dtype
+        snapshot: list[tuple[str, torch.Tensor]] = []
+        pinned: dict[str, torch.Tensor] = {}
+        copied_from_gpu = False
+        for name, t in source:
+            t = t.detach()
+            floating = t.is_floating_point()
+            if t.device.type == "cpu":
+                if want is not None and floating and t.dtype != want:
+                    copy = t.to(want)
+                else:
+                    copy = t.clone()
+            else:
+                if want is not None and floating and t.dtype != want:
+                    t = t.to(want)  # on the device: half the bytes over PCIe for fp32 -> bf16
+                buf = self._pinned.get(name)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+                buf.copy_(t, non_blocking=t.is_cuda)
+                copied_from_gpu = copied_from_gpu or t.is_cuda
+                pinned[name] = buf
+                copy = buf
+            snapshot.append((name, copy))
+        if copied_from_gpu:
+            torch.cuda.synchronize()
+        self._pinned = pinned
+        return snapshot
 
     def join(self) -> None:
         """Wait for the background job (if any), then raise its error (if any)."""

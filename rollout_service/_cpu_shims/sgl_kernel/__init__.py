@@ -18,7 +18,9 @@ which on a CUDA build of torch without a GPU resolves to `torch.cuda` and kills 
 
 It is importable as `sgl_kernel` only when its parent folder `rollout_service/_cpu_shims` is on
 `PYTHONPATH`, which `rollout_service.sglang_launcher` does only for `--device cpu`. It must never
-be put on the path on GPU machines, where the real CUDA `sgl_kernel` is required.
+be put on the path on GPU machines, where the real CUDA `sgl_kernel` is required: importing it
+raises ImportError when CUDA is available. The folder's `sitecustomize.py` holds the other CPU-only
+fix (SGLang's repetition penalty without torch.compile).
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ from __future__ import annotations
 from typing import Any, Callable, NoReturn
 
 import torch
+
+if torch.cuda.is_available():
+    raise ImportError(
+        "rollout_service/_cpu_shims/sgl_kernel is the CPU stand-in for SGLang's CUDA kernels, and this"
+        " machine has a CUDA device: it must not be imported here. Remove rollout_service/_cpu_shims"
+        " from PYTHONPATH (and unset SGLANG_USE_CPU_ENGINE), and install SGLang's own sglang-kernel"
+        " (pip install sglang==0.5.23). `rollout-service serve --device cuda` does both for SGLang."
+    )
 
 __all__ = [
     "assign_req_to_token_pool_cpu",
