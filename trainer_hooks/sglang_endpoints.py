@@ -8,10 +8,21 @@ the endpoints that remain; when none remains the call keeps retrying until its d
 then raises :class:`SGLangUnavailableError` naming every endpoint and its last error. A 4xx
 answer (bad sampling parameters, prompt too long) is the request's fault and raises at once.
 Every HTTP call has a timeout: nothing here can hang.
+
+A request that kills its server (the connection drops mid-request and ``/health`` then fails)
+is a *poison* candidate: the trainer waits for a server to come back (``rollout-service serve``
+restarts SGLang) and sends those prompts once more; when a server dies on them again the call
+raises :class:`SGLangPoisonRequestError` naming the sampling parameters and SGLang's own last
+error lines (from ``log_paths``, else the sidecars' ``/status``). It is never sent a third time.
+
+With ``rescore=True`` (sampling parameters that change SGLang's distribution: a grammar,
+``logit_bias``, penalties) each answer's logprobs are replaced by the model's own logprobs of the
+same tokens, read back with a prefill-only request (docs/trl-conformance.md says why).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -23,7 +34,7 @@ import httpx
 
 from rollout_service.http_auth import bearer_headers
 
-from .sglang_responses import Completion, parse_generate_response
+from .sglang_responses import Completion, SGLangResponseError, parse_generate_response
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +54,24 @@ class SGLangRequestError(RuntimeError):
     """An SGLang endpoint rejected the request itself (4xx): retrying elsewhere will not help."""
 
 
+class SGLangPoisonRequestError(RuntimeError):
+    """A request killed an SGLang server, and again after the server came back."""
+
+
 class _EndpointFailed(Exception):
-    def __init__(self, url: str, reason: str):
+    def __init__(self, url: str, reason: str, *, sent: bool = False):
         super().__init__(reason)
         self.url = url
         self.reason = reason
+        self.sent = sent
+        """True when the request reached the server and the connection then broke (or it answered
+        5xx), as opposed to a refused connection or a timeout."""
+
+
+HEALTH_PROBE_TIMEOUT_S = 5.0
+POISON_RETRIES = 1
+"""How often prompts whose request killed a server are sent again (then the call fails)."""
+LOG_TAIL_BYTES = 256 * 1024
 
 
 @dataclass
@@ -64,9 +88,12 @@ class SGLangEndpoints:
 
     def __init__(self, urls: Sequence[str], *, request_timeout_s: float,
                  vocab_size: int | None = None, api_key: str | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:
+                 transport: httpx.BaseTransport | None = None, log_paths: Sequence[str] = (),
+                 status_urls: Sequence[str] = ()) -> None:
         """``transport`` replaces the network (``httpx.MockTransport`` replays recorded answers
-        in benchmarks); leave it None to talk to the servers."""
+        in benchmarks); leave it None to talk to the servers. ``log_paths`` (one per URL, or one
+        for all) and ``status_urls`` (sidecars, for ``GET /status``) are where SGLang's own error
+        lines are read when a request kills a server."""
         if not urls:
             raise ValueError("SGLangEndpoints needs at least one URL, e.g. ['http://127.0.0.1:30000']")
         self._endpoints = [_Endpoint(url.rstrip("/")) for url in urls]
@@ -80,6 +107,14 @@ class SGLangEndpoints:
             transport=transport,
         )
         self._pool = ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="sglang-generate")
+        self._log_paths = [str(p) for p in log_paths]
+        self._status_urls = [u.rstrip("/") for u in status_urls]
+        self._crashes: dict[tuple[int, ...], int] = {}
+        """Per prompt: how many servers died while serving it (see :meth:`forget_crashes`)."""
+
+    def forget_crashes(self) -> None:
+        """Start counting server deaths per prompt afresh (the trainer calls it once per generate)."""
+        self._crashes.clear()
 
     @property
     def urls(self) -> list[str]:
@@ -111,11 +146,13 @@ class SGLangEndpoints:
         *,
         want_logprobs: bool,
         deadline: float,
+        rescore: bool = False,
     ) -> list[list[Completion]]:
         """Generate ``sampling_params["n"]`` completions for each prompt; groups in prompt order.
 
         ``deadline`` (a ``time.monotonic()`` value) bounds how long the call keeps retrying
-        when every endpoint is down.
+        when every endpoint is down. ``rescore``: replace the logprobs by the model's own
+        (temperature 1, no grammar or penalties), or by None where they cannot be read back.
         """
         n = int(sampling_params.get("n", 1))
         results: list[list[Completion] | None] = [None] * len(prompts)
@@ -129,7 +166,7 @@ class SGLangEndpoints:
             futures = [
                 (endpoint, chunk,
                  self._pool.submit(self._post, endpoint.url, [list(prompts[i]) for i in chunk],
-                                   sampling_params, n, want_logprobs))
+                                   sampling_params, n, want_logprobs, rescore))
                 for endpoint, chunk in zip(live, chunks) if chunk
             ]
             failed: list[int] = []
@@ -137,8 +174,11 @@ class SGLangEndpoints:
                 try:
                     groups = future.result()
                 except _EndpointFailed as exc:
-                    self._mark_dead(endpoint, exc.reason)
+                    died = exc.sent and not self._answers_health(endpoint.url)
+                    self._mark_dead(endpoint, exc.reason + (" (the server died)" if died else ""))
                     failed.extend(chunk)
+                    if died:
+                        self._count_crash(endpoint.url, [prompts[i] for i in chunk], sampling_params, exc.reason)
                     continue
                 self._mark_alive(endpoint, len(chunk))
                 for i, group in zip(chunk, groups):
@@ -148,8 +188,66 @@ class SGLangEndpoints:
                 raise self._unavailable_error()
         return [group for group in results if group is not None]
 
+    def _answers_health(self, url: str) -> bool:
+        try:
+            return self._client.get(f"{url}/health", headers=self._headers,
+                                    timeout=HEALTH_PROBE_TIMEOUT_S).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _count_crash(self, url: str, prompts: Sequence[Sequence[int]], sampling_params: dict[str, Any],
+                     reason: str) -> None:
+        """Record that the server at ``url`` died serving ``prompts``; raise when one of them has
+        now killed a server more than ``POISON_RETRIES`` times."""
+        counts = []
+        for prompt in prompts:
+            key = tuple(prompt)
+            self._crashes[key] = self._crashes.get(key, 0) + 1
+            counts.append(self._crashes[key])
+        if max(counts) > POISON_RETRIES:
+            raise SGLangPoisonRequestError(
+                f"SGLang at {url} died while serving the same request again after it came back ({max(counts)} deaths; "
+                f"{len(prompts)} prompt(s), sampling parameters {_describe(sampling_params)}; last failure: {reason}). "
+                "The trainer does not send it a third time. " + self._error_lines(url) + " Fix the sampling "
+                "parameters (TRL's temperature/top_p/top_k/min_p/repetition_penalty and generation_kwargs, by "
+                "SGLang's names) or the server; a supervised server (`rollout-service serve`) is restarted for the "
+                "next run"
+            )
+        log.warning("SGLang at %s died while serving %d prompt(s) (sampling parameters %s); waiting for a server "
+                    "to come back, then sending them once more", url, len(prompts), _describe(sampling_params))
+
+    def _error_lines(self, url: str) -> str:
+        """SGLang's own last error lines for the server at ``url``: from its log file when the
+        trainer knows it, else the sidecars' ``/status``."""
+        index = self.urls.index(url) if url in self.urls else 0
+        path = None
+        if self._log_paths:
+            path = self._log_paths[index] if len(self._log_paths) == len(self.urls) else self._log_paths[0]
+        parts: list[str] = []
+        if path is not None:
+            lines = last_error_lines(_read_tail(path))
+            parts.append(f"SGLang's last error lines (from {path}):\n    " + "\n    ".join(lines) if lines
+                         else f"SGLang's log {path} has no error lines the trainer could find.")
+        statuses = self._status_urls
+        if len(statuses) == len(self.urls):
+            statuses = [statuses[index]]
+        for status_url in statuses:
+            try:
+                status = self._client.get(f"{status_url}/status", timeout=HEALTH_PROBE_TIMEOUT_S).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            if isinstance(status, dict):
+                found = {k: status[k] for k in ("last_error", "sglang_last_exit", "sglang_last_error",
+                                                "restart_budget", "gave_up") if status.get(k)}
+                if found:
+                    parts.append(f"Sidecar {status_url} /status: {json.dumps(found, default=str)[:1500]}")
+        if path is None:
+            parts.append("(SGLang's own log is not known to the trainer: set sglang_log_paths to the file SGLang "
+                         "writes, e.g. the --sglang-log of `rollout-service serve`.)")
+        return " ".join(parts) if parts else ""
+
     def _post(self, url: str, input_ids: list[list[int]], sampling_params: dict[str, Any], n: int,
-              want_logprobs: bool) -> list[list[Completion]]:
+              want_logprobs: bool, rescore: bool = False) -> list[list[Completion]]:
         payload = {"input_ids": input_ids, "sampling_params": sampling_params,
                    "return_logprob": want_logprobs}
         try:
@@ -157,10 +255,12 @@ class SGLangEndpoints:
         except httpx.TimeoutException as exc:
             raise _EndpointFailed(url, f"no answer within the timeout ({type(exc).__name__}; "
                                        f"sglang_request_timeout={self._request_timeout_s:g} s)") from exc
-        except httpx.HTTPError as exc:
+        except httpx.ConnectError as exc:
             raise _EndpointFailed(url, f"{type(exc).__name__}: {exc}") from exc
+        except httpx.HTTPError as exc:  # sent, then the connection broke
+            raise _EndpointFailed(url, f"{type(exc).__name__}: {exc}", sent=True) from exc
         if response.status_code >= 500:
-            raise _EndpointFailed(url, f"HTTP {response.status_code}: {response.text[:300]}")
+            raise _EndpointFailed(url, f"HTTP {response.status_code}: {response.text[:300]}", sent=True)
         if response.status_code in (401, 403):
             raise SGLangRequestError(
                 f"SGLang at {url} refused POST /generate with HTTP {response.status_code}: it was started with "
@@ -177,8 +277,53 @@ class SGLangEndpoints:
             data = response.json()
         except ValueError as exc:
             raise _EndpointFailed(url, f"answered HTTP 200 with a body that is not JSON: {response.text[:200]!r}") from exc
-        return parse_generate_response(data, num_prompts=len(input_ids), n=n, want_logprobs=want_logprobs,
-                                       vocab_size=self._vocab_size, source=f"SGLang at {url}")
+        groups = parse_generate_response(data, num_prompts=len(input_ids), n=n, want_logprobs=want_logprobs,
+                                         vocab_size=self._vocab_size, source=f"SGLang at {url}")
+        if rescore and want_logprobs:
+            self._rescore(url, input_ids, groups)
+        return groups
+
+    def _rescore(self, url: str, input_ids: list[list[int]], groups: list[list[Completion]]) -> None:
+        """Replace each completion's logprobs by the model's own logprobs of its tokens (SGLang's
+        prompt logprobs of prompt + completion: temperature 1, no grammar, penalties or bias);
+        None for a completion whose weight version changed in between (no IS correction there)."""
+        sequences, starts, owners = [], [], []
+        for prompt, group in zip(input_ids, groups):
+            for completion in group:
+                if completion.token_ids:
+                    sequences.append(list(prompt) + completion.token_ids)
+                    starts.append(len(prompt) - 1)
+                    owners.append(completion)
+        if not sequences:
+            return
+        payload = {"input_ids": sequences, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+                   "return_logprob": True, "logprob_start_len": starts}
+        try:
+            response = self._client.post(f"{url}/generate", json=payload, headers=self._headers)
+        except httpx.TimeoutException as exc:
+            raise _EndpointFailed(url, f"rescoring got no answer within the timeout ({type(exc).__name__})") from exc
+        except httpx.ConnectError as exc:
+            raise _EndpointFailed(url, f"rescoring: {type(exc).__name__}: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise _EndpointFailed(url, f"rescoring: {type(exc).__name__}: {exc}", sent=True) from exc
+        if response.status_code != 200:
+            raise _EndpointFailed(url, f"rescoring answered HTTP {response.status_code}: {response.text[:300]}",
+                                  sent=response.status_code >= 500)
+        data = response.json()
+        if isinstance(data, dict):
+            data = [data]
+        if not isinstance(data, list) or len(data) != len(owners):
+            raise SGLangResponseError(f"SGLang at {url} answered {len(data) if isinstance(data, list) else data!r} "
+                                      f"rescoring results for {len(owners)} completions")
+        for completion, item in zip(owners, data):
+            meta = item.get("meta_info", {}) if isinstance(item, dict) else {}
+            entries = meta.get("input_token_logprobs") or []
+            version = meta.get("weight_version")
+            tokens = [e[1] for e in entries[1:]] if isinstance(entries, list) else None
+            if (str(version) != str(completion.raw_weight_version) or tokens != completion.token_ids):
+                completion.logprobs = [None] * len(completion.token_ids)
+                continue
+            completion.logprobs = [None if e[0] is None or e[0] != e[0] else float(e[0]) for e in entries[1:]]
 
     def _live_endpoints(self) -> list[_Endpoint]:
         now = time.monotonic()
@@ -229,6 +374,43 @@ class SGLangEndpoints:
             "Check that the servers run (`rollout-service serve`), are reachable from the trainer, and that "
             "sglang_urls is right"
         )
+
+
+def _describe(params: dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True, default=str)[:1000]
+
+
+def _read_tail(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - LOG_TAIL_BYTES))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError as exc:
+        return f"(could not read {path}: {exc.strerror or exc})"
+
+
+def last_error_lines(text: str, limit: int = 6) -> list[str]:
+    """The last error SGLang logged in ``text``: the header line of its last traceback and the
+    exception lines that end it (or, without a traceback, the last lines naming an error)."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line]
+    if starts:
+        start = starts[-1]
+        out = [lines[start].strip()]
+        tail = []
+        for line in lines[start + 1:]:
+            if line.startswith((" ", "\t")) or not line.strip():
+                if tail and not line.strip():
+                    break
+                continue
+            if line.startswith("[") and tail:
+                break
+            tail.append(line.strip())
+        return (out + tail)[-limit:]
+    hits = [line.strip() for line in lines if "error" in line.lower() or "exception" in line.lower()]
+    return hits[-limit:]
 
 
 def _split(items: list[int], parts: int) -> list[list[int]]:

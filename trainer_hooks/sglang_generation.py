@@ -43,7 +43,7 @@ from rollout_service.checkpoint_format import normalize_dtype
 from rollout_service.http_auth import is_loopback_url
 
 from .checkpoint_sync import CheckpointPublisher
-from .config import SGLangRolloutArguments
+from .config import SGLangRolloutArguments, rescoring_needed
 from .replica_wait import AckFileWaiter, ReplicaSyncTimeout, ReplicaWaiter, SidecarWaiter
 from .sglang_endpoints import SGLangEndpoints
 from .sglang_responses import Completion
@@ -155,6 +155,24 @@ class SGLangGeneration:
             "max_new_tokens": max_completion_length,
             **dict(generation_kwargs or {}),
         }
+        self.logprob_source = "sampled"
+        """Which logprobs reach TRL's importance-sampling correction: ``"sampled"`` (SGLang's
+        logprobs of the sampling distribution, after temperature), ``"rescored"`` (the model's own
+        logprobs read back by a prefill-only request, because the sampling parameters change the
+        distribution and the trainer compares the unprocessed model; docs/trl-conformance.md) or
+        ``"none"`` (NaN: TRL then applies no correction to those tokens)."""
+        if self.want_logprobs and rescoring_needed(self.sampling_params):
+            if float(temperature) == 1.0:
+                self.logprob_source = "rescored"
+                log.info("sampling parameters %s change SGLang's distribution (grammar, logit_bias or penalties): "
+                         "completions are rescored with the model's own logprobs for TRL's importance-sampling "
+                         "correction (one prefill-only request per batch)", _processing_keys(self.sampling_params))
+            else:
+                self.logprob_source = "none"
+                log.warning("sampling parameters %s change SGLang's distribution and temperature=%g != 1: SGLang "
+                            "0.5.23 cannot return the model's own temperature-scaled logprobs, so TRL's importance-"
+                            "sampling correction is off for these rollouts (ratio 1). Use temperature=1.0 to keep it",
+                            _processing_keys(self.sampling_params), temperature)
         self.history: deque[GenerationRecord] = deque(maxlen=10_000)
         """One record per ``generate`` call on the main process (tests and debugging read it)."""
         self._metrics = _Metrics()
@@ -295,7 +313,9 @@ class SGLangGeneration:
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         vocab_size = getattr(text_config, "vocab_size", None)
         self._endpoints = SGLangEndpoints(args.sglang_urls, request_timeout_s=args.sglang_request_timeout,
-                                          vocab_size=vocab_size, api_key=args.sglang_api_token)
+                                          vocab_size=vocab_size, api_key=args.sglang_api_token,
+                                          log_paths=getattr(args, "sglang_log_paths", None) or (),
+                                          status_urls=args.sidecar_urls or ())
         if args.sidecar_urls:
             self.waiter = SidecarWaiter(args.sidecar_urls, token=args.sidecar_token)
         else:
@@ -326,12 +346,18 @@ class SGLangGeneration:
         started = time.monotonic()
         deadline = started + self.sync_timeout
         params = dict(self.sampling_params, n=n)
+        self._endpoints.forget_crashes()
         groups: list[list[Completion] | None] = [None] * len(unique)
         todo = list(range(len(unique)))
         retries = 0
         while True:
             answers = self._endpoints.generate([unique[i] for i in todo], params,
-                                               want_logprobs=self.want_logprobs, deadline=deadline)
+                                               want_logprobs=self.want_logprobs, deadline=deadline,
+                                               rescore=self.logprob_source == "rescored")
+            if self.logprob_source == "none":
+                for group in answers:
+                    for c in group:
+                        c.logprobs = [None] * len(c.token_ids)
             required = self._required_version()
             retry: list[int] = []
             stale_versions: set[str] = set()
@@ -394,6 +420,12 @@ class SGLangGeneration:
             except ReplicaSyncTimeout:
                 pass
         time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+
+
+def _processing_keys(params: dict[str, Any]) -> list[str]:
+    return sorted(k for k in ("regex", "json_schema", "ebnf", "structural_tag", "logit_bias", "min_new_tokens",
+                              "frequency_penalty", "presence_penalty", "repetition_penalty")
+                  if params.get(k) not in (None, 0, 0.0, {}) and not (k == "repetition_penalty" and params[k] == 1.0))
 
 
 def _unique_prompts(all_prompts: list[list[int]], num_generations: int) -> list[list[int]]:

@@ -1,0 +1,71 @@
+"""A request that kills SGLang is retried once after the server comes back, then fails the step with
+SGLang's own error; it is never resent in a loop.
+
+The poison is real (no fake server): in SGLang 0.5.23, ``min_new_tokens > 0`` with a
+``stop_token_ids`` entry outside the vocabulary makes the min-new-tokens penalizer scatter out of
+bounds in the scheduler (``RuntimeError: index ... is out of bounds``), and the whole server exits.
+It has nothing to do with ``torch.compile`` (unlike ``repetition_penalty`` on CPU), so a launcher
+fix for that does not hide it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer_hooks.sglang_endpoints import SGLangPoisonRequestError, last_error_lines
+
+from test_trainer_hooks import VOCAB_SIZE, _stop_unit, _wait_ready, launch_unit, make_config, make_trainer
+
+POISON = {"min_new_tokens": 2, "stop_token_ids": [VOCAB_SIZE + 903]}
+CRASH_MARK = "Scheduler hit an exception"
+
+
+@pytest.mark.sglang
+def test_a_request_that_kills_sglang_is_sent_twice_then_fails_the_step_naming_it(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    unit = launch_unit(tiny_model_dir, tmp_path / "unit")
+    sglang_log = tmp_path / "unit" / "sglang.log"
+    try:
+        _wait_ready(unit)
+        config = make_config(tmp_path, unit.checkpoint_root, [unit.sglang_url], [unit.sidecar_url],
+                             sglang_log_paths=[str(sglang_log)], generation_kwargs=POISON, max_steps=2,
+                             sync_timeout=400.0)
+        trainer = make_trainer(tiny_model_dir, config)
+        started = time.monotonic()
+        with pytest.raises(SGLangPoisonRequestError) as caught:
+            trainer.train()
+        elapsed = time.monotonic() - started
+        message = str(caught.value)
+        # The request's sampling parameters, and SGLang's own last error line from its log.
+        assert '"min_new_tokens": 2' in message and f'"stop_token_ids": [{VOCAB_SIZE + 903}]' in message, message
+        assert f"RuntimeError: index {VOCAB_SIZE + 903} is out of bounds" in message, message
+        assert "does not send it a third time" in message
+        # The server died exactly twice (the first send and the one retry after it came back), and the
+        # trainer failed at the second death, long before sync_timeout.
+        time.sleep(3)
+        assert sglang_log.read_text(errors="replace").count(CRASH_MARK) == 2
+        assert elapsed < config.sync_timeout
+        # The unit is still there (restarting SGLang), not at its restart limit.
+        assert unit.process.poll() is None, "rollout-service serve exited"
+        assert trainer.state.global_step == 0
+    finally:
+        _stop_unit(unit.process)
+
+
+def test_last_error_lines_are_the_end_of_the_last_traceback() -> None:
+    log = "\n".join([
+        "[2026-12-01 11:06:04] Prefill batch, #new-seq: 2",
+        "[2026-12-01 11:06:05] Scheduler hit an exception: Traceback (most recent call last):",
+        '  File "scheduler.py", line 1, in run', "    old()", "ValueError: the first crash", "",
+        "[2026-12-01 11:07:13] Scheduler hit an exception: Traceback (most recent call last):",
+        '  File "scheduler.py", line 6368, in run_scheduler_process', "    scheduler.run_event_loop()",
+        "           ^^^^^^^^^^^^^", "RuntimeError: index 4999 is out of bounds for dimension 1 with size 4097", "",
+        "[2026-12-01 11:07:13] SIGQUIT received. signum=None, frame=None. It usually means one child failed.",
+    ])
+    assert last_error_lines(log) == [
+        "[2026-12-01 11:07:13] Scheduler hit an exception: Traceback (most recent call last):",
+        "RuntimeError: index 4999 is out of bounds for dimension 1 with size 4097"]
+    assert last_error_lines("all fine\nINFO: 200 OK") == []
