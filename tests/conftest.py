@@ -77,3 +77,21 @@ def sglang_server_at_base(sglang_server: SGLangServer, tiny_model_dir: Path) -> 
                    json={"model_path": str(tiny_model_dir), "weight_version": "default"}, timeout=300)
     assert r.status_code == 200 and r.json().get("success"), r.text
     return sglang_server
+
+
+@pytest.fixture
+def sidecar_factory(sglang_server, checkpoint_root, tmp_path):
+    """Start `rollout-service sidecar` subprocesses beside the session server; stopped after."""
+    from sidecar_helpers import Sidecar
+
+    started: list = []
+
+    def start(*extra: str, root=None, url=None, replica_id="r0"):
+        sc = Sidecar(root or checkpoint_root, url or sglang_server.url,
+                     tmp_path / f"sidecar-{len(started)}.log", *extra, replica_id=replica_id)
+        started.append(sc)
+        return sc
+
+    yield start
+    for sc in started:
+        sc.stop()

@@ -12,24 +12,9 @@ import httpx
 import pytest
 
 from helpers import generate
-from sidecar_helpers import Sidecar, publish_step, transformers_greedy, perturbed_state
+from sidecar_helpers import publish_step, transformers_greedy, perturbed_state
 
 PROMPT = [11, 42, 7, 99, 256, 3]
-
-
-@pytest.fixture
-def sidecar_factory(sglang_server, checkpoint_root, tmp_path):
-    started: list[Sidecar] = []
-
-    def start(*extra: str, root=None, url=None, replica_id="r0") -> Sidecar:
-        sc = Sidecar(root or checkpoint_root, url or sglang_server.url,
-                     tmp_path / f"sidecar-{len(started)}.log", *extra, replica_id=replica_id)
-        started.append(sc)
-        return sc
-
-    yield start
-    for sc in started:
-        sc.stop()
 
 
 def weight_version(url: str) -> str:
@@ -70,8 +55,11 @@ def test_both_watch_modes_detect_publications(mode, sidecar_factory, checkpoint_
 def test_burst_during_load_ends_on_newest_without_failures(sglang_server, sidecar_factory,
                                                             checkpoint_root, tiny_model_dir):
     sidecar = sidecar_factory()
-    for step in range(1, 7):
-        publish_step(checkpoint_root, tiny_model_dir, step)
+    # Published aside, then renamed in within microseconds: a burst faster than any load.
+    side = checkpoint_root.parent / "side"
+    paths = [publish_step(side, tiny_model_dir, step).path for step in range(1, 7)]
+    for path in paths:
+        os.rename(path, checkpoint_root / path.name)
     sidecar.wait_step(6)
     assert sidecar.status()["loaded_step"] == 6
     assert weight_version(sglang_server.url) == "6"

@@ -140,6 +140,9 @@ class SyncController:
         self._crashes: dict[int, int] = {}
         self._loaded_before: set[int] = set()
         self._rejected_at: dict[int, tuple[int, int, int] | None] = {}
+        self._named: dict[int, Path] = {}
+        """Steps named by POST /sync: found by a direct lookup even when a shared file system's
+        cached listing does not show them yet (NFS, sshfs)."""
         self._reference: TensorSpecs | None = None
         self._served_path: str | None = None
         self._last_ack = 0.0
@@ -171,21 +174,34 @@ class SyncController:
                     and s.loaded_current and (run_id is None or s.loaded_run_id == run_id))
 
     async def wait_for_step(self, step: int, timeout_s: float, run_id: str | None = None) -> bool:
-        """Wait until SGLang serves ``step`` or newer (of ``run_id`` when given); False on timeout."""
+        """Wait until SGLang serves ``step`` or newer (of ``run_id`` when given).
+
+        False on timeout, and at once when ``step`` itself was rejected (it will never load).
+        """
         assert self._changed is not None
-        async with self._changed:
-            try:
-                await asyncio.wait_for(self._changed.wait_for(lambda: self.serves(step, run_id)),
-                                       timeout=timeout_s)
-                return True
-            except asyncio.TimeoutError:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            async with self._changed:
+                try:
+                    await asyncio.wait_for(self._changed.wait_for(
+                        lambda: self.serves(step, run_id) or step in self.state.rejected),
+                        timeout=max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    return False
+            if not self.serves(step, run_id):
                 return False
+            # Confirm against the root now, not the last pass: the served step may be gone.
+            presence = await asyncio.to_thread(self._loaded_presence)
+            if presence == "same":
+                return True
+            self.state.loaded_current = False
+            self.notify("wait")
 
     def readiness(self) -> tuple[bool, str]:
         """Whether the replica is ready *now*, and why not: computed when asked, never cached."""
         s = self.state
         now = time.time()
-        fresh = max(3 * self.settings.health_interval_s, 5.0) + self.settings.request_timeout_s / 2
+        fresh = max(3 * self.settings.health_interval_s, 3.0)
         if s.fatal is not None:
             return False, f"{s.fatal['reason']}: {s.fatal['message']}"
         if s.loop_heartbeat is None or (s.loading_step is None and now - s.loop_heartbeat > max(
@@ -208,6 +224,8 @@ class SyncController:
                                   f" directory directly under {self.root}")
         if not path.is_dir():
             raise CheckpointError("missing_checkpoint", f"{path.name} does not exist under {self.root}")
+        if len(self._named) < 64:
+            self._named[step] = self.root / path.name
         self.notify(f"api:{path.name}")
         return path
 
@@ -315,25 +333,33 @@ class SyncController:
         await asyncio.to_thread(self._ensure_reference, view)
 
     def _adopt(self, view: ServerView) -> None:
-        """A restarted sidecar beside a server that already serves a published step."""
+        """A restarted sidecar beside a server that already serves a published step.
+
+        Adopted when SGLang's ``model_path`` holds a manifest of that step whose fingerprint is
+        the published one (a staged copy, ours or another sidecar's, or the step directory
+        itself), or is a copy in this sidecar's own stage.
+        """
         step = _step_of_version(view.weight_version)
-        if step is None or not view.model_path:
+        if step is None or not view.model_path or not os.path.isdir(view.model_path):
             return
-        if self.stage is not None and self.stage.owns(view.model_path):
-            where, root = Path(view.model_path), self.stage.path
-        elif _same_path(view.model_path, self.root / step_dir_name(step)):
-            where, root = self.root / step_dir_name(step), self.root
-        else:
-            return
+        served = Path(view.model_path)
         try:
-            manifest = Manifest.load(where, root=root)
+            manifest = Manifest.load(served, root=served.parent)
         except CheckpointError:
             return
         if manifest.step != step:
             return
-        self._set_loaded(step, manifest, str(where))
+        ours = self.stage is not None and self.stage.owns(served)
+        if not ours:
+            try:
+                published = Manifest.load(self.root / step_dir_name(step), root=self.root)
+            except CheckpointError:
+                return
+            if published.fingerprint() != manifest.fingerprint():
+                return
+        self._set_loaded(step, manifest, str(served))
         self._crashes.pop(step, None)
-        log.info("SGLang already serves step %d (%s); adopting it without a reload", step, where)
+        log.info("SGLang already serves step %d (%s); adopting it without a reload", step, served)
 
     def _ensure_reference(self, view: ServerView) -> None:
         """Learn the served model's tensor specs once (every checkpoint is checked against them)."""
@@ -374,7 +400,7 @@ class SyncController:
 
     async def _sync_newest(self) -> None:
         """Serve the newest valid checkpoint in the root (if SGLang does not already)."""
-        checkpoints = await asyncio.to_thread(list_checkpoints, self.root)
+        checkpoints = await asyncio.to_thread(self._candidates)
         presence = await asyncio.to_thread(self._loaded_presence)
         self.state.loaded_current = presence == "same"
         loaded = self.state.loaded_step
@@ -389,6 +415,18 @@ class SyncController:
                 return
             if not self.state.sglang_healthy:
                 return
+
+    def _candidates(self) -> list[PublishedCheckpoint]:
+        """The root's listing plus steps named through the API that a direct lookup finds."""
+        found = {c.step: c for c in list_checkpoints(self.root)}
+        for step, path in list(self._named.items()):
+            if step in found or (self.state.loaded_step is not None and step < self.state.loaded_step):
+                self._named.pop(step, None)
+            elif os.path.isdir(path):
+                found[step] = PublishedCheckpoint(step=step, path=path)
+            else:
+                self._named.pop(step, None)
+        return [found[k] for k in sorted(found)]
 
     def _loaded_presence(self) -> str:
         """``same``, ``changed`` (republished) or ``gone``, for the served checkpoint."""

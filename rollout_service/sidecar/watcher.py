@@ -30,7 +30,8 @@ def is_completion_event(event: FileSystemEvent) -> bool:
             continue
         name = os.path.basename(os.fsdecode(path))
         if name == LATEST_NAME or parse_step_dir_name(name) is not None:
-            return event.event_type in ("created", "moved", "modified")
+            # "deleted": a served step that disappears (a reused root) must be noticed too.
+            return event.event_type in ("created", "moved", "modified", "deleted")
     return False
 
 

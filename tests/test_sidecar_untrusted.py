@@ -1,0 +1,266 @@
+"""Crafted checkpoints against a real sidecar and a real SGLang: nothing unverified reaches
+SGLang, nothing wedges the loop, and /wait answers only for what SGLang serves."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import torch
+
+from helpers import generate
+from rollout_service.checkpoint_writer import publish_checkpoint
+from sidecar_helpers import perturbed_state, publish_step, transformers_greedy
+from trainer_hooks.replica_wait import CheckpointRejected, SidecarWaiter
+
+pytestmark = pytest.mark.sglang
+
+PROMPT = [11, 42, 7, 99, 256, 3]
+
+
+def publish_crafted(root: Path, staging: Path, model_dir: Path, step: int, spoil, state=None,
+                    run_id: str | None = None) -> Path:
+    """Publish step ``step`` elsewhere, let ``spoil(path)`` damage it, then rename it in."""
+    path = publish_checkpoint(staging, step, (state or perturbed_state(model_dir, step)).items(),
+                              config=model_dir / "config.json", run_id=run_id).path
+    spoil(path)
+    final = root / path.name
+    os.rename(path, final)
+    return final
+
+
+def resized_state(model_dir: Path, step: int) -> dict:
+    """What `resize_token_embeddings(vocab + 8)` produces: consistent files, other shapes."""
+    state = perturbed_state(model_dir, step)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in state:
+            state[name] = torch.cat([state[name], torch.zeros(8, state[name].shape[1])])
+    return state
+
+
+def wait_until(predicate, timeout_s: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"{what} not reached within {timeout_s} s")
+
+
+def sglang_health(url: str) -> int:
+    return httpx.get(f"{url}/health", timeout=60).status_code
+
+
+def test_first_checkpoint_is_checked_against_the_served_model_and_after_a_restart(
+        sglang_server_at_base, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path):
+    url = sglang_server_at_base.url
+    stage = tmp_path / "stage"
+    sidecar = sidecar_factory("--stage-dir", str(stage), replica_id="ref")
+    wait_until(lambda: sidecar.status()["reference"], 60, "the reference learnt from SGLang")
+    assert sidecar.status()["reference"] == str(tiny_model_dir)
+    t0 = time.monotonic()
+    publish_checkpoint(checkpoint_root, 1, resized_state(tiny_model_dir, 1).items(),
+                       config=tiny_model_dir / "config.json")
+    wait_until(lambda: "1" in sidecar.status()["rejected"], 60, "rejection of step 1")
+    rejection_s = time.monotonic() - t0
+    status = sidecar.status()
+    assert status["rejected"] == {"1": "shape_mismatch"}, status
+    assert "resized embeddings" in status["last_error"]["message"]
+    assert sglang_health(url) == 200, "SGLang must never see the resized checkpoint"
+    assert sidecar.metric("rollout_sidecar_sglang_restarts_total") == 0
+    print(f"rejecting a resized first checkpoint took {rejection_s:.2f} s (publish -> rejected)")
+    publish_step(checkpoint_root, tiny_model_dir, 2)
+    sidecar.wait_step(2)
+    served = httpx.get(f"{url}/model_info", timeout=30).json()["model_path"]
+    assert Path(served).parent == stage, f"SGLang must read the verified stage copy, not {served}"
+    sidecar.kill(signal.SIGKILL)
+    again = sidecar_factory("--stage-dir", str(stage), replica_id="ref")
+    wait_until(lambda: again.status()["loaded_step"] == 2, 60, "adoption of step 2")
+    assert again.status()["reference"] == str(tiny_model_dir), "the reference survives a restart"
+    publish_checkpoint(checkpoint_root, 3, resized_state(tiny_model_dir, 3).items(),
+                       config=tiny_model_dir / "config.json")
+    wait_until(lambda: "3" in again.status()["rejected"], 60, "rejection of step 3")
+    assert again.status()["rejected"]["3"] == "shape_mismatch"
+    assert sglang_health(url) == 200
+    assert again.metric("rollout_sidecar_syncs_total", outcome="loaded", reason="ok") == 0
+
+
+def _fifo_manifest(path: Path) -> None:
+    (path / "manifest.json").unlink()
+    os.mkfifo(path / "manifest.json")
+
+
+def _nested_manifest(path: Path) -> None:
+    (path / "manifest.json").write_text("[" * 50_000 + "]" * 50_000)
+
+
+def _zero_manifest(path: Path) -> None:
+    (path / "manifest.json").unlink()
+    (path / "manifest.json").symlink_to("/dev/zero")
+
+
+def _bad_index_types(path: Path) -> None:
+    text = (path / "manifest.json").read_text()
+    (path / "manifest.json").write_text(text.replace('"total_bytes": ', '"total_bytes": 1e999, "x": '))
+
+
+def _flip_a_weight_byte(path: Path) -> None:
+    shard = path / "model.safetensors"
+    with open(shard, "r+b") as f:  # same size, header intact: only every byte can tell
+        f.seek(shard.stat().st_size - 1000)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_poison_entries_are_each_rejected_and_the_loop_keeps_serving(
+        sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path):
+    sidecar = sidecar_factory()
+    publish_step(checkpoint_root, tiny_model_dir, 1)
+    sidecar.wait_step(1)
+    nan_state = perturbed_state(tiny_model_dir, 7)
+    nan_state["model.norm.weight"][3] = float("nan")
+    staging = tmp_path / "staging"
+    spoilers = {2: (_fifo_manifest, None), 3: (_nested_manifest, None), 4: (_zero_manifest, None),
+                5: (_bad_index_types, None), 6: (_flip_a_weight_byte, None), 7: (lambda p: None, nan_state)}
+    expected = {"2": "not_a_regular_file", "3": "bad_manifest", "4": "path_escape",
+                "5": "bad_manifest", "6": "digest_mismatch", "7": "non_finite"}
+    t0 = time.monotonic()
+    for step, (spoil, state) in spoilers.items():
+        publish_crafted(checkpoint_root, staging, tiny_model_dir, step, spoil, state)
+    wait_until(lambda: len(sidecar.status()["rejected"]) == len(expected), 90, "every rejection")
+    print(f"six poisoned steps rejected in {time.monotonic() - t0:.2f} s")
+    status = sidecar.status()
+    assert status["rejected"] == expected, status["rejected"]
+    assert status["loaded_step"] == 1 and status["ready"] is True
+    assert generate(sglang_server.url, PROMPT, max_new_tokens=4)["meta_info"]["weight_version"] == "1"
+    assert sidecar.get("/readyz").status_code == 200
+    for step, reason in expected.items():
+        assert sidecar.metric("rollout_sidecar_syncs_total", outcome="rejected", reason=reason) >= 1
+    # Heartbeats go on (the trainer's ack-file wait needs them) ...
+    ack = checkpoint_root / "acks" / "r0.json"
+    first = ack.stat().st_mtime
+    wait_until(lambda: ack.stat().st_mtime > first, 30, "a new ack heartbeat")
+    # ... and a trainer waiting for a rejected step fails at once instead of timing out.
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointRejected, match="non_finite"):
+        SidecarWaiter([sidecar.url]).wait(7, timeout_s=120)
+    assert time.monotonic() - t0 < 15
+    log = sidecar.log_path.read_text()
+    assert log.count("Traceback") == 0, "rejections are log lines, not tracebacks"
+    publish_step(checkpoint_root, tiny_model_dir, 8)
+    sidecar.wait_step(8)
+    assert sidecar.status()["last_error"] is None or sidecar.status()["last_error"]["step"] != 8
+
+
+def test_wait_answers_only_for_the_run_and_bytes_sglang_serves(
+        sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir):
+    sidecar = sidecar_factory()
+    for step in (1, 2, 3):
+        publish_checkpoint(checkpoint_root, step, perturbed_state(tiny_model_dir, step).items(),
+                           config=tiny_model_dir / "config.json", run_id="runA")
+    sidecar.wait_step(3)
+    assert sidecar.status()["loaded_run_id"] == "runA"
+    # A new run reuses the root: emptied, then its own step 1.
+    for step in (1, 2, 3):
+        shutil.rmtree(checkpoint_root / f"step-{step:08d}")
+    r = sidecar.get("/wait?version=1&timeout=3")
+    assert r.status_code == 504, "step 3 of the old run is gone: /wait must not say step 1 is served"
+    new_state = perturbed_state(tiny_model_dir, 101)
+    answers: dict = {}
+
+    def wait_new_run():
+        r = sidecar.get("/wait?version=1&run=runB&timeout=120", timeout=150)
+        answers["wait"] = r
+        answers["served_then"] = httpx.get(f"{sglang_server.url}/model_info", timeout=30).json()
+
+    t = threading.Thread(target=wait_new_run)
+    t.start()
+    time.sleep(1.0)
+    publish_checkpoint(checkpoint_root, 1, new_state.items(), config=tiny_model_dir / "config.json",
+                       run_id="runB")
+    t.join(180)
+    assert answers["wait"].status_code == 200, answers["wait"].text
+    assert answers["wait"].json()["loaded_run_id"] == "runB"
+    assert answers["served_then"]["weight_version"] == "1"
+    assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)["output_ids"] == \
+        transformers_greedy(tiny_model_dir, new_state, PROMPT, 8)
+    # The same step republished with other bytes is loaded again.
+    before = sidecar.status()["loaded_fingerprint"]
+    shutil.rmtree(checkpoint_root / "step-00000001")
+    republished = perturbed_state(tiny_model_dir, 202)
+    publish_checkpoint(checkpoint_root, 1, republished.items(), config=tiny_model_dir / "config.json",
+                       run_id="runB")
+    wait_until(lambda: sidecar.status()["loaded_fingerprint"] not in (None, before)
+               and sidecar.status()["loaded_current"], 60, "the republished step 1")
+    assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)["output_ids"] == \
+        transformers_greedy(tiny_model_dir, republished, PROMPT, 8)
+    assert sidecar.get("/wait?version=1&run=runA&timeout=1").status_code == 504
+
+
+def test_sync_api_bounds_bodies_and_answers_bad_input_with_400(sidecar_factory, checkpoint_root,
+                                                              tmp_path):
+    sidecar = sidecar_factory("--token", "tok")
+    auth = {"Authorization": "Bearer tok"}
+    proc = psutil.Process(sidecar.proc.pid)
+    rss_before = proc.memory_info().rss
+
+    def chunks():
+        block = b"x" * (1 << 20)
+        for _ in range(300):
+            yield block
+
+    try:
+        r = httpx.post(f"{sidecar.url}/sync", content=chunks(), headers=auth, timeout=60)
+        assert r.status_code == 413 and len(r.content) < 1000, (r.status_code, r.content[:200])
+    except httpx.HTTPError:
+        pass  # the server may close the connection once it has refused the body
+    r = httpx.post(f"{sidecar.url}/sync", content=b"y" * (300 << 10),
+                   headers={**auth, "content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and b"yyyy" not in r.content
+    assert proc.memory_info().rss - rss_before < 50 << 20, "a large body must not be buffered"
+    for body in (b"{not json", b"[1, 2]", b"\xff\xfe", b'{"checkpoint": 5}', b"[" * 3000):
+        r = httpx.post(f"{sidecar.url}/sync", content=body, headers=auth, timeout=30)
+        assert r.status_code == 400, (body[:20], r.status_code, r.text)
+    outside = tmp_path / "secret-place"
+    outside.mkdir()
+    (checkpoint_root / "step-00000004").symlink_to(outside)
+    r = httpx.post(f"{sidecar.url}/sync", json={"checkpoint": "step-00000004"}, headers=auth, timeout=30)
+    assert r.status_code == 400 and "secret-place" not in r.text
+    for query in ("version=abc", "version=-1", "version=1&timeout=nan", "version=1&run=../x",
+                  "version=100000000"):
+        assert sidecar.get(f"/wait?{query}").status_code == 400, query
+    assert sidecar.get("/healthz").status_code == 200
+
+
+def test_readyz_follows_a_frozen_sglang_and_a_freeze_is_not_a_restart(
+        sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir):
+    sidecar = sidecar_factory()
+    publish_step(checkpoint_root, tiny_model_dir, 1)
+    sidecar.wait_step(1)
+    assert sidecar.get("/readyz").status_code == 200
+    group = sglang_server.pgid
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        wait_until(lambda: sidecar.get("/readyz", timeout=5).status_code == 503, 30, "readyz 503")
+        frozen_s = time.monotonic() - t0
+        body = sidecar.get("/readyz").json()
+        assert "not answered" in body["reason"], body
+        t0 = time.monotonic()
+        sidecar.get("/status", timeout=2)  # answering never waits on SGLang
+        assert time.monotonic() - t0 < 2
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    print(f"/readyz turned 503 {frozen_s:.1f} s after SGLang froze")
+    wait_until(lambda: sidecar.get("/readyz").status_code == 200, 90, "readyz 200 again")
+    assert sidecar.metric("rollout_sidecar_sglang_restarts_total") == 0
+    assert sidecar.status()["loaded_step"] == 1
