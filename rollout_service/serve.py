@@ -99,15 +99,15 @@ class Supervisor(threading.Thread):
         self._on_restart = on_restart
         self._on_give_up = on_give_up
         self._interval = check_interval_s
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
 
     def run(self) -> None:
         policy = self.policy
         backoff = policy.backoff_s
-        while not self._stop.wait(self._interval):
+        while not self._stopping.wait(self._interval):
             if self.server.is_running():
                 continue
             if not policy.may_restart():
@@ -123,7 +123,7 @@ class Supervisor(threading.Thread):
             log.warning("SGLang exited; restart %d of %d in %.0f s (%d within the last %.0f s; %d in"
                         " all)", in_window, policy.max_restarts, backoff, in_window,
                         policy.restart_window_s, policy.restarts)
-            if self._stop.wait(backoff):
+            if self._stopping.wait(backoff):
                 return
             backoff = min(backoff * 2, policy.max_backoff_s)
             try:

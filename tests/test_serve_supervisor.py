@@ -1,0 +1,247 @@
+"""`serve`'s supervisor: a windowed restart budget, the policy's timeouts on every restart, start-up
+waits that follow visible progress, and a spent budget reported by the sidecar.
+
+The unit tests drive the supervisor with a stand-in server object (what is tested is the policy,
+not SGLang); the start-up tests run a stand-in server *process* that prints progress like a first
+SGLang start (download, kernel compilation) and then answers /health; the last test kills a real
+SGLang under `rollout-service serve`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from helpers import free_port
+from rollout_service.serve import RESTART_BUDGET_SPENT, STARTUP_HINT, RestartPolicy, Supervisor
+from rollout_service.sglang_launcher import SGLangServer, SGLangStartError
+from sidecar_helpers import CLIProcess, wait_http
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_restart_budget_counts_restarts_within_the_window_only():
+    clock = FakeClock()
+    policy = RestartPolicy(max_restarts=3, restart_window_s=600.0, clock=clock)
+    for _ in range(3):
+        assert policy.may_restart()
+        policy.record_restart()
+        clock.now += 100
+    assert not policy.may_restart() and policy.restarts_in_window() == 3
+    clock.now += 301  # the first restart (at t=1000) is now more than 600 s ago
+    assert policy.restarts_in_window() == 2 and policy.may_restart()
+    # A server that crashes once an hour over a long run is never given up on.
+    slow = RestartPolicy(max_restarts=2, restart_window_s=600.0, clock=clock)
+    for _ in range(50):
+        assert slow.may_restart()
+        slow.record_restart()
+        clock.now += 3600
+    assert slow.restarts == 50
+
+
+def test_restart_policy_rejects_nonsense():
+    with pytest.raises(ValueError, match="--restart-window"):
+        RestartPolicy(restart_window_s=0)
+    with pytest.raises(ValueError, match="--max-restarts"):
+        RestartPolicy(max_restarts=-1)
+
+
+class StandInServer:
+    """Records what the supervisor asks of a server; "dies" whenever the test says so."""
+
+    url = "http://127.0.0.1:1"
+    log_path = Path("/nonexistent/sglang.log")
+
+    def __init__(self) -> None:
+        self.running = True
+        self.calls: list[tuple] = []
+        self.lock = threading.Lock()
+
+    def is_running(self) -> bool:
+        return self.running
+
+    def stop(self, *a, **k) -> None:
+        self.calls.append(("stop",))
+
+    def start(self) -> None:
+        self.calls.append(("start",))
+        self.running = True
+
+    def wait_healthy(self, timeout_s: float = 300.0, **kwargs) -> None:
+        self.calls.append(("wait_healthy", timeout_s, kwargs))
+
+    def restart(self, timeout_s: float = 300.0, **kwargs) -> None:  # what the old supervisor called
+        self.stop()
+        self.start()
+        self.wait_healthy(timeout_s, **kwargs)
+
+    def log_tail(self, n: int = 40) -> str:
+        return "RuntimeError: the last words of SGLang"
+
+
+def _run_supervisor(server, policy, crashes: int, timeout_s: float = 20.0):
+    restarts, gave_up = [], []
+    supervisor = Supervisor(server, policy, on_restart=lambda: restarts.append(1),
+                            on_give_up=lambda reason, message: gave_up.append((reason, message)),
+                            check_interval_s=0.01)
+    supervisor.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        for _ in range(crashes):
+            server.running = False
+            while not server.running and not gave_up and time.monotonic() < deadline:
+                time.sleep(0.01)
+        while supervisor.is_alive() and not gave_up and time.monotonic() < deadline and crashes > len(restarts):
+            time.sleep(0.01)
+    finally:
+        supervisor.stop()
+        supervisor.join(5)
+    return restarts, gave_up
+
+
+def test_a_restart_waits_with_the_policys_startup_timeout_not_a_default():
+    server = StandInServer()
+    policy = RestartPolicy(max_restarts=2, backoff_s=0.0, startup_timeout_s=1234.0, progress_grace_s=77.0)
+    restarts, gave_up = _run_supervisor(server, policy, crashes=1)
+    assert restarts == [1] and not gave_up
+    waits = [c for c in server.calls if c[0] == "wait_healthy"]
+    assert waits == [("wait_healthy", 1234.0, {"progress_grace_s": 77.0, "timeout_hint": STARTUP_HINT})]
+
+
+def test_a_spent_budget_gives_up_once_with_the_reason_and_sglangs_last_words():
+    server = StandInServer()
+    policy = RestartPolicy(max_restarts=2, restart_window_s=600.0, backoff_s=0.0)
+    restarts, gave_up = _run_supervisor(server, policy, crashes=3)
+    assert len(restarts) == 2
+    [(reason, message)] = gave_up
+    assert reason == RESTART_BUDGET_SPENT
+    assert "2 restart(s) already happened within the last 600 s" in message
+    assert "--max-restarts" in message and "the last words of SGLang" in message
+
+
+# --------------------------------------------------- start-up that shows progress (item 10)
+
+STAND_IN_SGLANG = r'''#!__PYTHON__
+"""Stands in for `python -m sglang.launch_server`: prints progress for a while, then serves /health."""
+import http.server, os, sys, time
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+mode, seconds = os.environ["STAND_IN_MODE"], float(os.environ["STAND_IN_SECONDS"])
+t0 = time.time()
+while time.time() - t0 < seconds:
+    if mode == "progress":
+        print(f"Downloading model.safetensors: {100 * (time.time() - t0) / seconds:.0f}%", flush=True)
+    time.sleep(0.2)
+if mode == "silent":
+    time.sleep(3600)
+
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def _stand_in(tmp_path: Path) -> Path:
+    script = tmp_path / "stand-in-python"
+    script.write_text(STAND_IN_SGLANG.replace("__PYTHON__", sys.executable))
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def test_startup_waits_past_the_timeout_while_the_log_shows_progress(tmp_path, monkeypatch):
+    monkeypatch.setenv("STAND_IN_MODE", "progress")
+    monkeypatch.setenv("STAND_IN_SECONDS", "4")
+    server = SGLangServer(tmp_path, device="cpu", python=str(_stand_in(tmp_path)), log_path=tmp_path / "s.log")
+    server.start()
+    try:
+        t0 = time.monotonic()
+        server.wait_healthy(1.0, progress_grace_s=2.0, timeout_hint=STARTUP_HINT)
+        assert time.monotonic() - t0 >= 3.5  # it waited well past the 1 s timeout
+    finally:
+        server.stop()
+
+
+def test_a_silent_startup_fails_after_the_timeout_naming_the_flag_to_raise(tmp_path, monkeypatch):
+    monkeypatch.setenv("STAND_IN_MODE", "silent")
+    monkeypatch.setenv("STAND_IN_SECONDS", "0")
+    server = SGLangServer(tmp_path, device="cpu", python=str(_stand_in(tmp_path)), log_path=tmp_path / "s.log")
+    server.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SGLangStartError) as exc:
+            server.wait_healthy(1.0, progress_grace_s=1.0, timeout_hint=STARTUP_HINT)
+        assert time.monotonic() - t0 < 10
+    finally:
+        server.stop()
+    assert "serve --startup-timeout" in str(exc.value) and "ROLLOUT_STARTUP_TIMEOUT" in str(exc.value)
+    assert "showed no progress" in str(exc.value)
+
+
+def test_serve_fails_a_stalled_start_with_exit_2_naming_startup_timeout(tmp_path, checkpoint_root, monkeypatch,
+                                                                         caplog):
+    from rollout_service.serve import run_serve
+    from rollout_service.sidecar.settings import SidecarSettings
+
+    monkeypatch.setenv("STAND_IN_MODE", "silent")
+    monkeypatch.setenv("STAND_IN_SECONDS", "0")
+    server = SGLangServer(tmp_path, device="cpu", python=str(_stand_in(tmp_path)), log_path=tmp_path / "s.log")
+    settings = SidecarSettings(checkpoint_path=checkpoint_root, sglang_url=server.url, port=free_port(),
+                               replica_id="stalled", stage=False)
+    policy = RestartPolicy(startup_timeout_s=1.0, progress_grace_s=1.0)
+    assert run_serve(server, settings, policy) == 2
+    assert "raise `serve --startup-timeout` (ROLLOUT_STARTUP_TIMEOUT)" in caplog.text
+    assert not server.is_running()
+
+
+# ------------------------------------------------------ a spent budget, with a real SGLang
+
+@pytest.mark.sglang
+def test_serve_reports_a_spent_restart_budget_on_readyz_and_status(tiny_model_dir, checkpoint_root, tmp_path):
+    port, sidecar_port = free_port(), free_port()
+    serve = CLIProcess(["serve", "--model", str(tiny_model_dir), "--checkpoint-path", str(checkpoint_root),
+                        "--port", str(port), "--sidecar-port", str(sidecar_port), "--device", "cpu",
+                        "--health-interval", "0.5", "--replica-id", "budget", "--max-restarts", "0",
+                        "--stage-dir", str(tmp_path / "stage")],
+                       tmp_path / "serve.log")
+    sidecar = f"http://127.0.0.1:{sidecar_port}"
+    try:
+        wait_http(f"{sidecar}/readyz", 400, serve)
+        sglang = [p for p in psutil.Process(serve.proc.pid).children(recursive=True)
+                  if "sglang.launch_server" in " ".join(p.cmdline())]
+        os.killpg(os.getpgid(sglang[0].pid), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ready = httpx.get(f"{sidecar}/readyz", timeout=10)
+            if ready.json().get("fatal"):
+                break
+            time.sleep(0.5)
+        assert ready.status_code == 503
+        fatal = ready.json()["fatal"]
+        assert fatal["reason"] == RESTART_BUDGET_SPENT and "0 restart(s) within 600 s" in fatal["message"]
+        status = httpx.get(f"{sidecar}/status", timeout=10).json()
+        assert status["fatal"]["reason"] == RESTART_BUDGET_SPENT
+        assert serve.proc.poll() is None, "serve keeps the sidecar up to say why"
+        time.sleep(2)
+        assert not [p for p in psutil.Process(serve.proc.pid).children(recursive=True)
+                    if "sglang.launch_server" in " ".join(p.cmdline())], "SGLang must not be restarted"
+    finally:
+        serve.kill(signal.SIGTERM)
+    assert serve.proc.returncode == 3, serve.log_tail()
