@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from rollout_service.checkpoint_format import new_run_id
 from rollout_service.checkpoint_reader import latest_checkpoint
 from rollout_service.checkpoint_writer import cleanup_stale_temp_dirs, publish_checkpoint
 from rollout_service.sidecar.acks import read_acks
@@ -73,7 +74,8 @@ class _TimedIterator:
             pass
 
 
-_FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+"""safetensors tags (what ``normalize_dtype`` returns) of the dtypes checkpoints may be cast to."""
 
 
 def target_dtype(name: str | None) -> torch.dtype | None:
@@ -124,6 +126,11 @@ class CheckpointPublisher:
         self.sync_timeout_s = sync_timeout_s
         self.heartbeat_max_age_s = heartbeat_max_age_s
         self.base_model = base_model
+        self.run_id = new_run_id()
+        """This run's lineage id, in every manifest it publishes; the waiter counts only
+        replicas that serve a checkpoint of this run (a reused root cannot fool it)."""
+        if hasattr(waiter, "run_id"):
+            waiter.run_id = self.run_id
         self.latest_version: int | None = None
         """The newest version this publisher started publishing."""
         self.confirmed_version: int | None = None
@@ -161,7 +168,8 @@ class CheckpointPublisher:
             result = publish_checkpoint(
                 self.root, version, cast_on_device(timed, self._torch_dtype), config=self.config,
                 dtype=self.dtype,
-                max_shard_bytes=self.max_shard_bytes, base_model=self.base_model)
+                max_shard_bytes=self.max_shard_bytes, base_model=self.base_model,
+                run_id=self.run_id)
         except BaseException:
             timed.drain()
             raise
@@ -189,7 +197,8 @@ class CheckpointPublisher:
                 t1 = time.perf_counter()
                 result = publish_checkpoint(
                     self.root, version, snapshot, config=self.config, dtype=self.dtype,
-                    max_shard_bytes=self.max_shard_bytes, base_model=self.base_model)
+                    max_shard_bytes=self.max_shard_bytes, base_model=self.base_model,
+                    run_id=self.run_id)
                 snapshot.clear()
                 self._finish(version, gather_s=gather_s, write_s=time.perf_counter() - t1,
                              nbytes=result.total_bytes, started=t1, before_s=gather_s, background=True)

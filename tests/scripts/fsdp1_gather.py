@@ -1,0 +1,73 @@
+"""FSDP1 (accelerate's default FSDP version) gathered into full weights, on CPU processes (gloo).
+
+    torchrun --standalone --nproc_per_node 2 tests/scripts/fsdp1_gather.py --out result.json --root DIR
+
+Wraps the tiny model with ``torch.distributed.fsdp.FullyShardedDataParallel`` (each decoder layer,
+then the root, as accelerate's transformer auto-wrap policy does), runs
+``trainer_hooks.weight_gather.iter_full_weights`` on every process, publishes on rank 0 and
+records what the published checkpoint holds against the unsharded model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+from transformers import AutoModelForCausalLM
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+from rollout_service.checkpoint_writer import publish_checkpoint
+from rollout_service.tiny_model import ensure_tiny_model
+from trainer_hooks.weight_gather import is_fsdp1, iter_full_weights
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--root", required=True)
+    a = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model_dir = ensure_tiny_model(tied=False)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad():  # move the weights away from the saved ones (same on every rank)
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.01)
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Qwen2DecoderLayer}),
+                                       device_id=torch.device("cpu"))
+    local = {n: tuple(t.shape) for n, t in wrapped.named_parameters()}
+    accelerator = SimpleNamespace(is_main_process=rank == 0, device=torch.device("cpu"), state=None)
+    tensors = iter_full_weights(wrapped, accelerator)
+    result = {"rank": rank, "is_fsdp1": is_fsdp1(wrapped), "local_names": sorted(local)[:3],
+              "flat_local": any("_flat_param" in n for n in local)}
+    if rank == 0:
+        published = publish_checkpoint(a.root, 1, tensors, config=model_dir / "config.json",
+                                       max_shard_bytes=256 * 1024)  # several shards
+        state = {}
+        for path in sorted(Path(published.path).glob("*.safetensors")):
+            state.update(load_file(str(path)))
+        result.update(
+            files=published.files,
+            names_match=sorted(state) == sorted(full),
+            missing=sorted(set(full) - set(state))[:5], extra=sorted(set(state) - set(full))[:5],
+            shapes_match=all(tuple(state[k].shape) == tuple(full[k].shape) for k in state if k in full),
+            values_match=all(torch.equal(state[k], full[k]) for k in state if k in full),
+        )
+    else:
+        result.update(yielded=sum(1 for _ in tensors))  # takes part in the collective gathers
+    dist.barrier()
+    Path(a.out).with_suffix(f".rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Publishing the policy: FSDP1 gathered into full weights, the cast done before the copy to the
+CPU, one snapshot copy in the checkpoint dtype, and private copies only where they are written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from trainer_hooks import checkpoint_sync
+from trainer_hooks.checkpoint_sync import CheckpointPublisher, cast_on_device
+from trainer_hooks.weight_gather import iter_full_weights
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_fsdp1_publishes_full_weights_not_flat_shards(tmp_path):
+    out = tmp_path / "fsdp1.json"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(REPO / "tests" / "scripts" / "fsdp1_gather.py"), "--out", str(out),
+                           "--root", str(tmp_path / "ckpts")],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    main = json.loads(out.with_suffix(".rank0.json").read_text())
+    other = json.loads(out.with_suffix(".rank1.json").read_text())
+    assert main["is_fsdp1"] and main["flat_local"], main  # the model really was FSDP1-sharded
+    assert main["names_match"], (main["missing"], main["extra"])
+    assert main["shapes_match"] and main["values_match"], main
+    assert main["files"] > 1
+    assert other["yielded"] == 27  # every parameter, gathered collectively on the other rank too
+
+
+class _Recorder:
+    """Stands in for publish_checkpoint: records the tensors it is handed (dtype, device)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, root, version, tensors, **kwargs):
+        for name, t in tensors:
+            self.seen.append((name, t.dtype, t.device.type))
+        return SimpleNamespace(total_bytes=0)
+
+
+class _NoWait:
+    def notify(self, version):
+        pass
+
+    def wait(self, version, timeout_s):
+        pass
+
+    def protected_versions(self):
+        return set()
+
+
+def _publisher(tmp_path, dtype):
+    return CheckpointPublisher(tmp_path, _NoWait(), config={}, dtype=dtype, max_shard_bytes=1 << 20, keep=None,
+                               sync_timeout_s=10, heartbeat_max_age_s=10)
+
+
+def test_floating_tensors_on_a_device_are_cast_there_before_the_copy_to_the_cpu():
+    # The meta device stands in for a GPU: it has no data, so any copy to the CPU would fail.
+    on_device = [("w", torch.empty(4, 4, device="meta")), ("ids", torch.empty(4, dtype=torch.int64, device="meta")),
+                 ("h", torch.empty(2, device="meta", dtype=torch.bfloat16))]
+    cast = list(cast_on_device(on_device, torch.bfloat16))
+    assert [(n, t.dtype, t.device.type) for n, t in cast] == [
+        ("w", torch.bfloat16, "meta"), ("ids", torch.int64, "meta"), ("h", torch.bfloat16, "meta")]
+    cpu = torch.ones(3)
+    [(_, same)] = cast_on_device([("c", cpu)], torch.bfloat16)
+    assert same is cpu  # CPU tensors: the writer casts, as before (no extra copy)
+    [(_, kept)] = cast_on_device([("k", on_device[0][1])], None)
+    assert kept.dtype == torch.float32
+
+
+def test_the_foreground_publish_hands_the_writer_tensors_already_cast_on_their_device(tmp_path, monkeypatch):
+    recorder = _Recorder()
+    monkeypatch.setattr(checkpoint_sync, "publish_checkpoint", recorder)
+    publisher = _publisher(tmp_path, "bfloat16")
+    publisher.publish_and_wait(1, [("a", torch.empty(8, device="meta")), ("b", torch.ones(2))])
+    assert recorder.seen == [("a", torch.bfloat16, "meta"), ("b", torch.float32, "cpu")]
+
+
+def test_the_background_snapshot_is_one_copy_in_the_checkpoint_dtype(tmp_path):
+    publisher = _publisher(tmp_path, "bfloat16")
+    live = torch.nn.Linear(64, 64)
+    ids = torch.arange(5)
+    snapshot = publisher._snapshot(iter([("w", live.weight), ("ids", ids)]))
+    (_, w), (_, i) = snapshot
+    assert w.dtype == torch.bfloat16 and w.device.type == "cpu"  # not a float32 copy of the model
+    assert torch.equal(w, live.weight.detach().to(torch.bfloat16))
+    assert i.dtype == torch.int64 and i.data_ptr() != ids.data_ptr()  # a private copy
+    with torch.no_grad():
+        live.weight.add_(1.0)  # training goes on while the worker writes
+    assert not torch.equal(w, live.weight.detach().to(torch.bfloat16))
+    same_dtype = _publisher(tmp_path, None)._snapshot(iter([("w", live.weight)]))
+    assert same_dtype[0][1].data_ptr() != live.weight.data_ptr()
+
+
+def test_a_background_publish_writes_the_values_of_the_snapshot_time_in_the_checkpoint_dtype(tmp_path):
+    publisher = _publisher(tmp_path, "bfloat16")
+    live = torch.nn.Linear(16, 16)
+    expected = live.weight.detach().to(torch.bfloat16).clone()
+    publisher.publish_in_background(1, [("w", live.weight)])
+    with torch.no_grad():
+        live.weight.mul_(3.0)
+    publisher.join()
+    [path] = (tmp_path / "step-00000001").glob("*.safetensors")
+    assert torch.equal(load_file(str(path))["w"], expected)
+
+
+def test_zero3_gathered_parameters_are_copied_on_the_main_process_only():
+    import deepspeed  # noqa: F401  (pinned in requirements/cpu.lock)
+    model = torch.nn.Linear(4, 4)  # no ds_id: GatheredParameters is a no-op, the copy policy is what is tested
+    plugin = SimpleNamespace(zero_stage=3)
+
+    def run(is_main):
+        acc = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), device=torch.device("cpu"),
+                              is_main_process=is_main)
+        return dict(iter_full_weights(model, acc))
+
+    main = run(True)
+    other = run(False)
+    assert main["weight"].data_ptr() != model.weight.data_ptr()  # written: a private copy
+    assert other["weight"].data_ptr() == model.weight.data_ptr()  # only gathered: no copy
