@@ -245,3 +245,37 @@ def test_serve_reports_a_spent_restart_budget_on_readyz_and_status(tiny_model_di
     finally:
         serve.kill(signal.SIGTERM)
     assert serve.proc.returncode == 3, serve.log_tail()
+
+
+def test_the_demo_waits_for_serve_while_its_logs_grow_and_names_the_timeout_after(tmp_path):
+    import subprocess
+
+    from trainer_hooks.demo import ServeProcess
+
+    unit = object.__new__(ServeProcess)  # the waiting logic, without starting serve
+    unit.log_path = tmp_path / "serve.log"
+    unit.log_path.write_text("")
+    unit.sidecar_url = f"http://127.0.0.1:{free_port()}"  # never ready
+    unit.proc = subprocess.Popen(["sleep", "60"])
+    stop = threading.Event()
+
+    def progress():
+        for i in range(20):
+            if stop.wait(0.15):
+                return
+            with open(unit.log_path.with_name("sglang.log"), "a") as f:
+                f.write(f"Downloading {i}\n")
+
+    writer = threading.Thread(target=progress)
+    writer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError) as exc:
+            unit.wait_ready(1.0, progress_grace_s=1.0)
+    finally:
+        stop.set()
+        writer.join()
+        unit.proc.kill()
+        unit.proc.wait()
+    assert time.monotonic() - t0 >= 3.5  # 3 s of progress, then 1 s of silence
+    assert "serve --startup-timeout" in str(exc.value)

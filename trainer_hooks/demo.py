@@ -58,7 +58,8 @@ def _free_port() -> int:
 class ServeProcess:
     """``rollout-service serve`` in its own process group, stopped with SIGTERM."""
 
-    def __init__(self, model: Path, checkpoint_path: Path, log_path: Path, device: str):
+    def __init__(self, model: Path, checkpoint_path: Path, log_path: Path, device: str,
+                 startup_timeout_s: float = 600.0):
         self.port, self.sidecar_port = _free_port(), _free_port()
         self.sglang_url = f"http://127.0.0.1:{self.port}"
         self.sidecar_url = f"http://127.0.0.1:{self.sidecar_port}"
@@ -69,16 +70,22 @@ class ServeProcess:
              "--checkpoint-path", str(checkpoint_path), "--port", str(self.port),
              "--sidecar-port", str(self.sidecar_port), "--device", device,
              "--health-interval", "0.5", "--replica-id", "demo",
+             "--startup-timeout", str(startup_timeout_s),
              "--sglang-log", str(log_path.with_name("sglang.log"))],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=kill_me_with_parent)
 
-    def wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float, progress_grace_s: float = 120.0) -> None:
+        """Wait for the sidecar's /readyz. ``serve`` enforces SGLang's start-up timeout itself
+        (waiting on while SGLang shows progress); this waits as long as ``serve`` runs and its
+        logs keep growing, and gives up ``progress_grace_s`` after they stop past ``timeout_s``."""
         import httpx
 
         t0 = time.monotonic()
         last_note = t0
-        while time.monotonic() - t0 < timeout_s:
+        logs = [self.log_path, self.log_path.with_name("sglang.log")]
+        size, grew = self._log_bytes(logs), t0
+        while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"`rollout-service serve` exited with {self.proc.returncode}; see"
                                    f" {self.log_path}:\n{self._tail()}")
@@ -87,13 +94,28 @@ class ServeProcess:
                     return
             except httpx.HTTPError:
                 pass
-            if time.monotonic() - last_note > 10:
-                last_note = time.monotonic()
-                print(f"  waiting for SGLang + sidecar to be ready ({time.monotonic() - t0:.0f} s)",
-                      flush=True)
+            now = time.monotonic()
+            if self._log_bytes(logs) != size:
+                size, grew = self._log_bytes(logs), now
+            if now - t0 > timeout_s and now - grew > progress_grace_s:
+                raise TimeoutError(f"SGLang + sidecar not ready after {now - t0:.0f} s (start-up timeout"
+                                   f" {timeout_s:.0f} s, no log progress for {now - grew:.0f} s); raise the"
+                                   f" start-up timeout (serve --startup-timeout); see {self.log_path}:\n"
+                                   f"{self._tail()}")
+            if now - last_note > 10:
+                last_note = now
+                print(f"  waiting for SGLang + sidecar to be ready ({now - t0:.0f} s)", flush=True)
             time.sleep(0.5)
-        raise TimeoutError(f"SGLang + sidecar not ready after {timeout_s:.0f} s; see {self.log_path}:\n"
-                           f"{self._tail()}")
+
+    @staticmethod
+    def _log_bytes(paths: list[Path]) -> int:
+        total = 0
+        for path in paths:
+            try:
+                total += path.stat().st_size
+            except OSError:
+                pass
+        return total
 
     def _tail(self, n: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -135,7 +157,7 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
     serve = None
     if sglang_url is None:
         print(f"starting SGLang + sidecar on {model_dir} (log: {output_dir / 'serve.log'})", flush=True)
-        serve = ServeProcess(model_dir, checkpoint_path, output_dir / "serve.log", device)
+        serve = ServeProcess(model_dir, checkpoint_path, output_dir / "serve.log", device, startup_timeout_s)
         sglang_url, sidecar_url = serve.sglang_url, serve.sidecar_url
     try:
         if serve is not None:
