@@ -15,11 +15,7 @@ import pytest
 from trainer_hooks import GRPOConfig, RLOOConfig
 from trainer_hooks.config import adapt_trl_fields, collective_budget_s, translate_generation_kwargs
 
-from test_trainer_hooks import (  # the shared rollout-unit helpers
-    SLOW_SYNC_TIMEOUT_S, RolloutUnit, make_config, make_trainer, prompts_dataset, rollout_units, untied_unit,
-)
-
-__all__ = ["rollout_units", "untied_unit"]  # module fixtures re-used from test_trainer_hooks
+from test_trainer_hooks import _stop_unit, _wait_ready, launch_unit, make_config, make_trainer
 
 DEAD = ["http://127.0.0.1:9"]
 
@@ -179,3 +175,129 @@ open({str(out)!r} + str(args.process_index), "w").write(json.dumps(dict(
             # The process group itself was started with the adapted timeout.
             assert r["ddp_timeout"] == expected and r["pg_timeouts"] == [expected], r
             assert r["request_timeout"] == 1800.0
+
+
+# --- through a real SGLang: the fields that change generation or the loss ----------------------------
+
+@pytest.fixture(scope="module")
+def unit(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    rollout = launch_unit(tiny_model_dir, tmp_path_factory.mktemp("conformance-unit"))
+    try:
+        _wait_ready(rollout)
+        yield rollout
+    finally:
+        _stop_unit(rollout.process)
+
+
+def _train(unit: Any, model_dir: Path, tmp_path: Path, config_class: type = GRPOConfig,
+           trainer_class: type | None = None, **overrides: Any) -> tuple[Any, list[list[int]], list[str]]:
+    """A short real run; returns the trainer and every completion's token ids and text."""
+    from trainer_hooks import GRPOTrainer
+
+    seen_ids: list[list[int]] = []
+    seen_text: list[str] = []
+
+    def reward(completions: list[Any], completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
+        seen_ids.extend(list(map(int, ids)) for ids in completion_ids)
+        texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+        seen_text.extend(texts)
+        return [len(t) / 100.0 for t in texts]
+
+    settings = dict(max_steps=1, learning_rate=1e-2)
+    settings.update(overrides)
+    config = make_config(tmp_path, unit.checkpoint_root, [unit.sglang_url], [unit.sidecar_url],
+                         config_class=config_class, **settings)
+    trainer = make_trainer(model_dir, config, trainer_class=trainer_class or GRPOTrainer)
+    trainer.reward_funcs = [reward]
+    trainer.reward_func_names = ["reward"]
+    trainer.parameters_at_start = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    trainer.train()
+    return trainer, seen_ids, seen_text
+
+
+def _groups(ids: list[list[int]], size: int = 4) -> list[list[list[int]]]:
+    return [ids[i:i + size] for i in range(0, len(ids), size)]
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("overrides", [
+    {"generation_kwargs": {"do_sample": False}}, {"top_k": 1}, {"top_p": 1e-6},
+], ids=["do_sample=False", "top_k=1", "top_p=1e-6"])
+def test_greedy_settings_reach_sglang(unit: Any, tiny_model_dir: Path, tmp_path: Path,
+                                      overrides: dict[str, Any]) -> None:
+    # Each makes SGLang greedy: the num_generations completions of a prompt are identical.
+    _, ids, _ = _train(unit, tiny_model_dir, tmp_path, **overrides)
+    assert ids and all(all(c == g[0] for c in g) for g in _groups(ids)), _groups(ids)[:2]
+
+
+@pytest.mark.sglang
+def test_sampling_settings_reach_sglang(unit: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
+    # The default sampling differs within a group; max_completion_length bounds every completion.
+    _, ids, _ = _train(unit, tiny_model_dir, tmp_path, max_completion_length=3)
+    assert all(1 <= len(c) <= 3 for c in ids)
+    assert any(len({tuple(c) for c in g}) > 1 for g in _groups(ids))
+    # generation_kwargs' max_new_tokens (SGLang's name) overrides it, as in TRL's own generation.
+    _, ids, _ = _train(unit, tiny_model_dir, tmp_path / "b", max_completion_length=8,
+                       generation_kwargs={"max_tokens": 2})
+    assert all(1 <= len(c) <= 2 for c in ids)
+
+
+@pytest.mark.sglang
+def test_structured_outputs_regex_constrains_the_completions(unit: Any, tiny_model_dir: Path,
+                                                             tmp_path: Path) -> None:
+    import re
+
+    trainer, _, texts = _train(unit, tiny_model_dir, tmp_path, vllm_structured_outputs_regex="[0-9]+")
+    assert texts and all(re.fullmatch(r"[0-9]*", t) for t in texts), texts[:8]
+    assert trainer.vllm_generation.logprob_source == "rescored"
+    is_mean = [h["sampling/importance_sampling_ratio/mean"] for h in trainer.state.log_history
+               if "sampling/importance_sampling_ratio/mean" in h]
+    assert is_mean and all(0.8 < m < 1.25 for m in is_mean), is_mean
+
+
+LOSS_SETTINGS = [
+    {"loss_type": "grpo"}, {"loss_type": "bnpo"}, {"loss_type": "dr_grpo"}, {"loss_type": "dapo"},
+    {"loss_type": "cispo"}, {"loss_type": "sapo"}, {"loss_type": "luspo", "importance_sampling_level": "sequence"},
+    {"loss_type": "vespo"}, {"beta": 0.04}, {"beta": 0.04, "sync_ref_model": True, "ref_model_sync_steps": 1},
+    {"num_iterations": 2, "max_steps": 2}, {"epsilon_high": 0.28, "delta": 1.5},
+    {"importance_sampling_level": "sequence"}, {"top_entropy_quantile": 0.5}, {"entropy_coef": 0.01},
+    {"off_policy_mask_threshold": 0.5}, {"vllm_importance_sampling_mode": "token_truncate"},
+    {"vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.5},
+    {"scale_rewards": "batch"}, {"mask_truncated_completions": True, "max_completion_length": 16},
+    {"steps_per_generation": 2, "max_steps": 2},
+]
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("overrides", LOSS_SETTINGS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_loss_settings_train_on_sglang_rollouts(unit: Any, tiny_model_dir: Path, tmp_path: Path,
+                                                overrides: dict[str, Any]) -> None:
+    import math
+
+    import torch
+
+    trainer, ids, _ = _train(unit, tiny_model_dir, tmp_path, **overrides)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses and all(math.isfinite(x) for x in losses), trainer.state.log_history
+    # The policy moved (the loss produced a gradient through TRL on SGLang's completions) ...
+    before = trainer.parameters_at_start
+    after = {k: v.detach() for k, v in trainer.model.named_parameters()}
+    assert any(not torch.equal(before[k], after[k]) for k in before), "no parameter changed"
+    # ... and TRL's IS correction saw SGLang's logprobs agree with its own (nothing masked away).
+    is_mean = [h["sampling/importance_sampling_ratio/mean"] for h in trainer.state.log_history
+               if "sampling/importance_sampling_ratio/mean" in h]
+    assert is_mean and all(0.8 < m < 1.25 for m in is_mean), is_mean
+
+
+@pytest.mark.sglang
+def test_rloo_fields_train_on_sglang_rollouts(unit: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
+    import math
+
+    from trainer_hooks import RLOOTrainer
+
+    trainer, ids, _ = _train(unit, tiny_model_dir, tmp_path, config_class=RLOOConfig, trainer_class=RLOOTrainer,
+                             normalize_advantages=True, reward_clip_range=(-1.0, 1.0), beta=0.0,
+                             generation_kwargs={"do_sample": False})
+    assert all(all(c == g[0] for c in g) for g in _groups(ids))
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses and all(math.isfinite(x) for x in losses)

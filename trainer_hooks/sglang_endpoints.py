@@ -174,11 +174,14 @@ class SGLangEndpoints:
                 try:
                     groups = future.result()
                 except _EndpointFailed as exc:
+                    # Sent, then the connection broke or a 5xx came back: the request may be what failed
+                    # (a router in front of a dead server answers 5xx while its own /health is fine).
                     died = exc.sent and not self._answers_health(endpoint.url)
                     self._mark_dead(endpoint, exc.reason + (" (the server died)" if died else ""))
                     failed.extend(chunk)
-                    if died:
-                        self._count_crash(endpoint.url, [prompts[i] for i in chunk], sampling_params, exc.reason)
+                    if exc.sent:
+                        self._count_crash(endpoint.url, [prompts[i] for i in chunk], sampling_params, exc.reason,
+                                          died=died)
                     continue
                 self._mark_alive(endpoint, len(chunk))
                 for i, group in zip(chunk, groups):
@@ -196,25 +199,27 @@ class SGLangEndpoints:
             return False
 
     def _count_crash(self, url: str, prompts: Sequence[Sequence[int]], sampling_params: dict[str, Any],
-                     reason: str) -> None:
-        """Record that the server at ``url`` died serving ``prompts``; raise when one of them has
-        now killed a server more than ``POISON_RETRIES`` times."""
+                     reason: str, *, died: bool = True) -> None:
+        """Record that the server at ``url`` died (or failed with 5xx) serving ``prompts``; raise
+        when one of them has now failed a server more than ``POISON_RETRIES`` times."""
         counts = []
         for prompt in prompts:
             key = tuple(prompt)
             self._crashes[key] = self._crashes.get(key, 0) + 1
             counts.append(self._crashes[key])
         if max(counts) > POISON_RETRIES:
+            what = "died while serving" if died else "failed (5xx or a broken connection) on"
             raise SGLangPoisonRequestError(
-                f"SGLang at {url} died while serving the same request again after it came back ({max(counts)} deaths; "
+                f"SGLang at {url} {what} the same request again after it came back ({max(counts)} failures; "
                 f"{len(prompts)} prompt(s), sampling parameters {_describe(sampling_params)}; last failure: {reason}). "
                 "The trainer does not send it a third time. " + self._error_lines(url) + " Fix the sampling "
                 "parameters (TRL's temperature/top_p/top_k/min_p/repetition_penalty and generation_kwargs, by "
                 "SGLang's names) or the server; a supervised server (`rollout-service serve`) is restarted for the "
                 "next run"
             )
-        log.warning("SGLang at %s died while serving %d prompt(s) (sampling parameters %s); waiting for a server "
-                    "to come back, then sending them once more", url, len(prompts), _describe(sampling_params))
+        log.warning("SGLang at %s %s %d prompt(s) (sampling parameters %s); waiting for a server to come back, "
+                    "then sending them once more", url, "died while serving" if died else "failed on", len(prompts),
+                    _describe(sampling_params))
 
     def _error_lines(self, url: str) -> str:
         """SGLang's own last error lines for the server at ``url``: from its log file when the
