@@ -92,3 +92,30 @@ def test_constrained_logprobs_as_sampled_would_mask_every_sequence(unit: Any, ti
     # The failure this guards against: SGLang's constrained logprobs handed to TRL as they are.
     sampled = _run(unit, tiny_model_dir, tmp_path / "sampled", learning_rate=0.0, steps=2, logprob_source="sampled")
     assert all(m < 0.05 for m in sampled["is_mean"]), sampled["is_mean"]
+
+
+class _NotMain:
+    is_main_process = False
+    num_processes = 1
+    process_index = 0
+
+
+@pytest.mark.parametrize(("kwargs", "temperature", "source"), [
+    ({"regex": "[a-z]+"}, 1.0, "rescored"), ({"logit_bias": {"5": -100.0}}, 1.0, "rescored"),
+    ({"frequency_penalty": 0.2}, 1.0, "rescored"), ({}, 1.0, "sampled"), ({"top_k": 5, "min_p": 0.1}, 0.7, "sampled"),
+    ({"regex": "[a-z]+"}, 0.7, "none"),
+])
+def test_which_logprobs_reach_the_is_correction(kwargs: dict[str, Any], temperature: float, source: str,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    from types import SimpleNamespace
+
+    from trainer_hooks.sglang_generation import SGLangGeneration
+
+    args = SimpleNamespace(max_staleness=0, sync_timeout=10.0)
+    gen = SGLangGeneration(None, _NotMain(), None, args=args, temperature=temperature, generation_kwargs=kwargs)
+    assert gen.logprob_source == source
+    if source == "none":
+        assert "Use temperature=1.0 to keep it" in "\n".join(r.getMessage() for r in caplog.records)
+    # RLOO asks for no logprobs at all: nothing to rescore.
+    assert SGLangGeneration(None, _NotMain(), None, args=args, logprobs=None,
+                            generation_kwargs=kwargs).logprob_source == "sampled"

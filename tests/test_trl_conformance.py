@@ -301,3 +301,8 @@ def test_rloo_fields_train_on_sglang_rollouts(unit: Any, tiny_model_dir: Path, t
     assert all(all(c == g[0] for c in g) for g in _groups(ids))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses and all(math.isfinite(x) for x in losses)
+
+
+def test_generation_kwargs_from_the_command_line_are_translated_too(tmp_path: Path) -> None:
+    config = _config(tmp_path, generation_kwargs='{"do_sample": false, "stop_strings": ["\\n"]}')
+    assert config.generation_kwargs == {"top_k": 1, "stop": ["\n"]}

@@ -6,6 +6,8 @@ learns that every replica loaded a checkpoint (``sidecar_urls`` or ``expected_re
 Everything is checked in ``__post_init__``, so a wrong path or a missing endpoint fails when
 the arguments are built, not after the first training step.
 
+TRL's own fields either work as with TRL's own generation, are adapted here with one log line, or
+are refused with the fix named (:func:`adapt_trl_fields`; the table is docs/trl-conformance.md).
 TRL's own fields keep their meaning. ``use_vllm`` is TRL's switch for "generate with an external
 engine" and gates its importance-sampling correction (``vllm_importance_sampling_*``), so it is
 True here and must stay True; ``vllm_mode`` must stay ``"server"`` (the engine runs outside the
@@ -356,6 +358,10 @@ def translate_generation_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]
     these to transformers' ``GenerationConfig``; sent to SGLang unchanged they would come back as
     HTTP 400 at the first generation step.
     """
+    if isinstance(kwargs, str) and kwargs.strip().startswith("{"):  # from the command line (as TrainingArguments does)
+        import json
+
+        kwargs = json.loads(kwargs)
     if not kwargs:
         return kwargs
     if not isinstance(kwargs, dict):
