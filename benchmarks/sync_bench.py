@@ -84,11 +84,12 @@ class Case:
     physical: list[dict[str, float]] = field(default_factory=list)
     naive: list[dict[str, float]] = field(default_factory=list)
     ours: list[dict[str, float]] = field(default_factory=list)
+    ours_nostage: list[dict[str, float]] = field(default_factory=list)
     error: str | None = None
 
     def medians(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for kind in ("physical", "naive", "ours"):
+        for kind in ("physical", "naive", "ours", "ours_nostage"):
             runs = getattr(self, kind)
             for key in (runs[0] if runs else {}):
                 values = [r[key] for r in runs if r.get(key) is not None]
@@ -103,7 +104,8 @@ class Case:
         # Without SGLang nothing is read back: the limit is the write alone.
         limits = ((("ours/limit", "physical.limit_s"), ("ours/limit-cold", "physical.limit_cold_s"))
                   if self.sglang else (("ours/limit", "physical.write_fsync_s"),))
-        for name, key in (*limits, ("ours/naive", "naive.total_s")):
+        for name, key in (*limits, ("ours/naive", "naive.total_s"),
+                          ("ours/ours_nostage", "ours_nostage.end_to_end_s")):
             if ours is not None and med.get(key):
                 out[name] = ours / med[key]
         return out
@@ -284,32 +286,51 @@ def run_case(case: Case, work: Path, args: argparse.Namespace, trainer: Any,
                  + (f", naive {case.naive[-1]['total_s']:.3f} s" if case.naive else ""))
     shutil.rmtree(fixed, ignore_errors=True)
 
-    root = work / "ckpt"
-    root.mkdir()
-    sidecar = None
-    if server is not None:
-        sidecar = Sidecar(root, server.url, log_dir / f"sidecar-{case.size}-{Path(case.path).name}.log",
-                          "--deep-health-interval", "3600", replica_id="bench")
-    try:
-        if sidecar is not None:
-            deadline = time.monotonic() + 120
-            while not sidecar.status().get("sglang_healthy"):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the sidecar never saw SGLang healthy:\n{sidecar.log_tail()}")
+    # ours: the default sidecar (each checkpoint copied into the node-local stage and every byte
+    # verified before SGLang reads the copy); ours_nostage: SGLang reads the root directly
+    # (headers-only validation; the time-of-check/time-of-use window open). Same process, same
+    # server, one after the other: their ratio is what closing the window costs.
+    modes = [("ours", ("--stage-dir", str(stage_dir_for(args, work)))), ("ours_nostage", ("--no-stage",))]
+    for kind, flags in modes:
+        root = work / f"ckpt-{kind}"
+        root.mkdir()
+        sidecar = None
+        if server is not None:
+            sidecar = Sidecar(root, server.url,
+                              log_dir / f"sidecar-{kind}-{case.size}-{Path(case.path).name}.log",
+                              "--deep-health-interval", "3600", *flags, replica_id=f"bench-{kind}")
+        try:
+            if sidecar is not None:
+                deadline = time.monotonic() + 120
+                while not (sidecar.status().get("sglang_healthy") and sidecar.status().get("reference")):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the sidecar never saw SGLang healthy:\n{sidecar.log_tail()}")
+                    time.sleep(0.2)
+            for step in range(1, args.warmup + args.repeats + 1):
+                run = our_sync(root, step, state, config, sidecar, args.sync_timeout)
+                if step > args.warmup:
+                    getattr(case, kind).append(run)
+                    progress(f"  repeat {step - args.warmup}: {kind} {run['end_to_end_s']:.3f} s")
+                # Served (or, without SGLang, never read): keep only the newest step on the storage.
+                for old in root.glob("step-*"):
+                    if old.name != f"step-{step:08d}" and old.is_dir():
+                        shutil.rmtree(old)
                 time.sleep(0.2)
-        for step in range(1, args.warmup + args.repeats + 1):
-            run = our_sync(root, step, state, config, sidecar, args.sync_timeout)
-            if step > args.warmup:
-                case.ours.append(run)
-                progress(f"  repeat {step - args.warmup}: ours {run['end_to_end_s']:.3f} s")
-            # Served (or, without SGLang, never read): keep only the newest step on the storage.
-            for old in root.glob("step-*"):
-                if old.name != f"step-{step:08d}" and old.is_dir():
-                    shutil.rmtree(old)
-            time.sleep(0.2)
-    finally:
-        if sidecar is not None:
-            sidecar.stop()
+        finally:
+            if sidecar is not None:
+                sidecar.stop()
+        shutil.rmtree(root, ignore_errors=True)
+        if server is None:
+            break  # without SGLang nothing is staged: one trainer-side run is enough
+
+
+def stage_dir_for(args: argparse.Namespace, work: Path) -> Path:
+    """The stage of the benchmark's sidecar: --stage-dir, else the sidecar's own default choice."""
+    if args.stage_dir:
+        return Path(args.stage_dir)
+    from rollout_service.sidecar.staging import default_stage_dir
+
+    return default_stage_dir(f"bench-{os.getpid()}")
 
 
 # --- models, servers, reporting --------------------------------------------------------------
@@ -405,6 +426,17 @@ def print_tables(cases: list[Case]) -> None:
               f"{fmt(m.get('naive.load_s'), 8)}{fmt(m.get('naive.total_s'), 8)}"
               f"{fmt(m.get('ours.end_to_end_s'), 8)}{ratio(r.get('ours/limit'), 8)}"
               f"{ratio(r.get('ours/limit-cold'), 7)}{ratio(r.get('ours/naive'), 8)}   {c.cold_read}")
+    if any(c.ours_nostage for c in cases):
+        print("\nWhat verified staging costs (every byte copied node-locally and checked before SGLang"
+              " reads it) against SGLang reading shared storage directly (medians, seconds):")
+        print(f"{'size':<6}{'storage':<16}{'staged':>9}{'(valid.)':>9}{'(load)':>8}{'direct':>9}"
+              f"{'(valid.)':>9}{'(load)':>8}{'ratio':>8}")
+        for c in cases:
+            m, r = c.medians(), c.ratios()
+            print(f"{c.size:<6}{c.storage[-15:]:<16}{fmt(m.get('ours.end_to_end_s'), 9)}"
+                  f"{fmt(m.get('ours.validate_s'), 9)}{fmt(m.get('ours.load_s'), 8)}"
+                  f"{fmt(m.get('ours_nostage.end_to_end_s'), 9)}{fmt(m.get('ours_nostage.validate_s'), 9)}"
+                  f"{fmt(m.get('ours_nostage.load_s'), 8)}{ratio(r.get('ours/ours_nostage'), 8)}")
     if any(c.sglang for c in cases):
         print("limit = raw write+fsync + hot read (same node, just written, as SGLang reads ours);"
               " naive = save_pretrained (no fsync) + the trainer's own /update_weights_from_disk")
@@ -441,6 +473,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sync-timeout", type=float, default=900.0, help="one load's wait, s")
     parser.add_argument("--log-dir", default=None,
                         help="SGLang and sidecar logs (default benchmarks/results/sync-bench-logs)")
+    parser.add_argument("--stage-dir", default=None,
+                        help="the sidecar's stage (default: its own choice, /dev/shm when it has room)")
     args = parser.parse_args(argv)
     quick = {"sizes": "tiny,0.1", "storage": "shm", "repeats": 1}
     full = {"sizes": "tiny,0.5,1,2", "storage": "local,shm", "repeats": 3}
@@ -531,7 +565,8 @@ def write_json(args: argparse.Namespace, cases: list[Case], log_dir: Path) -> No
            "results": [{"size": c.size, "storage": c.storage, "path": c.path, "fs_type": c.fs_type,
                         "cold_read": c.cold_read, "sglang": c.sglang, "model_bytes": c.model_bytes,
                         "tensors": c.tensors, "median_s": c.medians(), "ratios": c.ratios(),
-                        "runs": {"physical": c.physical, "naive": c.naive, "ours": c.ours},
+                        "runs": {"physical": c.physical, "naive": c.naive, "ours": c.ours,
+                                 "ours_nostage": c.ours_nostage},
                         "error": c.error} for c in cases]}
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,10 @@ def test_sync_bench_reports_every_phase_and_both_baselines(tmp_path: Path) -> No
     assert abs(ratios["ours/limit"] - med["ours.end_to_end_s"] / med["physical.limit_s"]) < 1e-9
     assert abs(ratios["ours/naive"] - med["ours.end_to_end_s"] / med["naive.total_s"]) < 1e-9
     assert "Against the physical limit and the naive path" in done.stdout
+    # Staged (the default) and direct loads measured side by side: what closing the window costs.
+    assert all(med[f"ours_nostage.{p}"] >= 0 for p in phases)
+    assert abs(ratios["ours/ours_nostage"] - med["ours.end_to_end_s"] / med["ours_nostage.end_to_end_s"]) < 1e-9
+    assert "What verified staging costs" in done.stdout
 
 
 def test_gpu_check_dry_runs_on_the_cpu_with_its_fallback(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import torch
 from helpers import generate
 from rollout_service.checkpoint_writer import publish_checkpoint
 from sidecar_helpers import perturbed_state, publish_step, transformers_greedy
-from trainer_hooks.replica_wait import CheckpointRejected, SidecarWaiter
+from trainer_hooks.replica_wait import AckFileWaiter, CheckpointRejected, ReplicaSyncTimeout, SidecarWaiter
 
 pytestmark = pytest.mark.sglang
 
@@ -204,6 +204,14 @@ def test_wait_answers_only_for_the_run_and_bytes_sglang_serves(
     assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)["output_ids"] == \
         transformers_greedy(tiny_model_dir, republished, PROMPT, 8)
     assert sidecar.get("/wait?version=1&run=runA&timeout=1").status_code == 504
+    # The trainer's waiters carry the run id their publisher stamps into every manifest.
+    for waiter in (SidecarWaiter([sidecar.url]), AckFileWaiter(checkpoint_root, 1, max_age_s=60)):
+        waiter.run_id = "runA"
+        with pytest.raises(ReplicaSyncTimeout):
+            waiter.wait(1, timeout_s=3)
+        waiter.run_id = "runB"
+        [view] = waiter.wait(1, timeout_s=30)
+        assert view.run_id == "runB" and view.loaded_step == 1
 
 
 def test_sync_api_bounds_bodies_and_answers_bad_input_with_400(sidecar_factory, checkpoint_root,

@@ -54,11 +54,16 @@ class ReplicaView:
     healthy: bool | None = None
     last_error: str | None = None
     unreachable: str | None = None
+    run_id: str | None = None
+    current: bool | None = None
+    """False when the replica's served checkpoint is no longer the published one."""
 
     def describe(self) -> str:
         if self.unreachable:
             return f"{self.name} (unreachable: {self.unreachable})"
         parts = [f"loaded {self.loaded_step if self.loaded_step is not None else 'nothing'}"]
+        if self.run_id is not None:
+            parts[0] += f" of run {self.run_id[:12]}"
         if self.loading_step is not None:
             parts.append(f"loading {self.loading_step}")
         if self.healthy is False:
@@ -85,6 +90,8 @@ class SidecarWaiter:
         if not urls:
             raise ValueError("SidecarWaiter needs at least one sidecar URL, e.g. ['http://127.0.0.1:8100']")
         self.urls = [u.rstrip("/") for u in urls]
+        self.run_id: str | None = None
+        """The publisher's run id: only a checkpoint of this run counts (set by the publisher)."""
         self._headers = bearer_headers(token)
         self._views: dict[str, ReplicaView] = {u: ReplicaView(u) for u in self.urls}
 
@@ -138,7 +145,10 @@ class SidecarWaiter:
         view = self._views[url]
         wait_s = max(0.1, round(slice_s, 1))
         try:
-            r = client.get(f"{url}/wait", params={"version": version, "timeout": wait_s},
+            params: dict[str, Any] = {"version": version, "timeout": wait_s}
+            if self.run_id is not None:
+                params["run"] = self.run_id
+            r = client.get(f"{url}/wait", params=params,
                            timeout=httpx.Timeout(wait_s + 10.0, connect=CONNECT_TIMEOUT_S))
         except httpx.HTTPError as exc:
             view.unreachable = f"{type(exc).__name__}: {exc}"
@@ -180,6 +190,8 @@ class AckFileWaiter:
         self.root = Path(root)
         self.expected = expected
         self.max_age_s = max_age_s
+        self.run_id: str | None = None
+        """The publisher's run id: an ack of another run's checkpoint does not count."""
 
     def notify(self, version: int) -> None:
         """Nothing to wake: sidecars watch the directory."""
@@ -190,7 +202,8 @@ class AckFileWaiter:
         next_report = started + PROGRESS_EVERY_S
         while True:
             views = self._views()
-            done = [v for v in views if v.loaded_step is not None and v.loaded_step >= version]
+            done = [v for v in views if v.loaded_step is not None and v.loaded_step >= version
+                    and (self.run_id is None or v.run_id == self.run_id) and v.current is not False]
             if len(done) >= self.expected:
                 return views
             now = time.monotonic()
@@ -248,6 +261,10 @@ def _json_or_none(response: httpx.Response) -> dict[str, Any] | None:
 def _update_view(view: ReplicaView, body: dict[str, Any]) -> None:
     view.loaded_step = _int_or_none(body.get("loaded_step"))
     view.loading_step = _int_or_none(body.get("loading_step"))
+    run_id = body.get("loaded_run_id", body.get("run_id"))
+    view.run_id = run_id if isinstance(run_id, str) else None
+    current = body.get("loaded_current")
+    view.current = current if isinstance(current, bool) else None
     healthy = body.get("sglang_healthy")
     view.healthy = healthy if isinstance(healthy, bool) else None
     error = body.get("last_error")
