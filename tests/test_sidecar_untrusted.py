@@ -272,3 +272,31 @@ def test_readyz_follows_a_frozen_sglang_and_a_freeze_is_not_a_restart(
     wait_until(lambda: sidecar.get("/readyz").status_code == 200, 90, "readyz 200 again")
     assert sidecar.metric("rollout_sidecar_sglang_restarts_total") == 0
     assert sidecar.status()["loaded_step"] == 1
+
+
+def test_a_failing_loop_backs_off_logs_once_and_recovers(sidecar_factory, checkpoint_root,
+                                                         tiny_model_dir, tmp_path):
+    sidecar = sidecar_factory()
+    publish_step(checkpoint_root, tiny_model_dir, 1)
+    sidecar.wait_step(1)
+    moved = tmp_path / "moved-away"
+    os.rename(checkpoint_root, moved)
+    checkpoint_root.write_text("not a directory")  # every listing of the root now fails
+    try:
+        wait_until(lambda: (sidecar.status()["last_error"] or {}).get("reason") == "loop_error", 30,
+                   "a loop error")
+        first = sidecar.status()["loop_errors"]
+        time.sleep(6)
+        status = sidecar.status()
+        # Without back-off the loop would fail every 0.5 s health interval (or faster): 2 phases x 12.
+        assert status["loop_errors"] - first <= 8, status["loop_errors"] - first
+        assert "NotADirectoryError" in status["last_error"]["message"]
+        assert sidecar.get("/healthz").status_code == 200
+        log = sidecar.log_path.read_text()
+        assert 1 <= log.count("Traceback") <= 3, "one traceback per distinct error, not one per pass"
+    finally:
+        checkpoint_root.unlink()
+        os.rename(moved, checkpoint_root)
+    publish_step(checkpoint_root, tiny_model_dir, 2)
+    sidecar.wait_step(2, timeout_s=90)
+    assert sidecar.get("/readyz").status_code == 200
