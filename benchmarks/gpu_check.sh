@@ -22,6 +22,8 @@
 #   perturbed checkpoint (the answers must change: graph replays read the new weights) and then
 #   the original weights again (the answers must match the first ones), via
 #   /update_weights_from_disk as the sidecar does. GPU_CHECK_DEVICE=cpu runs it on the CPU engine.
+# * A cast check times 2 GiB of float32 GPU tensors to bfloat16 on the CPU: copy-then-cast vs
+#   cast-then-copy (the publisher's way), a publish, and the background snapshot (pinned buffers).
 # Outputs (at most 8 files, as the device tool brings back): gpu-check.log (everything printed),
 # env.txt (nvidia-smi, Python packages, disks), graph-check.json, sync-<size>.json per size,
 # logs.tar.gz (SGLang and sidecar logs).
@@ -150,6 +152,50 @@ else
     graph_rc=0
     say "graph check skipped: SGLang is not importable with its kernels here"
 fi
+
+# Trainer side: cast on the device then copy (what the publisher does) vs copy then cast.
+cat > "$WORK/cast_check.py" <<'PYEOF'
+import json, sys, tempfile, time
+import torch
+from trainer_hooks.checkpoint_sync import CheckpointPublisher
+
+device, gib = sys.argv[1], float(sys.argv[2])
+n = int(gib * (1 << 30) / 4 / 16)
+tensors = [(f"w{i}", torch.randn(n, device=device)) for i in range(16)]  # float32 on the device
+sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def timed(fn, repeats=3):
+    best = float("inf")
+    for _ in range(repeats):
+        sync(); t0 = time.perf_counter(); fn(); sync(); best = min(best, time.perf_counter() - t0)
+    return best
+
+
+copy_then_cast = timed(lambda: [t.cpu().to(torch.bfloat16) for _, t in tensors])
+cast_then_copy = timed(lambda: [t.to(torch.bfloat16).cpu() for _, t in tensors])
+
+
+class NoWait:
+    def notify(self, v): pass
+    def wait(self, v, t): pass
+    def protected_versions(self): return set()
+
+
+with tempfile.TemporaryDirectory(dir="/dev/shm" if device == "cuda" else None) as root:
+    pub = CheckpointPublisher(root, NoWait(), config={}, dtype="bfloat16", max_shard_bytes=1 << 30, keep=None,
+                              sync_timeout_s=60, heartbeat_max_age_s=60)
+    t0 = time.perf_counter(); pub.publish_and_wait(1, tensors); publish_s = time.perf_counter() - t0
+    snap1 = timed(lambda: pub._snapshot(iter(tensors)), repeats=1)
+    snap2 = timed(lambda: pub._snapshot(iter(tensors)), repeats=1)  # pinned buffers reused
+print("cast check: " + json.dumps({"device": device, "fp32_gib": round(16 * n * 4 / (1 << 30), 3),
+      "copy_then_cast_s": copy_then_cast, "cast_then_copy_s": cast_then_copy,
+      "speedup": copy_then_cast / cast_then_copy, "publish_fp32_to_bf16_s": publish_s,
+      "background_snapshot_first_s": snap1, "background_snapshot_reused_s": snap2,
+      "torch": torch.__version__, "cuda": torch.version.cuda}))
+PYEOF
+if [ "$DEVICE" = cuda ]; then cast_gib=2; else cast_gib=0.05; fi
+timeout -k 10 180 "$PY" "$WORK/cast_check.py" "$DEVICE" "$cast_gib" || say "cast check failed ($?)"
 
 # /dev/shm must hold a raw copy, the naive folder and two checkpoints at once.
 shm_fits() {

@@ -425,3 +425,5 @@ def test_gpu_check_compares_greedy_logprobs_before_and_after_a_load(tmp_path):
     assert check["perturbed_changed_output"], "a load that changes the weights must change the answers"
     assert check["cuda_graphs"] == "n/a on cpu"
     assert "graph check: PASS" in log and done.returncode == 0, log[-4000:]
+    [cast] = [json.loads(line.split("cast check: ", 1)[1]) for line in log.splitlines() if "cast check: {" in line]
+    assert cast["cast_then_copy_s"] > 0 and cast["copy_then_cast_s"] > 0 and cast["publish_fp32_to_bf16_s"] > 0
