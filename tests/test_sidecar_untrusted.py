@@ -300,3 +300,48 @@ def test_a_failing_loop_backs_off_logs_once_and_recovers(sidecar_factory, checkp
     publish_step(checkpoint_root, tiny_model_dir, 2)
     sidecar.wait_step(2, timeout_s=90)
     assert sidecar.get("/readyz").status_code == 200
+
+
+def test_a_writer_changing_files_during_the_sync_never_reaches_sglang(
+        sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path):
+    """Time of check to time of use: a stray writer keeps corrupting and restoring a published
+    shard's header while the sidecar syncs. SGLang only ever reads the verified stage copy."""
+    sidecar = sidecar_factory()
+    publish_step(checkpoint_root, tiny_model_dir, 1)
+    sidecar.wait_step(1)
+    state = perturbed_state(tiny_model_dir, 2)
+    path = publish_checkpoint(tmp_path / "side", 2, state.items(), config=tiny_model_dir / "config.json").path
+    shard = path / "model.safetensors"
+    good = shard.read_bytes()[:8]
+    bad = (10**9).to_bytes(8, "little")  # a header length beyond the file
+    stop = threading.Event()
+
+    def stray_writer():
+        fd = os.open(final / "model.safetensors", os.O_WRONLY)
+        try:
+            while not stop.is_set():
+                for head in (bad, good):
+                    os.pwrite(fd, head, 0)
+        finally:
+            os.pwrite(fd, good, 0)
+            os.close(fd)
+
+    final = checkpoint_root / path.name
+    os.rename(path, final)
+    writer = threading.Thread(target=stray_writer)
+    writer.start()
+    try:
+        time.sleep(5)
+    finally:
+        stop.set()
+        writer.join()
+    assert sglang_health(sglang_server.url) == 200
+    assert sidecar.metric("rollout_sidecar_sglang_restarts_total") == 0
+    status = sidecar.status()
+    if status["loaded_step"] == 2:  # it staged a moment when the bytes were whole: those are served
+        assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)["output_ids"] == \
+            transformers_greedy(tiny_model_dir, state, PROMPT, 8)
+    else:
+        assert status["rejected"].get("2") in ("digest_mismatch", "header_invalid", "changed_while_staging")
+    served = httpx.get(f"{sglang_server.url}/model_info", timeout=30).json()["model_path"]
+    assert not served.startswith(str(checkpoint_root))

@@ -149,7 +149,8 @@ class SyncController:
         self._last_deep = 0.0
         self._stopping = False
         self._was_healthy = False
-        self._last_logged_error: str | None = None
+        self._logged_errors: set[str] = set()
+        """Loop errors logged with a traceback since the last clean pass (each once)."""
 
     # --- wake-ups, from any thread -------------------------------------------------------
     def notify(self, why: str = "") -> None:
@@ -260,6 +261,8 @@ class SyncController:
                     failed = True
                     self._loop_error(always.__name__, exc)
             self.state.loop_heartbeat = time.time()
+            if not failed:
+                self._logged_errors.clear()
             backoff = min(max(2 * backoff, 0.5), MAX_BACKOFF_S) if failed else 0.0
             timeout = backoff or self.settings.health_interval_s
             if not failed and time.monotonic() - last_scan > self.settings.rescan_interval_s:
@@ -283,9 +286,11 @@ class SyncController:
     def _loop_error(self, where: str, exc: Exception) -> None:
         self.state.loop_errors += 1
         message = f"{where}: {type(exc).__name__}: {exc}"
-        if message != self._last_logged_error:  # one traceback per distinct error, not per pass
-            log.exception("sync loop error in %s (backing off)", where)
-            self._last_logged_error = message
+        if message not in self._logged_errors and len(self._logged_errors) < 32:
+            log.exception("sync loop error in %s (backing off)", where)  # once per distinct error
+            self._logged_errors.add(message)
+        else:
+            log.debug("sync loop error again: %s", message)
         self._error("loop_error", message)
 
     async def _publish_state(self) -> None:
