@@ -276,7 +276,16 @@ def test_loss_settings_train_on_sglang_rollouts(unit: Any, tiny_model_dir: Path,
 
     import torch
 
+    if overrides.get("mask_truncated_completions"):
+        # The tiny model seldom ends a completion: make EOS likelier (SGLang's logit_bias) so that some
+        # completions are not truncated and TRL keeps them in the loss.
+        from transformers import AutoTokenizer
+
+        eos = AutoTokenizer.from_pretrained(tiny_model_dir).eos_token_id
+        overrides = dict(overrides, generation_kwargs={"logit_bias": {str(eos): 6.0}})
     trainer, ids, _ = _train(unit, tiny_model_dir, tmp_path, **overrides)
+    if overrides.get("mask_truncated_completions"):
+        assert any(len(c) < 16 for c in ids) and any(len(c) == 16 for c in ids), [len(c) for c in ids]
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses and all(math.isfinite(x) for x in losses), trainer.state.log_history
     # The policy moved (the loss produced a gradient through TRL on SGLang's completions) ...
