@@ -34,6 +34,7 @@ SGLang cannot run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib.metadata
 import json
@@ -298,7 +299,9 @@ def run_case(case: Case, work: Path, args: argparse.Namespace, trainer: Any,
         if server is not None:
             sidecar = Sidecar(root, server.url,
                               log_dir / f"sidecar-{kind}-{case.size}-{Path(case.path).name}.log",
-                              "--deep-health-interval", "3600", *flags, replica_id=f"bench-{kind}")
+                              "--deep-health-interval", "3600", *flags,
+                              # the naive runs left SGLang on a deleted folder: name the model
+                              "--reference-dir", str(config.parent), replica_id=f"bench-{kind}")
         try:
             if sidecar is not None:
                 deadline = time.monotonic() + 120
@@ -451,7 +454,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated model sizes in GB, or 'tiny' (default tiny,0.5,1,2)")
     parser.add_argument("--storage", default=None,
                         help="comma-separated directories; 'local' = benchmarks/results/sync-bench-work,"
-                             " 'shm' = /dev/shm (default local,shm)")
+                             " 'shm' = /dev/shm, 'sshfs' = a real network file system mounted for the"
+                             " run (sshfs over loopback; needs sshfs + openssh-server) (default local,shm)")
     parser.add_argument("--repeats", type=int, default=None, help="syncs per path (default 3)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed syncs per path before the timed ones (default 1)")
@@ -502,7 +506,21 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda, but torch sees no CUDA device")
-    storages = [(s, STORAGE_ALIASES.get(s, Path(s)).expanduser()) for s in args.storage.split(",")]
+    mounts = contextlib.ExitStack()
+    storages = []
+    for label in args.storage.split(","):
+        if label == "sshfs":  # a real network file system: sshfs over loopback (tests/shared_fs.py)
+            from shared_fs import sshfs_mount
+
+            _, mnt = mounts.enter_context(sshfs_mount(Path(tempfile.mkdtemp(prefix="sync-bench-fs-"))))
+            storages.append((label, mnt))
+        else:
+            storages.append((label, STORAGE_ALIASES.get(label, Path(label)).expanduser()))
+    with mounts:
+        return _run_all(args, storages)
+
+
+def _run_all(args: argparse.Namespace, storages: list[tuple[str, Path]]) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else REPO / "benchmarks" / "results" / "sync-bench-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     for _, storage in storages:
