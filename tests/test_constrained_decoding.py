@@ -23,8 +23,10 @@ from trainer_hooks.demo import make_prompts, word_start_reward
 
 from test_trainer_hooks import _stop_unit, _wait_ready, launch_unit
 
-REGEX = "[a-z ]+"
-STEPS = 16
+REGEX = "[0-9]+( [0-9]+)*"
+"""Numbers: the tiny random model puts little mass on digits, so the constrained logprobs are far from
+its own (TRL's IS ratio measured 1e-7 .. 1e-28 without rescoring, and the run barely learned)."""
+STEPS = 12
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +77,7 @@ def test_constrained_rollouts_learn_against_an_lr_zero_control(unit: Any, tiny_m
     control = _run(unit, tiny_model_dir, tmp_path / "lr0", learning_rate=0.0, steps=STEPS)
     assert learned["source"] == "rescored"
     # Every completion obeys the constraint (SGLang sampled under the regex).
-    pattern = re.compile(r"[a-z ]*")
+    pattern = re.compile(r"[0-9 ]*")
     assert learned["texts"] and all(pattern.fullmatch(t) for t in learned["texts"]), learned["texts"][:5]
     # The IS correction sees matching distributions: ratios ~1, nothing masked away.
     assert all(0.8 < m < 1.25 for m in learned["is_mean"] + control["is_mean"]), (learned["is_mean"],
@@ -91,7 +93,7 @@ def test_constrained_logprobs_as_sampled_would_mask_every_sequence(unit: Any, ti
                                                                    tmp_path: Path) -> None:
     # The failure this guards against: SGLang's constrained logprobs handed to TRL as they are.
     sampled = _run(unit, tiny_model_dir, tmp_path / "sampled", learning_rate=0.0, steps=2, logprob_source="sampled")
-    assert all(m < 0.05 for m in sampled["is_mean"]), sampled["is_mean"]
+    assert all(m < 1e-3 for m in sampled["is_mean"]), sampled["is_mean"]
 
 
 class _NotMain:
