@@ -19,7 +19,9 @@ TRL's GRPO and RLOO trainers talk to their generation backend through exactly tw
     for the replica) and scattered back. Returns ``(prompt_ids, completion_ids, logprobs,
     logprob_token_ids)``: lists per completion, logprobs shaped ``[[lp], ...]`` per token (the
     sampled token's logprob after temperature scaling, which is what TRL's importance sampling
-    needs), ``logprob_token_ids`` likewise ``[[token_id], ...]``.
+    needs; when the sampling parameters change the distribution, e.g. a grammar, the model's own
+    logprob read back from SGLang instead, see ``logprob_source``), ``logprob_token_ids``
+    likewise ``[[token_id], ...]``.
 
 Errors on the main process (SGLang down, replicas lagging past ``sync_timeout``) are broadcast
 to every process, so all of them raise instead of some waiting forever in a collective.
