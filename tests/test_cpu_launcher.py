@@ -1,8 +1,10 @@
 """The CPU launcher's SGLang: requests that crashed SGLang 0.5.23's CPU scheduler now work.
 
 `repetition_penalty != 1` reached `apply_scaling_penalties`, which SGLang compiles with
-`torch.compile`; in the CPU scheduler that raises `InternalTorchDynamoError` and the server dies.
-The CPU stand-in folder's `sitecustomize.py` swaps in the uncompiled function (CPU only).
+`torch.compile`; in the CPU scheduler that raised `InternalTorchDynamoError` and the server died.
+The cause was the project's own `sgl_kernel` stand-in: it replaced `torch.get_device_module`
+without the `__wrapped__` attribute torch._dynamo registers a handler on. With it restored,
+SGLang's compiled penalty runs on the CPU as SGLang intends.
 """
 
 from __future__ import annotations
@@ -34,61 +36,38 @@ def test_repetition_penalty_requests_work_and_penalize_on_the_cpu_server(sglang_
     assert len(batch) == 4 and all(len(o["output_ids"]) > 0 for o in batch)
     assert httpx.get(f"{sglang_server.url}/health", timeout=60).status_code == 200
     assert "InternalTorchDynamoError" not in sglang_server.log_tail(400)
+    assert "TORCHDYNAMO_DISABLE" not in sglang_server.environment()
 
 
-def _run_with_shims(code: str, **env: str) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CPU_SHIMS_DIR), os.environ.get("PYTHONPATH", "")]),
-                **env}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=full_env)
+def _run_with_shims(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import sgl_kernel\n"
+                           + code, str(CPU_SHIMS_DIR)], capture_output=True, text=True, timeout=300)
 
 
-PROBE = ("import torch; from sglang.srt.sampling.penaltylib import repetition_penalty as rp;"
-         " from sglang.srt.sampling.sampling_batch_info import apply_scaling_penalties as imported;"
-         " print(hasattr(rp.apply_scaling_penalties, '_torchdynamo_orig_callable'),"
-         " hasattr(imported, '_torchdynamo_orig_callable'))")
-
-
-def test_the_penalty_function_is_uncompiled_wherever_sglang_imports_it_with_the_cpu_shims():
-    done = _run_with_shims(PROBE)
+def test_torch_compile_works_beside_the_cpu_stand_in():
+    # The root cause: the stand-in replaced torch.get_device_module without the `__wrapped__`
+    # that torch._dynamo registers its handler on, so every torch.compile in the server raised.
+    done = _run_with_shims(
+        "import torch\n"
+        "@torch.compile(dynamic=True)\n"
+        "def apply_scaling_penalties(logits, scaling_penalties):\n"
+        "    logits[:] = torch.where(logits < 0, logits * scaling_penalties, logits / scaling_penalties)\n"
+        "torch.manual_seed(0); logits = torch.randn(4, 64); pen = torch.rand(4, 64) + 0.5\n"
+        "want = torch.where(logits < 0, logits * pen, logits / pen); got = logits.clone()\n"
+        "apply_scaling_penalties(got, pen); print('equal', torch.allclose(got, want))\n")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split()[-2:] == ["False", "False"], done.stdout
-    # Without the fix (kept compiled), the same names are torch.compile wrappers.
-    kept = _run_with_shims(PROBE, ROLLOUT_SHIM_KEEP_COMPILED_PENALTIES="1")
-    assert kept.stdout.split()[-2:] == ["True", "True"], kept.stdout + kept.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["equal", "True"], done.stdout
 
 
-def test_the_uncompiled_penalty_is_the_same_function_of_the_logits():
-    code = ("import torch; from sglang.srt.sampling.penaltylib import repetition_penalty as rp;"
-            " torch.manual_seed(0); logits = torch.randn(4, 64); pen = torch.rand(4, 64) + 0.5;"
-            " want = torch.where(logits < 0, logits * pen, logits / pen); got = logits.clone();"
-            " rp.apply_scaling_penalties(got, pen); print(torch.equal(got, want))")
-    done = _run_with_shims(code)
-    assert done.stdout.strip().endswith("True"), done.stderr[-3000:]
-
-
-def test_the_shim_leaves_cuda_machines_alone_and_runs_a_shadowed_sitecustomize(tmp_path):
-    # With CUDA available the compiled function stays (the folder is never on PYTHONPATH there anyway).
-    code = ("import torch, sitecustomize; from types import ModuleType\n"
-            "def fresh():\n"
-            "    m = ModuleType('m'); m.apply_scaling_penalties = torch.compile(lambda l, s: None); return m\n"
-            "print(sitecustomize.make_eager(fresh()))\n"
-            "torch.cuda.is_available = lambda: True\n"
-            "print(sitecustomize.make_eager(fresh()))\n")
-    done = _run_with_shims(code)
-    assert done.stdout.split("\n")[-3:-1] == ["['apply_scaling_penalties']", "[]"], done.stdout + done.stderr[-2000:]
-    # An interpreter's own sitecustomize, further down the path, still runs.
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "sitecustomize.py").write_text("import builtins; builtins.OTHER_SITECUSTOMIZE_RAN = True\n")
-    done = subprocess.run([sys.executable, "-c", "import builtins; print(getattr(builtins, 'OTHER_SITECUSTOMIZE_RAN', False))"],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(CPU_SHIMS_DIR), str(other)])})
-    assert done.stdout.strip() == "True", done.stderr
+def test_the_stand_ins_get_device_module_still_answers_cpu_and_keeps_torchs_attributes():
+    done = _run_with_shims(
+        "import torch; g = torch.get_device_module\n"
+        "print(g() is torch.cpu, g('cpu') is torch.cpu, callable(g.__wrapped__), callable(g.cache_clear))\n")
+    assert done.stdout.split()[-4:] == ["True", "True", "True", "True"], done.stdout + done.stderr[-2000:]
 
 
 def test_the_cpu_launcher_puts_the_shims_first_on_pythonpath_for_the_server(tmp_path):
     server = SGLangServer(tmp_path, device="cpu", log_path=tmp_path / "s.log")
     env = server.environment()
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(CPU_SHIMS_DIR)
-    assert (CPU_SHIMS_DIR / "sitecustomize.py").is_file()
-    assert "TORCHDYNAMO_DISABLE" not in env  # only the penalty function loses torch.compile
+    assert "TORCHDYNAMO_DISABLE" not in env  # torch.compile stays on: SGLang's compiled kernels run

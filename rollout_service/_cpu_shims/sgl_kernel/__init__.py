@@ -14,13 +14,14 @@ without a GPU:
 
 Importing it also makes the no-argument `torch.get_device_module()` return `torch.cpu` when CUDA
 is unavailable: SGLang's `/release_memory_occupation` calls `torch.get_device_module().synchronize()`,
-which on a CUDA build of torch without a GPU resolves to `torch.cuda` and kills the scheduler.
+which on a CUDA build of torch without a GPU resolves to `torch.cuda` and kills the scheduler. The
+replacement keeps the attributes torch.compile relies on (`__wrapped__`), so SGLang's compiled
+functions (e.g. its repetition penalty) still compile and run on the CPU.
 
 It is importable as `sgl_kernel` only when its parent folder `rollout_service/_cpu_shims` is on
 `PYTHONPATH`, which `rollout_service.sglang_launcher` does only for `--device cpu`. It must never
 be put on the path on GPU machines, where the real CUDA `sgl_kernel` is required: importing it
-raises ImportError when CUDA is available. The folder's `sitecustomize.py` holds the other CPU-only
-fix (SGLang's repetition penalty without torch.compile).
+raises ImportError when CUDA is available.
 """
 
 from __future__ import annotations
@@ -145,6 +146,15 @@ def _default_device_module_is_cpu_without_cuda() -> None:
         return original(device)
 
     get_device_module.__doc__ = original.__doc__
+    # torch.get_device_module is an lru_cache wrapper, and torch._dynamo registers its tracing
+    # handler on `torch.get_device_module.__wrapped__` the first time it compiles anything. Without
+    # this attribute every torch.compile in the server raised InternalTorchDynamoError
+    # ("'function' object has no attribute '__wrapped__'"), which killed the CPU scheduler on the
+    # first request with repetition_penalty != 1 (SGLang compiles apply_scaling_penalties).
+    get_device_module.__wrapped__ = getattr(original, "__wrapped__", original)  # type: ignore[attr-defined]
+    for name in ("cache_clear", "cache_info"):
+        if hasattr(original, name):
+            setattr(get_device_module, name, getattr(original, name))
     get_device_module._sgl_kernel_cpu_stand_in = True  # type: ignore[attr-defined]
     torch.get_device_module = get_device_module
 
