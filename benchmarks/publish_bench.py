@@ -7,7 +7,7 @@ repeat runs, in the same process and directory, in alternating order:
 
 * ``raw``: write the tensors' bytes to one file and fsync it (the physical limit);
 * ``save_file``: ``safetensors.torch.save_file`` + fsync (the library baseline);
-* ``publish``: ``publish_checkpoint`` (header, digests, manifest, fsyncs, rename, LATEST).
+* ``publish``: ``publish_checkpoint`` (header, digests, manifest, fsyncs, rename).
 
 It prints the median seconds and GB/s of each and the ratios publish/raw and
 publish/save_file, and writes them as JSON (``--json``). Also measures the digest

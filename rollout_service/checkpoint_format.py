@@ -7,12 +7,12 @@ A checkpoint root holds::
         model.safetensors.index.json   only when sharded
         config.json
         manifest.json            written last; describes every other file
-    <root>/LATEST                name of the newest published step directory
     <root>/.tmp-step-...         a writer's private work area (never read)
     <root>/acks/<replica>.json   sidecar acknowledgements
 
 A ``step-*`` directory appears only by an atomic rename of a complete temporary
-directory, so a reader that sees it sees all of it.
+directory, so a reader that sees it sees all of it: that rename is the one completion
+signal (there is no ``LATEST`` pointer; the listing is the truth).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
-LATEST_NAME = "LATEST"
 ACKS_DIR = "acks"
 TEMP_PREFIX = ".tmp-"
 STEP_DIR_RE = re.compile(r"^step-([0-9]{8})$", re.ASCII)  # not \d: other scripts' digits
@@ -68,11 +67,6 @@ def parse_step_dir_name(name: str) -> int | None:
     """The step of a ``step-XXXXXXXX`` directory name, or None for any other name."""
     match = STEP_DIR_RE.fullmatch(name)
     return int(match.group(1)) if match else None
-
-
-def weight_version_for_step(step: int) -> str:
-    """The weight version string SGLang is given for a step (what completions carry)."""
-    return str(step)
 
 
 def new_run_id() -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from .checkpoint_format import (
-    CONFIG_NAME, FLOAT_DTYPES, INDEX_NAME, LATEST_NAME, CheckpointError, Manifest,
+    CONFIG_NAME, FLOAT_DTYPES, INDEX_NAME, CheckpointError, Manifest,
     parse_json_object, parse_step_dir_name,
 )
 from .checkpoint_paths import check_plain_file_name, resolve_inside
@@ -80,7 +80,7 @@ def list_checkpoints(root: Path | str) -> list[PublishedCheckpoint]:
 
 
 def latest_checkpoint(root: Path | str) -> PublishedCheckpoint | None:
-    """The highest-step published checkpoint (the directory listing is the truth, not LATEST)."""
+    """The highest-step published checkpoint (the directory listing is the truth)."""
     found = list_checkpoints(root)
     return found[-1] if found else None
 
@@ -400,11 +400,3 @@ def _check_index(root: Path, real_dir: Path, name: str, owner: dict[str, str]) -
             "index_mismatch",
             f"{where} does not match the shards' contents, e.g. {diff[:2]}",
         )
-
-
-def read_latest_pointer(root: Path | str) -> int | None:
-    """The step named by ``LATEST`` (a hint; the listing is authoritative)."""
-    try:
-        return parse_step_dir_name((Path(root) / LATEST_NAME).read_text().strip())
-    except OSError:
-        return None

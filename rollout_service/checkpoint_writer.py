@@ -5,7 +5,7 @@ them as safetensors shards into a hidden temporary directory beside the final
 one, digesting bytes as they are written. Only one shard's tensors are held at a
 time (plus dtype-converted copies of that shard), never a second copy of the
 whole model. The manifest is written last, every file and directory is fsynced,
-the directory is renamed into place, and then ``LATEST`` is replaced atomically.
+and the directory is renamed into place (the one completion signal readers watch for).
 A writer killed at any moment leaves at most a hidden ``.tmp-*`` directory,
 which :func:`cleanup_stale_temp_dirs` removes.
 """
@@ -29,12 +29,11 @@ from typing import Any
 import torch
 
 from .checkpoint_format import (
-    CONFIG_NAME, DTYPE_SIZES, FLOAT_DTYPES, INDEX_NAME, LATEST_NAME, MANIFEST_NAME, TEMP_PREFIX,
+    CONFIG_NAME, DTYPE_SIZES, FLOAT_DTYPES, INDEX_NAME, MANIFEST_NAME, TEMP_PREFIX,
     RUN_ID_RE, FileEntry, Manifest, new_run_id, normalize_dtype, step_dir_name,
-    weight_version_for_step,
 )
-from .checkpoint_reader import read_latest_pointer
 from .digest import file_digest, format_digest, new_hasher
+from .protocol import version_for_step
 
 log = logging.getLogger(__name__)
 
@@ -71,18 +70,6 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a hidden temp file + fsync + rename + parent fsync."""
-    path = Path(path)
-    tmp = path.parent / f"{TEMP_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def _prepare(tensor: torch.Tensor, target: str | None) -> torch.Tensor:
@@ -171,9 +158,6 @@ def publish_checkpoint(
     dtype: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     base_model: str | None = None,
-    extra_files: dict[str, Path] | None = None,
-    extra_manifest: dict[str, Any] | None = None,
-    update_latest: bool = True,
     run_id: str | None = None,
 ) -> PublishResult:
     """Publish ``tensors`` as ``<root>/step-<step>`` atomically and return what was written.
@@ -182,8 +166,7 @@ def publish_checkpoint(
     so the iterable must not reuse or modify a yielded tensor's storage before it is
     exhausted: yield copies of transient buffers (gathered ZeRO-3 parameters, merged PEFT
     weights). ``config`` is the model's ``config.json`` (a dict or a path to the file);
-    ``dtype`` converts floating tensors (``"bfloat16"``...); ``extra_files`` are
-    copied in (e.g. tokenizer files) and listed in the manifest. ``run_id`` names the
+    ``dtype`` converts floating tensors (``"bfloat16"``...). ``run_id`` names the
     publishing run (its lineage; default: a fresh id per call), so that readers can tell
     this run's step N from another run's step N in a reused root. Raises
     ``FileExistsError`` if that step is already published.
@@ -244,18 +227,13 @@ def publish_checkpoint(
             else:
                 _copy_small(Path(config), tmp / CONFIG_NAME)
             files[CONFIG_NAME] = _file_digest_entry(tmp / CONFIG_NAME)
-        for fname, src in (extra_files or {}).items():
-            if fname in files or fname == MANIFEST_NAME or os.path.basename(fname) != fname:
-                raise ValueError(f"extra file name {fname!r} is reserved or not a bare file name")
-            _copy_small(Path(src), tmp / fname)
-            files[fname] = _file_digest_entry(tmp / fname)
         manifest = Manifest(
-            step=step, weight_version=weight_version_for_step(step), created_at=time.time(),
+            step=step, weight_version=version_for_step(step), created_at=time.time(),
             writer={"host": socket.gethostname(), "pid": os.getpid(), "tool": "rollout-service"},
             base_model=base_model,
             dtype=target or (dtypes.pop() if len(dtypes) == 1 else None),
             total_bytes=sum(e.size for e in files.values()),
-            tensor_count=len(weight_map), files=files, extra=dict(extra_manifest or {}),
+            tensor_count=len(weight_map), files=files,
             run_id=run_id,
         )
         _write_small(tmp / MANIFEST_NAME, manifest.to_json())
@@ -267,22 +245,12 @@ def publish_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if update_latest:
-        _update_latest(root, step)
     total = time.perf_counter() - t0
     log.info("published %s: %d tensors, %.1f MB in %.2f s", final, manifest.tensor_count,
              manifest.total_bytes / 1e6, total)
     return PublishResult(path=final, step=step, weight_version=manifest.weight_version,
                          total_bytes=manifest.total_bytes, tensor_count=manifest.tensor_count,
                          files=len(files), write_seconds=write_seconds, total_seconds=total)
-
-
-def _update_latest(root: Path, step: int) -> None:
-    """Point LATEST at ``step`` unless it already names a newer step."""
-    current = read_latest_pointer(root)
-    if current is not None and current > step:
-        return
-    atomic_write_text(root / LATEST_NAME, step_dir_name(step) + "\n")
 
 
 def _write_small(path: Path, text: str) -> None:

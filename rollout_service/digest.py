@@ -1,7 +1,7 @@
 """Content digests of checkpoint files (xxh3-128: integrity, not security).
 
 xxh3 hashes at memory speed, so the writer can digest bytes as it writes them and
-a reader can afford ``--digests``. See ``benchmarks/digest_bench.py`` for figures.
+a reader can afford ``--digests``. Figures: ``benchmarks/publish_bench.py`` (xxh3-128 vs sha256).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from rollout_service.checkpoint_format import CheckpointError, Manifest, step_dir_name
 from rollout_service.checkpoint_reader import (
-    latest_checkpoint, list_checkpoints, read_latest_pointer, read_model_specs,
+    latest_checkpoint, list_checkpoints, read_model_specs,
     validate_checkpoint,
 )
 from rollout_service.checkpoint_writer import (
@@ -63,7 +63,7 @@ def test_publish_round_trips_tensors_and_manifest(tmp_path):
                                        if p.name != "manifest.json")
     assert set(manifest.files) == {"model.safetensors", "config.json"}
     assert manifest.files["model.safetensors"].digest.startswith("xxh3_128:")
-    assert read_latest_pointer(tmp_path) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]  # the rename is the only signal
     report = validate_checkpoint(result.path, check_digests=True)
     assert report.specs["model.norm.weight"] == ("F32", (16,))
 
@@ -93,7 +93,6 @@ def test_listing_is_in_step_order_and_ignores_temp_and_other_entries(tmp_path):
     (tmp_path / "step-12").mkdir()
     assert [c.step for c in list_checkpoints(tmp_path)] == [2, 7, 10]
     assert latest_checkpoint(tmp_path).step == 10
-    assert read_latest_pointer(tmp_path) == 10  # an older publish never moves LATEST back
 
 
 def test_publishing_an_existing_step_is_refused(tmp_path):
@@ -263,9 +262,6 @@ def test_sigkill_during_publish_never_leaves_a_visible_partial_checkpoint(tmp_pa
         killed_mid_write += bool(temp)
         for ckpt in list_checkpoints(root):
             validate_checkpoint(ckpt.path, check_digests=True)
-        latest = read_latest_pointer(root)
-        if latest is not None:
-            assert (root / step_dir_name(latest)).is_dir()
         # The next writer's clean-up removes what the dead one left.
         cleanup_stale_temp_dirs(root, older_than_s=0)
         assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]

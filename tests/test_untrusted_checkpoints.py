@@ -21,6 +21,7 @@ import torch
 from rollout_service.checkpoint_format import CheckpointError, parse_step_dir_name
 from rollout_service.checkpoint_reader import list_checkpoints, validate_checkpoint
 from rollout_service.checkpoint_writer import publish_checkpoint
+from rollout_service.protocol import ReplicaReport
 from rollout_service.sidecar.acks import AckWriter, read_acks
 
 PUBLISH_CONFIG = {"model_type": "qwen2"}
@@ -258,14 +259,14 @@ def test_symlinked_acks_dir_is_not_followed(tmp_path):
     outside.mkdir()
     (root / "acks").symlink_to(outside)
     with pytest.raises(OSError, match="not a plain directory"):
-        AckWriter(root, "r0").write({"loaded_step": 1})
+        AckWriter(root, "r0").write(ReplicaReport("r0", loaded_step=1))
     assert list(outside.iterdir()) == []
     assert read_acks(root) == {}
 
 
 def test_killed_writers_temp_ack_files_are_cleaned_up(tmp_path):
     writer = AckWriter(tmp_path, "r0")
-    writer.write({"loaded_step": 1})
+    writer.write(ReplicaReport("r0", loaded_step=1))
     acks = tmp_path / "acks"
     (acks / ".tmp-r0-deadbeef").write_text("half")
     (acks / ".tmp-r1-cafecafe").write_text("another replica, maybe in flight")
@@ -278,7 +279,7 @@ def test_killed_writers_temp_ack_files_are_cleaned_up(tmp_path):
 
 
 def test_unreadable_ack_files_are_skipped(tmp_path):
-    AckWriter(tmp_path, "good").write({"loaded_step": 2})
+    AckWriter(tmp_path, "good").write(ReplicaReport("good", loaded_step=2))
     os.mkfifo(tmp_path / "acks" / "fifo.json")
     (tmp_path / "acks" / "list.json").write_text("[1]")
     (tmp_path / "acks" / "big.json").write_bytes(b" " * (1 << 20))

@@ -16,11 +16,11 @@ import json
 import os
 import stat
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint_format import ACKS_DIR, TEMP_PREFIX, CheckpointError
+from ..protocol import ReplicaReport, atomic_replace
 from ..untrusted_files import read_small
 
 MAX_ACK_BYTES = 64 << 10
@@ -58,27 +58,13 @@ class AckWriter:
         finally:
             os.close(root_fd)
 
-    def write(self, payload: dict[str, Any]) -> None:
-        """Atomically replace this replica's ack file with ``payload`` plus a heartbeat time."""
-        data = json.dumps(dict(payload, replica_id=self.replica_id, heartbeat=time.time()),
-                          sort_keys=True).encode()
+    def write(self, report: ReplicaReport) -> None:
+        """Atomically replace this replica's ack file with ``report`` and a fresh heartbeat."""
+        report.replica_id, report.heartbeat = self.replica_id, time.time()
+        data = json.dumps(report.to_dict(), sort_keys=True).encode()
         dir_fd = self._open_dir()
-        tmp = f"{TEMP_PREFIX}{self.replica_id}-{uuid.uuid4().hex[:8]}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _NOFOLLOW,
-                         0o644, dir_fd=dir_fd)
-            try:
-                os.write(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, f"{self.replica_id}.json", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=dir_fd)
-            except OSError:
-                pass
-            raise
+            atomic_replace(dir_fd, f"{self.replica_id}.json", data, owner=self.replica_id)
         finally:
             os.close(dir_fd)
 
@@ -132,6 +118,6 @@ def read_acks(root: Path, *, max_age_s: float | None = None) -> dict[str, dict[s
 
 
 def write_ack(root: Path, replica_id: str, payload: dict[str, Any]) -> Path:
-    """Write one ack file (what :class:`AckWriter` does; for tools and tests)."""
-    AckWriter(Path(root), replica_id).write(payload)
+    """Write one ack file from a dict of report fields (for tools and tests)."""
+    AckWriter(Path(root), replica_id).write(ReplicaReport.from_dict({**payload, "replica_id": replica_id}))
     return ack_dir(root) / f"{replica_id}.json"

@@ -38,13 +38,13 @@ from typing import Any
 
 from ..checkpoint_format import (
     CheckpointError, Manifest, parse_step_dir_name, step_dir_name,
-    weight_version_for_step,
 )
 from ..checkpoint_paths import resolve_inside
 from ..checkpoint_reader import (
     PublishedCheckpoint, TensorSpecs, ValidationReport, list_checkpoints, read_model_specs,
     validate_checkpoint,
 )
+from ..protocol import ReplicaReport, step_for_version, version_for_step
 from ..untrusted_files import Deadline
 from .acks import AckWriter
 from .metrics import SidecarMetrics
@@ -107,12 +107,23 @@ class SidecarState:
     """Set when the replica cannot recover by itself (e.g. its restart budget is spent)."""
     started_at: float = field(default_factory=time.time)
 
+    def report(self) -> ReplicaReport:
+        """The part of the state the trainer reads (the replica protocol)."""
+        return ReplicaReport(
+            replica_id=self.replica_id, loaded_step=self.loaded_step,
+            weight_version=None if self.loaded_step is None else version_for_step(self.loaded_step),
+            run_id=self.loaded_run_id, fingerprint=self.loaded_fingerprint,
+            loaded_current=self.loaded_current, loading_step=self.loading_step, ready=self.ready,
+            sglang_healthy=self.sglang_healthy, sglang_url=self.sglang_url,
+            last_error=self.last_error, rejected={str(k): v for k, v in self.rejected.items()})
+
     def to_dict(self) -> dict[str, Any]:
+        """``/status``: the replica report and everything else the sidecar knows."""
         data = asdict(self)
-        data["loaded_version"] = None if self.loaded_step is None else weight_version_for_step(self.loaded_step)
+        data["loaded_version"] = None if self.loaded_step is None else version_for_step(self.loaded_step)
         data["pending_step"] = (self.newest_known_step if self.newest_known_step is not None
                                 and self.newest_known_step != self.loaded_step else None)
-        data["rejected"] = {str(k): v for k, v in self.rejected.items()}
+        data.update(self.report().to_dict())
         return data
 
 
@@ -327,7 +338,7 @@ class SyncController:
         self.state.sglang_seen_at = time.time()
         self.state.sglang_weight_version = view.weight_version
         loaded = self.state.loaded_step
-        if loaded is not None and view.weight_version != weight_version_for_step(loaded):
+        if loaded is not None and view.weight_version != version_for_step(loaded):
             log.warning("SGLang reports weight version %r but step %d was loaded: it restarted;"
                         " re-applying the newest checkpoint", view.weight_version, loaded)
             self.metrics.sglang_restarts.inc()  # counted only when the weights were really lost
@@ -344,7 +355,7 @@ class SyncController:
         the published one (a staged copy, ours or another sidecar's, or the step directory
         itself), or is a copy in this sidecar's own stage.
         """
-        step = _step_of_version(view.weight_version)
+        step = step_for_version(view.weight_version)
         if step is None or not view.model_path or not os.path.isdir(view.model_path):
             return
         served = Path(view.model_path)
@@ -496,7 +507,7 @@ class SyncController:
             if published is not None:
                 self.metrics.detection_latency.observe(max(0.0, load_started - published))
             t1 = time.perf_counter()
-            version = weight_version_for_step(step)
+            version = version_for_step(step)
             try:
                 await self.client.load_from_disk(str(report.path), version)
             except SGLangLoadRejected as exc:
@@ -594,14 +605,8 @@ class SyncController:
             return
         self._last_ack = now
         s = self.state
-        payload = {"loaded_step": s.loaded_step,
-                   "weight_version": None if s.loaded_step is None else weight_version_for_step(s.loaded_step),
-                   "run_id": s.loaded_run_id, "fingerprint": s.loaded_fingerprint,
-                   "loaded_current": s.loaded_current,
-                   "ready": s.ready, "sglang_healthy": s.sglang_healthy,
-                   "loading_step": s.loading_step, "sglang_url": self.settings.sglang_url}
         try:
-            await asyncio.to_thread(self.acks.write, payload)
+            await asyncio.to_thread(self.acks.write, s.report())
             s.ack_error = None
         except OSError as exc:
             if s.ack_error is None:
@@ -641,11 +646,6 @@ def _dir_identity(path: Path) -> tuple[int, int, int] | None:
     except OSError:
         return None
     return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def _step_of_version(version: str | None) -> int | None:
-    return parse_step_dir_name(f"step-{int(version):08d}") if version and version.isascii() \
-        and version.isdigit() and len(version) <= 8 else None
 
 
 def _published_at(path: Path) -> float | None:

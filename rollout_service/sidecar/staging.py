@@ -27,6 +27,7 @@ from pathlib import Path
 from ..checkpoint_format import MANIFEST_NAME, TEMP_PREFIX, CheckpointError, Manifest, step_dir_name
 from ..checkpoint_reader import TensorSpecs
 from ..digest import format_digest, new_hasher
+from ..protocol import atomic_replace
 from ..untrusted_files import Deadline, open_regular
 
 log = logging.getLogger(__name__)
@@ -160,9 +161,11 @@ class Stage:
     # --- the served model's reference ----------------------------------------------------
     def save_reference(self, specs: TensorSpecs, source: str) -> None:
         data = {"source": source, "tensors": {k: [dt, list(shape)] for k, (dt, shape) in specs.items()}}
-        tmp = self.path / f"{TEMP_PREFIX}{REFERENCE_NAME}-{uuid.uuid4().hex[:8]}"
-        tmp.write_text(json.dumps(data, sort_keys=True))
-        os.replace(tmp, self.path / REFERENCE_NAME)
+        dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            atomic_replace(dir_fd, REFERENCE_NAME, json.dumps(data, sort_keys=True).encode())
+        finally:
+            os.close(dir_fd)
 
     def load_reference(self) -> tuple[TensorSpecs, str] | None:
         try:

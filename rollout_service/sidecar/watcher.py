@@ -1,7 +1,7 @@
 """File-system watching of the checkpoint root with watchdog.
 
 Only the completion signals matter: a ``step-*`` directory appearing (the
-writer's atomic rename) and ``LATEST`` being replaced. Everything else a writer
+writer's atomic rename, the one completion signal) or disappearing. Everything else a writer
 does happens inside hidden ``.tmp-*`` directories and is ignored. inotify by
 default; a polling observer for NFS and other shared file systems whose changes
 made on another machine raise no inotify events.
@@ -18,7 +18,7 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.polling import PollingObserver
 
-from ..checkpoint_format import LATEST_NAME, parse_step_dir_name
+from ..checkpoint_format import parse_step_dir_name
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def is_completion_event(event: FileSystemEvent) -> bool:
         if not path:
             continue
         name = os.path.basename(os.fsdecode(path))
-        if name == LATEST_NAME or parse_step_dir_name(name) is not None:
+        if parse_step_dir_name(name) is not None:
             # "deleted": a served step that disappears (a reused root) must be noticed too.
             return event.event_type in ("created", "moved", "modified", "deleted")
     return False

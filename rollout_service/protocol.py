@@ -1,0 +1,123 @@
+"""The replica protocol, defined once: what a sidecar reports and how versions name steps.
+
+A sidecar reports the same :class:`ReplicaReport` in two places: ``GET /status`` and
+``GET /wait`` (with more fields beside it) and ``<root>/acks/<replica>.json`` (exactly it).
+The trainer parses both with :meth:`ReplicaReport.from_dict`, which accepts only values of
+the right types (ack files live in the untrusted root). SGLang labels loaded weights with a
+weight version string; :func:`version_for_step` and :func:`step_for_version` are the only
+conversions between the two. :func:`atomic_replace` is the project's one way of replacing
+a small file atomically (write a hidden temporary file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .checkpoint_format import MAX_STEP, TEMP_PREFIX
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def version_for_step(step: int) -> str:
+    """The weight version SGLang is given for checkpoint step ``step`` (what completions carry)."""
+    return str(step)
+
+
+def step_for_version(version: Any) -> int | None:
+    """The step a weight version names, or None (SGLang's start-up ``"default"``, junk, ...)."""
+    if isinstance(version, bool):
+        return None
+    if isinstance(version, int):
+        return version if 0 <= version <= MAX_STEP else None
+    if isinstance(version, str) and version.isascii() and version.isdigit() and len(version) <= 8:
+        return int(version)
+    return None
+
+
+@dataclass
+class ReplicaReport:
+    """One replica's state as the trainer needs it (the ack file, and part of ``/status``)."""
+
+    replica_id: str
+    loaded_step: int | None = None
+    weight_version: str | None = None
+    run_id: str | None = None
+    """The run whose checkpoint SGLang serves (the manifest's ``run_id``)."""
+    fingerprint: str | None = None
+    loaded_current: bool = True
+    """False once the served checkpoint is no longer the one published under its name."""
+    loading_step: int | None = None
+    ready: bool = False
+    sglang_healthy: bool = False
+    sglang_url: str | None = None
+    last_error: dict[str, Any] | None = None
+    rejected: dict[str, str] = field(default_factory=dict)
+    heartbeat: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, replica_id: str = "") -> "ReplicaReport":
+        """Parse a report; fields of the wrong type read as absent (never raises on bad input)."""
+        if not isinstance(data, dict):
+            return cls(replica_id=replica_id)
+
+        def typed(key: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+            value = data.get(key, default)
+            if isinstance(value, bool) and bool not in kinds:
+                return default
+            return value if isinstance(value, kinds) else default
+
+        rejected = typed("rejected", (dict,), {})
+        error = typed("last_error", (dict,))
+        return cls(
+            replica_id=typed("replica_id", (str,), replica_id) or replica_id,
+            loaded_step=_step(data.get("loaded_step")),
+            weight_version=typed("weight_version", (str,)),
+            run_id=typed("run_id", (str,), typed("loaded_run_id", (str,))),
+            fingerprint=typed("fingerprint", (str,), typed("loaded_fingerprint", (str,))),
+            loaded_current=typed("loaded_current", (bool,), True),
+            loading_step=_step(data.get("loading_step")),
+            ready=typed("ready", (bool,), False),
+            sglang_healthy=typed("sglang_healthy", (bool,), False),
+            sglang_url=typed("sglang_url", (str,)),
+            last_error=error,
+            rejected={str(k): str(v) for k, v in rejected.items()} if isinstance(rejected, dict) else {},
+            heartbeat=typed("heartbeat", (int, float)),
+        )
+
+
+def _step(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEP \
+        else None
+
+
+def atomic_replace(dir_fd: int, name: str, data: bytes, *, owner: str = "") -> None:
+    """Replace file ``name`` in the directory open as ``dir_fd`` with ``data``, atomically.
+
+    The bytes go to a hidden ``.tmp-<owner>-*`` file (created with ``O_EXCL | O_NOFOLLOW``),
+    are fsynced, and the temporary file is renamed over ``name``; a crash leaves either the
+    old file or the new one, plus at most the temporary file.
+    """
+    tmp = f"{TEMP_PREFIX}{owner + '-' if owner else ''}{uuid.uuid4().hex[:8]}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _NOFOLLOW, 0o644,
+                     dir_fd=dir_fd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
