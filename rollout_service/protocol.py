@@ -1,7 +1,8 @@
 """The replica protocol, defined once: what a sidecar reports and how versions name steps.
 
 A sidecar reports the same :class:`ReplicaReport` in two places: ``GET /status`` and
-``GET /wait`` (with more fields beside it) and ``<root>/acks/<replica>.json`` (exactly it).
+``GET /wait`` (with more fields beside it) and ``<root>/acks/<replica>.json`` (exactly it;
+:func:`read_acks` reads them).
 The trainer parses both with :meth:`ReplicaReport.from_dict`, which accepts only values of
 the right types (ack files live in the untrusted root). SGLang labels loaded weights with a
 weight version string; :func:`version_for_step` and :func:`step_for_version` are the only
@@ -11,14 +12,19 @@ a small file atomically (write a hidden temporary file, fsync, rename).
 
 from __future__ import annotations
 
+import json
 import os
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-from .checkpoint_format import MAX_STEP, TEMP_PREFIX
+from .checkpoint_format import ACKS_DIR, MAX_STEP, TEMP_PREFIX, CheckpointError
+from .untrusted_files import read_small
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+MAX_ACK_BYTES = 64 << 10
 
 
 def version_for_step(step: int) -> str:
@@ -121,3 +127,28 @@ def atomic_replace(dir_fd: int, name: str, data: bytes, *, owner: str = "") -> N
         except OSError:
             pass
         raise
+
+
+def read_acks(root: Path, *, max_age_s: float | None = None) -> dict[str, dict[str, Any]]:
+    """Ack payloads by replica id; with ``max_age_s``, only replicas whose heartbeat is that fresh.
+
+    Files that are not small regular JSON objects are skipped (the root is untrusted).
+    """
+    acks: dict[str, dict[str, Any]] = {}
+    directory = Path(root) / ACKS_DIR
+    if not directory.is_dir() or directory.is_symlink():
+        return acks
+    now = time.time()
+    for path in directory.glob("*.json"):
+        try:
+            data = json.loads(read_small(directory, path, where=path.name, max_bytes=MAX_ACK_BYTES))
+        except (CheckpointError, OSError, ValueError, RecursionError):
+            continue
+        if not isinstance(data, dict):
+            continue
+        heartbeat = data.get("heartbeat", 0)
+        if max_age_s is not None and (not isinstance(heartbeat, (int, float))
+                                      or now - float(heartbeat) > max_age_s):
+            continue
+        acks[path.stem] = data
+    return acks

@@ -29,7 +29,7 @@ import torch
 from rollout_service.checkpoint_format import new_run_id
 from rollout_service.checkpoint_reader import latest_checkpoint
 from rollout_service.checkpoint_writer import cleanup_stale_temp_dirs, publish_checkpoint
-from rollout_service.sidecar.acks import read_acks
+from rollout_service.protocol import read_acks
 
 from .checkpoint_retention import prune_checkpoints
 from .replica_wait import ReplicaWaiter

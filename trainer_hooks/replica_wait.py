@@ -25,7 +25,7 @@ import httpx
 
 from rollout_service.checkpoint_format import step_dir_name
 from rollout_service.http_auth import bearer_headers
-from rollout_service.sidecar.acks import read_acks
+from rollout_service.protocol import ReplicaReport, read_acks
 
 log = logging.getLogger(__name__)
 
@@ -259,22 +259,10 @@ def _json_or_none(response: httpx.Response) -> dict[str, Any] | None:
 
 
 def _update_view(view: ReplicaView, body: dict[str, Any]) -> None:
-    view.loaded_step = _int_or_none(body.get("loaded_step"))
-    view.loading_step = _int_or_none(body.get("loading_step"))
-    run_id = body.get("loaded_run_id", body.get("run_id"))
-    view.run_id = run_id if isinstance(run_id, str) else None
-    current = body.get("loaded_current")
-    view.current = current if isinstance(current, bool) else None
-    healthy = body.get("sglang_healthy")
-    view.healthy = healthy if isinstance(healthy, bool) else None
-    error = body.get("last_error")
-    if isinstance(error, dict):
-        view.last_error = f"{error.get('reason')}: {error.get('message')}"
-    elif error:
-        view.last_error = str(error)
-    else:
-        view.last_error = None
-
-
-def _int_or_none(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """Take what the trainer needs from a replica report (``/wait`` body or ack file)."""
+    report = ReplicaReport.from_dict(body, replica_id=view.name)
+    view.loaded_step, view.loading_step = report.loaded_step, report.loading_step
+    view.run_id, view.current = report.run_id, report.loaded_current
+    view.healthy = report.sglang_healthy if "sglang_healthy" in body else None
+    error = report.last_error
+    view.last_error = None if error is None else f"{error.get('reason')}: {error.get('message')}"

@@ -15,6 +15,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_service.protocol import step_for_version
+
 
 class SGLangResponseError(RuntimeError):
     """SGLang answered something that is not a well-formed generation result."""
@@ -65,10 +67,7 @@ def coerce_token_id(value: Any, where: str, vocab_size: int | None = None) -> in
 
 def parse_weight_version(raw: Any) -> int | None:
     """The checkpoint version in ``meta_info.weight_version`` ("7" -> 7; "default" -> None)."""
-    if raw is None:
-        return None
-    text = str(raw).strip()
-    return int(text) if text.isdigit() else None
+    return step_for_version(raw.strip() if isinstance(raw, str) else raw)
 
 
 def parse_generate_response(

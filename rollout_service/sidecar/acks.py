@@ -19,17 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint_format import ACKS_DIR, TEMP_PREFIX, CheckpointError
-from ..protocol import ReplicaReport, atomic_replace
-from ..untrusted_files import read_small
+from ..checkpoint_format import ACKS_DIR, TEMP_PREFIX
+from ..protocol import ReplicaReport, atomic_replace, read_acks  # noqa: F401 (read_acks: re-export)
 
-MAX_ACK_BYTES = 64 << 10
 STALE_TEMP_S = 3600.0
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-def ack_dir(root: Path) -> Path:
-    return Path(root) / ACKS_DIR
 
 
 class AckWriter:
@@ -60,8 +54,12 @@ class AckWriter:
 
     def write(self, report: ReplicaReport) -> None:
         """Atomically replace this replica's ack file with ``report`` and a fresh heartbeat."""
-        report.replica_id, report.heartbeat = self.replica_id, time.time()
-        data = json.dumps(report.to_dict(), sort_keys=True).encode()
+        self.write_fields(report.to_dict())
+
+    def write_fields(self, fields: dict[str, Any]) -> None:
+        """Write report fields as they are (tools and tests may leave some out)."""
+        data = json.dumps(dict(fields, replica_id=self.replica_id, heartbeat=time.time()),
+                          sort_keys=True).encode()
         dir_fd = self._open_dir()
         try:
             atomic_replace(dir_fd, f"{self.replica_id}.json", data, owner=self.replica_id)
@@ -92,32 +90,7 @@ class AckWriter:
         return removed
 
 
-def read_acks(root: Path, *, max_age_s: float | None = None) -> dict[str, dict[str, Any]]:
-    """Ack payloads by replica id; with ``max_age_s``, only replicas whose heartbeat is that fresh.
-
-    Files that are not small regular JSON objects are skipped (the root is untrusted).
-    """
-    acks: dict[str, dict[str, Any]] = {}
-    directory = ack_dir(root)
-    if not directory.is_dir() or directory.is_symlink():
-        return acks
-    now = time.time()
-    for path in directory.glob("*.json"):
-        try:
-            data = json.loads(read_small(directory, path, where=path.name, max_bytes=MAX_ACK_BYTES))
-        except (CheckpointError, OSError, ValueError, RecursionError):
-            continue
-        if not isinstance(data, dict):
-            continue
-        heartbeat = data.get("heartbeat", 0)
-        if max_age_s is not None and (not isinstance(heartbeat, (int, float))
-                                      or now - float(heartbeat) > max_age_s):
-            continue
-        acks[path.stem] = data
-    return acks
-
-
 def write_ack(root: Path, replica_id: str, payload: dict[str, Any]) -> Path:
     """Write one ack file from a dict of report fields (for tools and tests)."""
-    AckWriter(Path(root), replica_id).write(ReplicaReport.from_dict({**payload, "replica_id": replica_id}))
-    return ack_dir(root) / f"{replica_id}.json"
+    AckWriter(Path(root), replica_id).write_fields(payload)
+    return Path(root) / ACKS_DIR / f"{replica_id}.json"
