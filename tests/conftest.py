@@ -95,3 +95,29 @@ def sidecar_factory(sglang_server, checkpoint_root, tmp_path):
     yield start
     for sc in started:
         sc.stop()
+
+
+# --- markers: `pytest -m "not slow"` runs everything that starts no server in about a minute ----
+
+SERVER_FIXTURES = frozenset({
+    "sglang_server", "sglang_server_at_base", "second_sglang_server", "sidecar_factory",
+    "rollout_units", "untied_unit", "tied_unit", "serve_unit", "unit",
+})
+"""Fixtures that start a real SGLang server (and often a sidecar or `serve`)."""
+
+SLOW_MODULES = frozenset({
+    "test_demo_learning",  # GRPO runs through `serve`
+    "test_benchmarks",  # runs the benchmark scripts, which start SGLang
+    "test_serve_and_replicas",  # `serve` subprocesses
+})
+"""Modules whose tests start SGLang, sidecars or training processes without those fixtures."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test that starts SGLang or a sidecar ``sglang`` and ``slow``."""
+    for item in items:
+        starts_server = bool(SERVER_FIXTURES & set(getattr(item, "fixturenames", ())))
+        if starts_server:
+            item.add_marker(pytest.mark.sglang)
+        if starts_server or item.get_closest_marker("sglang") or item.module.__name__ in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

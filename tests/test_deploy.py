@@ -283,6 +283,9 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 
 def _option_default(command: str, flag: str) -> Any:
     parser = _subcommands(build_parser())[command]
+    for spec in getattr(parser, "env_flags", ()):  # env-backed flags keep their default here
+        if spec.flag == flag:
+            return spec.default
     for action in parser._actions:
         if flag in action.option_strings:
             return action.default

@@ -284,3 +284,15 @@ def test_unreadable_ack_files_are_skipped(tmp_path):
     (tmp_path / "acks" / "list.json").write_text("[1]")
     (tmp_path / "acks" / "big.json").write_bytes(b" " * (1 << 20))
     assert list(read_acks(tmp_path)) == ["good"]
+
+
+def test_a_stage_directory_serves_one_sidecar_only(tmp_path):
+    from rollout_service.sidecar.staging import Stage, StageError
+
+    first = Stage(tmp_path / "stage")
+    (tmp_path / "stage" / ".tmp-step-00000001-x-1234").mkdir()  # a copy a killed sidecar left
+    with pytest.raises(StageError, match="another sidecar uses the stage directory"):
+        Stage(tmp_path / "stage")
+    first.close()
+    Stage(tmp_path / "stage").close()  # free again once the first one is gone ...
+    assert not any(p.name.startswith(".tmp-") for p in (tmp_path / "stage").iterdir())  # ... and cleaned

@@ -42,8 +42,8 @@ RUN pip install --no-deps /tmp/build/src \
 ENV SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=/opt/rollout-cpu-shims
 RUN groupadd --gid ${APP_UID} rollout \
  && useradd --uid ${APP_UID} --gid ${APP_UID} --create-home --shell /usr/sbin/nologin rollout \
- && mkdir -p /checkpoints /models /outputs /home/rollout/.cache/huggingface \
- && chown ${APP_UID}:${APP_UID} /checkpoints /models /outputs \
+ && mkdir -p /checkpoints /models /outputs /stage /home/rollout/.cache/huggingface \
+ && chown ${APP_UID}:${APP_UID} /checkpoints /models /outputs /stage \
  && chown -R ${APP_UID}:${APP_UID} /home/rollout/.cache
 USER ${APP_UID}:${APP_UID}
 WORKDIR /home/rollout
@@ -70,8 +70,8 @@ RUN python3 -m pip list --format=freeze > /tmp/build/constraints.txt \
  && rm -rf /tmp/build
 RUN groupadd --gid ${APP_UID} rollout \
  && useradd --uid ${APP_UID} --gid ${APP_UID} --create-home --shell /usr/sbin/nologin rollout \
- && mkdir -p /checkpoints /models /outputs /home/rollout/.cache/huggingface \
- && chown ${APP_UID}:${APP_UID} /checkpoints /models /outputs \
+ && mkdir -p /checkpoints /models /outputs /stage /home/rollout/.cache/huggingface \
+ && chown ${APP_UID}:${APP_UID} /checkpoints /models /outputs /stage \
  && chown -R ${APP_UID}:${APP_UID} /home/rollout/.cache
 USER ${APP_UID}:${APP_UID}
 WORKDIR /home/rollout

@@ -26,7 +26,7 @@ RUN pip install -c /tmp/build/src/requirements/cpu.lock /tmp/build/src \
  && rm -rf /tmp/build
 RUN groupadd --gid ${APP_UID} rollout \
  && useradd --uid ${APP_UID} --gid ${APP_UID} --create-home --shell /usr/sbin/nologin rollout \
- && mkdir -p /checkpoints && chown ${APP_UID}:${APP_UID} /checkpoints
+ && mkdir -p /checkpoints /stage && chown ${APP_UID}:${APP_UID} /checkpoints /stage
 USER ${APP_UID}:${APP_UID}
 WORKDIR /home/rollout
 EXPOSE 8100

@@ -138,12 +138,13 @@ class SyncController:
         self.client = client or SGLangClient(settings.sglang_url, api_key=settings.sglang_api_key,
                                              timeout_s=settings.request_timeout_s,
                                              load_timeout_s=settings.load_timeout_s)
-        self.stage = Stage(settings.stage_dir) if settings.stage_dir is not None else None
+        self.stage: Stage | None = None
+        """Opened (created, locked, cleaned) when the loop starts, not when the app is built."""
         self.acks = AckWriter(self.root, settings.replica_id)
         self.state = SidecarState(replica_id=settings.replica_id,
                                   checkpoint_path=str(self.root), sglang_url=settings.sglang_url,
                                   watch_mode="inotify" if settings.poll_interval_s is None else "polling",
-                                  stage_dir=None if self.stage is None else str(self.stage.path))
+                                  stage_dir=None if settings.stage_dir is None else str(settings.stage_dir))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._changed: asyncio.Condition | None = None
@@ -250,6 +251,11 @@ class SyncController:
                  self.settings.sglang_url, self.root, self.state.watch_mode,
                  self.state.stage_dir or "off (SGLang reads shared storage directly)")
         await asyncio.to_thread(self.acks.clean_up_leftovers)
+        if self.settings.stage_dir is not None:
+            try:
+                self.stage = await asyncio.to_thread(Stage, self.settings.stage_dir)
+            except StageError as exc:
+                self.report_fatal("stage_failed", str(exc))
         last_scan = 0.0
         backoff = 0.0
         while not self._stopping:
@@ -411,7 +417,9 @@ class SyncController:
             self.state.last_error = None
 
     async def _sync_pass(self) -> None:
-        if self.state.sglang_healthy and self._reference is not None and self.state.fatal is None:
+        staged_ok = self.settings.stage_dir is None or self.stage is not None
+        if self.state.sglang_healthy and self._reference is not None and self.state.fatal is None \
+                and staged_ok:
             await self._sync_newest()
 
     async def _sync_newest(self) -> None:
