@@ -242,6 +242,7 @@ for step in range(1, 1000):
 """
 
 
+@pytest.mark.slow  # subprocesses with torch start-ups: several seconds
 def test_sigkill_during_publish_never_leaves_a_visible_partial_checkpoint(tmp_path):
     import random
 

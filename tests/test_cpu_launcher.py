@@ -44,6 +44,7 @@ def _run_with_shims(code: str) -> subprocess.CompletedProcess:
                            + code, str(CPU_SHIMS_DIR)], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # subprocesses with torch start-ups: several seconds
 def test_torch_compile_works_beside_the_cpu_stand_in():
     # The root cause: the stand-in replaced torch.get_device_module without the `__wrapped__`
     # that torch._dynamo registers its handler on, so every torch.compile in the server raised.

@@ -246,6 +246,7 @@ def test_example_device_cuda_without_a_gpu_fails_and_auto_on_a_gpu_less_machine_
     assert example.resolve_device("auto") == "cpu"
 
 
+@pytest.mark.slow  # subprocesses with torch start-ups: several seconds
 def test_example_process_exits_before_training_when_gpus_are_listed_but_unusable(fake_gpus, tmp_path):
     fake_gpus([{}])
     done = subprocess.run([sys.executable, str(EXAMPLE), "--checkpoint-path", str(tmp_path), "--sglang-url",

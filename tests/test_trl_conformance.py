@@ -132,6 +132,7 @@ def test_on_cpu_the_request_timeout_is_fitted_under_torchs_default_watchdog(tmp_
 
 
 @pytest.mark.parametrize("use_cpu", [False, True])
+@pytest.mark.slow  # subprocesses with torch start-ups: several seconds
 def test_two_processes_start_their_process_group_with_the_adapted_timeout(tmp_path: Path, use_cpu: bool) -> None:
     # A real 2-process run: the check must happen before TRL's __post_init__ starts the process group.
     import json

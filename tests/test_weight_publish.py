@@ -21,6 +21,7 @@ from trainer_hooks.weight_gather import iter_full_weights
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # subprocesses with torch start-ups: several seconds
 def test_fsdp1_publishes_full_weights_not_flat_shards(tmp_path):
     out = tmp_path / "fsdp1.json"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
