@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -11,10 +12,11 @@ import time
 import httpx
 import psutil
 import pytest
+import torch
 
 from helpers import free_port, generate
 from rollout_service.sglang_launcher import SGLangServer
-from sidecar_helpers import CLIProcess, Sidecar, publish_step, wait_http
+from sidecar_helpers import CLIProcess, Sidecar, perturbed_state, publish_step, wait_http
 
 STARTUP_S = 400.0
 
@@ -35,6 +37,17 @@ def test_serve_restarts_a_killed_sglang_and_reapplies_the_newest_checkpoint(
     sglang = f"http://127.0.0.1:{port}"
     try:
         wait_http(f"{sidecar}/readyz", STARTUP_S, serve)
+        # The first checkpoint is checked against the served model: resized embeddings never
+        # reach SGLang (in 0.5.23 loading them kills the scheduler).
+        resized = perturbed_state(tiny_model_dir, 1)
+        resized["model.embed_tokens.weight"] = torch.cat([resized["model.embed_tokens.weight"],
+                                                          torch.zeros(8, resized["model.embed_tokens.weight"].shape[1])])
+        publish_step(checkpoint_root, tiny_model_dir, 1, resized)
+        r = httpx.get(f"{sidecar}/wait?version=1&timeout=60", timeout=90)
+        assert r.status_code == 504 and r.json()["rejected"] == {"1": "shape_mismatch"}, r.text
+        assert httpx.get(f"{sglang}/health", timeout=60).status_code == 200
+        assert "restart 1 of" not in serve.log_path.read_text()
+        shutil.rmtree(checkpoint_root / "step-00000001")
         publish_step(checkpoint_root, tiny_model_dir, 1)
         assert httpx.get(f"{sidecar}/wait?version=1&timeout=120", timeout=150).status_code == 200
         [leader] = [p for p in sglang_children(serve.proc.pid) if p.pid == os.getpgid(p.pid)] or \

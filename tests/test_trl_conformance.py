@@ -283,7 +283,9 @@ def test_loss_settings_train_on_sglang_rollouts(unit: Any, tiny_model_dir: Path,
         from transformers import AutoTokenizer
 
         eos = AutoTokenizer.from_pretrained(tiny_model_dir).eos_token_id
-        overrides = dict(overrides, generation_kwargs={"logit_bias": {str(eos): 6.0}})
+        # Bias 5 makes about half of 16-token completions end early (6 ended all four of a
+        # one-step run early in one CI rehearsal); 4 steps give 16 completions, so both kinds appear.
+        overrides = dict(overrides, generation_kwargs={"logit_bias": {str(eos): 5.0}}, max_steps=4)
     trainer, ids, _ = _train(unit, tiny_model_dir, tmp_path, **overrides)
     if overrides.get("mask_truncated_completions"):
         assert any(len(c) < 16 for c in ids) and any(len(c) == 16 for c in ids), [len(c) for c in ids]

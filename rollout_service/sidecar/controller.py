@@ -197,7 +197,7 @@ class SyncController:
             async with self._changed:
                 try:
                     await asyncio.wait_for(self._changed.wait_for(
-                        lambda: self.serves(step, run_id) or step in self.state.rejected),
+                        lambda: self.serves(step, run_id) or self._still_rejected(step)),
                         timeout=max(0.0, deadline - time.monotonic()))
                 except asyncio.TimeoutError:
                     return False
@@ -469,6 +469,11 @@ class SyncController:
         except CheckpointError as exc:
             return "gone" if exc.reason == "missing_manifest" else "changed"
         return "same" if manifest.fingerprint() == self.state.loaded_fingerprint else "changed"
+
+    def _still_rejected(self, step: int) -> bool:
+        """``step`` was rejected and its directory was not replaced since (one stat)."""
+        return step in self.state.rejected and self._is_rejected(
+            PublishedCheckpoint(step=step, path=self.root / step_dir_name(step)))
 
     def _is_rejected(self, ckpt: PublishedCheckpoint) -> bool:
         """Rejected, and not replaced since (a republished step directory is looked at anew)."""
