@@ -209,44 +209,27 @@ class Manifest:
 MAX_MANIFEST_FILES = 10_000
 MAX_FILE_BYTES = 1 << 44
 """16 TiB: larger than any real shard, small enough that sizes cannot overflow sums."""
-MAX_JSON_DEPTH = 32
 RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
 _DIGEST_RE = re.compile(r"xxh3_128:[0-9a-f]{32}", re.ASCII)
 
 
 def parse_json_object(text: str | bytes, *, where: str, reason: str) -> dict[str, Any]:
-    """Parse untrusted JSON into a dict: strict UTF-8, no NaN/Infinity, bounded nesting."""
+    """Parse untrusted JSON into a dict: strict UTF-8, no NaN/Infinity, bounded nesting
+    (the json module's own recursion guard: deep nesting raises RecursionError, not a crash)."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise CheckpointError(reason, f"{where} is not UTF-8 text ({exc.reason} at byte"
                                   f" {exc.start})") from None
-    depth = 0
-    in_string = escaped = False
-    for ch in text:  # bounded nesting before json.loads recurses
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            if depth > MAX_JSON_DEPTH:
-                raise CheckpointError(reason, f"{where} nests JSON deeper than {MAX_JSON_DEPTH} levels")
-        elif ch in "]}":
-            depth -= 1
-
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not a number JSON allows")
 
     try:
         data = json.loads(text, parse_constant=no_constants)
-    except (ValueError, RecursionError) as exc:
+    except RecursionError:
+        raise CheckpointError(reason, f"{where} nests JSON too deeply to be a manifest") from None
+    except ValueError as exc:
         raise CheckpointError(reason, f"{where} is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise CheckpointError(reason, f"{where} must hold a JSON object")

@@ -18,18 +18,23 @@ def resolve_inside(root: Path | str, candidate: Path | str) -> Path:
     Symlinks are followed; a path whose real location is outside the root's real
     location raises ``CheckpointError('path_escape')``.
     """
-    real_root = Path(os.path.realpath(root))
     path = Path(candidate)
     if not path.is_absolute():
         path = Path(root) / path
-    real = Path(os.path.realpath(path))
-    if real != real_root and real_root not in real.parents:
+    real, real_root = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    if not is_inside(real, real_root):
         raise CheckpointError(
             "path_escape",
             f"{candidate} resolves to a place outside the checkpoint root {real_root};"
             " only paths inside the root are accepted",
         )
     return real
+
+
+def is_inside(path: Path | str, root: Path | str) -> bool:
+    """Whether ``path`` really lies in ``root`` (or is it), symlinks resolved on both sides."""
+    real, real_root = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    return real == real_root or real_root in real.parents
 
 
 def check_plain_file_name(name: str, where: str) -> None:

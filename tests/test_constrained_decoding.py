@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trainer_hooks import GRPOConfig, GRPOTrainer
 from trainer_hooks.demo import make_prompts, word_start_reward
 
-from test_trainer_hooks import _stop_unit, _wait_ready, launch_unit
+from test_trainer_hooks import ready_unit
 
 REGEX = "[0-9]+( [0-9]+)*"
 """Numbers: the tiny random model puts little mass on digits, so the constrained logprobs are far from
@@ -32,12 +32,8 @@ STEPS = 10
 
 @pytest.fixture(scope="module")
 def unit(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    rollout = launch_unit(tiny_model_dir, tmp_path_factory.mktemp("constrained-unit"))
-    try:
-        _wait_ready(rollout)
+    with ready_unit(tiny_model_dir, tmp_path_factory.mktemp("constrained-unit")) as rollout:
         yield rollout
-    finally:
-        _stop_unit(rollout.process)
 
 
 def _run(unit: Any, model_dir: Path, out: Path, *, learning_rate: float, steps: int,

@@ -132,6 +132,17 @@ def _stop_unit(proc: subprocess.Popen) -> None:
             child.kill()
 
 
+@contextlib.contextmanager
+def ready_unit(model_dir: Path, work_dir: Path) -> Iterator[RolloutUnit]:
+    """A started and ready rollout unit (`serve`), stopped on exit: for module-scoped fixtures."""
+    unit = launch_unit(model_dir, work_dir)
+    try:
+        _wait_ready(unit)
+        yield unit
+    finally:
+        _stop_unit(unit.process)
+
+
 def _tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])

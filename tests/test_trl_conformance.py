@@ -15,7 +15,7 @@ import pytest
 from trainer_hooks import GRPOConfig, RLOOConfig
 from trainer_hooks.config import adapt_trl_fields, collective_budget_s, translate_generation_kwargs
 
-from test_trainer_hooks import _stop_unit, _wait_ready, launch_unit, make_config, make_trainer
+from test_trainer_hooks import make_config, make_trainer, ready_unit
 
 DEAD = ["http://127.0.0.1:9"]
 
@@ -182,12 +182,8 @@ open({str(out)!r} + str(args.process_index), "w").write(json.dumps(dict(
 
 @pytest.fixture(scope="module")
 def unit(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    rollout = launch_unit(tiny_model_dir, tmp_path_factory.mktemp("conformance-unit"))
-    try:
-        _wait_ready(rollout)
+    with ready_unit(tiny_model_dir, tmp_path_factory.mktemp("conformance-unit")) as rollout:
         yield rollout
-    finally:
-        _stop_unit(rollout.process)
 
 
 def _train(unit: Any, model_dir: Path, tmp_path: Path, config_class: type = GRPOConfig,

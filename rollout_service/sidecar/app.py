@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 3600.0
 MAX_SYNC_BODY_BYTES = 4096
-"""``POST /sync`` takes at most ``{"checkpoint": "step-XXXXXXXX"}``; larger bodies are refused
-before they are read."""
+"""``POST /sync`` takes at most a small object such as ``{"checkpoint": "step-00000042"}``;
+larger bodies are refused before they are read."""
 
 
 def create_app(settings: SidecarSettings) -> FastAPI:
@@ -137,19 +137,19 @@ def create_app(settings: SidecarSettings) -> FastAPI:
 
 async def _bounded_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
+    too_large = HTTPException(status_code=413, detail=f"body larger than {limit} bytes; send"
+                              ' {"checkpoint": "step-00000042"} (any step) or nothing')
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
             raise HTTPException(status_code=400, detail="Content-Length must be a number")
         if int(declared) > limit:
-            raise HTTPException(status_code=413, detail=f"body larger than {limit} bytes; send"
-                                ' {"checkpoint": "step-XXXXXXXX"} or nothing')
+            raise too_large
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise HTTPException(status_code=413, detail=f"body larger than {limit} bytes; send"
-                                ' {"checkpoint": "step-XXXXXXXX"} or nothing')
+            raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
 

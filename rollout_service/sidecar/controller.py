@@ -39,7 +39,7 @@ from typing import Any
 from ..checkpoint_format import (
     CheckpointError, Manifest, parse_step_dir_name, step_dir_name,
 )
-from ..checkpoint_paths import resolve_inside
+from ..checkpoint_paths import is_inside, resolve_inside
 from ..checkpoint_reader import (
     PublishedCheckpoint, TensorSpecs, ValidationReport, list_checkpoints, read_model_specs,
     validate_checkpoint,
@@ -233,8 +233,8 @@ class SyncController:
         path = resolve_inside(self.root, checkpoint)
         step = parse_step_dir_name(path.name)
         if step is None or path.parent != Path(os.path.realpath(self.root)):
-            raise CheckpointError("not_a_checkpoint", f"{checkpoint[:200]!r} is not a step-XXXXXXXX"
-                                  f" directory directly under {self.root}")
+            raise CheckpointError("not_a_checkpoint", f"{checkpoint[:200]!r} is not a step directory"
+                                  f" ('step-' and 8 digits, e.g. step-00000042) directly under {self.root}")
         if not path.is_dir():
             raise CheckpointError("missing_checkpoint", f"{path.name} does not exist under {self.root}")
         if len(self._named) < 64:
@@ -323,7 +323,7 @@ class SyncController:
             self._changed.notify_all()
 
     def _newest_candidate_step(self) -> int | None:
-        steps = [c.step for c in list_checkpoints(self.root) if not self._is_rejected(c)]
+        steps = [c.step for c in self._candidates() if not self._is_rejected(c)]
         return steps[-1] if steps else None
 
     async def _check_server(self) -> None:
@@ -394,7 +394,7 @@ class SyncController:
             model_path = view.model_path
             persisted = self.stage.load_reference() if self.stage is not None else None
             ours = self.stage is not None and self.stage.owns(model_path)
-            in_root = bool(model_path) and _inside(model_path, self.root)
+            in_root = bool(model_path) and is_inside(model_path, self.root)
             if persisted is not None and (ours or in_root):
                 found = persisted
             elif model_path and not ours:
@@ -630,11 +630,6 @@ class SyncController:
 def _same_path(a: str | None, b: Path) -> bool:
     """SGLang's model_path moves with each disk update: it names what it loaded last."""
     return bool(a) and os.path.realpath(a) == os.path.realpath(b) and os.path.isdir(b)
-
-
-def _inside(path: str, root: Path) -> bool:
-    real, real_root = Path(os.path.realpath(path)), Path(os.path.realpath(root))
-    return real == real_root or real_root in real.parents
 
 
 def _local_model_dir(model_path: str) -> Path | None:

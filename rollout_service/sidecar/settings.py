@@ -7,6 +7,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checkpoint_paths import is_inside
+
 _REPLICA_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -67,15 +69,8 @@ class SidecarSettings:
             self.stage_dir = default_stage_dir(self.replica_id)
         else:
             self.stage_dir = Path(self.stage_dir)
-        if self.stage_dir is not None and _inside(self.stage_dir, self.checkpoint_path):
+        if self.stage_dir is not None and is_inside(self.stage_dir, self.checkpoint_path):
             raise ValueError(f"--stage-dir {self.stage_dir} is inside the checkpoint root; it must be"
                              " node-local and private to this sidecar")
         if not self.validate_timeout_s > 0:
             raise ValueError(f"--validate-timeout must be positive, got {self.validate_timeout_s}")
-
-
-def _inside(path: Path, root: Path) -> bool:
-    import os
-
-    real, real_root = Path(os.path.realpath(path)), Path(os.path.realpath(root))
-    return real == real_root or real_root in real.parents
