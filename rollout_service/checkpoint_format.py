@@ -13,6 +13,20 @@ A checkpoint root holds::
 A ``step-*`` directory appears only by an atomic rename of a complete temporary
 directory, so a reader that sees it sees all of it: that rename is the one completion
 signal (there is no ``LATEST`` pointer; the listing is the truth).
+
+A published step has a *kind* (manifest ``kind``):
+
+- ``full``: the model's safetensors shards, loadable as they are.
+- ``delta``: what changed since the previous published step (``delta.base_step``, whose
+  manifest fingerprint is ``delta.base_fingerprint``), in a chain that starts at the full
+  step ``delta.chain_start``. ``delta-*.safetensors`` hold, per changed tensor, a ``U8``
+  tensor of the same name: ``zstd(new bytes XOR base bytes)`` (standard tools open them).
+  ``delta.target_files`` are the files a full publish of the same weights would have
+  written (shards, index, config: size and xxh3-128 each) and ``delta.tensors`` give every
+  tensor's dtype, shape, shard and the digest of its new bytes, so a reconstruction is
+  checked bit for bit. The shard layout is the base's: a delta is only written when
+  names, shapes, dtypes and their order are unchanged.
+- ``adapter``: a PEFT LoRA adapter (``adapter_model.safetensors`` + ``adapter_config.json``).
 """
 
 from __future__ import annotations
@@ -25,7 +39,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
+"""1: full checkpoints only (no ``kind`` field); 2: ``kind`` full, delta or adapter."""
+KINDS = ("full", "delta", "adapter")
+DELTA_CODEC = "xor+zstd"
+DEFAULT_FULL_EVERY = 20
+"""A full checkpoint every 20 versions: see docs/benchmarks.md (delta sync) for the measured
+trade-off between bytes per sync and a late joiner's replay."""
+DEFAULT_DELTA_MAX_RATIO = 0.5
 MANIFEST_NAME = "manifest.json"
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -98,6 +120,35 @@ class FileEntry:
 
 
 @dataclass
+class DeltaTensor:
+    """One tensor of the checkpoint a delta reconstructs."""
+
+    shard: str
+    """The target shard file the tensor lives in."""
+    dtype: str
+    shape: list[int]
+    digest: str
+    """xxh3-128 of the tensor's new bytes."""
+    delta_file: str | None = None
+    """The ``delta-*.safetensors`` file holding its XOR blob; None when it did not change."""
+
+
+@dataclass
+class DeltaInfo:
+    """What a ``delta`` step applies to and what it reconstructs."""
+
+    base_step: int
+    base_fingerprint: str
+    chain_start: int
+    target_files: dict[str, FileEntry]
+    tensors: dict[str, DeltaTensor]
+    codec: str = DELTA_CODEC
+    changed_tensors: int = 0
+    changed_bytes: int = 0
+    """Bytes of the changed tensors (uncompressed), for reports."""
+
+
+@dataclass
 class Manifest:
     """Contents of ``manifest.json``: what a reader needs to trust a checkpoint."""
 
@@ -115,9 +166,13 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)
     run_id: str | None = None
     """The publishing run's lineage id: step numbers only order checkpoints of one run."""
+    kind: str = "full"
+    delta: DeltaInfo | None = None
 
     def to_json(self) -> str:
         data = asdict(self)
+        if self.delta is None:
+            data.pop("delta")
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     def fingerprint(self) -> str:
@@ -133,11 +188,11 @@ class Manifest:
         """
         data = parse_json_object(text, where=where, reason="bad_manifest")
         version = data.get("format_version")
-        if version != FORMAT_VERSION or isinstance(version, bool):
+        if version not in READABLE_FORMAT_VERSIONS or isinstance(version, bool):
             raise CheckpointError(
                 "bad_manifest",
                 f"{where} has format_version {str(version)[:40]!r}; this reader understands"
-                f" {FORMAT_VERSION}. Upgrade rollout-service on the reading side.",
+                f" {list(READABLE_FORMAT_VERSIONS)}. Upgrade rollout-service on the reading side.",
             )
         required = ["step", "weight_version", "created_at", "writer", "base_model", "dtype",
                     "total_bytes", "tensor_count", "files", "digest_algorithm"]
@@ -149,13 +204,20 @@ class Manifest:
         if len(files_raw) > MAX_MANIFEST_FILES:
             raise CheckpointError("bad_manifest", f"{where} lists {len(files_raw)} files, more than"
                                   f" the {MAX_MANIFEST_FILES} allowed")
-        files = {}
-        for name, e in files_raw.items():
-            e = field_of.obj(e, f"files[{name[:80]!r}]")
-            files[name] = FileEntry(
-                size=field_of.int(e.get("size"), f"files[{name[:80]!r}].size", MAX_FILE_BYTES),
-                digest=field_of.digest(e.get("digest"), f"files[{name[:80]!r}].digest"),
-                tensors=field_of.int(e.get("tensors", 0), f"files[{name[:80]!r}].tensors", 10**7))
+        files = field_of.files(files_raw, "files")
+        kind = data.get("kind", "full")
+        if kind not in KINDS:
+            raise CheckpointError("bad_manifest", f"{where}: kind {str(kind)[:40]!r} is not one of"
+                                  f" {list(KINDS)}")
+        delta = None
+        if kind == "delta":
+            delta = field_of.delta(data.get("delta"))
+            if delta.base_step >= field_of.int(data["step"], "step", MAX_STEP) \
+                    or delta.chain_start > delta.base_step:
+                raise CheckpointError("bad_manifest", f"{where}: a delta must apply to an earlier step"
+                                      " (chain_start <= base_step < step)")
+        elif data.get("delta") is not None:
+            raise CheckpointError("bad_manifest", f"{where}: a {kind} checkpoint has no delta field")
         dtype = data["dtype"]
         if dtype is not None and dtype not in FLOAT_DTYPES:
             raise CheckpointError("bad_manifest", f"{where}: dtype {str(dtype)[:40]!r} is not one of"
@@ -183,6 +245,7 @@ class Manifest:
             tensor_count=field_of.int(data["tensor_count"], "tensor_count", 10**7),
             files=files, digest_algorithm=digest_algorithm, format_version=version,
             extra=field_of.obj(data.get("extra") or {}, "extra"), run_id=run_id,
+            kind=kind, delta=delta,
         )
 
     @classmethod
@@ -211,6 +274,7 @@ MAX_FILE_BYTES = 1 << 44
 """16 TiB: larger than any real shard, small enough that sizes cannot overflow sums."""
 RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
 _DIGEST_RE = re.compile(r"xxh3_128:[0-9a-f]{32}", re.ASCII)
+_FINGERPRINT_RE = re.compile(r"[0-9a-f]{32}", re.ASCII)
 
 
 def parse_json_object(text: str | bytes, *, where: str, reason: str) -> dict[str, Any]:
@@ -266,3 +330,71 @@ class _FieldReader:
         if not isinstance(value, str) or not _DIGEST_RE.fullmatch(value):
             raise self._bad(name, f"'{DIGEST_ALGORITHM}:' and 32 hex digits", value)
         return value
+
+    def file_name(self, value: Any, name: str) -> str:
+        from .checkpoint_paths import check_plain_file_name
+
+        if not isinstance(value, str):
+            raise self._bad(name, "a file name", value)
+        try:
+            check_plain_file_name(value, where=self.where)
+        except CheckpointError as exc:
+            raise CheckpointError("bad_manifest", str(exc)) from None
+        return value
+
+    def files(self, raw: dict[str, Any], name: str) -> dict[str, FileEntry]:
+        if len(raw) > MAX_MANIFEST_FILES:
+            raise CheckpointError("bad_manifest", f"{self.where} lists {len(raw)} {name}, more than"
+                                  f" the {MAX_MANIFEST_FILES} allowed")
+        files = {}
+        for fname, e in raw.items():
+            at = f"{name}[{fname[:80]!r}]"
+            e = self.obj(e, at)
+            files[fname] = FileEntry(
+                size=self.int(e.get("size"), f"{at}.size", MAX_FILE_BYTES),
+                digest=self.digest(e.get("digest"), f"{at}.digest"),
+                tensors=self.int(e.get("tensors", 0), f"{at}.tensors", 10**7))
+        return files
+
+    def delta(self, value: Any) -> DeltaInfo:
+        d = self.obj(value, "delta")
+        if d.get("codec") != DELTA_CODEC:
+            raise self._bad("delta.codec", repr(DELTA_CODEC), d.get("codec"))
+        fp = d.get("base_fingerprint")
+        if not isinstance(fp, str) or not _FINGERPRINT_RE.fullmatch(fp):
+            raise self._bad("delta.base_fingerprint", "32 hex digits", fp)
+        target = self.files(self.obj(d.get("target_files"), "delta.target_files"), "delta.target_files")
+        for fname in target:
+            self.file_name(fname, "delta.target_files")
+        raw_tensors = self.obj(d.get("tensors"), "delta.tensors")
+        if len(raw_tensors) > 10**7:
+            raise self._bad("delta.tensors", "at most 10**7 entries", len(raw_tensors))
+        tensors = {}
+        for tname, e in raw_tensors.items():
+            at = f"delta.tensors[{tname[:80]!r}]"
+            e = self.obj(e, at)
+            shard = self.str(e.get("shard"), f"{at}.shard")
+            if shard not in target:
+                raise self._bad(f"{at}.shard", "one of delta.target_files", shard)
+            dtype = e.get("dtype")
+            if dtype not in DTYPE_SIZES:
+                raise self._bad(f"{at}.dtype", f"one of {sorted(DTYPE_SIZES)}", dtype)
+            shape = e.get("shape")
+            if not isinstance(shape, list) or len(shape) > 8 or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_FILE_BYTES
+                    for x in shape):
+                raise self._bad(f"{at}.shape", "a list of at most 8 sizes", shape)
+            delta_file = e.get("delta_file")
+            if delta_file is not None:
+                self.file_name(delta_file, f"{at}.delta_file")
+            tensors[tname] = DeltaTensor(shard=shard, dtype=dtype, shape=list(shape),
+                                         digest=self.digest(e.get("digest"), f"{at}.digest"),
+                                         delta_file=delta_file)
+        return DeltaInfo(
+            base_step=self.int(d.get("base_step"), "delta.base_step", MAX_STEP),
+            base_fingerprint=fp,
+            chain_start=self.int(d.get("chain_start"), "delta.chain_start", MAX_STEP),
+            target_files=target, tensors=tensors, codec=DELTA_CODEC,
+            changed_tensors=self.int(d.get("changed_tensors", 0), "delta.changed_tensors", 10**7),
+            changed_bytes=self.int(d.get("changed_bytes", 0), "delta.changed_bytes",
+                                   MAX_FILE_BYTES * MAX_MANIFEST_FILES))

@@ -26,7 +26,7 @@ from typing import Any
 
 import trl
 
-from rollout_service.checkpoint_format import normalize_dtype
+from rollout_service.checkpoint_format import DEFAULT_DELTA_MAX_RATIO, DEFAULT_FULL_EVERY, normalize_dtype
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,15 @@ class SGLangRolloutArguments:
         checkpoint_dtype: floating dtype of published checkpoints ("bfloat16", "float16",
             "float32"); default: the model's configured dtype (what SGLang serves).
         checkpoint_max_shard_mb: largest safetensors shard written, in MB.
+        checkpoint_delta: publish XOR+zstd deltas against the previous version instead of the
+            whole model (the sidecars rebuild the full checkpoint in their node-local stage).
+            None (default): on for bfloat16/float16 checkpoints, off for float32 (whose low
+            bits change at every step, so deltas barely compress). Costs one model copy in
+            host RAM (the bytes of the last published version).
+        checkpoint_full_every: with deltas, publish a full checkpoint every this many versions
+            (late joiners and restarted sidecars replay at most this many deltas).
+        checkpoint_delta_max_ratio: publish a full checkpoint instead of a delta whose bytes
+            exceed this fraction of the full checkpoint's.
         keep_checkpoints: how many newest checkpoints to keep; older ones are deleted unless a
             live replica still serves or loads them. None keeps everything.
         sidecar_token: bearer token of the sidecars' ``POST /sync`` (when they were given one).
@@ -101,6 +110,19 @@ class SGLangRolloutArguments:
     )
     checkpoint_max_shard_mb: float = field(
         default=2048.0, metadata={"help": "Largest safetensors shard written, in MB."},
+    )
+    checkpoint_delta: bool | None = field(
+        default=None,
+        metadata={"help": "Publish XOR+zstd deltas instead of whole checkpoints (default: on for bf16/fp16 "
+                  "checkpoints, off for fp32). Keeps one model copy in host RAM."},
+    )
+    checkpoint_full_every: int = field(
+        default=DEFAULT_FULL_EVERY,
+        metadata={"help": "With deltas: a full checkpoint every this many versions (bounds a late joiner's replay)."},
+    )
+    checkpoint_delta_max_ratio: float = field(
+        default=DEFAULT_DELTA_MAX_RATIO,
+        metadata={"help": "With deltas: publish a full checkpoint when a delta would exceed this fraction of it."},
     )
     keep_checkpoints: int | None = field(
         default=3,
@@ -185,6 +207,14 @@ class SGLangRolloutArguments:
             )
         if self.checkpoint_dtype is not None:
             normalize_dtype(self.checkpoint_dtype)
+        if self.checkpoint_delta not in (None, True, False):
+            raise ValueError(f"checkpoint_delta must be True, False or None (auto), got {self.checkpoint_delta!r}")
+        if isinstance(self.checkpoint_full_every, bool) or not isinstance(self.checkpoint_full_every, int) \
+                or self.checkpoint_full_every < 1:
+            raise ValueError(f"checkpoint_full_every must be an integer >= 1 (1: every checkpoint is full), got "
+                             f"{self.checkpoint_full_every!r}")
+        if not 0 < self.checkpoint_delta_max_ratio <= 1:
+            raise ValueError(f"checkpoint_delta_max_ratio must be in (0, 1], got {self.checkpoint_delta_max_ratio!r}")
         if self.checkpoint_path is None or str(self.checkpoint_path).strip() == "":
             raise ValueError(
                 "checkpoint_path is required: the shared directory the trainer publishes checkpoints into "
