@@ -107,11 +107,11 @@ def main() -> None:
                 target = base / f"{kind}-{rep}"
                 target.mkdir()
                 if kind == "raw":
-                    times[kind].append(timed(lambda: raw_write(target / "raw.bin", state)))
+                    times[kind].append(timed(lambda target=target: raw_write(target / "raw.bin", state)))
                 elif kind == "save_file":
-                    times[kind].append(timed(lambda: lib_write(target / "model.safetensors", state)))
+                    times[kind].append(timed(lambda target=target: lib_write(target / "model.safetensors", state)))
                 else:
-                    times[kind].append(timed(lambda: publish_checkpoint(
+                    times[kind].append(timed(lambda target=target: publish_checkpoint(
                         target, 1, state.items(), config={"model_type": "qwen2"})))
                 shutil.rmtree(target)
         digests = digest_figures(state)

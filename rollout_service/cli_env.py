@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 ENV_PREFIX = "ROLLOUT_"
 
@@ -76,9 +77,9 @@ class EnvArgumentParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                          namespace: argparse.Namespace | None = None):
-        namespace, extras = super().parse_known_args(args, namespace)
-        self.apply_env(namespace, os.environ)
-        return namespace, extras
+        parsed, extras = super().parse_known_args(args, namespace)
+        self.apply_env(parsed, os.environ)
+        return parsed, extras
 
     def apply_env(self, namespace: argparse.Namespace, environ: Any) -> None:
         """Replace every env-backed flag not given on the command line by its variable or default."""

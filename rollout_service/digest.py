@@ -15,11 +15,11 @@ from .checkpoint_format import DIGEST_ALGORITHM
 _CHUNK = 8 << 20
 
 
-def new_hasher() -> "xxhash.xxh3_128":
+def new_hasher() -> xxhash.xxh3_128:
     return xxhash.xxh3_128()
 
 
-def format_digest(hasher: "xxhash.xxh3_128") -> str:
+def format_digest(hasher: xxhash.xxh3_128) -> str:
     return f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}"
 
 

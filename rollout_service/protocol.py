@@ -67,7 +67,7 @@ class ReplicaReport:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Any, *, replica_id: str = "") -> "ReplicaReport":
+    def from_dict(cls, data: Any, *, replica_id: str = "") -> ReplicaReport:
         """Parse a report; fields of the wrong type read as absent (never raises on bad input)."""
         if not isinstance(data, dict):
             return cls(replica_id=replica_id)

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
+from helpers import free_port as _free_port
 from rollout_service.sglang_launcher import SGLangServer
 from rollout_service.tiny_model import ensure_tiny_model
-
-from helpers import free_port as _free_port
 
 SERVER_HEALTH_TIMEOUT_S = 300.0
 """CI machines are slow (two cores shared with other jobs): SGLang may need minutes to start."""

@@ -5,7 +5,8 @@ Kept free of torch and sglang imports so that sidecar-only tests can use them to
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import httpx
 

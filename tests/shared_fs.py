@@ -13,9 +13,9 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from helpers import free_port
 

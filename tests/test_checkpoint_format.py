@@ -15,11 +15,15 @@ from safetensors.torch import load_file
 
 from rollout_service.checkpoint_format import CheckpointError, Manifest, step_dir_name
 from rollout_service.checkpoint_reader import (
-    latest_checkpoint, list_checkpoints, read_model_specs,
+    latest_checkpoint,
+    list_checkpoints,
+    read_model_specs,
     validate_checkpoint,
 )
 from rollout_service.checkpoint_writer import (
-    cleanup_stale_temp_dirs, iter_unique_tensors, publish_checkpoint,
+    cleanup_stale_temp_dirs,
+    iter_unique_tensors,
+    publish_checkpoint,
 )
 
 CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}

@@ -19,10 +19,9 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from test_trainer_hooks import ready_unit
 from trainer_hooks import GRPOConfig, GRPOTrainer
 from trainer_hooks.demo import make_prompts, word_start_reward
-
-from test_trainer_hooks import ready_unit
 
 REGEX = "[0-9]+( [0-9]+)*"
 """Numbers: the tiny random model puts little mass on digits, so the constrained logprobs are far from

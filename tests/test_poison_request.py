@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer_hooks.sglang_endpoints import SGLangPoisonRequestError, last_error_lines
-
 from test_trainer_hooks import VOCAB_SIZE, _stop_unit, _wait_ready, launch_unit, make_config, make_trainer
+from trainer_hooks.sglang_endpoints import SGLangPoisonRequestError, last_error_lines
 
 POISON = {"min_new_tokens": 2, "stop_token_ids": [VOCAB_SIZE + 903]}
 CRASH_MARK = "Scheduler hit an exception"

@@ -40,8 +40,8 @@ def test_serve_restarts_a_killed_sglang_and_reapplies_the_newest_checkpoint(
         # The first checkpoint is checked against the served model: resized embeddings never
         # reach SGLang (in 0.5.23 loading them kills the scheduler).
         resized = perturbed_state(tiny_model_dir, 1)
-        resized["model.embed_tokens.weight"] = torch.cat([resized["model.embed_tokens.weight"],
-                                                          torch.zeros(8, resized["model.embed_tokens.weight"].shape[1])])
+        embed = resized["model.embed_tokens.weight"]
+        resized["model.embed_tokens.weight"] = torch.cat([embed, torch.zeros(8, embed.shape[1])])
         publish_step(checkpoint_root, tiny_model_dir, 1, resized)
         r = httpx.get(f"{sidecar}/wait?version=1&timeout=60", timeout=90)
         assert r.status_code == 504 and r.json()["rejected"] == {"1": "shape_mismatch"}, r.text

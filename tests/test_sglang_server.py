@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout_service.sglang_launcher import SGLangServer, SGLangStartError
-
 from helpers import generate
+from rollout_service.sglang_launcher import SGLangServer, SGLangStartError
 
 pytestmark = pytest.mark.sglang
 
@@ -182,7 +181,8 @@ def test_trainer_talks_to_an_sglang_started_with_an_api_key(tiny_model_dir, tmp_
 
         [group] = generate_with("s3cret")
         assert len(group) == 2 and all(len(c.token_ids) == 2 for c in group)
-        with pytest.raises(SGLangRequestError, match=r"HTTP 401: .*--api-key and the trainer sent none; set sglang_api_token"):
+        with pytest.raises(SGLangRequestError,
+                           match=r"HTTP 401: .*--api-key and the trainer sent none; set sglang_api_token"):
             generate_with(None)
         with pytest.raises(SGLangRequestError, match="sent a different key"):
             generate_with("wrong")

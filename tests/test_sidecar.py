@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from helpers import generate
-from sidecar_helpers import publish_step, transformers_greedy, perturbed_state
+from sidecar_helpers import perturbed_state, publish_step, transformers_greedy
 
 PROMPT = [11, 42, 7, 99, 256, 3]
 

@@ -143,7 +143,7 @@ def test_poison_entries_are_each_rejected_and_the_loop_keeps_serving(
     assert status["loaded_step"] == 1 and status["ready"] is True
     assert generate(sglang_server.url, PROMPT, max_new_tokens=4)["meta_info"]["weight_version"] == "1"
     assert sidecar.get("/readyz").status_code == 200
-    for step, reason in expected.items():
+    for reason in expected.values():
         assert sidecar.metric("rollout_sidecar_syncs_total", outcome="rejected", reason=reason) >= 1
     # Heartbeats go on (the trainer's ack-file wait needs them) ...
     ack = checkpoint_root / "acks" / "r0.json"

@@ -12,10 +12,9 @@ from typing import Any
 
 import pytest
 
+from test_trainer_hooks import make_config, make_trainer, ready_unit
 from trainer_hooks import GRPOConfig, RLOOConfig
 from trainer_hooks.config import adapt_trl_fields, collective_budget_s, translate_generation_kwargs
-
-from test_trainer_hooks import make_config, make_trainer, ready_unit
 
 DEAD = ["http://127.0.0.1:9"]
 
@@ -94,7 +93,8 @@ def test_vllm_engine_settings_are_ignored_with_the_sglang_flag_named(tmp_path: P
     _config(tmp_path, vllm_gpu_memory_utilization=0.8, vllm_tensor_parallel_size=2, vllm_server_port=8001,
             cache_implementation="static")
     text = _messages(caplog)
-    assert "vllm_gpu_memory_utilization=0.8 is not used with SGLang rollouts; use SGLang's --mem-fraction-static" in text
+    assert ("vllm_gpu_memory_utilization=0.8 is not used with SGLang rollouts; use SGLang's"
+            " --mem-fraction-static") in text
     assert "vllm_tensor_parallel_size=2 is not used with SGLang rollouts; use SGLang's --tp-size" in text
     assert "vllm_server_port=8001 is not used with SGLang rollouts; use sglang_urls" in text
     assert "cache_implementation='static' is not used" in text
@@ -171,7 +171,8 @@ open({str(out)!r} + str(args.process_index), "w").write(json.dumps(dict(
             # transformers passes no timeout with use_cpu=True (torch's 1800 s default applies), so the request
             # timeout is fitted under it instead.
             assert r["pg_timeouts"] == [None], r
-            assert collective_budget_s(600.0, r["request_timeout"], rescoring=False) <= 1800 < r["request_timeout"] + 1800
+            budget = collective_budget_s(600.0, r["request_timeout"], rescoring=False)
+            assert budget <= 1800 < r["request_timeout"] + 1800
         else:
             # The process group itself was started with the adapted timeout.
             assert r["ddp_timeout"] == expected and r["pg_timeouts"] == [expected], r

@@ -206,7 +206,7 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
         if serve is not None:
             serve.stop()
     history = [h for h in trainer.state.log_history if "reward" in h]
-    summary = {
+    summary: dict[str, Any] = {
         "model": str(model_dir), "steps": steps, "learning_rate": learning_rate,
         "num_generations": num_generations, "prompts_per_step": prompts_per_step,
         "max_completion_length": max_completion_length, "train_seconds": wall,

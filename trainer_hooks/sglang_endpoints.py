@@ -26,9 +26,10 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import httpx
 
@@ -281,7 +282,8 @@ class SGLangEndpoints:
         try:
             data = response.json()
         except ValueError as exc:
-            raise _EndpointFailed(url, f"answered HTTP 200 with a body that is not JSON: {response.text[:200]!r}") from exc
+            raise _EndpointFailed(
+                url, f"answered HTTP 200 with a body that is not JSON: {response.text[:200]!r}") from exc
         groups = parse_generate_response(data, num_prompts=len(input_ids), n=n, want_logprobs=want_logprobs,
                                          vocab_size=self._vocab_size, source=f"SGLang at {url}")
         if rescore and want_logprobs:
@@ -404,7 +406,7 @@ def last_error_lines(text: str, limit: int = 6) -> list[str]:
     if starts:
         start = starts[-1]
         out = [lines[start].strip()]
-        tail = []
+        tail: list[str] = []
         for line in lines[start + 1:]:
             if line.startswith((" ", "\t")) or not line.strip():
                 if tail and not line.strip():

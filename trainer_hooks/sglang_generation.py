@@ -34,9 +34,10 @@ import logging
 import os
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from accelerate.utils import broadcast_object_list, gather_object

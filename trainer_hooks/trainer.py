@@ -78,11 +78,11 @@ def _backend_installed(module: ModuleType, factory: Callable[..., SGLangGenerati
         )
     with _INSTALL_LOCK:
         original = module.VLLMGeneration
-        module.VLLMGeneration = factory
+        module.VLLMGeneration = factory  # type: ignore[attr-defined]  # ModuleType: any attribute
         try:
             yield
         finally:
-            module.VLLMGeneration = original
+            module.VLLMGeneration = original  # type: ignore[attr-defined]
 
 
 class _SGLangBackendMixin:

@@ -30,10 +30,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout_service.checkpoint_reader import latest_checkpoint
 from rollout_service.tiny_model import ensure_tiny_model
+from script_args import rollout_unit_parser
 from trainer_hooks import GRPOConfig
 from trainer_hooks.sglang_generation import SGLangGeneration
-
-from script_args import rollout_unit_parser
 
 
 def main() -> None:

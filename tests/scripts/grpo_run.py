@@ -24,10 +24,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout_service.checkpoint_reader import latest_checkpoint
 from rollout_service.tiny_model import ensure_tiny_model
+from script_args import rollout_unit_parser
 from trainer_hooks import GRPOConfig, GRPOTrainer
 from trainer_hooks.demo import make_prompts, word_start_reward
-
-from script_args import rollout_unit_parser
 
 
 def main() -> None:

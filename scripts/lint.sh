@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The quality gates: ruff (lint) and mypy, as configured in pyproject.toml. Exits non-zero on any
+# finding. Run it inside the project environment (.ci/run: `./scripts/run.sh scripts/lint.sh`);
+# it first installs the exact ruff and mypy versions of pyproject.toml's `lint` extra when the
+# environment lacks them (requirements/cpu.lock does not list them, so a fresh machine has none).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+pins="$(python - <<'PY'
+import tomllib
+
+with open("pyproject.toml", "rb") as f:
+    print(" ".join(tomllib.load(f)["project"]["optional-dependencies"]["lint"]))
+PY
+)"
+if ! python - $pins <<'PY'
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+for pin in sys.argv[1:]:
+    name, wanted = pin.split("==")
+    try:
+        found = version(name)
+    except PackageNotFoundError:
+        sys.exit(1)
+    if found != wanted:
+        sys.exit(1)
+PY
+then
+    echo "[lint.sh] installing $pins" >&2
+    python -m pip install --quiet $pins 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+fi
+
+echo "[lint.sh] ruff check" >&2
+ruff check .
+echo "[lint.sh] mypy" >&2
+mypy
