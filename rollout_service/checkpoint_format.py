@@ -26,7 +26,9 @@ A published step has a *kind* (manifest ``kind``):
   tensor's dtype, shape, shard and the digest of its new bytes, so a reconstruction is
   checked bit for bit. The shard layout is the base's: a delta is only written when
   names, shapes, dtypes and their order are unchanged.
-- ``adapter``: a PEFT LoRA adapter (``adapter_model.safetensors`` + ``adapter_config.json``).
+- ``adapter``: a PEFT LoRA adapter (``adapter_model.safetensors`` + ``adapter_config.json``)
+  for the base model the replicas were started with; ``adapter`` gives its rank, alpha and
+  target modules (the sidecar checks them against the served model before SGLang sees them).
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ DEFAULT_DELTA_MAX_RATIO = 0.5
 MANIFEST_NAME = "manifest.json"
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_FILES = (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME)
+"""The files of an ``adapter`` step (PEFT's ``save_pretrained`` names), and no others."""
+MAX_ADAPTER_RANK = 4096
 ACKS_DIR = "acks"
 TEMP_PREFIX = ".tmp-"
 STEP_DIR_RE = re.compile(r"^step-([0-9]{8})$", re.ASCII)  # not \d: other scripts' digits
@@ -149,6 +156,17 @@ class DeltaInfo:
 
 
 @dataclass
+class AdapterInfo:
+    """What an ``adapter`` step holds: one PEFT LoRA adapter (``peft_type`` ``LORA``)."""
+
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    """Module names (``q_proj``, ...) the adapter changes, as in ``adapter_config.json``."""
+    peft_type: str = "LORA"
+
+
+@dataclass
 class Manifest:
     """Contents of ``manifest.json``: what a reader needs to trust a checkpoint."""
 
@@ -168,16 +186,29 @@ class Manifest:
     """The publishing run's lineage id: step numbers only order checkpoints of one run."""
     kind: str = "full"
     delta: DeltaInfo | None = None
+    adapter: AdapterInfo | None = None
 
     def to_json(self) -> str:
         data = asdict(self)
         if self.delta is None:
             data.pop("delta")
+        if self.adapter is None:
+            data.pop("adapter")
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     def fingerprint(self) -> str:
         """Identity of one publication: the same step republished has another fingerprint."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:32]
+
+    def source_fingerprint(self) -> str:
+        """The fingerprint of the *published* manifest this one stands for: a full copy rebuilt
+        from a delta names the delta's (``extra.reconstructed_from``); any other is its own."""
+        source = self.extra.get("reconstructed_from")
+        if isinstance(source, dict):
+            fp = source.get("fingerprint")
+            if isinstance(fp, str) and _FINGERPRINT_RE.fullmatch(fp):
+                return fp
+        return self.fingerprint()
 
     @classmethod
     def from_json(cls, text: str | bytes, *, where: str = "manifest.json") -> "Manifest":
@@ -218,6 +249,11 @@ class Manifest:
                                       " (chain_start <= base_step < step)")
         elif data.get("delta") is not None:
             raise CheckpointError("bad_manifest", f"{where}: a {kind} checkpoint has no delta field")
+        adapter = None
+        if kind == "adapter":
+            adapter = field_of.adapter(data.get("adapter"))
+        elif data.get("adapter") is not None:
+            raise CheckpointError("bad_manifest", f"{where}: a {kind} checkpoint has no adapter field")
         dtype = data["dtype"]
         if dtype is not None and dtype not in FLOAT_DTYPES:
             raise CheckpointError("bad_manifest", f"{where}: dtype {str(dtype)[:40]!r} is not one of"
@@ -245,7 +281,7 @@ class Manifest:
             tensor_count=field_of.int(data["tensor_count"], "tensor_count", 10**7),
             files=files, digest_algorithm=digest_algorithm, format_version=version,
             extra=field_of.obj(data.get("extra") or {}, "extra"), run_id=run_id,
-            kind=kind, delta=delta,
+            kind=kind, delta=delta, adapter=adapter,
         )
 
     @classmethod
@@ -275,6 +311,7 @@ MAX_FILE_BYTES = 1 << 44
 RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
 _DIGEST_RE = re.compile(r"xxh3_128:[0-9a-f]{32}", re.ASCII)
 _FINGERPRINT_RE = re.compile(r"[0-9a-f]{32}", re.ASCII)
+_MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}", re.ASCII)
 
 
 def parse_json_object(text: str | bytes, *, where: str, reason: str) -> dict[str, Any]:
@@ -355,6 +392,25 @@ class _FieldReader:
                 digest=self.digest(e.get("digest"), f"{at}.digest"),
                 tensors=self.int(e.get("tensors", 0), f"{at}.tensors", 10**7))
         return files
+
+    def adapter(self, value: Any) -> AdapterInfo:
+        a = self.obj(value, "adapter")
+        unknown = sorted(set(a) - {"rank", "alpha", "target_modules", "peft_type"})
+        if unknown:
+            raise self._bad("adapter", "rank, alpha, target_modules and peft_type only", unknown)
+        if a.get("peft_type") != "LORA":
+            raise self._bad("adapter.peft_type", "'LORA'", a.get("peft_type"))
+        rank = self.int(a.get("rank"), "adapter.rank", MAX_ADAPTER_RANK)
+        if rank < 1:
+            raise self._bad("adapter.rank", f"an integer between 1 and {MAX_ADAPTER_RANK}", rank)
+        alpha = a.get("alpha")
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1e6:
+            raise self._bad("adapter.alpha", "a positive number below 1e6", alpha)
+        modules = a.get("target_modules")
+        if not isinstance(modules, list) or not 0 < len(modules) <= 64 or not all(
+                isinstance(m, str) and _MODULE_RE.fullmatch(m) for m in modules):
+            raise self._bad("adapter.target_modules", "a list of 1-64 module names", modules)
+        return AdapterInfo(rank=rank, alpha=float(alpha), target_modules=list(modules))
 
     def delta(self, value: Any) -> DeltaInfo:
         d = self.obj(value, "delta")

@@ -43,6 +43,20 @@ def step_for_version(version: Any) -> int | None:
     return None
 
 
+def adapter_name_for(step: int, run_id: str | None) -> str:
+    """The name a sidecar loads step ``step``'s LoRA adapter under, and the trainer's requests
+    give as ``lora_path``: fresh per version (SGLang keys its prefix cache by adapter name)."""
+    return f"v{step:08d}" + (f"-{run_id}" if run_id else "")
+
+
+def step_for_adapter_name(name: Any) -> int | None:
+    """The step an adapter name from :func:`adapter_name_for` names, or None."""
+    if not isinstance(name, str) or len(name) < 9 or name[0] != "v" or not name[1:9].isascii() \
+            or not name[1:9].isdigit() or (len(name) > 9 and name[9] != "-"):
+        return None
+    return int(name[1:9])
+
+
 @dataclass
 class ReplicaReport:
     """One replica's state as the trainer needs it (the ack file, and part of ``/status``)."""

@@ -18,6 +18,9 @@ which on a CUDA build of torch without a GPU resolves to `torch.cuda` and kills 
 replacement keeps the attributes torch.compile relies on (`__wrapped__`), so SGLang's compiled
 functions (e.g. its repetition penalty) still compile and run on the CPU.
 
+It also makes SGLang's LoRA modules create unpinned host tensors (`no_pinned_memory`): with a CUDA
+build of torch and no driver, `pin_memory=True` raises and `--enable-lora` dies at start-up.
+
 It is importable as `sgl_kernel` only when its parent folder `rollout_service/_cpu_shims` is on
 `PYTHONPATH`, which `rollout_service.sglang_launcher` does only for `--device cpu`. It must never
 be put on the path on GPU machines, where the real CUDA `sgl_kernel` is required: importing it
@@ -160,3 +163,12 @@ def _default_device_module_is_cpu_without_cuda() -> None:
 
 
 _default_device_module_is_cpu_without_cuda()
+
+
+def _lora_without_pinned_memory() -> None:
+    from .no_pinned_memory import install
+
+    install()
+
+
+_lora_without_pinned_memory()

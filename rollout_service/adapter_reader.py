@@ -1,0 +1,206 @@
+"""Validating an ``adapter`` checkpoint step against the model and LoRA limits SGLang serves.
+
+SGLang 0.5.23 either refuses an adapter it cannot serve or, worse, serves something else: it
+ignores ``modules_to_save``, scales every adapter by ``lora_alpha / r`` (no rsLoRA, no per-module
+ranks) and drops LoRA weights of modules it was not started for. :func:`validate_adapter` refuses
+all of those before SGLang sees the adapter, each with a reason code, and checks what a load
+would trip over: the files (exactly ``adapter_config.json`` and ``adapter_model.safetensors``, the
+sizes of the manifest), the config (strict JSON, the manifest's rank/alpha/modules), every tensor
+(a ``lora_A``/``lora_B`` of a module the served model has, shapes ``[r, in]`` / ``[out, r]``), the
+rank against ``--max-lora-rank`` and the modules against ``--lora-target-modules``.
+:func:`adapter_support_problem` is the same judgement on a PEFT config alone, for the trainer's
+choice between adapter sync and merged sync. Everything under the root is untrusted.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .checkpoint_format import (
+    ADAPTER_CONFIG_NAME, ADAPTER_FILES, ADAPTER_WEIGHTS_NAME, FLOAT_DTYPES, MANIFEST_NAME,
+    CheckpointError, Manifest, parse_json_object, parse_step_dir_name,
+)
+from .checkpoint_paths import resolve_inside
+from .checkpoint_reader import TensorSpecs, read_safetensors_specs
+from .untrusted_files import NO_DEADLINE, Deadline, open_regular, read_small
+
+PEFT_PREFIX = "base_model.model."
+LORA_PARTS = ("lora_A", "lora_B")
+
+
+@dataclass(frozen=True)
+class LoraLimits:
+    """What one SGLang server can serve (its ``--enable-lora`` flags, from ``/server_info``)."""
+
+    enabled: bool
+    max_rank: int | None
+    target_modules: frozenset[str] = field(default_factory=frozenset)
+    """Empty with ``enabled``: SGLang infers them (only from adapters given at start-up)."""
+
+    @classmethod
+    def from_server_info(cls, info: Mapping[str, Any]) -> "LoraLimits":
+        enabled = bool(info.get("enable_lora")) or bool(info.get("lora_paths"))
+        rank = info.get("max_lora_rank")
+        modules = info.get("lora_target_modules") or []
+        if isinstance(modules, str):
+            modules = [modules]
+        return cls(enabled=enabled, max_rank=rank if isinstance(rank, int) and not isinstance(rank, bool)
+                   else None, target_modules=frozenset(str(m) for m in modules))
+
+    def serves_module(self, module: str) -> bool:
+        return module in self.target_modules or "all" in self.target_modules
+
+
+@dataclass
+class AdapterReport:
+    """An adapter step that passed validation."""
+
+    path: Path
+    manifest: Manifest
+    modules: list[str]
+    checks: list[str] = field(default_factory=list)
+
+
+def adapter_support_problem(config: Mapping[str, Any], limits: LoraLimits) -> str | None:
+    """Why SGLang with ``limits`` cannot serve an adapter with this PEFT config; None when it can."""
+    if not limits.enabled:
+        return "the SGLang server was started without LoRA (rollout-service serve --lora)"
+    peft_type = str(getattr(config.get("peft_type"), "value", config.get("peft_type")))
+    if peft_type != "LORA":
+        return f"peft_type is {peft_type}, SGLang serves LoRA only"
+    if config.get("use_dora"):
+        return "the adapter uses DoRA (use_dora=True), which SGLang does not serve"
+    if config.get("modules_to_save"):
+        return (f"modules_to_save={sorted(config['modules_to_save'])} trains whole modules, which SGLang's"
+                " LoRA adapters cannot carry")
+    if config.get("use_rslora"):
+        return "use_rslora=True scales by alpha/sqrt(r); SGLang scales every adapter by alpha/r"
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        return "rank_pattern/alpha_pattern give modules their own rank or alpha; SGLang uses one per adapter"
+    if str(config.get("bias", "none")) != "none":
+        return f"bias={config.get('bias')!r} trains bias terms, which SGLang's LoRA adapters cannot carry"
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        return f"r={rank!r} is not a positive integer"
+    if limits.max_rank is not None and rank > limits.max_rank:
+        return f"rank {rank} is above the server's --max-lora-rank {limits.max_rank}"
+    modules = config.get("target_modules")
+    if isinstance(modules, str):
+        return (f"target_modules={modules!r} is a pattern; give the module names (e.g. ['q_proj', 'v_proj'])"
+                " so the server's --lora-target-modules can be checked")
+    unserved = sorted(m for m in (modules or []) if not limits.serves_module(str(m)))
+    if unserved:
+        return (f"target modules {unserved} are not among the server's --lora-target-modules"
+                f" {sorted(limits.target_modules)}")
+    return None
+
+
+def validate_adapter(checkpoint_dir: Path, *, root: Path, reference: TensorSpecs, limits: LoraLimits,
+                     check_finite: bool = False, timeout_s: float | None = None) -> AdapterReport:
+    """Validate an ``adapter`` step; raise ``CheckpointError`` naming the first problem."""
+    deadline = Deadline(timeout_s) if timeout_s is not None else NO_DEADLINE
+    checkpoint_dir = Path(checkpoint_dir)
+    real_dir = resolve_inside(root, checkpoint_dir)
+    name = checkpoint_dir.name
+    if not real_dir.is_dir():
+        raise CheckpointError("missing_checkpoint", f"{name} is not a directory")
+    manifest = Manifest.load(real_dir, root=root)
+    checks = ["inside root", "manifest parses"]
+    step = parse_step_dir_name(name)
+    if step is not None and manifest.step != step:
+        raise CheckpointError("bad_manifest", f"{name}/manifest.json says step {manifest.step}, the"
+                              f" directory says {step}")
+    if manifest.kind != "adapter" or manifest.adapter is None:
+        raise CheckpointError("not_an_adapter", f"{name} is a {manifest.kind} checkpoint, not an adapter")
+    if sorted(manifest.files) != sorted(ADAPTER_FILES):
+        raise CheckpointError("bad_manifest", f"{name}/manifest.json lists {sorted(manifest.files)[:8]};"
+                              f" an adapter step holds exactly {list(ADAPTER_FILES)}")
+    with os.scandir(real_dir) as entries:  # SGLang's loader would also read other weight files
+        extra = sorted(e.name for _, e in zip(range(64), entries)
+                       if e.name not in ADAPTER_FILES and e.name != MANIFEST_NAME)
+    if extra:
+        raise CheckpointError("unlisted_file", f"{name} holds {extra[:4]} beside the adapter; SGLang might"
+                              " load them. Remove them or republish the adapter")
+    for fname, entry in sorted(manifest.files.items()):
+        with open_regular(root, real_dir / fname, where=f"{name}/{fname}") as (_, st):
+            if st.st_size != entry.size:
+                raise CheckpointError("truncated" if st.st_size < entry.size else "size_mismatch",
+                                      f"{name}/{fname} has {st.st_size} bytes, the manifest says {entry.size}")
+    checks.append("files and sizes match the manifest")
+    deadline.check(name)
+    info = manifest.adapter
+    config = parse_json_object(read_small(root, real_dir / ADAPTER_CONFIG_NAME,
+                                          where=f"{name}/{ADAPTER_CONFIG_NAME}"),
+                               where=f"{name}/{ADAPTER_CONFIG_NAME}", reason="bad_adapter_config")
+    if config.get("r") != info.rank or not isinstance(config.get("lora_alpha"), (int, float)) \
+            or float(config["lora_alpha"]) != info.alpha:
+        raise CheckpointError("bad_adapter_config", f"{name}/{ADAPTER_CONFIG_NAME} has r={config.get('r')!r},"
+                              f" lora_alpha={config.get('lora_alpha')!r}; the manifest says {info.rank},"
+                              f" {info.alpha}")
+    modules = config.get("target_modules")
+    if not isinstance(modules, list) or sorted(set(map(str, modules))) != sorted(set(info.target_modules)):
+        raise CheckpointError("bad_adapter_config", f"{name}/{ADAPTER_CONFIG_NAME} targets {modules!r:.200};"
+                              f" the manifest says {info.target_modules}")
+    problem = adapter_support_problem(config, limits)
+    if problem is not None:
+        raise CheckpointError("adapter_unservable", f"{name}: {problem}")
+    checks.append("config servable")
+    specs = read_safetensors_specs(real_dir / ADAPTER_WEIGHTS_NAME, root=root)
+    _check_tensors(specs, reference, info.rank, set(info.target_modules), where=f"{name}/{ADAPTER_WEIGHTS_NAME}")
+    checks.append("tensors fit the served model")
+    if check_finite:
+        _check_finite(root, real_dir / ADAPTER_WEIGHTS_NAME, f"{name}/{ADAPTER_WEIGHTS_NAME}", deadline)
+        checks.append("finite")
+    return AdapterReport(path=real_dir, manifest=manifest, modules=sorted(info.target_modules), checks=checks)
+
+
+def _check_tensors(specs: TensorSpecs, reference: TensorSpecs, rank: int, modules: set[str], where: str) -> None:
+    if not specs:
+        raise CheckpointError("bad_adapter", f"{where} holds no tensors")
+    seen: set[str] = set()
+    for tname, (dtype, shape) in specs.items():
+        base, _, tail = tname.rpartition(".")
+        module_path, _, part = base.rpartition(".")
+        if not tname.startswith(PEFT_PREFIX) or tail != "weight" or part not in LORA_PARTS:
+            raise CheckpointError("bad_adapter", f"{where}: tensor {tname[:120]!r} is not a LoRA weight"
+                                  " ('base_model.model.<module>.lora_A.weight' or lora_B)")
+        module = module_path.rsplit(".", 1)[-1]
+        if module not in modules:
+            raise CheckpointError("bad_adapter", f"{where}: tensor {tname[:120]!r} belongs to {module!r},"
+                                  f" not one of the adapter's target modules {sorted(modules)}")
+        served = module_path[len(PEFT_PREFIX):] + ".weight"
+        if served not in reference:
+            raise CheckpointError("adapter_mismatch", f"{where}: {tname[:120]!r} adapts {served!r}, which the"
+                                  " served model does not have (an adapter for another model?)")
+        out_dim, in_dim = (tuple(reference[served][1]) + (0, 0))[:2]
+        want = (rank, in_dim) if part == "lora_A" else (out_dim, rank)
+        if dtype not in FLOAT_DTYPES or tuple(shape) != want:
+            raise CheckpointError("adapter_mismatch", f"{where}: {tname[:120]!r} is {dtype} {list(shape)};"
+                                  f" for {served} {list(reference[served][1])} at rank {rank} it must be a"
+                                  f" float tensor of shape {list(want)}")
+        seen.add(f"{module_path}.{part}")
+    unpaired = sorted(p for p in seen if p.replace("lora_A", "lora_B") not in seen
+                      or p.replace("lora_B", "lora_A") not in seen)
+    if unpaired:
+        raise CheckpointError("bad_adapter", f"{where}: {unpaired[0][:120]!r} has no matching lora_A/lora_B")
+
+
+def _check_finite(root: Path, path: Path, where: str, deadline: Deadline) -> None:
+    from .finite import first_non_finite
+
+    with open_regular(root, path, where=where) as (fd, st):
+        data = bytearray(st.st_size)
+        view = memoryview(data)
+        got = 0
+        while got < st.st_size:
+            deadline.check(where)
+            n = os.readv(fd, [view[got:]])
+            if not n:
+                raise CheckpointError("truncated", f"{where} ended after {got} of {st.st_size} bytes")
+            got += n
+    found = first_non_finite(memoryview(data), deadline=deadline)
+    if found is not None:
+        raise CheckpointError("non_finite", f"{where}: tensor {found[0]!r} holds {found[1]} NaN/Inf values")
