@@ -12,6 +12,7 @@ which :func:`cleanup_stale_temp_dirs` removes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ from .checkpoint_format import (
     CONFIG_NAME, DTYPE_SIZES, FLOAT_DTYPES, INDEX_NAME, MANIFEST_NAME, TEMP_PREFIX,
     RUN_ID_RE, FileEntry, Manifest, new_run_id, normalize_dtype, step_dir_name,
 )
-from .digest import file_digest, format_digest, new_hasher
+from .digest import format_digest, new_hasher
 from .protocol import version_for_step
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,11 @@ class PublishResult:
     files: int
     write_seconds: float
     total_seconds: float
+    kind: str = "full"
+    fingerprint: str = ""
+    """The published manifest's fingerprint (a delta names its base by it)."""
+    full_bytes: int = 0
+    """What a full publish of the same weights writes (== total_bytes for a full one)."""
 
 
 def fsync_dir(path: Path) -> None:
@@ -91,18 +97,46 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def _write_shard(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> FileEntry:
-    """Write one safetensors file (header, then raw data), digesting as it goes, and fsync it."""
+def shard_prefix(specs: Iterable[tuple[str, str, tuple[int, ...] | list[int]]]) -> tuple[bytes, int]:
+    """The bytes a shard starts with (length + JSON header, padded to 8) and its data length.
+
+    ``specs`` are ``(name, dtype tag, shape)`` in file order. One definition for the full
+    writer and the delta writer/applier: a reconstruction must match a full publish bit for bit.
+    """
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, t in tensors:
-        n = t.numel() * DTYPE_SIZES[_TORCH_TO_TAG[t.dtype]]
-        header[name] = {"dtype": _TORCH_TO_TAG[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + n]}
+    for name, tag, shape in specs:
+        n = DTYPE_SIZES[tag]
+        for dim in shape:
+            n *= dim
+        header[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    prefix = struct.pack("<Q", len(blob)) + blob
+    return struct.pack("<Q", len(blob)) + blob, offset
+
+
+def shard_file_names(count: int) -> list[str]:
+    """The names of ``count`` shards: ``model.safetensors`` alone, else ``model-0000i-of-0000N``."""
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def index_json(weight_map: dict[str, str], data_bytes: int) -> str:
+    """``model.safetensors.index.json`` of a sharded checkpoint."""
+    index = {"metadata": {"total_size": data_bytes},
+             "weight_map": dict(sorted(weight_map.items()))}
+    return json.dumps(index, indent=2) + "\n"
+
+
+def config_json(config: dict[str, Any]) -> str:
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def _write_shard(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> FileEntry:
+    """Write one safetensors file (header, then raw data), digesting as it goes, and fsync it."""
+    prefix, offset = shard_prefix((name, _TORCH_TO_TAG[t.dtype], tuple(t.shape)) for name, t in tensors)
     hasher = new_hasher()
     hasher.update(prefix)
     # Digest on a second thread while this one sits in write() with the GIL released: the
@@ -123,10 +157,34 @@ def _write_shard(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> FileEnt
     return FileEntry(size=len(prefix) + offset, digest=format_digest(hasher), tensors=len(tensors))
 
 
+class ShardPlanner:
+    """Where shards break: a tensor starts a new shard when it would overflow the current one.
+
+    The one rule for the full writer and the delta writer (whose reconstruction must have the
+    same files as a full publish of the same weights).
+    """
+
+    def __init__(self, max_shard_bytes: int):
+        self.max_shard_bytes = max_shard_bytes
+        self.size = 0
+        self.items = 0
+        self.count = 0
+
+    def starts_new_shard(self, nbytes: int) -> bool:
+        """Account for the next tensor; True when it opens a new shard (also for the first)."""
+        new = self.items == 0 or self.size + nbytes > self.max_shard_bytes
+        if new:
+            self.count += 1
+            self.size = self.items = 0
+        self.size += nbytes
+        self.items += 1
+        return new
+
+
 def _shards(named: Iterable[tuple[str, torch.Tensor]], target: str | None,
             max_shard_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     batch: list[tuple[str, torch.Tensor]] = []
-    size = 0
+    planner = ShardPlanner(max_shard_bytes)
     seen: set[str] = set()
     for name, tensor in named:
         if not isinstance(name, str) or not name:
@@ -135,18 +193,12 @@ def _shards(named: Iterable[tuple[str, torch.Tensor]], target: str | None,
             raise ValueError(f"tensor {name!r} appears twice in the published state")
         seen.add(name)
         t = _prepare(tensor, target)
-        n = t.numel() * t.element_size()
-        if batch and size + n > max_shard_bytes:
+        if planner.starts_new_shard(t.numel() * t.element_size()) and batch:
             yield batch
-            batch, size = [], 0
+            batch = []
         batch.append((name, t))
-        size += n
     if batch:
         yield batch
-
-
-def _file_digest_entry(path: Path) -> FileEntry:
-    return FileEntry(size=path.stat().st_size, digest=file_digest(path))
 
 
 def publish_checkpoint(
@@ -172,23 +224,11 @@ def publish_checkpoint(
     ``FileExistsError`` if that step is already published.
     """
     t0 = time.perf_counter()
-    root = Path(root)
-    name = step_dir_name(step)
     target = normalize_dtype(dtype)
-    run_id = new_run_id() if run_id is None else run_id
-    if not RUN_ID_RE.fullmatch(run_id):
-        raise ValueError(f"run_id must be 1-64 letters, digits, '_' or '-', got {run_id!r}")
+    run_id = check_run_id(run_id)
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / name
-    if final.exists():
-        raise FileExistsError(
-            f"{final} is already published; steps are immutable, publish a new step instead"
-        )
-    tmp = root / f"{TEMP_PREFIX}{name}-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
-    try:
+    with atomic_step_dir(root, step) as tmp:
         files: dict[str, FileEntry] = {}
         weight_map: dict[str, str] = {}
         dtypes: set[str] = set()
@@ -208,35 +248,65 @@ def publish_checkpoint(
         write_seconds = time.perf_counter() - t0
         # Give shards their final names now that their count is known.
         parts = sorted(files)
-        if len(parts) == 1:
-            names = {parts[0]: "model.safetensors"}
-        else:
-            names = {p: f"model-{i:05d}-of-{len(parts):05d}.safetensors"
-                     for i, p in enumerate(parts, start=1)}
+        names = dict(zip(parts, shard_file_names(len(parts))))
         files = {names[p]: files[p] for p in parts}
         for p, final_name in names.items():
             os.rename(tmp / p, tmp / final_name)
         if len(parts) > 1:
-            index = {"metadata": {"total_size": data_bytes},
-                     "weight_map": {k: names[v] for k, v in sorted(weight_map.items())}}
-            _write_small(tmp / INDEX_NAME, json.dumps(index, indent=2) + "\n")
-            files[INDEX_NAME] = _file_digest_entry(tmp / INDEX_NAME)
+            files[INDEX_NAME] = write_small(tmp / INDEX_NAME, index_json(
+                {k: names[v] for k, v in weight_map.items()}, data_bytes))
         if config is not None:
-            if isinstance(config, dict):
-                _write_small(tmp / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
-            else:
-                _copy_small(Path(config), tmp / CONFIG_NAME)
-            files[CONFIG_NAME] = _file_digest_entry(tmp / CONFIG_NAME)
+            files[CONFIG_NAME] = write_small(tmp / CONFIG_NAME, config_text(config))
         manifest = Manifest(
             step=step, weight_version=version_for_step(step), created_at=time.time(),
-            writer={"host": socket.gethostname(), "pid": os.getpid(), "tool": "rollout-service"},
-            base_model=base_model,
+            writer=writer_identity(), base_model=base_model,
             dtype=target or (dtypes.pop() if len(dtypes) == 1 else None),
             total_bytes=sum(e.size for e in files.values()),
             tensor_count=len(weight_map), files=files,
             run_id=run_id,
         )
-        _write_small(tmp / MANIFEST_NAME, manifest.to_json())
+        write_small(tmp / MANIFEST_NAME, manifest.to_json())
+    final = Path(root) / step_dir_name(step)
+    total = time.perf_counter() - t0
+    log.info("published %s: %d tensors, %.1f MB in %.2f s", final, manifest.tensor_count,
+             manifest.total_bytes / 1e6, total)
+    return PublishResult(path=final, step=step, weight_version=manifest.weight_version,
+                         total_bytes=manifest.total_bytes, tensor_count=manifest.tensor_count,
+                         files=len(files), write_seconds=write_seconds, total_seconds=total,
+                         fingerprint=manifest.fingerprint(), full_bytes=manifest.total_bytes)
+
+
+def check_run_id(run_id: str | None) -> str:
+    """``run_id``, or a fresh one when None; raises ValueError for an id readers would refuse."""
+    run_id = new_run_id() if run_id is None else run_id
+    if not RUN_ID_RE.fullmatch(run_id):
+        raise ValueError(f"run_id must be 1-64 letters, digits, '_' or '-', got {run_id!r}")
+    return run_id
+
+
+def writer_identity() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "tool": "rollout-service"}
+
+
+@contextlib.contextmanager
+def atomic_step_dir(root: Path | str, step: int) -> Iterator[Path]:
+    """A hidden work folder that becomes ``<root>/step-<step>`` by one rename when the block ends.
+
+    Everything written in it is fsynced first; on any error the folder is removed. Raises
+    ``FileExistsError`` when the step is already published (steps are immutable).
+    """
+    root = Path(root)
+    name = step_dir_name(step)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / name
+    if final.exists():
+        raise FileExistsError(
+            f"{final} is already published; steps are immutable, publish a new step instead"
+        )
+    tmp = root / f"{TEMP_PREFIX}{name}-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    try:
+        yield tmp
         fsync_dir(tmp)
         if final.exists():
             raise FileExistsError(f"{final} was published by another writer meanwhile")
@@ -245,26 +315,25 @@ def publish_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    total = time.perf_counter() - t0
-    log.info("published %s: %d tensors, %.1f MB in %.2f s", final, manifest.tensor_count,
-             manifest.total_bytes / 1e6, total)
-    return PublishResult(path=final, step=step, weight_version=manifest.weight_version,
-                         total_bytes=manifest.total_bytes, tensor_count=manifest.tensor_count,
-                         files=len(files), write_seconds=write_seconds, total_seconds=total)
 
 
-def _write_small(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
+def config_text(config: dict[str, Any] | Path | str) -> str | bytes:
+    """The bytes of ``config.json``: a dict rendered canonically, or a file's bytes as they are."""
+    if isinstance(config, dict):
+        return config_json(config)
+    return Path(config).read_bytes()
+
+
+def write_small(path: Path, data: str | bytes) -> FileEntry:
+    """Write a small file, fsync it, and return its manifest entry."""
+    raw = data.encode() if isinstance(data, str) else data
+    with open(path, "wb") as f:
+        f.write(raw)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _copy_small(src: Path, dst: Path) -> None:
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        shutil.copyfileobj(fin, fout)
-        fout.flush()
-        os.fsync(fout.fileno())
+    hasher = new_hasher()
+    hasher.update(raw)
+    return FileEntry(size=len(raw), digest=format_digest(hasher))
 
 
 def cleanup_stale_temp_dirs(root: Path | str, older_than_s: float = 3600.0) -> list[Path]:

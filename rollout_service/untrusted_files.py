@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .checkpoint_format import CheckpointError
 from .checkpoint_paths import resolve_inside
+from .digest import format_digest, new_hasher
 
 MAX_SMALL_FILE_BYTES = 16 << 20
 """Cap on manifest.json, the shard index and config.json (real ones are kilobytes)."""
@@ -92,6 +93,54 @@ def read_small(root: Path, path: Path, *, where: str, max_bytes: int = MAX_SMALL
             if total > max_bytes:  # the file grew after fstat
                 raise CheckpointError("too_large", f"{where} holds more than {max_bytes} bytes")
     return b"".join(chunks)
+
+
+_COPY_CHUNK = 16 << 20
+
+
+def copy_verified(root: Path, src: Path, dst: Path | None, *, where: str, size: int, digest: str,
+                  deadline: Deadline) -> bytes | None:
+    """Read ``src`` (untrusted, under ``root``) checking its size and digest as it streams.
+
+    The bytes go to ``dst`` when given (a new file; returns None), else they are returned
+    (for files small enough to hold: delta files). A file that changes while it is read
+    raises ``truncated``/``size_mismatch``/``digest_mismatch``: nothing it yields is trusted
+    until this returns.
+    """
+    hasher = new_hasher()
+    copied = 0
+    held = bytearray(size) if dst is None else None
+    buf = bytearray(_COPY_CHUNK)
+    view = memoryview(buf)
+    with open_regular(root, src, where=where) as (fd, _), \
+            (open(dst, "wb", buffering=0) if dst is not None else contextlib.nullcontext()) as out:
+        while copied <= size:
+            deadline.check(where)
+            n = os.readv(fd, [view])
+            if not n:
+                break
+            if copied + n > size:
+                copied += n
+                break
+            hasher.update(view[:n])
+            if out is not None:
+                out.write(view[:n])
+            else:
+                assert held is not None
+                held[copied:copied + n] = view[:n]
+            copied += n
+    if copied != size:
+        raise CheckpointError(
+            "size_mismatch" if copied > size else "truncated",
+            f"{where} changed while it was being read: {'more' if copied > size else 'fewer'}"
+            f" bytes than the manifest's {size}; the writer modified a published file")
+    found = format_digest(hasher)
+    if found != digest:
+        raise CheckpointError(
+            "digest_mismatch",
+            f"{where} has digest {found}, the manifest says {digest}: the file's bytes"
+            " changed after publishing")
+    return None if held is None else bytes(held)
 
 
 def fd_path(fd: int) -> str:

@@ -26,15 +26,13 @@ from pathlib import Path
 
 from ..checkpoint_format import MANIFEST_NAME, TEMP_PREFIX, CheckpointError, Manifest, step_dir_name
 from ..checkpoint_reader import TensorSpecs
-from ..digest import format_digest, new_hasher
 from ..protocol import atomic_replace
-from ..untrusted_files import Deadline, open_regular
+from ..untrusted_files import Deadline, copy_verified
 
 log = logging.getLogger(__name__)
 
 REFERENCE_NAME = "reference.json"
 LOCK_NAME = ".lock"
-_COPY_CHUNK = 16 << 20
 SPACE_MARGIN_BYTES = 64 << 20
 
 
@@ -119,44 +117,14 @@ class Stage:
         try:
             for fname, entry in sorted(manifest.files.items()):
                 where = f"{source_dir.name}/{fname}"
-                self._copy_verified(root, source_dir / fname, tmp / fname, where, entry.size,
-                                    entry.digest, deadline)
+                copy_verified(root, source_dir / fname, tmp / fname, where=where, size=entry.size,
+                              digest=entry.digest, deadline=deadline)
             (tmp / MANIFEST_NAME).write_text(manifest.to_json())
             os.rename(tmp, final)
         except BaseException:
             _remove(tmp)
             raise
         return final
-
-    @staticmethod
-    def _copy_verified(root: Path, src: Path, dst: Path, where: str, size: int, digest: str,
-                       deadline: Deadline) -> None:
-        hasher = new_hasher()
-        copied = 0
-        buf = bytearray(_COPY_CHUNK)
-        view = memoryview(buf)
-        with open_regular(root, src, where=where) as (fd, _), open(dst, "wb", buffering=0) as out:
-            while copied <= size:
-                deadline.check(where)
-                n = os.readv(fd, [view])
-                if not n:
-                    break
-                copied += n
-                if copied > size:
-                    break
-                hasher.update(view[:n])
-                out.write(view[:n])
-        if copied != size:
-            raise CheckpointError(
-                "size_mismatch" if copied > size else "truncated",
-                f"{where} changed while it was being staged: {'more' if copied > size else 'fewer'}"
-                f" bytes than the manifest's {size}; the writer modified a published file")
-        found = format_digest(hasher)
-        if found != digest:
-            raise CheckpointError(
-                "digest_mismatch",
-                f"{where} has digest {found}, the manifest says {digest}: the file's bytes"
-                " changed after publishing")
 
     # --- the served model's reference ----------------------------------------------------
     def save_reference(self, specs: TensorSpecs, source: str) -> None:

@@ -1,0 +1,319 @@
+"""Rebuilding full checkpoints from delta chains, verified bit for bit.
+
+:func:`reconstruct` applies one ``delta`` step to the full copy of its base and writes the
+full checkpoint it stands for: each shard is read from the base (checking the base's own
+digests on the way), each changed tensor is XORed with its decompressed delta, and every
+tensor and every output file is checked against the digests a full publish would have
+written. :func:`resolve_chain` walks a delta back to something already reconstructed (a
+staged copy) or to the full step its chain starts from; :func:`materialize` rebuilds any
+retained step as a plain HF model directory (``rollout-service materialize``).
+
+Everything read from the checkpoint root is untrusted (opened through
+:mod:`~rollout_service.untrusted_files`, bounded, digests checked before use); output
+appears only by an atomic rename, so a reader killed mid-way leaves a hidden ``.tmp-*``
+folder and never a half-applied copy under a final name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import delta_codec
+from .checkpoint_format import (
+    MANIFEST_NAME, TEMP_PREFIX, CheckpointError, FileEntry, Manifest, parse_json_object,
+    step_dir_name,
+)
+from .digest import format_digest, new_hasher
+from .untrusted_files import Deadline, copy_verified, open_regular
+
+MAX_CHAIN_LENGTH = 10_000
+MAX_HEADER_BYTES = 100 << 20
+
+FindStaged = Callable[[int, str], "tuple[Path, Manifest] | None"]
+"""(step, published fingerprint) -> an already reconstructed full copy of it, if any."""
+
+
+@dataclass
+class ChainLink:
+    """One published step of a chain: its directory under the root and its manifest."""
+
+    path: Path
+    manifest: Manifest
+
+
+@dataclass
+class Chain:
+    """What it takes to rebuild a step: a full copy to start from, then deltas in order."""
+
+    start: ChainLink
+    start_is_staged: bool
+    """``start`` is an already verified local copy (else a published full step to copy in)."""
+    deltas: list[ChainLink]
+
+
+def resolve_chain(root: Path, link: ChainLink, find_staged: FindStaged | None = None) -> Chain:
+    """Walk ``link`` back to a staged copy or to its chain's full step.
+
+    A base that is gone, unreadable or republished (another fingerprint) raises
+    ``CheckpointError('broken_chain')``: the step cannot be rebuilt until the next full one.
+    """
+    deltas: list[ChainLink] = []
+    cur = link
+    while cur.manifest.kind == "delta":
+        delta = cur.manifest.delta
+        assert delta is not None
+        deltas.insert(0, cur)
+        if len(deltas) > MAX_CHAIN_LENGTH:
+            raise CheckpointError("broken_chain", f"{link.path.name}: the delta chain is longer than"
+                                  f" {MAX_CHAIN_LENGTH} steps")
+        if find_staged is not None:
+            staged = find_staged(delta.base_step, delta.base_fingerprint)
+            if staged is not None:
+                return Chain(ChainLink(*staged), True, deltas)
+        base_path = root / step_dir_name(delta.base_step)
+        try:
+            base = Manifest.load(base_path, root=root)
+        except CheckpointError as exc:
+            raise CheckpointError(
+                "broken_chain",
+                f"{cur.path.name} is a delta on {base_path.name}, which cannot be read ({exc.reason}):"
+                f" it cannot be rebuilt; the replica keeps its weights until the next full step") from None
+        if base.fingerprint() != delta.base_fingerprint or base.step != delta.base_step:
+            raise CheckpointError(
+                "broken_chain",
+                f"{cur.path.name} is a delta on another publication of {base_path.name} (it was"
+                " republished); the replica keeps its weights until the next full step")
+        if base.run_id != cur.manifest.run_id:
+            raise CheckpointError("broken_chain", f"{cur.path.name} and its base {base_path.name}"
+                                  " belong to different runs")
+        cur = ChainLink(base_path, base)
+    return Chain(cur, False, deltas)
+
+
+def reconstruct(root: Path, delta_link: ChainLink, base: ChainLink, base_root: Path, out_dir: Path,
+                deadline: Deadline) -> Manifest:
+    """Write into the new folder ``out_dir`` the full checkpoint that ``delta_link`` describes.
+
+    ``base`` is a full copy of the delta's base (under ``base_root``). Returns the manifest
+    written into ``out_dir``: kind ``full``, its files the delta's ``target_files``, and
+    ``extra.reconstructed_from`` naming the published delta (see
+    :meth:`Manifest.source_fingerprint`).
+    """
+    manifest = delta_link.manifest
+    delta = manifest.delta
+    assert delta is not None
+    name = delta_link.path.name
+    if base.manifest.source_fingerprint() != delta.base_fingerprint:
+        raise CheckpointError("broken_chain", f"{name} applies to another version of step"
+                              f" {delta.base_step} than the copy it was handed")
+    by_shard: dict[str, list[str]] = {}
+    for tname, t in delta.tensors.items():
+        by_shard.setdefault(t.shard, []).append(tname)
+    loaded: dict[str, dict[str, memoryview]] = {}
+    for fname, target in sorted(delta.target_files.items()):
+        deadline.check(f"{name}/{fname}")
+        if fname in manifest.files:  # config, index: carried whole by the delta
+            entry = manifest.files[fname]
+            if (entry.size, entry.digest) != (target.size, target.digest):
+                raise CheckpointError("bad_manifest", f"{name}: {fname} differs from its target entry")
+            copy_verified(root, delta_link.path / fname, out_dir / fname, where=f"{name}/{fname}",
+                          size=entry.size, digest=entry.digest, deadline=deadline)
+            continue
+        members = by_shard.get(fname)
+        if not members:
+            raise CheckpointError("bad_manifest", f"{name}: target file {fname} is neither carried"
+                                  " by the delta nor a shard of its tensors")
+        base_entry = base.manifest.files.get(fname)
+        if base_entry is None:
+            raise CheckpointError("delta_layout_mismatch", f"{name}: its base has no shard {fname}")
+        _rebuild_shard(root, delta_link, base, base_root, base_entry, fname, target, members,
+                       out_dir / fname, loaded, deadline)
+        loaded.clear()  # the writer puts each shard's blobs in a delta file of its own
+    rebuilt = Manifest(
+        step=manifest.step, weight_version=manifest.weight_version, created_at=manifest.created_at,
+        writer=manifest.writer, base_model=manifest.base_model, dtype=manifest.dtype,
+        total_bytes=sum(e.size for e in delta.target_files.values()), tensor_count=manifest.tensor_count,
+        files=dict(delta.target_files), run_id=manifest.run_id, kind="full",
+        extra={"reconstructed_from": {"fingerprint": manifest.fingerprint(), "kind": "delta",
+                                      "chain_start": delta.chain_start}})
+    (out_dir / MANIFEST_NAME).write_text(rebuilt.to_json())
+    return rebuilt
+
+
+def _rebuild_shard(root: Path, delta_link: ChainLink, base: ChainLink, base_root: Path,
+                   base_entry: FileEntry, fname: str, target: FileEntry, members: list[str],
+                   out_path: Path, loaded: dict[str, dict[str, memoryview]], deadline: Deadline) -> None:
+    manifest = delta_link.manifest
+    delta = manifest.delta
+    assert delta is not None
+    where = f"{delta_link.path.name}: {fname}"
+    base_hash, out_hash = new_hasher(), new_hasher()
+    with open_regular(base_root, base.path / fname, where=f"{base.path.name}/{fname}") as (fd, st), \
+            open(out_path, "wb", buffering=0) as out:
+        if st.st_size != base_entry.size:
+            raise CheckpointError("base_mismatch", f"{base.path.name}/{fname} has {st.st_size} bytes,"
+                                  f" its manifest says {base_entry.size}")
+        prefix, order = _read_header(fd, st.st_size, f"{base.path.name}/{fname}")
+        base_hash.update(prefix)
+        out_hash.update(prefix)
+        out.write(prefix)
+        if sorted(order) != sorted(members):
+            raise CheckpointError("delta_layout_mismatch", f"{where}: the base shard holds other tensors"
+                                  " than the delta says")
+        for tname, (dtype, shape, length) in order.items():
+            deadline.check(where)
+            t = delta.tensors[tname]
+            if (t.dtype, list(t.shape)) != (dtype, list(shape)):
+                raise CheckpointError("delta_layout_mismatch", f"{where}: tensor {tname} is {dtype}"
+                                      f" {list(shape)} in the base, {t.dtype} {t.shape} in the delta")
+            region = _read_exact(fd, length, f"{base.path.name}/{fname}")
+            base_hash.update(region)
+            old = np.frombuffer(region, dtype=np.uint8)
+            if t.delta_file is None:
+                new = old
+            else:
+                blobs = loaded.get(t.delta_file)
+                if blobs is None:
+                    blobs = loaded[t.delta_file] = _load_delta_file(root, delta_link, t.delta_file, deadline)
+                blob = blobs.get(tname)
+                if blob is None:
+                    raise CheckpointError("delta_corrupt", f"{where}: {t.delta_file} lacks tensor {tname}")
+                new = delta_codec.decode(blob, old, where=f"{delta_link.path.name}/{t.delta_file}: {tname}")
+            tensor_hash = new_hasher()
+            tensor_hash.update(new.data)
+            if format_digest(tensor_hash) != t.digest:
+                raise CheckpointError(
+                    "digest_mismatch",
+                    f"{where}: tensor {tname} rebuilt to other bytes than were published (the delta or"
+                    " its base is corrupt)")
+            out_hash.update(new.data)
+            out.write(new.data)
+        if os.lseek(fd, 0, os.SEEK_CUR) != st.st_size:
+            raise CheckpointError("base_mismatch", f"{base.path.name}/{fname} has bytes after its last tensor")
+    if format_digest(base_hash) != base_entry.digest:
+        raise CheckpointError("base_mismatch", f"{base.path.name}/{fname} is not the file its manifest"
+                              " describes (the local copy was damaged)")
+    if format_digest(out_hash) != target.digest or out_path.stat().st_size != target.size:
+        raise CheckpointError("digest_mismatch", f"{where}: the rebuilt shard differs from the published"
+                              " full checkpoint's")
+
+
+def _read_exact(fd: int, n: int, where: str) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = os.read(fd, min(n - got, 64 << 20))
+        if not chunk:
+            raise CheckpointError("truncated", f"{where} ends early")
+        chunks.append(chunk)
+        got += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _read_header(fd: int, size: int, where: str) -> tuple[bytes, dict[str, tuple[str, list[int], int]]]:
+    """A safetensors file's prefix bytes and its tensors in file order: name -> (dtype, shape, length)."""
+    if size < 8:
+        raise CheckpointError("header_invalid", f"{where} is too short for a safetensors file")
+    head = _read_exact(fd, 8, where)
+    (length,) = struct.unpack("<Q", head)
+    if length > min(size - 8, MAX_HEADER_BYTES):
+        raise CheckpointError("header_invalid", f"{where}: header length {length} does not fit")
+    raw = _read_exact(fd, length, where)
+    header = parse_json_object(raw, where=where, reason="header_invalid")
+    header.pop("__metadata__", None)
+    entries = []
+    for tname, e in header.items():
+        if not isinstance(e, dict) or not isinstance(e.get("data_offsets"), list) \
+                or len(e["data_offsets"]) != 2 or not all(isinstance(x, int) for x in e["data_offsets"]):
+            raise CheckpointError("header_invalid", f"{where}: bad entry for {tname[:80]!r}")
+        start, end = e["data_offsets"]
+        entries.append((start, end, tname, e.get("dtype"), e.get("shape")))
+    entries.sort()
+    offset = 0
+    order: dict[str, tuple[str, list[int], int]] = {}
+    for start, end, tname, dtype, shape in entries:
+        if start != offset or end < start:
+            raise CheckpointError("header_invalid", f"{where}: tensors do not tile the data section")
+        order[tname] = (str(dtype), shape if isinstance(shape, list) else [], end - start)
+        offset = end
+    if 8 + length + offset != size:
+        raise CheckpointError("header_invalid", f"{where}: the header does not cover the file")
+    return head + raw, order
+
+
+def _load_delta_file(root: Path, link: ChainLink, fname: str, deadline: Deadline) -> dict[str, memoryview]:
+    """Read a ``delta-*.safetensors`` file whole (digest checked) and split it into blobs."""
+    entry = link.manifest.files.get(fname)
+    if entry is None:
+        raise CheckpointError("bad_manifest", f"{link.path.name}: {fname} is not in its files")
+    data = copy_verified(root, link.path / fname, None, where=f"{link.path.name}/{fname}",
+                         size=entry.size, digest=entry.digest, deadline=deadline)
+    assert data is not None
+    view = memoryview(data)
+    where = f"{link.path.name}/{fname}"
+    (length,) = struct.unpack("<Q", view[:8]) if len(view) >= 8 else (len(view),)
+    if length > len(view) - 8:
+        raise CheckpointError("delta_corrupt", f"{where}: header length {length} does not fit")
+    header = parse_json_object(bytes(view[8:8 + length]), where=where, reason="delta_corrupt")
+    header.pop("__metadata__", None)
+    data_start = 8 + length
+    blobs: dict[str, memoryview] = {}
+    for tname, e in header.items():
+        offsets = e.get("data_offsets") if isinstance(e, dict) else None
+        if not isinstance(e, dict) or e.get("dtype") != "U8" or not isinstance(offsets, list) or len(offsets) != 2 \
+                or not all(isinstance(x, int) and 0 <= x for x in offsets) or offsets[0] > offsets[1] \
+                or data_start + offsets[1] > len(view):
+            raise CheckpointError("delta_corrupt", f"{where}: bad entry for {tname[:80]!r}")
+        blobs[tname] = view[data_start + offsets[0]:data_start + offsets[1]]
+    return blobs
+
+
+def materialize(root: Path | str, step: int, out: Path | str, *, timeout_s: float | None = None,
+                progress: Callable[[str], None] | None = None) -> Manifest:
+    """Rebuild step ``step`` under ``root`` as a plain HF model directory ``out`` (must not exist)."""
+    root, out = Path(root), Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; name a new directory for the materialized checkpoint")
+    deadline = Deadline(timeout_s, what="materializing")
+    link = ChainLink(root / step_dir_name(step), Manifest.load(root / step_dir_name(step), root=root))
+    chain = resolve_chain(root, link)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.parent / f"{TEMP_PREFIX}materialize-{out.name}-{uuid.uuid4().hex[:8]}"
+    work.mkdir()
+    try:
+        current = work / "0"
+        current.mkdir()
+        if progress:
+            progress(f"copying full step {chain.start.manifest.step}")
+        base_manifest = copy_in(root, chain.start, current, deadline)
+        for i, d in enumerate(chain.deltas, start=1):
+            if progress:
+                progress(f"applying delta step {d.manifest.step} ({i}/{len(chain.deltas)})")
+            nxt = work / str(i)
+            nxt.mkdir()
+            base_manifest = reconstruct(root, d, ChainLink(current, base_manifest), work, nxt, deadline)
+            shutil.rmtree(current)
+            current = nxt
+        os.rename(current, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return base_manifest
+
+
+def copy_in(root: Path, link: ChainLink, out_dir: Path, deadline: Deadline) -> Manifest:
+    """Copy a published full step's files into ``out_dir``, checking every byte against its digest."""
+    if link.manifest.kind != "full":
+        raise CheckpointError("broken_chain", f"{link.path.name} is a {link.manifest.kind} step, not full")
+    for fname, entry in sorted(link.manifest.files.items()):
+        copy_verified(root, link.path / fname, out_dir / fname, where=f"{link.path.name}/{fname}",
+                      size=entry.size, digest=entry.digest, deadline=deadline)
+    (out_dir / MANIFEST_NAME).write_text(link.manifest.to_json())
+    return link.manifest
+

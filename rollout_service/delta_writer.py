@@ -1,0 +1,375 @@
+"""Publishing versions as deltas: only the bytes that changed since the last published version.
+
+:class:`DeltaCheckpointWriter` keeps **one CPU copy of the last published version's bytes**
+(in the checkpoint dtype: for a bf16 7B model, 14 GB of host RAM) and never a second one:
+each new tensor is XORed with its copy, the XOR is compressed with zstd (on a thread pool,
+while the next tensor is gathered), and the copy is updated in place. A publish is then
+either
+
+- a **delta** (``kind: delta``, see :mod:`~rollout_service.checkpoint_format`): the
+  compressed XORs of the changed tensors plus, for every tensor and every shard of the full
+  checkpoint it stands for, the digest of the bytes a full publish would have written; or
+- a **full** checkpoint, written from the copy by :func:`publish_checkpoint`: for the first
+  version, every ``full_every`` versions, after a restart (nothing in memory), when names,
+  shapes, dtypes or their order change, when the previous version is no longer published as
+  it was, when an earlier publish failed, and when a delta would exceed ``max_ratio`` of the
+  full size.
+
+The work is split in two so that a trainer can gather in the foreground and write in the
+background: :meth:`absorb` consumes the weights (the collective part), :meth:`write` writes
+(and must finish before the next :meth:`absorb`). :meth:`publish` does both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import delta_codec
+from .checkpoint_format import (
+    CONFIG_NAME, DEFAULT_DELTA_MAX_RATIO, DEFAULT_FULL_EVERY, FLOAT_DTYPES, INDEX_NAME,
+    MANIFEST_NAME, CheckpointError, DeltaInfo, DeltaTensor, FileEntry, Manifest, normalize_dtype,
+    step_dir_name,
+)
+from .checkpoint_writer import (
+    _TAG_TO_TORCH, _TORCH_TO_TAG, DEFAULT_MAX_SHARD_BYTES, PublishResult, ShardPlanner,
+    _prepare, _write_shard, atomic_step_dir, check_run_id, config_text, index_json,
+    publish_checkpoint, shard_file_names, shard_prefix, write_small, writer_identity,
+)
+from .digest import format_digest, new_hasher
+from .protocol import version_for_step
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Held:
+    """The last published bytes of one tensor."""
+
+    tag: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+    digest: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.shape[0])
+
+
+@dataclass
+class Absorbed:
+    """One version taken in by :meth:`DeltaCheckpointWriter.absorb`, not yet written."""
+
+    delta: bool
+    """Still a delta candidate (same layout as the base)."""
+    blobs: dict[str, bytes]
+    dtype: str | None
+    seconds: float
+    why_full: str = ""
+    changed_bytes: int = 0
+
+
+@dataclass
+class _Base:
+    step: int
+    fingerprint: str
+    chain_start: int
+    deltas_since_full: int
+
+
+@dataclass
+class DeltaStats:
+    """What the last publish wrote, for logs and benchmarks."""
+
+    kind: str = "full"
+    why_full: str = ""
+    tensors: int = 0
+    changed_tensors: int = 0
+    changed_bytes: int = 0
+    full_bytes: int = 0
+    written_bytes: int = 0
+    encode_s: float = 0.0
+    write_s: float = 0.0
+    chain_length: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class DeltaCheckpointWriter:
+    """Publishes each version as a delta against the previous one, or in full when it must."""
+
+    def __init__(self, *, full_every: int = DEFAULT_FULL_EVERY,
+                 max_ratio: float = DEFAULT_DELTA_MAX_RATIO, threads: int | None = None,
+                 level: int = delta_codec.ZSTD_LEVEL):
+        if full_every < 1:
+            raise ValueError(f"full_every must be at least 1 (1: every checkpoint is full), got {full_every}")
+        if not 0 < max_ratio <= 1:
+            raise ValueError(f"max_ratio must be in (0, 1], got {max_ratio}")
+        self.full_every = full_every
+        self.max_ratio = max_ratio
+        self.level = level
+        self.threads = threads or min(8, os.cpu_count() or 1)
+        self._held: dict[str, _Held] = {}
+        self._order: list[str] = []
+        self._base: _Base | None = None
+        """The last version this writer published (what a delta applies to); None: write full."""
+        self._absorbed: Absorbed | None = None
+        self._pending_base: _Base | None = None
+        self.last = DeltaStats()
+
+    @property
+    def held_bytes(self) -> int:
+        """Host RAM held for the last version (one copy of the model in the checkpoint dtype)."""
+        return sum(h.nbytes for h in self._held.values())
+
+    def publish(self, root: Path | str, step: int, tensors: Iterable[tuple[str, torch.Tensor]], *,
+                config: dict[str, Any] | Path | str | None, dtype: str | None = None,
+                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, base_model: str | None = None,
+                run_id: str | None = None) -> PublishResult:
+        """:meth:`absorb` then :meth:`write`."""
+        self.absorb(tensors, dtype=dtype)
+        return self.write(root, step, config=config, max_shard_bytes=max_shard_bytes,
+                          base_model=base_model, run_id=run_id)
+
+    # --- taking in a version ----------------------------------------------------------------
+    def absorb(self, tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: str | None = None) -> Absorbed:
+        """Consume every tensor (always to the end), update the held copy, encode the XORs."""
+        t0 = time.perf_counter()
+        target = normalize_dtype(dtype)
+        self._absorbed = None
+        base = self._base
+        why_full = ""
+        if base is None:
+            why_full = "no previous version in memory (first publish or restart)"
+        elif base.deltas_since_full + 1 >= self.full_every:
+            why_full = f"a full checkpoint every {self.full_every} versions"
+        delta = not why_full
+        self._base = None  # until this version is written, nothing is a valid base
+        old, old_order = self._held, self._order
+        held: dict[str, _Held] = {}
+        order: list[str] = []
+        blobs: dict[str, bytes] = {}
+        changed = 0
+        pending: deque[tuple[str, Future[Any]]] = deque()
+
+        def settle(name: str, job: Future[Any]) -> None:
+            nonlocal changed
+            blob = job.result()
+            if blob is not None:
+                blobs[name] = blob
+                changed += held[name].nbytes
+
+        source = iter(tensors)
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="delta-encode") as pool:
+            try:
+                for name, tensor in source:
+                    if not isinstance(name, str) or not name:
+                        raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
+                    if name in held:
+                        raise ValueError(f"tensor {name!r} appears twice in the published state")
+                    t = _prepare(tensor, target)
+                    tag, shape = _TORCH_TO_TAG[t.dtype], tuple(t.shape)
+                    raw = _bytes_of(t)
+                    prev = old.get(name)
+                    same = (prev is not None and prev.tag == tag and prev.shape == shape)
+                    if delta and not (same and len(order) < len(old_order) and old_order[len(order)] == name):
+                        delta = False
+                        why_full = f"the tensor layout changed at {name!r} (names, shapes, dtypes or order)"
+                    order.append(name)
+                    if delta:
+                        assert prev is not None
+                        held[name] = prev
+                        pending.append((name, pool.submit(self._encode_into, raw, prev, t)))
+                    else:
+                        reuse = prev if prev is not None and prev.nbytes == raw.shape[0] else None
+                        entry = _Held(tag, shape, reuse.data if reuse is not None else
+                                      np.empty(raw.shape[0], dtype=np.uint8), "")
+                        held[name] = entry
+                        pending.append((name, pool.submit(self._copy_into, raw, entry, t)))
+                    while len(pending) > 2 * self.threads:
+                        settle(*pending.popleft())
+                while pending:
+                    settle(*pending.popleft())
+            except BaseException:
+                for _ in source:  # gathers are collective: take part in the rest
+                    pass
+                for _, job in pending:
+                    job.cancel()
+                self._held, self._order = {}, []
+                raise
+        if not order:
+            raise ValueError("no tensors to publish: the iterable was empty")
+        if delta and len(order) != len(old_order):
+            delta, why_full = False, "the tensor layout changed (fewer tensors than the last version)"
+        self._held, self._order = held, order
+        if not delta:
+            blobs, changed = {}, 0
+        floats = {h.tag for h in held.values() if h.tag in FLOAT_DTYPES}
+        self._pending_base = base
+        self._absorbed = Absorbed(delta=delta, blobs=blobs, dtype=target or (
+            floats.pop() if len(floats) == 1 else None), seconds=time.perf_counter() - t0,
+            why_full=why_full, changed_bytes=changed)
+        return self._absorbed
+
+    def _encode_into(self, raw: np.ndarray, prev: _Held, keep: torch.Tensor) -> bytes | None:
+        blob = delta_codec.encode(raw, prev.data, self.level)
+        if blob is not None:
+            np.copyto(prev.data, raw)
+            prev.digest = _digest(prev.data)
+        return blob
+
+    @staticmethod
+    def _copy_into(raw: np.ndarray, entry: _Held, keep: torch.Tensor) -> None:
+        np.copyto(entry.data, raw)
+        entry.digest = _digest(entry.data)
+        return None
+
+    # --- writing it ---------------------------------------------------------------------------
+    def write(self, root: Path | str, step: int, *, config: dict[str, Any] | Path | str | None,
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, base_model: str | None = None,
+              run_id: str | None = None) -> PublishResult:
+        """Publish the absorbed version as ``step``: a delta when it can, else in full."""
+        absorbed = self._absorbed
+        if absorbed is None:
+            raise RuntimeError("write() needs a version taken in by absorb() first")
+        self._absorbed = None
+        base = self._pending_base
+        run_id = check_run_id(run_id)
+        full_bytes = self._full_data_bytes()
+        kind, why_full = ("delta", "") if absorbed.delta else ("full", absorbed.why_full)
+        if kind == "delta":
+            assert base is not None
+            delta_bytes = sum(len(b) for b in absorbed.blobs.values())
+            if delta_bytes > self.max_ratio * full_bytes:
+                kind, why_full = "full", (f"the delta ({delta_bytes / max(full_bytes, 1):.0%} of the"
+                                          f" full size) is above checkpoint_delta_max_ratio"
+                                          f" {self.max_ratio:g}")
+            elif not _still_published(Path(root), base):
+                kind, why_full = "full", f"step {base.step} (the delta's base) is no longer published as it was"
+        t0 = time.perf_counter()
+        try:
+            if kind == "full":
+                result = publish_checkpoint(root, step, self._held_tensors(), config=config,
+                                            max_shard_bytes=max_shard_bytes, base_model=base_model,
+                                            run_id=run_id)
+                new_base = _Base(step, result.fingerprint, step, 0)
+            else:
+                assert base is not None
+                result = self._write_delta(Path(root), step, base, absorbed, config=config,
+                                           max_shard_bytes=max_shard_bytes, base_model=base_model,
+                                           run_id=run_id)
+                new_base = _Base(step, result.fingerprint, base.chain_start, base.deltas_since_full + 1)
+        except BaseException:
+            self._base = None  # the held bytes are of a version that was not published
+            raise
+        self._base = new_base
+        self.last = DeltaStats(
+            kind=kind, why_full=why_full, tensors=len(self._order),
+            changed_tensors=len(absorbed.blobs) if kind == "delta" else len(self._order),
+            changed_bytes=absorbed.changed_bytes if kind == "delta" else full_bytes,
+            full_bytes=result.full_bytes, written_bytes=result.total_bytes, encode_s=absorbed.seconds,
+            write_s=time.perf_counter() - t0, chain_length=new_base.deltas_since_full)
+        if kind == "full" and base is not None:
+            log.info("step %d published in full: %s", step, why_full)
+        return result
+
+    def _held_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self._order:
+            h = self._held[name]
+            yield name, torch.from_numpy(h.data).view(_TAG_TO_TORCH[h.tag]).reshape(h.shape)
+
+    def _full_data_bytes(self) -> int:
+        return sum(h.nbytes for h in self._held.values())
+
+    def _write_delta(self, root: Path, step: int, base: _Base, absorbed: Absorbed, *,
+                     config: dict[str, Any] | Path | str | None, max_shard_bytes: int,
+                     base_model: str | None, run_id: str) -> PublishResult:
+        t0 = time.perf_counter()
+        if config is None:
+            raise ValueError("a delta checkpoint needs the model's config (config.json)")
+        planner = ShardPlanner(max_shard_bytes)
+        shards: list[list[str]] = []
+        for name in self._order:
+            if planner.starts_new_shard(self._held[name].nbytes):
+                shards.append([])
+            shards[-1].append(name)
+        names = shard_file_names(len(shards))
+        with atomic_step_dir(root, step) as tmp:
+            files: dict[str, FileEntry] = {}
+            target: dict[str, FileEntry] = {}
+            tensors: dict[str, DeltaTensor] = {}
+            weight_map: dict[str, str] = {}
+            for i, (shard, members) in enumerate(zip(names, shards), start=1):
+                prefix, data_len = shard_prefix((n, self._held[n].tag, self._held[n].shape) for n in members)
+                hasher = new_hasher()
+                hasher.update(prefix)
+                for n in members:
+                    hasher.update(self._held[n].data.data)
+                target[shard] = FileEntry(size=len(prefix) + data_len, digest=format_digest(hasher),
+                                          tensors=len(members))
+                changed = [n for n in members if n in absorbed.blobs]
+                delta_file = f"delta-{i:05d}-of-{len(shards):05d}.safetensors" if changed else None
+                if delta_file is not None:
+                    files[delta_file] = _write_shard(tmp / delta_file, [
+                        (n, torch.frombuffer(bytearray(absorbed.blobs[n]), dtype=torch.uint8))
+                        for n in changed])
+                for n in members:
+                    h = self._held[n]
+                    weight_map[n] = shard
+                    tensors[n] = DeltaTensor(shard=shard, dtype=h.tag, shape=list(h.shape),
+                                             digest=h.digest,
+                                             delta_file=delta_file if n in absorbed.blobs else None)
+            if len(shards) > 1:
+                files[INDEX_NAME] = target[INDEX_NAME] = write_small(
+                    tmp / INDEX_NAME, index_json(weight_map, self._full_data_bytes()))
+            files[CONFIG_NAME] = target[CONFIG_NAME] = write_small(tmp / CONFIG_NAME, config_text(config))
+            manifest = Manifest(
+                step=step, weight_version=version_for_step(step), created_at=time.time(),
+                writer=writer_identity(), base_model=base_model, dtype=absorbed.dtype,
+                total_bytes=sum(e.size for e in files.values()), tensor_count=len(self._order),
+                files=files, run_id=run_id, kind="delta",
+                delta=DeltaInfo(base_step=base.step, base_fingerprint=base.fingerprint,
+                                chain_start=base.chain_start, target_files=target, tensors=tensors,
+                                changed_tensors=len(absorbed.blobs),
+                                changed_bytes=absorbed.changed_bytes))
+            write_small(tmp / MANIFEST_NAME, manifest.to_json())
+        total = time.perf_counter() - t0
+        full = sum(e.size for e in target.values())
+        log.info("published %s as a delta on step %d: %d of %d tensors changed, %.2f MB (%.1f%% of %.1f MB)"
+                 " in %.2f s", root / step_dir_name(step), base.step, len(absorbed.blobs), len(self._order),
+                 manifest.total_bytes / 1e6, 100 * manifest.total_bytes / max(full, 1), full / 1e6, total)
+        return PublishResult(path=root / step_dir_name(step), step=step,
+                             weight_version=manifest.weight_version, total_bytes=manifest.total_bytes,
+                             tensor_count=manifest.tensor_count, files=len(files), write_seconds=total,
+                             total_seconds=total, kind="delta", fingerprint=manifest.fingerprint(),
+                             full_bytes=full)
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    if t.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _digest(data: np.ndarray) -> str:
+    hasher = new_hasher()
+    hasher.update(data.data)
+    return format_digest(hasher)
+
+
+def _still_published(root: Path, base: _Base) -> bool:
+    """The base step is under the root with the manifest this writer wrote (not pruned, not replaced)."""
+    try:
+        return Manifest.load(root / step_dir_name(base.step), root=root).fingerprint() == base.fingerprint
+    except CheckpointError:
+        return False
+
