@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from fake_sglang import FakeRollout
 from helpers import free_port as _free_port
 from rollout_service.sglang_launcher import SGLangServer
 from rollout_service.tiny_model import ensure_tiny_model
@@ -94,6 +95,14 @@ def sidecar_factory(sglang_server, checkpoint_root, tmp_path):
     yield start
     for sc in started:
         sc.stop()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeRollout]:
+    """The in-process fake SGLang + sidecar (`fake_sglang.FakeRollout`), started and stopped after."""
+    server = FakeRollout().start()
+    yield server
+    server.stop()
 
 
 # --- markers: `pytest -m "not slow"` runs everything that starts no server in about a minute ----

@@ -19,7 +19,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from test_trainer_hooks import ready_unit
+from rollout_unit import ready_unit
 from trainer_hooks import GRPOConfig, GRPOTrainer
 from trainer_hooks.demo import make_prompts, word_start_reward
 

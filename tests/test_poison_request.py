@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from test_trainer_hooks import VOCAB_SIZE, _stop_unit, _wait_ready, launch_unit, make_config, make_trainer
+from fake_sglang import VOCAB_SIZE
+from rollout_unit import launch_unit, stop_unit, wait_ready
+from trainer_helpers import make_config, make_trainer
 from trainer_hooks.sglang_endpoints import SGLangPoisonRequestError, last_error_lines
 
 POISON = {"min_new_tokens": 2, "stop_token_ids": [VOCAB_SIZE + 903]}
@@ -28,7 +30,7 @@ def test_a_request_that_kills_sglang_is_sent_twice_then_fails_the_step_naming_it
     unit = launch_unit(tiny_model_dir, tmp_path / "unit")
     sglang_log = tmp_path / "unit" / "sglang.log"
     try:
-        _wait_ready(unit)
+        wait_ready(unit)
         config = make_config(tmp_path, unit.checkpoint_root, [unit.sglang_url], [unit.sidecar_url],
                              sglang_log_paths=[str(sglang_log)], generation_kwargs=POISON, max_steps=2,
                              sync_timeout=400.0)
@@ -51,7 +53,7 @@ def test_a_request_that_kills_sglang_is_sent_twice_then_fails_the_step_naming_it
         assert unit.process.poll() is None, "rollout-service serve exited"
         assert trainer.state.global_step == 0
     finally:
-        _stop_unit(unit.process)
+        stop_unit(unit.process)
 
 
 def test_last_error_lines_are_the_end_of_the_last_traceback() -> None:

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from test_trainer_hooks import make_config, make_trainer, ready_unit
+from rollout_unit import ready_unit
+from trainer_helpers import make_config, make_trainer
 from trainer_hooks import GRPOConfig, RLOOConfig
 from trainer_hooks.config import adapt_trl_fields, collective_budget_s, translate_generation_kwargs
 

@@ -1,0 +1,125 @@
+"""A fake SGLang server and sidecar in one in-process HTTP server, for the trainer's failure cases.
+
+`FakeRollout` speaks SGLang's `POST /generate` and the sidecar's `GET /wait` and `POST /sync`,
+with knobs for what real servers do only rarely (float token ids, stale or aborted answers, hung
+requests, a sidecar that reports a rejection or a down SGLang), so those tests are fast and exact.
+`dead_url` names an address nothing listens on.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+from helpers import free_port
+
+VOCAB_SIZE = 4096
+"""The tiny model's vocabulary: the fake's token ids stay below it."""
+
+
+@dataclass
+class FakeRollout:
+    """Speaks SGLang's POST /generate and the sidecar's GET /wait and POST /sync, with knobs.
+
+    Completions start with their prompt's first token (so order can be checked) and report
+    `weight_version` = the newest version a /wait confirmed, unless `fixed_version` is set.
+    """
+
+    float_token_ids: bool = False
+    fixed_version: str | None = None
+    stale_answers: int = 0
+    abort_answers: int = 0
+    generate_delay_s: float = 0.0
+    wait_status: int = 200
+    wait_body: dict[str, Any] = field(default_factory=dict)
+    loaded: int = 0
+    generate_requests: list[dict[str, Any]] = field(default_factory=list)
+    server: ThreadingHTTPServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def start(self) -> FakeRollout:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _reply(self, status: int, body: Any) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                url = urlparse(self.path)
+                if url.path != "/wait":
+                    return self._reply(404, {"detail": "not found"})
+                version = int(parse_qs(url.query)["version"][0])
+                if fake.wait_status == 200:
+                    fake.loaded = max(fake.loaded, version)
+                    return self._reply(200, {"loaded_step": fake.loaded, "sglang_healthy": True})
+                time.sleep(min(0.2, float(parse_qs(url.query)["timeout"][0])))
+                return self._reply(fake.wait_status, fake.wait_body)
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                if self.path == "/sync":
+                    return self._reply(202, {"triggered": True})
+                if self.path != "/generate":
+                    return self._reply(404, {"detail": "not found"})
+                fake.generate_requests.append(body)
+                if fake.generate_delay_s:
+                    time.sleep(fake.generate_delay_s)
+                self._reply(200, fake.answer(body))
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def answer(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        params = body["sampling_params"]
+        n, length = int(params.get("n", 1)), min(int(params["max_new_tokens"]), 6)
+        if self.fixed_version is not None:
+            version = self.fixed_version
+        elif self.stale_answers > 0:
+            self.stale_answers -= 1
+            version = "default"
+        else:
+            version = str(self.loaded)
+        finish = "length"
+        if self.abort_answers > 0:
+            self.abort_answers -= 1
+            finish = "abort"
+        rng = random.Random(len(self.generate_requests))
+        out = []
+        for prompt in body["input_ids"]:
+            for _ in range(n):
+                ids = [prompt[0]] + [rng.randrange(10, VOCAB_SIZE) for _ in range(length - 1)]
+                wire = [float(t) for t in ids] if self.float_token_ids else ids
+                out.append({"output_ids": wire, "meta_info": {
+                    "weight_version": version, "finish_reason": {"type": finish},
+                    "output_token_logprobs": [[-8.0, t, None] for t in wire]}})
+        return out
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+
+def dead_url() -> str:
+    """A URL nothing listens on (connection refused)."""
+    return f"http://127.0.0.1:{free_port()}"

@@ -1,0 +1,36 @@
+"""The weights the trainer publishes: a PEFT model's adapters merged under the base names."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from trainer_hooks.weight_gather import iter_full_weights
+
+
+def test_peft_weights_are_published_merged_under_base_names(tiny_model_dir: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    names = [name for name, _ in base.named_parameters()]
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        before = peft_model(ids).logits
+    expected = copy.deepcopy(peft_model).merge_and_unload().state_dict()
+    published = {name: t.clone() for name, t in iter_full_weights(peft_model)}
+    assert list(published) == names
+    for name in names:
+        torch.testing.assert_close(published[name], expected[name])
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(published[q], base.state_dict()[q])  # the adapter really was merged
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(ids).logits, before)  # ...and unmerged afterwards

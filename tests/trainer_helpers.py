@@ -1,0 +1,64 @@
+"""Building trainer_hooks' GRPO/RLOO trainers for tests: a small chat dataset, a reward, a config.
+
+`make_config` fills every setting the tests share (CPU, tiny batches, three steps); keyword
+arguments override them. Kept free of server start-ups: the fake and the real rollout unit live
+in `fake_sglang` and `rollout_unit`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trainer_hooks import GRPOConfig, GRPOTrainer
+
+SLOW_SYNC_TIMEOUT_S = 180.0
+"""Generous: the CI machines have two cores and other jobs share them."""
+
+
+def prompts_dataset(count: int = 16) -> Dataset:
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"write number {i}"}] for i in range(count)]})
+
+
+def length_reward(completions: list[Any], **kwargs: Any) -> list[float]:
+    return [len(c[0]["content"]) / 100.0 for c in completions]
+
+
+def make_config(tmp_path: Path, root: Path, sglang_urls: list[str], sidecar_urls: list[str] | None = None,
+                config_class: type = GRPOConfig, **overrides: Any) -> Any:
+    settings: dict[str, Any] = dict(
+        output_dir=str(tmp_path / "out"), checkpoint_path=str(root), sglang_urls=sglang_urls,
+        sidecar_urls=sidecar_urls or [], report_to="none", use_cpu=True, bf16=False, num_generations=4,
+        per_device_train_batch_size=4, max_completion_length=8, max_steps=3, logging_steps=1,
+        save_strategy="no", learning_rate=1e-3, sync_timeout=SLOW_SYNC_TIMEOUT_S, disable_tqdm=True, seed=0)
+    settings.update(overrides)
+    return config_class(**settings)
+
+
+def make_trainer(model_dir: Path, config: Any, trainer_class: type = GRPOTrainer) -> Any:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return trainer_class(model=model, reward_funcs=length_reward, args=config, train_dataset=prompts_dataset(),
+                         processing_class=tokenizer)
+
+
+class EmbeddingInputs:
+    """Records the dtype of every tensor that reaches the model's input embedding."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.dtypes: list[torch.dtype] = []
+        self._handle = model.get_input_embeddings().register_forward_pre_hook(self._hook)
+
+    def _hook(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        self.dtypes.append(args[0].dtype)
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def logged(trainer: Any, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
