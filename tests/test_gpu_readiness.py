@@ -20,16 +20,22 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
+from deploy_files import (
+    DOCKER_DIR,
+    K8S_DIR,
+    K8S_KUSTOMIZATIONS,
+    compose_services,
+    k8s_argv,
+    k8s_env,
+    load_compose,
+    pod_specs,
+    render_kustomization,
+)
 from fake_nvidia import install_fake_nvidia_smi
 from rollout_service import sglang_launcher
 from rollout_service.cli import build_parser, main
 from rollout_service.sglang_launcher import CPU_SHIMS_DIR, SGLangServer, SGLangStartError
-from test_deploy import (
-    COMPOSE_FILE, DOCKER_DIR, K8S_DIR, K8S_KUSTOMIZATIONS, _compose, _dockerfile_stages, _k8s_argv, _k8s_env,
-    _pod_specs, _render, _services,
-)
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "grpo_tldr_gpu.py"
@@ -121,7 +127,7 @@ def test_the_cli_process_survives_kubernetes_service_links(tmp_path):
 def test_every_pod_template_disables_service_links():
     seen = 0
     for kustomization in K8S_KUSTOMIZATIONS:
-        for workload, pod in _pod_specs(_render(kustomization)).items():
+        for workload, pod in pod_specs(render_kustomization(kustomization)).items():
             assert pod.get("enableServiceLinks") is False, f"{kustomization.name} {workload}"
             seen += 1
     assert seen >= 2 * len(K8S_KUSTOMIZATIONS)
@@ -130,11 +136,11 @@ def test_every_pod_template_disables_service_links():
 # ------------------------------------------------------- 2. GPU trainers train on the GPU
 
 def _gpu_trainer_command_lines() -> list[tuple[str, list[str]]]:
-    lines = [("compose gpu trainer", [str(t) for t in _services(_compose(), "gpu")["trainer"]["command"]])]
-    manifests = _render(K8S_DIR / "overlays" / "gpu")
-    pod = _pod_specs(manifests)["trainer"]
+    lines = [("compose gpu trainer", [str(t) for t in compose_services(load_compose(), "gpu")["trainer"]["command"]])]
+    manifests = render_kustomization(K8S_DIR / "overlays" / "gpu")
+    pod = pod_specs(manifests)["trainer"]
     [trainer] = [c for c in pod["containers"] if c["name"] == "trainer"]
-    lines.append(("k8s gpu trainer", _k8s_argv(trainer, _k8s_env(trainer, manifests))))
+    lines.append(("k8s gpu trainer", k8s_argv(trainer, k8s_env(trainer, manifests))))
     return lines
 
 
@@ -202,7 +208,7 @@ def _created_and_owned(stage_text: str, target: str) -> bool:
 
 
 def test_every_named_volume_mount_point_exists_in_the_image_and_belongs_to_its_user():
-    compose = _compose()
+    compose = load_compose()
     services = compose["services"]
     builds = {svc["image"]: svc["build"] for svc in services.values() if "build" in svc}
     checked = []
