@@ -47,6 +47,9 @@ def _add_sidecar_flags(p: argparse.ArgumentParser, add_env, *, with_url: bool) -
     add_env(p, "--validate-timeout", type=float, default=600.0,
             help="seconds one checkpoint's validation (and staging copy) may take before the step"
                  " is rejected")
+    add_env(p, "--lora-keep", type=int, default=3,
+            help="LoRA adapter versions kept loaded in SGLang (adapter sync); older ones are unloaded"
+                 " once no request uses them. At least the trainer's max_staleness + 1")
 
 
 def _settings(args: argparse.Namespace, sglang_url: str, port: int):
@@ -61,7 +64,8 @@ def _settings(args: argparse.Namespace, sglang_url: str, port: int):
         deep_health_interval_s=args.deep_health_interval,
         load_timeout_s=args.load_timeout, stage=not args.no_stage,
         stage_dir=Path(args.stage_dir) if args.stage_dir else None,
-        check_finite=not args.no_check_finite, validate_timeout_s=args.validate_timeout)
+        check_finite=not args.no_check_finite, validate_timeout_s=args.validate_timeout,
+        lora_keep=args.lora_keep)
 
 
 def _cmd_sidecar(args: argparse.Namespace) -> int:
@@ -72,6 +76,7 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from .lora_serving import lora_from_args
     from .serve import RestartPolicy, run_serve
     from .sglang_launcher import SGLangServer
 
@@ -80,7 +85,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           device=args.device, extra_args=list(args.sglang_args or []),
                           max_total_tokens=args.max_total_tokens,
                           log_path=Path(args.sglang_log) if args.sglang_log else None,
-                          die_with_parent=True)
+                          die_with_parent=True, lora=lora_from_args(args))
     policy = RestartPolicy(max_restarts=args.max_restarts, restart_window_s=args.restart_window,
                            startup_timeout_s=args.startup_timeout)
     settings = _settings(args, server.url, args.sidecar_port)
@@ -100,6 +105,8 @@ def register_sidecar(sub, add_env) -> None:
 
 
 def register_serve(sub, add_env) -> None:
+    from .lora_serving import add_lora_flags
+
     p = sub.add_parser(
         "serve", help="start SGLang and its sidecar as one supervised unit (like trl vllm-serve)",
         description="Start an SGLang server on MODEL (CPU or GPU flags chosen for this machine) and"
@@ -125,6 +132,7 @@ def register_serve(sub, add_env) -> None:
             help="seconds to wait for SGLang's /health at each start; the wait goes on while SGLang's"
                  " log shows progress (a first download, kernel compilation, CUDA graphs)")
     add_env(p, "--sglang-log", default=None, help="file for SGLang's output (default: a temp file)")
+    add_lora_flags(p, add_env)
     p.set_defaults(func=_cmd_serve, sglang_args=[])
 
 

@@ -28,6 +28,8 @@ from typing import Any, Mapping, Sequence
 
 import httpx
 
+from .lora_serving import LoraServing
+
 logger = logging.getLogger(__name__)
 
 CPU_SHIMS_DIR = Path(__file__).resolve().parent / "_cpu_shims"
@@ -275,6 +277,7 @@ class SGLangServerConfig:
         extra_args: appended verbatim after all other flags (e.g. `--mem-fraction-static 0.5`).
         env: extra environment variables for the server process.
         log_path: file receiving the server's stdout and stderr; None makes a temporary file.
+        lora: LoRA serving flags (`rollout_service.lora_serving.LoraServing`); None serves no adapters.
     """
 
     model_path: str | os.PathLike[str]
@@ -287,6 +290,7 @@ class SGLangServerConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     log_path: str | os.PathLike[str] | None = None
     die_with_parent: bool = False
+    lora: LoraServing | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -322,6 +326,7 @@ class SGLangServer:
         env: Mapping[str, str] | None = None,
         log_path: str | os.PathLike[str] | None = None,
         die_with_parent: bool = False,
+        lora: LoraServing | None = None,
     ) -> None:
         self.config = SGLangServerConfig(
             model_path=model_path,
@@ -334,6 +339,7 @@ class SGLangServer:
             env=dict(env or {}),
             log_path=log_path,
             die_with_parent=die_with_parent,
+            lora=lora,
         )
         config = self.config
         self.device = detect_device(config.python) if config.device == "auto" else config.device
@@ -363,6 +369,7 @@ class SGLangServer:
             env=config.env,
             log_path=config.log_path,
             die_with_parent=config.die_with_parent,
+            lora=config.lora,
         )
 
     @property
@@ -404,6 +411,8 @@ class SGLangServer:
             fraction, why = self.cuda_memory_plan()
             if fraction is not None:
                 cmd += ["--mem-fraction-static", str(fraction)]
+        if cfg.lora is not None:
+            cmd += cfg.lora.sglang_args(self.device)
         cmd += list(cfg.extra_args)
         return cmd
 

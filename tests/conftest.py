@@ -110,6 +110,7 @@ def fake() -> Iterator[FakeRollout]:
 SERVER_FIXTURES = frozenset({
     "sglang_server", "sglang_server_at_base", "second_sglang_server", "sidecar_factory",
     "rollout_units", "untied_unit", "tied_unit", "serve_unit", "unit",
+    "lora_server", "lora_sidecar",  # tests/test_lora_sync.py
 })
 """Fixtures that start a real SGLang server (and often a sidecar or `serve`)."""
 

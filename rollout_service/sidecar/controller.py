@@ -47,6 +47,7 @@ from ..checkpoint_reader import (
 from ..protocol import ReplicaReport, step_for_version, version_for_step
 from ..untrusted_files import Deadline
 from .acks import AckWriter
+from .adapter_sync import AdapterSync, is_adapter_step
 from .metrics import SidecarMetrics
 from .settings import SidecarSettings
 from .sglang_client import SGLangClient, SGLangLoadRejected, SGLangUnavailable, ServerView
@@ -141,6 +142,8 @@ class SyncController:
         self.stage: Stage | None = None
         """Opened (created, locked, cleaned) when the loop starts, not when the app is built."""
         self.acks = AckWriter(self.root, settings.replica_id)
+        self.adapters = AdapterSync(self, keep=settings.lora_keep)
+        """LoRA adapter steps (``kind: "adapter"``) are loaded through it (adapter_sync.py)."""
         self.state = SidecarState(replica_id=settings.replica_id,
                                   checkpoint_path=str(self.root), sglang_url=settings.sglang_url,
                                   watch_mode="inotify" if settings.poll_interval_s is None else "polling",
@@ -344,7 +347,8 @@ class SyncController:
         self.state.sglang_seen_at = time.time()
         self.state.sglang_weight_version = view.weight_version
         loaded = self.state.loaded_step
-        if loaded is not None and view.weight_version != version_for_step(loaded):
+        if loaded is not None and (not await self.adapters.still_served() if self.adapters.serving
+                                   else view.weight_version != version_for_step(loaded)):
             log.warning("SGLang reports weight version %r but step %d was loaded: it restarted;"
                         " re-applying the newest checkpoint", view.weight_version, loaded)
             self.metrics.sglang_restarts.inc()  # counted only when the weights were really lost
@@ -487,6 +491,8 @@ class SyncController:
         return False
 
     async def _try_load(self, ckpt: PublishedCheckpoint) -> bool:
+        if await asyncio.to_thread(is_adapter_step, ckpt.path, self.root):
+            return await self.adapters.try_load(ckpt)
         step, path = ckpt.step, ckpt.path
         detected = self._detected_at.pop(step, time.time())
         # Publish-time latencies only mean something the first time a step is loaded.
@@ -545,6 +551,7 @@ class SyncController:
                 return False
             finished = time.time()
             self._set_loaded(step, report.manifest, str(report.path))
+            self.adapters.forget_serving()
             self._loaded_before.add(step)
             self.state.sglang_weight_version = version
             self._crashes.pop(step, None)

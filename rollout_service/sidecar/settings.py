@@ -39,6 +39,9 @@ class SidecarSettings:
     check_finite: bool = True
     """Refuse NaN/Inf weights (checked on the bytes the stage or digest mode reads anyway)."""
     validate_timeout_s: float = 600.0
+    lora_keep: int = 3
+    """LoRA adapter versions kept loaded in SGLang (older ones are unloaded once unused); at
+    least the trainer's ``max_staleness + 1``."""
 
     def __post_init__(self) -> None:
         self.checkpoint_path = Path(self.checkpoint_path)
@@ -72,5 +75,7 @@ class SidecarSettings:
         if self.stage_dir is not None and is_inside(self.stage_dir, self.checkpoint_path):
             raise ValueError(f"--stage-dir {self.stage_dir} is inside the checkpoint root; it must be"
                              " node-local and private to this sidecar")
+        if self.lora_keep < 1:
+            raise ValueError(f"--lora-keep must be at least 1, got {self.lora_keep}")
         if not self.validate_timeout_s > 0:
             raise ValueError(f"--validate-timeout must be positive, got {self.validate_timeout_s}")

@@ -80,3 +80,47 @@ class SGLangClient:
                 f"SGLang refused {model_path} (HTTP {resp.status_code}): {data.get('message')}"
             )
         return data
+
+    # --- LoRA adapters (adapter sync; see ``sidecar/adapter_sync.py``) ------------------------
+    async def server_info(self) -> dict:
+        """``/server_info``: SGLang's start-up arguments (``enable_lora``, ``max_lora_rank``, ...)."""
+        try:
+            resp = await self._http.get("/server_info", timeout=self._timeout)
+            resp.raise_for_status()
+            data = resp.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise SGLangUnavailable(f"SGLang at {self.base_url} did not answer /server_info: {exc!r}") from exc
+        return data if isinstance(data, dict) else {}
+
+    async def loaded_adapters(self) -> set[str]:
+        """Names of the LoRA adapters SGLang has loaded (from ``/v1/models``)."""
+        try:
+            resp = await self._http.get("/v1/models", timeout=self._timeout)
+            resp.raise_for_status()
+            cards = resp.json().get("data") or []
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            raise SGLangUnavailable(f"SGLang at {self.base_url} did not answer /v1/models: {exc!r}") from exc
+        return {str(c.get("id")) for c in cards if isinstance(c, dict) and c.get("parent")}
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict:
+        """``/load_lora_adapter``: SGLang reads the adapter's files now (they may go afterwards)."""
+        return await self._adapter_call("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def unload_lora_adapter(self, name: str) -> dict:
+        """``/unload_lora_adapter``: SGLang refuses new requests for it at once and frees it once
+        the requests already using it have finished (it waits for them)."""
+        return await self._adapter_call("/unload_lora_adapter", {"lora_name": name})
+
+    async def _adapter_call(self, route: str, body: dict) -> dict:
+        try:
+            resp = await self._http.post(route, json=body, timeout=self._load_timeout)
+        except httpx.HTTPError as exc:
+            raise SGLangUnavailable(f"SGLang at {self.base_url} failed during {route}: {exc!r}") from exc
+        try:
+            data = resp.json()
+        except ValueError:
+            data = {"success": False, "error_message": resp.text[:500]}
+        if resp.status_code != 200 or not data.get("success", False):
+            raise SGLangLoadRejected(f"SGLang refused {route} {body} (HTTP {resp.status_code}):"
+                                     f" {str(data.get('error_message') or data.get('message'))[:500]}")
+        return data

@@ -1,0 +1,84 @@
+"""LoRA serving settings of one SGLang server, declared once: CLI flags, defaults and SGLang's args.
+
+``rollout-service serve --lora`` starts SGLang with ``--enable-lora`` so that the sidecar can load
+each trained adapter version with ``/load_lora_adapter`` (adapter sync) instead of reloading the
+merged model. The defaults serve any adapter TRL/PEFT trains on a Llama/Qwen-style model: every
+attention and MLP projection (PEFT's default for Qwen2 is ``q_proj``/``v_proj``; ``all-linear``
+is all seven), ranks up to 64, and 4 adapters per batch (the newest version, the ones still
+inside the trainer's staleness window, and the base model). On the CPU SGLang's ``torch_native``
+LoRA backend is used (its other backends are GPU kernels); on CUDA SGLang picks its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_MAX_RANK = 64
+DEFAULT_MAX_LORAS_PER_BATCH = 4
+CPU_BACKEND = "torch_native"
+
+
+@dataclass(frozen=True)
+class LoraServing:
+    """SGLang's LoRA flags for one server (see the module docstring for the defaults)."""
+
+    max_rank: int = DEFAULT_MAX_RANK
+    target_modules: tuple[str, ...] = field(default=DEFAULT_TARGET_MODULES)
+    max_loras_per_batch: int = DEFAULT_MAX_LORAS_PER_BATCH
+    backend: str | None = None
+    """None: ``torch_native`` on the CPU, SGLang's default on CUDA."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_rank <= 4096:
+            raise ValueError(f"--max-lora-rank must be between 1 and 4096, got {self.max_rank}")
+        if not self.target_modules:
+            raise ValueError("--lora-target-modules needs at least one module name (or 'all')")
+        if self.max_loras_per_batch < 2:
+            raise ValueError(f"--max-loras-per-batch must be at least 2 (an adapter and the base model),"
+                             f" got {self.max_loras_per_batch}")
+
+    def sglang_args(self, device: str) -> list[str]:
+        """The ``sglang.launch_server`` flags for ``device`` ("cpu" or "cuda")."""
+        args = ["--enable-lora", "--max-lora-rank", str(self.max_rank),
+                "--lora-target-modules", *self.target_modules,
+                "--max-loras-per-batch", str(self.max_loras_per_batch)]
+        backend = self.backend or (CPU_BACKEND if device == "cpu" else None)
+        if backend:
+            args += ["--lora-backend", backend]
+        return args
+
+
+def add_lora_flags(p: argparse.ArgumentParser, add_env: Callable[..., Any]) -> None:
+    """``--lora`` and its settings on a command's parser (flags and ``ROLLOUT_*`` variables)."""
+    add_env(p, "--lora", action="store_true",
+            help="serve LoRA adapters: start SGLang with --enable-lora so trained adapters are synced"
+                 " as adapters (POST /load_lora_adapter) instead of merged full checkpoints")
+    add_env(p, "--max-lora-rank", type=int, default=DEFAULT_MAX_RANK,
+            help=f"largest adapter rank SGLang can serve (default {DEFAULT_MAX_RANK})")
+    add_env(p, "--lora-target-modules", type=module_list, default=DEFAULT_TARGET_MODULES,
+            help="comma-separated modules adapters may change, or 'all' (default:"
+                 f" {','.join(DEFAULT_TARGET_MODULES)})")
+    add_env(p, "--max-loras-per-batch", type=int, default=DEFAULT_MAX_LORAS_PER_BATCH,
+            help=f"adapters SGLang keeps in its batch pool, the base model included (default"
+                 f" {DEFAULT_MAX_LORAS_PER_BATCH}; at least max_staleness + 2)")
+    add_env(p, "--lora-backend", default=None,
+            help="SGLang's --lora-backend (default: torch_native on CPU, SGLang's choice on CUDA)")
+
+
+def module_list(text: str) -> tuple[str, ...]:
+    """``"q_proj,v_proj"`` (or space-separated) -> ``("q_proj", "v_proj")``."""
+    modules = tuple(m for m in text.replace(",", " ").split() if m)
+    if not modules:
+        raise ValueError("give at least one module name, e.g. q_proj,v_proj")
+    return modules
+
+
+def lora_from_args(args: argparse.Namespace) -> LoraServing | None:
+    """The settings ``add_lora_flags`` parsed, or None without ``--lora``."""
+    if not getattr(args, "lora", False):
+        return None
+    return LoraServing(max_rank=args.max_lora_rank, target_modules=tuple(args.lora_target_modules),
+                       max_loras_per_batch=args.max_loras_per_batch, backend=args.lora_backend)

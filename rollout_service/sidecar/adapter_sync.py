@@ -1,0 +1,198 @@
+"""Adapter sync: serving an ``adapter`` checkpoint step through SGLang's LoRA endpoints.
+
+The sync loop (``controller.py``) hands every step whose manifest says ``kind: "adapter"`` to
+:class:`AdapterSync`. For step N it
+
+1. validates the adapter against the model SGLang serves and the server's LoRA limits from
+   ``/server_info`` (``adapter_reader.validate_adapter``: files, config, every tensor's shape,
+   rank <= ``--max-lora-rank``, modules within ``--lora-target-modules``), and with a stage
+   copies it node-locally checking every byte against the manifest and for NaN/Inf;
+2. loads it with ``POST /load_lora_adapter`` under the name ``adapter_name_for(N, run_id)``
+   (a fresh name per version: SGLang keys its prefix cache by adapter name);
+3. confirms that SGLang lists the adapter (``/v1/models``), then marks N as served and acks it,
+   as a full load does (``/wait``, ack files);
+4. unloads adapters older than the newest ``--lora-keep`` loaded versions. SGLang's unload
+   refuses new requests for that adapter at once and waits for the requests already using it,
+   so no request in flight loses its adapter; the unload runs beside the loop, never blocking it.
+
+An adapter changes the base model SGLang was started with: after a full checkpoint was loaded
+into the server (its weight version is a step), adapters are refused (``adapter_base_replaced``)
+until SGLang restarts on its base. A restarted SGLang has no adapters: the loop notices that the
+served adapter is gone (:meth:`AdapterSync.still_served`) and loads the newest one again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..adapter_reader import AdapterReport, LoraLimits, validate_adapter
+from ..checkpoint_format import CheckpointError, Manifest
+from ..checkpoint_reader import PublishedCheckpoint
+from ..protocol import adapter_name_for, step_for_version
+from ..untrusted_files import Deadline
+from .sglang_client import SGLangLoadRejected, SGLangUnavailable
+
+if TYPE_CHECKING:
+    from .controller import SyncController
+
+log = logging.getLogger(__name__)
+
+
+def is_adapter_step(path: Path, root: Path) -> bool:
+    """Whether the step directory's manifest says ``kind: "adapter"`` (False when unreadable:
+    the full path then rejects it with its own reason)."""
+    try:
+        return Manifest.load(path, root=root).kind == "adapter"
+    except (CheckpointError, OSError):
+        return False
+
+
+class AdapterSync:
+    """Loads, confirms and retires LoRA adapter versions in one SGLang server."""
+
+    def __init__(self, controller: SyncController, keep: int):
+        self.c = controller
+        self.keep = keep
+        self.loaded: dict[int, str] = {}
+        """step -> adapter name, for the versions this sidecar loaded and has not unloaded."""
+        self.serving: str | None = None
+        """The adapter the served step names (None when the served step is a full checkpoint)."""
+        self._unloads: set[asyncio.Task] = set()
+
+    async def still_served(self) -> bool:
+        """False when SGLang no longer has the served adapter (it restarted)."""
+        if self.serving is None:
+            return True
+        try:
+            names = await self.c.client.loaded_adapters()
+        except SGLangUnavailable:
+            return True  # not answering: the health check decides
+        if self.serving in names:
+            return True
+        self.loaded = {s: n for s, n in self.loaded.items() if n in names}
+        self.serving = None
+        return False
+
+    def forget_serving(self) -> None:
+        """A full checkpoint is served now."""
+        self.serving = None
+
+    async def try_load(self, ckpt: PublishedCheckpoint) -> bool:
+        """Validate, stage, load and confirm one adapter step; False when it was not loaded."""
+        c = self.c
+        step, path = ckpt.step, ckpt.path
+        c.state.loading_step = step
+        try:
+            t0 = time.perf_counter()
+            try:
+                info = await c.client.server_info()
+            except SGLangUnavailable as exc:
+                c._error("sglang_unavailable", str(exc), step=step)
+                return False
+            view_version = c.state.sglang_weight_version
+            if step_for_version(view_version) is not None:
+                c._reject(ckpt, "adapter_base_replaced",
+                          f"{path.name} is a LoRA adapter for the base model, but SGLang serves the full"
+                          f" checkpoint version {view_version}; restart SGLang on its base model to serve"
+                          " adapters again")
+                return False
+            limits = LoraLimits.from_server_info(info)
+            budget = c.settings.validate_timeout_s
+            try:
+                report = await asyncio.wait_for(asyncio.to_thread(self._prepare, path, limits),
+                                                timeout=budget + 5.0)
+            except asyncio.TimeoutError:
+                c._reject(ckpt, "validation_timeout", f"validating adapter {path.name} did not finish"
+                          f" within {budget:g} s")
+                return False
+            except CheckpointError as exc:
+                c._reject(ckpt, exc.reason, str(exc))
+                return False
+            except Exception as exc:  # whatever broke while reading step N rejects step N
+                c._reject(ckpt, "unreadable", f"adapter {path.name} could not be validated:"
+                          f" {type(exc).__name__}: {str(exc)[:300]}")
+                return False
+            validate_s = time.perf_counter() - t0
+            name = adapter_name_for(step, report.manifest.run_id)
+            t1 = time.perf_counter()
+            try:
+                if name in await c.client.loaded_adapters():  # a republished step, or a restarted sidecar
+                    await c.client.unload_lora_adapter(name)
+                await c.client.load_lora_adapter(name, str(report.path))
+                confirmed = name in await c.client.loaded_adapters()
+            except SGLangLoadRejected as exc:
+                c._reject(ckpt, "sglang_rejected", str(exc))
+                return False
+            except SGLangUnavailable as exc:
+                c.state.sglang_healthy = False
+                c.metrics.syncs.labels("failed", "sglang_unavailable").inc()
+                c._error("sglang_unavailable", str(exc), step=step)
+                return False
+            load_s = time.perf_counter() - t1
+            if not confirmed:
+                c.metrics.syncs.labels("failed", "adapter_not_confirmed").inc()
+                c._error("adapter_not_confirmed", f"after loading {path.name} SGLang does not list the"
+                         f" adapter {name!r} in /v1/models", step=step)
+                return False
+            self.loaded[step] = name
+            self.serving = name
+            c._set_loaded(step, report.manifest, str(report.path))
+            c._loaded_before.add(step)
+            c._crashes.pop(step, None)
+            if c.state.last_error is not None and c.state.last_error.get("step") == step:
+                c.state.last_error = None
+            c.metrics.syncs.labels("loaded", "ok").inc()
+            c.metrics.last_sync_seconds.labels("validate").set(validate_s)
+            c.metrics.last_sync_seconds.labels("load").set(load_s)
+            log.info("loaded adapter step %d into SGLang as %r (rank %d, %s): validate%s %.3f s, load"
+                     " %.3f s", step, name, report.manifest.adapter.rank if report.manifest.adapter else 0,
+                     ",".join(report.modules), "+stage" if c.stage is not None else "", validate_s, load_s)
+            self._retire(step)
+            if c.stage is not None:
+                await asyncio.to_thread(c.stage.prune, {report.path})
+            await c._maybe_ack(force=True)
+            await c._publish_state()
+            return True
+        finally:
+            c.state.loading_step = None
+
+    def _prepare(self, path: Path, limits: LoraLimits) -> AdapterReport:
+        """Validate ``path`` and, with a stage, copy and verify it there (runs in a thread)."""
+        c = self.c
+        s = c.settings
+        assert c._reference is not None
+        deadline = Deadline(s.validate_timeout_s)
+        report = validate_adapter(path, root=c.root, reference=c._reference, limits=limits,
+                                  check_finite=s.check_finite and c.stage is None,
+                                  timeout_s=s.validate_timeout_s)
+        if c.stage is None:
+            return report
+        copy = c.stage.copy_in(c.root, report.path, report.manifest, deadline)
+        remaining = max(0.001, s.validate_timeout_s - (time.monotonic() - deadline.started))
+        staged = validate_adapter(copy, root=c.stage.path, reference=c._reference, limits=limits,
+                                  check_finite=s.check_finite, timeout_s=remaining)
+        if staged.manifest.fingerprint() != report.manifest.fingerprint():
+            raise CheckpointError("changed_while_staging", f"{path.name}'s manifest changed while it was"
+                                  " being staged")
+        return staged
+
+    def _retire(self, newest: int) -> None:
+        """Unload the adapters beyond the newest ``keep`` versions, beside the loop."""
+        old = sorted(self.loaded)[:-self.keep] if len(self.loaded) > self.keep else []
+        for step in old:
+            name = self.loaded.pop(step)
+            task = asyncio.get_running_loop().create_task(self._unload(step, name))
+            self._unloads.add(task)
+            task.add_done_callback(self._unloads.discard)
+
+    async def _unload(self, step: int, name: str) -> None:
+        try:
+            await self.c.client.unload_lora_adapter(name)
+            log.info("unloaded adapter %r (step %d): outside the newest %d versions", name, step, self.keep)
+        except (SGLangLoadRejected, SGLangUnavailable) as exc:
+            log.warning("could not unload adapter %r (step %d): %s", name, step, exc)
+

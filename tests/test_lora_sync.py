@@ -1,0 +1,211 @@
+"""Adapter sync against a real SGLang LoRA server on the CPU: load, match PEFT, unload, reject, restart.
+
+A module-scoped SGLang is started with ``--enable-lora`` (``LoraServing``: the ``torch_native``
+backend, the CPU shim for pinned buffers) beside a real sidecar. A PEFT LoRA model is trained for
+real (Adam on a causal-LM loss) and each version is published as an adapter step; SGLang's greedy
+tokens and per-token logprobs with that adapter are compared with transformers + peft.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+
+from sidecar_helpers import Sidecar
+from rollout_service.adapter_writer import publish_adapter
+from rollout_service.lora_serving import LoraServing
+from rollout_service.protocol import adapter_name_for
+from rollout_service.sglang_launcher import SGLangServer
+
+PROMPTS = [[11, 42, 7, 99, 256, 3], [5, 17, 1200, 64, 9]]
+NEW_TOKENS = 10
+LOGPROB_ATOL = 2e-3
+"""float32 on both sides; SGLang's torch_native LoRA adds x·A·B·(alpha/r) in another order than
+peft, and its attention kernels differ from transformers': differences seen are ~1e-5."""
+RUN_ID = "lora-test"
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_model_dir, tmp_path_factory):
+    """A real SGLang on the CPU serving LoRA adapters up to rank 16."""
+    log = tmp_path_factory.mktemp("lora-sglang") / "server.log"
+    server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable, log_path=log,
+                          die_with_parent=True, lora=LoraServing(max_rank=16, max_loras_per_batch=4))
+    server.start()
+    try:
+        server.wait_healthy(300)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def lora_sidecar(lora_server, checkpoint_root, tmp_path):
+    started = []
+
+    def start(*extra: str, replica_id: str = "r0", url: str | None = None):
+        sc = Sidecar(checkpoint_root, url or lora_server.url, tmp_path / f"sidecar-{len(started)}.log",
+                     *extra, replica_id=replica_id)
+        started.append(sc)
+        return sc
+
+    yield start
+    for sc in started:
+        sc.stop()
+
+
+def peft_model(model_dir, targets=ALL_LINEAR, r=8):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, lora_dropout=0.0))
+
+
+def train_steps(model, steps: int, seed: int) -> None:
+    """Real training: Adam on next-token loss over a fixed random batch (moves lora_A and lora_B)."""
+    g = torch.Generator().manual_seed(seed)
+    batch = torch.randint(0, 4000, (4, 24), generator=g)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+def publish(model, root, step: int):
+    from peft import get_peft_model_state_dict
+
+    return publish_adapter(root, step, get_peft_model_state_dict(model), model.peft_config["default"].to_dict(),
+                           run_id=RUN_ID)
+
+
+def sglang_greedy(url: str, prompt: list[int], lora: str | None) -> tuple[list[int], list[float]]:
+    body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS,
+                                                     "ignore_eos": True}, "return_logprob": True}
+    if lora is not None:
+        body["lora_path"] = lora
+    r = httpx.post(f"{url}/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    return out["output_ids"], [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+def peft_logprobs(model, prompt: list[int], completion: list[int]) -> list[float]:
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    lps = torch.log_softmax(logits, dim=-1)
+    return [float(lps[len(prompt) - 1 + i, t]) for i, t in enumerate(completion)]
+
+
+def peft_greedy(model, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def served_adapters(url: str) -> set[str]:
+    cards = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+    return {c["id"] for c in cards if c.get("parent")}
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"{what} within {timeout_s} s")
+
+
+def test_adapter_versions_from_training_serve_what_peft_computes(lora_server, lora_sidecar, checkpoint_root,
+                                                                  tiny_model_dir):
+    sidecar = lora_sidecar("--lora-keep", "2")
+    model = peft_model(tiny_model_dir)
+    base_tokens = [sglang_greedy(lora_server.url, p, None)[0] for p in PROMPTS]
+    worst = 0.0
+    for version in (1, 2, 3):
+        train_steps(model, 3, seed=version)
+        result = publish(model, checkpoint_root, version)
+        assert result.kind == "adapter" and result.total_bytes < 200_000
+        status = sidecar.wait_step(version)
+        assert status["loaded_step"] == version and status["last_error"] is None, status
+        name = adapter_name_for(version, RUN_ID)
+        for prompt, base in zip(PROMPTS, base_tokens):
+            tokens, logprobs = sglang_greedy(lora_server.url, prompt, name)
+            assert tokens == peft_greedy(model, prompt), f"version {version}: SGLang's greedy tokens differ from peft"
+            want = peft_logprobs(model, prompt, tokens)
+            diffs = [abs(a - b) for a, b in zip(logprobs, want)]
+            worst = max(worst, *diffs)
+            assert max(diffs) <= LOGPROB_ATOL, (version, logprobs, want)
+        assert any(sglang_greedy(lora_server.url, p, name)[0] != b for p, b in zip(PROMPTS, base_tokens)), \
+            "the trained adapter does not change any greedy output: the test proves nothing"
+    print(f"largest |logprob SGLang - peft| over 3 versions: {worst:.2e}")
+    # --lora-keep 2: version 1 left the window once version 3 was loaded.
+    wait_until(lambda: adapter_name_for(1, RUN_ID) not in served_adapters(lora_server.url), 30,
+               "version 1 was not unloaded")
+    assert {adapter_name_for(v, RUN_ID) for v in (2, 3)} <= served_adapters(lora_server.url)
+    r = httpx.post(f"{lora_server.url}/generate", json={"input_ids": PROMPTS[0], "lora_path": adapter_name_for(1, RUN_ID),
+                                                        "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    assert r.status_code != 200, "SGLang still serves the unloaded version 1"
+    ack = sidecar.status()
+    assert ack["loaded_step"] == 3 and ack["weight_version"] == "3"
+
+
+def test_corrupt_adapter_is_rejected_and_the_last_good_one_keeps_serving(lora_server, lora_sidecar,
+                                                                          checkpoint_root, tiny_model_dir):
+    sidecar = lora_sidecar()
+    model = peft_model(tiny_model_dir, targets=["q_proj", "v_proj"])
+    train_steps(model, 2, seed=7)
+    publish(model, checkpoint_root, 1)
+    sidecar.wait_step(1)
+    good = sglang_greedy(lora_server.url, PROMPTS[0], adapter_name_for(1, RUN_ID))
+    train_steps(model, 2, seed=8)
+    path = publish(model, checkpoint_root, 2).path
+    weights = path / "adapter_model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-8:] = b"\xff" * 8  # NaN bits in the last tensor, same size: only the digest can tell
+    weights.write_bytes(bytes(raw))
+    r = sidecar.get("/wait?version=2&timeout=60", timeout=90)
+    assert r.status_code != 200
+    status = sidecar.status()
+    assert status["rejected"].get("2") == "digest_mismatch", status
+    assert status["loaded_step"] == 1
+    tokens, logprobs = sglang_greedy(lora_server.url, PROMPTS[0], adapter_name_for(1, RUN_ID))
+    assert tokens == good[0] and max(abs(a - b) for a, b in zip(logprobs, good[1])) <= LOGPROB_ATOL
+    # An adapter whose rank is above the server's --max-lora-rank 16 never reaches SGLang.
+    big = peft_model(tiny_model_dir, targets=["q_proj"], r=32)
+    publish(big, checkpoint_root, 3)
+    wait_until(lambda: "3" in sidecar.status()["rejected"], 60, "the rank-32 adapter was not rejected")
+    status = sidecar.status()
+    assert status["rejected"]["3"] == "adapter_unservable" and "max-lora-rank 16" in status["last_error"]["message"]
+    assert status["loaded_step"] == 1
+
+
+def test_restarted_sglang_gets_the_newest_adapter_again(lora_server, lora_sidecar, checkpoint_root,
+                                                         tiny_model_dir):
+    sidecar = lora_sidecar()
+    model = peft_model(tiny_model_dir, targets=["q_proj", "v_proj"])
+    for version in (1, 2):
+        train_steps(model, 2, seed=20 + version)
+        publish(model, checkpoint_root, version)
+    sidecar.wait_step(2)
+    before = sglang_greedy(lora_server.url, PROMPTS[1], adapter_name_for(2, RUN_ID))[0]
+    lora_server.restart(300)
+    wait_until(lambda: adapter_name_for(2, RUN_ID) in served_adapters(lora_server.url), 120,
+               "the sidecar did not load version 2 into the restarted SGLang")
+    status = sidecar.wait_step(2)
+    assert status["loaded_step"] == 2
+    assert sglang_greedy(lora_server.url, PROMPTS[1], adapter_name_for(2, RUN_ID))[0] == before
+    assert sidecar.metric("rollout_sidecar_sglang_restarts_total") >= 1
