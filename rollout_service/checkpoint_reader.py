@@ -271,13 +271,52 @@ def _validate(checkpoint_dir: Path, root: Path, reference: TensorSpecs | None,
             f"{name}: files add up to {total} bytes, manifest total_bytes says {manifest.total_bytes}",
         )
     checks.append("every file present with its manifest size")
-    shards = sorted(f for f in manifest.files if f.endswith(".safetensors"))
-    if not shards:
-        raise CheckpointError("missing_file", f"{name}: the manifest lists no .safetensors file")
     if CONFIG_NAME not in manifest.files:
         raise CheckpointError("missing_file", f"{name}: the manifest lists no {CONFIG_NAME}")
     parse_json_object(read_small(root, real_dir / CONFIG_NAME, where=f"{name}/{CONFIG_NAME}"),
                       where=f"{name}/{CONFIG_NAME}", reason="bad_config")
+    if manifest.kind == "delta":
+        specs = _delta_specs(root, real_dir, name, manifest, deadline)
+        shards: list[str] = []  # nothing loadable: the files are compressed XORs
+        checks.append("delta files hold the blobs the manifest names")
+    else:
+        shards, specs = _full_specs(root, real_dir, name, manifest, deadline)
+        checks.append("safetensors headers cover their files")
+        if len(shards) > 1 or INDEX_NAME in manifest.files:
+            checks.append("index matches shards")
+    if manifest.dtype is not None:
+        odd = sorted(k for k, (dt, _) in specs.items() if dt in FLOAT_DTYPES and dt != manifest.dtype)
+        if odd:
+            raise CheckpointError(
+                "dtype_mismatch",
+                f"{name}: tensor {odd[0]} has dtype {specs[odd[0]][0]}, the manifest says every"
+                f" floating tensor is {manifest.dtype}",
+            )
+    if reference is not None:
+        compare_specs(specs, reference, where=name, allow_float_cast=allow_float_cast)
+        checks.append("tensor names, shapes and dtypes match the reference")
+    else:
+        check_loadable_dtypes(specs, where=name)
+        checks.append("every tensor has a loadable floating dtype")
+    if check_digests or check_finite:
+        for fname, entry in sorted(manifest.files.items()):
+            _read_every_byte(root, real_dir / fname, f"{name}/{fname}", entry.digest,
+                             check_digests, check_finite and fname in shards, deadline)
+        if check_digests:
+            checks.append("digests match")
+        if check_finite and shards:
+            checks.append("every floating weight is finite")
+    return ValidationReport(path=real_dir, manifest=manifest, specs=specs,
+                            digests_checked=check_digests, checks=checks,
+                            finite_checked=check_finite and bool(shards))
+
+
+def _full_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, deadline: Deadline
+                ) -> tuple[list[str], TensorSpecs]:
+    """The shards of a full checkpoint and its tensors' specs, from the shards' headers."""
+    shards = sorted(f for f in manifest.files if f.endswith(".safetensors"))
+    if not shards:
+        raise CheckpointError("missing_file", f"{name}: the manifest lists no .safetensors file")
     specs: TensorSpecs = {}
     owner: dict[str, str] = {}
     for fname in shards:
@@ -297,40 +336,58 @@ def _validate(checkpoint_dir: Path, root: Path, reference: TensorSpecs | None,
                 )
             owner[tname] = fname
         specs.update(file_specs)
-    checks.append("safetensors headers cover their files")
     if len(specs) != manifest.tensor_count:
         raise CheckpointError(
             "bad_manifest",
             f"{name}: shards hold {len(specs)} tensors, the manifest says {manifest.tensor_count}",
         )
-    if manifest.dtype is not None:
-        odd = sorted(k for k, (dt, _) in specs.items() if dt in FLOAT_DTYPES and dt != manifest.dtype)
-        if odd:
-            raise CheckpointError(
-                "dtype_mismatch",
-                f"{name}: tensor {odd[0]} has dtype {specs[odd[0]][0]}, the manifest says every"
-                f" floating tensor is {manifest.dtype}",
-            )
     if len(shards) > 1 or INDEX_NAME in manifest.files:
         _check_index(root, real_dir, name, owner)
-        checks.append("index matches shards")
-    if reference is not None:
-        compare_specs(specs, reference, where=name, allow_float_cast=allow_float_cast)
-        checks.append("tensor names, shapes and dtypes match the reference")
-    else:
-        check_loadable_dtypes(specs, where=name)
-        checks.append("every tensor has a loadable floating dtype")
-    if check_digests or check_finite:
-        for fname, entry in sorted(manifest.files.items()):
-            _read_every_byte(root, real_dir / fname, f"{name}/{fname}", entry.digest,
-                             check_digests, check_finite and fname in shards, deadline)
-        if check_digests:
-            checks.append("digests match")
-        if check_finite:
-            checks.append("every floating weight is finite")
-    return ValidationReport(path=real_dir, manifest=manifest, specs=specs,
-                            digests_checked=check_digests, checks=checks,
-                            finite_checked=check_finite)
+    return shards, specs
+
+
+def _delta_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, deadline: Deadline
+                 ) -> TensorSpecs:
+    """The specs of the checkpoint a delta rebuilds, after checking its files against them.
+
+    Every ``delta-*.safetensors`` must hold exactly the ``U8`` blobs the manifest assigns to
+    it (one per changed tensor), every target shard must be described, and the sizes of the
+    target shards must follow from the tensors' shapes.
+    """
+    delta = manifest.delta
+    assert delta is not None
+    if len(delta.tensors) != manifest.tensor_count:
+        raise CheckpointError("bad_manifest", f"{name}: delta.tensors lists {len(delta.tensors)}"
+                              f" tensors, tensor_count says {manifest.tensor_count}")
+    expected: dict[str, set[str]] = {}
+    per_shard: dict[str, int] = {}
+    specs: TensorSpecs = {}
+    for tname, t in delta.tensors.items():
+        specs[tname] = (t.dtype, tuple(t.shape))
+        per_shard[t.shard] = per_shard.get(t.shard, 0) + 1
+        if t.delta_file is not None:
+            if t.delta_file not in manifest.files:
+                raise CheckpointError("bad_manifest", f"{name}: tensor {tname[:80]} names the delta"
+                                      f" file {t.delta_file}, which is not in files")
+            expected.setdefault(t.delta_file, set()).add(tname)
+    for shard, count in per_shard.items():
+        if delta.target_files[shard].tensors != count:
+            raise CheckpointError("bad_manifest", f"{name}: target shard {shard} holds {count}"
+                                  f" tensors, its entry says {delta.target_files[shard].tensors}")
+    for fname in sorted(f for f in manifest.files if f.endswith(".safetensors")):
+        deadline.check(f"{name}/{fname}")
+        with open_regular(root, real_dir / fname, where=f"{name}/{fname}") as (fd, _):
+            file_specs = _specs_of_fd(fd, f"{name}/{fname}")
+        if set(file_specs) != expected.get(fname, set()):
+            raise CheckpointError("delta_corrupt", f"{name}/{fname} holds other tensors than the"
+                                  " manifest assigns to it")
+        odd = sorted(k for k, (dt, shape) in file_specs.items() if dt != "U8" or len(shape) != 1)
+        if odd:
+            raise CheckpointError("delta_corrupt", f"{name}/{fname}: {odd[0]} is not a U8 blob")
+    missing = sorted(set(expected) - set(f for f in manifest.files if f.endswith(".safetensors")))
+    if missing:
+        raise CheckpointError("bad_manifest", f"{name}: delta file {missing[0]} is not a .safetensors file")
+    return specs
 
 
 def _read_every_byte(root: Path, path: Path, where: str, want_digest: str, digest: bool,

@@ -4,6 +4,9 @@
 ``protected`` (what live replicas serve or are loading). A deleted step first disappears by an
 atomic rename into a hidden ``.tmp-`` name, so a sidecar never sees a half-deleted checkpoint;
 the hidden copy is then removed (or, if that fails, left to ``cleanup_stale_temp_dirs``).
+
+A ``delta`` step needs every step of its chain back to its full step (a late joiner replays
+them): those are kept as long as a kept step needs them (:func:`chain_dependencies`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from rollout_service.checkpoint_format import TEMP_PREFIX
+from rollout_service.checkpoint_format import TEMP_PREFIX, CheckpointError, Manifest, step_dir_name
 from rollout_service.checkpoint_reader import list_checkpoints
 
 log = logging.getLogger(__name__)
@@ -29,7 +32,9 @@ def prune_checkpoints(root: Path | str, keep: int, protected: set[int] | frozens
         raise ValueError(f"keep must be at least 1 (the newest checkpoint is what replicas load), got {keep}")
     root = Path(root)
     found = list_checkpoints(root)
-    doomed = [c for c in found[:-keep] if c.step not in protected]
+    kept = {c.step for c in found[-keep:]} | set(protected)
+    needed = kept | chain_dependencies(root, kept)
+    doomed = [c for c in found[:-keep] if c.step not in needed]
     removed: list[int] = []
     for ckpt in doomed:
         hidden = root / f"{TEMP_PREFIX}deleting-{ckpt.path.name}-{uuid.uuid4().hex[:8]}"
@@ -44,5 +49,28 @@ def prune_checkpoints(root: Path | str, keep: int, protected: set[int] | frozens
         removed.append(ckpt.step)
     if removed:
         log.info("deleted old checkpoint step(s) %s under %s (keeping %d, protected %s)", removed, root, keep,
-                 sorted(protected))
+                 sorted(needed - {c.step for c in found[-keep:]}))
     return removed
+
+
+def chain_dependencies(root: Path, steps: set[int]) -> set[int]:
+    """Every step the delta steps among ``steps`` are built on, back to their full steps.
+
+    A manifest that cannot be read protects nothing more (it is not a delta anyone can apply).
+    """
+    needed: set[int] = set()
+    todo = sorted(steps)
+    seen: set[int] = set()
+    while todo:
+        step = todo.pop()
+        if step in seen:
+            continue
+        seen.add(step)
+        try:
+            manifest = Manifest.load(root / step_dir_name(step), root=root)
+        except (CheckpointError, ValueError):
+            continue
+        if manifest.kind == "delta" and manifest.delta is not None:
+            needed.add(manifest.delta.base_step)
+            todo.append(manifest.delta.base_step)
+    return needed

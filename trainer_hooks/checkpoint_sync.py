@@ -7,11 +7,23 @@ time), wakes the sidecars, waits for every expected replica through a
 :class:`~trainer_hooks.replica_wait.ReplicaWaiter`, prunes old checkpoints, and records how long
 each phase took (:class:`SyncRecord`).
 
+Every sync takes one path (:meth:`CheckpointPublisher.publish`): the weights are *taken in*
+on the calling thread (the gather, which is collective), then a job writes the checkpoint and
+waits for the replicas; it returns a ``concurrent.futures.Future`` of the job. In the
+foreground the job runs at once on the calling thread; in the background it runs on a worker
+thread while training goes on (at most one is in flight: the next sync first waits for it, and
+an error in the worker is raised by the next call into the publisher).
+
+Taking in depends on what the job needs to outlive the live parameters:
+
+- with deltas (``delta=DeltaCheckpointWriter``): the weights go into the delta writer's one held
+  copy of the last version (XOR + zstd while gathering), in the foreground and the background;
+- without deltas, in the background: a CPU copy in the checkpoint dtype (pinned buffers reused
+  across syncs when the weights are on a GPU);
+- without deltas, in the foreground: nothing; the job streams the weights into the shards.
+
 Floating tensors on a GPU are cast to the checkpoint dtype there, before they are copied to the
-CPU (:func:`cast_on_device`). With ``background=True`` the weights are first copied to CPU memory
-in the checkpoint dtype (one copy of the model, into pinned buffers reused across syncs when the
-weights are on a GPU), and writing + waiting run in a worker thread; at most one such job is in flight: the next sync
-first waits for it. An error in the worker is raised by the next call into the publisher.
+CPU (:func:`cast_on_device`).
 """
 
 from __future__ import annotations
@@ -19,7 +31,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +41,8 @@ import torch
 
 from rollout_service.checkpoint_format import new_run_id
 from rollout_service.checkpoint_reader import latest_checkpoint
-from rollout_service.checkpoint_writer import cleanup_stale_temp_dirs, publish_checkpoint
+from rollout_service.checkpoint_writer import PublishResult, cleanup_stale_temp_dirs, publish_checkpoint
+from rollout_service.delta_writer import DeltaCheckpointWriter
 from rollout_service.protocol import read_acks
 
 from .checkpoint_retention import prune_checkpoints
@@ -49,6 +63,9 @@ class SyncRecord:
     bytes: int
     background: bool
     pruned: int = 0
+    kind: str = "full"
+    full_bytes: int = 0
+    """What a full checkpoint of this version is (``bytes`` of a delta is what was written)."""
 
 
 class _TimedIterator:
@@ -116,6 +133,7 @@ class CheckpointPublisher:
         sync_timeout_s: float,
         heartbeat_max_age_s: float,
         base_model: str | None = None,
+        delta: DeltaCheckpointWriter | None = None,
     ) -> None:
         self.root = Path(root)
         self.waiter = waiter
@@ -126,6 +144,8 @@ class CheckpointPublisher:
         self.sync_timeout_s = sync_timeout_s
         self.heartbeat_max_age_s = heartbeat_max_age_s
         self.base_model = base_model
+        self.delta = delta
+        """Publishes deltas against the last version (None: every checkpoint is full)."""
         self.run_id = new_run_id()
         """This run's lineage id, in every manifest it publishes; the waiter counts only
         replicas that serve a checkpoint of this run (a reused root cannot fool it)."""
@@ -138,8 +158,8 @@ class CheckpointPublisher:
         self.first_version: int | None = None
         self._records: list[SyncRecord] = []
         self._records_lock = threading.Lock()
-        self._worker: threading.Thread | None = None
-        self._worker_error: BaseException | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._future: Future[SyncRecord] | None = None
         self._torch_dtype = target_dtype(dtype)
         self._pinned: dict[str, torch.Tensor] = {}
         """Pinned host buffers of the last background snapshot, reused by the next one."""
@@ -153,62 +173,84 @@ class CheckpointPublisher:
         candidates = [0, self.latest_version or 0, newest.step if newest else 0]
         return max(candidates) + 1
 
-    def publish_and_wait(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncRecord:
-        """Publish ``tensors`` as ``version`` (streaming) and wait for the replicas, in this thread.
+    def publish(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], *,
+                background: bool) -> Future[SyncRecord]:
+        """Take in ``tensors`` now, then write ``version`` and wait for the replicas in a job.
 
-        The iterator is always exhausted, also when writing fails, so that processes taking part
-        in collective gathers are not left waiting.
+        The job runs on this thread (``background=False``: the Future is done on return) or on
+        the worker thread. The iterator is always exhausted, also when anything fails, so that
+        processes taking part in collective gathers are not left waiting.
         """
-        self.raise_if_failed()
         self.join()
         timed = _TimedIterator(tensors)
-        self._start(version)
         t0 = time.perf_counter()
         try:
-            result = publish_checkpoint(
-                self.root, version, cast_on_device(timed, self._torch_dtype), config=self.config,
-                dtype=self.dtype,
-                max_shard_bytes=self.max_shard_bytes, base_model=self.base_model,
-                run_id=self.run_id)
+            write, streams = self._take_in(timed, background)
         except BaseException:
             timed.drain()
             raise
-        publish_s = time.perf_counter() - t0
-        return self._finish(version, gather_s=timed.seconds, write_s=max(0.0, publish_s - timed.seconds),
-                            nbytes=result.total_bytes, started=t0, before_s=0.0, background=False)
-
-    def publish_in_background(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
-        """Copy ``tensors`` to CPU now, then write and wait in a worker thread; return the copy time."""
-        self.raise_if_failed()
-        self.join()
-        t0 = time.perf_counter()
-        source = iter(tensors)
-        try:
-            snapshot = self._snapshot(source)
-        except BaseException:
-            for _ in source:  # take part in the remaining collective gathers
-                pass
-            raise
-        gather_s = time.perf_counter() - t0
+        taken_s = time.perf_counter() - t0
         self._start(version)
 
-        def work() -> None:
+        def job() -> SyncRecord:
+            t1 = time.perf_counter()
             try:
-                t1 = time.perf_counter()
-                result = publish_checkpoint(
-                    self.root, version, snapshot, config=self.config, dtype=self.dtype,
-                    max_shard_bytes=self.max_shard_bytes, base_model=self.base_model,
-                    run_id=self.run_id)
-                snapshot.clear()
-                self._finish(version, gather_s=gather_s, write_s=time.perf_counter() - t1,
-                             nbytes=result.total_bytes, started=t1, before_s=gather_s, background=True)
-            except BaseException as exc:  # surfaced by the next call into the publisher
-                log.error("background sync of version %d failed: %s", version, exc)
-                self._worker_error = exc
+                result = write(version)
+            finally:
+                timed.drain()
+            spent = time.perf_counter() - t1
+            gather_s = timed.seconds if streams else taken_s
+            write_s = max(0.0, spent - timed.seconds) if streams else spent
+            return self._finish(version, gather_s=gather_s, write_s=write_s, result=result,
+                                started=t1, before_s=0.0 if streams else taken_s, background=background)
 
-        self._worker = threading.Thread(target=work, name=f"checkpoint-sync-{version}", daemon=True)
-        self._worker.start()
-        return gather_s
+        if background:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-sync")
+            self._future = self._pool.submit(job)
+            return self._future
+        future: Future[SyncRecord] = Future()
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(job())
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+    def publish_and_wait(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncRecord:
+        """Publish ``version`` and wait for the replicas, on this thread; raise what failed."""
+        self.raise_if_failed()
+        return self.publish(version, tensors, background=False).result()
+
+    def publish_in_background(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Take in ``tensors`` now, write and wait in the worker; return the take-in time."""
+        self.raise_if_failed()
+        t0 = time.perf_counter()
+        self.publish(version, tensors, background=True)
+        return time.perf_counter() - t0
+
+    def _take_in(self, timed: "_TimedIterator", background: bool
+                 ) -> tuple[Callable[[int], PublishResult], bool]:
+        """What the job needs, taken from the weights now: (write(version), whether it streams)."""
+        common = dict(config=self.config, max_shard_bytes=self.max_shard_bytes,
+                      base_model=self.base_model, run_id=self.run_id)
+        if self.delta is not None:
+            delta = self.delta
+            delta.absorb(cast_on_device(timed, self._torch_dtype), dtype=self.dtype)
+            return (lambda version: delta.write(self.root, version, **common)), False  # type: ignore[arg-type]
+        if background:
+            snapshot = self._snapshot(iter(timed))
+
+            def write_snapshot(version: int) -> PublishResult:
+                try:
+                    return publish_checkpoint(self.root, version, snapshot, dtype=self.dtype, **common)  # type: ignore[arg-type]
+                finally:
+                    snapshot.clear()
+
+            return write_snapshot, False
+        return (lambda version: publish_checkpoint(
+            self.root, version, cast_on_device(timed, self._torch_dtype), dtype=self.dtype,
+            **common)), True  # type: ignore[arg-type]
 
     def _snapshot(self, source: Iterator[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """A CPU copy of every tensor, already in the checkpoint dtype (one copy, never two).
@@ -248,20 +290,35 @@ class CheckpointPublisher:
 
     def join(self) -> None:
         """Wait for the background job (if any), then raise its error (if any)."""
-        worker = self._worker
-        if worker is not None:
-            worker.join()
-            self._worker = None
+        future = self._future
+        if future is not None:
+            try:
+                future.exception()  # waits
+            except BaseException:
+                pass
         self.raise_if_failed()
+
+    def close(self) -> None:
+        """Wait for the background job and stop the worker thread (raises the job's error)."""
+        try:
+            self.join()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
     @property
     def busy(self) -> bool:
-        return self._worker is not None and self._worker.is_alive()
+        return self._future is not None and not self._future.done()
 
     def raise_if_failed(self) -> None:
-        error = self._worker_error
+        future = self._future
+        if future is None or not future.done():
+            return
+        self._future = None
+        error = future.exception()
         if error is not None:
-            self._worker_error = None
+            log.error("background sync failed: %s", error)
             raise RuntimeError(f"the background checkpoint sync failed: {error}") from error
 
     def drain_records(self) -> list[SyncRecord]:
@@ -274,8 +331,8 @@ class CheckpointPublisher:
         if self.first_version is None:
             self.first_version = version
 
-    def _finish(self, version: int, *, gather_s: float, write_s: float, nbytes: int, started: float,
-                before_s: float, background: bool) -> SyncRecord:
+    def _finish(self, version: int, *, gather_s: float, write_s: float, result: PublishResult,
+                started: float, before_s: float, background: bool) -> SyncRecord:
         """Wake and wait for the replicas, prune, record; ``started``/``before_s`` give the total time."""
         self.waiter.notify(version)
         t_wait = time.perf_counter()
@@ -284,12 +341,15 @@ class CheckpointPublisher:
         self.confirmed_version = max(self.confirmed_version or 0, version)
         pruned = self._prune(version)
         record = SyncRecord(version=version, gather_s=gather_s, write_s=write_s, wait_s=wait_s,
-                            total_s=before_s + (time.perf_counter() - started), bytes=nbytes,
-                            background=background, pruned=len(pruned))
+                            total_s=before_s + (time.perf_counter() - started), bytes=result.total_bytes,
+                            background=background, pruned=len(pruned), kind=result.kind,
+                            full_bytes=result.full_bytes or result.total_bytes)
         with self._records_lock:
             self._records.append(record)
-        log.info("sync version %d: gather %.3f s, write %.3f s (%.1f MB), replicas %.3f s%s", version, gather_s,
-                 write_s, nbytes / 1e6, wait_s, " (background)" if background else "")
+        log.info("sync version %d (%s): gather %.3f s, write %.3f s (%.1f MB%s), replicas %.3f s%s", version,
+                 result.kind, gather_s, write_s, result.total_bytes / 1e6,
+                 f" of {record.full_bytes / 1e6:.1f} MB full" if result.kind == "delta" else "", wait_s,
+                 " (background)" if background else "")
         return record
 
     def _prune(self, newest: int) -> list[int]:

@@ -42,7 +42,8 @@ from typing import Any
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
 
-from rollout_service.checkpoint_format import normalize_dtype
+from rollout_service.checkpoint_format import DEFAULT_DELTA_MAX_RATIO, DEFAULT_FULL_EVERY, normalize_dtype
+from rollout_service.delta_writer import DeltaCheckpointWriter
 from rollout_service.http_auth import is_loopback_url
 
 from .checkpoint_sync import CheckpointPublisher
@@ -50,6 +51,7 @@ from .config import SGLangRolloutArguments, rescoring_needed
 from .replica_wait import AckFileWaiter, ReplicaSyncTimeout, ReplicaWaiter, SidecarWaiter
 from .sglang_endpoints import SGLangEndpoints
 from .sglang_responses import Completion
+from .adapter_publish import AdapterPublisher, choose_adapter_sync, label_with_adapter
 from .weight_gather import is_peft, iter_full_weights, unwrap_model
 
 log = logging.getLogger(__name__)
@@ -183,6 +185,8 @@ class SGLangGeneration:
         self._endpoints: SGLangEndpoints | None = None
         self.waiter: ReplicaWaiter | None = None
         self.publisher: CheckpointPublisher | None = None
+        self.adapters: AdapterPublisher | None = None
+        """Set on the main process when LoRA adapter sync applies (adapter_publish.py)."""
         if accelerator.is_main_process:
             self._setup_main(model, args)
 
@@ -203,6 +207,9 @@ class SGLangGeneration:
         if step is not None and step == self._synced_step:
             return
         accelerator = self.accelerator
+        if self.adapters is not None:  # the main process publishes the adapter alone
+            self._sync_adapter(step)
+            return
         tensors = iter_full_weights(self.model, accelerator)
         error: BaseException | None = None
         if accelerator.is_main_process:
@@ -219,6 +226,17 @@ class SGLangGeneration:
                 error = exc
         _drain(tensors)
         _raise_everywhere(accelerator, error, "sync_weights")
+        self._synced_step = step
+
+    def _sync_adapter(self, step: int | None) -> None:
+        """Adapter sync: publish the LoRA adapter as the next version and wait (main process)."""
+        assert self.adapters is not None
+        error: BaseException | None = None
+        try:
+            self.adapters.publish_and_wait()
+        except Exception as exc:  # reported to every process
+            error = exc
+        _raise_everywhere(self.accelerator, error, "sync_weights")
         self._synced_step = step
 
     def generate(
@@ -285,6 +303,8 @@ class SGLangGeneration:
                 self._metrics.add("sglang/sync_wait_s", record.wait_s)
                 self._metrics.add("sglang/sync_total_s", record.total_s)
                 self._metrics.add("sglang/sync_mb", record.bytes / 1e6)
+                self._metrics.add("sglang/sync_full_mb", record.full_bytes / 1e6)
+                self._metrics.add("sglang/sync_delta", 1.0 if record.kind == "delta" else 0.0)
         values, self._metrics = self._metrics.values, _Metrics()
         return dict(values)
 
@@ -333,7 +353,9 @@ class SGLangGeneration:
             args.checkpoint_path, self.waiter, config=config_dict, dtype=dtype,  # type: ignore[arg-type]
             max_shard_bytes=int(args.checkpoint_max_shard_mb * 1024 * 1024), keep=args.keep_checkpoints,
             sync_timeout_s=args.sync_timeout, heartbeat_max_age_s=args.replica_heartbeat_max_age,
-            base_model=getattr(base, "name_or_path", None) or None)
+            base_model=getattr(base, "name_or_path", None) or None,
+            delta=delta_writer_for(args, dtype))
+        self.adapters = choose_adapter_sync(self.publisher, model, self.accelerator, args, dtype)
 
     def _required_version(self) -> int | None:
         """The oldest checkpoint version a completion may come from (None before the first sync)."""
@@ -354,9 +376,13 @@ class SGLangGeneration:
         todo = list(range(len(unique)))
         retries = 0
         while True:
+            adapter = self.adapters.current() if self.adapters is not None else None
             answers = self._endpoints.generate([unique[i] for i in todo], params,
                                                want_logprobs=self.want_logprobs, deadline=deadline,
-                                               rescore=self.logprob_source == "rescored")
+                                               rescore=self.logprob_source == "rescored",
+                                               lora_path=None if adapter is None else adapter[1])
+            if adapter is not None:
+                label_with_adapter(answers, *adapter)
             if self.logprob_source == "none":
                 for group in answers:
                     for c in group:
@@ -468,6 +494,19 @@ def warn_if_sharing_the_cpu(endpoints: SGLangEndpoints) -> bool:
                 "`rollout-service serve` does on CPU) or call torch.set_num_threads(%d) before training",
                 ", ".join(polling), cores, max(1, cores // 2))
     return True
+
+
+def delta_writer_for(args: Any, dtype: str) -> DeltaCheckpointWriter | None:
+    """The delta writer ``checkpoint_delta`` asks for; by default (None) one for 16-bit checkpoints,
+    whose unchanged weights are most of the model at RL learning rates (fp32's low bits change at
+    nearly every step, so its deltas barely compress)."""
+    wanted = getattr(args, "checkpoint_delta", None)
+    if wanted is None:
+        wanted = normalize_dtype(dtype) in ("BF16", "F16")
+    if not wanted:
+        return None
+    return DeltaCheckpointWriter(full_every=getattr(args, "checkpoint_full_every", DEFAULT_FULL_EVERY),
+                                 max_ratio=getattr(args, "checkpoint_delta_max_ratio", DEFAULT_DELTA_MAX_RATIO))
 
 
 def _checkpoint_dtype(requested: str | None, model: torch.nn.Module) -> str:

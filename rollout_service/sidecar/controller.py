@@ -51,7 +51,7 @@ from .adapter_sync import AdapterSync, is_adapter_step
 from .metrics import SidecarMetrics
 from .settings import SidecarSettings
 from .sglang_client import SGLangClient, SGLangLoadRejected, SGLangUnavailable, ServerView
-from .staging import Stage, StageError
+from .staging import Stage, StagedBuild, StageError
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,14 @@ class SyncRecord:
     finished_at: float
     run_id: str | None = None
     staged: bool = False
+    kind: str = "full"
+    """The published step's kind: full, or delta (rebuilt in the stage)."""
+    bytes_read: int | None = None
+    """Bytes read from shared storage for this sync (None without a stage: SGLang read them)."""
+    apply_s: float | None = None
+    """Seconds spent copying or rebuilding the step in the stage (part of validate_s)."""
+    chain_length: int = 0
+    """Deltas applied for this sync (more than 1: a chain was replayed)."""
 
 
 @dataclass
@@ -102,6 +110,8 @@ class SidecarState:
     reference: str | None = None
     """Where the served model's tensor reference came from."""
     stage_dir: str | None = None
+    stage_bytes: int | None = None
+    """Bytes held in the stage directory after the last sync."""
     loop_heartbeat: float | None = None
     loop_errors: int = 0
     fatal: dict[str, Any] | None = None
@@ -381,7 +391,7 @@ class SyncController:
                 published = Manifest.load(self.root / step_dir_name(step), root=self.root)
             except CheckpointError:
                 return
-            if published.fingerprint() != manifest.fingerprint():
+            if published.fingerprint() != manifest.source_fingerprint():
                 return
         self._set_loaded(step, manifest, str(served))
         self._crashes.pop(step, None)
@@ -502,8 +512,8 @@ class SyncController:
             t0 = time.perf_counter()
             budget = self.settings.validate_timeout_s
             try:
-                report = await asyncio.wait_for(asyncio.to_thread(self._prepare, path),
-                                                timeout=budget + 5.0)
+                report, built = await asyncio.wait_for(asyncio.to_thread(self._prepare, path),
+                                                       timeout=budget + 5.0)
             except asyncio.TimeoutError:
                 self._reject(ckpt, "validation_timeout",
                              f"validating {path.name} did not finish within {budget:g} s (a file"
@@ -557,22 +567,30 @@ class SyncController:
             self._crashes.pop(step, None)
             if self.stage is not None:
                 await asyncio.to_thread(self.stage.prune, {report.path})
+                self.state.stage_bytes = await asyncio.to_thread(self.stage.usage_bytes)
+                self.metrics.stage_bytes.set(self.state.stage_bytes)
             record = SyncRecord(
                 step=step, weight_version=version, path=str(report.path),
                 detect_s=None if published is None else max(0.0, detected - published),
                 validate_s=validate_s, load_s=load_s,
                 total_s=None if published is None else finished - published, finished_at=finished,
-                run_id=report.manifest.run_id, staged=self.stage is not None)
+                run_id=report.manifest.run_id, staged=self.stage is not None,
+                kind=built.kind if built is not None else report.manifest.kind,
+                bytes_read=built.bytes_read if built is not None else None,
+                apply_s=built.apply_s if built is not None else None,
+                chain_length=built.chain_length if built is not None else 0)
             self.state.last_sync = record
             if self.state.last_error is not None and self.state.last_error.get("step") == step:
                 self.state.last_error = None
             self.metrics.syncs.labels("loaded", "ok").inc()
-            for phase in ("detect_s", "validate_s", "load_s", "total_s"):
+            for phase in ("detect_s", "validate_s", "apply_s", "load_s", "total_s"):
                 value = getattr(record, phase)
                 if value is not None:
                     self.metrics.last_sync_seconds.labels(phase[:-2]).set(value)
-            log.info("loaded step %d into SGLang: validate%s %.3f s, load %.3f s%s", step,
-                     "+stage" if self.stage is not None else "", validate_s, load_s,
+            self.metrics.record_sync(record.kind, record.bytes_read, record.chain_length)
+            log.info("loaded step %d (%s%s) into SGLang: validate%s %.3f s, load %.3f s%s", step,
+                     record.kind, f", {record.bytes_read / 1e6:.1f} MB read" if record.bytes_read is not None
+                     else "", "+stage" if self.stage is not None else "", validate_s, load_s,
                      "" if record.total_s is None else f", publish->serving {record.total_s:.3f} s")
             await self._maybe_ack(force=True)
             await self._publish_state()
@@ -583,12 +601,13 @@ class SyncController:
     def _set_loaded(self, step: int, manifest: Manifest, served_path: str) -> None:
         self.state.loaded_step = step
         self.state.loaded_run_id = manifest.run_id
-        self.state.loaded_fingerprint = manifest.fingerprint()
+        self.state.loaded_fingerprint = manifest.source_fingerprint()
         self.state.loaded_current = True
         self._served_path = served_path
 
-    def _prepare(self, path: Path) -> ValidationReport:
-        """Validate ``path`` and, with a stage, copy and verify it there (runs in a thread)."""
+    def _prepare(self, path: Path) -> tuple[ValidationReport, StagedBuild | None]:
+        """Validate ``path`` and, with a stage, copy or rebuild it there and validate the copy
+        (runs in a thread)."""
         s = self.settings
         deadline = Deadline(s.validate_timeout_s)
         staged = self.stage is not None
@@ -597,17 +616,23 @@ class SyncController:
             check_digests=s.check_digests and not staged, check_finite=s.check_finite and not staged,
             timeout_s=s.validate_timeout_s)
         if self.stage is None:
-            return report
-        copy = self.stage.copy_in(self.root, report.path, report.manifest, deadline)
+            if report.manifest.kind == "delta":
+                raise CheckpointError(
+                    "delta_needs_stage",
+                    f"{path.name} is a delta checkpoint, which is rebuilt in the sidecar's stage"
+                    " directory: run the sidecar without --no-stage (or publish full checkpoints:"
+                    " checkpoint_delta=False)")
+            return report, None
+        built = self.stage.build(self.root, report.path, report.manifest, deadline)
         remaining = max(0.001, s.validate_timeout_s - (time.monotonic() - deadline.started))
         staged_report = validate_checkpoint(
-            copy, root=self.stage.path, reference=self._reference, allow_float_cast=True,
+            built.path, root=self.stage.path, reference=self._reference, allow_float_cast=True,
             check_finite=s.check_finite, timeout_s=remaining)
-        if staged_report.manifest.fingerprint() != report.manifest.fingerprint():
+        if staged_report.manifest.source_fingerprint() != report.manifest.fingerprint():
             raise CheckpointError("changed_while_staging", f"{path.name}'s manifest changed while"
                                   " it was being staged")
         staged_report.digests_checked = True
-        return staged_report
+        return staged_report, built
 
     def _reject(self, ckpt: PublishedCheckpoint, reason: str, message: str) -> None:
         log.error("rejected checkpoint step %d (%s): %s", ckpt.step, reason, message)

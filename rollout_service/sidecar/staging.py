@@ -9,6 +9,13 @@ and hands SGLang the copy. A copy becomes visible under its final name only by a
 rename, so a sidecar killed mid-copy leaves a hidden ``.tmp-*`` folder that the next start
 removes. The stage holds the served copy and at most one being prepared.
 
+A ``delta`` step is rebuilt here (:meth:`Stage.build`): applied to the staged copy of its
+base while SGLang keeps serving that copy, every tensor and file checked against the digests
+of the full checkpoint it stands for, renamed into place only when complete. A sidecar that
+has no copy of the base (a restart with an emptied stage, a late joiner) replays the chain
+from its full step; a missing or corrupt link rejects the step with a reason. Staged copies
+are named ``step-XXXXXXXX-<fingerprint>`` after the *published* manifest they stand for.
+
 The stage also keeps ``reference.json``: the tensor names, shapes and dtypes of the model
 SGLang serves, learnt at the first load, so a restarted sidecar checks against the same
 reference.
@@ -21,11 +28,14 @@ import json
 import logging
 import os
 import shutil
+import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint_format import MANIFEST_NAME, TEMP_PREFIX, CheckpointError, Manifest, step_dir_name
 from ..checkpoint_reader import TensorSpecs
+from ..delta_apply import Chain, ChainLink, reconstruct, resolve_chain
 from ..protocol import atomic_replace
 from ..untrusted_files import Deadline, copy_verified
 
@@ -38,6 +48,20 @@ SPACE_MARGIN_BYTES = 64 << 20
 
 class StageError(RuntimeError):
     """The stage itself failed (no room, not writable): not the checkpoint's fault."""
+
+
+@dataclass
+class StagedBuild:
+    """A verified full copy in the stage, and what making it took."""
+
+    path: Path
+    kind: str
+    """The published step's kind: ``full`` (copied) or ``delta`` (rebuilt)."""
+    bytes_read: int
+    """Bytes read from shared storage."""
+    apply_s: float
+    chain_length: int
+    """Deltas applied (more than one: a chain replayed from its full step or a staged copy)."""
 
 
 SHM_MIN_FREE_BYTES = 8 << 30
@@ -99,17 +123,96 @@ class Stage:
         real = Path(os.path.realpath(path))
         return real.parent == Path(os.path.realpath(self.path))
 
-    def copy_in(self, root: Path, source_dir: Path, manifest: Manifest, deadline: Deadline) -> Path:
-        """Copy the checkpoint's files here, verifying sizes and digests; return the copy."""
-        need = manifest.total_bytes + SPACE_MARGIN_BYTES
+    def usage_bytes(self) -> int:
+        """Bytes of the files in the stage (staged copies and work in progress)."""
+        total = 0
+        for dirpath, _, names in os.walk(self.path):
+            for n in names:
+                try:
+                    total += os.lstat(os.path.join(dirpath, n)).st_size
+                except OSError:
+                    pass
+        return total
+
+    def find(self, step: int, fingerprint: str) -> tuple[Path, Manifest] | None:
+        """The staged full copy of the publication with this fingerprint, if one is here."""
+        path = self._name_for(step, fingerprint)
+        if not path.is_dir():
+            return None
+        try:
+            manifest = Manifest.load(path, root=self.path)
+        except CheckpointError:
+            return None
+        if manifest.source_fingerprint() != fingerprint or manifest.step != step:
+            return None
+        return path, manifest
+
+    def _name_for(self, step: int, fingerprint: str) -> Path:
+        return self.path / f"{step_dir_name(step)}-{fingerprint[:12]}"
+
+    def _check_room(self, manifest_step: int, nbytes: int) -> None:
+        need = nbytes + SPACE_MARGIN_BYTES
         free = shutil.disk_usage(self.path).free
         if free < need:
             raise StageError(
                 f"the stage directory {self.path} has {free >> 20} MiB free, step"
-                f" {manifest.step} needs {need >> 20} MiB: give --stage-dir a folder with room"
+                f" {manifest_step} needs {need >> 20} MiB: give --stage-dir a folder with room"
                 " for two copies of the model")
-        fingerprint = manifest.fingerprint()[:12]
-        final = self.path / f"{step_dir_name(manifest.step)}-{fingerprint}"
+
+    def build(self, root: Path, source_dir: Path, manifest: Manifest, deadline: Deadline) -> StagedBuild:
+        """A verified full copy of a published step here: copied (full) or rebuilt (delta)."""
+        t0 = time.perf_counter()
+        if manifest.kind != "delta":
+            path = self.copy_in(root, source_dir, manifest, deadline)
+            return StagedBuild(path, manifest.kind, manifest.total_bytes, time.perf_counter() - t0, 0)
+        link = ChainLink(source_dir, manifest)
+        chain = resolve_chain(root, link, self.find)
+        try:
+            return self._apply_chain(root, chain, deadline, t0)
+        except CheckpointError as exc:
+            if exc.reason != "base_mismatch" or not chain.start_is_staged:
+                raise
+            log.warning("the staged copy %s is damaged (%s); replaying the chain from its full step",
+                        chain.start.path.name, exc)
+            _remove(chain.start.path)
+            return self._apply_chain(root, resolve_chain(root, link, None), deadline, t0)
+
+    def _apply_chain(self, root: Path, chain: Chain, deadline: Deadline, t0: float) -> StagedBuild:
+        bytes_read = 0
+        made_here: set[Path] = set()
+        if chain.start_is_staged:
+            current = chain.start
+        else:
+            path = self.copy_in(root, chain.start.path, chain.start.manifest, deadline)
+            bytes_read += chain.start.manifest.total_bytes
+            current = ChainLink(path, Manifest.load(path, root=self.path))
+            made_here.add(path)
+        for link in chain.deltas:
+            delta = link.manifest.delta
+            assert delta is not None
+            self._check_room(link.manifest.step, sum(e.size for e in delta.target_files.values()))
+            final = self._name_for(link.manifest.step, link.manifest.fingerprint())
+            if final.is_dir():
+                _remove(final)  # a copy from an earlier try: rebuild it
+            tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir()
+            try:
+                rebuilt = reconstruct(root, link, current, self.path, tmp, deadline)
+                os.rename(tmp, final)
+            except BaseException:
+                _remove(tmp)
+                raise
+            bytes_read += link.manifest.total_bytes
+            if current.path in made_here:  # an intermediate version nobody serves
+                _remove(current.path)
+            made_here.add(final)
+            current = ChainLink(final, rebuilt)
+        return StagedBuild(current.path, "delta", bytes_read, time.perf_counter() - t0, len(chain.deltas))
+
+    def copy_in(self, root: Path, source_dir: Path, manifest: Manifest, deadline: Deadline) -> Path:
+        """Copy the checkpoint's files here, verifying sizes and digests; return the copy."""
+        self._check_room(manifest.step, manifest.total_bytes)
+        final = self._name_for(manifest.step, manifest.fingerprint())
         if final.is_dir():
             shutil.rmtree(final)  # a copy of the same bytes from an earlier try: redo it
         tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
