@@ -1,7 +1,10 @@
-"""The ``rollout-service`` command: publish, validate, sidecar, serve, demo, make-tiny-model, liveness.
+"""The ``rollout-service`` commands: publish, validate, materialize, sidecar, serve, make-tiny-model, liveness.
 
 Run ``rollout-service <command> --help`` for each command's flags. Flags of the
-long-running commands can also be set with ``ROLLOUT_*`` environment variables.
+long-running commands can also be set with ``ROLLOUT_*`` environment variables. The installed
+``rollout-service`` console command is ``rollout_demo.cli``, which adds ``demo`` (it trains with
+``trainer_hooks``, which this package must not import); ``python -m rollout_service.cli`` runs
+these commands without it.
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from .checkpoint_format import CheckpointError
 from .cli_env import EnvArgumentParser, add_env_argument
@@ -45,9 +50,25 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(f"INVALID ({exc.reason}): {exc}", file=sys.stderr)
         return 1
     print(json.dumps({"valid": str(report.path), "step": report.manifest.step,
-                      "run_id": report.manifest.run_id,
+                      "kind": report.manifest.kind, "run_id": report.manifest.run_id,
                       "tensors": len(report.specs), "bytes": report.manifest.total_bytes,
                       "checks": report.checks}))
+    return 0
+
+
+def _cmd_materialize(args: argparse.Namespace) -> int:
+    from .checkpoint_format import step_dir_name
+    from .delta_apply import materialize
+
+    try:
+        manifest = materialize(args.root, args.step, args.out, timeout_s=args.timeout,
+                               progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except CheckpointError as exc:
+        print(f"error: cannot materialize {step_dir_name(args.step)} under {args.root} ({exc.reason}):"
+              f" {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({"materialized": str(args.out), "step": manifest.step,
+                      "bytes": manifest.total_bytes, "files": sorted(manifest.files)}))
     return 0
 
 
@@ -67,7 +88,12 @@ def _cmd_liveness(args: argparse.Namespace) -> int:
     return 0 if alive else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+Registrar = Callable[[Any, Any], None]
+"""Adds one command: called with the subparsers object and `add_env_argument`."""
+
+
+def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentParser:
+    """The parser of these commands, plus those `extra_commands` register."""
     parser = argparse.ArgumentParser(
         prog="rollout-service",
         description="SGLang rollouts for TRL GRPO, synced through safetensors checkpoints on"
@@ -106,6 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint root that paths must stay inside (default: DIR's parent)")
     p.set_defaults(func=_cmd_validate)
 
+    p = sub.add_parser("materialize", help="rebuild any retained step as a plain HF model directory",
+                       description="Rebuild step N under ROOT (a full step, or a delta step and the"
+                       " chain it applies to) as a plain HF model directory OUT: safetensors shards,"
+                       " index, config.json, every byte checked against the digests of a full"
+                       " publish. For evaluating a version with any tool. OUT must not exist; it"
+                       " appears only when complete.")
+    p.add_argument("root", help="checkpoint root (the trainer's checkpoint_path)")
+    p.add_argument("--step", required=True, type=int, help="the step (version) to rebuild")
+    p.add_argument("--out", required=True, help="new directory to write the model into")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="give up after this many seconds (default: no limit)")
+    p.set_defaults(func=_cmd_materialize)
+
     p = sub.add_parser("make-tiny-model", help="build the tiny local test model",
                        description="Build a tiny deterministic Qwen2 model with a locally trained"
                        " tokenizer (no model hub needed).")
@@ -124,25 +163,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=8.0, help="seconds for each HTTP call")
     p.set_defaults(func=_cmd_liveness)
 
-    for register in _extra_commands():
+    for register in [*_extra_commands(), *extra_commands]:
         register(sub, add_env_argument)
     return parser
 
 
-def _extra_commands():
+def _extra_commands() -> Sequence[Registrar]:
     """Commands that live in their own modules (imported lazily so --help stays fast)."""
     from . import cli_commands
 
     return cli_commands.REGISTRARS
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, extra_commands: Sequence[Registrar] = ()) -> int:
+    """Run one command (with `extra_commands` registered too); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     passthrough: list[str] = []
     if "--" in argv:  # `serve ... -- extra SGLang arguments`
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
-    parser = build_parser()
+    parser = build_parser(extra_commands)
     args = parser.parse_args(argv)
     if passthrough:
         if not hasattr(args, "sglang_args"):

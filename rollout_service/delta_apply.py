@@ -168,6 +168,7 @@ def _rebuild_shard(root: Path, delta_link: ChainLink, base: ChainLink, base_root
         if sorted(order) != sorted(members):
             raise CheckpointError("delta_layout_mismatch", f"{where}: the base shard holds other tensors"
                                   " than the delta says")
+        bad_tensor: str | None = None
         for tname, (dtype, shape, length) in order.items():
             deadline.check(where)
             t = delta.tensors[tname]
@@ -176,6 +177,8 @@ def _rebuild_shard(root: Path, delta_link: ChainLink, base: ChainLink, base_root
                                       f" {list(shape)} in the base, {t.dtype} {t.shape} in the delta")
             region = _read_exact(fd, length, f"{base.path.name}/{fname}")
             base_hash.update(region)
+            if bad_tensor is not None:
+                continue  # only the base's digest is still wanted: which of the two is wrong
             old = np.frombuffer(region, dtype=np.uint8)
             if t.delta_file is None:
                 new = old
@@ -190,10 +193,8 @@ def _rebuild_shard(root: Path, delta_link: ChainLink, base: ChainLink, base_root
             tensor_hash = new_hasher()
             tensor_hash.update(new.data)
             if format_digest(tensor_hash) != t.digest:
-                raise CheckpointError(
-                    "digest_mismatch",
-                    f"{where}: tensor {tname} rebuilt to other bytes than were published (the delta or"
-                    " its base is corrupt)")
+                bad_tensor = tname
+                continue
             out_hash.update(new.data)
             out.write(new.data)
         if os.lseek(fd, 0, os.SEEK_CUR) != st.st_size:
@@ -201,6 +202,11 @@ def _rebuild_shard(root: Path, delta_link: ChainLink, base: ChainLink, base_root
     if format_digest(base_hash) != base_entry.digest:
         raise CheckpointError("base_mismatch", f"{base.path.name}/{fname} is not the file its manifest"
                               " describes (the local copy was damaged)")
+    if bad_tensor is not None:
+        raise CheckpointError(
+            "digest_mismatch",
+            f"{where}: tensor {bad_tensor} rebuilt to other bytes than were published (the delta is"
+            " corrupt)")
     if format_digest(out_hash) != target.digest or out_path.stat().st_size != target.size:
         raise CheckpointError("digest_mismatch", f"{where}: the rebuilt shard differs from the published"
                               " full checkpoint's")

@@ -1,0 +1,326 @@
+"""Delta checkpoints without SGLang: the writer's full/delta decisions, bit-exact rebuilds,
+corrupt or missing links, retention of chains, the stage's chain replay, and kills mid-apply."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout_service.checkpoint_format import CheckpointError, Manifest, step_dir_name
+from rollout_service.checkpoint_reader import list_checkpoints, validate_checkpoint
+from rollout_service.checkpoint_writer import publish_checkpoint
+from rollout_service.delta_apply import materialize
+from rollout_service.delta_writer import DeltaCheckpointWriter
+from rollout_service.sidecar.staging import Stage
+from rollout_service.untrusted_files import Deadline
+from trainer_hooks.checkpoint_retention import prune_checkpoints
+
+CONFIG = {"model_type": "qwen2", "hidden_size": 64}
+RUN = "run1"
+
+
+class Model:
+    """fp32 master weights stepped by AdamW with random gradients (Adam's step does not depend
+    on the gradient's scale, so the update sizes are realistic); published in bf16."""
+
+    def __init__(self, lr: float = 1e-5, seed: int = 0, shapes: dict[str, tuple[int, ...]] | None = None):
+        g = torch.Generator().manual_seed(seed)
+        shapes = shapes or {"embed": (512, 64), "layer0.q": (64, 64), "layer0.mlp": (256, 64),
+                            "layer1.q": (64, 64), "layer1.mlp": (256, 64), "norm": (64,)}
+        self.params = {k: torch.nn.Parameter(torch.randn(*s, generator=g) * 0.05) for k, s in shapes.items()}
+        self.opt = torch.optim.AdamW(self.params.values(), lr=lr)
+        self.g = g
+
+    def step(self) -> None:
+        for p in self.params.values():
+            p.grad = torch.randn(p.shape, generator=self.g)
+        self.opt.step()
+
+    def tensors(self):
+        return list(self.params.items())
+
+
+def publish_both(writer: DeltaCheckpointWriter, root: Path, full_root: Path, step: int, model: Model,
+                 max_shard_bytes: int = 40_000):
+    result = writer.publish(root, step, model.tensors(), config=CONFIG, dtype="bfloat16",
+                            max_shard_bytes=max_shard_bytes, run_id=RUN)
+    reference = publish_checkpoint(full_root, step, model.tensors(), config=CONFIG, dtype="bfloat16",
+                                   max_shard_bytes=max_shard_bytes, run_id=RUN)
+    return result, reference
+
+
+def assert_same_files(rebuilt: Path, full: Path) -> None:
+    ref = Manifest.load(full)
+    names = sorted(ref.files)
+    assert sorted(p.name for p in rebuilt.iterdir() if p.name != "manifest.json") == names
+    for name in names:
+        assert filecmp.cmp(rebuilt / name, full / name, shallow=False), name
+
+
+def test_25_delta_versions_rebuild_bit_for_bit_what_a_full_publish_writes(tmp_path: Path) -> None:
+    root, full_root = tmp_path / "root", tmp_path / "full"
+    model = Model(lr=1e-6)
+    writer = DeltaCheckpointWriter(full_every=10)
+    kinds = []
+    for step in range(1, 26):
+        result, reference = publish_both(writer, root, full_root, step, model)
+        kinds.append(result.kind)
+        manifest = Manifest.load(result.path)
+        ref = Manifest.load(reference.path)
+        if manifest.kind == "delta":
+            assert {k: e.digest for k, e in manifest.delta.target_files.items()} == \
+                {k: e.digest for k, e in ref.files.items()}
+            assert result.total_bytes < 0.5 * ref.total_bytes
+            validate_checkpoint(result.path, check_digests=True)
+        out = tmp_path / "mat" / str(step)
+        rebuilt = materialize(root, step, out)
+        assert rebuilt.kind == "full" and rebuilt.source_fingerprint() == manifest.fingerprint()
+        assert_same_files(out, reference.path)
+        validate_checkpoint(out, check_digests=True, check_finite=True)
+        model.step()
+    # The first version and every 10th after it are full (a chain: one full step + 9 deltas).
+    assert [i + 1 for i, k in enumerate(kinds) if k == "full"] == [1, 11, 21]
+
+
+def test_the_writer_falls_back_to_full_with_a_reason(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    model = Model()
+    writer = DeltaCheckpointWriter(full_every=100, max_ratio=0.5)
+    assert writer.publish(root, 1, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN).kind == "full"
+    model.step()
+    assert writer.publish(root, 2, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN).kind == "delta"
+    # Names/shapes change (a resized embedding): full.
+    resized = [(k, torch.zeros(600, 64) if k == "embed" else v) for k, v in model.tensors()]
+    assert writer.publish(root, 3, resized, config=CONFIG, dtype="bfloat16", run_id=RUN).kind == "full"
+    assert "layout changed" in writer.last.why_full
+    # Every weight changes a lot: the delta would be larger than half the full checkpoint.
+    noisy = [(k, torch.randn(v.shape)) for k, v in resized]
+    assert writer.publish(root, 4, noisy, config=CONFIG, dtype="bfloat16", run_id=RUN).kind == "full"
+    assert "checkpoint_delta_max_ratio" in writer.last.why_full
+    # The base was republished by someone else: the delta would not apply to what is there.
+    same = [(k, v + 1e-6) for k, v in noisy]
+    (root / step_dir_name(4) / "manifest.json").write_text(
+        Manifest.load(root / step_dir_name(4)).to_json().replace('"rollout-service"', '"other"'))
+    assert writer.publish(root, 5, same, config=CONFIG, dtype="bfloat16", run_id=RUN).kind == "full"
+    assert "no longer published" in writer.last.why_full
+    # A restarted trainer has nothing in memory: its first publish is full.
+    fresh = DeltaCheckpointWriter()
+    assert fresh.publish(root, 6, same, config=CONFIG, dtype="bfloat16", run_id=RUN).kind == "full"
+
+
+def test_a_failed_write_makes_the_next_publish_full(tmp_path: Path, monkeypatch) -> None:
+    root = tmp_path / "root"
+    model = Model()
+    writer = DeltaCheckpointWriter(full_every=100)
+    writer.publish(root, 1, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN)
+    model.step()
+    from rollout_service import delta_writer
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(delta_writer, "atomic_step_dir", boom)
+    with pytest.raises(OSError):
+        writer.publish(root, 2, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN)
+    monkeypatch.undo()
+    model.step()
+    result = writer.publish(root, 3, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN)
+    assert result.kind == "full"  # the held bytes were of version 2, which nobody can apply to
+
+
+def test_writer_holds_one_copy_of_the_model(tmp_path: Path) -> None:
+    model = Model()
+    writer = DeltaCheckpointWriter()
+    writer.publish(tmp_path, 1, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN)
+    bf16_bytes = sum(p.numel() * 2 for p in model.params.values())
+    assert writer.held_bytes == bf16_bytes
+
+
+def _chain(tmp_path: Path, versions: int = 4, full_every: int = 100) -> tuple[Path, Path, Model]:
+    root, full_root = tmp_path / "root", tmp_path / "full"
+    model = Model()
+    writer = DeltaCheckpointWriter(full_every=full_every)
+    for step in range(1, versions + 1):
+        publish_both(writer, root, full_root, step, model)
+        model.step()
+    return root, full_root, model
+
+
+def _delta_file(root: Path, step: int) -> Path:
+    return sorted((root / step_dir_name(step)).glob("delta-*.safetensors"))[0]
+
+
+@pytest.mark.parametrize("damage,reason", [
+    ("flip", "digest_mismatch"), ("truncate", "truncated"), ("remove", "missing_file"),
+    ("remove_base", "broken_chain"), ("republish_base", "broken_chain"),
+])
+def test_a_damaged_link_is_rejected_with_a_reason(tmp_path: Path, damage: str, reason: str) -> None:
+    root, _, _ = _chain(tmp_path)
+    target = _delta_file(root, 3)
+    if damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[-3] ^= 0x40
+        target.write_bytes(bytes(data))
+    elif damage == "truncate":
+        target.write_bytes(target.read_bytes()[:-10])
+    elif damage == "remove":
+        target.unlink()
+    elif damage == "remove_base":
+        os.rename(root / step_dir_name(2), root / ".tmp-gone")
+    else:
+        m = Manifest.load(root / step_dir_name(2))
+        m.created_at += 1
+        (root / step_dir_name(2) / "manifest.json").write_text(m.to_json())
+    stage = Stage(tmp_path / "stage")
+    step_dir = root / step_dir_name(3 if damage in ("flip", "truncate", "remove") else 4)
+    try:
+        with pytest.raises(CheckpointError) as info:
+            stage.build(root, step_dir, Manifest.load(step_dir), Deadline(60))
+        assert info.value.reason == reason, info.value
+        # Nothing half-made is left under a final name.
+        assert not [p for p in stage.path.iterdir() if p.name.startswith(step_dir_name(3))
+                    or p.name.startswith(step_dir_name(4))]
+    finally:
+        stage.close()
+
+
+def test_the_stage_replays_a_chain_and_then_applies_one_delta_per_sync(tmp_path: Path) -> None:
+    root, full_root, _ = _chain(tmp_path, versions=6)
+    stage = Stage(tmp_path / "stage")
+    try:
+        late = stage.build(root, root / step_dir_name(4), Manifest.load(root / step_dir_name(4)), Deadline(60))
+        assert late.kind == "delta" and late.chain_length == 3  # full step 1, then deltas 2, 3, 4
+        assert_same_files(late.path, full_root / step_dir_name(4))
+        assert late.bytes_read == sum(Manifest.load(root / step_dir_name(s)).total_bytes for s in (1, 2, 3, 4))
+        # Only the rebuilt version stays: the intermediate ones were removed.
+        assert sorted(p.name for p in stage.path.iterdir() if p.name.startswith("step-")) == [late.path.name]
+        nxt = stage.build(root, root / step_dir_name(5), Manifest.load(root / step_dir_name(5)), Deadline(60))
+        assert nxt.chain_length == 1 and nxt.bytes_read == Manifest.load(root / step_dir_name(5)).total_bytes
+        assert_same_files(nxt.path, full_root / step_dir_name(5))
+        # A damaged staged base is noticed (its digests are checked while it is read): the chain
+        # is replayed from its full step instead.
+        stage.prune({nxt.path})
+        shard = sorted(nxt.path.glob("model*.safetensors"))[0]
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 1
+        shard.write_bytes(bytes(data))
+        six = stage.build(root, root / step_dir_name(6), Manifest.load(root / step_dir_name(6)), Deadline(60))
+        assert six.chain_length == 5
+        assert_same_files(six.path, full_root / step_dir_name(6))
+    finally:
+        stage.close()
+
+
+def test_retention_never_breaks_a_chain(tmp_path: Path) -> None:
+    root, _, _ = _chain(tmp_path, versions=7, full_every=3)  # full 1, 4, 7; deltas 2-3, 5-6
+    kinds = {c.step: Manifest.load(c.path).kind for c in list_checkpoints(root)}
+    assert [s for s, k in kinds.items() if k == "full"] == [1, 4, 7]
+    prune_checkpoints(root, keep=1, protected={6})  # a replica still serves 6
+    assert [c.step for c in list_checkpoints(root)] == [4, 5, 6, 7]
+    materialize(root, 6, tmp_path / "six")  # still rebuildable
+    prune_checkpoints(root, keep=1)
+    assert [c.step for c in list_checkpoints(root)] == [7]
+
+
+def test_a_delta_without_a_stage_is_refused_by_validate_only_for_loading(tmp_path: Path) -> None:
+    root, _, _ = _chain(tmp_path, versions=2)
+    report = validate_checkpoint(root / step_dir_name(2), check_digests=True)
+    assert report.manifest.kind == "delta" and "delta files hold the blobs the manifest names" in report.checks
+    # A blob renamed to a tensor the manifest does not assign to that file is refused.
+    manifest = Manifest.load(root / step_dir_name(2))
+    name = next(n for n, t in manifest.delta.tensors.items() if t.delta_file)
+    manifest.delta.tensors[name].delta_file = None
+    (root / step_dir_name(2) / "manifest.json").write_text(manifest.to_json())
+    with pytest.raises(CheckpointError) as info:
+        validate_checkpoint(root / step_dir_name(2))
+    assert info.value.reason == "delta_corrupt"
+
+
+def test_cli_validate_and_materialize(tmp_path: Path) -> None:
+    root, full_root, _ = _chain(tmp_path, versions=3)
+    cli = [sys.executable, "-m", "rollout_service.cli"]
+    out = subprocess.run(cli + ["validate", str(root / step_dir_name(3)), "--digests"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "delta" in out.stdout
+    dest = tmp_path / "hf"
+    out = subprocess.run(cli + ["materialize", str(root), "--step", "3", "--out", str(dest)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert_same_files(dest, full_root / step_dir_name(3))
+    again = subprocess.run(cli + ["materialize", str(root), "--step", "3", "--out", str(dest)],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "exists" in again.stderr
+    missing = subprocess.run(cli + ["materialize", str(root), "--step", "9", "--out", str(tmp_path / "n")],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "step-00000009" in missing.stderr
+
+
+_APPLY_SCRIPT = r"""
+import sys
+from pathlib import Path
+from rollout_service.checkpoint_format import Manifest, step_dir_name
+from rollout_service.sidecar.staging import Stage
+from rollout_service.untrusted_files import Deadline
+root, stage_dir, step = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+stage = Stage(stage_dir)
+print("ready", flush=True)
+d = root / step_dir_name(step)
+stage.build(root, d, Manifest.load(d), Deadline(600))
+print("done", flush=True)
+"""
+
+
+def test_kills_at_random_moments_of_an_apply_never_leave_a_half_applied_copy(tmp_path: Path) -> None:
+    shapes = {f"layer{i}.w": (512, 512) for i in range(24)}  # 12 MB in bf16: an apply takes a while
+    root, full_root = tmp_path / "root", tmp_path / "full"
+    model = Model(lr=1e-5, shapes=shapes)
+    writer = DeltaCheckpointWriter(full_every=100)
+    for step in (1, 2, 3):
+        publish_both(writer, root, full_root, step, model, max_shard_bytes=4 << 20)
+        model.step()
+    stage_dir = tmp_path / "stage"
+    rng = random.Random(7)
+    script = tmp_path / "apply.py"
+    script.write_text(_APPLY_SCRIPT)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, str(script), str(root), str(tmp_path / "timing"), "3"], check=True,
+                   capture_output=True, timeout=300)
+    whole = time.perf_counter() - t0
+    killed = 0
+    for trial in range(12):
+        proc = subprocess.Popen([sys.executable, str(script), str(root), str(stage_dir), "3"],
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0, max(whole - 1.0, 0.3)))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            killed += 1
+        proc.wait(timeout=60)
+        # Whatever is under a final name is complete and verified; the rest is hidden work.
+        stage = Stage(stage_dir)  # removes .tmp-* leftovers
+        try:
+            for copy in stage.path.iterdir():
+                if copy.name.startswith("step-"):
+                    step = int(copy.name.split("-")[1])
+                    assert_same_files(copy, full_root / step_dir_name(step))
+            assert not [p for p in stage.path.iterdir() if p.name.startswith(".tmp-")]
+        finally:
+            stage.close()
+    assert killed >= 6, f"only {killed} of 12 trials were killed mid-apply (apply took {whole:.2f} s)"
+    stage = Stage(stage_dir)
+    try:
+        built = stage.build(root, root / step_dir_name(3), Manifest.load(root / step_dir_name(3)), Deadline(600))
+        assert_same_files(built.path, full_root / step_dir_name(3))
+    finally:
+        stage.close()
+
