@@ -110,7 +110,7 @@ def fake() -> Iterator[FakeRollout]:
 SERVER_FIXTURES = frozenset({
     "sglang_server", "sglang_server_at_base", "second_sglang_server", "sidecar_factory",
     "rollout_units", "untied_unit", "tied_unit", "serve_unit", "unit",
-    "lora_server", "lora_sidecar",  # tests/test_lora_sync.py
+    "lora_server", "lora_sidecar", "lora_unit",  # tests/test_lora_sync.py, test_lora_grpo.py
 })
 """Fixtures that start a real SGLang server (and often a sidecar or `serve`)."""
 
@@ -118,6 +118,7 @@ SLOW_MODULES = frozenset({
     "test_demo_learning",  # GRPO runs through `serve`
     "test_benchmarks",  # runs the benchmark scripts, which start SGLang
     "test_serve_and_replicas",  # `serve` subprocesses
+    "test_lora_grpo",  # GRPO runs through `serve --lora` (and one without)
 })
 """Modules whose tests start SGLang, sidecars or training processes without those fixtures."""
 

@@ -65,6 +65,12 @@ class SGLangRolloutArguments:
             (late joiners and restarted sidecars replay at most this many deltas).
         checkpoint_delta_max_ratio: publish a full checkpoint instead of a delta whose bytes
             exceed this fraction of the full checkpoint's.
+        adapter_sync: with a PEFT LoRA model, publish only the adapter (``kind: "adapter"``) and
+            have the replicas serve it with SGLang's LoRA support (``rollout-service serve
+            --lora``), instead of merging it and publishing the whole model. When a replica
+            cannot serve the adapter (no ``--lora``, DoRA, ``modules_to_save``, a rank or module
+            outside its limits, a sharded model) the trainer syncs merged full checkpoints and
+            logs why, once. False: always merged.
         keep_checkpoints: how many newest checkpoints to keep; older ones are deleted unless a
             live replica still serves or loads them. None keeps everything.
         sidecar_token: bearer token of the sidecars' ``POST /sync`` (when they were given one).
@@ -123,6 +129,11 @@ class SGLangRolloutArguments:
     checkpoint_delta_max_ratio: float = field(
         default=DEFAULT_DELTA_MAX_RATIO,
         metadata={"help": "With deltas: publish a full checkpoint when a delta would exceed this fraction of it."},
+    )
+    adapter_sync: bool = field(
+        default=True,
+        metadata={"help": "With a PEFT LoRA model, sync only the adapter when every replica serves LoRA "
+                  "(serve --lora); otherwise merged full checkpoints, with one log line saying why."},
     )
     keep_checkpoints: int | None = field(
         default=3,

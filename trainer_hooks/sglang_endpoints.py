@@ -148,12 +148,14 @@ class SGLangEndpoints:
         want_logprobs: bool,
         deadline: float,
         rescore: bool = False,
+        lora_path: str | None = None,
     ) -> list[list[Completion]]:
         """Generate ``sampling_params["n"]`` completions for each prompt; groups in prompt order.
 
         ``deadline`` (a ``time.monotonic()`` value) bounds how long the call keeps retrying
         when every endpoint is down. ``rescore``: replace the logprobs by the model's own
         (temperature 1, no grammar or penalties), or by None where they cannot be read back.
+        ``lora_path``: the name of the LoRA adapter every prompt is generated (and rescored) with.
         """
         n = int(sampling_params.get("n", 1))
         results: list[list[Completion] | None] = [None] * len(prompts)
@@ -167,7 +169,7 @@ class SGLangEndpoints:
             futures = [
                 (endpoint, chunk,
                  self._pool.submit(self._post, endpoint.url, [list(prompts[i]) for i in chunk],
-                                   sampling_params, n, want_logprobs, rescore))
+                                   sampling_params, n, want_logprobs, rescore, lora_path))
                 for endpoint, chunk in zip(live, chunks) if chunk
             ]
             failed: list[int] = []
@@ -253,9 +255,11 @@ class SGLangEndpoints:
         return " ".join(parts) if parts else ""
 
     def _post(self, url: str, input_ids: list[list[int]], sampling_params: dict[str, Any], n: int,
-              want_logprobs: bool, rescore: bool = False) -> list[list[Completion]]:
+              want_logprobs: bool, rescore: bool = False, lora_path: str | None = None) -> list[list[Completion]]:
         payload = {"input_ids": input_ids, "sampling_params": sampling_params,
                    "return_logprob": want_logprobs}
+        if lora_path is not None:
+            payload["lora_path"] = lora_path
         try:
             response = self._client.post(f"{url}/generate", json=payload, headers=self._headers)
         except httpx.TimeoutException as exc:
@@ -287,10 +291,11 @@ class SGLangEndpoints:
         groups = parse_generate_response(data, num_prompts=len(input_ids), n=n, want_logprobs=want_logprobs,
                                          vocab_size=self._vocab_size, source=f"SGLang at {url}")
         if rescore and want_logprobs:
-            self._rescore(url, input_ids, groups)
+            self._rescore(url, input_ids, groups, lora_path)
         return groups
 
-    def _rescore(self, url: str, input_ids: list[list[int]], groups: list[list[Completion]]) -> None:
+    def _rescore(self, url: str, input_ids: list[list[int]], groups: list[list[Completion]],
+                 lora_path: str | None = None) -> None:
         """Replace each completion's logprobs by the model's own logprobs of its tokens (SGLang's
         prompt logprobs of prompt + completion: temperature 1, no grammar, penalties or bias);
         None for a completion whose weight version changed in between (no IS correction there)."""
@@ -305,6 +310,8 @@ class SGLangEndpoints:
             return
         payload = {"input_ids": sequences, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
                    "return_logprob": True, "logprob_start_len": starts}
+        if lora_path is not None:
+            payload["lora_path"] = lora_path
         try:
             response = self._client.post(f"{url}/generate", json=payload, headers=self._headers)
         except httpx.TimeoutException as exc:

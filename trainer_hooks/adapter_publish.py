@@ -1,0 +1,142 @@
+"""Adapter sync on the trainer: publish the PEFT LoRA adapter instead of the merged model.
+
+:func:`adapter_sync_problem` decides once, at start-up, whether adapter sync can be used: the
+model must be a PEFT LoRA model on one process or under DDP (sharded FSDP / ZeRO-3 adapters are
+not gathered here), and every SGLang endpoint must serve LoRA within the adapter's needs
+(``/server_info``: ``enable_lora``, ``max_lora_rank``, ``lora_target_modules``; the same judgement
+the sidecar applies, :func:`rollout_service.adapter_reader.adapter_support_problem`). When it
+cannot, the trainer syncs merged full checkpoints and logs the reason once.
+
+:class:`AdapterPublisher` then publishes each version as an ``adapter`` step (``adapter_writer``:
+PEFT's file names, the same atomic publication as full checkpoints) through the trainer's
+:class:`~trainer_hooks.checkpoint_sync.CheckpointPublisher` bookkeeping (versions, waiting for
+every replica, pruning, sync records), always on the calling thread: an adapter is small. The
+rollouts of a version name its adapter (``lora_path``) and carry its version.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import torch
+
+from rollout_service.adapter_reader import LoraLimits, adapter_support_problem
+from rollout_service.adapter_writer import publish_adapter
+from rollout_service.http_auth import bearer_headers
+from rollout_service.protocol import adapter_name_for
+
+from .checkpoint_sync import CheckpointPublisher, SyncRecord, target_dtype
+from .weight_gather import is_fsdp1, is_peft, is_zero3, unwrap_model
+
+log = logging.getLogger(__name__)
+
+ADAPTER_NAME = "default"
+"""The PEFT adapter that is trained and synced (TRL trains PEFT's ``default`` adapter)."""
+
+
+def peft_adapter_config(model: torch.nn.Module) -> dict[str, Any] | None:
+    """The trained adapter's ``LoraConfig`` as a dict, or None when ``model`` is not a PEFT model."""
+    model = unwrap_model(model)
+    if not is_peft(model):
+        return None
+    config = getattr(model, "peft_config", {}).get(ADAPTER_NAME)
+    return None if config is None else config.to_dict()
+
+
+def server_lora_limits(urls: Sequence[str], api_key: str | None, timeout_s: float = 30.0
+                       ) -> list[tuple[str, LoraLimits | str]]:
+    """Each endpoint's LoRA limits from ``/server_info``, or why they could not be read."""
+    found: list[tuple[str, LoraLimits | str]] = []
+    with httpx.Client(timeout=timeout_s, headers=bearer_headers(api_key), trust_env=False) as client:
+        for url in urls:
+            try:
+                r = client.get(f"{url.rstrip('/')}/server_info")
+                r.raise_for_status()
+                found.append((url, LoraLimits.from_server_info(r.json())))
+            except (httpx.HTTPError, ValueError, AttributeError) as exc:
+                found.append((url, f"cannot read {url}/server_info ({type(exc).__name__}: {str(exc)[:120]})"))
+    return found
+
+
+def adapter_sync_problem(model: torch.nn.Module, accelerator: Any, urls: Sequence[str],
+                         api_key: str | None) -> str | None:
+    """Why adapter sync cannot be used for ``model`` with these endpoints; None when it can."""
+    config = peft_adapter_config(model)
+    if config is None:
+        return "the model is not a PEFT LoRA model"
+    if is_zero3(accelerator) or is_fsdp1(unwrap_model(model)) or any(
+            hasattr(p, "full_tensor") for p in unwrap_model(model).parameters()):
+        return "the adapter is sharded (DeepSpeed ZeRO-3 or FSDP); adapter sync gathers unsharded adapters only"
+    for url, limits in server_lora_limits(urls, api_key):
+        if isinstance(limits, str):
+            return limits
+        problem = adapter_support_problem(config, limits)
+        if problem is not None:
+            return f"{url}: {problem}"
+    return None
+
+
+class AdapterPublisher:
+    """Publishes the trained LoRA adapter as the next version and waits for the replicas."""
+
+    def __init__(self, publisher: CheckpointPublisher, model: torch.nn.Module, dtype: str | None):
+        self.publisher = publisher
+        self.model = unwrap_model(model)
+        self.dtype = dtype
+        self.config = peft_adapter_config(self.model)
+        assert self.config is not None, "AdapterPublisher needs a PEFT model"
+
+    def current(self) -> tuple[int, str] | None:
+        """(version, adapter name) of the newest version every replica serves; None before the first."""
+        version = self.publisher.confirmed_version
+        return None if version is None else (version, adapter_name_for(version, self.publisher.run_id))
+
+    def publish_and_wait(self) -> SyncRecord:
+        """Publish the adapter as the next version, wait for every replica, record the sync."""
+        from peft import get_peft_model_state_dict
+
+        pub = self.publisher
+        pub.join()
+        t0 = time.perf_counter()
+        want = target_dtype(self.dtype)
+        state = {name: t.detach().to("cpu", dtype=want if want is not None and t.is_floating_point() else t.dtype)
+                 for name, t in get_peft_model_state_dict(self.model, adapter_name=ADAPTER_NAME).items()}
+        gather_s = time.perf_counter() - t0
+        version = pub.next_version()
+        pub._start(version)
+        t1 = time.perf_counter()
+        result = publish_adapter(pub.root, version, state, self.config, dtype=self.dtype,
+                                 base_model=pub.base_model, run_id=pub.run_id)
+        return pub._finish(version, gather_s=gather_s, write_s=time.perf_counter() - t1, result=result,
+                           started=t1, before_s=gather_s, background=False)
+
+
+def choose_adapter_sync(publisher: CheckpointPublisher, model: torch.nn.Module, accelerator: Any, args: Any,
+                        dtype: str | None) -> AdapterPublisher | None:
+    """An :class:`AdapterPublisher` when adapter sync applies (``args.adapter_sync`` and no
+    :func:`adapter_sync_problem`); else None, with one log line saying why for a PEFT model."""
+    if peft_adapter_config(model) is None:
+        return None
+    if not getattr(args, "adapter_sync", True):
+        log.info("adapter sync off (adapter_sync=False): syncing the merged model as full checkpoints")
+        return None
+    problem = adapter_sync_problem(model, accelerator, args.sglang_urls, getattr(args, "sglang_api_token", None))
+    if problem is not None:
+        log.warning("LoRA adapter sync is not possible, syncing the merged model as full checkpoints instead:"
+                    " %s", problem)
+        return None
+    log.info("LoRA adapter sync: each version is published as an adapter and served with SGLang's LoRA support")
+    return AdapterPublisher(publisher, model, dtype)
+
+
+def label_with_adapter(groups: list[list[Any]], version: int, name: str) -> None:
+    """Completions generated with adapter ``name`` carry its version (SGLang's own weight version
+    is the base model's)."""
+    for group in groups:
+        for completion in group:
+            completion.weight_version = version
+            completion.raw_weight_version = name
