@@ -1,0 +1,193 @@
+"""Delta sync against a real SGLang server on the CPU: real TRL training published as deltas,
+rebuilt in the sidecar's stage, served bit for bit; restarts, late joiners, corrupt links."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from helpers import generate
+from rollout_service.checkpoint_format import Manifest, step_dir_name
+from rollout_service.checkpoint_writer import iter_unique_tensors, publish_checkpoint
+from rollout_service.delta_writer import DeltaCheckpointWriter
+from sidecar_helpers import perturbed_state, transformers_greedy
+from trainer_helpers import make_config, make_trainer
+from trainer_hooks import checkpoint_sync
+
+PROMPT = [11, 42, 7, 99, 256, 3]
+CONFIG_NAME = "config.json"
+
+
+def _digests(manifest: Manifest) -> dict[str, str]:
+    return {k: e.digest for k, e in manifest.files.items()}
+
+
+def _staged_manifest(status: dict) -> Manifest:
+    path = Path(status["last_sync"]["path"])
+    return Manifest.load(path, root=path.parent)
+
+
+def test_twenty_trained_versions_synced_as_deltas_serve_exactly_the_trainers_weights(
+        sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path, monkeypatch):
+    sidecar = sidecar_factory()
+    full_root = tmp_path / "full"
+    checks: list[tuple[int, str, bool]] = []
+    original = checkpoint_sync.CheckpointPublisher.publish
+
+    def publish_and_compare(self, version, tensors, *, background):
+        # An independent full publish of the very same weights, to compare the rebuild with.
+        held = [(n, t.detach().clone()) for n, t in tensors]
+        publish_checkpoint(full_root, version, held, config=self.config, dtype=self.dtype,
+                           max_shard_bytes=self.max_shard_bytes, run_id=self.run_id)
+        future = original(self, version, held, background=background)
+        future.result()
+        status = sidecar.status()
+        assert status["loaded_step"] == version
+        staged = _staged_manifest(status)
+        full = Manifest.load(full_root / step_dir_name(version))
+        checks.append((version, status["last_sync"]["kind"], _digests(staged) == _digests(full)))
+        return future
+
+    monkeypatch.setattr(checkpoint_sync.CheckpointPublisher, "publish", publish_and_compare)
+    config = make_config(tmp_path, checkpoint_root, [sglang_server.url], [sidecar.url], max_steps=21,
+                         learning_rate=1e-6, checkpoint_dtype="bfloat16", checkpoint_delta=True,
+                         checkpoint_full_every=8, keep_checkpoints=2)
+    trainer = make_trainer(tiny_model_dir, config)
+    trainer.train()
+    assert len(checks) >= 20, checks
+    assert all(same for _, _, same in checks), [c for c in checks if not c[2]]
+    kinds = [k for _, k, _ in checks]
+    assert kinds[0] == "full" and kinds.count("delta") >= 17, kinds
+    assert [v for v, k, _ in checks if k == "full"] == [checks[0][0] + 8 * i for i in range(len(
+        [k for k in kinds if k == "full"]))]
+    # The delta steps wrote a few percent of the full bytes (the metrics the trainer logs).
+    logged_mb = [e["sglang/sync_mb"] for e in trainer.state.log_history if "sglang/sync_mb" in e]
+    full_mb = [e["sglang/sync_full_mb"] for e in trainer.state.log_history if "sglang/sync_full_mb" in e]
+    assert logged_mb and min(m / f for m, f in zip(logged_mb, full_mb)) < 0.5
+    # Greedy output and logprobs of the served version equal transformers over the trainer's
+    # weights as published (bf16, as SGLang got them).
+    state = {n: t.detach().to(torch.bfloat16).to(torch.float32)
+             for n, t in iter_unique_tensors(trainer.model.state_dict().items())}
+    want = transformers_greedy(tiny_model_dir, state, PROMPT, 8)
+    out = generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True, return_logprob=True)
+    assert out["output_ids"] == want
+    assert out["meta_info"]["weight_version"] == str(checks[-1][0])
+    ours = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    theirs = _transformers_logprobs(tiny_model_dir, state, PROMPT, want)
+    assert max(abs(a - b) for a, b in zip(ours, theirs)) < 2e-3, (ours, theirs)
+    # /status and /metrics say what the last sync was.
+    status = sidecar.status()
+    assert status["last_sync"]["kind"] in ("full", "delta") and status["stage_bytes"] > 0
+    assert sidecar.metric("rollout_sidecar_last_sync_kind", kind=status["last_sync"]["kind"]) == 1
+    assert sidecar.metric("rollout_sidecar_synced_bytes_total", kind="delta") > 0
+
+
+def _transformers_logprobs(model_dir: Path, state: dict, prompt: list[int], completion: list[int]) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.load_state_dict(state, strict=False)
+    model.eval()
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [logprobs[len(prompt) - 1 + i, tok].item() for i, tok in enumerate(completion)]
+
+
+def _wait_rejected(sidecar, step: int, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = sidecar.status()
+        if str(step) in status["rejected"] or time.monotonic() > deadline:
+            return status
+        time.sleep(0.3)
+
+
+def _publish_chain(root: Path, model_dir: Path, steps: range, full_every: int = 100,
+                   writer: DeltaCheckpointWriter | None = None) -> tuple[DeltaCheckpointWriter, dict[int, dict]]:
+    writer = writer or DeltaCheckpointWriter(full_every=full_every)
+    config = json.loads((model_dir / CONFIG_NAME).read_text())
+    states = {}
+    for step in steps:
+        state = _evolving_state(model_dir, step)
+        states[step] = state
+        writer.publish(root, step, sorted(state.items()), config=config, dtype="bfloat16", run_id="r")
+    return writer, states
+
+
+def _evolving_state(model_dir: Path, step: int) -> dict:
+    """The model's weights with every 50th element moved by 0.05 per step: consecutive versions
+    differ in ~2% of their elements, as at RL learning rates."""
+    state = perturbed_state(model_dir, 0, scale=0.0)
+    out = {}
+    for k, v in state.items():
+        v = v.clone()
+        flat = v.view(-1)
+        flat[step % 50::50] += 0.05 * step
+        out[k] = v
+    return out
+
+
+def _bf16(state: dict) -> dict:
+    return {k: v.to(torch.bfloat16).to(torch.float32) for k, v in state.items()}
+
+
+def test_restart_mid_chain_late_joiner_and_a_corrupt_delta(sglang_server, sidecar_factory, checkpoint_root,
+                                                             tiny_model_dir, tmp_path):
+    stage = ("--stage-dir", str(tmp_path / "stage-r0"))
+    sidecar = sidecar_factory(*stage)
+    writer, states = _publish_chain(checkpoint_root, tiny_model_dir, range(1, 4))
+    status = sidecar.wait_step(3)
+    assert status["last_sync"]["kind"] == "delta"
+    # Killed mid-chain; its successor adopts what SGLang serves and applies the next delta to it.
+    sidecar.kill()
+    sidecar2 = sidecar_factory(*stage, replica_id="r0")
+    _, more = _publish_chain(checkpoint_root, tiny_model_dir, range(4, 5), writer=writer)
+    status = sidecar2.wait_step(4)
+    assert status["last_sync"]["kind"] == "delta" and status["last_sync"]["chain_length"] == 1
+    assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)["output_ids"] == \
+        transformers_greedy(tiny_model_dir, _bf16(more[4]), PROMPT, 8)
+    # A late joiner with an empty stage replays the chain from the full step.
+    sidecar2.stop()
+    sidecar3 = sidecar_factory("--stage-dir", str(tmp_path / "fresh-stage"), replica_id="late")
+    httpx.post(f"{sglang_server.url}/update_weights_from_disk",
+               json={"model_path": str(tiny_model_dir), "weight_version": "default"}, timeout=300)
+    status = sidecar3.wait_step(4)
+    assert status["last_sync"]["chain_length"] == 3  # full 1 -> deltas 2, 3, 4
+    # A corrupt delta is rejected with a reason, the last good step keeps serving, and the next
+    # full step recovers. (Flipping a byte of a published step races the sidecar: a corrupt copy
+    # is made aside and renamed in.)
+    _publish_chain(checkpoint_root, tiny_model_dir, range(5, 6), writer=writer)
+    side = tmp_path / "side"
+    shutil.copytree(checkpoint_root / step_dir_name(5), side / step_dir_name(6))
+    bad = sorted((side / step_dir_name(6)).glob("delta-*.safetensors"))[0]
+    data = bytearray(bad.read_bytes())
+    data[-5] ^= 0x10
+    bad.write_bytes(bytes(data))
+    m = Manifest.load(side / step_dir_name(6))
+    status = sidecar3.wait_step(5)
+    m.step, m.weight_version = 6, "6"
+    (side / step_dir_name(6) / "manifest.json").write_text(m.to_json())
+    (side / step_dir_name(6)).rename(checkpoint_root / step_dir_name(6))
+    status = _wait_rejected(sidecar3, 6)
+    assert status["rejected"].get("6") in ("digest_mismatch", "delta_corrupt"), status
+    assert status["loaded_step"] == 5
+    writer._base = None  # the trainer restarts: its next publish is full
+    _publish_chain(checkpoint_root, tiny_model_dir, range(7, 8), writer=writer)
+    status = sidecar3.wait_step(7)
+    assert status["last_sync"]["kind"] == "full"
+
+
+def test_a_delta_without_a_stage_is_rejected_with_what_to_do(sidecar_factory, checkpoint_root, tiny_model_dir):
+    sidecar = sidecar_factory("--no-stage")
+    _publish_chain(checkpoint_root, tiny_model_dir, range(1, 3))
+    sidecar.wait_step(1)
+    status = _wait_rejected(sidecar, 2)
+    assert status["rejected"]["2"] == "delta_needs_stage"
+    assert "--no-stage" in status["last_error"]["message"]
