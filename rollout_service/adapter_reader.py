@@ -95,6 +95,21 @@ def adapter_support_problem(config: Mapping[str, Any], limits: LoraLimits) -> st
     if unserved:
         return (f"target modules {unserved} are not among the server's --lora-target-modules"
                 f" {sorted(limits.target_modules)}")
+    return stacking_problem({str(m) for m in modules or []})
+
+
+def stacking_problem(modules: set[str]) -> str | None:
+    """Module sets SGLang 0.5.23 cannot stack into its fused layers (found on the CPU test bed: the
+    scheduler dies at the first request with ``Cannot find target module name for ...up_proj...``,
+    or a KeyError for the missing ``v_proj``): it builds ``qkv_proj`` from ``q_proj`` + ``v_proj``
+    (``k_proj`` optional) and ``gate_up_proj`` from ``gate_proj`` (``up_proj`` optional)."""
+    attention = modules & {"q_proj", "k_proj", "v_proj"}
+    if attention and not {"q_proj", "v_proj"} <= attention:
+        return (f"target modules {sorted(attention)}: SGLang fuses q/k/v and needs q_proj and v_proj both"
+                " in an adapter that changes any of them (add the missing one)")
+    if "up_proj" in modules and "gate_proj" not in modules:
+        return ("target module up_proj without gate_proj: SGLang fuses them and cannot serve up_proj alone"
+                " (add gate_proj)")
     return None
 
 

@@ -185,7 +185,7 @@ def test_corrupt_adapter_is_rejected_and_the_last_good_one_keeps_serving(lora_se
     tokens, logprobs = sglang_greedy(lora_server.url, PROMPTS[0], adapter_name_for(1, RUN_ID))
     assert tokens == good[0] and max(abs(a - b) for a, b in zip(logprobs, good[1])) <= LOGPROB_ATOL
     # An adapter whose rank is above the server's --max-lora-rank 16 never reaches SGLang.
-    big = peft_model(tiny_model_dir, targets=["q_proj"], r=32)
+    big = peft_model(tiny_model_dir, targets=["q_proj", "v_proj"], r=32)
     publish(big, checkpoint_root, 3)
     wait_until(lambda: "3" in sidecar.status()["rejected"], 60, "the rank-32 adapter was not rejected")
     status = sidecar.status()
