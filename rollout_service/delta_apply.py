@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 
 from . import delta_codec
 from .checkpoint_format import (
@@ -156,6 +155,7 @@ def _rebuild_shard(root: Path, delta_link: ChainLink, base: ChainLink, base_root
     assert delta is not None
     where = f"{delta_link.path.name}: {fname}"
     base_hash, out_hash = new_hasher(), new_hasher()
+    scratch = delta_codec.new_scratch()
     with open_regular(base_root, base.path / fname, where=f"{base.path.name}/{fname}") as (fd, st), \
             open(out_path, "wb", buffering=0) as out:
         if st.st_size != base_entry.size:
@@ -169,34 +169,44 @@ def _rebuild_shard(root: Path, delta_link: ChainLink, base: ChainLink, base_root
             raise CheckpointError("delta_layout_mismatch", f"{where}: the base shard holds other tensors"
                                   " than the delta says")
         bad_tensor: str | None = None
+        buf = delta_codec.new_scratch()
+        view = memoryview(buf)
         for tname, (dtype, shape, length) in order.items():
             deadline.check(where)
             t = delta.tensors[tname]
             if (t.dtype, list(t.shape)) != (dtype, list(shape)):
                 raise CheckpointError("delta_layout_mismatch", f"{where}: tensor {tname} is {dtype}"
                                       f" {list(shape)} in the base, {t.dtype} {t.shape} in the delta")
-            region = _read_exact(fd, length, f"{base.path.name}/{fname}")
-            base_hash.update(region)
-            if bad_tensor is not None:
-                continue  # only the base's digest is still wanted: which of the two is wrong
-            old = np.frombuffer(region, dtype=np.uint8)
-            if t.delta_file is None:
-                new = old
-            else:
+            stream = None
+            if t.delta_file is not None and bad_tensor is None:
                 blobs = loaded.get(t.delta_file)
                 if blobs is None:
                     blobs = loaded[t.delta_file] = _load_delta_file(root, delta_link, t.delta_file, deadline)
                 blob = blobs.get(tname)
                 if blob is None:
                     raise CheckpointError("delta_corrupt", f"{where}: {t.delta_file} lacks tensor {tname}")
-                new = delta_codec.decode(blob, old, where=f"{delta_link.path.name}/{t.delta_file}: {tname}")
+                stream = delta_codec.XorStream(blob, length, scratch=scratch,
+                                               where=f"{delta_link.path.name}/{t.delta_file}: {tname}")
             tensor_hash = new_hasher()
-            tensor_hash.update(new.data)
+            left = length
+            while left:
+                n = min(left, buf.shape[0])
+                _read_into(fd, view[:n], f"{base.path.name}/{fname}")
+                base_hash.update(view[:n])
+                left -= n
+                if bad_tensor is not None:
+                    continue  # only the base's digest is still wanted: which of the two is wrong
+                if stream is not None:
+                    stream.apply(buf[:n])
+                tensor_hash.update(view[:n])
+                out_hash.update(view[:n])
+                out.write(view[:n])
+            if bad_tensor is not None:
+                continue
+            if stream is not None:
+                stream.finish()
             if format_digest(tensor_hash) != t.digest:
                 bad_tensor = tname
-                continue
-            out_hash.update(new.data)
-            out.write(new.data)
         if os.lseek(fd, 0, os.SEEK_CUR) != st.st_size:
             raise CheckpointError("base_mismatch", f"{base.path.name}/{fname} has bytes after its last tensor")
     if format_digest(base_hash) != base_entry.digest:
@@ -210,6 +220,15 @@ def _rebuild_shard(root: Path, delta_link: ChainLink, base: ChainLink, base_root
     if format_digest(out_hash) != target.digest or out_path.stat().st_size != target.size:
         raise CheckpointError("digest_mismatch", f"{where}: the rebuilt shard differs from the published"
                               " full checkpoint's")
+
+
+def _read_into(fd: int, view: memoryview, where: str) -> None:
+    got = 0
+    while got < len(view):
+        n = os.readv(fd, [view[got:]])
+        if not n:
+            raise CheckpointError("truncated", f"{where} ends early")
+        got += n
 
 
 def _read_exact(fd: int, n: int, where: str) -> bytes:

@@ -20,19 +20,93 @@ from .checkpoint_format import CheckpointError
 ZSTD_LEVEL = 1
 
 
-def encode(new: np.ndarray, base: np.ndarray, level: int = ZSTD_LEVEL) -> bytes | None:
-    """The compressed XOR of two equally long ``uint8`` arrays; None when they are equal."""
-    if new.shape != base.shape:
-        raise ValueError(f"cannot XOR {new.shape[0]} bytes with {base.shape[0]}")
-    diff = np.bitwise_xor(new, base)
-    if not diff.any():
-        return None
-    return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(diff.data)
+CHUNK_BYTES = 16 << 20
+"""XOR and (de)compression stream through buffers of this size: memory stays bounded (a 7B
+model's embedding is 1 GB) and one buffer per thread is reused (no page faults per tensor)."""
 
 
-def decode(blob: bytes | memoryview, base: np.ndarray, *, where: str) -> np.ndarray:
-    """``base`` XOR the decompressed ``blob``: the new bytes. Raises ``CheckpointError``."""
-    size = base.shape[0]
+def new_scratch() -> np.ndarray:
+    return np.empty(CHUNK_BYTES, dtype=np.uint8)
+
+
+def encode(new: np.ndarray, base: np.ndarray, level: int = ZSTD_LEVEL,
+           scratch: np.ndarray | None = None) -> bytes | None:
+    """The compressed XOR of two equally long ``uint8`` arrays (one zstd frame that declares its
+    size); None when they are equal. ``scratch`` is a :func:`new_scratch` buffer to reuse."""
+    size = new.shape[0]
+    if size != base.shape[0]:
+        raise ValueError(f"cannot XOR {size} bytes with {base.shape[0]}")
+    scratch = new_scratch() if scratch is None else scratch
+    compressor = zstandard.ZstdCompressor(level=level, write_content_size=True).compressobj(size=size)
+    parts = []
+    changed = False
+    for start in range(0, size, CHUNK_BYTES):
+        end = min(size, start + CHUNK_BYTES)
+        diff = np.bitwise_xor(new[start:end], base[start:end], out=scratch[:end - start])
+        changed = changed or bool(diff.any())
+        parts.append(compressor.compress(diff.data))
+    parts.append(compressor.flush())
+    return b"".join(parts) if changed else None
+
+
+class XorStream:
+    """Applies one tensor's blob chunk by chunk: :meth:`apply` XORs the next ``len(chunk)``
+    decompressed bytes into ``chunk`` in place; :meth:`finish` checks that the blob held
+    exactly the tensor's bytes. Memory stays at one :data:`CHUNK_BYTES` buffer."""
+
+    def __init__(self, blob: bytes | memoryview, size: int, *, where: str,
+                 scratch: np.ndarray | None = None):
+        _check_frame(blob, size, where)
+        self.where = where
+        self.size = size
+        self.done = 0
+        self._scratch = new_scratch() if scratch is None else scratch
+        self._reader = zstandard.ZstdDecompressor().stream_reader(blob)
+
+    def apply(self, chunk: np.ndarray) -> None:
+        n = chunk.shape[0]
+        if n > self._scratch.shape[0]:
+            raise ValueError(f"chunks are at most {self._scratch.shape[0]} bytes, got {n}")
+        view = memoryview(self._scratch)
+        got = 0
+        try:
+            while got < n:
+                k = self._reader.readinto(view[got:n])
+                if not k:
+                    break
+                got += k
+        except zstandard.ZstdError as exc:
+            raise CheckpointError("delta_corrupt", f"{self.where}: the delta does not decompress"
+                                  f" ({exc})") from None
+        if got != n:
+            raise CheckpointError("delta_corrupt", f"{self.where}: the delta holds {self.done + got}"
+                                  f" bytes, the tensor has {self.size}")
+        np.bitwise_xor(chunk, self._scratch[:n], out=chunk)
+        self.done += n
+
+    def finish(self) -> None:
+        try:
+            extra = self._reader.read(1)
+        except zstandard.ZstdError as exc:
+            raise CheckpointError("delta_corrupt", f"{self.where}: the delta does not decompress"
+                                  f" ({exc})") from None
+        finally:
+            self._reader.close()
+        if extra or self.done != self.size:
+            raise CheckpointError("delta_corrupt", f"{self.where}: the delta holds more bytes than"
+                                  f" the tensor's {self.size}")
+
+
+def decode_into(blob: bytes | memoryview, base: np.ndarray, *, where: str) -> None:
+    """XOR the decompressed ``blob`` into ``base`` in place: ``base`` becomes the new bytes.
+    Raises ``CheckpointError`` for a blob that is not the XOR of exactly ``len(base)`` bytes."""
+    stream = XorStream(blob, base.shape[0], where=where)
+    for start in range(0, base.shape[0], CHUNK_BYTES):
+        stream.apply(base[start:start + CHUNK_BYTES])
+    stream.finish()
+
+
+def _check_frame(blob: bytes | memoryview, size: int, where: str) -> None:
     try:
         params = zstandard.get_frame_parameters(blob)
     except zstandard.ZstdError as exc:
@@ -41,11 +115,3 @@ def decode(blob: bytes | memoryview, base: np.ndarray, *, where: str) -> np.ndar
         raise CheckpointError(
             "delta_corrupt",
             f"{where}: the delta frame declares {params.content_size} bytes, the tensor has {size}")
-    try:
-        raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=size)
-    except zstandard.ZstdError as exc:
-        raise CheckpointError("delta_corrupt", f"{where}: the delta does not decompress ({exc})") from None
-    if len(raw) != size:
-        raise CheckpointError("delta_corrupt", f"{where}: the delta decompresses to {len(raw)}"
-                              f" bytes, the tensor has {size}")
-    return np.bitwise_xor(base, np.frombuffer(raw, dtype=np.uint8))

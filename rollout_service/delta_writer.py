@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -37,7 +38,7 @@ import torch
 
 from . import delta_codec
 from .checkpoint_format import (
-    CONFIG_NAME, DEFAULT_DELTA_MAX_RATIO, DEFAULT_FULL_EVERY, FLOAT_DTYPES, INDEX_NAME,
+    CONFIG_NAME, DEFAULT_DELTA_MAX_RATIO, DEFAULT_FULL_EVERY, DTYPE_SIZES, FLOAT_DTYPES, INDEX_NAME,
     MANIFEST_NAME, CheckpointError, DeltaInfo, DeltaTensor, FileEntry, Manifest, normalize_dtype,
     step_dir_name,
 )
@@ -124,7 +125,16 @@ class DeltaCheckpointWriter:
         """The last version this writer published (what a delta applies to); None: write full."""
         self._absorbed: Absorbed | None = None
         self._pending_base: _Base | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._scratch = threading.local()
+        """One XOR buffer per encode thread, kept across versions (no page faults per tensor)."""
         self.last = DeltaStats()
+
+    def close(self) -> None:
+        """Stop the encode threads (the held copy stays: a later publish may still use it)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     @property
     def held_bytes(self) -> int:
@@ -169,43 +179,44 @@ class DeltaCheckpointWriter:
                 changed += held[name].nbytes
 
         source = iter(tensors)
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="delta-encode") as pool:
-            try:
-                for name, tensor in source:
-                    if not isinstance(name, str) or not name:
-                        raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
-                    if name in held:
-                        raise ValueError(f"tensor {name!r} appears twice in the published state")
-                    t = _prepare(tensor, target)
-                    tag, shape = _TORCH_TO_TAG[t.dtype], tuple(t.shape)
-                    raw = _bytes_of(t)
-                    prev = old.get(name)
-                    same = (prev is not None and prev.tag == tag and prev.shape == shape)
-                    if delta and not (same and len(order) < len(old_order) and old_order[len(order)] == name):
-                        delta = False
-                        why_full = f"the tensor layout changed at {name!r} (names, shapes, dtypes or order)"
-                    order.append(name)
-                    if delta:
-                        assert prev is not None
-                        held[name] = prev
-                        pending.append((name, pool.submit(self._encode_into, raw, prev, t)))
-                    else:
-                        reuse = prev if prev is not None and prev.nbytes == raw.shape[0] else None
-                        entry = _Held(tag, shape, reuse.data if reuse is not None else
-                                      np.empty(raw.shape[0], dtype=np.uint8), "")
-                        held[name] = entry
-                        pending.append((name, pool.submit(self._copy_into, raw, entry, t)))
-                    while len(pending) > 2 * self.threads:
-                        settle(*pending.popleft())
-                while pending:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="delta-encode")
+        pool = self._pool
+        try:
+            for name, tensor in source:
+                if not isinstance(name, str) or not name:
+                    raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
+                if name in held:
+                    raise ValueError(f"tensor {name!r} appears twice in the published state")
+                tag, shape = _tag_after_prepare(tensor, target), tuple(tensor.shape)
+                nbytes = DTYPE_SIZES[tag] * tensor.numel()
+                prev = old.get(name)
+                same = (prev is not None and prev.tag == tag and prev.shape == shape)
+                if delta and not (same and len(order) < len(old_order) and old_order[len(order)] == name):
+                    delta = False
+                    why_full = f"the tensor layout changed at {name!r} (names, shapes, dtypes or order)"
+                order.append(name)
+                if delta:
+                    assert prev is not None
+                    held[name] = prev
+                    pending.append((name, pool.submit(self._encode_into, tensor, target, prev)))
+                else:
+                    reuse = prev if prev is not None and prev.nbytes == nbytes else None
+                    entry = _Held(tag, shape, reuse.data if reuse is not None else
+                                  np.empty(nbytes, dtype=np.uint8), "")
+                    held[name] = entry
+                    pending.append((name, pool.submit(self._copy_into, tensor, target, entry)))
+                while len(pending) > 2 * self.threads:
                     settle(*pending.popleft())
-            except BaseException:
-                for _ in source:  # gathers are collective: take part in the rest
-                    pass
-                for _, job in pending:
-                    job.cancel()
-                self._held, self._order = {}, []
-                raise
+            while pending:
+                settle(*pending.popleft())
+        except BaseException:
+            for _ in source:  # gathers are collective: take part in the rest
+                pass
+            for _, job in pending:
+                job.cancel()
+            self._held, self._order = {}, []
+            raise
         if not order:
             raise ValueError("no tensors to publish: the iterable was empty")
         if delta and len(order) != len(old_order):
@@ -220,15 +231,22 @@ class DeltaCheckpointWriter:
             why_full=why_full, changed_bytes=changed)
         return self._absorbed
 
-    def _encode_into(self, raw: np.ndarray, prev: _Held, keep: torch.Tensor) -> bytes | None:
-        blob = delta_codec.encode(raw, prev.data, self.level)
+    def _encode_into(self, tensor: torch.Tensor, target: str | None, prev: _Held) -> bytes | None:
+        """(On an encode thread.) Cast, XOR with the held bytes, compress, update the held bytes."""
+        t = _prepare(tensor, target)  # the cast runs here, on several threads at once
+        raw = _bytes_of(t)
+        scratch = getattr(self._scratch, "buf", None)
+        if scratch is None:
+            scratch = self._scratch.buf = delta_codec.new_scratch()
+        blob = delta_codec.encode(raw, prev.data, self.level, scratch=scratch)
         if blob is not None:
             np.copyto(prev.data, raw)
             prev.digest = _digest(prev.data)
         return blob
 
     @staticmethod
-    def _copy_into(raw: np.ndarray, entry: _Held, keep: torch.Tensor) -> None:
+    def _copy_into(tensor: torch.Tensor, target: str | None, entry: _Held) -> None:
+        raw = _bytes_of(_prepare(tensor, target))
         np.copyto(entry.data, raw)
         entry.digest = _digest(entry.data)
         return None
@@ -352,6 +370,14 @@ class DeltaCheckpointWriter:
                              tensor_count=manifest.tensor_count, files=len(files), write_seconds=total,
                              total_seconds=total, kind="delta", fingerprint=manifest.fingerprint(),
                              full_bytes=full)
+
+
+def _tag_after_prepare(tensor: torch.Tensor, target: str | None) -> str:
+    """The safetensors dtype ``_prepare`` will give ``tensor`` (without casting it yet)."""
+    tag = _TORCH_TO_TAG.get(tensor.dtype)
+    if tag is None:
+        raise TypeError(f"tensor dtype {tensor.dtype} cannot be stored in safetensors")
+    return target if target is not None and tag in FLOAT_DTYPES else tag
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:

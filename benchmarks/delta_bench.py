@@ -1,0 +1,224 @@
+"""Delta sync vs full sync on realistic updates: bytes, encode, write, apply, side by side.
+
+For each model size (Qwen2-architecture tensor shapes, bf16 published, fp32 master weights
+stepped by AdamW with random gradients: Adam's step does not depend on the gradient's scale,
+so the update sizes are realistic) and learning rate, one process publishes the same version
+three ways on each storage, and rebuilds it in a node-local stage (/dev/shm):
+
+- ``full``: today's path, the whole model written (``publish_checkpoint``), then copied and
+  verified into the stage (what the sidecar does before SGLang loads it);
+- ``delta``: XOR + zstd against the previous version (``DeltaCheckpointWriter``), then applied
+  to the staged previous version and verified;
+- ``limit``: one sequential write + fsync of the same bytes (the storage's own speed).
+
+Prints the changed fraction, bytes written per sync (delta / full), encode and apply
+throughput, and publish + stage times with ratios. SGLang's own load from the stage is the
+same for both kinds (it reads the same full files); ``sync_bench.py`` measures it.
+
+    ./scripts/run.sh python benchmarks/delta_bench.py --sizes 0.5,1 --lrs 1e-6,1e-5 \\
+        --storage local,shm,sshfs
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests"))
+
+from model_factory import plan_bench_model  # noqa: E402
+
+from rollout_service.checkpoint_format import Manifest, step_dir_name  # noqa: E402
+from rollout_service.checkpoint_writer import publish_checkpoint  # noqa: E402
+from rollout_service.delta_writer import DeltaCheckpointWriter  # noqa: E402
+from rollout_service.sidecar.staging import Stage  # noqa: E402
+from rollout_service.untrusted_files import Deadline  # noqa: E402
+
+STORAGE_ALIASES = {"local": Path("~/.cache/rollout-service/delta-bench"), "shm": Path("/dev/shm")}
+CONFIG = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+
+
+def qwen2_state(gb: float, seed: int = 0) -> dict[str, torch.nn.Parameter]:
+    """fp32 parameters with the tensor names and shapes of a Qwen2 model of about ``gb`` GB in bf16."""
+    spec = plan_bench_model(gb, vocab_size=151936 if gb >= 0.5 else 32000, seed=seed)
+    s = spec.shape
+    head_dim = s.hidden // s.heads
+    kv = s.kv_heads * head_dim
+    g = torch.Generator().manual_seed(seed)
+
+    def p(*shape: int) -> torch.nn.Parameter:
+        return torch.nn.Parameter(torch.randn(*shape, generator=g) * 0.02)
+
+    state = {"model.embed_tokens.weight": p(spec.vocab_size, s.hidden)}
+    for i in range(spec.num_layers):
+        pre = f"model.layers.{i}."
+        state.update({
+            pre + "self_attn.q_proj.weight": p(s.hidden, s.hidden), pre + "self_attn.q_proj.bias": p(s.hidden),
+            pre + "self_attn.k_proj.weight": p(kv, s.hidden), pre + "self_attn.k_proj.bias": p(kv),
+            pre + "self_attn.v_proj.weight": p(kv, s.hidden), pre + "self_attn.v_proj.bias": p(kv),
+            pre + "self_attn.o_proj.weight": p(s.hidden, s.hidden),
+            pre + "mlp.gate_proj.weight": p(s.intermediate, s.hidden),
+            pre + "mlp.up_proj.weight": p(s.intermediate, s.hidden),
+            pre + "mlp.down_proj.weight": p(s.hidden, s.intermediate),
+            pre + "input_layernorm.weight": torch.nn.Parameter(torch.ones(s.hidden)),
+            pre + "post_attention_layernorm.weight": torch.nn.Parameter(torch.ones(s.hidden)),
+        })
+    state["model.norm.weight"] = torch.nn.Parameter(torch.ones(s.hidden))
+    state["lm_head.weight"] = p(spec.vocab_size, s.hidden)
+    return state
+
+
+def adam_step(opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter], g: torch.Generator) -> None:
+    for t in params.values():
+        t.grad = torch.randn(t.shape, generator=g)
+    opt.step()
+    for t in params.values():
+        t.grad = None
+
+
+def changed_fraction(before: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter]) -> float:
+    changed = total = 0
+    for k, t in params.items():
+        now = t.detach().to(torch.bfloat16)
+        changed += int((now.view(torch.int16) != before[k].view(torch.int16)).sum())
+        total += now.numel()
+    return changed / total
+
+
+def limit_write(path: Path, nbytes: int) -> float:
+    """One sequential write + fsync of ``nbytes`` (the storage's own speed)."""
+    buf = memoryview(bytearray(16 << 20))
+    t0 = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(buf[:min(left, len(buf))])
+        os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
+def run(gb: float, lr: float, storages: list[tuple[str, Path]], stage_root: Path) -> list[dict]:
+    params = qwen2_state(gb)
+    opt = torch.optim.AdamW(params.values(), lr=lr)
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for label, base in storages:
+        work = Path(tempfile.mkdtemp(prefix=f"delta-bench-{label}-", dir=base))
+        stage_dir = Path(tempfile.mkdtemp(prefix="delta-bench-stage-", dir=stage_root))
+        try:
+            writer = DeltaCheckpointWriter(full_every=1000)
+            stage = Stage(stage_dir)
+            root, full_root = work / "delta", work / "full"
+            # Version 1 (full) and one step, so that version 2 is a delta on it.
+            writer.publish(root, 1, params.items(), config=CONFIG, dtype="bfloat16", run_id="bench")
+            stage.build(root, root / step_dir_name(1), Manifest.load(root / step_dir_name(1)), Deadline(None))
+            before = {k: t.detach().to(torch.bfloat16) for k, t in params.items()}
+            adam_step(opt, params, g)
+            fraction = changed_fraction(before, params)
+            del before
+            t0 = time.perf_counter()
+            writer.absorb(params.items(), dtype="bfloat16")
+            encode_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            delta = writer.write(root, 2, config=CONFIG, run_id="bench")
+            delta_write_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            full = publish_checkpoint(full_root, 2, params.items(), config=CONFIG, dtype="bfloat16",
+                                      run_id="bench")
+            full_publish_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            applied = stage.build(root, root / step_dir_name(2), Manifest.load(root / step_dir_name(2)),
+                                  Deadline(None))
+            apply_s = time.perf_counter() - t0
+            stage.prune({applied.path})
+            t0 = time.perf_counter()
+            stage.build(full_root, full_root / step_dir_name(2), Manifest.load(full_root / step_dir_name(2)),
+                        Deadline(None))
+            full_stage_s = time.perf_counter() - t0
+            limit_full_s = limit_write(work / "limit-full", full.total_bytes)
+            limit_delta_s = limit_write(work / "limit-delta", delta.total_bytes)
+            stage.close()
+            rows.append({
+                "size_gb": gb, "lr": lr, "storage": label, "changed_fraction": fraction,
+                "kind": delta.kind, "full_bytes": full.total_bytes, "delta_bytes": delta.total_bytes,
+                "bytes_ratio": delta.total_bytes / full.total_bytes,
+                "encode_s": encode_s, "encode_gbps": full.total_bytes / encode_s / 1e9,
+                "delta_write_s": delta_write_s, "full_publish_s": full_publish_s,
+                "storage_write_gbps": full.total_bytes / limit_full_s / 1e9,
+                "apply_s": apply_s, "apply_gbps": full.total_bytes / apply_s / 1e9,
+                "full_stage_s": full_stage_s,
+                "delta_sync_s": encode_s + delta_write_s + apply_s,
+                "full_sync_s": full_publish_s + full_stage_s,
+                "limit_full_write_s": limit_full_s, "limit_delta_write_s": limit_delta_s,
+            })
+            r = rows[-1]
+            r["sync_ratio"] = r["delta_sync_s"] / r["full_sync_s"]
+            print(json.dumps(r), file=sys.stderr, flush=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(stage_dir, ignore_errors=True)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (f"{'size':>5} {'lr':>6} {'storage':>7} {'changed':>8} {'bytes d/f':>9} {'encode':>8}"
+            f" {'storage w':>9} {'apply':>8} {'delta sync':>10} {'full sync':>9} {'ratio':>6}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['size_gb']:>4}G {r['lr']:>6.0e} {r['storage']:>7} {100 * r['changed_fraction']:>7.2f}%"
+              f" {100 * r['bytes_ratio']:>8.2f}% {r['encode_gbps']:>5.2f}GB/s {r['storage_write_gbps']:>6.2f}GB/s"
+              f" {r['apply_gbps']:>5.2f}GB/s {r['delta_sync_s']:>9.2f}s {r['full_sync_s']:>8.2f}s"
+              f" {r['sync_ratio']:>6.3f}")
+    print("\nchanged: bf16 elements that differ from the previous version; bytes d/f: delta bytes / full"
+          " bytes; encode: full bytes / (XOR + zstd) time; storage w: one sequential write + fsync;"
+          " apply: full bytes / (rebuild + verify in the stage) time; delta sync = encode + write +"
+          " apply; full sync = full publish + stage copy (both without SGLang's load, which is the"
+          " same for both); ratio = delta sync / full sync.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="0.5,1", help="bf16 model sizes in GB (default 0.5,1)")
+    ap.add_argument("--lrs", default="1e-6,1e-5", help="AdamW learning rates (default 1e-6,1e-5)")
+    ap.add_argument("--storage", default="local,shm",
+                    help="where checkpoints are written: local, shm, sshfs (a real network file system"
+                         " over loopback), or a directory (default local,shm)")
+    ap.add_argument("--stage-root", default="/dev/shm", help="node-local folder for the stage (default /dev/shm)")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = ap.parse_args(argv)
+    with contextlib.ExitStack() as mounts:
+        storages = []
+        for label in args.storage.split(","):
+            if label == "sshfs":
+                from shared_fs import sshfs_mount
+
+                _, mnt = mounts.enter_context(sshfs_mount(Path(tempfile.mkdtemp(prefix="delta-bench-fs-"))))
+                storages.append((label, mnt))
+            else:
+                path = STORAGE_ALIASES.get(label, Path(label)).expanduser()
+                path.mkdir(parents=True, exist_ok=True)
+                storages.append((label, path))
+        rows = []
+        for gb in (float(x) for x in args.sizes.split(",")):
+            for lr in (float(x) for x in args.lrs.split(",")):
+                rows += run(gb, lr, storages, Path(args.stage_root))
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
