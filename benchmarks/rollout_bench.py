@@ -132,7 +132,7 @@ def trl_baseline_steps(model_dir: Path, work: Path, steps: int, lr: float) -> di
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.trainer_callback import PrinterCallback
 
-    from trainer_hooks.demo import make_prompts, word_start_reward
+    from rollout_demo.demo import make_prompts, word_start_reward
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     torch.manual_seed(0)
@@ -162,8 +162,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
+    from rollout_demo.demo import run_demo, time_split
     from rollout_service.tiny_model import ensure_tiny_model
-    from trainer_hooks.demo import run_demo, time_split
 
     model_dir = ensure_tiny_model()
     work = Path(tempfile.mkdtemp(prefix="rollout-bench-"))

@@ -22,8 +22,9 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any
 
 from .sglang_launcher import SGLangServer, SGLangStartError
 from .sidecar.settings import SidecarSettings
@@ -85,13 +86,20 @@ class RestartPolicy:
 
 
 class Supervisor(threading.Thread):
-    """Watches the SGLang process and restarts it; calls ``on_restart`` after each restart.
+    """Starts SGLang, watches it and restarts it under one `RestartPolicy`, then stops it.
 
-    When the restart budget is spent it calls ``on_give_up(reason, message)`` once and stops.
+    Shaped like uvicorn's supervisors: `startup()` starts the server and waits for `/health` with
+    the policy's timeouts, `should_restart()` says when the watching thread brings it back,
+    `restart()` stops and starts it again through `startup()` (so every start, the first and each
+    restart, waits as the policy says: there is one path and no second default), and `shutdown()`
+    stops watching and stops the server's whole process group. After each restart it calls
+    `on_restart`; once the restart budget is spent it calls `on_give_up(reason, message)` once
+    and stops watching, leaving SGLang down.
     """
 
     def __init__(self, server: SGLangServer, policy: RestartPolicy,
-                 on_restart: Callable[[], None], on_give_up: Callable[[str, str], None],
+                 on_restart: Callable[[], None] = lambda: None,
+                 on_give_up: Callable[[str, str], None] = lambda reason, message: None,
                  check_interval_s: float = 1.0):
         super().__init__(name="sglang-supervisor", daemon=True)
         self.server = server
@@ -101,14 +109,39 @@ class Supervisor(threading.Thread):
         self._interval = check_interval_s
         self._stopping = threading.Event()
 
+    def startup(self) -> None:
+        """Start SGLang and wait until `/health` answers, with the policy's start-up timeouts.
+
+        Raises:
+            SGLangStartError: SGLang exited first, or stayed silent past the start-up timeout.
+        """
+        self.server.start()
+        self.server.wait_healthy(self.policy.startup_timeout_s, progress_grace_s=self.policy.progress_grace_s,
+                                 timeout_hint=STARTUP_HINT)
+
+    def should_restart(self) -> bool:
+        """True when SGLang has exited (overridable, as uvicorn's `should_restart`)."""
+        return not self.server.is_running()
+
+    def restart(self) -> None:
+        """Stop what is left of SGLang's process group and start it again (`startup`)."""
+        self.server.stop()
+        self.startup()
+
+    def shutdown(self) -> None:
+        """Stop watching and stop SGLang's whole process group."""
+        self.stop()
+        self.server.stop()
+
     def stop(self) -> None:
+        """Stop watching (SGLang keeps running)."""
         self._stopping.set()
 
     def run(self) -> None:
         policy = self.policy
         backoff = policy.backoff_s
         while not self._stopping.wait(self._interval):
-            if self.server.is_running():
+            if not self.should_restart():
                 continue
             if not policy.may_restart():
                 message = (f"SGLang exited and {policy.restarts_in_window()} restart(s) already happened"
@@ -127,11 +160,7 @@ class Supervisor(threading.Thread):
                 return
             backoff = min(backoff * 2, policy.max_backoff_s)
             try:
-                # The policy's timeouts, not restart()'s own default (#10).
-                self.server.stop()
-                self.server.start()
-                self.server.wait_healthy(policy.startup_timeout_s, progress_grace_s=policy.progress_grace_s,
-                                         timeout_hint=STARTUP_HINT)
+                self.restart()
             except SGLangStartError as exc:
                 log.error("SGLang restart failed: %s", exc)
                 continue
@@ -151,23 +180,23 @@ def run_serve(server: SGLangServer, settings: SidecarSettings, policy: RestartPo
     from .sidecar.app import create_app
 
     exit_code = 0
+    controller: Any = None
+
+    def restarted() -> None:
+        controller.notify("restart")
+
+    def give_up(reason: str, message: str) -> None:
+        nonlocal exit_code
+        exit_code = 3
+        controller.report_fatal(reason, message)  # /readyz: 503 with `fatal`; /status: `fatal`
+
+    supervisor = Supervisor(server, policy, on_restart=restarted, on_give_up=give_up)
     log.info("starting SGLang on %s (log: %s)", server.url, server.log_path)
     try:
-        server.start()
-        server.wait_healthy(policy.startup_timeout_s, progress_grace_s=policy.progress_grace_s,
-                            timeout_hint=STARTUP_HINT)
+        supervisor.startup()
         app = create_app(settings)
         controller = app.state.controller
-        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info")
-        http = uvicorn.Server(config)
-
-        def give_up(reason: str, message: str) -> None:
-            nonlocal exit_code
-            exit_code = 3
-            controller.report_fatal(reason, message)  # /readyz: 503 with `fatal`; /status: `fatal`
-
-        supervisor = Supervisor(server, policy, on_restart=lambda: controller.notify("restart"),
-                                on_give_up=give_up)
+        http = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info"))
         supervisor.start()
         log.info("sidecar on http://%s:%d (readiness: /readyz)", settings.host, settings.port)
         # uvicorn re-raises the signal that stopped it once it has shut down; with these
@@ -176,14 +205,13 @@ def run_serve(server: SGLangServer, settings: SidecarSettings, policy: RestartPo
         try:
             http.run()
         finally:
-            supervisor.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     except SGLangStartError as exc:
         log.error("%s", exc)
         exit_code = 2
     finally:
-        server.stop()
+        supervisor.shutdown()
     return exit_code
 
 

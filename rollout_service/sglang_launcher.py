@@ -2,9 +2,9 @@
 
 `SGLangServer` owns one `python -m sglang.launch_server` process: it picks the flags for the
 device (CUDA with SGLang's defaults, or the CPU engine with this project's `sgl_kernel`
-stand-in on `PYTHONPATH`), sends the server's output to a log file, polls `/health` until the
-server answers, and on `stop()` terminates the whole process group so that no scheduler or
-detokenizer child outlives it.
+stand-in on `PYTHONPATH`) and runs it as a `process_group.ProcessGroup`: the server's output
+goes to a log file, `/health` is polled until the server answers, and `stop()` terminates the
+whole process group so that no scheduler or detokenizer child outlives it.
 
 This module imports neither torch nor sglang: the slim sidecar container imports it.
 """
@@ -14,21 +14,18 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
-from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Mapping, Sequence
-
-import httpx
+from typing import Any
 
 from .lora_serving import LoraServing
+from .process_group import LOG_TAIL_LINES, ProcessGroup, ProcessStartError, log_tail
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +33,9 @@ CPU_SHIMS_DIR = Path(__file__).resolve().parent / "_cpu_shims"
 """Folder whose `sgl_kernel` package stands in for the CUDA-only kernels on CPU machines."""
 
 DEVICES = ("auto", "cuda", "cpu")
-LOG_TAIL_LINES = 40
-PROGRESS_EVERY_S = 10.0
 
 
-class SGLangStartError(RuntimeError):
+class SGLangStartError(ProcessStartError):
     """The SGLang server did not become healthy: it exited early or timed out."""
 
 
@@ -273,10 +268,12 @@ class SGLangServerConfig:
         max_total_tokens: KV-cache size in tokens, used on CPU only (unbounded, SGLang reserves
             ~15 GB of RAM there). On CUDA SGLang sizes the cache itself; pass
             `--max-total-tokens` or `--mem-fraction-static` through `extra_args` to change it.
-        python: interpreter that runs `sglang.launch_server`.
+        python: interpreter that runs `sglang.launch_server` (default, or empty: this one).
         extra_args: appended verbatim after all other flags (e.g. `--mem-fraction-static 0.5`).
         env: extra environment variables for the server process.
         log_path: file receiving the server's stdout and stderr; None makes a temporary file.
+        die_with_parent: SIGKILL the server when the thread that started it dies (a killed
+            supervisor or test run never leaves one behind).
         lora: LoRA serving flags (`rollout_service.lora_serving.LoraServing`); None serves no adapters.
     """
 
@@ -293,6 +290,9 @@ class SGLangServerConfig:
     lora: LoraServing | None = None
 
     def __post_init__(self) -> None:
+        self.python = self.python or sys.executable
+        self.extra_args = tuple(self.extra_args)
+        self.env = dict(self.env or {})
         if self.device not in DEVICES:
             raise ValueError(
                 f"device must be one of {DEVICES}, got {self.device!r}; "
@@ -310,37 +310,12 @@ class SGLangServer:
 
     `start()` launches the process, `wait_healthy()` blocks until `/health` answers (raising
     `SGLangStartError` with the log tail when the process exits or the time runs out), `stop()`
-    terminates the whole process group. The arguments are those of `SGLangServerConfig`.
+    terminates the whole process group. The keyword arguments are the fields of
+    `SGLangServerConfig` (declared there, once); a misspelt one is a TypeError at once.
     """
 
-    def __init__(
-        self,
-        model_path: str | os.PathLike[str],
-        *,
-        host: str = "127.0.0.1",
-        port: int | None = None,
-        device: str = "auto",
-        max_total_tokens: int = 16384,
-        python: str | None = None,
-        extra_args: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-        log_path: str | os.PathLike[str] | None = None,
-        die_with_parent: bool = False,
-        lora: LoraServing | None = None,
-    ) -> None:
-        self.config = SGLangServerConfig(
-            model_path=model_path,
-            host=host,
-            port=port,
-            device=device,
-            max_total_tokens=max_total_tokens,
-            python=python or sys.executable,
-            extra_args=tuple(extra_args),
-            env=dict(env or {}),
-            log_path=log_path,
-            die_with_parent=die_with_parent,
-            lora=lora,
-        )
+    def __init__(self, model_path: str | os.PathLike[str], **settings: Any) -> None:
+        self.config = SGLangServerConfig(model_path, **settings)
         config = self.config
         self.device = detect_device(config.python) if config.device == "auto" else config.device
         self._cuda_plan: tuple[float | None, str] | None = None
@@ -352,25 +327,7 @@ class SGLangServer:
             self.log_path = Path(name)
         else:
             self.log_path = Path(config.log_path)
-        self._process: subprocess.Popen[bytes] | None = None
-        self._pgid: int | None = None
-
-    @classmethod
-    def from_config(cls, config: SGLangServerConfig) -> "SGLangServer":
-        """Build a server from a `SGLangServerConfig` (e.g. one filled from CLI flags)."""
-        return cls(
-            config.model_path,
-            host=config.host,
-            port=config.port,
-            device=config.device,
-            max_total_tokens=config.max_total_tokens,
-            python=config.python,
-            extra_args=config.extra_args,
-            env=config.env,
-            log_path=config.log_path,
-            die_with_parent=config.die_with_parent,
-            lora=config.lora,
-        )
+        self._group: ProcessGroup | None = None
 
     @property
     def url(self) -> str:
@@ -380,12 +337,12 @@ class SGLangServer:
     @property
     def pid(self) -> int | None:
         """Process id of the server's main process (also its process-group id), or None."""
-        return self._process.pid if self._process is not None else None
+        return self._group.pid if self._group is not None else None
 
     @property
     def pgid(self) -> int | None:
         """Process-group id of the server and all its children, or None before `start()`."""
-        return self._pgid
+        return self.pid
 
     def command(self) -> list[str]:
         """The command line that `start()` runs."""
@@ -470,24 +427,15 @@ class SGLangServer:
                 logger.info("SGLang takes ~%d%% of each GPU it uses (its automatic --mem-fraction-static);"
                             " if a trainer shares the GPU, pass `-- --mem-fraction-static 0.4` or similar",
                             int(SGLANG_AUTO_FRACTION * 100))
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         logger.info("starting SGLang on %s (%s), log %s: %s", self.url, self.device, self.log_path,
                     " ".join(cmd))
-        with open(self.log_path, "ab") as log:
-            self._process = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.environment(),
-                start_new_session=True,
-                preexec_fn=kill_me_with_parent if self.config.die_with_parent else None,
-            )
-        self._pgid = self._process.pid
+        self._group = ProcessGroup(cmd, self.log_path, name="SGLang server", env=self.environment(),
+                                   die_with_parent=self.config.die_with_parent)
+        self._group.start()
 
     def is_running(self) -> bool:
         """True while the server's main process has not exited."""
-        return self._process is not None and self._process.poll() is None
+        return self._group is not None and self._group.is_running()
 
     def wait_healthy(self, timeout_s: float = 300.0, *, progress_grace_s: float | None = None,
                      timeout_hint: str = "a slow machine may need a larger timeout") -> None:
@@ -501,57 +449,13 @@ class SGLangServer:
             SGLangStartError: the process exited first (with its exit code) or the time ran out;
                 the message holds the last lines of the server log and `timeout_hint`.
         """
-        if self._process is None:
+        if self._group is None:
             raise RuntimeError("wait_healthy() called before start()")
-        started = time.monotonic()
-        next_report = started + PROGRESS_EVERY_S
-        log_size, last_growth = self._log_size(), started
-        with httpx.Client(timeout=httpx.Timeout(5.0, connect=2.0)) as client:
-            while True:
-                code = self._process.poll()
-                if code is not None:
-                    raise SGLangStartError(
-                        f"SGLang server exited with code {code} before /health answered "
-                        f"(log {self.log_path}); last log lines:\n{self.log_tail(LOG_TAIL_LINES)}"
-                    )
-                try:
-                    if client.get(f"{self.url}/health").status_code == 200:
-                        logger.info("SGLang healthy at %s after %.0f s", self.url,
-                                    time.monotonic() - started)
-                        return
-                except httpx.HTTPError:
-                    pass
-                now = time.monotonic()
-                size = self._log_size()
-                if size != log_size:
-                    log_size, last_growth = size, now
-                if now - started > timeout_s:
-                    if progress_grace_s is not None and now - last_growth < progress_grace_s:
-                        if now >= next_report:
-                            logger.info("SGLang at %s is still starting after %.0f s (past the %.0f s"
-                                        " timeout) and its log shows progress; waiting", self.url,
-                                        now - started, timeout_s)
-                            next_report = now + PROGRESS_EVERY_S
-                        time.sleep(0.5)
-                        continue
-                    silent = (f" and its log {self.log_path} showed no progress for"
-                              f" {now - last_growth:.0f} s" if progress_grace_s is not None else "")
-                    raise SGLangStartError(
-                        f"SGLang /health at {self.url} did not answer within {timeout_s:.0f} s{silent}"
-                        f" (process {self.pid} still running; log {self.log_path}); {timeout_hint}."
-                        f" Last log lines:\n{self.log_tail(LOG_TAIL_LINES)}"
-                    )
-                if now >= next_report:
-                    logger.info("waiting for SGLang /health at %s (%.0f s elapsed)", self.url,
-                                now - started)
-                    next_report = now + PROGRESS_EVERY_S
-                time.sleep(0.5)
-
-    def _log_size(self) -> int:
         try:
-            return self.log_path.stat().st_size
-        except OSError:
-            return -1
+            self._group.wait_http(f"{self.url}/health", timeout_s, progress_grace_s=progress_grace_s,
+                                  timeout_hint=timeout_hint)
+        except ProcessStartError as exc:
+            raise SGLangStartError(str(exc)) from None
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Terminate the whole process group: SIGTERM, then SIGKILL after `timeout_s`.
@@ -559,36 +463,14 @@ class SGLangServer:
         Safe to call more than once, and also when the main process already died (its
         children are still killed through the process group).
         """
-        if self._process is None or self._pgid is None:
-            return
-        pgid = self._pgid
-        if _group_alive(pgid):
-            logger.info("stopping SGLang process group %d", pgid)
-            _signal_group(pgid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                self._process.poll()
-                if not _group_alive(pgid):
-                    break
-                time.sleep(0.2)
-            else:
-                logger.warning("SGLang process group %d ignored SIGTERM for %.0f s; sending SIGKILL",
-                               pgid, timeout_s)
-                _signal_group(pgid, signal.SIGKILL)
-        try:
-            self._process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            _signal_group(pgid, signal.SIGKILL)
-            self._process.wait()
-        deadline = time.monotonic() + 10
-        while _group_alive(pgid) and time.monotonic() < deadline:
-            _signal_group(pgid, signal.SIGKILL)
-            time.sleep(0.1)
+        if self._group is not None:
+            self._group.stop(timeout_s)
 
-    def restart(self, timeout_s: float = 300.0, **wait_kwargs: Any) -> None:
+    def restart(self, timeout_s: float, **wait_kwargs: Any) -> None:
         """Stop the server (if running), start it again on the same port and wait healthy.
 
-        `timeout_s` and `wait_kwargs` go to `wait_healthy`.
+        `timeout_s` and `wait_kwargs` go to `wait_healthy`; there is no default, so that a caller
+        (a supervisor) always passes its own start-up timeout.
         """
         self.stop()
         self.start()
@@ -596,14 +478,9 @@ class SGLangServer:
 
     def log_tail(self, n: int = LOG_TAIL_LINES) -> str:
         """The last `n` lines of the server log ("" when there is no log yet)."""
-        try:
-            with open(self.log_path, "rb") as log:
-                lines = deque(log, maxlen=n)
-        except FileNotFoundError:
-            return ""
-        return b"".join(lines).decode("utf-8", errors="replace")
+        return log_tail(self.log_path, n)
 
-    def __enter__(self) -> "SGLangServer":
+    def __enter__(self) -> SGLangServer:
         self.start()
         try:
             self.wait_healthy()
@@ -619,36 +496,3 @@ class SGLangServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
-
-
-def _group_alive(pgid: int) -> bool:
-    """True while any process of group `pgid` exists (zombies included)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def kill_me_with_parent() -> None:
-    """In the child before exec: SIGKILL this process when the thread that started it dies.
-
-    SGLang's own worker processes already die with the server process, so a killed test
-    run or supervisor never leaves a server behind (Linux only; a no-op elsewhere).
-    """
-    try:
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass

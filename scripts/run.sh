@@ -33,9 +33,13 @@ if [ ! -f "$VENV/.complete" ]; then
 fi
 # The project itself (editable, no deps): cheap, and points at this checkout.
 # (-I: ignore the current directory, which would hide a missing install.)
-if ! "$VENV/bin/python" -I -c "import rollout_service, os, sys; sys.exit(0 if os.path.dirname(os.path.dirname(rollout_service.__file__)) == '$REPO' else 1)" 2>/dev/null; then
+# Reinstalled too when pyproject.toml changed since (new packages, console commands).
+PROJECT_KEY="$REPO $(sha256sum "$REPO/pyproject.toml" | cut -c1-16)"
+if ! "$VENV/bin/python" -I -c "import rollout_service, os, sys; sys.exit(0 if os.path.dirname(os.path.dirname(rollout_service.__file__)) == '$REPO' else 1)" 2>/dev/null \
+        || [ "$(cat "$VENV/.project-key" 2>/dev/null)" != "$PROJECT_KEY" ]; then
     "$VENV/bin/pip" install --quiet --no-deps --no-build-isolation -e "$REPO" > "$VENV/install-project.log" 2>&1 \
         || { cat "$VENV/install-project.log" >&2; exit 1; }
+    echo "$PROJECT_KEY" > "$VENV/.project-key"
 fi
 flock -u 9
 export PATH="$VENV/bin:$PATH"

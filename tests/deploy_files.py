@@ -50,7 +50,7 @@ import pytest
 import tomllib
 import yaml
 
-from rollout_service.cli import build_parser
+from rollout_demo.cli import build_parser  # the whole `rollout-service` command, demo included
 from rollout_service.cli_env import ENV_PREFIX, env_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -299,7 +299,7 @@ def rollout_service_argv(argv: list[str]) -> list[str] | None:
     for flag in ("--module", "-m"):
         if flag in argv:
             index = argv.index(flag)
-            if argv[index + 1:index + 2] == ["rollout_service.cli"]:
+            if argv[index + 1:index + 2] in (["rollout_demo.cli"], ["rollout_service.cli"]):
                 return ["rollout-service", *argv[index + 2:]]
     return None
 

@@ -6,14 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from helpers import free_port
-from rollout_service.sglang_launcher import kill_me_with_parent
+from rollout_service.process_group import ProcessGroup, ProcessStartError
 
 START_TIMEOUT_S = 60.0
 
@@ -24,29 +23,25 @@ class CLIProcess:
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.args = args
         self.log_path = log_path
-        self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rollout_service.cli", *args], stdout=self._log,
-            stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})},
-            preexec_fn=kill_me_with_parent)
+        self.group = ProcessGroup([sys.executable, "-m", "rollout_service.cli", *args], log_path,
+                                  name=f"rollout-service {args[0]}", env={**os.environ, **(env or {})},
+                                  die_with_parent=True)
+        self.group.start()
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        assert self.group.process is not None
+        return self.group.process
 
     def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return self.group.log_tail(n)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        """Send `sig` to the whole process group; SIGKILL what is left after 30 s."""
+        self.group.stop(30.0, sig)
 
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
-        self._log.close()
 
 
 class Sidecar(CLIProcess):
@@ -86,19 +81,12 @@ class Sidecar(CLIProcess):
         return 0.0
 
 
-def wait_http(url: str, timeout_s: float, proc: CLIProcess | None = None, status: int = 200) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.proc.poll() is not None:
-            raise AssertionError(f"{proc.args[0]} exited with {proc.proc.returncode}:\n{proc.log_tail()}")
-        try:
-            if httpx.get(url, timeout=5).status_code == status:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"{url} did not answer {status} within {timeout_s} s"
-                         + (f"\n--- log ---\n{proc.log_tail()}" if proc else ""))
+def wait_http(url: str, timeout_s: float, proc: CLIProcess, status: int = 200) -> None:
+    """Wait until GET `url` answers `status`; fail the test naming `proc`'s exit or log tail otherwise."""
+    try:
+        proc.group.wait_http(url, timeout_s, status=status)
+    except ProcessStartError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 def perturbed_state(model_dir: Path, step: int, scale: float = 0.05) -> dict:

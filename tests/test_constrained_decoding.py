@@ -19,9 +19,9 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollout_demo.demo import make_prompts, word_start_reward
 from rollout_unit import ready_unit
 from trainer_hooks import GRPOConfig, GRPOTrainer
-from trainer_hooks.demo import make_prompts, word_start_reward
 
 REGEX = "[0-9]+( [0-9]+)*"
 """Numbers: the tiny random model puts little mass on digits, so the constrained logprobs are far from

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from trainer_hooks.demo import ServeProcess, run_demo
+from rollout_demo.demo import ServeProcess, run_demo
 
 STEPS = 16
 

@@ -26,7 +26,7 @@ from deploy_files import (
     pod_specs,
     render_kustomization,
 )
-from rollout_service.cli import build_parser
+from rollout_demo.cli import build_parser
 from rollout_service.cli_env import env_name
 
 
@@ -74,7 +74,7 @@ def test_sglang_and_accelerate_command_lines_parse_with_their_own_parsers():
         elif argv[:2] == ["accelerate", "launch"]:
             seen.add("accelerate")
             args = launch_command_parser().parse_args(argv[2:])
-            assert (args.module and args.training_script == "rollout_service.cli") or \
+            assert (args.module and args.training_script == "rollout_demo.cli") or \
                 args.training_script == "/opt/rollout-service/examples/grpo_tldr_gpu.py", where
     assert seen == {"sglang", "accelerate"}
 

@@ -28,47 +28,7 @@ from deploy_files import (
 )
 from helpers import free_port
 from rollout_service.cli_env import ENV_PREFIX
-from rollout_service.sglang_launcher import kill_me_with_parent
-
-
-def _descendant_pgids(pid: int) -> set[int]:
-    """Process groups of ``pid`` and of all its descendants (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    groups: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        children.setdefault(int(fields[1]), []).append(int(entry.name))
-        groups[int(entry.name)] = int(fields[2])
-    found, todo = set(), [pid]
-    while todo:
-        current = todo.pop()
-        if current in groups:
-            found.add(groups[current])
-        todo.extend(children.get(current, []))
-    return found
-
-
-def _stop_groups(process: subprocess.Popen[bytes], groups: set[int]) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        pass
-    for group in groups | {process.pid}:
-        try:
-            os.killpg(group, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    process.wait(timeout=30)
+from rollout_service.process_group import ProcessGroup, descendant_groups, signal_group
 
 
 def _rewrite(value: str, paths: dict[str, Path], ports: dict[int, int]) -> str:
@@ -122,20 +82,20 @@ def test_compose_cpu_profile_serves_and_syncs_a_published_checkpoint(tmp_path):
     assert checkpoints.is_relative_to(tmp_path) and Path(compose_env["ROLLOUT_MODEL"]) == model_dir
     assert int(compose_env["ROLLOUT_SIDECAR_PORT"]) in ports.values()
 
-    log_path = tmp_path / "rollout-cpu.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(argv, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                   preexec_fn=kill_me_with_parent)
-    groups: set[int] = set()
+    group = ProcessGroup(argv, tmp_path / "rollout-cpu.log", name="compose service rollout-cpu", env=env,
+                         cwd=tmp_path, die_with_parent=True)
+    group.start()
+    assert group.process is not None
+    process = group.process
+    groups: set[int] = set()  # SGLang's own group and any other a descendant starts, while seen
 
     def log_tail() -> str:
-        return "\n".join(log_path.read_text(errors="replace").splitlines()[-60:])
+        return group.log_tail(60)
 
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
-            groups |= _descendant_pgids(process.pid)
+            groups |= descendant_groups(process.pid)
             assert process.poll() is None, f"`{shlex.join(argv)}` exited {process.returncode}:\n{log_tail()}"
             check = subprocess.run(health_argv, env=env, capture_output=True, timeout=30, check=False)
             if check.returncode == 0:
@@ -174,5 +134,6 @@ def test_compose_cpu_profile_serves_and_syncs_a_published_checkpoint(tmp_path):
                             headers={"Authorization": f"Bearer {compose_env['ROLLOUT_TOKEN']}"})
         assert synced.status_code == 202
     finally:
-        groups |= _descendant_pgids(process.pid) if process.poll() is None else set()
-        _stop_groups(process, groups)
+        group.stop(60.0)
+        for leftover in groups:
+            signal_group(leftover, signal.SIGKILL)

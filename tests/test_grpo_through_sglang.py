@@ -34,7 +34,7 @@ def rollout_units(tiny_model_dir: Path, tiny_model_dir_tied: Path,
         yield units
     finally:
         for unit in units.values():
-            stop_unit(unit.process)
+            stop_unit(unit)
 
 
 @pytest.fixture(scope="module")

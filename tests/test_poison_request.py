@@ -53,7 +53,7 @@ def test_a_request_that_kills_sglang_is_sent_twice_then_fails_the_step_naming_it
         assert unit.process.poll() is None, "rollout-service serve exited"
         assert trainer.state.global_step == 0
     finally:
-        stop_unit(unit.process)
+        stop_unit(unit)
 
 
 def test_last_error_lines_are_the_end_of_the_last_traceback() -> None:

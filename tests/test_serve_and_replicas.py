@@ -131,7 +131,9 @@ def test_grpo_spreads_rollouts_over_two_real_servers_and_skips_a_dead_one(
             processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
         with caplog.at_level(logging.WARNING, logger="trainer_hooks"):
             trainer.train()
-        answered = trainer.vllm_generation._endpoints.prompts_answered()
+        endpoints = trainer.vllm_generation.endpoints
+        assert endpoints is not None
+        answered = endpoints.prompts_answered()
         # 3 unique prompts per step (one per endpoint), 2 steps: the live servers answered all.
         assert answered[dead] == 0 and sum(answered.values()) == 6, answered
         assert answered[sglang_server.url] > 0 and answered[second_sglang_server.url] > 0, answered

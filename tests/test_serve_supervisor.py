@@ -248,22 +248,21 @@ def test_serve_reports_a_spent_restart_budget_on_readyz_and_status(tiny_model_di
 
 
 def test_the_demo_waits_for_serve_while_its_logs_grow_and_names_the_timeout_after(tmp_path):
-    import subprocess
+    from rollout_demo.demo import ServeProcess
+    from rollout_service.process_group import ProcessGroup
 
-    from trainer_hooks.demo import ServeProcess
-
-    unit = object.__new__(ServeProcess)  # the waiting logic, without starting serve
-    unit.log_path = tmp_path / "serve.log"
-    unit.log_path.write_text("")
+    unit = object.__new__(ServeProcess)  # the waiting logic, with a stand-in for serve that never gets ready
+    unit.group = ProcessGroup(["sleep", "60"], tmp_path / "serve.log", name="stand-in serve")
+    unit.group.start()
+    unit.sglang_log = tmp_path / "sglang.log"
     unit.sidecar_url = f"http://127.0.0.1:{free_port()}"  # never ready
-    unit.proc = subprocess.Popen(["sleep", "60"])
     stop = threading.Event()
 
     def progress():
         for i in range(20):
             if stop.wait(0.15):
                 return
-            with open(unit.log_path.with_name("sglang.log"), "a") as f:
+            with open(unit.sglang_log, "a") as f:
                 f.write(f"Downloading {i}\n")
 
     writer = threading.Thread(target=progress)
@@ -275,7 +274,6 @@ def test_the_demo_waits_for_serve_while_its_logs_grow_and_names_the_timeout_afte
     finally:
         stop.set()
         writer.join()
-        unit.proc.kill()
-        unit.proc.wait()
+        unit.group.stop(5.0, signal.SIGKILL)
     assert time.monotonic() - t0 >= 3.5  # 3 s of progress, then 1 s of silence
     assert "serve --startup-timeout" in str(exc.value)

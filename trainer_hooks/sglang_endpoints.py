@@ -102,12 +102,9 @@ class SGLangEndpoints:
         self._vocab_size = vocab_size
         self._headers = bearer_headers(api_key)
         self._lock = threading.Lock()
-        self._client = httpx.Client(
-            timeout=httpx.Timeout(request_timeout_s, connect=min(CONNECT_TIMEOUT_S, request_timeout_s)),
-            limits=httpx.Limits(max_connections=max(4, 2 * len(urls))),
-            transport=transport,
-        )
-        self._pool = ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="sglang-generate")
+        self._transport = transport
+        self._open_lock = threading.Lock()
+        self._client_and_pool: tuple[httpx.Client, ThreadPoolExecutor] | None = None
         self._log_paths = [str(p) for p in log_paths]
         self._status_urls = [u.rstrip("/") for u in status_urls]
         self._crashes: dict[tuple[int, ...], int] = {}
@@ -136,9 +133,41 @@ class SGLangEndpoints:
         value = info.get("sleep_on_idle") if isinstance(info, dict) else None
         return value if isinstance(value, bool) else None
 
+    @property
+    def _client(self) -> httpx.Client:
+        return self._open()[0]
+
+    @property
+    def _pool(self) -> ThreadPoolExecutor:
+        return self._open()[1]
+
+    def _open(self) -> tuple[httpx.Client, ThreadPoolExecutor]:
+        """The HTTP client and the request threads, made on first use (again after `close`)."""
+        with self._open_lock:
+            if self._client_and_pool is None:
+                timeout = self._request_timeout_s
+                client = httpx.Client(
+                    timeout=httpx.Timeout(timeout, connect=min(CONNECT_TIMEOUT_S, timeout)),
+                    limits=httpx.Limits(max_connections=max(4, 2 * len(self._endpoints))),
+                    transport=self._transport,
+                )
+                pool = ThreadPoolExecutor(max_workers=len(self._endpoints), thread_name_prefix="sglang-generate")
+                self._client_and_pool = (client, pool)
+            return self._client_and_pool
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the HTTP connections and request threads are held (between first use and `close`)."""
+        return self._client_and_pool is not None
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._client.close()
+        """Release the HTTP connections and the request threads; a later request opens them again."""
+        with self._open_lock:
+            held, self._client_and_pool = self._client_and_pool, None
+        if held is not None:
+            client, pool = held
+            pool.shutdown(wait=False, cancel_futures=True)
+            client.close()
 
     def generate(
         self,

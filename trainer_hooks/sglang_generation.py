@@ -46,12 +46,12 @@ from rollout_service.checkpoint_format import DEFAULT_DELTA_MAX_RATIO, DEFAULT_F
 from rollout_service.delta_writer import DeltaCheckpointWriter
 from rollout_service.http_auth import is_loopback_url
 
+from .adapter_publish import AdapterPublisher, choose_adapter_sync, label_with_adapter
 from .checkpoint_sync import CheckpointPublisher
 from .config import SGLangRolloutArguments, rescoring_needed
 from .replica_wait import AckFileWaiter, ReplicaSyncTimeout, ReplicaWaiter, SidecarWaiter
 from .sglang_endpoints import SGLangEndpoints
 from .sglang_responses import Completion
-from .adapter_publish import AdapterPublisher, choose_adapter_sync, label_with_adapter
 from .weight_gather import is_peft, iter_full_weights, unwrap_model
 
 log = logging.getLogger(__name__)
@@ -318,11 +318,18 @@ class SGLangGeneration:
                 error = exc
         _raise_everywhere(self.accelerator, error, "the last background sync")
 
+    @property
+    def endpoints(self) -> SGLangEndpoints | None:
+        """The SGLang servers this process talks to (the main process's; None on the others)."""
+        return self._endpoints
+
     def close(self) -> None:
-        """Finish a background sync (raising its error) and release HTTP resources."""
+        """Finish a background sync (raising its error), stop the publisher's worker thread and
+        release the HTTP client and request threads. The trainer calls it when ``train()`` ends or
+        fails; a later ``generate`` or ``sync_weights`` (``trainer.evaluate()``) opens them again."""
         try:
             if self.publisher is not None:
-                self.publisher.join()
+                self.publisher.close()
         finally:
             if self._endpoints is not None:
                 self._endpoints.close()

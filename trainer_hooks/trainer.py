@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -30,6 +31,8 @@ from trl.trainer import rloo_trainer as _trl_rloo_module
 
 from .config import GRPOConfig, RLOOConfig, SGLangRolloutArguments
 from .sglang_generation import SGLangGeneration
+
+logger = logging.getLogger(__name__)
 
 TESTED_TRL_VERSIONS = SpecifierSet(">=1.16.0,<1.17")
 """TRL versions whose generation seam (``VLLMGeneration`` built in ``__init__``, then
@@ -112,9 +115,22 @@ class _SGLangBackendMixin:
             )
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        """TRL's ``train``, then wait for a background checkpoint sync still in flight (and its errors)."""
-        output = super().train(*args, **kwargs)  # type: ignore[misc]
-        self.vllm_generation.finish_pending_sync()
+        """TRL's ``train``, then wait for a background checkpoint sync still in flight (and its errors).
+
+        Whether training ends or fails, the SGLang backend is closed after it: its HTTP client,
+        request threads and checkpoint worker are released (and opened again by a later
+        ``evaluate()``). A failure to close after a failed run is logged; the run's error is raised.
+        """
+        try:
+            output = super().train(*args, **kwargs)  # type: ignore[misc]
+            self.vllm_generation.finish_pending_sync()
+        except BaseException:
+            try:
+                self.vllm_generation.close()
+            except Exception as exc:
+                logger.warning("closing the SGLang backend after the failed train() failed too: %s", exc)
+            raise
+        self.vllm_generation.close()
         return output
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

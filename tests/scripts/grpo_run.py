@@ -22,11 +22,11 @@ from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollout_demo.demo import make_prompts, word_start_reward
 from rollout_service.checkpoint_reader import latest_checkpoint
 from rollout_service.tiny_model import ensure_tiny_model
 from script_args import rollout_unit_parser
 from trainer_hooks import GRPOConfig, GRPOTrainer
-from trainer_hooks.demo import make_prompts, word_start_reward
 
 
 def main() -> None:

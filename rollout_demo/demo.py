@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from rollout_service.sglang_launcher import kill_me_with_parent
+from rollout_service.process_group import ProcessGroup
+from rollout_service.sglang_launcher import free_port
 
 log = logging.getLogger(__name__)
 
@@ -47,89 +45,39 @@ def word_start_reward(tokenizer: Any):
     return new_words
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServeProcess:
-    """``rollout-service serve`` in its own process group, stopped with SIGTERM."""
+    """``rollout-service serve`` (SGLang + sidecar) as a process group, for the demo's rollouts."""
 
     def __init__(self, model: Path, checkpoint_path: Path, log_path: Path, device: str,
                  startup_timeout_s: float = 600.0):
-        self.port, self.sidecar_port = _free_port(), _free_port()
+        self.port, self.sidecar_port = free_port(), free_port()
         self.sglang_url = f"http://127.0.0.1:{self.port}"
         self.sidecar_url = f"http://127.0.0.1:{self.sidecar_port}"
-        self.log_path = log_path
-        self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen(
+        self.sglang_log = log_path.with_name("sglang.log")
+        self.group = ProcessGroup(
             [sys.executable, "-m", "rollout_service.cli", "serve", "--model", str(model),
              "--checkpoint-path", str(checkpoint_path), "--port", str(self.port),
              "--sidecar-port", str(self.sidecar_port), "--device", device,
              "--health-interval", "0.5", "--replica-id", "demo",
-             "--startup-timeout", str(startup_timeout_s),
-             "--sglang-log", str(log_path.with_name("sglang.log"))],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=kill_me_with_parent)
+             "--startup-timeout", str(startup_timeout_s), "--sglang-log", str(self.sglang_log)],
+            log_path, name="rollout-service serve", die_with_parent=True)
+        self.group.start()
 
     def wait_ready(self, timeout_s: float, progress_grace_s: float = 120.0) -> None:
         """Wait for the sidecar's /readyz. ``serve`` enforces SGLang's start-up timeout itself
         (waiting on while SGLang shows progress); this waits as long as ``serve`` runs and its
-        logs keep growing, and gives up ``progress_grace_s`` after they stop past ``timeout_s``."""
-        import httpx
+        logs keep growing, and gives up ``progress_grace_s`` after they stop past ``timeout_s``.
 
-        t0 = time.monotonic()
-        last_note = t0
-        logs = [self.log_path, self.log_path.with_name("sglang.log")]
-        size, grew = self._log_bytes(logs), t0
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"`rollout-service serve` exited with {self.proc.returncode}; see"
-                                   f" {self.log_path}:\n{self._tail()}")
-            try:
-                if httpx.get(f"{self.sidecar_url}/readyz", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            now = time.monotonic()
-            if self._log_bytes(logs) != size:
-                size, grew = self._log_bytes(logs), now
-            if now - t0 > timeout_s and now - grew > progress_grace_s:
-                raise TimeoutError(f"SGLang + sidecar not ready after {now - t0:.0f} s (start-up timeout"
-                                   f" {timeout_s:.0f} s, no log progress for {now - grew:.0f} s); raise the"
-                                   f" start-up timeout (serve --startup-timeout); see {self.log_path}:\n"
-                                   f"{self._tail()}")
-            if now - last_note > 10:
-                last_note = now
-                print(f"  waiting for SGLang + sidecar to be ready ({now - t0:.0f} s)", flush=True)
-            time.sleep(0.5)
-
-    @staticmethod
-    def _log_bytes(paths: list[Path]) -> int:
-        total = 0
-        for path in paths:
-            try:
-                total += path.stat().st_size
-            except OSError:
-                pass
-        return total
-
-    def _tail(self, n: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        Raises:
+            RuntimeError: ``serve`` exited (``ProcessExitedError``).
+            TimeoutError: not ready in time (``StartTimeoutError``); the message names the flag.
+        """
+        self.group.wait_http(f"{self.sidecar_url}/readyz", timeout_s, progress_grace_s=progress_grace_s,
+                             progress_logs=[self.sglang_log],
+                             timeout_hint="raise the start-up timeout (serve --startup-timeout)")
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=60)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self._log.close()
+        self.group.stop(60.0)
 
 
 def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
