@@ -3,7 +3,8 @@
 `FakeRollout` speaks SGLang's `POST /generate` and the sidecar's `GET /wait` and `POST /sync`,
 with knobs for what real servers do only rarely (float token ids, stale or aborted answers, hung
 requests, a sidecar that reports a rejection or a down SGLang), so those tests are fast and exact.
-`dead_url` names an address nothing listens on.
+`FakeRoutes` answers fixed JSON per path, or hangs first (a `/health` stuck behind a weight load),
+for the liveness probe. `dead_url` names an address nothing listens on.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class FakeRollout:
     stale_answers: int = 0
     abort_answers: int = 0
     generate_delay_s: float = 0.0
+    generate_status: int = 200
+    """Anything else makes /generate fail with it (a router whose upstream died answers 502)."""
     wait_status: int = 200
     wait_body: dict[str, Any] = field(default_factory=dict)
     loaded: int = 0
@@ -64,6 +67,8 @@ class FakeRollout:
 
             def do_GET(self) -> None:
                 url = urlparse(self.path)
+                if url.path == "/health":
+                    return self._reply(200, {})
                 if url.path != "/wait":
                     return self._reply(404, {"detail": "not found"})
                 version = int(parse_qs(url.query)["version"][0])
@@ -82,6 +87,8 @@ class FakeRollout:
                 fake.generate_requests.append(body)
                 if fake.generate_delay_s:
                     time.sleep(fake.generate_delay_s)
+                if fake.generate_status != 200:
+                    return self._reply(fake.generate_status, {"detail": "upstream died"})
                 self._reply(200, fake.answer(body))
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -123,3 +130,44 @@ class FakeRollout:
 def dead_url() -> str:
     """A URL nothing listens on (connection refused)."""
     return f"http://127.0.0.1:{free_port()}"
+
+
+class FakeRoutes:
+    """A tiny HTTP server whose routes answer JSON, or hang for a while (a busy /health).
+
+    ``routes`` maps a path to ``(status, body, delay_s)``; change it while the server runs.
+    """
+
+    def __init__(self, routes: dict[str, tuple[int, Any, float]]) -> None:
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                route = owner.routes.get(self.path)
+                if route is None:
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                status, body, delay = route
+                time.sleep(delay)
+                data = json.dumps(body).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:
+                    pass
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.routes = routes
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()

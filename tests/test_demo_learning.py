@@ -61,7 +61,11 @@ def _run_script(unit, root, out, *extra, processes: int = 1, script: str = "grpo
                 "--nproc_per_node", str(processes)]
     cmd = launcher + [str(script), "--sglang-url", unit.sglang_url, "--sidecar-url", unit.sidecar_url,
                       "--checkpoint-path", str(root), "--out", str(out), *extra]
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    os = __import__("os")
+    # The checkout's packages, as pytest's `pythonpath` gives this process (rollout_demo included).
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return json.loads(out.read_text())

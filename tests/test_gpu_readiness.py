@@ -7,7 +7,6 @@ with torch as installed here (it sees no GPU).
 
 from __future__ import annotations
 
-import http.server
 import importlib.util
 import json
 import os
@@ -15,7 +14,6 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from deploy_files import (
     render_kustomization,
 )
 from fake_nvidia import install_fake_nvidia_smi
+from fake_sglang import FakeRoutes
 from rollout_service import sglang_launcher
 from rollout_service.cli import build_parser, main
 from rollout_service.sglang_launcher import CPU_SHIMS_DIR, SGLangServer, SGLangStartError
@@ -308,47 +307,9 @@ def test_cuda_visible_devices_uuids_select_the_servers_gpu(fake_gpus, tmp_path):
 
 # ------------------------------------------- 7. liveness that knows about weight loads in flight
 
-class _FakeHTTP:
-    """A tiny HTTP server whose routes answer JSON, or hang for a while (a busy /health)."""
-
-    def __init__(self, routes):
-        owner = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
-                route = owner.routes.get(self.path)
-                if route is None:
-                    self.send_response(404)
-                    self.end_headers()
-                    return
-                status, body, delay = route
-                time.sleep(delay)
-                data = json.dumps(body).encode()
-                try:
-                    self.send_response(status)
-                    self.send_header("content-type", "application/json")
-                    self.send_header("content-length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except OSError:
-                    pass
-
-            def log_message(self, *args):
-                pass
-
-        self.routes = routes
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-
-
 def test_liveness_counts_sglang_alive_during_a_load_and_dead_when_health_hangs_without_one(capsys):
-    sglang = _FakeHTTP({"/health": (200, {}, 3.0)})  # /health waits on the weight-update lock
-    sidecar = _FakeHTTP({"/status": (200, {"loading_step": 7}, 0.0)})
+    sglang = FakeRoutes({"/health": (200, {}, 3.0)})  # /health waits on the weight-update lock
+    sidecar = FakeRoutes({"/status": (200, {"loading_step": 7}, 0.0)})
     try:
         argv = ["liveness", "--sglang-url", sglang.url, "--sidecar-url", sidecar.url, "--timeout", "1"]
         assert main(argv) == 0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fake_sglang import VOCAB_SIZE
+from fake_sglang import VOCAB_SIZE, FakeRollout
 from rollout_unit import launch_unit, stop_unit, wait_ready
 from trainer_helpers import make_config, make_trainer
 from trainer_hooks.sglang_endpoints import SGLangPoisonRequestError, last_error_lines
@@ -72,40 +72,16 @@ def test_last_error_lines_are_the_end_of_the_last_traceback() -> None:
     assert last_error_lines("all fine\nINFO: 200 OK") == []
 
 
-def test_a_request_failing_behind_a_healthy_front_is_sent_twice_not_until_the_deadline(tmp_path: Path) -> None:
+def test_a_request_failing_behind_a_healthy_front_is_sent_twice_not_until_the_deadline(
+        tmp_path: Path, fake: FakeRollout) -> None:
     # A router in front of a server the request kills: 5xx on /generate while its own /health answers.
-    import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     from trainer_hooks.sglang_endpoints import SGLangEndpoints
 
-    posts: list[dict] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def do_POST(self) -> None:
-            posts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            body = b'{"detail": "upstream died"}'
-            self.send_response(502)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    fake.generate_status = 502
     log = tmp_path / "sglang.log"
     log.write_text("[t] Scheduler hit an exception: Traceback (most recent call last):\n"
                    '  File "x.py", line 1, in f\nValueError: the poison\n\n[t] SIGQUIT received.\n')
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    endpoints = SGLangEndpoints([url], request_timeout_s=10, log_paths=[str(log)])
+    endpoints = SGLangEndpoints([fake.url], request_timeout_s=10, log_paths=[str(log)])
     import trainer_hooks.sglang_endpoints as module
 
     saved, module.DEAD_RETRY_S = module.DEAD_RETRY_S, 0.2
@@ -118,8 +94,7 @@ def test_a_request_failing_behind_a_healthy_front_is_sent_twice_not_until_the_de
     finally:
         module.DEAD_RETRY_S = saved
         endpoints.close()
-        server.shutdown()
-    assert len(posts) == 2
+    assert len(fake.generate_requests) == 2
     message = str(caught.value)
     assert "failed (5xx or a broken connection) on the same request" in message and '"top_k": 3' in message
     assert "HTTP 502" in message and "ValueError: the poison" in message and str(log) in message
