@@ -31,7 +31,10 @@ then
     python -m pip install --quiet $pins 2>&1 | grep -v "is ignored: it is neither" >&2 || true
 fi
 
+# Both run, so that one pass shows every finding; either failing fails the gate.
+status=0
 echo "[lint.sh] ruff check" >&2
-ruff check .
+ruff check . || status=1
 echo "[lint.sh] mypy" >&2
-mypy
+mypy || status=1
+exit $status
