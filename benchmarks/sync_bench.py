@@ -22,6 +22,14 @@ it measures three ways of getting the trainer's weights into SGLang:
   -> sidecar woken), validation, SGLang load, acknowledgement (load done -> the trainer's
   ``/wait`` returned); end to end = publish start -> the trainer knows the step is served.
 
+* ``ours_delta`` (``--delta``): the trainer's fp32 master copy stepped by AdamW with random
+  gradients at ``--delta-lr`` between versions (realistic update sizes), published in bf16 as
+  deltas (``DeltaCheckpointWriter``), rebuilt and verified in the sidecar's stage, loaded from
+  there. ``ours`` then is today's full path on the same storage and server.
+
+During every sidecar sync a probe thread sends ``/generate`` (one token) back to back; the
+longest probe that overlapped the sync, less the median idle probe, is SGLang's ``pause``.
+
 Physical and naive runs alternate per repeat; the sidecar runs come after them (a naive load
 would make a running sidecar re-apply its own checkpoint). ``--warmup`` untimed syncs (default
 1) precede the timed naive and sidecar runs, so that first-call costs (imports, the sidecar's
@@ -86,11 +94,12 @@ class Case:
     naive: list[dict[str, float]] = field(default_factory=list)
     ours: list[dict[str, float]] = field(default_factory=list)
     ours_nostage: list[dict[str, float]] = field(default_factory=list)
+    ours_delta: list[dict[str, float]] = field(default_factory=list)
     error: str | None = None
 
     def medians(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for kind in ("physical", "naive", "ours", "ours_nostage"):
+        for kind in ("physical", "naive", "ours", "ours_nostage", "ours_delta"):
             runs = getattr(self, kind)
             for key in (runs[0] if runs else {}):
                 values = [r[key] for r in runs if r.get(key) is not None]
@@ -109,6 +118,11 @@ class Case:
                           ("ours/ours_nostage", "ours_nostage.end_to_end_s")):
             if ours is not None and med.get(key):
                 out[name] = ours / med[key]
+        delta = med.get("ours_delta.end_to_end_s")
+        if delta is not None and ours:
+            out["delta/full"] = delta / ours
+        if med.get("ours_delta.pause_s") is not None and med.get("ours_delta.load_s"):
+            out["delta pause/load"] = med["ours_delta.pause_s"] / med["ours_delta.load_s"]
         return out
 
 
@@ -243,12 +257,62 @@ def wait_served(sidecar: Any, step: int, timeout_s: float) -> dict[str, Any]:
     return r.json()
 
 
+class Probe:
+    """Sends one-token ``/generate`` requests back to back and remembers when each ran."""
+
+    def __init__(self, url: str) -> None:
+        import threading
+
+        self.url = url
+        self.spans: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pause-probe", daemon=True)
+
+    def __enter__(self) -> "Probe":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=600)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=900) as client:
+            while not self._stop.is_set():
+                t0 = time.time()
+                try:
+                    client.post(f"{self.url}/generate", json={
+                        "input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+                except httpx.HTTPError:
+                    pass
+                self.spans.append((t0, time.time()))
+
+    def pause(self, start: float, end: float) -> float | None:
+        """Longest probe overlapping [start, end], less the median probe that did not."""
+        inside = [b - a for a, b in self.spans if a < end and b > start]
+        outside = sorted(b - a for a, b in self.spans if b <= start or a >= end)
+        if not inside:
+            return None
+        idle = outside[len(outside) // 2] if outside else 0.0
+        return max(0.0, max(inside) - idle)
+
+
 def our_sync(root: Path, step: int, state: dict[str, torch.Tensor], config: Path,
-             sidecar: Any | None, timeout_s: float) -> dict[str, float]:
-    """publish_checkpoint, then wait until the sidecar reports the step served."""
+             sidecar: Any | None, timeout_s: float, delta: Any | None = None,
+             probe: Probe | None = None) -> dict[str, float]:
+    """Publish (in full, or as a delta with ``delta``), then wait until the sidecar serves it."""
     t0 = time.time()
-    result = publish_checkpoint(root, step, state.items(), config=config)
-    out = {"publish_s": result.total_seconds, "publish_write_s": result.write_seconds}
+    if delta is not None:
+        result = delta.publish(root, step, state.items(), config=json.loads(config.read_text()),
+                               dtype="bfloat16", run_id="bench")
+        out = {"publish_s": time.time() - t0, "publish_write_s": delta.last.write_s,
+               "encode_s": delta.last.encode_s, "bytes_written": result.total_bytes,
+               "full_bytes": result.full_bytes, "changed_fraction_tensors":
+               delta.last.changed_tensors / max(delta.last.tensors, 1), "delta": result.kind == "delta"}
+    else:
+        result = publish_checkpoint(root, step, state.items(), config=config, run_id="bench")
+        out = {"publish_s": result.total_seconds, "publish_write_s": result.write_seconds,
+               "bytes_written": result.total_bytes, "full_bytes": result.total_bytes}
     if sidecar is None:
         out["end_to_end_s"] = result.total_seconds
         return out
@@ -260,7 +324,10 @@ def our_sync(root: Path, step: int, state: dict[str, torch.Tensor], config: Path
     published = last["finished_at"] - last["total_s"]
     load_end = published + last["detect_s"] + last["validate_s"] + last["load_s"]
     out.update(detect_s=last["detect_s"], validate_s=last["validate_s"], load_s=last["load_s"],
-               ack_s=acked - load_end, sidecar_total_s=last["total_s"], end_to_end_s=acked - t0)
+               ack_s=acked - load_end, sidecar_total_s=last["total_s"], end_to_end_s=acked - t0,
+               apply_s=last.get("apply_s"), bytes_read=last.get("bytes_read"))
+    if probe is not None:
+        out["pause_s"] = probe.pause(t0, acked)
     return out
 
 
@@ -292,6 +359,8 @@ def run_case(case: Case, work: Path, args: argparse.Namespace, trainer: Any,
     # (headers-only validation; the time-of-check/time-of-use window open). Same process, same
     # server, one after the other: their ratio is what closing the window costs.
     modes = [("ours", ("--stage-dir", str(stage_dir_for(args, work)))), ("ours_nostage", ("--no-stage",))]
+    if args.delta:
+        modes = [("ours", modes[0][1]), ("ours_delta", modes[0][1])]
     for kind, flags in modes:
         root = work / f"ckpt-{kind}"
         root.mkdir()
@@ -309,14 +378,36 @@ def run_case(case: Case, work: Path, args: argparse.Namespace, trainer: Any,
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"the sidecar never saw SGLang healthy:\n{sidecar.log_tail()}")
                     time.sleep(0.2)
-            for step in range(1, args.warmup + args.repeats + 1):
-                run = our_sync(root, step, state, config, sidecar, args.sync_timeout)
-                if step > args.warmup:
+            trainer_state, writer, stepper = state, None, None
+            if kind == "ours_delta":
+                from rollout_service.delta_writer import DeltaCheckpointWriter
+
+                trainer_state = {k: torch.nn.Parameter(v.detach().float()) for k, v in state.items()}
+                writer = DeltaCheckpointWriter(full_every=1000)
+                stepper = torch.optim.AdamW(trainer_state.values(), lr=args.delta_lr)
+            probe = Probe(server.url) if server is not None else None
+            for step in range(1, args.warmup + args.repeats + 2 if kind == "ours_delta" else
+                              args.warmup + args.repeats + 1):
+                if stepper is not None and step > 1:
+                    for p in trainer_state.values():
+                        p.grad = torch.randn_like(p)
+                    stepper.step()
+                    for p in trainer_state.values():
+                        p.grad = None
+                with probe if probe is not None and step > 1 else contextlib.nullcontext():
+                    run = our_sync(root, step, trainer_state, config, sidecar, args.sync_timeout,
+                                   delta=writer, probe=probe if step > 1 else None)
+                if probe is not None:
+                    probe = Probe(server.url)  # a thread runs once
+                if kind == "ours_delta" and step == 1:
+                    continue  # the first version is full: the chain's start, not a delta sync
+                if step > args.warmup + (1 if kind == "ours_delta" else 0):
                     getattr(case, kind).append(run)
                     progress(f"  repeat {step - args.warmup}: {kind} {run['end_to_end_s']:.3f} s")
-                # Served (or, without SGLang, never read): keep only the newest step on the storage.
+                # Served (or, without SGLang, never read): keep only the newest step on the storage
+                # (deltas: the whole chain, a late joiner needs it).
                 for old in root.glob("step-*"):
-                    if old.name != f"step-{step:08d}" and old.is_dir():
+                    if old.name != f"step-{step:08d}" and old.is_dir() and kind != "ours_delta":
                         shutil.rmtree(old)
                 time.sleep(0.2)
         finally:
@@ -440,6 +531,23 @@ def print_tables(cases: list[Case]) -> None:
                   f"{fmt(m.get('ours.validate_s'), 9)}{fmt(m.get('ours.load_s'), 8)}"
                   f"{fmt(m.get('ours_nostage.end_to_end_s'), 9)}{fmt(m.get('ours_nostage.validate_s'), 9)}"
                   f"{fmt(m.get('ours_nostage.load_s'), 8)}{ratio(r.get('ours/ours_nostage'), 8)}")
+    if any(c.ours_delta for c in cases):
+        print("\nDelta sync (AdamW-stepped bf16 versions, rebuilt and verified in the stage) against today's"
+              " full path on the same storage and server (medians):")
+        print(f"{'size':<6}{'storage':<16}{'written':>9}{'of full':>8}{'encode':>8}{'publish':>8}{'apply':>7}"
+              f"{'load':>7}{'pause':>7}{'delta':>8}{'full':>8}{'d/f':>7}{'pause/load':>11}")
+        for c in cases:
+            m, r = c.medians(), c.ratios()
+            frac = (m.get("ours_delta.bytes_written") or 0) / (m.get("ours_delta.full_bytes") or 1)
+            print(f"{c.size:<6}{c.storage[-15:]:<16}{(m.get('ours_delta.bytes_written') or 0) / 1e6:>7.1f}MB"
+                  f"{100 * frac:>7.2f}%{fmt(m.get('ours_delta.encode_s'), 8)}{fmt(m.get('ours_delta.publish_s'), 8)}"
+                  f"{fmt(m.get('ours_delta.apply_s'), 7)}{fmt(m.get('ours_delta.load_s'), 7)}"
+                  f"{fmt(m.get('ours_delta.pause_s'), 7)}{fmt(m.get('ours_delta.end_to_end_s'), 8)}"
+                  f"{fmt(m.get('ours.end_to_end_s'), 8)}{ratio(r.get('delta/full'), 7)}"
+                  f"{ratio(r.get('delta pause/load'), 11)}")
+        print("written/of full: bytes a delta sync wrote to shared storage; apply: rebuild + verify in the stage;"
+              " load: SGLang's load from the stage; pause: longest /generate probe during the sync less an"
+              " idle one; delta, full: end to end publish start -> the trainer knows it is served")
     if any(c.sglang for c in cases):
         print("limit = raw write+fsync + hot read (same node, just written, as SGLang reads ours);"
               " naive = save_pretrained (no fsync) + the trainer's own /update_weights_from_disk")
@@ -477,6 +585,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sync-timeout", type=float, default=900.0, help="one load's wait, s")
     parser.add_argument("--log-dir", default=None,
                         help="SGLang and sidecar logs (default benchmarks/results/sync-bench-logs)")
+    parser.add_argument("--delta", action="store_true",
+                        help="measure delta syncs (ours_delta) beside today's full path instead of the"
+                             " unstaged one")
+    parser.add_argument("--delta-lr", type=float, default=1e-6,
+                        help="AdamW learning rate of the delta runs' updates (default 1e-6)")
     parser.add_argument("--stage-dir", default=None,
                         help="the sidecar's stage (default: its own choice, /dev/shm when it has room)")
     args = parser.parse_args(argv)
@@ -584,7 +697,7 @@ def write_json(args: argparse.Namespace, cases: list[Case], log_dir: Path) -> No
                         "cold_read": c.cold_read, "sglang": c.sglang, "model_bytes": c.model_bytes,
                         "tensors": c.tensors, "median_s": c.medians(), "ratios": c.ratios(),
                         "runs": {"physical": c.physical, "naive": c.naive, "ours": c.ours,
-                                 "ours_nostage": c.ours_nostage},
+                                 "ours_nostage": c.ours_nostage, "ours_delta": c.ours_delta},
                         "error": c.error} for c in cases]}
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ from .checkpoint_format import (
     step_dir_name,
 )
 from .digest import format_digest, new_hasher
+from .finite import count_non_finite
 from .untrusted_files import Deadline, copy_verified, open_regular
 
 MAX_CHAIN_LENGTH = 10_000
@@ -98,10 +99,12 @@ def resolve_chain(root: Path, link: ChainLink, find_staged: FindStaged | None = 
 
 
 def reconstruct(root: Path, delta_link: ChainLink, base: ChainLink, base_root: Path, out_dir: Path,
-                deadline: Deadline) -> Manifest:
+                deadline: Deadline, *, check_finite: bool = False) -> Manifest:
     """Write into the new folder ``out_dir`` the full checkpoint that ``delta_link`` describes.
 
-    ``base`` is a full copy of the delta's base (under ``base_root``). Returns the manifest
+    ``base`` is a full copy of the delta's base (under ``base_root``). ``check_finite`` refuses
+    NaN/Inf in the tensors the delta changes (``non_finite``; the unchanged ones are the
+    base's, checked when the base was staged). Returns the manifest
     written into ``out_dir``: kind ``full``, its files the delta's ``target_files``, and
     ``extra.reconstructed_from`` naming the published delta (see
     :meth:`Manifest.source_fingerprint`).
@@ -134,7 +137,7 @@ def reconstruct(root: Path, delta_link: ChainLink, base: ChainLink, base_root: P
         if base_entry is None:
             raise CheckpointError("delta_layout_mismatch", f"{name}: its base has no shard {fname}")
         _rebuild_shard(root, delta_link, base, base_root, base_entry, fname, target, members,
-                       out_dir / fname, loaded, deadline)
+                       out_dir / fname, loaded, deadline, check_finite)
         loaded.clear()  # the writer puts each shard's blobs in a delta file of its own
     rebuilt = Manifest(
         step=manifest.step, weight_version=manifest.weight_version, created_at=manifest.created_at,
@@ -149,7 +152,8 @@ def reconstruct(root: Path, delta_link: ChainLink, base: ChainLink, base_root: P
 
 def _rebuild_shard(root: Path, delta_link: ChainLink, base: ChainLink, base_root: Path,
                    base_entry: FileEntry, fname: str, target: FileEntry, members: list[str],
-                   out_path: Path, loaded: dict[str, dict[str, memoryview]], deadline: Deadline) -> None:
+                   out_path: Path, loaded: dict[str, dict[str, memoryview]], deadline: Deadline,
+                   check_finite: bool) -> None:
     manifest = delta_link.manifest
     delta = manifest.delta
     assert delta is not None
@@ -198,6 +202,11 @@ def _rebuild_shard(root: Path, delta_link: ChainLink, base: ChainLink, base_root
                     continue  # only the base's digest is still wanted: which of the two is wrong
                 if stream is not None:
                     stream.apply(buf[:n])
+                    if check_finite and count_non_finite(view[:n], dtype):
+                        raise CheckpointError(
+                            "non_finite",
+                            f"{where}: tensor {tname} holds NaN/Inf values; SGLang would load it and"
+                            " generate garbage. Check the training run for divergence")
                 tensor_hash.update(view[:n])
                 out_hash.update(view[:n])
                 out.write(view[:n])
@@ -301,7 +310,7 @@ def _load_delta_file(root: Path, link: ChainLink, fname: str, deadline: Deadline
 
 
 def materialize(root: Path | str, step: int, out: Path | str, *, timeout_s: float | None = None,
-                progress: Callable[[str], None] | None = None) -> Manifest:
+                progress: Callable[[str], None] | None = None, check_finite: bool = False) -> Manifest:
     """Rebuild step ``step`` under ``root`` as a plain HF model directory ``out`` (must not exist)."""
     root, out = Path(root), Path(out)
     if out.exists():
@@ -323,7 +332,8 @@ def materialize(root: Path | str, step: int, out: Path | str, *, timeout_s: floa
                 progress(f"applying delta step {d.manifest.step} ({i}/{len(chain.deltas)})")
             nxt = work / str(i)
             nxt.mkdir()
-            base_manifest = reconstruct(root, d, ChainLink(current, base_manifest), work, nxt, deadline)
+            base_manifest = reconstruct(root, d, ChainLink(current, base_manifest), work, nxt, deadline,
+                                        check_finite=check_finite)
             shutil.rmtree(current)
             current = nxt
         os.rename(current, out)

@@ -39,19 +39,25 @@ def first_non_finite(data: memoryview, *, deadline: Deadline = NO_DEADLINE) -> t
         dtype = info.get("dtype")
         start, end = info["data_offsets"]
         raw = data[base + start:base + end]
-        if dtype == "F8_E4M3":
-            bits = np.frombuffer(raw, dtype=np.uint8)
-            count = int(np.count_nonzero((bits & np.uint8(0x7F)) == np.uint8(0x7F)))
-        elif dtype in _EXPONENT_MASKS:
-            view_type, mask = _EXPONENT_MASKS[dtype]
-            bits = np.frombuffer(raw, dtype=view_type)
-            count = 0
-            for i in range(0, bits.size, _CHUNK_ELEMENTS):
-                deadline.check(name)
-                chunk = bits[i:i + _CHUNK_ELEMENTS]
-                count += int(np.count_nonzero((chunk & mask) == mask))
-        else:
-            continue
+        count = 0
+        step = _CHUNK_ELEMENTS * 8
+        for i in range(0, len(raw), step):
+            deadline.check(name)
+            count += count_non_finite(raw[i:i + step], str(dtype))
         if count:
             return str(name), count
     return None
+
+
+def count_non_finite(raw: memoryview | bytes | np.ndarray, dtype: str) -> int:
+    """NaN/Inf values among ``raw``'s elements of safetensors dtype ``dtype`` (0 for non-floats).
+
+    ``raw`` holds whole elements (a chunk of a tensor cut at a multiple of 8 bytes is fine)."""
+    if dtype == "F8_E4M3":
+        bits = np.frombuffer(raw, dtype=np.uint8)
+        return int(np.count_nonzero((bits & np.uint8(0x7F)) == np.uint8(0x7F)))
+    if dtype not in _EXPONENT_MASKS:
+        return 0
+    view_type, mask = _EXPONENT_MASKS[dtype]
+    bits = np.frombuffer(raw, dtype=view_type)
+    return int(np.count_nonzero((bits & mask) == mask))

@@ -324,3 +324,22 @@ def test_kills_at_random_moments_of_an_apply_never_leave_a_half_applied_copy(tmp
     finally:
         stage.close()
 
+
+
+def test_a_delta_that_brings_nan_is_refused_when_finiteness_is_checked(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    model = Model()
+    writer = DeltaCheckpointWriter()
+    writer.publish(root, 1, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN)
+    with torch.no_grad():
+        model.params["layer1.mlp"][3, 5] = float("nan")
+    assert writer.publish(root, 2, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN).kind == "delta"
+    stage = Stage(tmp_path / "stage")
+    try:
+        two = root / step_dir_name(2)
+        with pytest.raises(CheckpointError) as info:
+            stage.build(root, two, Manifest.load(two), Deadline(60), check_finite=True)
+        assert info.value.reason == "non_finite" and "layer1.mlp" in str(info.value)
+        assert stage.build(root, two, Manifest.load(two), Deadline(60)).kind == "delta"  # unchecked: loads
+    finally:
+        stage.close()

@@ -159,8 +159,12 @@ class Stage:
                 f" {manifest_step} needs {need >> 20} MiB: give --stage-dir a folder with room"
                 " for two copies of the model")
 
-    def build(self, root: Path, source_dir: Path, manifest: Manifest, deadline: Deadline) -> StagedBuild:
-        """A verified full copy of a published step here: copied (full) or rebuilt (delta)."""
+    def build(self, root: Path, source_dir: Path, manifest: Manifest, deadline: Deadline, *,
+              check_finite: bool = False) -> StagedBuild:
+        """A verified full copy of a published step here: copied (full) or rebuilt (delta).
+
+        ``check_finite`` makes a rebuild refuse NaN/Inf in the tensors a delta changes (a full
+        copy is checked by validating it afterwards)."""
         t0 = time.perf_counter()
         if manifest.kind != "delta":
             path = self.copy_in(root, source_dir, manifest, deadline)
@@ -168,16 +172,17 @@ class Stage:
         link = ChainLink(source_dir, manifest)
         chain = resolve_chain(root, link, self.find)
         try:
-            return self._apply_chain(root, chain, deadline, t0)
+            return self._apply_chain(root, chain, deadline, t0, check_finite)
         except CheckpointError as exc:
             if exc.reason != "base_mismatch" or not chain.start_is_staged:
                 raise
             log.warning("the staged copy %s is damaged (%s); replaying the chain from its full step",
                         chain.start.path.name, exc)
             _remove(chain.start.path)
-            return self._apply_chain(root, resolve_chain(root, link, None), deadline, t0)
+            return self._apply_chain(root, resolve_chain(root, link, None), deadline, t0, check_finite)
 
-    def _apply_chain(self, root: Path, chain: Chain, deadline: Deadline, t0: float) -> StagedBuild:
+    def _apply_chain(self, root: Path, chain: Chain, deadline: Deadline, t0: float,
+                     check_finite: bool) -> StagedBuild:
         bytes_read = 0
         made_here: set[Path] = set()
         if chain.start_is_staged:
@@ -197,7 +202,8 @@ class Stage:
             tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir()
             try:
-                rebuilt = reconstruct(root, link, current, self.path, tmp, deadline)
+                rebuilt = reconstruct(root, link, current, self.path, tmp, deadline,
+                                      check_finite=check_finite)
                 os.rename(tmp, final)
             except BaseException:
                 _remove(tmp)
