@@ -189,3 +189,22 @@ def test_trainer_talks_to_an_sglang_started_with_an_api_key(tiny_model_dir, tmp_
         assert sleeps_on_idle("s3cret") is True and sleeps_on_idle(None) is None
     finally:
         server.stop()
+
+
+def test_server_settings_are_the_config_fields_and_a_misspelt_one_is_refused(tmp_path):
+    import dataclasses
+
+    from rollout_service.sglang_launcher import SGLangServerConfig
+
+    server = SGLangServer(tmp_path, device="cpu", port=31234, extra_args=["--dtype", "bfloat16"], python="",
+                          env=None, log_path=tmp_path / "s.log", die_with_parent=True)
+    config = server.config
+    assert isinstance(config, SGLangServerConfig)
+    assert (config.port, config.python, config.extra_args, config.env) == (31234, sys.executable,
+                                                                            ("--dtype", "bfloat16"), {})
+    assert config.die_with_parent is True and server.url == "http://127.0.0.1:31234"
+    assert set(f.name for f in dataclasses.fields(SGLangServerConfig)) >= {"model_path", "device", "lora"}
+    with pytest.raises(TypeError, match="devcie"):
+        SGLangServer(tmp_path, devcie="cpu")
+    with pytest.raises(ValueError, match="device must be one of"):
+        SGLangServer(tmp_path, device="tpu")
