@@ -15,13 +15,21 @@ choice between adapter sync and merged sync. Everything under the root is untrus
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .checkpoint_format import (
-    ADAPTER_CONFIG_NAME, ADAPTER_FILES, ADAPTER_WEIGHTS_NAME, FLOAT_DTYPES, MANIFEST_NAME,
-    CheckpointError, Manifest, parse_json_object, parse_step_dir_name,
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_FILES,
+    ADAPTER_WEIGHTS_NAME,
+    FLOAT_DTYPES,
+    MANIFEST_NAME,
+    CheckpointError,
+    Manifest,
+    parse_json_object,
+    parse_step_dir_name,
 )
 from .checkpoint_paths import resolve_inside
 from .checkpoint_reader import TensorSpecs, read_safetensors_specs
@@ -41,7 +49,7 @@ class LoraLimits:
     """Empty with ``enabled``: SGLang infers them (only from adapters given at start-up)."""
 
     @classmethod
-    def from_server_info(cls, info: Mapping[str, Any]) -> "LoraLimits":
+    def from_server_info(cls, info: Mapping[str, Any]) -> LoraLimits:
         enabled = bool(info.get("enable_lora")) or bool(info.get("lora_paths"))
         rank = info.get("max_lora_rank")
         modules = info.get("lora_target_modules") or []
@@ -91,11 +99,18 @@ def adapter_support_problem(config: Mapping[str, Any], limits: LoraLimits) -> st
     if isinstance(modules, str):
         return (f"target_modules={modules!r} is a pattern; give the module names (e.g. ['q_proj', 'v_proj'])"
                 " so the server's --lora-target-modules can be checked")
-    unserved = sorted(m for m in (modules or []) if not limits.serves_module(str(m)))
+    names = module_names(modules or [])
+    unserved = sorted(m for m in names if not limits.serves_module(m))
     if unserved:
         return (f"target modules {unserved} are not among the server's --lora-target-modules"
                 f" {sorted(limits.target_modules)}")
-    return stacking_problem({str(m) for m in modules or []})
+    return stacking_problem(names)
+
+
+def module_names(modules: Any) -> set[str]:
+    """Module names as SGLang matches them: PEFT resolves ``all-linear`` to full paths
+    (``model.layers.0.mlp.up_proj``); the last component is the module's name."""
+    return {str(m).rsplit(".", 1)[-1] for m in modules}
 
 
 def stacking_problem(modules: set[str]) -> str | None:
@@ -156,7 +171,7 @@ def validate_adapter(checkpoint_dir: Path, *, root: Path, reference: TensorSpecs
                               f" lora_alpha={config.get('lora_alpha')!r}; the manifest says {info.rank},"
                               f" {info.alpha}")
     modules = config.get("target_modules")
-    if not isinstance(modules, list) or sorted(set(map(str, modules))) != sorted(set(info.target_modules)):
+    if not isinstance(modules, list) or module_names(modules) != set(info.target_modules):
         raise CheckpointError("bad_adapter_config", f"{name}/{ADAPTER_CONFIG_NAME} targets {modules!r:.200};"
                               f" the manifest says {info.target_modules}")
     problem = adapter_support_problem(config, limits)

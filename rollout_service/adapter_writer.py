@@ -21,11 +21,22 @@ from typing import Any
 import torch
 
 from .checkpoint_format import (
-    ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, MANIFEST_NAME, AdapterInfo, FileEntry, Manifest,
-    normalize_dtype, step_dir_name,
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    MANIFEST_NAME,
+    AdapterInfo,
+    FileEntry,
+    Manifest,
+    normalize_dtype,
+    step_dir_name,
 )
 from .checkpoint_writer import (
-    PublishResult, atomic_step_dir, check_run_id, shard_prefix, write_small, writer_identity,
+    PublishResult,
+    atomic_step_dir,
+    check_run_id,
+    shard_prefix,
+    write_small,
+    writer_identity,
 )
 from .digest import format_digest, new_hasher
 from .protocol import version_for_step

@@ -15,11 +15,11 @@ import httpx
 import pytest
 import torch
 
-from sidecar_helpers import Sidecar
 from rollout_service.adapter_writer import publish_adapter
 from rollout_service.lora_serving import LoraServing
 from rollout_service.protocol import adapter_name_for
 from rollout_service.sglang_launcher import SGLangServer
+from sidecar_helpers import Sidecar
 
 PROMPTS = [[11, 42, 7, 99, 256, 3], [5, 17, 1200, 64, 9]]
 NEW_TOKENS = 10
@@ -142,7 +142,7 @@ def test_adapter_versions_from_training_serve_what_peft_computes(lora_server, lo
         status = sidecar.wait_step(version)
         assert status["loaded_step"] == version and status["last_error"] is None, status
         name = adapter_name_for(version, RUN_ID)
-        for prompt, base in zip(PROMPTS, base_tokens):
+        for prompt in PROMPTS:
             tokens, logprobs = sglang_greedy(lora_server.url, prompt, name)
             assert tokens == peft_greedy(model, prompt), f"version {version}: SGLang's greedy tokens differ from peft"
             want = peft_logprobs(model, prompt, tokens)
@@ -156,8 +156,9 @@ def test_adapter_versions_from_training_serve_what_peft_computes(lora_server, lo
     wait_until(lambda: adapter_name_for(1, RUN_ID) not in served_adapters(lora_server.url), 30,
                "version 1 was not unloaded")
     assert {adapter_name_for(v, RUN_ID) for v in (2, 3)} <= served_adapters(lora_server.url)
-    r = httpx.post(f"{lora_server.url}/generate", json={"input_ids": PROMPTS[0], "lora_path": adapter_name_for(1, RUN_ID),
-                                                        "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    r = httpx.post(f"{lora_server.url}/generate", timeout=60,
+                   json={"input_ids": PROMPTS[0], "lora_path": adapter_name_for(1, RUN_ID),
+                         "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code != 200, "SGLang still serves the unloaded version 1"
     ack = sidecar.status()
     assert ack["loaded_step"] == 3 and ack["weight_version"] == "3"

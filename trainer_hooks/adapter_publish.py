@@ -87,8 +87,10 @@ class AdapterPublisher:
         self.publisher = publisher
         self.model = unwrap_model(model)
         self.dtype = dtype
-        self.config = peft_adapter_config(self.model)
-        assert self.config is not None, "AdapterPublisher needs a PEFT model"
+        config = peft_adapter_config(self.model)
+        if config is None:
+            raise TypeError(f"AdapterPublisher needs a PEFT LoRA model, got {type(self.model).__name__}")
+        self.config: dict[str, Any] = config
 
     def current(self) -> tuple[int, str] | None:
         """(version, adapter name) of the newest version every replica serves; None before the first."""

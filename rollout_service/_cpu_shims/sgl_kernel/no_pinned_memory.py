@@ -21,7 +21,8 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -96,5 +97,5 @@ def install() -> bool:
         if module is not None and (name == LORA_PACKAGE or name.startswith(LORA_PACKAGE + ".")) \
                 and module.__dict__.get("torch") is torch:
             module.__dict__["torch"] = _TORCH_VIEW
-    torch.Tensor.pin_memory = _tensor_pin_memory  # type: ignore[method-assign]
+    torch.Tensor.pin_memory = _tensor_pin_memory
     return True
