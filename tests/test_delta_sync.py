@@ -3,7 +3,6 @@ rebuilt in the sidecar's stage, served bit for bit; restarts, late joiners, corr
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -14,8 +13,8 @@ import torch
 from helpers import generate
 from rollout_service.checkpoint_format import Manifest, step_dir_name
 from rollout_service.checkpoint_writer import iter_unique_tensors, publish_checkpoint
-from rollout_service.delta_writer import DeltaCheckpointWriter
-from sidecar_helpers import perturbed_state, transformers_greedy
+from delta_helpers import as_published, publish_chain
+from sidecar_helpers import transformers_greedy
 from trainer_helpers import make_config, make_trainer
 from trainer_hooks import checkpoint_sync
 
@@ -109,50 +108,21 @@ def _wait_rejected(sidecar, step: int, timeout_s: float = 60.0) -> dict:
         time.sleep(0.3)
 
 
-def _publish_chain(root: Path, model_dir: Path, steps: range, full_every: int = 100,
-                   writer: DeltaCheckpointWriter | None = None) -> tuple[DeltaCheckpointWriter, dict[int, dict]]:
-    writer = writer or DeltaCheckpointWriter(full_every=full_every)
-    config = json.loads((model_dir / CONFIG_NAME).read_text())
-    states = {}
-    for step in steps:
-        state = _evolving_state(model_dir, step)
-        states[step] = state
-        writer.publish(root, step, sorted(state.items()), config=config, dtype="bfloat16", run_id="r")
-    return writer, states
-
-
-def _evolving_state(model_dir: Path, step: int) -> dict:
-    """The model's weights with every 50th element moved by 0.05 per step: consecutive versions
-    differ in ~2% of their elements, as at RL learning rates."""
-    state = perturbed_state(model_dir, 0, scale=0.0)
-    out = {}
-    for k, v in state.items():
-        v = v.clone()
-        flat = v.view(-1)
-        flat[step % 50::50] += 0.05 * step
-        out[k] = v
-    return out
-
-
-def _bf16(state: dict) -> dict:
-    return {k: v.to(torch.bfloat16).to(torch.float32) for k, v in state.items()}
-
-
 def test_restart_mid_chain_late_joiner_and_a_corrupt_delta(sglang_server, sidecar_factory, checkpoint_root,
                                                              tiny_model_dir, tmp_path):
     stage = ("--stage-dir", str(tmp_path / "stage-r0"))
     sidecar = sidecar_factory(*stage)
-    writer, states = _publish_chain(checkpoint_root, tiny_model_dir, range(1, 4))
+    writer, states = publish_chain(checkpoint_root, tiny_model_dir, range(1, 4))
     status = sidecar.wait_step(3)
     assert status["last_sync"]["kind"] == "delta"
     # Killed mid-chain; its successor adopts what SGLang serves and applies the next delta to it.
     sidecar.kill()
     sidecar2 = sidecar_factory(*stage, replica_id="r0")
-    _, more = _publish_chain(checkpoint_root, tiny_model_dir, range(4, 5), writer=writer)
+    _, more = publish_chain(checkpoint_root, tiny_model_dir, range(4, 5), writer=writer)
     status = sidecar2.wait_step(4)
     assert status["last_sync"]["kind"] == "delta" and status["last_sync"]["chain_length"] == 1
     assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)["output_ids"] == \
-        transformers_greedy(tiny_model_dir, _bf16(more[4]), PROMPT, 8)
+        transformers_greedy(tiny_model_dir, as_published(more[4]), PROMPT, 8)
     # A late joiner with an empty stage replays the chain from the full step.
     sidecar2.stop()
     sidecar3 = sidecar_factory("--stage-dir", str(tmp_path / "fresh-stage"), replica_id="late")
@@ -163,7 +133,7 @@ def test_restart_mid_chain_late_joiner_and_a_corrupt_delta(sglang_server, sideca
     # A corrupt delta is rejected with a reason, the last good step keeps serving, and the next
     # full step recovers. (Flipping a byte of a published step races the sidecar: a corrupt copy
     # is made aside and renamed in.)
-    _publish_chain(checkpoint_root, tiny_model_dir, range(5, 6), writer=writer)
+    publish_chain(checkpoint_root, tiny_model_dir, range(5, 6), writer=writer)
     side = tmp_path / "side"
     shutil.copytree(checkpoint_root / step_dir_name(5), side / step_dir_name(6))
     bad = sorted((side / step_dir_name(6)).glob("delta-*.safetensors"))[0]
@@ -178,15 +148,19 @@ def test_restart_mid_chain_late_joiner_and_a_corrupt_delta(sglang_server, sideca
     status = _wait_rejected(sidecar3, 6)
     assert status["rejected"].get("6") in ("digest_mismatch", "delta_corrupt"), status
     assert status["loaded_step"] == 5
-    writer._base = None  # the trainer restarts: its next publish is full
-    _publish_chain(checkpoint_root, tiny_model_dir, range(7, 8), writer=writer)
+    # The trainer restarts (nothing in memory, a new run id): its first publish is full, then
+    # deltas again; the replica follows the new lineage.
+    restarted, _ = publish_chain(checkpoint_root, tiny_model_dir, range(7, 8), run_id="r2")
     status = sidecar3.wait_step(7)
-    assert status["last_sync"]["kind"] == "full"
+    assert status["last_sync"]["kind"] == "full" and status["loaded_run_id"] == "r2"
+    publish_chain(checkpoint_root, tiny_model_dir, range(8, 9), writer=restarted, run_id="r2")
+    status = sidecar3.wait_step(8)
+    assert status["last_sync"]["kind"] == "delta" and status["last_sync"]["chain_length"] == 1
 
 
 def test_a_delta_without_a_stage_is_rejected_with_what_to_do(sidecar_factory, checkpoint_root, tiny_model_dir):
     sidecar = sidecar_factory("--no-stage")
-    _publish_chain(checkpoint_root, tiny_model_dir, range(1, 3))
+    publish_chain(checkpoint_root, tiny_model_dir, range(1, 3))
     sidecar.wait_step(1)
     status = _wait_rejected(sidecar, 2)
     assert status["rejected"]["2"] == "delta_needs_stage"

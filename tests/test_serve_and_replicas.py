@@ -8,6 +8,7 @@ import shutil
 import signal
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -99,6 +100,30 @@ def test_two_replicas_load_and_acknowledge_every_step(sglang_server, second_sgla
             assert {k: v["loaded_step"] for k, v in acks.items()} == {"replica-a": step, "replica-b": step}
         for sidecar in (a, b):
             assert sidecar.metric("rollout_sidecar_syncs_total", outcome="loaded", reason="ok") == 3
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_two_replicas_stage_and_rebuild_deltas_independently(sglang_server, second_sglang_server,
+                                                              checkpoint_root, tiny_model_dir, tmp_path):
+    from delta_helpers import as_published, publish_chain
+    from sidecar_helpers import transformers_greedy
+
+    a = Sidecar(checkpoint_root, sglang_server.url, tmp_path / "a.log", replica_id="delta-a")
+    b = Sidecar(checkpoint_root, second_sglang_server.url, tmp_path / "b.log", replica_id="delta-b")
+    try:
+        writer = None
+        for step in (1, 2, 3):
+            writer, states = publish_chain(checkpoint_root, tiny_model_dir, range(step, step + 1), writer=writer)
+            for sidecar in (a, b):
+                last = sidecar.wait_step(step)["last_sync"]
+                assert last["step"] == step and last["kind"] == ("full" if step == 1 else "delta")
+        stages = {Path(s.status()["last_sync"]["path"]).parent for s in (a, b)}
+        assert len(stages) == 2, "each replica rebuilds in its own stage"
+        want = transformers_greedy(tiny_model_dir, as_published(states[3]), [1, 2, 3], 6)
+        for server in (sglang_server, second_sglang_server):
+            assert generate(server.url, [1, 2, 3], max_new_tokens=6, ignore_eos=True)["output_ids"] == want
     finally:
         a.stop()
         b.stop()

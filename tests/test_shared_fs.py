@@ -75,3 +75,22 @@ def test_stale_cached_listing_does_not_delay_a_step_the_trainer_names(
         assert status["loaded_step"] == 2 and status["rejected"] == {}
         print(f"step 2 loaded {took:.2f} s after the trainer named it, through a stale listing")
         sidecar.stop()
+
+
+def test_a_delta_chain_in_polling_mode_over_the_network_file_system(
+        sglang_server, sidecar_factory, tiny_model_dir, tmp_path):
+    from delta_helpers import as_published, publish_chain
+
+    with sshfs_mount(tmp_path / "fs", "dcache_timeout=1", "attr_timeout=1") as (srv, mnt):
+        sidecar = sidecar_factory("--poll", "0.5", root=mnt, replica_id="nfs-delta")
+        writer = None
+        for step in (1, 2, 3, 4):
+            writer, states = publish_chain(srv, tiny_model_dir, range(step, step + 1), writer=writer,
+                                           run_id="nfs-run")
+            last = sidecar.wait_step(step, timeout_s=60)["last_sync"]  # polling alone
+            assert last["kind"] == ("full" if step == 1 else "delta")
+            if step > 1:  # only the delta came over the mount
+                assert last["bytes_read"] < 0.5 * sum(p.stat().st_size for p in (srv / "step-00000001").iterdir())
+        assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)["output_ids"] == \
+            transformers_greedy(tiny_model_dir, as_published(states[4]), PROMPT, 8)
+        sidecar.stop()
