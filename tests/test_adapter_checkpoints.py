@@ -190,6 +190,9 @@ def test_servable_adapters_have_no_problem():
     assert adapter_support_problem(lora_config(modules=("q_proj", "k_proj", "v_proj", "gate_proj")), LIMITS) is None
     assert adapter_support_problem(lora_config(modules=("gate_proj", "up_proj")),
                                    LoraLimits(True, 16, frozenset({"all"}))) is None
+    # PEFT resolves target_modules="all-linear" to full module paths.
+    resolved = lora_config(modules=("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj"))
+    assert adapter_support_problem(resolved, LIMITS) is None
 
 
 def test_server_info_gives_the_limits():
