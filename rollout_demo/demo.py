@@ -123,7 +123,9 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
             max_steps=steps, learning_rate=learning_rate, lr_scheduler_type="constant",
             beta=0.0, temperature=1.0, logging_steps=1, save_strategy="no", report_to=[],
             seed=seed, use_cpu=device == "cpu", bf16=False, disable_tqdm=True,
-            sync_timeout=300.0, keep_checkpoints=3)
+            sync_timeout=300.0, keep_checkpoints=3,
+            # fp32 master weights, bf16 checkpoints as deltas against the previous version.
+            checkpoint_dtype="bfloat16", checkpoint_delta=True)
         step_times: list[float] = []
 
         class Progress(TrainerCallback):
@@ -165,6 +167,7 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
         "log_history": history,
     }
     summary["time_split_median_s"] = time_split(history)
+    summary["checkpoint_bytes"] = sync_bytes(history)
     r = summary["rewards"]
     k = max(1, len(r) // 5)
     summary["reward_first"] = sum(r[:k]) / k if r else None
@@ -172,12 +175,27 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if plot:
         _plot(summary, output_dir / "demo.png")
+    written = summary["checkpoint_bytes"]
+    if written["full_mb"]:
+        print(f"checkpoint sync wrote {written['written_mb']:.1f} MB where full checkpoints would be"
+              f" {written['full_mb']:.1f} MB ({written['saved_fraction']:.0%} saved; {written['deltas']} of"
+              f" {written['syncs']} syncs were deltas)", flush=True)
     split = summary["time_split_median_s"]
     print("median step time split: " + ", ".join(f"{k} {v:.3f} s" for k, v in split.items()))
     print(f"reward {summary['reward_first']:.3f} (first {k} steps) -> {summary['reward_last']:.3f}"
           f" (last {k}); {wall:.1f} s for {steps} steps; wrote {output_dir / 'summary.json'}"
           + (f" and {output_dir / 'demo.png'}" if plot else ""), flush=True)
     return summary
+
+
+def sync_bytes(history: list[dict[str, Any]]) -> dict[str, float]:
+    """What the syncs wrote to the checkpoint root against what full checkpoints would have."""
+    written = sum(float(h.get("sglang/sync_mb") or 0.0) for h in history)
+    full = sum(float(h.get("sglang/sync_full_mb") or 0.0) for h in history)
+    syncs = sum(1 for h in history if h.get("sglang/sync_mb") is not None)
+    deltas = sum(1 for h in history if h.get("sglang/sync_delta"))
+    return {"written_mb": written, "full_mb": full, "saved_fraction": 1 - written / full if full else 0.0,
+            "syncs": syncs, "deltas": deltas}
 
 
 def time_split(history: list[dict[str, Any]]) -> dict[str, float]:
