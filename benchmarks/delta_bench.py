@@ -108,10 +108,13 @@ def limit_write(path: Path, nbytes: int) -> float:
     return time.perf_counter() - t0
 
 
-def run(gb: float, lr: float, storages: list[tuple[str, Path]], stage_root: Path) -> list[dict]:
+def run(gb: float, lr: float, storages: list[tuple[str, Path]], stage_root: Path,
+        warmup_steps: int) -> list[dict]:
     params = qwen2_state(gb)
     opt = torch.optim.AdamW(params.values(), lr=lr)
     g = torch.Generator().manual_seed(1)
+    for _ in range(warmup_steps):  # Adam's first steps move every weight by lr: not the steady state
+        adam_step(opt, params, g)
     rows = []
     for label, base in storages:
         work = Path(tempfile.mkdtemp(prefix=f"delta-bench-{label}-", dir=base))
@@ -196,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="where checkpoints are written: local, shm, sshfs (a real network file system"
                          " over loopback), or a directory (default local,shm)")
     ap.add_argument("--stage-root", default="/dev/shm", help="node-local folder for the stage (default /dev/shm)")
+    ap.add_argument("--warmup-steps", type=int, default=3,
+                    help="AdamW steps before the first published version (default 3: Adam's first"
+                         " steps move every weight by lr)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     with contextlib.ExitStack() as mounts:
@@ -213,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for gb in (float(x) for x in args.sizes.split(",")):
             for lr in (float(x) for x in args.lrs.split(",")):
-                rows += run(gb, lr, storages, Path(args.stage_root))
+                rows += run(gb, lr, storages, Path(args.stage_root), args.warmup_steps)
     print_table(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -201,11 +201,10 @@ class DeltaCheckpointWriter:
                     held[name] = prev
                     pending.append((name, pool.submit(self._encode_into, tensor, target, prev)))
                 else:
-                    reuse = prev if prev is not None and prev.nbytes == nbytes else None
-                    entry = _Held(tag, shape, reuse.data if reuse is not None else
-                                  np.empty(nbytes, dtype=np.uint8), "")
+                    reuse = prev.data if prev is not None and prev.nbytes == nbytes else None
+                    entry = _Held(tag, shape, _NO_BYTES, "")
                     held[name] = entry
-                    pending.append((name, pool.submit(self._copy_into, tensor, target, entry)))
+                    pending.append((name, pool.submit(self._copy_into, tensor, target, entry, reuse)))
                 while len(pending) > 2 * self.threads:
                     settle(*pending.popleft())
             while pending:
@@ -240,14 +239,15 @@ class DeltaCheckpointWriter:
             scratch = self._scratch.buf = delta_codec.new_scratch()
         blob = delta_codec.encode(raw, prev.data, self.level, scratch=scratch)
         if blob is not None:
-            np.copyto(prev.data, raw)
+            prev.data = _keep(tensor, t, raw, prev.data)
             prev.digest = _digest(prev.data)
         return blob
 
     @staticmethod
-    def _copy_into(tensor: torch.Tensor, target: str | None, entry: _Held) -> None:
-        raw = _bytes_of(_prepare(tensor, target))
-        np.copyto(entry.data, raw)
+    def _copy_into(tensor: torch.Tensor, target: str | None, entry: _Held, reuse: np.ndarray | None) -> None:
+        t = _prepare(tensor, target)
+        raw = _bytes_of(t)
+        entry.data = _keep(tensor, t, raw, reuse)
         entry.digest = _digest(entry.data)
         return None
 
@@ -378,6 +378,22 @@ def _tag_after_prepare(tensor: torch.Tensor, target: str | None) -> str:
     if tag is None:
         raise TypeError(f"tensor dtype {tensor.dtype} cannot be stored in safetensors")
     return target if target is not None and tag in FLOAT_DTYPES else tag
+
+
+_NO_BYTES = np.empty(0, dtype=np.uint8)
+
+
+def _keep(source: torch.Tensor, prepared: torch.Tensor, raw: np.ndarray, old: np.ndarray | None) -> np.ndarray:
+    """The bytes to hold for a tensor: ``raw`` itself when ``_prepare`` made a new tensor (a cast
+    or a copy off the GPU: nobody else has it, and keeping it saves a copy of the model), else a
+    copy (into ``old`` when it fits): the source may be a live parameter or a buffer its
+    producer reuses."""
+    if source.numel() and prepared.untyped_storage().data_ptr() != source.untyped_storage().data_ptr():
+        return raw
+    if old is None or old.shape[0] != raw.shape[0]:
+        old = np.empty(raw.shape[0], dtype=np.uint8)
+    np.copyto(old, raw)
+    return old
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
