@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rollout_service import cli as service_cli
 
 
-def register_demo(sub, add_env) -> None:
+def register_demo(sub: Any, add_env: Callable[..., Any]) -> None:
+    """Add the `demo` command to the subparsers `sub`."""
     p = sub.add_parser(
         "demo", help="GRPO with SGLang rollouts + checkpoint sync on one machine (CPU is fine)",
         description="Train GRPO for a few steps on a tiny local model (or --model) with SGLang"

@@ -16,6 +16,7 @@ import logging
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +35,12 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 7))) for _ in range(n)]
 
 
-def word_start_reward(tokenizer: Any):
+def word_start_reward(tokenizer: Any) -> Callable[..., list[float]]:
     """Reward: the share of completion tokens that start a new word (byte-level 'Ġ' prefix)."""
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     starts = {i for i, t in enumerate(tokens) if t and t.startswith("Ġ")}
 
-    def new_words(completions, completion_ids, **kwargs) -> list[float]:
+    def new_words(completions: Any, completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
         return [sum(int(t) in starts for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
     return new_words
@@ -132,12 +133,12 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
             def __init__(self) -> None:
                 self.t = time.perf_counter()
 
-            def on_step_end(self, args_, state, control, **kw):
+            def on_step_end(self, args_: Any, state: Any, control: Any, **kw: Any) -> None:
                 now = time.perf_counter()
                 step_times.append(now - self.t)
                 self.t = now
 
-            def on_log(self, args_, state, control, logs=None, **kw):
+            def on_log(self, args_: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
                 if logs and "reward" in logs:
                     nan = float("nan")
                     print(f"  step {state.global_step:>3}/{steps}  reward {logs['reward']:.3f}"

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .sidecar.settings import SidecarSettings
+
+AddEnv = Callable[..., Any]
+"""`cli_env.add_env_argument`: adds a flag that its ROLLOUT_* variable can set."""
 
 log = logging.getLogger(__name__)
 
 
-def _add_sidecar_flags(p: argparse.ArgumentParser, add_env, *, with_url: bool) -> None:
+def _add_sidecar_flags(p: argparse.ArgumentParser, add_env: AddEnv, *, with_url: bool) -> None:
     add_env(p, "--checkpoint-path", required=True,
             help="checkpoint root the trainer publishes step-* directories into")
     if with_url:
@@ -51,7 +59,7 @@ def _add_sidecar_flags(p: argparse.ArgumentParser, add_env, *, with_url: bool) -
                  " once no request uses them. At least the trainer's max_staleness + 1")
 
 
-def _settings(args: argparse.Namespace, sglang_url: str, port: int):
+def _settings(args: argparse.Namespace, sglang_url: str, port: int) -> SidecarSettings:
     from .sidecar.settings import SidecarSettings
 
     return SidecarSettings(
@@ -91,7 +99,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(server, settings, policy)
 
 
-def register_sidecar(sub, add_env) -> None:
+def register_sidecar(sub: Any, add_env: AddEnv) -> None:
     p = sub.add_parser(
         "sidecar", help="watch a checkpoint root and load new checkpoints into a running SGLang",
         description="Watch CHECKPOINT_PATH; validate each newly published step-* checkpoint and load"
@@ -103,7 +111,7 @@ def register_sidecar(sub, add_env) -> None:
     p.set_defaults(func=_cmd_sidecar)
 
 
-def register_serve(sub, add_env) -> None:
+def register_serve(sub: Any, add_env: AddEnv) -> None:
     from .lora_serving import add_lora_flags
 
     p = sub.add_parser(

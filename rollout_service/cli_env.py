@@ -76,7 +76,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
         self.env_flags: list[EnvFlag] = []
 
     def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
-                         namespace: argparse.Namespace | None = None):
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
         parsed, extras = super().parse_known_args(args, namespace)
         self.apply_env(parsed, os.environ)
         return parsed, extras

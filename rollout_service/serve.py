@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 from .sglang_launcher import SGLangServer, SGLangStartError
@@ -215,5 +216,5 @@ def run_serve(server: SGLangServer, settings: SidecarSettings, policy: RestartPo
     return exit_code
 
 
-def _note_signal(signum, frame) -> None:
+def _note_signal(signum: int, frame: FrameType | None) -> None:
     log.info("received %s; stopping SGLang and the sidecar", signal.Signals(signum).name)

@@ -11,6 +11,7 @@ import contextlib
 import hmac
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
@@ -38,7 +39,7 @@ def create_app(settings: SidecarSettings) -> FastAPI:
     watcher = CheckpointWatcher(settings.checkpoint_path, controller.notify, settings.poll_interval_s)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(controller.run(), name="sidecar-sync-loop")
         watcher.start()
         try:
