@@ -210,3 +210,33 @@ def test_restarted_sglang_gets_the_newest_adapter_again(lora_server, lora_sideca
     assert status["loaded_step"] == 2
     assert sglang_greedy(lora_server.url, PROMPTS[1], adapter_name_for(2, RUN_ID))[0] == before
     assert sidecar.metric("rollout_sidecar_sglang_restarts_total") >= 1
+
+
+def test_a_second_replica_catches_up_and_both_serve_each_new_adapter(lora_server, lora_sidecar, checkpoint_root,
+                                                                     tiny_model_dir, tmp_path):
+    first = lora_sidecar(replica_id="r0")
+    model = peft_model(tiny_model_dir, targets=["q_proj", "v_proj", "gate_proj"])
+    for version in (1, 2):
+        train_steps(model, 2, seed=40 + version)
+        publish(model, checkpoint_root, version)
+    first.wait_step(2)
+    second_server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable, die_with_parent=True,
+                                 log_path=tmp_path / "second-sglang.log",
+                                 lora=LoraServing(max_rank=16, max_loras_per_batch=4))
+    second_server.start()
+    try:
+        second_server.wait_healthy(300)
+        second = lora_sidecar(replica_id="r1", url=second_server.url)
+        assert second.wait_step(2)["loaded_step"] == 2  # the newest, not every version before it
+        assert adapter_name_for(1, RUN_ID) not in served_adapters(second_server.url)
+        train_steps(model, 2, seed=43)
+        publish(model, checkpoint_root, 3)
+        name = adapter_name_for(3, RUN_ID)
+        for sidecar in (first, second):
+            assert sidecar.wait_step(3)["loaded_step"] == 3
+        for prompt in PROMPTS:
+            a, b = (sglang_greedy(s.url, prompt, name) for s in (lora_server, second_server))
+            assert a[0] == b[0] == peft_greedy(model, prompt)
+            assert max(abs(x - y) for x, y in zip(a[1], b[1])) <= LOGPROB_ATOL
+    finally:
+        second_server.stop()
