@@ -1,0 +1,184 @@
+"""TRL GRPO with ``peft_config`` through a real ``rollout-service serve --lora`` unit on the CPU.
+
+With adapter sync every sync publishes an adapter step only, SGLang serves the trainer's adapter at
+every step (TRL's logprob comparison), training changes it (against a learning-rate-0 control) and
+every completion carries the version it was asked for. (The reward does not measurably rise within
+a test's budget with LoRA on this random-weight tiny model: 24-step runs moved it by 0.02-0.06.) Each case SGLang
+cannot serve as an adapter (DoRA, ``modules_to_save``, a rank above ``--max-lora-rank``, a module
+outside ``--lora-target-modules``, a server without ``--lora``) logs its reason once and trains on
+merged full checkpoints instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from helpers import free_port
+from rollout_service.checkpoint_format import Manifest
+from rollout_service.checkpoint_reader import list_checkpoints
+from sidecar_helpers import CLIProcess, wait_http
+
+MAX_RANK = 16
+FALLBACK = "LoRA adapter sync is not possible"
+
+
+class Unit:
+    """``rollout-service serve`` (SGLang + sidecar) in a subprocess."""
+
+    def __init__(self, model_dir: Path, work: Path, *extra: str):
+        self.root = work / "ckpts"
+        self.root.mkdir(parents=True)
+        port, sidecar_port = free_port(), free_port()
+        self.sglang_url, self.sidecar_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{sidecar_port}"
+        self.proc = CLIProcess(["serve", "--model", str(model_dir), "--checkpoint-path", str(self.root),
+                                "--port", str(port), "--sidecar-port", str(sidecar_port), "--device", "cpu",
+                                "--health-interval", "0.5", "--replica-id", f"lora-{sidecar_port}",
+                                "--stage-dir", str(work / "stage"), "--sglang-log", str(work / "sglang.log"),
+                                *extra], work / "serve.log")
+        wait_http(f"{self.sidecar_url}/readyz", 600, self.proc)
+
+
+@pytest.fixture(scope="module")
+def lora_unit(tiny_model_dir, tmp_path_factory):
+    unit = Unit(tiny_model_dir, tmp_path_factory.mktemp("lora-unit"), "--lora", "--max-lora-rank", str(MAX_RANK))
+    yield unit
+    unit.proc.stop()
+
+
+WORDS = "the data file import class return value list self path name error test string module open".split()
+
+
+def prompts(n: int) -> list[str]:
+    """Short prompts in the tiny tokenizer's domain (it was trained on Python sources)."""
+    rng = random.Random(0)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 7))) for _ in range(n)]
+
+
+def word_start_reward(tokenizer: Any):
+    """The share of completion tokens that start a new word (byte-level 'Ġ' prefix): learnable
+    in a few steps by the tiny model, as in the project's demo."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    starts = {i for i, t in enumerate(tokens) if t and t.startswith("Ġ")}
+
+    def new_words(completions: list[Any], completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
+        return [sum(int(t) in starts for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+    return new_words
+
+
+def run_grpo(unit: Unit, model_dir: Path, out: Path, peft_config: Any, *, steps: int, learning_rate: float) -> Any:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer_hooks import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    args = GRPOConfig(
+        output_dir=str(out), checkpoint_path=str(unit.root), sglang_urls=[unit.sglang_url],
+        sidecar_urls=[unit.sidecar_url], per_device_train_batch_size=32, num_generations=8,
+        max_completion_length=16, max_steps=steps, learning_rate=learning_rate, lr_scheduler_type="constant",
+        beta=0.0, temperature=1.0, logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True,
+        bf16=False, disable_tqdm=True, sync_timeout=300.0, keep_checkpoints=None)
+    trainer = GRPOTrainer(model=policy, reward_funcs=word_start_reward(tokenizer), args=args,
+                          train_dataset=Dataset.from_dict({"prompt": prompts(max(64, steps * 4))}),
+                          processing_class=tokenizer, peft_config=peft_config)
+    trainer.train()
+    return trainer
+
+
+def run_manifests(root: Path, run_id: str) -> list[Manifest]:
+    found = [Manifest.load(c.path, root=root) for c in list_checkpoints(root)]
+    return [m for m in found if m.run_id == run_id]
+
+
+def rewards(trainer: Any) -> list[float]:
+    return [h["reward"] for h in trainer.state.log_history if "reward" in h]
+
+
+def assert_every_completion_has_the_version_asked_for(trainer: Any) -> None:
+    history = list(trainer.vllm_generation.history)
+    assert history
+    for record in history:
+        assert record.versions and all(v == record.published_version for v in record.versions), record
+
+
+def logged(trainer: Any, key: str) -> list[float]:
+    return [float(h[key]) for h in trainer.state.log_history if key in h]
+
+
+def test_grpo_with_peft_config_trains_through_adapter_sync_on_the_trainers_adapter(lora_unit, tiny_model_dir,
+                                                                                    tmp_path):
+    from peft import LoraConfig
+
+    steps = 8
+
+    def lora() -> Any:
+        return LoraConfig(r=MAX_RANK, lora_alpha=2 * MAX_RANK, target_modules="all-linear", lora_dropout=0.0,
+                          task_type="CAUSAL_LM")
+
+    learned = run_grpo(lora_unit, tiny_model_dir, tmp_path / "lr", lora(), steps=steps, learning_rate=5e-2)
+    control = run_grpo(lora_unit, tiny_model_dir, tmp_path / "lr0", lora(), steps=steps, learning_rate=0.0)
+    digests: dict[str, list[str]] = {}
+    for label, trainer in (("learned", learned), ("control", control)):
+        assert_every_completion_has_the_version_asked_for(trainer)
+        manifests = run_manifests(lora_unit.root, trainer.vllm_generation.publisher.run_id)
+        assert len(manifests) == steps and {m.kind for m in manifests} == {"adapter"}
+        assert max(m.total_bytes for m in manifests) < 400_000  # the tiny model's full checkpoint: ~6 MB
+        digests[label] = [m.files["adapter_model.safetensors"].digest for m in manifests]
+        # TRL compares its own logprobs of each sampled token (policy + the current adapter) with
+        # SGLang's: had SGLang served another version or the base model, they would differ by far more.
+        assert max(logged(trainer, "sampling/sampling_logp_difference/max")) < 5e-3
+    assert len(set(digests["learned"])) == steps, "training did not change the published adapter at every step"
+    assert len(set(digests["control"])) == 1, "at learning rate 0 every version's adapter must be the same bytes"
+    print("rewards with adapter sync:", [round(x, 3) for x in rewards(learned)],
+          "lr 0:", [round(x, 3) for x in rewards(control)])
+
+
+@pytest.mark.parametrize(("case", "kwargs", "reason"), [
+    ("dora", dict(target_modules=["q_proj", "v_proj"], use_dora=True), "DoRA"),
+    ("modules_to_save", dict(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]),
+     "modules_to_save"),
+    ("rank", dict(target_modules=["q_proj", "v_proj"], r=2 * MAX_RANK),
+     f"above the server's --max-lora-rank {MAX_RANK}"),
+    ("module", dict(target_modules=["q_proj", "v_proj", "embed_tokens"]),
+     "not among the server's --lora-target-modules"),
+    ("unfusable", dict(target_modules=["q_proj", "v_proj", "up_proj"]), "up_proj without gate_proj"),
+])
+def test_adapters_sglang_cannot_serve_fall_back_to_merged_sync_with_the_reason(
+        lora_unit, tiny_model_dir, tmp_path, caplog, case, kwargs, reason):
+    from peft import LoraConfig
+
+    caplog.set_level(logging.INFO, logger="trainer_hooks")
+    config = LoraConfig(**{"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "task_type": "CAUSAL_LM", **kwargs})
+    trainer = run_grpo(lora_unit, tiny_model_dir, tmp_path / case, config, steps=2, learning_rate=1e-2)
+    lines = [r.getMessage() for r in caplog.records if FALLBACK in r.getMessage()]
+    assert len(lines) == 1 and reason in lines[0], lines
+    assert_every_completion_has_the_version_asked_for(trainer)
+    manifests = run_manifests(lora_unit.root, trainer.vllm_generation.publisher.run_id)
+    assert len(manifests) == 2 and {m.kind for m in manifests} == {"full"}
+
+
+def test_a_server_without_lora_gets_merged_full_checkpoints(tiny_model_dir, tmp_path, tmp_path_factory, caplog):
+    from peft import LoraConfig
+
+    unit = Unit(tiny_model_dir, tmp_path_factory.mktemp("plain-unit"))
+    try:
+        caplog.set_level(logging.INFO, logger="trainer_hooks")
+        config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        trainer = run_grpo(unit, tiny_model_dir, tmp_path / "plain", config, steps=2, learning_rate=1e-2)
+    finally:
+        unit.proc.stop()
+    lines = [r.getMessage() for r in caplog.records if FALLBACK in r.getMessage()]
+    assert len(lines) == 1 and "started without LoRA" in lines[0], lines
+    assert_every_completion_has_the_version_asked_for(trainer)
+    manifests = run_manifests(unit.root, trainer.vllm_generation.publisher.run_id)
+    assert len(manifests) == 2 and {m.kind for m in manifests} == {"full"}
+
