@@ -69,6 +69,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from model_factory import ensure_bench_model  # noqa: E402
+
 from rollout_service.checkpoint_writer import iter_unique_tensors, publish_checkpoint  # noqa: E402
 from rollout_service.sglang_launcher import SGLangServer  # noqa: E402
 from rollout_service.tiny_model import ensure_tiny_model  # noqa: E402
@@ -268,7 +269,7 @@ class Probe:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pause-probe", daemon=True)
 
-    def __enter__(self) -> "Probe":
+    def __enter__(self) -> Probe:
         self._thread.start()
         return self
 

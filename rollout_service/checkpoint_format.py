@@ -211,7 +211,7 @@ class Manifest:
         return self.fingerprint()
 
     @classmethod
-    def from_json(cls, text: str | bytes, *, where: str = "manifest.json") -> "Manifest":
+    def from_json(cls, text: str | bytes, *, where: str = "manifest.json") -> Manifest:
         """Parse a manifest strictly; any problem raises ``CheckpointError('bad_manifest')``.
 
         The text is untrusted: non-UTF-8 bytes, NaN/Infinity, deep nesting, wrong JSON types,
@@ -243,7 +243,7 @@ class Manifest:
         delta = None
         if kind == "delta":
             delta = field_of.delta(data.get("delta"))
-            if delta.base_step >= field_of.int(data["step"], "step", MAX_STEP) \
+            if delta.base_step >= field_of.integer(data["step"], "step", MAX_STEP) \
                     or delta.chain_start > delta.base_step:
                 raise CheckpointError("bad_manifest", f"{where}: a delta must apply to an earlier step"
                                       " (chain_start <= base_step < step)")
@@ -273,19 +273,19 @@ class Manifest:
         if isinstance(created_at, bool) or not isinstance(created_at, (int, float)):
             raise CheckpointError("bad_manifest", f"{where}: created_at must be a number")
         return cls(
-            step=field_of.int(data["step"], "step", MAX_STEP),
-            weight_version=field_of.str(data["weight_version"], "weight_version"),
+            step=field_of.integer(data["step"], "step", MAX_STEP),
+            weight_version=field_of.text(data["weight_version"], "weight_version"),
             created_at=float(created_at), writer=field_of.obj(data["writer"], "writer"),
             base_model=base_model, dtype=dtype,
-            total_bytes=field_of.int(data["total_bytes"], "total_bytes", MAX_FILE_BYTES * MAX_MANIFEST_FILES),
-            tensor_count=field_of.int(data["tensor_count"], "tensor_count", 10**7),
+            total_bytes=field_of.integer(data["total_bytes"], "total_bytes", MAX_FILE_BYTES * MAX_MANIFEST_FILES),
+            tensor_count=field_of.integer(data["tensor_count"], "tensor_count", 10**7),
             files=files, digest_algorithm=digest_algorithm, format_version=version,
             extra=field_of.obj(data.get("extra") or {}, "extra"), run_id=run_id,
             kind=kind, delta=delta, adapter=adapter,
         )
 
     @classmethod
-    def load(cls, checkpoint_dir: Path, *, root: Path | None = None) -> "Manifest":
+    def load(cls, checkpoint_dir: Path, *, root: Path | None = None) -> Manifest:
         """Read ``manifest.json`` of a checkpoint as untrusted input (see ``untrusted_files``)."""
         from .untrusted_files import read_small
 
@@ -348,12 +348,12 @@ class _FieldReader:
         return CheckpointError("bad_manifest", f"{self.where}: {name} must be {want}, got"
                                f" {shown[:60] + ('...' if len(shown) > 60 else '')}")
 
-    def int(self, value: Any, name: str, maximum: int) -> int:
+    def integer(self, value: Any, name: str, maximum: int) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= maximum:
             raise self._bad(name, f"an integer between 0 and {maximum}", value)
         return value
 
-    def str(self, value: Any, name: str) -> str:
+    def text(self, value: Any, name: str) -> str:
         if not isinstance(value, str) or len(value) > 256:
             raise self._bad(name, "a string of at most 256 characters", value)
         return value
@@ -388,9 +388,9 @@ class _FieldReader:
             at = f"{name}[{fname[:80]!r}]"
             e = self.obj(e, at)
             files[fname] = FileEntry(
-                size=self.int(e.get("size"), f"{at}.size", MAX_FILE_BYTES),
+                size=self.integer(e.get("size"), f"{at}.size", MAX_FILE_BYTES),
                 digest=self.digest(e.get("digest"), f"{at}.digest"),
-                tensors=self.int(e.get("tensors", 0), f"{at}.tensors", 10**7))
+                tensors=self.integer(e.get("tensors", 0), f"{at}.tensors", 10**7))
         return files
 
     def adapter(self, value: Any) -> AdapterInfo:
@@ -400,7 +400,7 @@ class _FieldReader:
             raise self._bad("adapter", "rank, alpha, target_modules and peft_type only", unknown)
         if a.get("peft_type") != "LORA":
             raise self._bad("adapter.peft_type", "'LORA'", a.get("peft_type"))
-        rank = self.int(a.get("rank"), "adapter.rank", MAX_ADAPTER_RANK)
+        rank = self.integer(a.get("rank"), "adapter.rank", MAX_ADAPTER_RANK)
         if rank < 1:
             raise self._bad("adapter.rank", f"an integer between 1 and {MAX_ADAPTER_RANK}", rank)
         alpha = a.get("alpha")
@@ -429,7 +429,7 @@ class _FieldReader:
         for tname, e in raw_tensors.items():
             at = f"delta.tensors[{tname[:80]!r}]"
             e = self.obj(e, at)
-            shard = self.str(e.get("shard"), f"{at}.shard")
+            shard = self.text(e.get("shard"), f"{at}.shard")
             if shard not in target:
                 raise self._bad(f"{at}.shard", "one of delta.target_files", shard)
             dtype = e.get("dtype")
@@ -447,10 +447,10 @@ class _FieldReader:
                                          digest=self.digest(e.get("digest"), f"{at}.digest"),
                                          delta_file=delta_file)
         return DeltaInfo(
-            base_step=self.int(d.get("base_step"), "delta.base_step", MAX_STEP),
+            base_step=self.integer(d.get("base_step"), "delta.base_step", MAX_STEP),
             base_fingerprint=fp,
-            chain_start=self.int(d.get("chain_start"), "delta.chain_start", MAX_STEP),
+            chain_start=self.integer(d.get("chain_start"), "delta.chain_start", MAX_STEP),
             target_files=target, tensors=tensors, codec=DELTA_CODEC,
-            changed_tensors=self.int(d.get("changed_tensors", 0), "delta.changed_tensors", 10**7),
-            changed_bytes=self.int(d.get("changed_bytes", 0), "delta.changed_bytes",
+            changed_tensors=self.integer(d.get("changed_tensors", 0), "delta.changed_tensors", 10**7),
+            changed_bytes=self.integer(d.get("changed_bytes", 0), "delta.changed_bytes",
                                    MAX_FILE_BYTES * MAX_MANIFEST_FILES))

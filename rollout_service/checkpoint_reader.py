@@ -12,7 +12,6 @@ and a message that names the file and what was wrong.
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -21,8 +20,13 @@ from pathlib import Path
 from safetensors import safe_open
 
 from .checkpoint_format import (
-    CONFIG_NAME, FLOAT_DTYPES, INDEX_NAME, CheckpointError, Manifest,
-    parse_json_object, parse_step_dir_name,
+    CONFIG_NAME,
+    FLOAT_DTYPES,
+    INDEX_NAME,
+    CheckpointError,
+    Manifest,
+    parse_json_object,
+    parse_step_dir_name,
 )
 from .checkpoint_paths import check_plain_file_name, resolve_inside
 from .digest import format_digest, new_hasher
@@ -233,15 +237,15 @@ def _validate(checkpoint_dir: Path, root: Path, reference: TensorSpecs | None,
     for fname in manifest.files:
         check_plain_file_name(fname, f"{name}/manifest.json")
     # Files SGLang would load but the manifest does not vouch for.
-    with os.scandir(real_dir) as entries:
-        for i, entry in enumerate(entries):
+    with os.scandir(real_dir) as listing:
+        for i, found in enumerate(listing):
             if i >= MAX_CHECKPOINT_ENTRIES:
                 raise CheckpointError("too_many_entries", f"{name} holds more than"
                                       f" {MAX_CHECKPOINT_ENTRIES} entries")
-            if entry.name.endswith(".safetensors") and entry.name not in manifest.files:
+            if found.name.endswith(".safetensors") and found.name not in manifest.files:
                 raise CheckpointError(
                     "unlisted_file",
-                    f"{name}/{entry.name} is not in the manifest; SGLang would load it."
+                    f"{name}/{found.name} is not in the manifest; SGLang would load it."
                     " Remove it or republish the checkpoint",
                 )
     deadline.check(name)

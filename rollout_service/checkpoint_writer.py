@@ -30,8 +30,18 @@ from typing import Any
 import torch
 
 from .checkpoint_format import (
-    CONFIG_NAME, DTYPE_SIZES, FLOAT_DTYPES, INDEX_NAME, MANIFEST_NAME, TEMP_PREFIX,
-    RUN_ID_RE, FileEntry, Manifest, new_run_id, normalize_dtype, step_dir_name,
+    CONFIG_NAME,
+    DTYPE_SIZES,
+    FLOAT_DTYPES,
+    INDEX_NAME,
+    MANIFEST_NAME,
+    RUN_ID_RE,
+    TEMP_PREFIX,
+    FileEntry,
+    Manifest,
+    new_run_id,
+    normalize_dtype,
+    step_dir_name,
 )
 from .digest import format_digest, new_hasher
 from .protocol import version_for_step
@@ -339,7 +349,7 @@ def write_small(path: Path, data: str | bytes) -> FileEntry:
 def cleanup_stale_temp_dirs(root: Path | str, older_than_s: float = 3600.0) -> list[Path]:
     """Remove hidden ``.tmp-*`` entries older than ``older_than_s`` (left by killed writers)."""
     root = Path(root)
-    removed = []
+    removed: list[Path] = []
     now = time.time()
     if not root.is_dir():
         return removed

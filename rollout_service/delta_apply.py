@@ -24,10 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from . import delta_codec
 from .checkpoint_format import (
-    MANIFEST_NAME, TEMP_PREFIX, CheckpointError, FileEntry, Manifest, parse_json_object,
+    MANIFEST_NAME,
+    TEMP_PREFIX,
+    CheckpointError,
+    FileEntry,
+    Manifest,
+    parse_json_object,
     step_dir_name,
 )
 from .digest import format_digest, new_hasher
@@ -174,7 +178,7 @@ def _rebuild_shard(root: Path, delta_link: ChainLink, base: ChainLink, base_root
                                   " than the delta says")
         bad_tensor: str | None = None
         buf = delta_codec.new_scratch()
-        view = memoryview(buf)
+        view = buf.data
         for tname, (dtype, shape, length) in order.items():
             deadline.check(where)
             t = delta.tensors[tname]

@@ -67,7 +67,7 @@ class XorStream:
         n = chunk.shape[0]
         if n > self._scratch.shape[0]:
             raise ValueError(f"chunks are at most {self._scratch.shape[0]} bytes, got {n}")
-        view = memoryview(self._scratch)
+        view = self._scratch.data
         got = 0
         try:
             while got < n:

@@ -38,14 +38,38 @@ import torch
 
 from . import delta_codec
 from .checkpoint_format import (
-    CONFIG_NAME, DEFAULT_DELTA_MAX_RATIO, DEFAULT_FULL_EVERY, DTYPE_SIZES, FLOAT_DTYPES, INDEX_NAME,
-    MANIFEST_NAME, CheckpointError, DeltaInfo, DeltaTensor, FileEntry, Manifest, normalize_dtype,
+    CONFIG_NAME,
+    DEFAULT_DELTA_MAX_RATIO,
+    DEFAULT_FULL_EVERY,
+    DTYPE_SIZES,
+    FLOAT_DTYPES,
+    INDEX_NAME,
+    MANIFEST_NAME,
+    CheckpointError,
+    DeltaInfo,
+    DeltaTensor,
+    FileEntry,
+    Manifest,
+    normalize_dtype,
     step_dir_name,
 )
 from .checkpoint_writer import (
-    _TAG_TO_TORCH, _TORCH_TO_TAG, DEFAULT_MAX_SHARD_BYTES, PublishResult, ShardPlanner,
-    _prepare, _write_shard, atomic_step_dir, check_run_id, config_text, index_json,
-    publish_checkpoint, shard_file_names, shard_prefix, write_small, writer_identity,
+    _TAG_TO_TORCH,
+    _TORCH_TO_TAG,
+    DEFAULT_MAX_SHARD_BYTES,
+    PublishResult,
+    ShardPlanner,
+    _prepare,
+    _write_shard,
+    atomic_step_dir,
+    check_run_id,
+    config_text,
+    index_json,
+    publish_checkpoint,
+    shard_file_names,
+    shard_prefix,
+    write_small,
+    writer_identity,
 )
 from .digest import format_digest, new_hasher
 from .protocol import version_for_step

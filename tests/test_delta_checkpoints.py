@@ -297,7 +297,7 @@ def test_kills_at_random_moments_of_an_apply_never_leave_a_half_applied_copy(tmp
                    capture_output=True, timeout=300)
     whole = time.perf_counter() - t0
     killed = 0
-    for trial in range(12):
+    for _ in range(12):
         proc = subprocess.Popen([sys.executable, str(script), str(root), str(stage_dir), "3"],
                                 stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"

@@ -10,10 +10,10 @@ from pathlib import Path
 import httpx
 import torch
 
+from delta_helpers import as_published, publish_chain
 from helpers import generate
 from rollout_service.checkpoint_format import Manifest, step_dir_name
 from rollout_service.checkpoint_writer import iter_unique_tensors, publish_checkpoint
-from delta_helpers import as_published, publish_chain
 from sidecar_helpers import transformers_greedy
 from trainer_helpers import make_config, make_trainer
 from trainer_hooks import checkpoint_sync

@@ -229,7 +229,7 @@ class CheckpointPublisher:
         self.publish(version, tensors, background=True)
         return time.perf_counter() - t0
 
-    def _take_in(self, timed: "_TimedIterator", background: bool
+    def _take_in(self, timed: _TimedIterator, background: bool
                  ) -> tuple[Callable[[int], PublishResult], bool]:
         """What the job needs, taken from the weights now: (write(version), whether it streams)."""
         common = dict(config=self.config, max_shard_bytes=self.max_shard_bytes,

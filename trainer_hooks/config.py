@@ -182,7 +182,8 @@ class SGLangRolloutArguments:
         self.sglang_log_paths = [os.fspath(Path(p).expanduser()) for p in (self.sglang_log_paths or [])]
         if self.sglang_log_paths and len(self.sglang_log_paths) not in (1, len(self.sglang_urls)):
             raise ValueError(
-                f"sglang_log_paths has {len(self.sglang_log_paths)} entries for {len(self.sglang_urls)} sglang_urls: give "
+                f"sglang_log_paths has {len(self.sglang_log_paths)} entries for {len(self.sglang_urls)} sglang_urls: "
+                "give "
                 "one log path per URL, in the same order, or a single one for all"
             )
         self.sidecar_urls = _normalize_urls(self.sidecar_urls, "sidecar_urls")
@@ -445,7 +446,8 @@ def translate_generation_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]
             )
         else:
             raise ValueError(
-                f"generation_kwargs {key}={value!r} is not an SGLang sampling parameter (SGLang would answer HTTP 400). "
+                f"generation_kwargs {key}={value!r} is not an SGLang sampling parameter (SGLang would answer HTTP 400)"
+                ". "
                 "Use SGLang's names: " + ", ".join(sorted(SGLANG_SAMPLING_PARAMS))
             )
     present = [k for k in CONSTRAINT_PARAMS if out.get(k) is not None]
@@ -529,11 +531,13 @@ def adapt_trl_fields(config: Any, *, world_size: int) -> None:
             # transformers starts the process group without ddp_timeout when use_cpu=True, so torch's
             # default (30 min) is the watchdog: fit the request timeout under it instead.
             if budget > TORCH_DEFAULT_PG_TIMEOUT_S:
-                fitted = (TORCH_DEFAULT_PG_TIMEOUT_S - config.sync_timeout - COLLECTIVE_MARGIN_S) / (2 if rescoring else 1)
+                fitted = ((TORCH_DEFAULT_PG_TIMEOUT_S - config.sync_timeout - COLLECTIVE_MARGIN_S)
+                          / (2 if rescoring else 1))
                 if fitted < 60:
                     raise ValueError(
                         f"with use_cpu=True and {world_size} processes the process group runs with torch's default "
-                        f"timeout ({TORCH_DEFAULT_PG_TIMEOUT_S:g} s; transformers does not pass ddp_timeout then), which "
+                        f"timeout ({TORCH_DEFAULT_PG_TIMEOUT_S:g} s; transformers does not pass ddp_timeout then), "
+                        "which "
                         f"sync_timeout={config.sync_timeout:g} s leaves no room for SGLang requests under: lower "
                         "sync_timeout below "
                         f"{TORCH_DEFAULT_PG_TIMEOUT_S - COLLECTIVE_MARGIN_S - 60 * (2 if rescoring else 1):g} s"
@@ -541,7 +545,8 @@ def adapt_trl_fields(config: Any, *, world_size: int) -> None:
                 log.warning(
                     "sglang_request_timeout=%g s -> %d s: with use_cpu=True transformers starts the %d-process group "
                     "with torch's default timeout (%g s, ddp_timeout is not used), and the main process must report a "
-                    "stuck request before that watchdog aborts the other processes (sync_timeout %g s + requests + %g s)",
+                    "stuck request before that watchdog aborts the other processes (sync_timeout %g s + requests"
+                    " + %g s)",
                     config.sglang_request_timeout, int(fitted), world_size, TORCH_DEFAULT_PG_TIMEOUT_S,
                     config.sync_timeout, COLLECTIVE_MARGIN_S)
                 config.sglang_request_timeout = float(int(fitted))

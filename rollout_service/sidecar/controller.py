@@ -37,11 +37,18 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint_format import (
-    CheckpointError, Manifest, parse_step_dir_name, step_dir_name,
+    CheckpointError,
+    Manifest,
+    parse_step_dir_name,
+    step_dir_name,
 )
 from ..checkpoint_paths import is_inside, resolve_inside
 from ..checkpoint_reader import (
-    PublishedCheckpoint, TensorSpecs, ValidationReport, list_checkpoints, read_model_specs,
+    PublishedCheckpoint,
+    TensorSpecs,
+    ValidationReport,
+    list_checkpoints,
+    read_model_specs,
     validate_checkpoint,
 )
 from ..protocol import ReplicaReport, step_for_version, version_for_step
@@ -50,7 +57,7 @@ from .acks import AckWriter
 from .adapter_sync import AdapterSync, is_adapter_step
 from .metrics import SidecarMetrics
 from .settings import SidecarSettings
-from .sglang_client import SGLangClient, SGLangLoadRejected, SGLangUnavailable, ServerView
+from .sglang_client import ServerView, SGLangClient, SGLangLoadRejected, SGLangUnavailable
 from .staging import Stage, StagedBuild, StageError
 
 log = logging.getLogger(__name__)
@@ -408,7 +415,7 @@ class SyncController:
             model_path = view.model_path
             persisted = self.stage.load_reference() if self.stage is not None else None
             ours = self.stage is not None and self.stage.owns(model_path)
-            in_root = bool(model_path) and is_inside(model_path, self.root)
+            in_root = model_path is not None and is_inside(model_path, self.root)
             if persisted is not None and (ours or in_root):
                 found = persisted
             elif model_path and not ours:
@@ -424,7 +431,8 @@ class SyncController:
         self._reference, self.state.reference = found
         if self.stage is not None:
             self.stage.save_reference(*found)
-            self.stage.prune(keep={Path(view.model_path)} if self.stage.owns(view.model_path) else set())
+            served = view.model_path
+            self.stage.prune(keep={Path(served)} if served and self.stage.owns(served) else set())
         log.info("checking checkpoints against %d tensors of the served model (%s)",
                  len(self._reference), self.state.reference)
         if self.state.last_error and self.state.last_error.get("reason") == "no_reference":
@@ -660,11 +668,6 @@ class SyncController:
             if s.ack_error is None:
                 log.error("cannot write the ack file under %s: %s (HTTP acks still work)", self.root, exc)
             s.ack_error = str(exc)
-
-
-def _same_path(a: str | None, b: Path) -> bool:
-    """SGLang's model_path moves with each disk update: it names what it loaded last."""
-    return bool(a) and os.path.realpath(a) == os.path.realpath(b) and os.path.isdir(b)
 
 
 def _local_model_dir(model_path: str) -> Path | None:

@@ -16,7 +16,8 @@ class SidecarMetrics:
         self.syncs = Counter("syncs", "Checkpoint syncs by outcome (loaded, rejected, failed) and reason",
                              ["outcome", "reason"], namespace=NAMESPACE, registry=r)
         self.last_sync_seconds = Gauge("last_sync_seconds", "Seconds spent in each phase of the last"
-                                       " successful sync (detect, validate, apply, load, total; apply: copying or rebuilding in the stage, part of validate)", ["phase"],
+                                       " successful sync (detect, validate, apply, load, total; apply: copying or"
+                                       " rebuilding in the stage, part of validate)", ["phase"],
                                        namespace=NAMESPACE, registry=r)
         self.loaded_version = Gauge("loaded_version", "Checkpoint step SGLang is serving (-1: base"
                                     " weights)", namespace=NAMESPACE, registry=r)

@@ -29,7 +29,8 @@ raises ImportError when CUDA is available.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import torch
 
