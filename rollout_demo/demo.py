@@ -60,6 +60,8 @@ class ServeProcess:
              "--checkpoint-path", str(checkpoint_path), "--port", str(self.port),
              "--sidecar-port", str(self.sidecar_port), "--device", device,
              "--health-interval", "0.5", "--replica-id", "demo",
+             # The run's own stage: two demos on one machine must not share one (it is locked).
+             "--stage-dir", str(log_path.parent / "stage"),
              "--startup-timeout", str(startup_timeout_s), "--sglang-log", str(self.sglang_log)],
             log_path, name="rollout-service serve", die_with_parent=True)
         self.group.start()

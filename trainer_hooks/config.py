@@ -163,17 +163,34 @@ class SGLangRolloutArguments:
                   "quotes SGLang's last error lines from there."},
     )
 
+    # TRL's own switches, fixed for SGLang (and checked below).
+    use_vllm: bool = field(
+        default=True,
+        metadata={"help": "Generate with the external engine (SGLang here); must stay True."},
+    )
+    vllm_mode: str = field(
+        default="server",
+        metadata={"help": "Must stay 'server': SGLang runs outside the trainer."},
+    )
+
+    def __post_init__(self) -> None:
+        """The one body of every SGLang-backed TRL config: adapt TRL's fields, let TRL check its
+        own, then check ours (a mixin: ``super()`` is the TRL config it is combined with)."""
+        adapt_trl_fields(self, world_size=_world_size())
+        super().__post_init__()  # type: ignore[misc]
+        self._validate_rollout_arguments(is_main_process=self.process_index == 0)  # type: ignore[attr-defined]
+
     def _validate_rollout_arguments(self, *, is_main_process: bool) -> None:
         """Check and normalize the SGLang fields; raise ValueError saying what to change."""
-        if not self.use_vllm:  # type: ignore[attr-defined]
+        if not self.use_vllm:
             raise ValueError(
                 "use_vllm=False was passed to trainer_hooks' config, which generates with SGLang: TRL's "
                 "use_vllm switch means 'generate with an external engine' here and gates the importance-"
                 "sampling correction, so it must stay True. For in-process generation use trl's own config."
             )
-        if self.vllm_mode != "server":  # type: ignore[attr-defined]
+        if self.vllm_mode != "server":
             raise ValueError(
-                f"vllm_mode={self.vllm_mode!r} was passed, but SGLang runs outside the trainer: "  # type: ignore[attr-defined]
+                f"vllm_mode={self.vllm_mode!r} was passed, but SGLang runs outside the trainer: "
                 "use vllm_mode='server' (the default of trainer_hooks' config)."
             )
         self.sglang_urls = _normalize_urls(self.sglang_urls, "sglang_urls")
@@ -285,38 +302,10 @@ def _require_positive(value: float, name: str) -> None:
 class GRPOConfig(SGLangRolloutArguments, trl.GRPOConfig):
     """TRL's GRPOConfig for training with SGLang rollout servers (see :class:`SGLangRolloutArguments`)."""
 
-    use_vllm: bool = field(
-        default=True,
-        metadata={"help": "Generate with the external engine (SGLang here); must stay True."},
-    )
-    vllm_mode: str = field(
-        default="server",
-        metadata={"help": "Must stay 'server': SGLang runs outside the trainer."},
-    )
-
-    def __post_init__(self) -> None:
-        adapt_trl_fields(self, world_size=_world_size())
-        super().__post_init__()
-        self._validate_rollout_arguments(is_main_process=self.process_index == 0)
-
 
 @dataclass
 class RLOOConfig(SGLangRolloutArguments, trl.RLOOConfig):
     """TRL's RLOOConfig for training with SGLang rollout servers (see :class:`SGLangRolloutArguments`)."""
-
-    use_vllm: bool = field(
-        default=True,
-        metadata={"help": "Generate with the external engine (SGLang here); must stay True."},
-    )
-    vllm_mode: str = field(
-        default="server",
-        metadata={"help": "Must stay 'server': SGLang runs outside the trainer."},
-    )
-
-    def __post_init__(self) -> None:
-        adapt_trl_fields(self, world_size=_world_size())
-        super().__post_init__()
-        self._validate_rollout_arguments(is_main_process=self.process_index == 0)
 
 
 # --- TRL fields with SGLang rollouts (docs/trl-conformance.md has the table) -----------------
