@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from rollout_service.process_group import ProcessGroup
 from rollout_service.sglang_launcher import free_port
 
@@ -75,8 +77,12 @@ class ServeProcess:
             RuntimeError: ``serve`` exited (``ProcessExitedError``).
             TimeoutError: not ready in time (``StartTimeoutError``); the message names the flag.
         """
+        def fatal(client: httpx.Client) -> str | None:  # e.g. a stage another sidecar holds
+            report = client.get(f"{self.sidecar_url}/status").json().get("fatal")
+            return f"{report['reason']}: {report['message']}" if report else None
+
         self.group.wait_http(f"{self.sidecar_url}/readyz", timeout_s, progress_grace_s=progress_grace_s,
-                             progress_logs=[self.sglang_log],
+                             progress_logs=[self.sglang_log], failed=fatal,
                              timeout_hint="raise the start-up timeout (serve --startup-timeout)")
 
     def stop(self) -> None:

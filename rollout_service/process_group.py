@@ -18,7 +18,7 @@ import signal
 import subprocess
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -180,17 +180,22 @@ class ProcessGroup:
 
     def wait_http(self, url: str, timeout_s: float, *, status: int = 200, progress_grace_s: float | None = None,
                   progress_logs: Sequence[Path] = (), timeout_hint: str = "a slow machine may need a larger timeout",
-                  request_timeout_s: float = 5.0) -> float:
+                  request_timeout_s: float = 5.0, failed: Callable[[httpx.Client], str | None] | None = None
+                  ) -> float:
         """Block until GET `url` answers `status`; returns the seconds waited.
 
         With `progress_grace_s`, the wait goes on past `timeout_s` for as long as the log (and
         `progress_logs`) keeps growing (a first start that downloads a model or compiles kernels
         prints progress) and ends once they have been silent for `progress_grace_s`.
 
+        `failed` is asked on every poll whether the process reported that it cannot become
+        ready (e.g. a sidecar's fatal error in `/status`); a message ends the wait at once.
+
         Raises:
             ProcessExitedError: the process exited first (the message has its exit code).
             StartTimeoutError: the time ran out; the message has `timeout_hint`.
-            Both messages end with the last lines of the log.
+            ProcessStartError: `failed` returned a message.
+            All messages end with the last lines of the log.
         """
         if self.process is None:
             raise RuntimeError(f"wait_http() called before start() of {self.name}")
@@ -210,8 +215,12 @@ class ProcessGroup:
                         waited = time.monotonic() - started
                         logger.info("%s answered at %s after %.0f s", self.name, url, waited)
                         return waited
+                    why = failed(client) if failed is not None else None
                 except httpx.HTTPError:
-                    pass
+                    why = None
+                if why:
+                    raise ProcessStartError(f"{self.name} cannot become ready: {why} (log {self.log_path});"
+                                            f" last log lines:\n{self.log_tail()}")
                 now = time.monotonic()
                 current = _total_size(logs)
                 if current != size:

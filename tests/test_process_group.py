@@ -15,6 +15,7 @@ from helpers import free_port
 from rollout_service.process_group import (
     ProcessExitedError,
     ProcessGroup,
+    ProcessStartError,
     StartTimeoutError,
     group_alive,
 )
@@ -100,3 +101,19 @@ def test_stop_ends_the_group_and_a_group_a_descendant_started(tmp_path):
         time.sleep(0.1)
     assert not group_alive(grandchild), "the grandchild's own process group outlived stop()"
     group.stop()  # a second stop is harmless
+
+
+def test_a_process_that_reports_it_cannot_become_ready_ends_the_wait_at_once(tmp_path):
+    # The endpoint answers, but never the wanted status; the process says why (as a sidecar's
+    # /status "fatal" does) while its log keeps growing: no waiting out the progress grace.
+    port = free_port()
+    group = _python(tmp_path, SERVE_AFTER, str(port), "0")
+    group.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ProcessStartError, match="cannot become ready: stage_failed: taken"):
+            group.wait_http(f"http://127.0.0.1:{port}/", 1, status=200, progress_grace_s=600,
+                            failed=lambda client: "stage_failed: taken")
+        assert time.monotonic() - t0 < 30
+    finally:
+        group.stop()
