@@ -19,16 +19,22 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import threading
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from . import delta_codec
 from .checkpoint_format import (
     MANIFEST_NAME,
     TEMP_PREFIX,
     CheckpointError,
+    DeltaTensor,
     FileEntry,
     Manifest,
     parse_json_object,
@@ -154,91 +160,134 @@ def reconstruct(root: Path, delta_link: ChainLink, base: ChainLink, base_root: P
     return rebuilt
 
 
+APPLY_THREADS = max(1, min(8, os.cpu_count() or 1))
+"""Tensors of a shard are rebuilt on this many threads (zstd, numpy and file I/O release the GIL)."""
+_buffers = threading.local()
+
+
 def _rebuild_shard(root: Path, delta_link: ChainLink, base: ChainLink, base_root: Path,
                    base_entry: FileEntry, fname: str, target: FileEntry, members: list[str],
                    out_path: Path, loaded: dict[str, dict[str, memoryview]], deadline: Deadline,
                    check_finite: bool) -> None:
+    """Rebuild one shard: its tensors on :data:`APPLY_THREADS` threads, each read from the base at
+    its offset, XORed with its blob and written at the same offset of the new file; then the
+    base's and the new file's digests are checked (a damaged base is told apart from a corrupt
+    delta: ``base_mismatch`` wins)."""
     manifest = delta_link.manifest
     delta = manifest.delta
     assert delta is not None
     where = f"{delta_link.path.name}: {fname}"
-    base_hash, out_hash = new_hasher(), new_hasher()
-    scratch = delta_codec.new_scratch()
-    with open_regular(base_root, base.path / fname, where=f"{base.path.name}/{fname}") as (fd, st), \
-            open(out_path, "wb", buffering=0) as out:
+    base_where = f"{base.path.name}/{fname}"
+    with open_regular(base_root, base.path / fname, where=base_where) as (fd, st), \
+            open(out_path, "wb+", buffering=0) as out:
         if st.st_size != base_entry.size:
-            raise CheckpointError("base_mismatch", f"{base.path.name}/{fname} has {st.st_size} bytes,"
+            raise CheckpointError("base_mismatch", f"{base_where} has {st.st_size} bytes,"
                                   f" its manifest says {base_entry.size}")
-        prefix, order = _read_header(fd, st.st_size, f"{base.path.name}/{fname}")
-        base_hash.update(prefix)
-        out_hash.update(prefix)
-        out.write(prefix)
+        prefix, order = _read_header(fd, st.st_size, base_where)
         if sorted(order) != sorted(members):
             raise CheckpointError("delta_layout_mismatch", f"{where}: the base shard holds other tensors"
                                   " than the delta says")
-        bad_tensor: str | None = None
-        buf = delta_codec.new_scratch()
-        view = buf.data
+        jobs: list[tuple[str, int, int, DeltaTensor, memoryview | None]] = []
+        offset = len(prefix)
         for tname, (dtype, shape, length) in order.items():
-            deadline.check(where)
             t = delta.tensors[tname]
             if (t.dtype, list(t.shape)) != (dtype, list(shape)):
                 raise CheckpointError("delta_layout_mismatch", f"{where}: tensor {tname} is {dtype}"
                                       f" {list(shape)} in the base, {t.dtype} {t.shape} in the delta")
-            stream = None
-            if t.delta_file is not None and bad_tensor is None:
+            blob = None
+            if t.delta_file is not None:
                 blobs = loaded.get(t.delta_file)
                 if blobs is None:
                     blobs = loaded[t.delta_file] = _load_delta_file(root, delta_link, t.delta_file, deadline)
                 blob = blobs.get(tname)
                 if blob is None:
                     raise CheckpointError("delta_corrupt", f"{where}: {t.delta_file} lacks tensor {tname}")
-                stream = delta_codec.XorStream(blob, length, scratch=scratch,
-                                               where=f"{delta_link.path.name}/{t.delta_file}: {tname}")
-            tensor_hash = new_hasher()
-            left = length
-            while left:
-                n = min(left, buf.shape[0])
-                _read_into(fd, view[:n], f"{base.path.name}/{fname}")
-                base_hash.update(view[:n])
-                left -= n
-                if bad_tensor is not None:
-                    continue  # only the base's digest is still wanted: which of the two is wrong
-                if stream is not None:
-                    stream.apply(buf[:n])
-                    if check_finite and count_non_finite(view[:n], dtype):
-                        raise CheckpointError(
-                            "non_finite",
-                            f"{where}: tensor {tname} holds NaN/Inf values; SGLang would load it and"
-                            " generate garbage. Check the training run for divergence")
-                tensor_hash.update(view[:n])
-                out_hash.update(view[:n])
-                out.write(view[:n])
-            if bad_tensor is not None:
-                continue
-            if stream is not None:
-                stream.finish()
-            if format_digest(tensor_hash) != t.digest:
-                bad_tensor = tname
-        if os.lseek(fd, 0, os.SEEK_CUR) != st.st_size:
-            raise CheckpointError("base_mismatch", f"{base.path.name}/{fname} has bytes after its last tensor")
-    if format_digest(base_hash) != base_entry.digest:
-        raise CheckpointError("base_mismatch", f"{base.path.name}/{fname} is not the file its manifest"
-                              " describes (the local copy was damaged)")
-    if bad_tensor is not None:
-        raise CheckpointError(
-            "digest_mismatch",
-            f"{where}: tensor {bad_tensor} rebuilt to other bytes than were published (the delta is"
-            " corrupt)")
-    if format_digest(out_hash) != target.digest or out_path.stat().st_size != target.size:
-        raise CheckpointError("digest_mismatch", f"{where}: the rebuilt shard differs from the published"
-                              " full checkpoint's")
+            jobs.append((tname, offset, length, t, blob))
+            offset += length
+        if offset != target.size:
+            raise CheckpointError("delta_layout_mismatch", f"{where}: the base's layout makes a"
+                                  f" {offset}-byte shard, the delta's target has {target.size}")
+        os.write(out.fileno(), prefix)
+        os.ftruncate(out.fileno(), target.size)
+        with ThreadPoolExecutor(APPLY_THREADS, thread_name_prefix="delta-apply") as pool:
+            base_digest = pool.submit(_digest_of_fd, fd, st.st_size, base_where, deadline)
+            rebuilt = [pool.submit(_rebuild_tensor, fd, out.fileno(), off, length, t, blob,
+                                   f"{delta_link.path.name}/{t.delta_file}: {tname}", base_where,
+                                   check_finite, deadline) for tname, off, length, t, blob in jobs]
+            everything: list[Future[Any]] = [base_digest, *rebuilt]
+            wait(everything)
+        if base_digest.result() != base_entry.digest:
+            raise CheckpointError("base_mismatch", f"{base_where} is not the file its manifest"
+                                  " describes (the local copy was damaged)")
+        for (tname, *_), job in zip(jobs, rebuilt):
+            if not job.result():  # raises the first failure of a rebuild
+                raise CheckpointError(
+                    "digest_mismatch",
+                    f"{where}: tensor {tname} rebuilt to other bytes than were published (the delta is"
+                    " corrupt)")
+        if _digest_of_fd(out.fileno(), target.size, where, deadline) != target.digest:
+            raise CheckpointError("digest_mismatch", f"{where}: the rebuilt shard differs from the published"
+                                  " full checkpoint's")
 
 
-def _read_into(fd: int, view: memoryview, where: str) -> None:
+def _thread_buffers() -> tuple[np.ndarray, np.ndarray]:
+    """This thread's read buffer and decompression buffer (reused: no page faults per tensor)."""
+    bufs = getattr(_buffers, "pair", None)
+    if bufs is None:
+        bufs = _buffers.pair = (delta_codec.new_scratch(), delta_codec.new_scratch())
+    return bufs
+
+
+def _rebuild_tensor(base_fd: int, out_fd: int, offset: int, length: int, t: DeltaTensor,
+                    blob: memoryview | None, blob_where: str, base_where: str, check_finite: bool,
+                    deadline: Deadline) -> bool:
+    """(On an apply thread.) Write one tensor's new bytes at ``offset``; True when they have the
+    published digest. Raises ``CheckpointError`` for a blob that does not decompress to it."""
+    buf, scratch = _thread_buffers()
+    view = buf.data
+    stream = None if blob is None else delta_codec.XorStream(blob, length, scratch=scratch, where=blob_where)
+    tensor_hash = new_hasher()
+    done = 0
+    while done < length:
+        deadline.check(blob_where)
+        n = min(length - done, buf.shape[0])
+        _pread_into(base_fd, view[:n], offset + done, base_where)
+        if stream is not None:
+            stream.apply(buf[:n])
+            if check_finite and count_non_finite(view[:n], t.dtype):
+                raise CheckpointError(
+                    "non_finite",
+                    f"{blob_where} holds NaN/Inf values; SGLang would load it and generate garbage."
+                    " Check the training run for divergence")
+        tensor_hash.update(view[:n])
+        written = 0
+        while written < n:
+            written += os.pwrite(out_fd, view[written:n], offset + done + written)
+        done += n
+    if stream is not None:
+        stream.finish()
+    return format_digest(tensor_hash) == t.digest
+
+
+def _digest_of_fd(fd: int, size: int, where: str, deadline: Deadline) -> str:
+    """The digest of a file's first ``size`` bytes, read with ``pread`` (no shared file position)."""
+    hasher = new_hasher()
+    buf = bytearray(delta_codec.CHUNK_BYTES)
+    view = memoryview(buf)
+    done = 0
+    while done < size:
+        deadline.check(where)
+        n = min(size - done, len(buf))
+        _pread_into(fd, view[:n], done, where)
+        hasher.update(view[:n])
+        done += n
+    return format_digest(hasher)
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, where: str) -> None:
     got = 0
     while got < len(view):
-        n = os.readv(fd, [view[got:]])
+        n = os.preadv(fd, [view[got:]], offset + got)
         if not n:
             raise CheckpointError("truncated", f"{where} ends early")
         got += n

@@ -1,5 +1,5 @@
 """Delta checkpoints without SGLang: the writer's full/delta decisions, bit-exact rebuilds,
-corrupt or missing links, retention of chains, the stage's chain replay, and kills mid-apply."""
+corrupt or missing links, retention of chains, the stage's chain replay, and kills mid-apply (20 random moments)."""
 
 from __future__ import annotations
 
@@ -297,7 +297,7 @@ def test_kills_at_random_moments_of_an_apply_never_leave_a_half_applied_copy(tmp
                    capture_output=True, timeout=300)
     whole = time.perf_counter() - t0
     killed = 0
-    for _ in range(12):
+    for _ in range(20):
         proc = subprocess.Popen([sys.executable, str(script), str(root), str(stage_dir), "3"],
                                 stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
@@ -316,7 +316,7 @@ def test_kills_at_random_moments_of_an_apply_never_leave_a_half_applied_copy(tmp
             assert not [p for p in stage.path.iterdir() if p.name.startswith(".tmp-")]
         finally:
             stage.close()
-    assert killed >= 6, f"only {killed} of 12 trials were killed mid-apply (apply took {whole:.2f} s)"
+    assert killed >= 10, f"only {killed} of 20 trials were killed mid-apply (apply took {whole:.2f} s)"
     stage = Stage(stage_dir)
     try:
         built = stage.build(root, root / step_dir_name(3), Manifest.load(root / step_dir_name(3)), Deadline(600))

@@ -220,7 +220,7 @@ class Stage:
         self._check_room(manifest.step, manifest.total_bytes)
         final = self._name_for(manifest.step, manifest.fingerprint())
         if final.is_dir():
-            shutil.rmtree(final)  # a copy of the same bytes from an earlier try: redo it
+            _remove(final)  # a copy of the same bytes from an earlier try: redo it
         tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
@@ -255,8 +255,15 @@ class Stage:
 
 
 def _remove(path: Path) -> None:
+    """Remove a staged entry so that no half-deleted copy is ever seen under its own name: a
+    directory is first renamed to a hidden ``.tmp-`` name (which the next start removes if this
+    process dies mid-way), then deleted."""
     try:
         if path.is_dir() and not path.is_symlink():
+            if not path.name.startswith(TEMP_PREFIX):
+                hidden = path.with_name(f"{TEMP_PREFIX}deleting-{path.name}-{uuid.uuid4().hex[:8]}")
+                os.rename(path, hidden)
+                path = hidden
             shutil.rmtree(path)
         else:
             path.unlink()
