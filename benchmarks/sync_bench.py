@@ -359,7 +359,8 @@ def run_case(case: Case, work: Path, args: argparse.Namespace, trainer: Any,
     # verified before SGLang reads the copy); ours_nostage: SGLang reads the root directly
     # (headers-only validation; the time-of-check/time-of-use window open). Same process, same
     # server, one after the other: their ratio is what closing the window costs.
-    modes = [("ours", ("--stage-dir", str(stage_dir_for(args, work)))), ("ours_nostage", ("--no-stage",))]
+    stage = stage_dir_for(args, work)
+    modes = [("ours", ("--stage-dir", str(stage))), ("ours_nostage", ("--no-stage",))]
     if args.delta:
         modes = [("ours", modes[0][1]), ("ours_delta", modes[0][1])]
     for kind, flags in modes:
@@ -415,6 +416,8 @@ def run_case(case: Case, work: Path, args: argparse.Namespace, trainer: Any,
             if sidecar is not None:
                 sidecar.stop()
         shutil.rmtree(root, ignore_errors=True)
+        if not args.stage_dir:
+            shutil.rmtree(stage, ignore_errors=True)  # the run's own stage (in /dev/shm: memory)
         if server is None:
             break  # without SGLang nothing is staged: one trainer-side run is enough
 
