@@ -63,17 +63,22 @@ def qwen2_state(gb: float, seed: int = 0) -> dict[str, torch.nn.Parameter]:
     state = {"model.embed_tokens.weight": p(spec.vocab_size, s.hidden)}
     for i in range(spec.num_layers):
         pre = f"model.layers.{i}."
-        state.update({
-            pre + "self_attn.q_proj.weight": p(s.hidden, s.hidden), pre + "self_attn.q_proj.bias": p(s.hidden),
-            pre + "self_attn.k_proj.weight": p(kv, s.hidden), pre + "self_attn.k_proj.bias": p(kv),
-            pre + "self_attn.v_proj.weight": p(kv, s.hidden), pre + "self_attn.v_proj.bias": p(kv),
-            pre + "self_attn.o_proj.weight": p(s.hidden, s.hidden),
-            pre + "mlp.gate_proj.weight": p(s.intermediate, s.hidden),
-            pre + "mlp.up_proj.weight": p(s.intermediate, s.hidden),
-            pre + "mlp.down_proj.weight": p(s.hidden, s.intermediate),
-            pre + "input_layernorm.weight": torch.nn.Parameter(torch.ones(s.hidden)),
-            pre + "post_attention_layernorm.weight": torch.nn.Parameter(torch.ones(s.hidden)),
-        })
+        state.update(
+            {
+                pre + "self_attn.q_proj.weight": p(s.hidden, s.hidden),
+                pre + "self_attn.q_proj.bias": p(s.hidden),
+                pre + "self_attn.k_proj.weight": p(kv, s.hidden),
+                pre + "self_attn.k_proj.bias": p(kv),
+                pre + "self_attn.v_proj.weight": p(kv, s.hidden),
+                pre + "self_attn.v_proj.bias": p(kv),
+                pre + "self_attn.o_proj.weight": p(s.hidden, s.hidden),
+                pre + "mlp.gate_proj.weight": p(s.intermediate, s.hidden),
+                pre + "mlp.up_proj.weight": p(s.intermediate, s.hidden),
+                pre + "mlp.down_proj.weight": p(s.hidden, s.intermediate),
+                pre + "input_layernorm.weight": torch.nn.Parameter(torch.ones(s.hidden)),
+                pre + "post_attention_layernorm.weight": torch.nn.Parameter(torch.ones(s.hidden)),
+            }
+        )
     state["model.norm.weight"] = torch.nn.Parameter(torch.ones(s.hidden))
     state["lm_head.weight"] = p(spec.vocab_size, s.hidden)
     return state
@@ -103,13 +108,12 @@ def limit_write(path: Path, nbytes: int) -> float:
     with open(path, "wb", buffering=0) as f:
         left = nbytes
         while left > 0:
-            left -= f.write(buf[:min(left, len(buf))])
+            left -= f.write(buf[: min(left, len(buf))])
         os.fsync(f.fileno())
     return time.perf_counter() - t0
 
 
-def run(gb: float, lr: float, storages: list[tuple[str, Path]], stage_root: Path,
-        warmup_steps: int) -> list[dict]:
+def run(gb: float, lr: float, storages: list[tuple[str, Path]], stage_root: Path, warmup_steps: int) -> list[dict]:
     params = qwen2_state(gb)
     opt = torch.optim.AdamW(params.values(), lr=lr)
     g = torch.Generator().manual_seed(1)
@@ -137,34 +141,44 @@ def run(gb: float, lr: float, storages: list[tuple[str, Path]], stage_root: Path
             delta = writer.write(root, 2, config=CONFIG, run_id="bench")
             delta_write_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            full = publish_checkpoint(full_root, 2, params.items(), config=CONFIG, dtype="bfloat16",
-                                      run_id="bench")
+            full = publish_checkpoint(full_root, 2, params.items(), config=CONFIG, dtype="bfloat16", run_id="bench")
             full_publish_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            applied = stage.build(root, root / step_dir_name(2), Manifest.load(root / step_dir_name(2)),
-                                  Deadline(None))
+            applied = stage.build(root, root / step_dir_name(2), Manifest.load(root / step_dir_name(2)), Deadline(None))
             apply_s = time.perf_counter() - t0
             stage.prune({applied.path})
             t0 = time.perf_counter()
-            stage.build(full_root, full_root / step_dir_name(2), Manifest.load(full_root / step_dir_name(2)),
-                        Deadline(None))
+            stage.build(
+                full_root, full_root / step_dir_name(2), Manifest.load(full_root / step_dir_name(2)), Deadline(None)
+            )
             full_stage_s = time.perf_counter() - t0
             limit_full_s = limit_write(work / "limit-full", full.total_bytes)
             limit_delta_s = limit_write(work / "limit-delta", delta.total_bytes)
             stage.close()
-            rows.append({
-                "size_gb": gb, "lr": lr, "storage": label, "changed_fraction": fraction,
-                "kind": delta.kind, "full_bytes": full.total_bytes, "delta_bytes": delta.total_bytes,
-                "bytes_ratio": delta.total_bytes / full.total_bytes,
-                "encode_s": encode_s, "encode_gbps": full.total_bytes / encode_s / 1e9,
-                "delta_write_s": delta_write_s, "full_publish_s": full_publish_s,
-                "storage_write_gbps": full.total_bytes / limit_full_s / 1e9,
-                "apply_s": apply_s, "apply_gbps": full.total_bytes / apply_s / 1e9,
-                "full_stage_s": full_stage_s,
-                "delta_sync_s": encode_s + delta_write_s + apply_s,
-                "full_sync_s": full_publish_s + full_stage_s,
-                "limit_full_write_s": limit_full_s, "limit_delta_write_s": limit_delta_s,
-            })
+            rows.append(
+                {
+                    "size_gb": gb,
+                    "lr": lr,
+                    "storage": label,
+                    "changed_fraction": fraction,
+                    "kind": delta.kind,
+                    "full_bytes": full.total_bytes,
+                    "delta_bytes": delta.total_bytes,
+                    "bytes_ratio": delta.total_bytes / full.total_bytes,
+                    "encode_s": encode_s,
+                    "encode_gbps": full.total_bytes / encode_s / 1e9,
+                    "delta_write_s": delta_write_s,
+                    "full_publish_s": full_publish_s,
+                    "storage_write_gbps": full.total_bytes / limit_full_s / 1e9,
+                    "apply_s": apply_s,
+                    "apply_gbps": full.total_bytes / apply_s / 1e9,
+                    "full_stage_s": full_stage_s,
+                    "delta_sync_s": encode_s + delta_write_s + apply_s,
+                    "full_sync_s": full_publish_s + full_stage_s,
+                    "limit_full_write_s": limit_full_s,
+                    "limit_delta_write_s": limit_delta_s,
+                }
+            )
             r = rows[-1]
             r["sync_ratio"] = r["delta_sync_s"] / r["full_sync_s"]
             print(json.dumps(r), file=sys.stderr, flush=True)
@@ -175,33 +189,45 @@ def run(gb: float, lr: float, storages: list[tuple[str, Path]], stage_root: Path
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'size':>5} {'lr':>6} {'storage':>7} {'changed':>8} {'bytes d/f':>9} {'encode':>8}"
-            f" {'storage w':>9} {'apply':>8} {'delta sync':>10} {'full sync':>9} {'ratio':>6}")
+    head = (
+        f"{'size':>5} {'lr':>6} {'storage':>7} {'changed':>8} {'bytes d/f':>9} {'encode':>8}"
+        f" {'storage w':>9} {'apply':>8} {'delta sync':>10} {'full sync':>9} {'ratio':>6}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['size_gb']:>4}G {r['lr']:>6.0e} {r['storage']:>7} {100 * r['changed_fraction']:>7.2f}%"
-              f" {100 * r['bytes_ratio']:>8.2f}% {r['encode_gbps']:>5.2f}GB/s {r['storage_write_gbps']:>6.2f}GB/s"
-              f" {r['apply_gbps']:>5.2f}GB/s {r['delta_sync_s']:>9.2f}s {r['full_sync_s']:>8.2f}s"
-              f" {r['sync_ratio']:>6.3f}")
-    print("\nchanged: bf16 elements that differ from the previous version; bytes d/f: delta bytes / full"
-          " bytes; encode: full bytes / (XOR + zstd) time; storage w: one sequential write + fsync;"
-          " apply: full bytes / (rebuild + verify in the stage) time; delta sync = encode + write +"
-          " apply; full sync = full publish + stage copy (both without SGLang's load, which is the"
-          " same for both); ratio = delta sync / full sync.")
+        print(
+            f"{r['size_gb']:>4}G {r['lr']:>6.0e} {r['storage']:>7} {100 * r['changed_fraction']:>7.2f}%"
+            f" {100 * r['bytes_ratio']:>8.2f}% {r['encode_gbps']:>5.2f}GB/s {r['storage_write_gbps']:>6.2f}GB/s"
+            f" {r['apply_gbps']:>5.2f}GB/s {r['delta_sync_s']:>9.2f}s {r['full_sync_s']:>8.2f}s"
+            f" {r['sync_ratio']:>6.3f}"
+        )
+    print(
+        "\nchanged: bf16 elements that differ from the previous version; bytes d/f: delta bytes / full"
+        " bytes; encode: full bytes / (XOR + zstd) time; storage w: one sequential write + fsync;"
+        " apply: full bytes / (rebuild + verify in the stage) time; delta sync = encode + write +"
+        " apply; full sync = full publish + stage copy (both without SGLang's load, which is the"
+        " same for both); ratio = delta sync / full sync."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="0.5,1", help="bf16 model sizes in GB (default 0.5,1)")
     ap.add_argument("--lrs", default="1e-6,1e-5", help="AdamW learning rates (default 1e-6,1e-5)")
-    ap.add_argument("--storage", default="local,shm",
-                    help="where checkpoints are written: local, shm, sshfs (a real network file system"
-                         " over loopback), or a directory (default local,shm)")
+    ap.add_argument(
+        "--storage",
+        default="local,shm",
+        help="where checkpoints are written: local, shm, sshfs (a real network file system"
+        " over loopback), or a directory (default local,shm)",
+    )
     ap.add_argument("--stage-root", default="/dev/shm", help="node-local folder for the stage (default /dev/shm)")
-    ap.add_argument("--warmup-steps", type=int, default=3,
-                    help="AdamW steps before the first published version (default 3: Adam's first"
-                         " steps move every weight by lr)")
+    ap.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=3,
+        help="AdamW steps before the first published version (default 3: Adam's first steps move every weight by lr)",
+    )
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     with contextlib.ExitStack() as mounts:

@@ -56,20 +56,32 @@ def main(argv: list[str] | None = None) -> int:
                 if t.dtype in (torch.bfloat16, torch.float16):
                     changed += int((t.view(torch.int16) != before.view(torch.int16)).sum())
                     total += t.numel()
-            full = sum(e.size for e in (manifest.delta.target_files.values() if manifest.delta else
-                                        manifest.files.values()))
-            rows.append({"step": step, "kind": manifest.kind, "changed_fraction": changed / max(total, 1),
-                         "bytes_ratio": manifest.total_bytes / full})
-            print(f"step {step:>3} {manifest.kind:>5}: {100 * rows[-1]['changed_fraction']:6.2f}% of bf16"
-                  f" elements changed, {100 * rows[-1]['bytes_ratio']:6.2f}% of the full bytes written", flush=True)
+            full = sum(
+                e.size for e in (manifest.delta.target_files.values() if manifest.delta else manifest.files.values())
+            )
+            rows.append(
+                {
+                    "step": step,
+                    "kind": manifest.kind,
+                    "changed_fraction": changed / max(total, 1),
+                    "bytes_ratio": manifest.total_bytes / full,
+                }
+            )
+            print(
+                f"step {step:>3} {manifest.kind:>5}: {100 * rows[-1]['changed_fraction']:6.2f}% of bf16"
+                f" elements changed, {100 * rows[-1]['bytes_ratio']:6.2f}% of the full bytes written",
+                flush=True,
+            )
         previous = weights
     deltas = [r for r in rows if r["kind"] == "delta"]
     if deltas:
         mean_changed = sum(r["changed_fraction"] for r in deltas) / len(deltas)
         mean_bytes = sum(r["bytes_ratio"] for r in deltas) / len(deltas)
-        print(f"lr {args.lr:g}: mean over {len(deltas)} delta steps: {100 * mean_changed:.2f}% changed,"
-              f" {100 * mean_bytes:.2f}% of the bytes; reward {summary['reward_first']:.3f} ->"
-              f" {summary['reward_last']:.3f}")
+        print(
+            f"lr {args.lr:g}: mean over {len(deltas)} delta steps: {100 * mean_changed:.2f}% changed,"
+            f" {100 * mean_bytes:.2f}% of the bytes; reward {summary['reward_first']:.3f} ->"
+            f" {summary['reward_last']:.3f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"lr": args.lr, "rows": rows}, indent=2))
     return 0

@@ -90,9 +90,18 @@ def merged_sync(model: Any, root: Path, step: int, config: Path, sidecar: Any, t
 def with_sidecar(root: Path, server: SGLangServer, model_dir: Path, log: Path, work: Path):
     from sidecar_helpers import Sidecar
 
-    sidecar = Sidecar(root, server.url, log, "--deep-health-interval", "3600", "--reference-dir", str(model_dir),
-                      "--stage-dir", str(work / f"stage-{root.name}"),
-                      replica_id=f"bench-{root.name}")
+    sidecar = Sidecar(
+        root,
+        server.url,
+        log,
+        "--deep-health-interval",
+        "3600",
+        "--reference-dir",
+        str(model_dir),
+        "--stage-dir",
+        str(work / f"stage-{root.name}"),
+        replica_id=f"bench-{root.name}",
+    )
     deadline = time.monotonic() + 120
     while not (sidecar.status().get("sglang_healthy") and sidecar.status().get("reference")):
         if time.monotonic() > deadline:
@@ -101,8 +110,16 @@ def with_sidecar(root: Path, server: SGLangServer, model_dir: Path, log: Path, w
     return sidecar
 
 
-def run_storage(label: str, storage: Path, model_dir: Path, server: SGLangServer, base: Any, ranks: list[int],
-                args: argparse.Namespace, log_dir: Path) -> list[dict[str, Any]]:
+def run_storage(
+    label: str,
+    storage: Path,
+    model_dir: Path,
+    server: SGLangServer,
+    base: Any,
+    ranks: list[int],
+    args: argparse.Namespace,
+    log_dir: Path,
+) -> list[dict[str, Any]]:
     from peft import LoraConfig, get_peft_model
 
     rows = []
@@ -112,16 +129,21 @@ def run_storage(label: str, storage: Path, model_dir: Path, server: SGLangServer
     try:
         for rank in ranks:
             torch.manual_seed(rank)
-            model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False,
-                                                    task_type="CAUSAL_LM"))
+            model = get_peft_model(
+                base, LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False, task_type="CAUSAL_LM")
+            )
             model.eval()
-            row: dict[str, Any] = {"storage": label, "rank": rank,
-                                   "target_modules": sorted(model.peft_config["default"].target_modules)}
+            row: dict[str, Any] = {
+                "storage": label,
+                "rank": rank,
+                "target_modules": sorted(model.peft_config["default"].target_modules),
+            }
             for mode in ("adapter", "merged"):
                 root = work / f"{mode}-r{rank}"
                 root.mkdir()
-                sidecar = with_sidecar(root, server, model_dir, log_dir / f"sidecar-{label}-{mode}-{rank}.log",
-                                       stage_work)
+                sidecar = with_sidecar(
+                    root, server, model_dir, log_dir / f"sidecar-{label}-{mode}-{rank}.log", stage_work
+                )
                 runs = []
                 try:
                     for rep in range(args.warmup + args.repeats):
@@ -136,20 +158,27 @@ def run_storage(label: str, storage: Path, model_dir: Path, server: SGLangServer
                             run = merged_sync(model, root, step, model_dir / "config.json", sidecar, args.sync_timeout)
                         if rep >= args.warmup:
                             runs.append(run)
-                            progress(f"  {label} r{rank} {mode}: {run['end_to_end_s']:.3f} s,"
-                                     f" {run['bytes'] / 1e6:.2f} MB")
+                            progress(
+                                f"  {label} r{rank} {mode}: {run['end_to_end_s']:.3f} s, {run['bytes'] / 1e6:.2f} MB"
+                            )
                         for old in root.glob("step-*"):
                             if old.name != f"step-{step:08d}":
                                 shutil.rmtree(old, ignore_errors=True)
                 finally:
                     sidecar.stop()
                     shutil.rmtree(root, ignore_errors=True)
-                row[mode] = {"runs": runs, "median_s": statistics.median(r["end_to_end_s"] for r in runs),
-                             "bytes": runs[-1]["bytes"],
-                             "publish_median_s": statistics.median(r["publish_s"] for r in runs)}
+                row[mode] = {
+                    "runs": runs,
+                    "median_s": statistics.median(r["end_to_end_s"] for r in runs),
+                    "bytes": runs[-1]["bytes"],
+                    "publish_median_s": statistics.median(r["publish_s"] for r in runs),
+                }
                 if mode == "merged":  # SGLang back on its base weights for the next adapters
-                    r = httpx.post(f"{server.url}/update_weights_from_disk",
-                                   json={"model_path": str(model_dir), "weight_version": "default"}, timeout=600)
+                    r = httpx.post(
+                        f"{server.url}/update_weights_from_disk",
+                        json={"model_path": str(model_dir), "weight_version": "default"},
+                        timeout=600,
+                    )
                     r.raise_for_status()
             row["speedup"] = row["merged"]["median_s"] / row["adapter"]["median_s"]
             row["bytes_ratio"] = row["merged"]["bytes"] / row["adapter"]["bytes"]
@@ -193,8 +222,14 @@ def main(argv: list[str] | None = None) -> int:
             from transformers import AutoModelForCausalLM
 
             base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
-            server = SGLangServer(model_dir, device="cpu", max_total_tokens=4096, extra_args=["--dtype", "bfloat16"],
-                                  log_path=log_dir / f"sglang-{size}.log", lora=LoraServing(max_rank=max(ranks)))
+            server = SGLangServer(
+                model_dir,
+                device="cpu",
+                max_total_tokens=4096,
+                extra_args=["--dtype", "bfloat16"],
+                log_path=log_dir / f"sglang-{size}.log",
+                lora=LoraServing(max_rank=max(ranks)),
+            )
             server.start()
             try:
                 server.wait_healthy(900)
@@ -209,15 +244,19 @@ def main(argv: list[str] | None = None) -> int:
                         results.append({"size_gb": size, "storage": label, "error": traceback.format_exc()})
             finally:
                 server.stop()
-    print(f"\n{'size':>5} {'storage':>8} {'rank':>5} {'adapter MB':>11} {'merged MB':>10} {'adapter s':>10}"
-          f" {'merged s':>9} {'speedup':>8} {'bytes x':>8}")
+    print(
+        f"\n{'size':>5} {'storage':>8} {'rank':>5} {'adapter MB':>11} {'merged MB':>10} {'adapter s':>10}"
+        f" {'merged s':>9} {'speedup':>8} {'bytes x':>8}"
+    )
     for row in results:
         if "error" in row:
             print(f"{row['size_gb']:>5} {row['storage']:>8}  ERROR (see stderr)")
             continue
-        print(f"{row['size_gb']:>5} {row['storage']:>8} {row['rank']:>5} {row['adapter']['bytes'] / 1e6:>11.2f}"
-              f" {row['merged']['bytes'] / 1e6:>10.1f} {row['adapter']['median_s']:>10.3f}"
-              f" {row['merged']['median_s']:>9.3f} {row['speedup']:>7.1f}x {row['bytes_ratio']:>7.0f}x")
+        print(
+            f"{row['size_gb']:>5} {row['storage']:>8} {row['rank']:>5} {row['adapter']['bytes'] / 1e6:>11.2f}"
+            f" {row['merged']['bytes'] / 1e6:>10.1f} {row['adapter']['median_s']:>10.3f}"
+            f" {row['merged']['median_s']:>9.3f} {row['speedup']:>7.1f}x {row['bytes_ratio']:>7.0f}x"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": platform.platform(), "results": results}, indent=2))
     return 0 if results and not any("error" in r for r in results) else 1

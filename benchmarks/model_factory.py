@@ -28,8 +28,13 @@ FORMAT_VERSION = 1
 
 DEFAULT_CACHE_DIR = Path("~/.cache/rollout-service/bench-models")
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                   "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 """Files copied from the tiny model folder (those that exist)."""
 
 
@@ -72,8 +77,9 @@ class BenchModelSpec:
 
     def expected_bytes(self) -> int:
         """bf16 bytes of the weights: the layers, untied embedding and lm_head, final norm."""
-        params = (self.num_layers * self.shape.layer_params()
-                  + 2 * self.vocab_size * self.shape.hidden + self.shape.hidden)
+        params = (
+            self.num_layers * self.shape.layer_params() + 2 * self.vocab_size * self.shape.hidden + self.shape.hidden
+        )
         return 2 * params
 
 
@@ -129,8 +135,7 @@ def make_bench_model(out_dir: Path, spec: BenchModelSpec, tokenizer_dir: Path) -
     return out_dir
 
 
-def ensure_bench_model(gb: float, *, seed: int = 0,
-                       cache_dir: str | os.PathLike[str] | None = None) -> Path:
+def ensure_bench_model(gb: float, *, seed: int = 0, cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Return the cached bf16 Qwen2 model of about `gb` GB, building it first if needed."""
     from rollout_service.tiny_model import ensure_tiny_model
 
@@ -143,12 +148,17 @@ def ensure_bench_model(gb: float, *, seed: int = 0,
     final = root / f"qwen2-bf16-{gb:g}gb-{digest}"
     if final.is_dir():
         return final
-    logger.info("building %s: %d layers of %s, vocab %d, ~%.2f GB bf16", final.name,
-                spec.num_layers, spec.shape.name, spec.vocab_size, spec.expected_bytes() / 1e9)
+    logger.info(
+        "building %s: %d layers of %s, vocab %d, ~%.2f GB bf16",
+        final.name,
+        spec.num_layers,
+        spec.shape.name,
+        spec.vocab_size,
+        spec.expected_bytes() / 1e9,
+    )
 
     def build(staging: Path) -> None:
         make_bench_model(staging, spec, tokenizer_dir)
-        (staging / "bench_model_spec.json").write_text(json.dumps(asdict(spec), indent=2,
-                                                                  sort_keys=True))
+        (staging / "bench_model_spec.json").write_text(json.dumps(asdict(spec), indent=2, sort_keys=True))
 
     return build_once(final, build)

@@ -32,16 +32,26 @@ PROMPTS = [[5 + i, 6 + i, 7 + i, 8 + i] for i in range(8)]
 
 def generate_s(url: str, penalty: float, n: int, new_tokens: int) -> float:
     t0 = time.perf_counter()
-    r = httpx.post(f"{url}/generate", timeout=900, json={"input_ids": PROMPTS, "sampling_params": {
-        "temperature": 1.0, "max_new_tokens": new_tokens, "n": n, "ignore_eos": True,
-        "repetition_penalty": penalty}})
+    r = httpx.post(
+        f"{url}/generate",
+        timeout=900,
+        json={
+            "input_ids": PROMPTS,
+            "sampling_params": {
+                "temperature": 1.0,
+                "max_new_tokens": new_tokens,
+                "n": n,
+                "ignore_eos": True,
+                "repetition_penalty": penalty,
+            },
+        },
+    )
     r.raise_for_status()
     return time.perf_counter() - t0
 
 
 def live(pairs: int, n: int, new_tokens: int) -> dict:
-    server = SGLangServer(ensure_tiny_model(tied=False), device="cpu", python=sys.executable,
-                          die_with_parent=True)
+    server = SGLangServer(ensure_tiny_model(tied=False), device="cpu", python=sys.executable, die_with_parent=True)
     server.start()
     try:
         server.wait_healthy(900)
@@ -57,11 +67,16 @@ def live(pairs: int, n: int, new_tokens: int) -> dict:
         alive = server.is_running()
     finally:
         server.stop()
-    return {"pairs": pairs, "tokens_per_request": len(PROMPTS) * n * new_tokens,
-            "first_penalized_request_s": first, "plain_median_s": statistics.median(plain),
-            "penalized_median_s": statistics.median(penalized),
-            "penalized_over_plain_median": statistics.median(ratios),
-            "ratio_quartiles": statistics.quantiles(ratios, n=4), "server_alive_after": alive}
+    return {
+        "pairs": pairs,
+        "tokens_per_request": len(PROMPTS) * n * new_tokens,
+        "first_penalized_request_s": first,
+        "plain_median_s": statistics.median(plain),
+        "penalized_median_s": statistics.median(penalized),
+        "penalized_over_plain_median": statistics.median(ratios),
+        "ratio_quartiles": statistics.quantiles(ratios, n=4),
+        "server_alive_after": alive,
+    }
 
 
 def micro() -> dict:
@@ -87,9 +102,11 @@ def micro() -> dict:
                 fn(x, scale)
                 times.append(time.perf_counter() - t0)
             medians[name] = statistics.median(times) * 1e6
-        out[f"{rows}x{vocab}"] = {"compiled_us": round(medians["compiled"], 1),
-                                  "eager_us": round(medians["eager"], 1),
-                                  "eager_over_compiled": round(medians["eager"] / medians["compiled"], 2)}
+        out[f"{rows}x{vocab}"] = {
+            "compiled_us": round(medians["compiled"], 1),
+            "eager_us": round(medians["eager"], 1),
+            "eager_over_compiled": round(medians["eager"] / medians["compiled"], 2),
+        }
     return out
 
 
@@ -102,11 +119,13 @@ def main() -> int:
     args = parser.parse_args()
     results = {"micro": micro(), "live": live(args.pairs, args.n, args.new_tokens)}
     lv = results["live"]
-    print(f"live: penalty 1.1 vs 1.0, median per-pair ratio {lv['penalized_over_plain_median']:.2f}"
-          f" (quartiles {lv['ratio_quartiles'][0]:.2f} / {lv['ratio_quartiles'][2]:.2f}),"
-          f" {lv['plain_median_s']:.3f} s vs {lv['penalized_median_s']:.3f} s per"
-          f" {lv['tokens_per_request']}-token request; first penalized request"
-          f" {lv['first_penalized_request_s']:.2f} s (compiles); server alive: {lv['server_alive_after']}")
+    print(
+        f"live: penalty 1.1 vs 1.0, median per-pair ratio {lv['penalized_over_plain_median']:.2f}"
+        f" (quartiles {lv['ratio_quartiles'][0]:.2f} / {lv['ratio_quartiles'][2]:.2f}),"
+        f" {lv['plain_median_s']:.3f} s vs {lv['penalized_median_s']:.3f} s per"
+        f" {lv['tokens_per_request']}-token request; first penalized request"
+        f" {lv['first_penalized_request_s']:.2f} s (compiles); server alive: {lv['server_alive_after']}"
+    )
     for shape, m in results["micro"].items():
         print(f"micro {shape}: {m}")
     if args.json:

@@ -12,10 +12,12 @@ import argparse
 import json
 from pathlib import Path
 
-LINES = (("physical.limit_s", "physical limit (write+fsync+read)"),
-         ("naive.total_s", "naive: save_pretrained + load call"),
-         ("ours.end_to_end_s", "ours: publish -> sidecar -> served"),
-         ("ours.load_s", "  of which SGLang's load"))
+LINES = (
+    ("physical.limit_s", "physical limit (write+fsync+read)"),
+    ("naive.total_s", "naive: save_pretrained + load call"),
+    ("ours.end_to_end_s", "ours: publish -> sidecar -> served"),
+    ("ours.load_s", "  of which SGLang's load"),
+)
 
 
 def main() -> None:
@@ -32,15 +34,19 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for storage in sorted({r["storage"] for r in data["results"]}):
-        rows = sorted((r for r in data["results"] if r["storage"] == storage),
-                      key=lambda r: r["model_bytes"])
+        rows = sorted((r for r in data["results"] if r["storage"] == storage), key=lambda r: r["model_bytes"])
         fig, ax = plt.subplots(figsize=(7, 4.5))
         gb = [r["model_bytes"] / 1e9 for r in rows]
         for key, label in LINES:
             ys = [r["median_s"].get(key) for r in rows]
             if any(y is not None for y in ys):
-                ax.plot(gb, [float("nan") if y is None else y for y in ys], marker="o", label=label,
-                        linestyle="--" if key.startswith("physical") else "-")
+                ax.plot(
+                    gb,
+                    [float("nan") if y is None else y for y in ys],
+                    marker="o",
+                    label=label,
+                    linestyle="--" if key.startswith("physical") else "-",
+                )
         ax.set_xlabel("checkpoint size (GB, bf16)")
         ax.set_ylabel("seconds (median)")
         ax.set_title(f"Weight sync time vs model size ({storage}, {data['environment']['device']})")

@@ -36,10 +36,16 @@ from rollout_service.checkpoint_writer import publish_checkpoint
 def make_state(total_bytes: int) -> dict[str, torch.Tensor]:
     """Qwen2-0.5B-like layer shapes in bfloat16, repeated until ``total_bytes``."""
     hidden, inter = 896, 4864
-    layer = {"self_attn.q_proj.weight": (hidden, hidden), "self_attn.k_proj.weight": (128, hidden),
-             "self_attn.v_proj.weight": (128, hidden), "self_attn.o_proj.weight": (hidden, hidden),
-             "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
-             "mlp.down_proj.weight": (hidden, inter), "input_layernorm.weight": (hidden,)}
+    layer = {
+        "self_attn.q_proj.weight": (hidden, hidden),
+        "self_attn.k_proj.weight": (128, hidden),
+        "self_attn.v_proj.weight": (128, hidden),
+        "self_attn.o_proj.weight": (hidden, hidden),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+        "input_layernorm.weight": (hidden,),
+    }
     state: dict[str, torch.Tensor] = {}
     size, i = 0, 0
     g = torch.Generator().manual_seed(0)
@@ -75,8 +81,7 @@ def digest_figures(state: dict[str, torch.Tensor]) -> dict[str, float]:
     views = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in state.values()]
     nbytes = sum(len(v) for v in views)
     out = {}
-    for name, factory in (("xxh3_128", xxhash.xxh3_128), ("sha256", hashlib.sha256),
-                          ("blake2b", hashlib.blake2b)):
+    for name, factory in (("xxh3_128", xxhash.xxh3_128), ("sha256", hashlib.sha256), ("blake2b", hashlib.blake2b)):
         h = factory()
         t0 = time.perf_counter()
         for v in views:
@@ -111,27 +116,35 @@ def main() -> None:
                 elif kind == "save_file":
                     times[kind].append(timed(lambda target=target: lib_write(target / "model.safetensors", state)))
                 else:
-                    times[kind].append(timed(lambda target=target: publish_checkpoint(
-                        target, 1, state.items(), config={"model_type": "qwen2"})))
+                    times[kind].append(
+                        timed(
+                            lambda target=target: publish_checkpoint(
+                                target, 1, state.items(), config={"model_type": "qwen2"}
+                            )
+                        )
+                    )
                 shutil.rmtree(target)
         digests = digest_figures(state)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"state dict: {len(state)} tensors, {nbytes / 1e9:.2f} GB (bf16), {args.repeats} repeats,"
-          f" directory {base.parent.resolve()}")
+    print(
+        f"state dict: {len(state)} tensors, {nbytes / 1e9:.2f} GB (bf16), {args.repeats} repeats,"
+        f" directory {base.parent.resolve()}"
+    )
     print(f"{'path':<12}{'median s':>10}{'GB/s':>8}   all runs (s)")
     for k in ("raw", "save_file", "publish"):
-        print(f"{k:<12}{med[k]:>10.3f}{nbytes / med[k] / 1e9:>8.2f}   "
-              + " ".join(f"{x:.3f}" for x in times[k]))
-    ratios = {"publish/raw": med["publish"] / med["raw"],
-              "publish/save_file": med["publish"] / med["save_file"]}
-    print("ratios: " + ", ".join(f"{k} = {v:.2f}x" for k, v in ratios.items())
-          + "   (goal: publish/raw <= 1.2x)")
+        print(f"{k:<12}{med[k]:>10.3f}{nbytes / med[k] / 1e9:>8.2f}   " + " ".join(f"{x:.3f}" for x in times[k]))
+    ratios = {"publish/raw": med["publish"] / med["raw"], "publish/save_file": med["publish"] / med["save_file"]}
+    print("ratios: " + ", ".join(f"{k} = {v:.2f}x" for k, v in ratios.items()) + "   (goal: publish/raw <= 1.2x)")
     print("digest speed in memory (GB/s): " + ", ".join(f"{k} {v:.2f}" for k, v in digests.items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"bytes": nbytes, "runs_s": times, "median_s": med,
-                                               "ratios": ratios, "digest_gb_per_s": digests}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {"bytes": nbytes, "runs_s": times, "median_s": med, "ratios": ratios, "digest_gb_per_s": digests},
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ from pathlib import Path
 import httpx
 
 
-def generation_overhead(model_dir: Path, work: Path, prompts: int, n: int, max_new_tokens: int,
-                        repeats: int, replays: int = 50) -> dict:
+def generation_overhead(
+    model_dir: Path, work: Path, prompts: int, n: int, max_new_tokens: int, repeats: int, replays: int = 50
+) -> dict:
     """Part 1: live paired runs against direct /generate, and the client-side cost on a replay."""
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -47,13 +48,26 @@ def generation_overhead(model_dir: Path, work: Path, prompts: int, n: int, max_n
     repeated = [p for p in batch for _ in range(n)]
     with SGLangServer(model_dir, device="cpu", log_path=work / "sglang.log", die_with_parent=True) as server:
         (work / "ckpt").mkdir()
-        args = GRPOConfig(output_dir=str(work / "out"), checkpoint_path=str(work / "ckpt"),
-                          sglang_urls=[server.url], expected_replicas=1, use_cpu=True, bf16=False,
-                          report_to=[], num_generations=n, per_device_train_batch_size=n)
-        gen = SGLangGeneration(AutoModelForCausalLM.from_pretrained(str(model_dir)),
-                               Accelerator(cpu=True), tokenizer, args=args, temperature=1.0,
-                               max_completion_length=max_new_tokens,
-                               generation_kwargs={"ignore_eos": True})
+        args = GRPOConfig(
+            output_dir=str(work / "out"),
+            checkpoint_path=str(work / "ckpt"),
+            sglang_urls=[server.url],
+            expected_replicas=1,
+            use_cpu=True,
+            bf16=False,
+            report_to=[],
+            num_generations=n,
+            per_device_train_batch_size=n,
+        )
+        gen = SGLangGeneration(
+            AutoModelForCausalLM.from_pretrained(str(model_dir)),
+            Accelerator(cpu=True),
+            tokenizer,
+            args=args,
+            temperature=1.0,
+            max_completion_length=max_new_tokens,
+            generation_kwargs={"ignore_eos": True},
+        )
         # Exactly what trainer_hooks sends (its sampling parameters, n, logprobs), sent directly.
         payload = {"input_ids": batch, "sampling_params": {**gen.sampling_params, "n": n}, "return_logprob": True}
         client = httpx.Client(timeout=600)
@@ -89,7 +103,8 @@ def generation_overhead(model_dir: Path, work: Path, prompts: int, n: int, max_n
         transport = httpx.MockTransport(lambda request: httpx.Response(200, content=recorded))
         gen._endpoints.close()  # the benchmark swaps the network for a replay of `recorded`
         gen._endpoints = type(gen._endpoints)(
-            [server.url], request_timeout_s=60.0, vocab_size=gen._endpoints._vocab_size, transport=transport)
+            [server.url], request_timeout_s=60.0, vocab_size=gen._endpoints._vocab_size, transport=transport
+        )
         replay_client = httpx.Client(transport=transport)
         replay = {"direct": [], "trainer_hooks": []}
         for _ in range(replays):
@@ -107,11 +122,18 @@ def generation_overhead(model_dir: Path, work: Path, prompts: int, n: int, max_n
     extra_s = statistics.median(replay["trainer_hooks"]) - statistics.median(replay["direct"])
     direct_s = statistics.median(seconds["direct"])
     tokens = prompts * n * max_new_tokens
-    return {"tokens_per_batch": tokens, "seconds": seconds, "pair_ratios": ratios,
-            "tokens_per_s_median": {k: tokens / statistics.median(v) for k, v in seconds.items()},
-            "overhead": statistics.median(ratios) - 1, "overhead_ci95": [low - 1, high - 1],
-            "replay_s": replay, "client_extra_s": extra_s, "client_overhead": extra_s / direct_s,
-            "response_bytes": len(recorded)}
+    return {
+        "tokens_per_batch": tokens,
+        "seconds": seconds,
+        "pair_ratios": ratios,
+        "tokens_per_s_median": {k: tokens / statistics.median(v) for k, v in seconds.items()},
+        "overhead": statistics.median(ratios) - 1,
+        "overhead_ci95": [low - 1, high - 1],
+        "replay_s": replay,
+        "client_extra_s": extra_s,
+        "client_overhead": extra_s / direct_s,
+        "response_bytes": len(recorded),
+    }
 
 
 def _bootstrap_median_ci(values: list[float], rounds: int = 10_000, seed: int = 0) -> tuple[float, float]:
@@ -137,14 +159,31 @@ def trl_baseline_steps(model_dir: Path, work: Path, steps: int, lr: float) -> di
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    args = trl.GRPOConfig(output_dir=str(work / "trl"), per_device_train_batch_size=32,
-                          num_generations=8, max_completion_length=16, max_steps=steps,
-                          learning_rate=lr, lr_scheduler_type="constant", beta=0.0, temperature=1.0,
-                          logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                          bf16=False, disable_tqdm=True, seed=0)
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=word_start_reward(tokenizer), args=args,
-                              train_dataset=Dataset.from_dict({"prompt": make_prompts(max(64, steps * 4))}),
-                              processing_class=tokenizer)
+    args = trl.GRPOConfig(
+        output_dir=str(work / "trl"),
+        per_device_train_batch_size=32,
+        num_generations=8,
+        max_completion_length=16,
+        max_steps=steps,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        beta=0.0,
+        temperature=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=word_start_reward(tokenizer),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": make_prompts(max(64, steps * 4))}),
+        processing_class=tokenizer,
+    )
     trainer.remove_callback(PrinterCallback)
     trainer.train()
     history = [h for h in trainer.state.log_history if "reward" in h]
@@ -167,36 +206,52 @@ def main() -> None:
 
     model_dir = ensure_tiny_model()
     work = Path(tempfile.mkdtemp(prefix="rollout-bench-"))
-    results: dict = {"overhead": generation_overhead(model_dir, work, args.prompts, args.n,
-                                                     args.max_new_tokens, args.repeats)}
+    results: dict = {
+        "overhead": generation_overhead(model_dir, work, args.prompts, args.n, args.max_new_tokens, args.repeats)
+    }
     o = results["overhead"]
-    print(f"generation: {args.prompts} prompts x n={args.n} x {args.max_new_tokens} tokens"
-          f" ({o['tokens_per_batch']} tokens), {args.repeats} paired live runs")
+    print(
+        f"generation: {args.prompts} prompts x n={args.n} x {args.max_new_tokens} tokens"
+        f" ({o['tokens_per_batch']} tokens), {args.repeats} paired live runs"
+    )
     for k in ("direct", "trainer_hooks"):
-        print(f"  {k:<14} {o['tokens_per_s_median'][k]:>9.0f} tok/s   batch seconds: "
-              + " ".join(f"{x:.2f}" for x in o["seconds"][k]))
+        print(
+            f"  {k:<14} {o['tokens_per_s_median'][k]:>9.0f} tok/s   batch seconds: "
+            + " ".join(f"{x:.2f}" for x in o["seconds"][k])
+        )
     low, high = o["overhead_ci95"]
-    print(f"  live overhead (median of paired ratios): {100 * o['overhead']:+.1f}%"
-          f"  [95% CI {100 * low:+.1f}% .. {100 * high:+.1f}%]  (goal: < 3%)")
-    print(f"  client-side work on a replay of the same {o['response_bytes'] / 1e3:.0f} kB answer: trainer_hooks"
-          f" {1e3 * statistics.median(o['replay_s']['trainer_hooks']):.2f} ms vs direct"
-          f" {1e3 * statistics.median(o['replay_s']['direct']):.2f} ms per batch;"
-          f" extra {1e3 * o['client_extra_s']:.2f} ms = {100 * o['client_overhead']:.2f}% of a"
-          f" {statistics.median(o['seconds']['direct']):.2f} s batch")
+    print(
+        f"  live overhead (median of paired ratios): {100 * o['overhead']:+.1f}%"
+        f"  [95% CI {100 * low:+.1f}% .. {100 * high:+.1f}%]  (goal: < 3%)"
+    )
+    print(
+        f"  client-side work on a replay of the same {o['response_bytes'] / 1e3:.0f} kB answer: trainer_hooks"
+        f" {1e3 * statistics.median(o['replay_s']['trainer_hooks']):.2f} ms vs direct"
+        f" {1e3 * statistics.median(o['replay_s']['direct']):.2f} ms per batch;"
+        f" extra {1e3 * o['client_extra_s']:.2f} ms = {100 * o['client_overhead']:.2f}% of a"
+        f" {statistics.median(o['seconds']['direct']):.2f} s batch"
+    )
     if not args.skip_grpo:
         sglang = run_demo(work / "demo", steps=args.steps, plot=False)
         baseline = trl_baseline_steps(model_dir, work, args.steps, sglang["learning_rate"])
         med_s = statistics.median(h["step_time"] for h in sglang["log_history"])
         med_t = statistics.median(baseline["step_time"])
-        results["grpo"] = {"sglang": {"median_step_s": med_s, "split": time_split(sglang["log_history"]),
-                                      "rewards": sglang["rewards"]},
-                           "trl_transformers": {"median_step_s": med_t, "rewards": baseline["rewards"]},
-                           "ratio_sglang_over_trl": med_s / med_t}
+        results["grpo"] = {
+            "sglang": {
+                "median_step_s": med_s,
+                "split": time_split(sglang["log_history"]),
+                "rewards": sglang["rewards"],
+            },
+            "trl_transformers": {"median_step_s": med_t, "rewards": baseline["rewards"]},
+            "ratio_sglang_over_trl": med_s / med_t,
+        }
         split = results["grpo"]["sglang"]["split"]
         print(f"GRPO, tiny model, {args.steps} steps, 32 completions x 16 tokens per step:")
-        print(f"  trainer_hooks + SGLang: {med_s:.3f} s/step (generate {split['generate']:.3f},"
-              f" sync {split['sync_total']:.3f} [gather {split['sync_gather']:.3f}, write"
-              f" {split['sync_write']:.3f}, wait {split['sync_wait']:.3f}], train {split['train']:.3f})")
+        print(
+            f"  trainer_hooks + SGLang: {med_s:.3f} s/step (generate {split['generate']:.3f},"
+            f" sync {split['sync_total']:.3f} [gather {split['sync_gather']:.3f}, write"
+            f" {split['sync_write']:.3f}, wait {split['sync_wait']:.3f}], train {split['train']:.3f})"
+        )
         print(f"  TRL + transformers generate: {med_t:.3f} s/step")
         print(f"  ratio SGLang path / TRL built-in: {med_s / med_t:.2f}x")
     if args.json:

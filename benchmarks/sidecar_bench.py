@@ -35,8 +35,9 @@ from rollout_service.tiny_model import ensure_tiny_model  # noqa: E402
 from sidecar_helpers import Sidecar, publish_step  # noqa: E402
 
 
-def run_mode(server: SGLangServer, model: Path, work: Path, mode: str, syncs: int, poll: float,
-             first_step: int) -> list[dict]:
+def run_mode(
+    server: SGLangServer, model: Path, work: Path, mode: str, syncs: int, poll: float, first_step: int
+) -> list[dict]:
     root = work / f"ckpt-{mode}"
     root.mkdir()
     extra = ("--poll", str(poll)) if mode == "polling" else ()
@@ -49,10 +50,17 @@ def run_mode(server: SGLangServer, model: Path, work: Path, mode: str, syncs: in
             publish_step(root, model, step)
             sidecar.wait_step(step, timeout_s=120)
             last = sidecar.status()["last_sync"]
-            records.append({"step": step, "detect_to_load_start_s": last["detect_s"] + last["validate_s"],
-                            "detect_s": last["detect_s"], "validate_s": last["validate_s"],
-                            "load_s": last["load_s"], "total_s": last["total_s"],
-                            "overhead_s": last["total_s"] - last["load_s"]})
+            records.append(
+                {
+                    "step": step,
+                    "detect_to_load_start_s": last["detect_s"] + last["validate_s"],
+                    "detect_s": last["detect_s"],
+                    "validate_s": last["validate_s"],
+                    "load_s": last["load_s"],
+                    "total_s": last["total_s"],
+                    "overhead_s": last["total_s"] - last["load_s"],
+                }
+            )
             time.sleep(0.2)
     finally:
         sidecar.stop()
@@ -66,8 +74,11 @@ def run_direct(server: SGLangServer, model: Path, work: Path, syncs: int, first_
         step = first_step + i
         path = publish_step(root, model, step).path
         t0 = time.perf_counter()
-        r = httpx.post(f"{server.url}/update_weights_from_disk",
-                       json={"model_path": str(path), "weight_version": str(step)}, timeout=300)
+        r = httpx.post(
+            f"{server.url}/update_weights_from_disk",
+            json={"model_path": str(path), "weight_version": str(step)},
+            timeout=300,
+        )
         r.raise_for_status()
         times.append(time.perf_counter() - t0)
     return times
@@ -85,26 +96,32 @@ def main() -> None:
     with SGLangServer(model, device="cpu", log_path=work / "sglang.log") as server:
         results["direct_load_s"] = run_direct(server, model, work, args.syncs, 1)
         for n, mode in enumerate(("inotify", "polling")):
-            results[mode] = run_mode(server, model, work, mode, args.syncs, args.poll,
-                                     1000 * (n + 1))
+            results[mode] = run_mode(server, model, work, mode, args.syncs, args.poll, 1000 * (n + 1))
     med = statistics.median
     print(f"{args.syncs} syncs per mode, tiny model, polling period {args.poll} s")
-    print(f"{'path':<10}{'detect->load start':>20}{'SGLang load':>13}{'sidecar overhead':>18}"
-          f"{'publish->acked':>16}   (medians, seconds)")
+    print(
+        f"{'path':<10}{'detect->load start':>20}{'SGLang load':>13}{'sidecar overhead':>18}"
+        f"{'publish->acked':>16}   (medians, seconds)"
+    )
     summary = {}
     for mode in ("inotify", "polling"):
         recs = results[mode]
-        row = {k: med([r[k] for r in recs]) for k in
-               ("detect_to_load_start_s", "load_s", "overhead_s", "total_s")}
+        row = {k: med([r[k] for r in recs]) for k in ("detect_to_load_start_s", "load_s", "overhead_s", "total_s")}
         summary[mode] = row
-        print(f"{mode:<10}{row['detect_to_load_start_s']:>20.3f}{row['load_s']:>13.3f}"
-              f"{row['overhead_s']:>18.3f}{row['total_s']:>16.3f}")
+        print(
+            f"{mode:<10}{row['detect_to_load_start_s']:>20.3f}{row['load_s']:>13.3f}"
+            f"{row['overhead_s']:>18.3f}{row['total_s']:>16.3f}"
+        )
     direct = med(results["direct_load_s"])
     summary["direct_load_s"] = direct
-    print(f"{'direct':<10}{'-':>20}{direct:>13.3f}{'-':>18}{direct:>16.3f}"
-          "   (trainer calls /update_weights_from_disk itself)")
-    print("ratio publish->acked / direct load: " + ", ".join(
-        f"{m} {summary[m]['total_s'] / direct:.1f}x" for m in ("inotify", "polling")))
+    print(
+        f"{'direct':<10}{'-':>20}{direct:>13.3f}{'-':>18}{direct:>16.3f}"
+        "   (trainer calls /update_weights_from_disk itself)"
+    )
+    print(
+        "ratio publish->acked / direct load: "
+        + ", ".join(f"{m} {summary[m]['total_s'] / direct:.1f}x" for m in ("inotify", "polling"))
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "runs": results}, indent=2))
 

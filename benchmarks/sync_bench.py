@@ -102,7 +102,7 @@ class Case:
         out: dict[str, float] = {}
         for kind in ("physical", "naive", "ours", "ours_nostage", "ours_delta"):
             runs = getattr(self, kind)
-            for key in (runs[0] if runs else {}):
+            for key in runs[0] if runs else {}:
                 values = [r[key] for r in runs if r.get(key) is not None]
                 if values:
                     out[f"{kind}.{key}"] = statistics.median(values)
@@ -113,10 +113,12 @@ class Case:
         ours = med.get("ours.end_to_end_s")
         out = {}
         # Without SGLang nothing is read back: the limit is the write alone.
-        limits = ((("ours/limit", "physical.limit_s"), ("ours/limit-cold", "physical.limit_cold_s"))
-                  if self.sglang else (("ours/limit", "physical.write_fsync_s"),))
-        for name, key in (*limits, ("ours/naive", "naive.total_s"),
-                          ("ours/ours_nostage", "ours_nostage.end_to_end_s")):
+        limits = (
+            (("ours/limit", "physical.limit_s"), ("ours/limit-cold", "physical.limit_cold_s"))
+            if self.sglang
+            else (("ours/limit", "physical.write_fsync_s"),)
+        )
+        for name, key in (*limits, ("ours/naive", "naive.total_s"), ("ours/ours_nostage", "ours_nostage.end_to_end_s")):
             if ours is not None and med.get(key):
                 out[name] = ours / med[key]
         delta = med.get("ours_delta.end_to_end_s")
@@ -128,6 +130,7 @@ class Case:
 
 
 # --- storage and the physical limit ---------------------------------------------------------
+
 
 def fs_type(path: Path) -> str:
     """File-system type of the mount holding ``path`` (from /proc/mounts; "unknown" if unreadable)."""
@@ -159,8 +162,9 @@ def choose_cold_read(path: Path, wanted: str) -> str:
             return "drop_caches"
         except OSError as exc:
             if wanted == "drop_caches":
-                raise RuntimeError(f"cannot write /proc/sys/vm/drop_caches ({exc}); run as root"
-                                   " or pass --cold-read fadvise") from exc
+                raise RuntimeError(
+                    f"cannot write /proc/sys/vm/drop_caches ({exc}); run as root or pass --cold-read fadvise"
+                ) from exc
     return "fadvise"
 
 
@@ -221,23 +225,30 @@ def physical_limit(work: Path, cpu_state: dict[str, torch.Tensor], cold_read: st
         read_cold_s = time.perf_counter() - t0
     finally:
         path.unlink(missing_ok=True)
-    return {"write_fsync_s": write_s, "read_hot_s": read_hot_s, "read_cold_s": read_cold_s,
-            "limit_s": write_s + read_hot_s, "limit_cold_s": write_s + read_cold_s}
+    return {
+        "write_fsync_s": write_s,
+        "read_hot_s": read_hot_s,
+        "read_cold_s": read_cold_s,
+        "limit_s": write_s + read_hot_s,
+        "limit_cold_s": write_s + read_cold_s,
+    }
 
 
 # --- the naive path and ours -----------------------------------------------------------------
 
+
 def load_into_sglang(url: str, path: Path, version: str, timeout_s: float) -> None:
-    r = httpx.post(f"{url}/update_weights_from_disk",
-                   json={"model_path": str(path), "weight_version": version, "flush_cache": True},
-                   timeout=timeout_s)
+    r = httpx.post(
+        f"{url}/update_weights_from_disk",
+        json={"model_path": str(path), "weight_version": version, "flush_cache": True},
+        timeout=timeout_s,
+    )
     data = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
     if r.status_code != 200 or not data.get("success", False):
         raise RuntimeError(f"SGLang refused {path} (HTTP {r.status_code}): {r.text[:500]}")
 
 
-def naive_sync(trainer: Any, fixed: Path, url: str | None, version: str,
-               timeout_s: float) -> dict[str, float]:
+def naive_sync(trainer: Any, fixed: Path, url: str | None, version: str, timeout_s: float) -> dict[str, float]:
     """save_pretrained into one fixed folder, then the trainer asks SGLang to load it."""
     t0 = time.perf_counter()
     trainer.save_pretrained(fixed)
@@ -253,8 +264,10 @@ def naive_sync(trainer: Any, fixed: Path, url: str | None, version: str,
 def wait_served(sidecar: Any, step: int, timeout_s: float) -> dict[str, Any]:
     r = sidecar.get(f"/wait?version={step}&timeout={timeout_s}", timeout=timeout_s + 30)
     if r.status_code != 200:
-        raise RuntimeError(f"step {step} was not served within {timeout_s:.0f} s: {r.text[:500]}\n"
-                           f"--- sidecar log ---\n{sidecar.log_tail()}")
+        raise RuntimeError(
+            f"step {step} was not served within {timeout_s:.0f} s: {r.text[:500]}\n"
+            f"--- sidecar log ---\n{sidecar.log_tail()}"
+        )
     return r.json()
 
 
@@ -282,8 +295,10 @@ class Probe:
             while not self._stop.is_set():
                 t0 = time.time()
                 try:
-                    client.post(f"{self.url}/generate", json={
-                        "input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+                    client.post(
+                        f"{self.url}/generate",
+                        json={"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+                    )
                 except httpx.HTTPError:
                     pass
                 self.spans.append((t0, time.time()))
@@ -298,22 +313,39 @@ class Probe:
         return max(0.0, max(inside) - idle)
 
 
-def our_sync(root: Path, step: int, state: dict[str, torch.Tensor], config: Path,
-             sidecar: Any | None, timeout_s: float, delta: Any | None = None,
-             probe: Probe | None = None) -> dict[str, float]:
+def our_sync(
+    root: Path,
+    step: int,
+    state: dict[str, torch.Tensor],
+    config: Path,
+    sidecar: Any | None,
+    timeout_s: float,
+    delta: Any | None = None,
+    probe: Probe | None = None,
+) -> dict[str, float]:
     """Publish (in full, or as a delta with ``delta``), then wait until the sidecar serves it."""
     t0 = time.time()
     if delta is not None:
-        result = delta.publish(root, step, state.items(), config=json.loads(config.read_text()),
-                               dtype="bfloat16", run_id="bench")
-        out = {"publish_s": time.time() - t0, "publish_write_s": delta.last.write_s,
-               "encode_s": delta.last.encode_s, "bytes_written": result.total_bytes,
-               "full_bytes": result.full_bytes, "changed_fraction_tensors":
-               delta.last.changed_tensors / max(delta.last.tensors, 1), "delta": result.kind == "delta"}
+        result = delta.publish(
+            root, step, state.items(), config=json.loads(config.read_text()), dtype="bfloat16", run_id="bench"
+        )
+        out = {
+            "publish_s": time.time() - t0,
+            "publish_write_s": delta.last.write_s,
+            "encode_s": delta.last.encode_s,
+            "bytes_written": result.total_bytes,
+            "full_bytes": result.full_bytes,
+            "changed_fraction_tensors": delta.last.changed_tensors / max(delta.last.tensors, 1),
+            "delta": result.kind == "delta",
+        }
     else:
         result = publish_checkpoint(root, step, state.items(), config=config, run_id="bench")
-        out = {"publish_s": result.total_seconds, "publish_write_s": result.write_seconds,
-               "bytes_written": result.total_bytes, "full_bytes": result.total_bytes}
+        out = {
+            "publish_s": result.total_seconds,
+            "publish_write_s": result.write_seconds,
+            "bytes_written": result.total_bytes,
+            "full_bytes": result.total_bytes,
+        }
     if sidecar is None:
         out["end_to_end_s"] = result.total_seconds
         return out
@@ -324,9 +356,16 @@ def our_sync(root: Path, step: int, state: dict[str, torch.Tensor], config: Path
         raise RuntimeError(f"the sidecar's last_sync is not step {step}'s first load: {last}")
     published = last["finished_at"] - last["total_s"]
     load_end = published + last["detect_s"] + last["validate_s"] + last["load_s"]
-    out.update(detect_s=last["detect_s"], validate_s=last["validate_s"], load_s=last["load_s"],
-               ack_s=acked - load_end, sidecar_total_s=last["total_s"], end_to_end_s=acked - t0,
-               apply_s=last.get("apply_s"), bytes_read=last.get("bytes_read"))
+    out.update(
+        detect_s=last["detect_s"],
+        validate_s=last["validate_s"],
+        load_s=last["load_s"],
+        ack_s=acked - load_end,
+        sidecar_total_s=last["total_s"],
+        end_to_end_s=acked - t0,
+        apply_s=last.get("apply_s"),
+        bytes_read=last.get("bytes_read"),
+    )
     if probe is not None:
         out["pause_s"] = probe.pause(t0, acked)
     return out
@@ -334,9 +373,18 @@ def our_sync(root: Path, step: int, state: dict[str, torch.Tensor], config: Path
 
 # --- one size, one storage -------------------------------------------------------------------
 
-def run_case(case: Case, work: Path, args: argparse.Namespace, trainer: Any,
-             state: dict[str, torch.Tensor], cpu_state: dict[str, torch.Tensor], config: Path,
-             server: SGLangServer | None, log_dir: Path) -> None:
+
+def run_case(
+    case: Case,
+    work: Path,
+    args: argparse.Namespace,
+    trainer: Any,
+    state: dict[str, torch.Tensor],
+    cpu_state: dict[str, torch.Tensor],
+    config: Path,
+    server: SGLangServer | None,
+    log_dir: Path,
+) -> None:
     from sidecar_helpers import Sidecar
 
     url = server.url if server is not None else None
@@ -351,8 +399,10 @@ def run_case(case: Case, work: Path, args: argparse.Namespace, trainer: Any,
                 case.physical.append(physical_limit(work, cpu_state, case.cold_read))
             elif not args.skip_naive:
                 case.naive.append(naive_sync(trainer, fixed, url, f"naive-{rep}", args.sync_timeout))
-        progress(f"  repeat {rep + 1}: limit {case.physical[-1]['limit_s']:.3f} s"
-                 + (f", naive {case.naive[-1]['total_s']:.3f} s" if case.naive else ""))
+        progress(
+            f"  repeat {rep + 1}: limit {case.physical[-1]['limit_s']:.3f} s"
+            + (f", naive {case.naive[-1]['total_s']:.3f} s" if case.naive else "")
+        )
     shutil.rmtree(fixed, ignore_errors=True)
 
     # ours: the default sidecar (each checkpoint copied into the node-local stage and every byte
@@ -368,11 +418,18 @@ def run_case(case: Case, work: Path, args: argparse.Namespace, trainer: Any,
         root.mkdir()
         sidecar = None
         if server is not None:
-            sidecar = Sidecar(root, server.url,
-                              log_dir / f"sidecar-{kind}-{case.size}-{Path(case.path).name}.log",
-                              "--deep-health-interval", "3600", *flags,
-                              # the naive runs left SGLang on a deleted folder: name the model
-                              "--reference-dir", str(config.parent), replica_id=f"bench-{kind}")
+            sidecar = Sidecar(
+                root,
+                server.url,
+                log_dir / f"sidecar-{kind}-{case.size}-{Path(case.path).name}.log",
+                "--deep-health-interval",
+                "3600",
+                *flags,
+                # the naive runs left SGLang on a deleted folder: name the model
+                "--reference-dir",
+                str(config.parent),
+                replica_id=f"bench-{kind}",
+            )
         try:
             if sidecar is not None:
                 deadline = time.monotonic() + 120
@@ -388,8 +445,9 @@ def run_case(case: Case, work: Path, args: argparse.Namespace, trainer: Any,
                 writer = DeltaCheckpointWriter(full_every=1000)
                 stepper = torch.optim.AdamW(trainer_state.values(), lr=args.delta_lr)
             probe = Probe(server.url) if server is not None else None
-            for step in range(1, args.warmup + args.repeats + 2 if kind == "ours_delta" else
-                              args.warmup + args.repeats + 1):
+            for step in range(
+                1, args.warmup + args.repeats + 2 if kind == "ours_delta" else args.warmup + args.repeats + 1
+            ):
                 if stepper is not None and step > 1:
                     for p in trainer_state.values():
                         p.grad = torch.randn_like(p)
@@ -397,8 +455,16 @@ def run_case(case: Case, work: Path, args: argparse.Namespace, trainer: Any,
                     for p in trainer_state.values():
                         p.grad = None
                 with probe if probe is not None and step > 1 else contextlib.nullcontext():
-                    run = our_sync(root, step, trainer_state, config, sidecar, args.sync_timeout,
-                                   delta=writer, probe=probe if step > 1 else None)
+                    run = our_sync(
+                        root,
+                        step,
+                        trainer_state,
+                        config,
+                        sidecar,
+                        args.sync_timeout,
+                        delta=writer,
+                        probe=probe if step > 1 else None,
+                    )
                 if probe is not None:
                     probe = Probe(server.url)  # a thread runs once
                 if kind == "ours_delta" and step == 1:
@@ -433,6 +499,7 @@ def stage_dir_for(args: argparse.Namespace, work: Path) -> Path:
 
 # --- models, servers, reporting --------------------------------------------------------------
 
+
 def resolve_model(size: str) -> tuple[Path, torch.dtype]:
     if size == "tiny":
         return ensure_tiny_model(), torch.float32
@@ -451,15 +518,21 @@ def load_trainer(model_dir: Path, dtype: torch.dtype, device: str) -> Any:
     return model
 
 
-def start_server(model_dir: Path, dtype: torch.dtype, args: argparse.Namespace,
-                 log_dir: Path, label: str) -> SGLangServer:
+def start_server(
+    model_dir: Path, dtype: torch.dtype, args: argparse.Namespace, log_dir: Path, label: str
+) -> SGLangServer:
     extra = shlex.split(args.sglang_args or "")
     if not any(a.split("=")[0] == "--dtype" for a in extra):
         extra += ["--dtype", str(dtype).removeprefix("torch.")]
     if args.device == "cuda" and not any(a.split("=")[0] == "--mem-fraction-static" for a in extra):
         extra += ["--mem-fraction-static", "0.5"]  # leave room for the trainer's copy
-    server = SGLangServer(model_dir, device=args.device, max_total_tokens=args.max_total_tokens,
-                          extra_args=extra, log_path=log_dir / f"sglang-{label}.log")
+    server = SGLangServer(
+        model_dir,
+        device=args.device,
+        max_total_tokens=args.max_total_tokens,
+        extra_args=extra,
+        log_path=log_dir / f"sglang-{label}.log",
+    )
     server.start()
     try:
         server.wait_healthy(args.startup_timeout)
@@ -474,8 +547,12 @@ def progress(msg: str) -> None:
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
-    env: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
-                           "machine": platform.machine(), "device": args.device}
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "device": args.device,
+    }
     for pkg in ("torch", "transformers", "sglang", "safetensors"):
         try:
             env[pkg] = importlib.metadata.version(pkg)
@@ -500,102 +577,150 @@ def ratio(value: float | None, width: int) -> str:
 
 def print_tables(cases: list[Case]) -> None:
     print("\nThis project's sync, phase by phase (medians, seconds):")
-    head = (f"{'size':<6}{'storage':<16}{'GB':>6}{'publish':>9}{'(write)':>9}{'detect':>8}"
-            f"{'valid.':>8}{'load':>8}{'ack':>8}{'end2end':>9}{'GB/s':>7}")
+    head = (
+        f"{'size':<6}{'storage':<16}{'GB':>6}{'publish':>9}{'(write)':>9}{'detect':>8}"
+        f"{'valid.':>8}{'load':>8}{'ack':>8}{'end2end':>9}{'GB/s':>7}"
+    )
     print(head)
     for c in cases:
         m = c.medians()
         e2e = m.get("ours.end_to_end_s")
-        print(f"{c.size:<6}{c.storage[-15:]:<16}{c.model_bytes / 1e9:>6.2f}"
-              f"{fmt(m.get('ours.publish_s'), 9)}{fmt(m.get('ours.publish_write_s'), 9)}"
-              f"{fmt(m.get('ours.detect_s'), 8)}{fmt(m.get('ours.validate_s'), 8)}"
-              f"{fmt(m.get('ours.load_s'), 8)}{fmt(m.get('ours.ack_s'), 8)}{fmt(e2e, 9)}"
-              f"{fmt(c.model_bytes / e2e / 1e9 if e2e else None, 7, 2)}"
-              + (f"   ERROR: {c.error.splitlines()[0][:80]}" if c.error else ""))
+        print(
+            f"{c.size:<6}{c.storage[-15:]:<16}{c.model_bytes / 1e9:>6.2f}"
+            f"{fmt(m.get('ours.publish_s'), 9)}{fmt(m.get('ours.publish_write_s'), 9)}"
+            f"{fmt(m.get('ours.detect_s'), 8)}{fmt(m.get('ours.validate_s'), 8)}"
+            f"{fmt(m.get('ours.load_s'), 8)}{fmt(m.get('ours.ack_s'), 8)}{fmt(e2e, 9)}"
+            f"{fmt(c.model_bytes / e2e / 1e9 if e2e else None, 7, 2)}"
+            + (f"   ERROR: {c.error.splitlines()[0][:80]}" if c.error else "")
+        )
     print("\nAgainst the physical limit and the naive path (medians, seconds):")
-    print(f"{'size':<6}{'storage':<16}{'wr+fsync':>9}{'rd hot':>8}{'rd cold':>8}{'limit':>8}"
-          f"{'nv save':>8}{'nv load':>8}{'naive':>8}{'ours':>8}{'/limit':>8}{'/cold':>7}{'/naive':>8}"
-          "   cold read")
+    print(
+        f"{'size':<6}{'storage':<16}{'wr+fsync':>9}{'rd hot':>8}{'rd cold':>8}{'limit':>8}"
+        f"{'nv save':>8}{'nv load':>8}{'naive':>8}{'ours':>8}{'/limit':>8}{'/cold':>7}{'/naive':>8}"
+        "   cold read"
+    )
     for c in cases:
         m, r = c.medians(), c.ratios()
-        print(f"{c.size:<6}{c.storage[-15:]:<16}{fmt(m.get('physical.write_fsync_s'), 9)}"
-              f"{fmt(m.get('physical.read_hot_s'), 8)}{fmt(m.get('physical.read_cold_s'), 8)}"
-              f"{fmt(m.get('physical.limit_s'), 8)}{fmt(m.get('naive.save_s'), 8)}"
-              f"{fmt(m.get('naive.load_s'), 8)}{fmt(m.get('naive.total_s'), 8)}"
-              f"{fmt(m.get('ours.end_to_end_s'), 8)}{ratio(r.get('ours/limit'), 8)}"
-              f"{ratio(r.get('ours/limit-cold'), 7)}{ratio(r.get('ours/naive'), 8)}   {c.cold_read}")
+        print(
+            f"{c.size:<6}{c.storage[-15:]:<16}{fmt(m.get('physical.write_fsync_s'), 9)}"
+            f"{fmt(m.get('physical.read_hot_s'), 8)}{fmt(m.get('physical.read_cold_s'), 8)}"
+            f"{fmt(m.get('physical.limit_s'), 8)}{fmt(m.get('naive.save_s'), 8)}"
+            f"{fmt(m.get('naive.load_s'), 8)}{fmt(m.get('naive.total_s'), 8)}"
+            f"{fmt(m.get('ours.end_to_end_s'), 8)}{ratio(r.get('ours/limit'), 8)}"
+            f"{ratio(r.get('ours/limit-cold'), 7)}{ratio(r.get('ours/naive'), 8)}   {c.cold_read}"
+        )
     if any(c.ours_nostage for c in cases):
-        print("\nWhat verified staging costs (every byte copied node-locally and checked before SGLang"
-              " reads it) against SGLang reading shared storage directly (medians, seconds):")
-        print(f"{'size':<6}{'storage':<16}{'staged':>9}{'(valid.)':>9}{'(load)':>8}{'direct':>9}"
-              f"{'(valid.)':>9}{'(load)':>8}{'ratio':>8}")
+        print(
+            "\nWhat verified staging costs (every byte copied node-locally and checked before SGLang"
+            " reads it) against SGLang reading shared storage directly (medians, seconds):"
+        )
+        print(
+            f"{'size':<6}{'storage':<16}{'staged':>9}{'(valid.)':>9}{'(load)':>8}{'direct':>9}"
+            f"{'(valid.)':>9}{'(load)':>8}{'ratio':>8}"
+        )
         for c in cases:
             m, r = c.medians(), c.ratios()
-            print(f"{c.size:<6}{c.storage[-15:]:<16}{fmt(m.get('ours.end_to_end_s'), 9)}"
-                  f"{fmt(m.get('ours.validate_s'), 9)}{fmt(m.get('ours.load_s'), 8)}"
-                  f"{fmt(m.get('ours_nostage.end_to_end_s'), 9)}{fmt(m.get('ours_nostage.validate_s'), 9)}"
-                  f"{fmt(m.get('ours_nostage.load_s'), 8)}{ratio(r.get('ours/ours_nostage'), 8)}")
+            print(
+                f"{c.size:<6}{c.storage[-15:]:<16}{fmt(m.get('ours.end_to_end_s'), 9)}"
+                f"{fmt(m.get('ours.validate_s'), 9)}{fmt(m.get('ours.load_s'), 8)}"
+                f"{fmt(m.get('ours_nostage.end_to_end_s'), 9)}{fmt(m.get('ours_nostage.validate_s'), 9)}"
+                f"{fmt(m.get('ours_nostage.load_s'), 8)}{ratio(r.get('ours/ours_nostage'), 8)}"
+            )
     if any(c.ours_delta for c in cases):
-        print("\nDelta sync (AdamW-stepped bf16 versions, rebuilt and verified in the stage) against today's"
-              " full path on the same storage and server (medians):")
-        print(f"{'size':<6}{'storage':<16}{'written':>9}{'of full':>8}{'encode':>8}{'publish':>8}{'apply':>7}"
-              f"{'load':>7}{'pause':>7}{'delta':>8}{'full':>8}{'d/f':>7}{'pause/load':>11}")
+        print(
+            "\nDelta sync (AdamW-stepped bf16 versions, rebuilt and verified in the stage) against today's"
+            " full path on the same storage and server (medians):"
+        )
+        print(
+            f"{'size':<6}{'storage':<16}{'written':>9}{'of full':>8}{'encode':>8}{'publish':>8}{'apply':>7}"
+            f"{'load':>7}{'pause':>7}{'delta':>8}{'full':>8}{'d/f':>7}{'pause/load':>11}"
+        )
         for c in cases:
             m, r = c.medians(), c.ratios()
             frac = (m.get("ours_delta.bytes_written") or 0) / (m.get("ours_delta.full_bytes") or 1)
-            print(f"{c.size:<6}{c.storage[-15:]:<16}{(m.get('ours_delta.bytes_written') or 0) / 1e6:>7.1f}MB"
-                  f"{100 * frac:>7.2f}%{fmt(m.get('ours_delta.encode_s'), 8)}{fmt(m.get('ours_delta.publish_s'), 8)}"
-                  f"{fmt(m.get('ours_delta.apply_s'), 7)}{fmt(m.get('ours_delta.load_s'), 7)}"
-                  f"{fmt(m.get('ours_delta.pause_s'), 7)}{fmt(m.get('ours_delta.end_to_end_s'), 8)}"
-                  f"{fmt(m.get('ours.end_to_end_s'), 8)}{ratio(r.get('delta/full'), 7)}"
-                  f"{ratio(r.get('delta pause/load'), 11)}")
-        print("written/of full: bytes a delta sync wrote to shared storage; apply: rebuild + verify in the stage;"
-              " load: SGLang's load from the stage; pause: longest /generate probe during the sync less an"
-              " idle one; delta, full: end to end publish start -> the trainer knows it is served")
+            print(
+                f"{c.size:<6}{c.storage[-15:]:<16}{(m.get('ours_delta.bytes_written') or 0) / 1e6:>7.1f}MB"
+                f"{100 * frac:>7.2f}%{fmt(m.get('ours_delta.encode_s'), 8)}{fmt(m.get('ours_delta.publish_s'), 8)}"
+                f"{fmt(m.get('ours_delta.apply_s'), 7)}{fmt(m.get('ours_delta.load_s'), 7)}"
+                f"{fmt(m.get('ours_delta.pause_s'), 7)}{fmt(m.get('ours_delta.end_to_end_s'), 8)}"
+                f"{fmt(m.get('ours.end_to_end_s'), 8)}{ratio(r.get('delta/full'), 7)}"
+                f"{ratio(r.get('delta pause/load'), 11)}"
+            )
+        print(
+            "written/of full: bytes a delta sync wrote to shared storage; apply: rebuild + verify in the stage;"
+            " load: SGLang's load from the stage; pause: longest /generate probe during the sync less an"
+            " idle one; delta, full: end to end publish start -> the trainer knows it is served"
+        )
     if any(c.sglang for c in cases):
-        print("limit = raw write+fsync + hot read (same node, just written, as SGLang reads ours);"
-              " naive = save_pretrained (no fsync) + the trainer's own /update_weights_from_disk")
+        print(
+            "limit = raw write+fsync + hot read (same node, just written, as SGLang reads ours);"
+            " naive = save_pretrained (no fsync) + the trainer's own /update_weights_from_disk"
+        )
     if any(not c.sglang for c in cases):
-        print("--no-sglang: ours = publish only, naive = save_pretrained only (no fsync),"
-              " /limit = against the raw write+fsync alone")
+        print(
+            "--no-sglang: ours = publish only, naive = save_pretrained only (no fsync),"
+            " /limit = against the raw write+fsync alone"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default=None,
-                        help="comma-separated model sizes in GB, or 'tiny' (default tiny,0.5,1,2)")
-    parser.add_argument("--storage", default=None,
-                        help="comma-separated directories; 'local' = benchmarks/results/sync-bench-work,"
-                             " 'shm' = /dev/shm, 'sshfs' = a real network file system mounted for the"
-                             " run (sshfs over loopback; needs sshfs + openssh-server) (default local,shm)")
+    parser.add_argument(
+        "--sizes", default=None, help="comma-separated model sizes in GB, or 'tiny' (default tiny,0.5,1,2)"
+    )
+    parser.add_argument(
+        "--storage",
+        default=None,
+        help="comma-separated directories; 'local' = benchmarks/results/sync-bench-work,"
+        " 'shm' = /dev/shm, 'sshfs' = a real network file system mounted for the"
+        " run (sshfs over loopback; needs sshfs + openssh-server) (default local,shm)",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="syncs per path (default 3)")
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="untimed syncs per path before the timed ones (default 1)")
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed syncs per path before the timed ones (default 1)"
+    )
     parser.add_argument("--json", default=None, help="write all figures here")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="where SGLang and the trainer's copy live (default cpu)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where SGLang and the trainer's copy live (default cpu)",
+    )
     parser.add_argument("--skip-naive", action="store_true", help="do not measure the naive path")
-    parser.add_argument("--no-sglang", action="store_true",
-                        help="trainer side only: publish, raw write, save_pretrained (no server)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: sizes tiny,0.1, storage shm, 1 repeat (unless given)")
-    parser.add_argument("--cold-read", choices=("auto", "drop_caches", "fadvise"), default="auto",
-                        help="how to empty the page cache before the cold read (default: drop_caches"
-                             " when writable, else fadvise)")
+    parser.add_argument(
+        "--no-sglang", action="store_true", help="trainer side only: publish, raw write, save_pretrained (no server)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: sizes tiny,0.1, storage shm, 1 repeat (unless given)"
+    )
+    parser.add_argument(
+        "--cold-read",
+        choices=("auto", "drop_caches", "fadvise"),
+        default="auto",
+        help="how to empty the page cache before the cold read (default: drop_caches when writable, else fadvise)",
+    )
     parser.add_argument("--max-total-tokens", type=int, default=4096, help="SGLang KV cache (CPU)")
-    parser.add_argument("--sglang-args", default="",
-                        help="extra SGLang flags as one string; write --sglang-args='--flag ...' (with '=')")
+    parser.add_argument(
+        "--sglang-args",
+        default="",
+        help="extra SGLang flags as one string; write --sglang-args='--flag ...' (with '=')",
+    )
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="SGLang /health wait, s")
     parser.add_argument("--sync-timeout", type=float, default=900.0, help="one load's wait, s")
-    parser.add_argument("--log-dir", default=None,
-                        help="SGLang and sidecar logs (default benchmarks/results/sync-bench-logs)")
-    parser.add_argument("--delta", action="store_true",
-                        help="measure delta syncs (ours_delta) beside today's full path instead of the"
-                             " unstaged one")
-    parser.add_argument("--delta-lr", type=float, default=1e-6,
-                        help="AdamW learning rate of the delta runs' updates (default 1e-6)")
-    parser.add_argument("--stage-dir", default=None,
-                        help="the sidecar's stage (default: its own choice, /dev/shm when it has room)")
+    parser.add_argument(
+        "--log-dir", default=None, help="SGLang and sidecar logs (default benchmarks/results/sync-bench-logs)"
+    )
+    parser.add_argument(
+        "--delta",
+        action="store_true",
+        help="measure delta syncs (ours_delta) beside today's full path instead of the unstaged one",
+    )
+    parser.add_argument(
+        "--delta-lr", type=float, default=1e-6, help="AdamW learning rate of the delta runs' updates (default 1e-6)"
+    )
+    parser.add_argument(
+        "--stage-dir", default=None, help="the sidecar's stage (default: its own choice, /dev/shm when it has room)"
+    )
     args = parser.parse_args(argv)
     quick = {"sizes": "tiny,0.1", "storage": "shm", "repeats": 1}
     full = {"sizes": "tiny,0.5,1,2", "storage": "local,shm", "repeats": 3}
@@ -603,8 +728,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.repeats < 1 or args.warmup < 0:
-        parser.error(f"--repeats must be at least 1 and --warmup at least 0, got {args.repeats},"
-                     f" {args.warmup}")
+        parser.error(f"--repeats must be at least 1 and --warmup at least 0, got {args.repeats}, {args.warmup}")
     for size in args.sizes.split(","):
         if size != "tiny":
             try:
@@ -645,8 +769,10 @@ def _run_all(args: argparse.Namespace, storages: list[tuple[str, Path]]) -> int:
     cases: list[Case] = []
     for size in args.sizes.split(","):
         progress(f"== size {size}")
-        size_cases = [Case(size=size, storage=label, path=str(s), fs_type=fs_type(s), cold_read="",
-                           sglang=not args.no_sglang) for label, s in storages]
+        size_cases = [
+            Case(size=size, storage=label, path=str(s), fs_type=fs_type(s), cold_read="", sglang=not args.no_sglang)
+            for label, s in storages
+        ]
         cases += size_cases
         server = None
         trainer = None
@@ -665,8 +791,7 @@ def _run_all(args: argparse.Namespace, storages: list[tuple[str, Path]]) -> int:
                 progress(f"-- size {size}, storage {storage} ({case.fs_type}), work {work}")
                 try:
                     case.cold_read = choose_cold_read(work, args.cold_read)
-                    run_case(case, work, args, trainer, state, cpu_state, model_dir / "config.json",
-                             server, log_dir)
+                    run_case(case, work, args, trainer, state, cpu_state, model_dir / "config.json", server, log_dir)
                 except Exception:
                     case.error = traceback.format_exc()
                     progress(case.error)
@@ -696,13 +821,34 @@ def _run_all(args: argparse.Namespace, storages: list[tuple[str, Path]]) -> int:
 def write_json(args: argparse.Namespace, cases: list[Case], log_dir: Path) -> None:
     if not args.json:
         return
-    out = {"config": vars(args), "environment": environment(args), "log_dir": str(log_dir),
-           "results": [{"size": c.size, "storage": c.storage, "path": c.path, "fs_type": c.fs_type,
-                        "cold_read": c.cold_read, "sglang": c.sglang, "model_bytes": c.model_bytes,
-                        "tensors": c.tensors, "median_s": c.medians(), "ratios": c.ratios(),
-                        "runs": {"physical": c.physical, "naive": c.naive, "ours": c.ours,
-                                 "ours_nostage": c.ours_nostage, "ours_delta": c.ours_delta},
-                        "error": c.error} for c in cases]}
+    out = {
+        "config": vars(args),
+        "environment": environment(args),
+        "log_dir": str(log_dir),
+        "results": [
+            {
+                "size": c.size,
+                "storage": c.storage,
+                "path": c.path,
+                "fs_type": c.fs_type,
+                "cold_read": c.cold_read,
+                "sglang": c.sglang,
+                "model_bytes": c.model_bytes,
+                "tensors": c.tensors,
+                "median_s": c.medians(),
+                "ratios": c.ratios(),
+                "runs": {
+                    "physical": c.physical,
+                    "naive": c.naive,
+                    "ours": c.ours,
+                    "ours_nostage": c.ours_nostage,
+                    "ours_delta": c.ours_delta,
+                },
+                "error": c.error,
+            }
+            for c in cases
+        ],
+    }
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")

@@ -65,13 +65,15 @@ def load_tldr(name_or_path: str) -> Dataset:
         dataset = load_dataset(name_or_path, split="train")
     missing = {"prompt", "completion"} - set(dataset.column_names)
     if missing:
-        raise SystemExit(f"--dataset {name_or_path}: missing column(s) {sorted(missing)}; the TL;DR format has a "
-                         "'prompt' (the post) and a 'completion' (the reference summary)")
+        raise SystemExit(
+            f"--dataset {name_or_path}: missing column(s) {sorted(missing)}; the TL;DR format has a "
+            "'prompt' (the post) and a 'completion' (the reference summary)"
+        )
     return dataset.rename_column("completion", REFERENCE_COLUMN)
 
 
 def resolve_device(requested: str) -> str:
-    """"cuda" or "cpu" for ``--device``; never a silent CPU fallback on a machine with GPUs.
+    """ "cuda" or "cpu" for ``--device``; never a silent CPU fallback on a machine with GPUs.
 
     ``auto`` is CUDA when torch sees a GPU, the CPU when the machine has none, and an error when
     nvidia-smi lists GPUs that torch cannot use (a driver older than torch's CUDA build needs, or a
@@ -87,30 +89,42 @@ def resolve_device(requested: str) -> str:
         return "cuda"
     gpus = listed_gpus()
     if requested == "cuda" or gpus:
-        raise SystemExit("error: " + cuda_unavailable_message(
-            gpus or ["none listed by nvidia-smi"], f"--device {requested}", torch.__version__))
+        raise SystemExit(
+            "error: "
+            + cuda_unavailable_message(
+                gpus or ["none listed by nvidia-smi"], f"--device {requested}", torch.__version__
+            )
+        )
     return "cpu"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct", help="Hub name or local model directory")
     p.add_argument("--dataset", default="trl-lib/tldr", help="Hub name, JSON-lines file or saved dataset folder")
     p.add_argument("--checkpoint-path", required=True, help="the directory the sidecars watch")
     p.add_argument("--sglang-url", action="append", required=True, help="repeat for several servers")
     p.add_argument("--sidecar-url", action="append", required=True, help="one per SGLang server")
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
-                   help="auto: CUDA when torch sees a GPU, the CPU on a machine without GPUs, an error"
-                        " when nvidia-smi lists GPUs torch cannot use; cuda: require a GPU")
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cuda", "cpu"),
+        help="auto: CUDA when torch sees a GPU, the CPU on a machine without GPUs, an error"
+        " when nvidia-smi lists GPUs torch cannot use; cuda: require a GPU",
+    )
     p.add_argument("--output-dir", default="runs/grpo-tldr")
     p.add_argument("--max-steps", type=int, default=500)
     p.add_argument("--per-device-train-batch-size", type=int, default=16)
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--max-completion-length", type=int, default=64)
     p.add_argument("--learning-rate", type=float, default=1e-6)
-    p.add_argument("--checkpoint-dtype", default=None,
-                   help="dtype of the published checkpoints (default: bfloat16 on GPU, the model's on CPU)")
+    p.add_argument(
+        "--checkpoint-dtype",
+        default=None,
+        help="dtype of the published checkpoints (default: bfloat16 on GPU, the model's on CPU)",
+    )
     return p
 
 
@@ -120,14 +134,26 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint_dtype = a.checkpoint_dtype or ("bfloat16" if on_gpu else None)
     dataset = load_tldr(a.dataset)
     args = GRPOConfig(
-        output_dir=a.output_dir, checkpoint_path=a.checkpoint_path, sglang_urls=a.sglang_url,
-        sidecar_urls=a.sidecar_url, max_staleness=0, checkpoint_dtype=checkpoint_dtype, keep_checkpoints=3,
-        per_device_train_batch_size=a.per_device_train_batch_size, num_generations=a.num_generations,
-        max_completion_length=a.max_completion_length, learning_rate=a.learning_rate, max_steps=a.max_steps,
-        bf16=on_gpu, use_cpu=not on_gpu, logging_steps=1 if a.max_steps < 20 else 5, report_to=[],
-        save_strategy="no", gradient_checkpointing=True)
-    trainer = GRPOTrainer(model=a.model, reward_funcs=rouge_l_reward(), args=args,
-                          train_dataset=dataset)
+        output_dir=a.output_dir,
+        checkpoint_path=a.checkpoint_path,
+        sglang_urls=a.sglang_url,
+        sidecar_urls=a.sidecar_url,
+        max_staleness=0,
+        checkpoint_dtype=checkpoint_dtype,
+        keep_checkpoints=3,
+        per_device_train_batch_size=a.per_device_train_batch_size,
+        num_generations=a.num_generations,
+        max_completion_length=a.max_completion_length,
+        learning_rate=a.learning_rate,
+        max_steps=a.max_steps,
+        bf16=on_gpu,
+        use_cpu=not on_gpu,
+        logging_steps=1 if a.max_steps < 20 else 5,
+        report_to=[],
+        save_strategy="no",
+        gradient_checkpointing=True,
+    )
+    trainer = GRPOTrainer(model=a.model, reward_funcs=rouge_l_reward(), args=args, train_dataset=dataset)
     trainer.train()
 
 

@@ -19,11 +19,13 @@ from rollout_service import cli as service_cli
 def register_demo(sub: Any, add_env: Callable[..., Any]) -> None:
     """Add the `demo` command to the subparsers `sub`."""
     p = sub.add_parser(
-        "demo", help="GRPO with SGLang rollouts + checkpoint sync on one machine (CPU is fine)",
+        "demo",
+        help="GRPO with SGLang rollouts + checkpoint sync on one machine (CPU is fine)",
         description="Train GRPO for a few steps on a tiny local model (or --model) with SGLang"
         " rollouts: starts `serve` (SGLang + sidecar) unless --sglang-url/--sidecar-url are given,"
         " publishes a checkpoint every step and waits for the sidecar to load it, then writes"
-        " summary.json and demo.png to --output-dir. Needs the [trainer] extra.")
+        " summary.json and demo.png to --output-dir. Needs the [trainer] extra.",
+    )
     add_env(p, "--output-dir", default="runs/demo", help="where summary.json and demo.png go")
     add_env(p, "--model", default=None, help="HF model directory (default: the tiny local model)")
     add_env(p, "--steps", type=int, default=20, help="GRPO steps")
@@ -31,11 +33,16 @@ def register_demo(sub: Any, add_env: Callable[..., Any]) -> None:
     add_env(p, "--num-generations", type=int, default=8, help="completions per prompt")
     add_env(p, "--prompts-per-step", type=int, default=4, help="prompts per step")
     add_env(p, "--max-completion-length", type=int, default=16, help="new tokens per completion")
-    add_env(p, "--sglang-url", default=None,
-            help="use this running SGLang instead of starting `serve` (with --sidecar-url)")
+    add_env(
+        p, "--sglang-url", default=None, help="use this running SGLang instead of starting `serve` (with --sidecar-url)"
+    )
     add_env(p, "--sidecar-url", default=None, help="the sidecar beside --sglang-url")
-    add_env(p, "--checkpoint-path", default=None,
-            help="checkpoint root (default OUTPUT_DIR/checkpoints; with --sglang-url, the sidecar's)")
+    add_env(
+        p,
+        "--checkpoint-path",
+        default=None,
+        help="checkpoint root (default OUTPUT_DIR/checkpoints; with --sglang-url, the sidecar's)",
+    )
     add_env(p, "--device", default="cpu", help="device of the SGLang server the demo starts")
     add_env(p, "--seed", type=int, default=0, help="random seed")
     p.set_defaults(func=_cmd_demo)
@@ -47,16 +54,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         from .demo import run_demo
     except ImportError as exc:
-        print(f"error: the demo needs TRL and torch ({exc}); install the [trainer] extra",
-              file=sys.stderr)
+        print(f"error: the demo needs TRL and torch ({exc}); install the [trainer] extra", file=sys.stderr)
         return 2
-    run_demo(Path(args.output_dir), model=Path(args.model) if args.model else None,
-             steps=args.steps, learning_rate=args.learning_rate,
-             num_generations=args.num_generations, prompts_per_step=args.prompts_per_step,
-             max_completion_length=args.max_completion_length, sglang_url=args.sglang_url,
-             sidecar_url=args.sidecar_url,
-             checkpoint_path=Path(args.checkpoint_path) if args.checkpoint_path else None,
-             device=args.device, seed=args.seed)
+    run_demo(
+        Path(args.output_dir),
+        model=Path(args.model) if args.model else None,
+        steps=args.steps,
+        learning_rate=args.learning_rate,
+        num_generations=args.num_generations,
+        prompts_per_step=args.prompts_per_step,
+        max_completion_length=args.max_completion_length,
+        sglang_url=args.sglang_url,
+        sidecar_url=args.sidecar_url,
+        checkpoint_path=Path(args.checkpoint_path) if args.checkpoint_path else None,
+        device=args.device,
+        seed=args.seed,
+    )
     return 0
 
 

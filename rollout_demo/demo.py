@@ -27,8 +27,10 @@ from rollout_service.sglang_launcher import free_port
 
 log = logging.getLogger(__name__)
 
-WORDS = ("the data file import class return value list self path name error test string"
-         " module open read write print format number result object type index key").split()
+WORDS = (
+    "the data file import class return value list self path name error test string"
+    " module open read write print format number result object type index key"
+).split()
 
 
 def make_prompts(n: int, seed: int = 0) -> list[str]:
@@ -51,21 +53,45 @@ def word_start_reward(tokenizer: Any) -> Callable[..., list[float]]:
 class ServeProcess:
     """``rollout-service serve`` (SGLang + sidecar) as a process group, for the demo's rollouts."""
 
-    def __init__(self, model: Path, checkpoint_path: Path, log_path: Path, device: str,
-                 startup_timeout_s: float = 600.0):
+    def __init__(
+        self, model: Path, checkpoint_path: Path, log_path: Path, device: str, startup_timeout_s: float = 600.0
+    ):
         self.port, self.sidecar_port = free_port(), free_port()
         self.sglang_url = f"http://127.0.0.1:{self.port}"
         self.sidecar_url = f"http://127.0.0.1:{self.sidecar_port}"
         self.sglang_log = log_path.with_name("sglang.log")
         self.group = ProcessGroup(
-            [sys.executable, "-m", "rollout_service.cli", "serve", "--model", str(model),
-             "--checkpoint-path", str(checkpoint_path), "--port", str(self.port),
-             "--sidecar-port", str(self.sidecar_port), "--device", device,
-             "--health-interval", "0.5", "--replica-id", "demo",
-             # The run's own stage: two demos on one machine must not share one (it is locked).
-             "--stage-dir", str(log_path.parent / "stage"),
-             "--startup-timeout", str(startup_timeout_s), "--sglang-log", str(self.sglang_log)],
-            log_path, name="rollout-service serve", die_with_parent=True)
+            [
+                sys.executable,
+                "-m",
+                "rollout_service.cli",
+                "serve",
+                "--model",
+                str(model),
+                "--checkpoint-path",
+                str(checkpoint_path),
+                "--port",
+                str(self.port),
+                "--sidecar-port",
+                str(self.sidecar_port),
+                "--device",
+                device,
+                "--health-interval",
+                "0.5",
+                "--replica-id",
+                "demo",
+                # The run's own stage: two demos on one machine must not share one (it is locked).
+                "--stage-dir",
+                str(log_path.parent / "stage"),
+                "--startup-timeout",
+                str(startup_timeout_s),
+                "--sglang-log",
+                str(self.sglang_log),
+            ],
+            log_path,
+            name="rollout-service serve",
+            die_with_parent=True,
+        )
         self.group.start()
 
     def wait_ready(self, timeout_s: float, progress_grace_s: float = 120.0) -> None:
@@ -77,24 +103,41 @@ class ServeProcess:
             RuntimeError: ``serve`` exited (``ProcessExitedError``).
             TimeoutError: not ready in time (``StartTimeoutError``); the message names the flag.
         """
+
         def fatal(client: httpx.Client) -> str | None:  # e.g. a stage another sidecar holds
             report = client.get(f"{self.sidecar_url}/status").json().get("fatal")
             return f"{report['reason']}: {report['message']}" if report else None
 
-        self.group.wait_http(f"{self.sidecar_url}/readyz", timeout_s, progress_grace_s=progress_grace_s,
-                             progress_logs=[self.sglang_log], failed=fatal,
-                             timeout_hint="raise the start-up timeout (serve --startup-timeout)")
+        self.group.wait_http(
+            f"{self.sidecar_url}/readyz",
+            timeout_s,
+            progress_grace_s=progress_grace_s,
+            progress_logs=[self.sglang_log],
+            failed=fatal,
+            timeout_hint="raise the start-up timeout (serve --startup-timeout)",
+        )
 
     def stop(self) -> None:
         self.group.stop(60.0)
 
 
-def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
-             learning_rate: float = 2e-2, num_generations: int = 8, prompts_per_step: int = 4,
-             max_completion_length: int = 16, sglang_url: str | None = None,
-             sidecar_url: str | None = None, checkpoint_path: Path | None = None,
-             device: str = "cpu", seed: int = 0, plot: bool = True,
-             startup_timeout_s: float = 600.0) -> dict[str, Any]:
+def run_demo(
+    output_dir: Path,
+    *,
+    model: Path | None = None,
+    steps: int = 20,
+    learning_rate: float = 2e-2,
+    num_generations: int = 8,
+    prompts_per_step: int = 4,
+    max_completion_length: int = 16,
+    sglang_url: str | None = None,
+    sidecar_url: str | None = None,
+    checkpoint_path: Path | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+    plot: bool = True,
+    startup_timeout_s: float = 600.0,
+) -> dict[str, Any]:
     """Train, then write ``summary.json`` (+ ``demo.png``) into ``output_dir``; return the summary."""
     import torch
     from datasets import Dataset
@@ -124,17 +167,32 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
         policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         dataset = Dataset.from_dict({"prompt": make_prompts(max(64, steps * prompts_per_step), seed)})
         args = GRPOConfig(
-            output_dir=str(output_dir / "trainer"), checkpoint_path=str(checkpoint_path),
-            sglang_urls=[sglang_url], sidecar_urls=[sidecar_url] if sidecar_url else [],
+            output_dir=str(output_dir / "trainer"),
+            checkpoint_path=str(checkpoint_path),
+            sglang_urls=[sglang_url],
+            sidecar_urls=[sidecar_url] if sidecar_url else [],
             expected_replicas=None if sidecar_url else 1,
             per_device_train_batch_size=prompts_per_step * num_generations,
-            num_generations=num_generations, max_completion_length=max_completion_length,
-            max_steps=steps, learning_rate=learning_rate, lr_scheduler_type="constant",
-            beta=0.0, temperature=1.0, logging_steps=1, save_strategy="no", report_to=[],
-            seed=seed, use_cpu=device == "cpu", bf16=False, disable_tqdm=True,
-            sync_timeout=300.0, keep_checkpoints=3,
+            num_generations=num_generations,
+            max_completion_length=max_completion_length,
+            max_steps=steps,
+            learning_rate=learning_rate,
+            lr_scheduler_type="constant",
+            beta=0.0,
+            temperature=1.0,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            seed=seed,
+            use_cpu=device == "cpu",
+            bf16=False,
+            disable_tqdm=True,
+            sync_timeout=300.0,
+            keep_checkpoints=3,
             # fp32 master weights, bf16 checkpoints as deltas against the previous version.
-            checkpoint_dtype="bfloat16", checkpoint_delta=True)
+            checkpoint_dtype="bfloat16",
+            checkpoint_delta=True,
+        )
         step_times: list[float] = []
 
         class Progress(TrainerCallback):
@@ -149,14 +207,22 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
             def on_log(self, args_: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
                 if logs and "reward" in logs:
                     nan = float("nan")
-                    print(f"  step {state.global_step:>3}/{steps}  reward {logs['reward']:.3f}"
-                          f"  generate {logs.get('sglang/generate_s', nan):.2f} s"
-                          f"  sync {logs.get('sglang/sync_total_s', nan):.2f} s"
-                          f"  step {logs.get('step_time', nan):.2f} s", flush=True)
+                    print(
+                        f"  step {state.global_step:>3}/{steps}  reward {logs['reward']:.3f}"
+                        f"  generate {logs.get('sglang/generate_s', nan):.2f} s"
+                        f"  sync {logs.get('sglang/sync_total_s', nan):.2f} s"
+                        f"  step {logs.get('step_time', nan):.2f} s",
+                        flush=True,
+                    )
 
-        trainer = GRPOTrainer(model=policy, reward_funcs=word_start_reward(tokenizer), args=args,
-                              train_dataset=dataset, processing_class=tokenizer,
-                              callbacks=[Progress()])
+        trainer = GRPOTrainer(
+            model=policy,
+            reward_funcs=word_start_reward(tokenizer),
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[Progress()],
+        )
         trainer.remove_callback(PrinterCallback)  # Progress prints one line per step instead
         t0 = time.perf_counter()
         trainer.train()
@@ -166,13 +232,18 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
             serve.stop()
     history = [h for h in trainer.state.log_history if "reward" in h]
     summary: dict[str, Any] = {
-        "model": str(model_dir), "steps": steps, "learning_rate": learning_rate,
-        "num_generations": num_generations, "prompts_per_step": prompts_per_step,
-        "max_completion_length": max_completion_length, "train_seconds": wall,
+        "model": str(model_dir),
+        "steps": steps,
+        "learning_rate": learning_rate,
+        "num_generations": num_generations,
+        "prompts_per_step": prompts_per_step,
+        "max_completion_length": max_completion_length,
+        "train_seconds": wall,
         "rewards": [h["reward"] for h in history],
         "step_seconds": step_times,
-        "sync": {k: [h.get(k) for h in history] for k in sorted({k for h in history for k in h
-                                                                  if k.startswith("sglang/")})},
+        "sync": {
+            k: [h.get(k) for h in history] for k in sorted({k for h in history for k in h if k.startswith("sglang/")})
+        },
         "log_history": history,
     }
     summary["time_split_median_s"] = time_split(history)
@@ -186,14 +257,20 @@ def run_demo(output_dir: Path, *, model: Path | None = None, steps: int = 20,
         _plot(summary, output_dir / "demo.png")
     written = summary["checkpoint_bytes"]
     if written["full_mb"]:
-        print(f"checkpoint sync wrote {written['written_mb']:.1f} MB where full checkpoints would be"
-              f" {written['full_mb']:.1f} MB ({written['saved_fraction']:.0%} saved; {written['deltas']} of"
-              f" {written['syncs']} syncs were deltas)", flush=True)
+        print(
+            f"checkpoint sync wrote {written['written_mb']:.1f} MB where full checkpoints would be"
+            f" {written['full_mb']:.1f} MB ({written['saved_fraction']:.0%} saved; {written['deltas']} of"
+            f" {written['syncs']} syncs were deltas)",
+            flush=True,
+        )
     split = summary["time_split_median_s"]
     print("median step time split: " + ", ".join(f"{k} {v:.3f} s" for k, v in split.items()))
-    print(f"reward {summary['reward_first']:.3f} (first {k} steps) -> {summary['reward_last']:.3f}"
-          f" (last {k}); {wall:.1f} s for {steps} steps; wrote {output_dir / 'summary.json'}"
-          + (f" and {output_dir / 'demo.png'}" if plot else ""), flush=True)
+    print(
+        f"reward {summary['reward_first']:.3f} (first {k} steps) -> {summary['reward_last']:.3f}"
+        f" (last {k}); {wall:.1f} s for {steps} steps; wrote {output_dir / 'summary.json'}"
+        + (f" and {output_dir / 'demo.png'}" if plot else ""),
+        flush=True,
+    )
     return summary
 
 
@@ -203,8 +280,13 @@ def sync_bytes(history: list[dict[str, Any]]) -> dict[str, float]:
     full = sum(float(h.get("sglang/sync_full_mb") or 0.0) for h in history)
     syncs = sum(1 for h in history if h.get("sglang/sync_mb") is not None)
     deltas = sum(1 for h in history if h.get("sglang/sync_delta"))
-    return {"written_mb": written, "full_mb": full, "saved_fraction": 1 - written / full if full else 0.0,
-            "syncs": syncs, "deltas": deltas}
+    return {
+        "written_mb": written,
+        "full_mb": full,
+        "saved_fraction": 1 - written / full if full else 0.0,
+        "syncs": syncs,
+        "deltas": deltas,
+    }
 
 
 def time_split(history: list[dict[str, Any]]) -> dict[str, float]:
@@ -215,9 +297,14 @@ def time_split(history: list[dict[str, Any]]) -> dict[str, float]:
         values = [float(h[key]) for h in history if h.get(key) is not None]
         return statistics.median(values) if values else 0.0
 
-    split = {"generate": med("sglang/generate_s"), "sync_gather": med("sglang/sync_gather_s"),
-             "sync_write": med("sglang/sync_write_s"), "sync_wait": med("sglang/sync_wait_s"),
-             "sync_total": med("sglang/sync_total_s"), "step": med("step_time")}
+    split = {
+        "generate": med("sglang/generate_s"),
+        "sync_gather": med("sglang/sync_gather_s"),
+        "sync_write": med("sglang/sync_write_s"),
+        "sync_wait": med("sglang/sync_wait_s"),
+        "sync_total": med("sglang/sync_total_s"),
+        "step": med("step_time"),
+    }
     split["train"] = max(0.0, split["step"] - split["generate"] - split["sync_total"])
     return split
 
@@ -233,12 +320,14 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
     ax1.plot(steps, summary["rewards"], marker="o", ms=3)
     ax1.set_ylabel("reward (share of new-word tokens)")
     ax1.set_title("GRPO with SGLang rollouts and checkpoint sync")
-    for key, label in (("sglang/sync_total_s", "sync total"), ("sglang/sync_write_s", "write"),
-                       ("sglang/sync_wait_s", "wait for replicas")):
+    for key, label in (
+        ("sglang/sync_total_s", "sync total"),
+        ("sglang/sync_write_s", "write"),
+        ("sglang/sync_wait_s", "wait for replicas"),
+    ):
         values = summary["sync"].get(key)
         if values and any(v is not None for v in values):
-            ax2.plot(steps[:len(values)], [float("nan") if v is None else v for v in values],
-                     marker=".", label=label)
+            ax2.plot(steps[: len(values)], [float("nan") if v is None else v for v in values], marker=".", label=label)
     ax2.set_ylabel("seconds")
     ax2.set_xlabel("step")
     ax2.legend()

@@ -55,8 +55,11 @@ class LoraLimits:
         modules = info.get("lora_target_modules") or []
         if isinstance(modules, str):
             modules = [modules]
-        return cls(enabled=enabled, max_rank=rank if isinstance(rank, int) and not isinstance(rank, bool)
-                   else None, target_modules=frozenset(str(m) for m in modules))
+        return cls(
+            enabled=enabled,
+            max_rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
+            target_modules=frozenset(str(m) for m in modules),
+        )
 
     def serves_module(self, module: str) -> bool:
         return module in self.target_modules or "all" in self.target_modules
@@ -82,8 +85,10 @@ def adapter_support_problem(config: Mapping[str, Any], limits: LoraLimits) -> st
     if config.get("use_dora"):
         return "the adapter uses DoRA (use_dora=True), which SGLang does not serve"
     if config.get("modules_to_save"):
-        return (f"modules_to_save={sorted(config['modules_to_save'])} trains whole modules, which SGLang's"
-                " LoRA adapters cannot carry")
+        return (
+            f"modules_to_save={sorted(config['modules_to_save'])} trains whole modules, which SGLang's"
+            " LoRA adapters cannot carry"
+        )
     if config.get("use_rslora"):
         return "use_rslora=True scales by alpha/sqrt(r); SGLang scales every adapter by alpha/r"
     if config.get("rank_pattern") or config.get("alpha_pattern"):
@@ -97,13 +102,17 @@ def adapter_support_problem(config: Mapping[str, Any], limits: LoraLimits) -> st
         return f"rank {rank} is above the server's --max-lora-rank {limits.max_rank}"
     modules = config.get("target_modules")
     if isinstance(modules, str):
-        return (f"target_modules={modules!r} is a pattern; give the module names (e.g. ['q_proj', 'v_proj'])"
-                " so the server's --lora-target-modules can be checked")
+        return (
+            f"target_modules={modules!r} is a pattern; give the module names (e.g. ['q_proj', 'v_proj'])"
+            " so the server's --lora-target-modules can be checked"
+        )
     names = module_names(modules or [])
     unserved = sorted(m for m in names if not limits.serves_module(m))
     if unserved:
-        return (f"target modules {unserved} are not among the server's --lora-target-modules"
-                f" {sorted(limits.target_modules)}")
+        return (
+            f"target modules {unserved} are not among the server's --lora-target-modules"
+            f" {sorted(limits.target_modules)}"
+        )
     return stacking_problem(names)
 
 
@@ -120,16 +129,26 @@ def stacking_problem(modules: set[str]) -> str | None:
     (``k_proj`` optional) and ``gate_up_proj`` from ``gate_proj`` (``up_proj`` optional)."""
     attention = modules & {"q_proj", "k_proj", "v_proj"}
     if attention and not {"q_proj", "v_proj"} <= attention:
-        return (f"target modules {sorted(attention)}: SGLang fuses q/k/v and needs q_proj and v_proj both"
-                " in an adapter that changes any of them (add the missing one)")
+        return (
+            f"target modules {sorted(attention)}: SGLang fuses q/k/v and needs q_proj and v_proj both"
+            " in an adapter that changes any of them (add the missing one)"
+        )
     if "up_proj" in modules and "gate_proj" not in modules:
-        return ("target module up_proj without gate_proj: SGLang fuses them and cannot serve up_proj alone"
-                " (add gate_proj)")
+        return (
+            "target module up_proj without gate_proj: SGLang fuses them and cannot serve up_proj alone (add gate_proj)"
+        )
     return None
 
 
-def validate_adapter(checkpoint_dir: Path, *, root: Path, reference: TensorSpecs, limits: LoraLimits,
-                     check_finite: bool = False, timeout_s: float | None = None) -> AdapterReport:
+def validate_adapter(
+    checkpoint_dir: Path,
+    *,
+    root: Path,
+    reference: TensorSpecs,
+    limits: LoraLimits,
+    check_finite: bool = False,
+    timeout_s: float | None = None,
+) -> AdapterReport:
     """Validate an ``adapter`` step; raise ``CheckpointError`` naming the first problem."""
     deadline = Deadline(timeout_s) if timeout_s is not None else NO_DEADLINE
     checkpoint_dir = Path(checkpoint_dir)
@@ -141,39 +160,59 @@ def validate_adapter(checkpoint_dir: Path, *, root: Path, reference: TensorSpecs
     checks = ["inside root", "manifest parses"]
     step = parse_step_dir_name(name)
     if step is not None and manifest.step != step:
-        raise CheckpointError("bad_manifest", f"{name}/manifest.json says step {manifest.step}, the"
-                              f" directory says {step}")
+        raise CheckpointError(
+            "bad_manifest", f"{name}/manifest.json says step {manifest.step}, the directory says {step}"
+        )
     if manifest.kind != "adapter" or manifest.adapter is None:
         raise CheckpointError("not_an_adapter", f"{name} is a {manifest.kind} checkpoint, not an adapter")
     if sorted(manifest.files) != sorted(ADAPTER_FILES):
-        raise CheckpointError("bad_manifest", f"{name}/manifest.json lists {sorted(manifest.files)[:8]};"
-                              f" an adapter step holds exactly {list(ADAPTER_FILES)}")
+        raise CheckpointError(
+            "bad_manifest",
+            f"{name}/manifest.json lists {sorted(manifest.files)[:8]};"
+            f" an adapter step holds exactly {list(ADAPTER_FILES)}",
+        )
     with os.scandir(real_dir) as entries:  # SGLang's loader would also read other weight files
-        extra = sorted(e.name for _, e in zip(range(64), entries)
-                       if e.name not in ADAPTER_FILES and e.name != MANIFEST_NAME)
+        extra = sorted(
+            e.name for _, e in zip(range(64), entries) if e.name not in ADAPTER_FILES and e.name != MANIFEST_NAME
+        )
     if extra:
-        raise CheckpointError("unlisted_file", f"{name} holds {extra[:4]} beside the adapter; SGLang might"
-                              " load them. Remove them or republish the adapter")
+        raise CheckpointError(
+            "unlisted_file",
+            f"{name} holds {extra[:4]} beside the adapter; SGLang might"
+            " load them. Remove them or republish the adapter",
+        )
     for fname, entry in sorted(manifest.files.items()):
         with open_regular(root, real_dir / fname, where=f"{name}/{fname}") as (_, st):
             if st.st_size != entry.size:
-                raise CheckpointError("truncated" if st.st_size < entry.size else "size_mismatch",
-                                      f"{name}/{fname} has {st.st_size} bytes, the manifest says {entry.size}")
+                raise CheckpointError(
+                    "truncated" if st.st_size < entry.size else "size_mismatch",
+                    f"{name}/{fname} has {st.st_size} bytes, the manifest says {entry.size}",
+                )
     checks.append("files and sizes match the manifest")
     deadline.check(name)
     info = manifest.adapter
-    config = parse_json_object(read_small(root, real_dir / ADAPTER_CONFIG_NAME,
-                                          where=f"{name}/{ADAPTER_CONFIG_NAME}"),
-                               where=f"{name}/{ADAPTER_CONFIG_NAME}", reason="bad_adapter_config")
-    if config.get("r") != info.rank or not isinstance(config.get("lora_alpha"), (int, float)) \
-            or float(config["lora_alpha"]) != info.alpha:
-        raise CheckpointError("bad_adapter_config", f"{name}/{ADAPTER_CONFIG_NAME} has r={config.get('r')!r},"
-                              f" lora_alpha={config.get('lora_alpha')!r}; the manifest says {info.rank},"
-                              f" {info.alpha}")
+    config = parse_json_object(
+        read_small(root, real_dir / ADAPTER_CONFIG_NAME, where=f"{name}/{ADAPTER_CONFIG_NAME}"),
+        where=f"{name}/{ADAPTER_CONFIG_NAME}",
+        reason="bad_adapter_config",
+    )
+    if (
+        config.get("r") != info.rank
+        or not isinstance(config.get("lora_alpha"), (int, float))
+        or float(config["lora_alpha"]) != info.alpha
+    ):
+        raise CheckpointError(
+            "bad_adapter_config",
+            f"{name}/{ADAPTER_CONFIG_NAME} has r={config.get('r')!r},"
+            f" lora_alpha={config.get('lora_alpha')!r}; the manifest says {info.rank},"
+            f" {info.alpha}",
+        )
     modules = config.get("target_modules")
     if not isinstance(modules, list) or module_names(modules) != set(info.target_modules):
-        raise CheckpointError("bad_adapter_config", f"{name}/{ADAPTER_CONFIG_NAME} targets {modules!r:.200};"
-                              f" the manifest says {info.target_modules}")
+        raise CheckpointError(
+            "bad_adapter_config",
+            f"{name}/{ADAPTER_CONFIG_NAME} targets {modules!r:.200}; the manifest says {info.target_modules}",
+        )
     problem = adapter_support_problem(config, limits)
     if problem is not None:
         raise CheckpointError("adapter_unservable", f"{name}: {problem}")
@@ -195,25 +234,38 @@ def _check_tensors(specs: TensorSpecs, reference: TensorSpecs, rank: int, module
         base, _, tail = tname.rpartition(".")
         module_path, _, part = base.rpartition(".")
         if not tname.startswith(PEFT_PREFIX) or tail != "weight" or part not in LORA_PARTS:
-            raise CheckpointError("bad_adapter", f"{where}: tensor {tname[:120]!r} is not a LoRA weight"
-                                  " ('base_model.model.<module>.lora_A.weight' or lora_B)")
+            raise CheckpointError(
+                "bad_adapter",
+                f"{where}: tensor {tname[:120]!r} is not a LoRA weight"
+                " ('base_model.model.<module>.lora_A.weight' or lora_B)",
+            )
         module = module_path.rsplit(".", 1)[-1]
         if module not in modules:
-            raise CheckpointError("bad_adapter", f"{where}: tensor {tname[:120]!r} belongs to {module!r},"
-                                  f" not one of the adapter's target modules {sorted(modules)}")
-        served = module_path[len(PEFT_PREFIX):] + ".weight"
+            raise CheckpointError(
+                "bad_adapter",
+                f"{where}: tensor {tname[:120]!r} belongs to {module!r},"
+                f" not one of the adapter's target modules {sorted(modules)}",
+            )
+        served = module_path[len(PEFT_PREFIX) :] + ".weight"
         if served not in reference:
-            raise CheckpointError("adapter_mismatch", f"{where}: {tname[:120]!r} adapts {served!r}, which the"
-                                  " served model does not have (an adapter for another model?)")
+            raise CheckpointError(
+                "adapter_mismatch",
+                f"{where}: {tname[:120]!r} adapts {served!r}, which the"
+                " served model does not have (an adapter for another model?)",
+            )
         out_dim, in_dim = (tuple(reference[served][1]) + (0, 0))[:2]
         want = (rank, in_dim) if part == "lora_A" else (out_dim, rank)
         if dtype not in FLOAT_DTYPES or tuple(shape) != want:
-            raise CheckpointError("adapter_mismatch", f"{where}: {tname[:120]!r} is {dtype} {list(shape)};"
-                                  f" for {served} {list(reference[served][1])} at rank {rank} it must be a"
-                                  f" float tensor of shape {list(want)}")
+            raise CheckpointError(
+                "adapter_mismatch",
+                f"{where}: {tname[:120]!r} is {dtype} {list(shape)};"
+                f" for {served} {list(reference[served][1])} at rank {rank} it must be a"
+                f" float tensor of shape {list(want)}",
+            )
         seen.add(f"{module_path}.{part}")
-    unpaired = sorted(p for p in seen if p.replace("lora_A", "lora_B") not in seen
-                      or p.replace("lora_B", "lora_A") not in seen)
+    unpaired = sorted(
+        p for p in seen if p.replace("lora_A", "lora_B") not in seen or p.replace("lora_B", "lora_A") not in seen
+    )
     if unpaired:
         raise CheckpointError("bad_adapter", f"{where}: {unpaired[0][:120]!r} has no matching lora_A/lora_B")
 

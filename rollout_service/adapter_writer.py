@@ -62,14 +62,21 @@ def adapter_info(tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any])
     modules = lora_target_modules(list(tensors))
     if not modules:
         raise ValueError("no LoRA tensors (names ending in .lora_A.weight / .lora_B.weight) to publish")
-    return AdapterInfo(rank=int(config["r"]), alpha=float(config["lora_alpha"]), target_modules=modules,
-                       peft_type=str(getattr(config.get("peft_type"), "value", config.get("peft_type") or "LORA")))
+    return AdapterInfo(
+        rank=int(config["r"]),
+        alpha=float(config["lora_alpha"]),
+        target_modules=modules,
+        peft_type=str(getattr(config.get("peft_type"), "value", config.get("peft_type") or "LORA")),
+    )
 
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, (set, frozenset, tuple)):
-        return sorted(_jsonable(v) for v in value) if isinstance(value, (set, frozenset)) else [
-            _jsonable(v) for v in value]
+        return (
+            sorted(_jsonable(v) for v in value)
+            if isinstance(value, (set, frozenset))
+            else [_jsonable(v) for v in value]
+        )
     if isinstance(value, list):
         return [_jsonable(v) for v in value]
     if isinstance(value, dict):
@@ -133,21 +140,47 @@ def publish_adapter(
         prepared.append((name, t))
     tags = {_TAGS[t.dtype] for _, t in prepared}
     with atomic_step_dir(root, step) as tmp:
-        files = {ADAPTER_WEIGHTS_NAME: _write_tensors(tmp / ADAPTER_WEIGHTS_NAME, prepared),
-                 ADAPTER_CONFIG_NAME: write_small(tmp / ADAPTER_CONFIG_NAME, adapter_config_json(config))}
+        files = {
+            ADAPTER_WEIGHTS_NAME: _write_tensors(tmp / ADAPTER_WEIGHTS_NAME, prepared),
+            ADAPTER_CONFIG_NAME: write_small(tmp / ADAPTER_CONFIG_NAME, adapter_config_json(config)),
+        }
         write_seconds = time.perf_counter() - t0
         manifest = Manifest(
-            step=step, weight_version=version_for_step(step), created_at=time.time(),
-            writer=writer_identity(), base_model=base_model,
+            step=step,
+            weight_version=version_for_step(step),
+            created_at=time.time(),
+            writer=writer_identity(),
+            base_model=base_model,
             dtype=target or (tags.pop() if len(tags) == 1 else None),
-            total_bytes=sum(e.size for e in files.values()), tensor_count=len(prepared), files=files,
-            run_id=run_id, kind="adapter", adapter=info)
+            total_bytes=sum(e.size for e in files.values()),
+            tensor_count=len(prepared),
+            files=files,
+            run_id=run_id,
+            kind="adapter",
+            adapter=info,
+        )
         write_small(tmp / MANIFEST_NAME, manifest.to_json())
     final = Path(root) / step_dir_name(step)
     total = time.perf_counter() - t0
-    log.info("published adapter %s: rank %d on %s, %d tensors, %.2f MB in %.3f s", final, info.rank,
-             ",".join(info.target_modules), len(prepared), manifest.total_bytes / 1e6, total)
-    return PublishResult(path=final, step=step, weight_version=manifest.weight_version,
-                         total_bytes=manifest.total_bytes, tensor_count=len(prepared), files=len(files),
-                         write_seconds=write_seconds, total_seconds=total, kind="adapter",
-                         fingerprint=manifest.fingerprint(), full_bytes=manifest.total_bytes)
+    log.info(
+        "published adapter %s: rank %d on %s, %d tensors, %.2f MB in %.3f s",
+        final,
+        info.rank,
+        ",".join(info.target_modules),
+        len(prepared),
+        manifest.total_bytes / 1e6,
+        total,
+    )
+    return PublishResult(
+        path=final,
+        step=step,
+        weight_version=manifest.weight_version,
+        total_bytes=manifest.total_bytes,
+        tensor_count=len(prepared),
+        files=len(files),
+        write_seconds=write_seconds,
+        total_seconds=total,
+        kind="adapter",
+        fingerprint=manifest.fingerprint(),
+        full_bytes=manifest.total_bytes,
+    )

@@ -66,14 +66,33 @@ MAX_STEP = 10**8 - 1
 
 # safetensors dtype tags, and the element size of each.
 DTYPE_SIZES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
 }
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 # The dtype names users pass (config, CLI) mapped to safetensors tags.
 DTYPE_NAMES = {
-    "float32": "F32", "fp32": "F32", "float16": "F16", "fp16": "F16", "half": "F16",
-    "bfloat16": "BF16", "bf16": "BF16", "float64": "F64",
+    "float32": "F32",
+    "fp32": "F32",
+    "float16": "F16",
+    "fp16": "F16",
+    "half": "F16",
+    "bfloat16": "BF16",
+    "bf16": "BF16",
+    "float64": "F64",
 }
 
 
@@ -111,9 +130,7 @@ def normalize_dtype(dtype: str | None) -> str | None:
         return dtype
     tag = DTYPE_NAMES.get(str(dtype).lower().removeprefix("torch."))
     if tag is None:
-        raise ValueError(
-            f"unknown checkpoint dtype {dtype!r}; use one of {sorted(set(DTYPE_NAMES))}"
-        )
+        raise ValueError(f"unknown checkpoint dtype {dtype!r}; use one of {sorted(set(DTYPE_NAMES))}")
     return tag
 
 
@@ -225,28 +242,41 @@ class Manifest:
                 f"{where} has format_version {str(version)[:40]!r}; this reader understands"
                 f" {list(READABLE_FORMAT_VERSIONS)}. Upgrade rollout-service on the reading side.",
             )
-        required = ["step", "weight_version", "created_at", "writer", "base_model", "dtype",
-                    "total_bytes", "tensor_count", "files", "digest_algorithm"]
+        required = [
+            "step",
+            "weight_version",
+            "created_at",
+            "writer",
+            "base_model",
+            "dtype",
+            "total_bytes",
+            "tensor_count",
+            "files",
+            "digest_algorithm",
+        ]
         missing = [k for k in required if k not in data]
         if missing:
             raise CheckpointError("bad_manifest", f"{where} lacks the field(s) {missing}")
         field_of = _FieldReader(where)
         files_raw = field_of.obj(data["files"], "files")
         if len(files_raw) > MAX_MANIFEST_FILES:
-            raise CheckpointError("bad_manifest", f"{where} lists {len(files_raw)} files, more than"
-                                  f" the {MAX_MANIFEST_FILES} allowed")
+            raise CheckpointError(
+                "bad_manifest", f"{where} lists {len(files_raw)} files, more than the {MAX_MANIFEST_FILES} allowed"
+            )
         files = field_of.files(files_raw, "files")
         kind = data.get("kind", "full")
         if kind not in KINDS:
-            raise CheckpointError("bad_manifest", f"{where}: kind {str(kind)[:40]!r} is not one of"
-                                  f" {list(KINDS)}")
+            raise CheckpointError("bad_manifest", f"{where}: kind {str(kind)[:40]!r} is not one of {list(KINDS)}")
         delta = None
         if kind == "delta":
             delta = field_of.delta(data.get("delta"))
-            if delta.base_step >= field_of.integer(data["step"], "step", MAX_STEP) \
-                    or delta.chain_start > delta.base_step:
-                raise CheckpointError("bad_manifest", f"{where}: a delta must apply to an earlier step"
-                                      " (chain_start <= base_step < step)")
+            if (
+                delta.base_step >= field_of.integer(data["step"], "step", MAX_STEP)
+                or delta.chain_start > delta.base_step
+            ):
+                raise CheckpointError(
+                    "bad_manifest", f"{where}: a delta must apply to an earlier step (chain_start <= base_step < step)"
+                )
         elif data.get("delta") is not None:
             raise CheckpointError("bad_manifest", f"{where}: a {kind} checkpoint has no delta field")
         adapter = None
@@ -256,32 +286,38 @@ class Manifest:
             raise CheckpointError("bad_manifest", f"{where}: a {kind} checkpoint has no adapter field")
         dtype = data["dtype"]
         if dtype is not None and dtype not in FLOAT_DTYPES:
-            raise CheckpointError("bad_manifest", f"{where}: dtype {str(dtype)[:40]!r} is not one of"
-                                  f" {sorted(FLOAT_DTYPES)}")
+            raise CheckpointError(
+                "bad_manifest", f"{where}: dtype {str(dtype)[:40]!r} is not one of {sorted(FLOAT_DTYPES)}"
+            )
         run_id = data.get("run_id")
         if run_id is not None and not (isinstance(run_id, str) and RUN_ID_RE.fullmatch(run_id)):
-            raise CheckpointError("bad_manifest", f"{where}: run_id must be 1-64 letters, digits,"
-                                  " '_' or '-'")
+            raise CheckpointError("bad_manifest", f"{where}: run_id must be 1-64 letters, digits, '_' or '-'")
         base_model = data["base_model"]
         if base_model is not None and not isinstance(base_model, str):
             raise CheckpointError("bad_manifest", f"{where}: base_model must be a string or null")
         digest_algorithm = data["digest_algorithm"]
         if digest_algorithm != DIGEST_ALGORITHM:
-            raise CheckpointError("bad_manifest", f"{where}: digest_algorithm must be"
-                                  f" {DIGEST_ALGORITHM!r}")
+            raise CheckpointError("bad_manifest", f"{where}: digest_algorithm must be {DIGEST_ALGORITHM!r}")
         created_at = data["created_at"]
         if isinstance(created_at, bool) or not isinstance(created_at, (int, float)):
             raise CheckpointError("bad_manifest", f"{where}: created_at must be a number")
         return cls(
             step=field_of.integer(data["step"], "step", MAX_STEP),
             weight_version=field_of.text(data["weight_version"], "weight_version"),
-            created_at=float(created_at), writer=field_of.obj(data["writer"], "writer"),
-            base_model=base_model, dtype=dtype,
+            created_at=float(created_at),
+            writer=field_of.obj(data["writer"], "writer"),
+            base_model=base_model,
+            dtype=dtype,
             total_bytes=field_of.integer(data["total_bytes"], "total_bytes", MAX_FILE_BYTES * MAX_MANIFEST_FILES),
             tensor_count=field_of.integer(data["tensor_count"], "tensor_count", 10**7),
-            files=files, digest_algorithm=digest_algorithm, format_version=version,
-            extra=field_of.obj(data.get("extra") or {}, "extra"), run_id=run_id,
-            kind=kind, delta=delta, adapter=adapter,
+            files=files,
+            digest_algorithm=digest_algorithm,
+            format_version=version,
+            extra=field_of.obj(data.get("extra") or {}, "extra"),
+            run_id=run_id,
+            kind=kind,
+            delta=delta,
+            adapter=adapter,
         )
 
     @classmethod
@@ -292,8 +328,11 @@ class Manifest:
         checkpoint_dir = Path(checkpoint_dir)
         path = checkpoint_dir / MANIFEST_NAME
         try:
-            raw = read_small(root if root is not None else checkpoint_dir.parent, path,
-                             where=f"{checkpoint_dir.name}/{MANIFEST_NAME}")
+            raw = read_small(
+                root if root is not None else checkpoint_dir.parent,
+                path,
+                where=f"{checkpoint_dir.name}/{MANIFEST_NAME}",
+            )
         except CheckpointError as exc:
             if exc.reason == "missing_file":
                 raise CheckpointError(
@@ -321,8 +360,8 @@ def parse_json_object(text: str | bytes, *, where: str, reason: str) -> dict[str
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise CheckpointError(reason, f"{where} is not UTF-8 text ({exc.reason} at byte"
-                                  f" {exc.start})") from None
+            raise CheckpointError(reason, f"{where} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not a number JSON allows")
 
@@ -345,8 +384,10 @@ class _FieldReader:
 
     def _bad(self, name: str, want: str, value: Any) -> CheckpointError:
         shown = repr(value)
-        return CheckpointError("bad_manifest", f"{self.where}: {name} must be {want}, got"
-                               f" {shown[:60] + ('...' if len(shown) > 60 else '')}")
+        return CheckpointError(
+            "bad_manifest",
+            f"{self.where}: {name} must be {want}, got {shown[:60] + ('...' if len(shown) > 60 else '')}",
+        )
 
     def integer(self, value: Any, name: str, maximum: int) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= maximum:
@@ -381,8 +422,9 @@ class _FieldReader:
 
     def files(self, raw: dict[str, Any], name: str) -> dict[str, FileEntry]:
         if len(raw) > MAX_MANIFEST_FILES:
-            raise CheckpointError("bad_manifest", f"{self.where} lists {len(raw)} {name}, more than"
-                                  f" the {MAX_MANIFEST_FILES} allowed")
+            raise CheckpointError(
+                "bad_manifest", f"{self.where} lists {len(raw)} {name}, more than the {MAX_MANIFEST_FILES} allowed"
+            )
         files = {}
         for fname, e in raw.items():
             at = f"{name}[{fname[:80]!r}]"
@@ -390,7 +432,8 @@ class _FieldReader:
             files[fname] = FileEntry(
                 size=self.integer(e.get("size"), f"{at}.size", MAX_FILE_BYTES),
                 digest=self.digest(e.get("digest"), f"{at}.digest"),
-                tensors=self.integer(e.get("tensors", 0), f"{at}.tensors", 10**7))
+                tensors=self.integer(e.get("tensors", 0), f"{at}.tensors", 10**7),
+            )
         return files
 
     def adapter(self, value: Any) -> AdapterInfo:
@@ -407,8 +450,11 @@ class _FieldReader:
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1e6:
             raise self._bad("adapter.alpha", "a positive number below 1e6", alpha)
         modules = a.get("target_modules")
-        if not isinstance(modules, list) or not 0 < len(modules) <= 64 or not all(
-                isinstance(m, str) and _MODULE_RE.fullmatch(m) for m in modules):
+        if (
+            not isinstance(modules, list)
+            or not 0 < len(modules) <= 64
+            or not all(isinstance(m, str) and _MODULE_RE.fullmatch(m) for m in modules)
+        ):
             raise self._bad("adapter.target_modules", "a list of 1-64 module names", modules)
         return AdapterInfo(rank=rank, alpha=float(alpha), target_modules=list(modules))
 
@@ -436,21 +482,31 @@ class _FieldReader:
             if dtype not in DTYPE_SIZES:
                 raise self._bad(f"{at}.dtype", f"one of {sorted(DTYPE_SIZES)}", dtype)
             shape = e.get("shape")
-            if not isinstance(shape, list) or len(shape) > 8 or not all(
-                    isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_FILE_BYTES
-                    for x in shape):
+            if (
+                not isinstance(shape, list)
+                or len(shape) > 8
+                or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_FILE_BYTES for x in shape)
+            ):
                 raise self._bad(f"{at}.shape", "a list of at most 8 sizes", shape)
             delta_file = e.get("delta_file")
             if delta_file is not None:
                 self.file_name(delta_file, f"{at}.delta_file")
-            tensors[tname] = DeltaTensor(shard=shard, dtype=dtype, shape=list(shape),
-                                         digest=self.digest(e.get("digest"), f"{at}.digest"),
-                                         delta_file=delta_file)
+            tensors[tname] = DeltaTensor(
+                shard=shard,
+                dtype=dtype,
+                shape=list(shape),
+                digest=self.digest(e.get("digest"), f"{at}.digest"),
+                delta_file=delta_file,
+            )
         return DeltaInfo(
             base_step=self.integer(d.get("base_step"), "delta.base_step", MAX_STEP),
             base_fingerprint=fp,
             chain_start=self.integer(d.get("chain_start"), "delta.chain_start", MAX_STEP),
-            target_files=target, tensors=tensors, codec=DELTA_CODEC,
+            target_files=target,
+            tensors=tensors,
+            codec=DELTA_CODEC,
             changed_tensors=self.integer(d.get("changed_tensors", 0), "delta.changed_tensors", 10**7),
-            changed_bytes=self.integer(d.get("changed_bytes", 0), "delta.changed_bytes",
-                                   MAX_FILE_BYTES * MAX_MANIFEST_FILES))
+            changed_bytes=self.integer(
+                d.get("changed_bytes", 0), "delta.changed_bytes", MAX_FILE_BYTES * MAX_MANIFEST_FILES
+            ),
+        )

@@ -40,6 +40,4 @@ def is_inside(path: Path | str, root: Path | str) -> bool:
 def check_plain_file_name(name: str, where: str) -> None:
     """A manifest file name must be a bare name: no directories, no '..', no hidden names."""
     if not name or name != os.path.basename(name) or name in (".", "..") or name.startswith("."):
-        raise CheckpointError(
-            "path_escape", f"{where} lists the file name {name!r}; only bare file names are allowed"
-        )
+        raise CheckpointError("path_escape", f"{where} lists the file name {name!r}; only bare file names are allowed")

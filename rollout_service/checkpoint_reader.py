@@ -109,8 +109,7 @@ def read_safetensors_specs(path: Path, *, root: Path | None = None) -> TensorSpe
 def _specs_of_fd(fd: int, where: str) -> TensorSpecs:
     try:
         with safe_open(fd_path(fd), framework="numpy") as f:
-            return {k: (str(f.get_slice(k).get_dtype()), tuple(f.get_slice(k).get_shape()))
-                    for k in f.keys()}
+            return {k: (str(f.get_slice(k).get_dtype()), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
     except Exception as exc:  # safetensors raises its own error types from Rust
         raise CheckpointError(
             "header_invalid",
@@ -134,8 +133,7 @@ def read_model_specs(model_dir: Path | str) -> TensorSpecs:
     return specs
 
 
-def compare_specs(found: TensorSpecs, expected: TensorSpecs, *, where: str,
-                  allow_float_cast: bool = False) -> None:
+def compare_specs(found: TensorSpecs, expected: TensorSpecs, *, where: str, allow_float_cast: bool = False) -> None:
     """Raise on the first difference in tensor names, shapes or dtypes.
 
     ``allow_float_cast`` accepts any of :data:`CASTABLE_FLOAT_DTYPES` where the reference has
@@ -206,22 +204,37 @@ def validate_checkpoint(
     checkpoint_dir = Path(checkpoint_dir)
     deadline = Deadline(timeout_s) if timeout_s is not None else NO_DEADLINE
     try:
-        return _validate(checkpoint_dir, Path(root) if root is not None else checkpoint_dir.parent,
-                         reference, allow_float_cast, check_digests, check_finite, deadline)
+        return _validate(
+            checkpoint_dir,
+            Path(root) if root is not None else checkpoint_dir.parent,
+            reference,
+            allow_float_cast,
+            check_digests,
+            check_finite,
+            deadline,
+        )
     except CheckpointError:
         raise
     except MemoryError:
-        raise CheckpointError("unreadable", f"{checkpoint_dir.name}: out of memory while reading"
-                              " it; the checkpoint is not what its manifest describes") from None
+        raise CheckpointError(
+            "unreadable",
+            f"{checkpoint_dir.name}: out of memory while reading it; the checkpoint is not what its manifest describes",
+        ) from None
     except Exception as exc:  # untrusted input: whatever broke, it is this checkpoint's fault
         raise CheckpointError(
-            "unreadable", f"{checkpoint_dir.name} cannot be read: {type(exc).__name__}:"
-            f" {str(exc)[:200]}") from None
+            "unreadable", f"{checkpoint_dir.name} cannot be read: {type(exc).__name__}: {str(exc)[:200]}"
+        ) from None
 
 
-def _validate(checkpoint_dir: Path, root: Path, reference: TensorSpecs | None,
-              allow_float_cast: bool, check_digests: bool, check_finite: bool,
-              deadline: Deadline) -> ValidationReport:
+def _validate(
+    checkpoint_dir: Path,
+    root: Path,
+    reference: TensorSpecs | None,
+    allow_float_cast: bool,
+    check_digests: bool,
+    check_finite: bool,
+    deadline: Deadline,
+) -> ValidationReport:
     real_dir = resolve_inside(root, checkpoint_dir)
     if not real_dir.is_dir():
         raise CheckpointError("missing_checkpoint", f"{checkpoint_dir.name} is not a directory")
@@ -240,8 +253,7 @@ def _validate(checkpoint_dir: Path, root: Path, reference: TensorSpecs | None,
     with os.scandir(real_dir) as listing:
         for i, found in enumerate(listing):
             if i >= MAX_CHECKPOINT_ENTRIES:
-                raise CheckpointError("too_many_entries", f"{name} holds more than"
-                                      f" {MAX_CHECKPOINT_ENTRIES} entries")
+                raise CheckpointError("too_many_entries", f"{name} holds more than {MAX_CHECKPOINT_ENTRIES} entries")
             if found.name.endswith(".safetensors") and found.name not in manifest.files:
                 raise CheckpointError(
                     "unlisted_file",
@@ -257,8 +269,7 @@ def _validate(checkpoint_dir: Path, root: Path, reference: TensorSpecs | None,
                 size = st.st_size
         except CheckpointError as exc:
             if exc.reason == "missing_file":
-                raise CheckpointError(
-                    "missing_file", f"{where} is listed in the manifest but does not exist") from None
+                raise CheckpointError("missing_file", f"{where} is listed in the manifest but does not exist") from None
             raise
         if size < entry.size:
             raise CheckpointError(
@@ -266,8 +277,7 @@ def _validate(checkpoint_dir: Path, root: Path, reference: TensorSpecs | None,
                 f"{where} is truncated: {size} bytes on disk, the manifest says {entry.size}",
             )
         if size != entry.size:
-            raise CheckpointError(
-                "size_mismatch", f"{where} has {size} bytes on disk, the manifest says {entry.size}")
+            raise CheckpointError("size_mismatch", f"{where} has {size} bytes on disk, the manifest says {entry.size}")
         total += size
     if total != manifest.total_bytes:
         raise CheckpointError(
@@ -277,8 +287,11 @@ def _validate(checkpoint_dir: Path, root: Path, reference: TensorSpecs | None,
     checks.append("every file present with its manifest size")
     if CONFIG_NAME not in manifest.files:
         raise CheckpointError("missing_file", f"{name}: the manifest lists no {CONFIG_NAME}")
-    parse_json_object(read_small(root, real_dir / CONFIG_NAME, where=f"{name}/{CONFIG_NAME}"),
-                      where=f"{name}/{CONFIG_NAME}", reason="bad_config")
+    parse_json_object(
+        read_small(root, real_dir / CONFIG_NAME, where=f"{name}/{CONFIG_NAME}"),
+        where=f"{name}/{CONFIG_NAME}",
+        reason="bad_config",
+    )
     if manifest.kind == "delta":
         specs = _delta_specs(root, real_dir, name, manifest, deadline)
         shards: list[str] = []  # nothing loadable: the files are compressed XORs
@@ -304,19 +317,32 @@ def _validate(checkpoint_dir: Path, root: Path, reference: TensorSpecs | None,
         checks.append("every tensor has a loadable floating dtype")
     if check_digests or check_finite:
         for fname, entry in sorted(manifest.files.items()):
-            _read_every_byte(root, real_dir / fname, f"{name}/{fname}", entry.digest,
-                             check_digests, check_finite and fname in shards, deadline)
+            _read_every_byte(
+                root,
+                real_dir / fname,
+                f"{name}/{fname}",
+                entry.digest,
+                check_digests,
+                check_finite and fname in shards,
+                deadline,
+            )
         if check_digests:
             checks.append("digests match")
         if check_finite and shards:
             checks.append("every floating weight is finite")
-    return ValidationReport(path=real_dir, manifest=manifest, specs=specs,
-                            digests_checked=check_digests, checks=checks,
-                            finite_checked=check_finite and bool(shards))
+    return ValidationReport(
+        path=real_dir,
+        manifest=manifest,
+        specs=specs,
+        digests_checked=check_digests,
+        checks=checks,
+        finite_checked=check_finite and bool(shards),
+    )
 
 
-def _full_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, deadline: Deadline
-                ) -> tuple[list[str], TensorSpecs]:
+def _full_specs(
+    root: Path, real_dir: Path, name: str, manifest: Manifest, deadline: Deadline
+) -> tuple[list[str], TensorSpecs]:
     """The shards of a full checkpoint and its tensors' specs, from the shards' headers."""
     shards = sorted(f for f in manifest.files if f.endswith(".safetensors"))
     if not shards:
@@ -330,8 +356,7 @@ def _full_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, deadl
         if len(file_specs) != manifest.files[fname].tensors:
             raise CheckpointError(
                 "bad_manifest",
-                f"{name}/{fname} holds {len(file_specs)} tensors, the manifest says"
-                f" {manifest.files[fname].tensors}",
+                f"{name}/{fname} holds {len(file_specs)} tensors, the manifest says {manifest.files[fname].tensors}",
             )
         for tname in file_specs:
             if tname in owner:
@@ -350,8 +375,7 @@ def _full_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, deadl
     return shards, specs
 
 
-def _delta_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, deadline: Deadline
-                 ) -> TensorSpecs:
+def _delta_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, deadline: Deadline) -> TensorSpecs:
     """The specs of the checkpoint a delta rebuilds, after checking its files against them.
 
     Every ``delta-*.safetensors`` must hold exactly the ``U8`` blobs the manifest assigns to
@@ -361,8 +385,10 @@ def _delta_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, dead
     delta = manifest.delta
     assert delta is not None
     if len(delta.tensors) != manifest.tensor_count:
-        raise CheckpointError("bad_manifest", f"{name}: delta.tensors lists {len(delta.tensors)}"
-                              f" tensors, tensor_count says {manifest.tensor_count}")
+        raise CheckpointError(
+            "bad_manifest",
+            f"{name}: delta.tensors lists {len(delta.tensors)} tensors, tensor_count says {manifest.tensor_count}",
+        )
     expected: dict[str, set[str]] = {}
     per_shard: dict[str, int] = {}
     specs: TensorSpecs = {}
@@ -371,20 +397,26 @@ def _delta_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, dead
         per_shard[t.shard] = per_shard.get(t.shard, 0) + 1
         if t.delta_file is not None:
             if t.delta_file not in manifest.files:
-                raise CheckpointError("bad_manifest", f"{name}: tensor {tname[:80]} names the delta"
-                                      f" file {t.delta_file}, which is not in files")
+                raise CheckpointError(
+                    "bad_manifest",
+                    f"{name}: tensor {tname[:80]} names the delta file {t.delta_file}, which is not in files",
+                )
             expected.setdefault(t.delta_file, set()).add(tname)
     for shard, count in per_shard.items():
         if delta.target_files[shard].tensors != count:
-            raise CheckpointError("bad_manifest", f"{name}: target shard {shard} holds {count}"
-                                  f" tensors, its entry says {delta.target_files[shard].tensors}")
+            raise CheckpointError(
+                "bad_manifest",
+                f"{name}: target shard {shard} holds {count}"
+                f" tensors, its entry says {delta.target_files[shard].tensors}",
+            )
     for fname in sorted(f for f in manifest.files if f.endswith(".safetensors")):
         deadline.check(f"{name}/{fname}")
         with open_regular(root, real_dir / fname, where=f"{name}/{fname}") as (fd, _):
             file_specs = _specs_of_fd(fd, f"{name}/{fname}")
         if set(file_specs) != expected.get(fname, set()):
-            raise CheckpointError("delta_corrupt", f"{name}/{fname} holds other tensors than the"
-                                  " manifest assigns to it")
+            raise CheckpointError(
+                "delta_corrupt", f"{name}/{fname} holds other tensors than the manifest assigns to it"
+            )
         odd = sorted(k for k, (dt, shape) in file_specs.items() if dt != "U8" or len(shape) != 1)
         if odd:
             raise CheckpointError("delta_corrupt", f"{name}/{fname}: {odd[0]} is not a U8 blob")
@@ -394,13 +426,15 @@ def _delta_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, dead
     return specs
 
 
-def _read_every_byte(root: Path, path: Path, where: str, want_digest: str, digest: bool,
-                     finite: bool, deadline: Deadline) -> None:
+def _read_every_byte(
+    root: Path, path: Path, where: str, want_digest: str, digest: bool, finite: bool, deadline: Deadline
+) -> None:
     with open_regular(root, path, where=where) as (fd, st):
         mapped = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ) if st.st_size else None
         try:
-            error = _scan_bytes(memoryview(mapped if mapped is not None else b""), where,
-                                want_digest, digest, finite, deadline)
+            error = _scan_bytes(
+                memoryview(mapped if mapped is not None else b""), where, want_digest, digest, finite, deadline
+            )
         finally:
             if mapped is not None:
                 try:
@@ -411,15 +445,16 @@ def _read_every_byte(root: Path, path: Path, where: str, want_digest: str, diges
         raise error
 
 
-def _scan_bytes(view: memoryview, where: str, want_digest: str, digest: bool, finite: bool,
-                deadline: Deadline) -> CheckpointError | None:
+def _scan_bytes(
+    view: memoryview, where: str, want_digest: str, digest: bool, finite: bool, deadline: Deadline
+) -> CheckpointError | None:
     """The first problem in a file's bytes, returned (not raised: no frame keeps the map alive)."""
     try:
         if digest:
             hasher = new_hasher()
             for start in range(0, len(view), 64 << 20):
                 deadline.check(where)
-                hasher.update(view[start:start + (64 << 20)])
+                hasher.update(view[start : start + (64 << 20)])
             found = format_digest(hasher)
             if found != want_digest:
                 return CheckpointError(
@@ -452,9 +487,11 @@ def _check_index(root: Path, real_dir: Path, name: str, owner: dict[str, str]) -
     data = parse_json_object(raw, where=where, reason="index_mismatch")
     weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
-        raise CheckpointError("index_mismatch", f"{where}: weight_map must be an object of"
-                              " tensor name -> shard file name")
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(
+            "index_mismatch", f"{where}: weight_map must be an object of tensor name -> shard file name"
+        )
     if weight_map != owner:
         diff = sorted(set(weight_map.items()) ^ set(owner.items()))
         raise CheckpointError(

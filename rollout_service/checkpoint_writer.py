@@ -49,9 +49,16 @@ from .protocol import version_for_step
 log = logging.getLogger(__name__)
 
 _TORCH_TO_TAG = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
 for _name, _tag in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
     if hasattr(torch, _name):
@@ -135,8 +142,7 @@ def shard_file_names(count: int) -> list[str]:
 
 def index_json(weight_map: dict[str, str], data_bytes: int) -> str:
     """``model.safetensors.index.json`` of a sharded checkpoint."""
-    index = {"metadata": {"total_size": data_bytes},
-             "weight_map": dict(sorted(weight_map.items()))}
+    index = {"metadata": {"total_size": data_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     return json.dumps(index, indent=2) + "\n"
 
 
@@ -151,8 +157,7 @@ def _write_shard(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> FileEnt
     hasher.update(prefix)
     # Digest on a second thread while this one sits in write() with the GIL released: the
     # digest then costs (almost) no wall time on top of the write.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="digest") as pool, \
-            open(path, "wb", buffering=0) as f:
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="digest") as pool, open(path, "wb", buffering=0) as f:
         f.write(prefix)
         pending = []
         for _, t in tensors:
@@ -191,8 +196,9 @@ class ShardPlanner:
         return new
 
 
-def _shards(named: Iterable[tuple[str, torch.Tensor]], target: str | None,
-            max_shard_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def _shards(
+    named: Iterable[tuple[str, torch.Tensor]], target: str | None, max_shard_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     batch: list[tuple[str, torch.Tensor]] = []
     planner = ShardPlanner(max_shard_bytes)
     seen: set[str] = set()
@@ -263,27 +269,41 @@ def publish_checkpoint(
         for p, final_name in names.items():
             os.rename(tmp / p, tmp / final_name)
         if len(parts) > 1:
-            files[INDEX_NAME] = write_small(tmp / INDEX_NAME, index_json(
-                {k: names[v] for k, v in weight_map.items()}, data_bytes))
+            files[INDEX_NAME] = write_small(
+                tmp / INDEX_NAME, index_json({k: names[v] for k, v in weight_map.items()}, data_bytes)
+            )
         if config is not None:
             files[CONFIG_NAME] = write_small(tmp / CONFIG_NAME, config_text(config))
         manifest = Manifest(
-            step=step, weight_version=version_for_step(step), created_at=time.time(),
-            writer=writer_identity(), base_model=base_model,
+            step=step,
+            weight_version=version_for_step(step),
+            created_at=time.time(),
+            writer=writer_identity(),
+            base_model=base_model,
             dtype=target or (dtypes.pop() if len(dtypes) == 1 else None),
             total_bytes=sum(e.size for e in files.values()),
-            tensor_count=len(weight_map), files=files,
+            tensor_count=len(weight_map),
+            files=files,
             run_id=run_id,
         )
         write_small(tmp / MANIFEST_NAME, manifest.to_json())
     final = Path(root) / step_dir_name(step)
     total = time.perf_counter() - t0
-    log.info("published %s: %d tensors, %.1f MB in %.2f s", final, manifest.tensor_count,
-             manifest.total_bytes / 1e6, total)
-    return PublishResult(path=final, step=step, weight_version=manifest.weight_version,
-                         total_bytes=manifest.total_bytes, tensor_count=manifest.tensor_count,
-                         files=len(files), write_seconds=write_seconds, total_seconds=total,
-                         fingerprint=manifest.fingerprint(), full_bytes=manifest.total_bytes)
+    log.info(
+        "published %s: %d tensors, %.1f MB in %.2f s", final, manifest.tensor_count, manifest.total_bytes / 1e6, total
+    )
+    return PublishResult(
+        path=final,
+        step=step,
+        weight_version=manifest.weight_version,
+        total_bytes=manifest.total_bytes,
+        tensor_count=manifest.tensor_count,
+        files=len(files),
+        write_seconds=write_seconds,
+        total_seconds=total,
+        fingerprint=manifest.fingerprint(),
+        full_bytes=manifest.total_bytes,
+    )
 
 
 def check_run_id(run_id: str | None) -> str:
@@ -310,9 +330,7 @@ def atomic_step_dir(root: Path | str, step: int) -> Iterator[Path]:
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
     if final.exists():
-        raise FileExistsError(
-            f"{final} is already published; steps are immutable, publish a new step instead"
-        )
+        raise FileExistsError(f"{final} is already published; steps are immutable, publish a new step instead")
     tmp = root / f"{TEMP_PREFIX}{name}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
@@ -374,8 +392,11 @@ def iter_unique_tensors(state: Iterable[tuple[str, torch.Tensor]]) -> Iterator[t
     as ``save_pretrained`` does, so a checkpoint of a tied model matches its base model."""
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
     for name, t in state:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) \
-            if t.device.type != "meta" else (id(t), 0, ())
+        key = (
+            (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+            if t.device.type != "meta"
+            else (id(t), 0, ())
+        )
         if t.numel() and key in seen:
             continue
         seen.add(key)
@@ -395,14 +416,25 @@ def iter_model_dir_tensors(model_dir: Path | str) -> Iterator[tuple[str, torch.T
                 yield key, f.get_tensor(key)
 
 
-def publish_model_dir(model_dir: Path | str, root: Path | str, step: int, *,
-                      dtype: str | None = None,
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> PublishResult:
+def publish_model_dir(
+    model_dir: Path | str,
+    root: Path | str,
+    step: int,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> PublishResult:
     """Publish an existing HF model directory as ``step`` (seeding, rollback, tests)."""
     model_dir = Path(model_dir)
     config = model_dir / CONFIG_NAME
     if not config.is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json; pass an HF model directory")
-    return publish_checkpoint(root, step, iter_model_dir_tensors(model_dir), config=config,
-                              dtype=dtype, max_shard_bytes=max_shard_bytes,
-                              base_model=str(model_dir.resolve()))
+    return publish_checkpoint(
+        root,
+        step,
+        iter_model_dir_tensors(model_dir),
+        config=config,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        base_model=str(model_dir.resolve()),
+    )

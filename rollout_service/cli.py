@@ -24,12 +24,26 @@ from .cli_env import EnvArgumentParser, add_env_argument
 def _cmd_publish(args: argparse.Namespace) -> int:
     from .checkpoint_writer import publish_model_dir
 
-    result = publish_model_dir(args.model_dir, args.checkpoint_path, args.step, dtype=args.dtype,
-                               max_shard_bytes=int(args.max_shard_mb * (1 << 20)))
-    print(json.dumps({"published": str(result.path), "step": result.step,
-                      "weight_version": result.weight_version, "bytes": result.total_bytes,
-                      "tensors": result.tensor_count, "files": result.files,
-                      "seconds": round(result.total_seconds, 3)}))
+    result = publish_model_dir(
+        args.model_dir,
+        args.checkpoint_path,
+        args.step,
+        dtype=args.dtype,
+        max_shard_bytes=int(args.max_shard_mb * (1 << 20)),
+    )
+    print(
+        json.dumps(
+            {
+                "published": str(result.path),
+                "step": result.step,
+                "weight_version": result.weight_version,
+                "bytes": result.total_bytes,
+                "tensors": result.tensor_count,
+                "files": result.files,
+                "seconds": round(result.total_seconds, 3),
+            }
+        )
+    )
     return 0
 
 
@@ -42,17 +56,31 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(f"error: cannot read --reference {args.reference}: {exc}", file=sys.stderr)
         return 2
     try:
-        report = validate_checkpoint(args.dir, root=args.root, reference=reference,
-                                     allow_float_cast=args.allow_float_cast,
-                                     check_digests=args.digests, check_finite=args.check_finite,
-                                     timeout_s=args.timeout)
+        report = validate_checkpoint(
+            args.dir,
+            root=args.root,
+            reference=reference,
+            allow_float_cast=args.allow_float_cast,
+            check_digests=args.digests,
+            check_finite=args.check_finite,
+            timeout_s=args.timeout,
+        )
     except CheckpointError as exc:  # every bad input arrives as one (see checkpoint_reader)
         print(f"INVALID ({exc.reason}): {exc}", file=sys.stderr)
         return 1
-    print(json.dumps({"valid": str(report.path), "step": report.manifest.step,
-                      "kind": report.manifest.kind, "run_id": report.manifest.run_id,
-                      "tensors": len(report.specs), "bytes": report.manifest.total_bytes,
-                      "checks": report.checks}))
+    print(
+        json.dumps(
+            {
+                "valid": str(report.path),
+                "step": report.manifest.step,
+                "kind": report.manifest.kind,
+                "run_id": report.manifest.run_id,
+                "tensors": len(report.specs),
+                "bytes": report.manifest.total_bytes,
+                "checks": report.checks,
+            }
+        )
+    )
     return 0
 
 
@@ -61,14 +89,29 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
     from .delta_apply import materialize
 
     try:
-        manifest = materialize(args.root, args.step, args.out, timeout_s=args.timeout,
-                               progress=lambda line: print(line, file=sys.stderr, flush=True))
+        manifest = materialize(
+            args.root,
+            args.step,
+            args.out,
+            timeout_s=args.timeout,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
     except CheckpointError as exc:
-        print(f"error: cannot materialize {step_dir_name(args.step)} under {args.root} ({exc.reason}):"
-              f" {exc}", file=sys.stderr)
+        print(
+            f"error: cannot materialize {step_dir_name(args.step)} under {args.root} ({exc.reason}): {exc}",
+            file=sys.stderr,
+        )
         return 1
-    print(json.dumps({"materialized": str(args.out), "step": manifest.step,
-                      "bytes": manifest.total_bytes, "files": sorted(manifest.files)}))
+    print(
+        json.dumps(
+            {
+                "materialized": str(args.out),
+                "step": manifest.step,
+                "bytes": manifest.total_bytes,
+                "files": sorted(manifest.files),
+            }
+        )
+    )
     return 0
 
 
@@ -96,68 +139,81 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
     """The parser of these commands, plus those `extra_commands` register."""
     parser = argparse.ArgumentParser(
         prog="rollout-service",
-        description="SGLang rollouts for TRL GRPO, synced through safetensors checkpoints on"
-                    " shared storage.",
+        description="SGLang rollouts for TRL GRPO, synced through safetensors checkpoints on shared storage.",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                parser_class=EnvArgumentParser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=EnvArgumentParser)
 
-    p = sub.add_parser("publish", help="publish an HF model directory as checkpoint step N",
-                       description="Publish an existing HF model directory (safetensors +"
-                       " config.json) atomically as <checkpoint-path>/step-<N>. For seeding a"
-                       " checkpoint root, rolling back, and tests.")
+    p = sub.add_parser(
+        "publish",
+        help="publish an HF model directory as checkpoint step N",
+        description="Publish an existing HF model directory (safetensors +"
+        " config.json) atomically as <checkpoint-path>/step-<N>. For seeding a"
+        " checkpoint root, rolling back, and tests.",
+    )
     p.add_argument("--model-dir", required=True, help="HF model directory to publish")
     p.add_argument("--checkpoint-path", required=True, help="checkpoint root directory")
     p.add_argument("--step", required=True, type=int, help="step number (0..99999999)")
-    p.add_argument("--dtype", default=None,
-                   help="convert floating tensors to this dtype (bfloat16, float16, float32)")
+    p.add_argument("--dtype", default=None, help="convert floating tensors to this dtype (bfloat16, float16, float32)")
     p.add_argument("--max-shard-mb", type=float, default=2048, help="max shard size in MiB")
     p.set_defaults(func=_cmd_publish)
 
-    p = sub.add_parser("validate", help="validate one published checkpoint",
-                       description="Validate a checkpoint directory; exits 1 with the reason"
-                       " when it is not loadable.")
+    p = sub.add_parser(
+        "validate",
+        help="validate one published checkpoint",
+        description="Validate a checkpoint directory; exits 1 with the reason when it is not loadable.",
+    )
     p.add_argument("dir", help="checkpoint directory (e.g. ROOT/step-00000003)")
-    p.add_argument("--reference", default=None,
-                   help="model or checkpoint directory whose tensor names/shapes/dtypes must match")
-    p.add_argument("--allow-float-cast", action="store_true",
-                   help="accept floating dtypes that differ from the reference")
+    p.add_argument(
+        "--reference", default=None, help="model or checkpoint directory whose tensor names/shapes/dtypes must match"
+    )
+    p.add_argument(
+        "--allow-float-cast", action="store_true", help="accept floating dtypes that differ from the reference"
+    )
     p.add_argument("--digests", action="store_true", help="also re-read every byte and check digests")
-    p.add_argument("--check-finite", action="store_true",
-                   help="also read every weight and refuse NaN/Inf values")
-    p.add_argument("--timeout", type=float, default=600.0,
-                   help="give up (INVALID, validation_timeout) after this many seconds (default 600)")
-    p.add_argument("--root", default=None,
-                   help="checkpoint root that paths must stay inside (default: DIR's parent)")
+    p.add_argument("--check-finite", action="store_true", help="also read every weight and refuse NaN/Inf values")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="give up (INVALID, validation_timeout) after this many seconds (default 600)",
+    )
+    p.add_argument("--root", default=None, help="checkpoint root that paths must stay inside (default: DIR's parent)")
     p.set_defaults(func=_cmd_validate)
 
-    p = sub.add_parser("materialize", help="rebuild any retained step as a plain HF model directory",
-                       description="Rebuild step N under ROOT (a full step, or a delta step and the"
-                       " chain it applies to) as a plain HF model directory OUT: safetensors shards,"
-                       " index, config.json, every byte checked against the digests of a full"
-                       " publish. For evaluating a version with any tool. OUT must not exist; it"
-                       " appears only when complete.")
+    p = sub.add_parser(
+        "materialize",
+        help="rebuild any retained step as a plain HF model directory",
+        description="Rebuild step N under ROOT (a full step, or a delta step and the"
+        " chain it applies to) as a plain HF model directory OUT: safetensors shards,"
+        " index, config.json, every byte checked against the digests of a full"
+        " publish. For evaluating a version with any tool. OUT must not exist; it"
+        " appears only when complete.",
+    )
     p.add_argument("root", help="checkpoint root (the trainer's checkpoint_path)")
     p.add_argument("--step", required=True, type=int, help="the step (version) to rebuild")
     p.add_argument("--out", required=True, help="new directory to write the model into")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="give up after this many seconds (default: no limit)")
+    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default: no limit)")
     p.set_defaults(func=_cmd_materialize)
 
-    p = sub.add_parser("make-tiny-model", help="build the tiny local test model",
-                       description="Build a tiny deterministic Qwen2 model with a locally trained"
-                       " tokenizer (no model hub needed).")
+    p = sub.add_parser(
+        "make-tiny-model",
+        help="build the tiny local test model",
+        description="Build a tiny deterministic Qwen2 model with a locally trained tokenizer (no model hub needed).",
+    )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_make_tiny_model)
 
-    p = sub.add_parser("liveness", help="liveness probe for SGLang that knows about weight loads",
-                       description="Exit 0 when SGLang is alive: its /health answers, or the sidecar"
-                       " reports a weight load in flight (SGLang's /health then waits on the load, so"
-                       " a plain /health probe would restart SGLang in the middle of a large load)."
-                       " Exit 1 otherwise. For Kubernetes exec liveness probes.")
+    p = sub.add_parser(
+        "liveness",
+        help="liveness probe for SGLang that knows about weight loads",
+        description="Exit 0 when SGLang is alive: its /health answers, or the sidecar"
+        " reports a weight load in flight (SGLang's /health then waits on the load, so"
+        " a plain /health probe would restart SGLang in the middle of a large load)."
+        " Exit 1 otherwise. For Kubernetes exec liveness probes.",
+    )
     p.add_argument("--sglang-url", default="http://127.0.0.1:30000", help="SGLang server")
     p.add_argument("--sidecar-url", default="http://127.0.0.1:8100", help="its sidecar")
     p.add_argument("--timeout", type=float, default=8.0, help="seconds for each HTTP call")
@@ -181,15 +237,17 @@ def main(argv: list[str] | None = None, extra_commands: Sequence[Registrar] = ()
     passthrough: list[str] = []
     if "--" in argv:  # `serve ... -- extra SGLang arguments`
         cut = argv.index("--")
-        argv, passthrough = argv[:cut], argv[cut + 1:]
+        argv, passthrough = argv[:cut], argv[cut + 1 :]
     parser = build_parser(extra_commands)
     args = parser.parse_args(argv)
     if passthrough:
         if not hasattr(args, "sglang_args"):
             parser.error("arguments after '--' are only accepted by `serve`")
         args.sglang_args = passthrough
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         return int(args.func(args) or 0)
     except (FileNotFoundError, FileExistsError, ValueError) as exc:

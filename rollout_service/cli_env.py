@@ -50,18 +50,23 @@ class EnvFlag:
                 return True
             if text in _FALSE:
                 return False
-            raise ValueError(f"environment variable {self.env}={raw!r} is not valid for {self.flag}: "
-                             f"use one of {', '.join(_TRUE + _FALSE)}")
+            raise ValueError(
+                f"environment variable {self.env}={raw!r} is not valid for {self.flag}: "
+                f"use one of {', '.join(_TRUE + _FALSE)}"
+            )
         try:
             return self.type(raw)
         except (TypeError, ValueError) as exc:
             hint = ""
             if raw.startswith(("tcp://", "udp://")):
-                hint = (" (this looks like a Kubernetes service link: a Service named after the prefix"
-                        " injects such variables; set `enableServiceLinks: false` in the pod spec or"
-                        f" set {self.env} explicitly)")
-            raise ValueError(f"environment variable {self.env}={raw!r} is not valid for {self.flag}:"
-                             f" {exc}{hint}") from None
+                hint = (
+                    " (this looks like a Kubernetes service link: a Service named after the prefix"
+                    " injects such variables; set `enableServiceLinks: false` in the pod spec or"
+                    f" set {self.env} explicitly)"
+                )
+            raise ValueError(
+                f"environment variable {self.env}={raw!r} is not valid for {self.flag}: {exc}{hint}"
+            ) from None
 
 
 class EnvArgumentParser(argparse.ArgumentParser):
@@ -75,8 +80,11 @@ class EnvArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.env_flags: list[EnvFlag] = []
 
-    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
-                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+    def parse_known_args(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        namespace: argparse.Namespace | None = None,
+    ) -> tuple[argparse.Namespace, list[str]]:
         parsed, extras = super().parse_known_args(args, namespace)
         self.apply_env(parsed, os.environ)
         return parsed, extras
@@ -103,17 +111,25 @@ class EnvArgumentParser(argparse.ArgumentParser):
             self.error(f"the following arguments are required: {', '.join(missing)}")
 
 
-def add_env_argument(parser: argparse.ArgumentParser, flag: str, *, help: str,
-                     default: Any = None, type: Any = str, required: bool = False,
-                     **kwargs: Any) -> None:
+def add_env_argument(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    *,
+    help: str,
+    default: Any = None,
+    type: Any = str,
+    required: bool = False,
+    **kwargs: Any,
+) -> None:
     """Add ``flag`` whose default comes from its ``ROLLOUT_*`` variable when that is set.
 
     The variable is read when this parser's command is the one being run (see
     :class:`EnvArgumentParser`), not when the parser is built.
     """
     if not isinstance(parser, EnvArgumentParser):
-        raise TypeError("add_env_argument needs an EnvArgumentParser (build the subparsers with"
-                        " parser_class=EnvArgumentParser)")
+        raise TypeError(
+            "add_env_argument needs an EnvArgumentParser (build the subparsers with parser_class=EnvArgumentParser)"
+        )
     env = env_name(flag)
     is_switch = kwargs.get("action") == "store_true"
     suffix = f" [env {env}" + (f"; default {default}" if default not in (None, False) else "") + "]"
@@ -122,7 +138,9 @@ def add_env_argument(parser: argparse.ArgumentParser, flag: str, *, help: str,
     if is_switch:
         action = parser.add_argument(flag, default=_FROM_ENV_OR_DEFAULT, help=help + suffix, **kwargs)
     else:
-        action = parser.add_argument(flag, default=_FROM_ENV_OR_DEFAULT, type=type, help=help + suffix,
-                                     **kwargs)
-    parser.env_flags.append(EnvFlag(flag=flag, dest=action.dest, env=env, default=default, type=type,
-                                    required=required, is_switch=is_switch))
+        action = parser.add_argument(flag, default=_FROM_ENV_OR_DEFAULT, type=type, help=help + suffix, **kwargs)
+    parser.env_flags.append(
+        EnvFlag(
+            flag=flag, dest=action.dest, env=env, default=default, type=type, required=required, is_switch=is_switch
+        )
+    )

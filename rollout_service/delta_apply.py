@@ -82,8 +82,9 @@ def resolve_chain(root: Path, link: ChainLink, find_staged: FindStaged | None = 
         assert delta is not None
         deltas.insert(0, cur)
         if len(deltas) > MAX_CHAIN_LENGTH:
-            raise CheckpointError("broken_chain", f"{link.path.name}: the delta chain is longer than"
-                                  f" {MAX_CHAIN_LENGTH} steps")
+            raise CheckpointError(
+                "broken_chain", f"{link.path.name}: the delta chain is longer than {MAX_CHAIN_LENGTH} steps"
+            )
         if find_staged is not None:
             staged = find_staged(delta.base_step, delta.base_fingerprint)
             if staged is not None:
@@ -95,21 +96,32 @@ def resolve_chain(root: Path, link: ChainLink, find_staged: FindStaged | None = 
             raise CheckpointError(
                 "broken_chain",
                 f"{cur.path.name} is a delta on {base_path.name}, which cannot be read ({exc.reason}):"
-                f" it cannot be rebuilt; the replica keeps its weights until the next full step") from None
+                f" it cannot be rebuilt; the replica keeps its weights until the next full step",
+            ) from None
         if base.fingerprint() != delta.base_fingerprint or base.step != delta.base_step:
             raise CheckpointError(
                 "broken_chain",
                 f"{cur.path.name} is a delta on another publication of {base_path.name} (it was"
-                " republished); the replica keeps its weights until the next full step")
+                " republished); the replica keeps its weights until the next full step",
+            )
         if base.run_id != cur.manifest.run_id:
-            raise CheckpointError("broken_chain", f"{cur.path.name} and its base {base_path.name}"
-                                  " belong to different runs")
+            raise CheckpointError(
+                "broken_chain", f"{cur.path.name} and its base {base_path.name} belong to different runs"
+            )
         cur = ChainLink(base_path, base)
     return Chain(cur, False, deltas)
 
 
-def reconstruct(root: Path, delta_link: ChainLink, base: ChainLink, base_root: Path, out_dir: Path,
-                deadline: Deadline, *, check_finite: bool = False) -> Manifest:
+def reconstruct(
+    root: Path,
+    delta_link: ChainLink,
+    base: ChainLink,
+    base_root: Path,
+    out_dir: Path,
+    deadline: Deadline,
+    *,
+    check_finite: bool = False,
+) -> Manifest:
     """Write into the new folder ``out_dir`` the full checkpoint that ``delta_link`` describes.
 
     ``base`` is a full copy of the delta's base (under ``base_root``). ``check_finite`` refuses
@@ -124,8 +136,9 @@ def reconstruct(root: Path, delta_link: ChainLink, base: ChainLink, base_root: P
     assert delta is not None
     name = delta_link.path.name
     if base.manifest.source_fingerprint() != delta.base_fingerprint:
-        raise CheckpointError("broken_chain", f"{name} applies to another version of step"
-                              f" {delta.base_step} than the copy it was handed")
+        raise CheckpointError(
+            "broken_chain", f"{name} applies to another version of step {delta.base_step} than the copy it was handed"
+        )
     by_shard: dict[str, list[str]] = {}
     for tname, t in delta.tensors.items():
         by_shard.setdefault(t.shard, []).append(tname)
@@ -136,26 +149,60 @@ def reconstruct(root: Path, delta_link: ChainLink, base: ChainLink, base_root: P
             entry = manifest.files[fname]
             if (entry.size, entry.digest) != (target.size, target.digest):
                 raise CheckpointError("bad_manifest", f"{name}: {fname} differs from its target entry")
-            copy_verified(root, delta_link.path / fname, out_dir / fname, where=f"{name}/{fname}",
-                          size=entry.size, digest=entry.digest, deadline=deadline)
+            copy_verified(
+                root,
+                delta_link.path / fname,
+                out_dir / fname,
+                where=f"{name}/{fname}",
+                size=entry.size,
+                digest=entry.digest,
+                deadline=deadline,
+            )
             continue
         members = by_shard.get(fname)
         if not members:
-            raise CheckpointError("bad_manifest", f"{name}: target file {fname} is neither carried"
-                                  " by the delta nor a shard of its tensors")
+            raise CheckpointError(
+                "bad_manifest",
+                f"{name}: target file {fname} is neither carried by the delta nor a shard of its tensors",
+            )
         base_entry = base.manifest.files.get(fname)
         if base_entry is None:
             raise CheckpointError("delta_layout_mismatch", f"{name}: its base has no shard {fname}")
-        _rebuild_shard(root, delta_link, base, base_root, base_entry, fname, target, members,
-                       out_dir / fname, loaded, deadline, check_finite)
+        _rebuild_shard(
+            root,
+            delta_link,
+            base,
+            base_root,
+            base_entry,
+            fname,
+            target,
+            members,
+            out_dir / fname,
+            loaded,
+            deadline,
+            check_finite,
+        )
         loaded.clear()  # the writer puts each shard's blobs in a delta file of its own
     rebuilt = Manifest(
-        step=manifest.step, weight_version=manifest.weight_version, created_at=manifest.created_at,
-        writer=manifest.writer, base_model=manifest.base_model, dtype=manifest.dtype,
-        total_bytes=sum(e.size for e in delta.target_files.values()), tensor_count=manifest.tensor_count,
-        files=dict(delta.target_files), run_id=manifest.run_id, kind="full",
-        extra={"reconstructed_from": {"fingerprint": manifest.fingerprint(), "kind": "delta",
-                                      "chain_start": delta.chain_start}})
+        step=manifest.step,
+        weight_version=manifest.weight_version,
+        created_at=manifest.created_at,
+        writer=manifest.writer,
+        base_model=manifest.base_model,
+        dtype=manifest.dtype,
+        total_bytes=sum(e.size for e in delta.target_files.values()),
+        tensor_count=manifest.tensor_count,
+        files=dict(delta.target_files),
+        run_id=manifest.run_id,
+        kind="full",
+        extra={
+            "reconstructed_from": {
+                "fingerprint": manifest.fingerprint(),
+                "kind": "delta",
+                "chain_start": delta.chain_start,
+            }
+        },
+    )
     (out_dir / MANIFEST_NAME).write_text(rebuilt.to_json())
     return rebuilt
 
@@ -165,10 +212,20 @@ APPLY_THREADS = max(1, min(8, os.cpu_count() or 1))
 _buffers = threading.local()
 
 
-def _rebuild_shard(root: Path, delta_link: ChainLink, base: ChainLink, base_root: Path,
-                   base_entry: FileEntry, fname: str, target: FileEntry, members: list[str],
-                   out_path: Path, loaded: dict[str, dict[str, memoryview]], deadline: Deadline,
-                   check_finite: bool) -> None:
+def _rebuild_shard(
+    root: Path,
+    delta_link: ChainLink,
+    base: ChainLink,
+    base_root: Path,
+    base_entry: FileEntry,
+    fname: str,
+    target: FileEntry,
+    members: list[str],
+    out_path: Path,
+    loaded: dict[str, dict[str, memoryview]],
+    deadline: Deadline,
+    check_finite: bool,
+) -> None:
     """Rebuild one shard: its tensors on :data:`APPLY_THREADS` threads, each read from the base at
     its offset, XORed with its blob and written at the same offset of the new file; then the
     base's and the new file's digests are checked (a damaged base is told apart from a corrupt
@@ -178,22 +235,28 @@ def _rebuild_shard(root: Path, delta_link: ChainLink, base: ChainLink, base_root
     assert delta is not None
     where = f"{delta_link.path.name}: {fname}"
     base_where = f"{base.path.name}/{fname}"
-    with open_regular(base_root, base.path / fname, where=base_where) as (fd, st), \
-            open(out_path, "wb+", buffering=0) as out:
+    with (
+        open_regular(base_root, base.path / fname, where=base_where) as (fd, st),
+        open(out_path, "wb+", buffering=0) as out,
+    ):
         if st.st_size != base_entry.size:
-            raise CheckpointError("base_mismatch", f"{base_where} has {st.st_size} bytes,"
-                                  f" its manifest says {base_entry.size}")
+            raise CheckpointError(
+                "base_mismatch", f"{base_where} has {st.st_size} bytes, its manifest says {base_entry.size}"
+            )
         prefix, order = _read_header(fd, st.st_size, base_where)
         if sorted(order) != sorted(members):
-            raise CheckpointError("delta_layout_mismatch", f"{where}: the base shard holds other tensors"
-                                  " than the delta says")
+            raise CheckpointError(
+                "delta_layout_mismatch", f"{where}: the base shard holds other tensors than the delta says"
+            )
         jobs: list[tuple[str, int, int, DeltaTensor, memoryview | None]] = []
         offset = len(prefix)
         for tname, (dtype, shape, length) in order.items():
             t = delta.tensors[tname]
             if (t.dtype, list(t.shape)) != (dtype, list(shape)):
-                raise CheckpointError("delta_layout_mismatch", f"{where}: tensor {tname} is {dtype}"
-                                      f" {list(shape)} in the base, {t.dtype} {t.shape} in the delta")
+                raise CheckpointError(
+                    "delta_layout_mismatch",
+                    f"{where}: tensor {tname} is {dtype} {list(shape)} in the base, {t.dtype} {t.shape} in the delta",
+                )
             blob = None
             if t.delta_file is not None:
                 blobs = loaded.get(t.delta_file)
@@ -205,29 +268,46 @@ def _rebuild_shard(root: Path, delta_link: ChainLink, base: ChainLink, base_root
             jobs.append((tname, offset, length, t, blob))
             offset += length
         if offset != target.size:
-            raise CheckpointError("delta_layout_mismatch", f"{where}: the base's layout makes a"
-                                  f" {offset}-byte shard, the delta's target has {target.size}")
+            raise CheckpointError(
+                "delta_layout_mismatch",
+                f"{where}: the base's layout makes a {offset}-byte shard, the delta's target has {target.size}",
+            )
         os.write(out.fileno(), prefix)
         os.ftruncate(out.fileno(), target.size)
         with ThreadPoolExecutor(APPLY_THREADS, thread_name_prefix="delta-apply") as pool:
             base_digest = pool.submit(_digest_of_fd, fd, st.st_size, base_where, deadline)
-            rebuilt = [pool.submit(_rebuild_tensor, fd, out.fileno(), off, length, t, blob,
-                                   f"{delta_link.path.name}/{t.delta_file}: {tname}", base_where,
-                                   check_finite, deadline) for tname, off, length, t, blob in jobs]
+            rebuilt = [
+                pool.submit(
+                    _rebuild_tensor,
+                    fd,
+                    out.fileno(),
+                    off,
+                    length,
+                    t,
+                    blob,
+                    f"{delta_link.path.name}/{t.delta_file}: {tname}",
+                    base_where,
+                    check_finite,
+                    deadline,
+                )
+                for tname, off, length, t, blob in jobs
+            ]
             everything: list[Future[Any]] = [base_digest, *rebuilt]
             wait(everything)
         if base_digest.result() != base_entry.digest:
-            raise CheckpointError("base_mismatch", f"{base_where} is not the file its manifest"
-                                  " describes (the local copy was damaged)")
+            raise CheckpointError(
+                "base_mismatch", f"{base_where} is not the file its manifest describes (the local copy was damaged)"
+            )
         for (tname, *_), job in zip(jobs, rebuilt):
             if not job.result():  # raises the first failure of a rebuild
                 raise CheckpointError(
                     "digest_mismatch",
-                    f"{where}: tensor {tname} rebuilt to other bytes than were published (the delta is"
-                    " corrupt)")
+                    f"{where}: tensor {tname} rebuilt to other bytes than were published (the delta is corrupt)",
+                )
         if _digest_of_fd(out.fileno(), target.size, where, deadline) != target.digest:
-            raise CheckpointError("digest_mismatch", f"{where}: the rebuilt shard differs from the published"
-                                  " full checkpoint's")
+            raise CheckpointError(
+                "digest_mismatch", f"{where}: the rebuilt shard differs from the published full checkpoint's"
+            )
 
 
 def _thread_buffers() -> tuple[np.ndarray, np.ndarray]:
@@ -238,9 +318,18 @@ def _thread_buffers() -> tuple[np.ndarray, np.ndarray]:
     return bufs
 
 
-def _rebuild_tensor(base_fd: int, out_fd: int, offset: int, length: int, t: DeltaTensor,
-                    blob: memoryview | None, blob_where: str, base_where: str, check_finite: bool,
-                    deadline: Deadline) -> bool:
+def _rebuild_tensor(
+    base_fd: int,
+    out_fd: int,
+    offset: int,
+    length: int,
+    t: DeltaTensor,
+    blob: memoryview | None,
+    blob_where: str,
+    base_where: str,
+    check_finite: bool,
+    deadline: Deadline,
+) -> bool:
     """(On an apply thread.) Write one tensor's new bytes at ``offset``; True when they have the
     published digest. Raises ``CheckpointError`` for a blob that does not decompress to it."""
     buf, scratch = _thread_buffers()
@@ -258,7 +347,8 @@ def _rebuild_tensor(base_fd: int, out_fd: int, offset: int, length: int, t: Delt
                 raise CheckpointError(
                     "non_finite",
                     f"{blob_where} holds NaN/Inf values; SGLang would load it and generate garbage."
-                    " Check the training run for divergence")
+                    " Check the training run for divergence",
+                )
         tensor_hash.update(view[:n])
         written = 0
         while written < n:
@@ -317,8 +407,12 @@ def _read_header(fd: int, size: int, where: str) -> tuple[bytes, dict[str, tuple
     header.pop("__metadata__", None)
     entries = []
     for tname, e in header.items():
-        if not isinstance(e, dict) or not isinstance(e.get("data_offsets"), list) \
-                or len(e["data_offsets"]) != 2 or not all(isinstance(x, int) for x in e["data_offsets"]):
+        if (
+            not isinstance(e, dict)
+            or not isinstance(e.get("data_offsets"), list)
+            or len(e["data_offsets"]) != 2
+            or not all(isinstance(x, int) for x in e["data_offsets"])
+        ):
             raise CheckpointError("header_invalid", f"{where}: bad entry for {tname[:80]!r}")
         start, end = e["data_offsets"]
         entries.append((start, end, tname, e.get("dtype"), e.get("shape")))
@@ -340,30 +434,50 @@ def _load_delta_file(root: Path, link: ChainLink, fname: str, deadline: Deadline
     entry = link.manifest.files.get(fname)
     if entry is None:
         raise CheckpointError("bad_manifest", f"{link.path.name}: {fname} is not in its files")
-    data = copy_verified(root, link.path / fname, None, where=f"{link.path.name}/{fname}",
-                         size=entry.size, digest=entry.digest, deadline=deadline)
+    data = copy_verified(
+        root,
+        link.path / fname,
+        None,
+        where=f"{link.path.name}/{fname}",
+        size=entry.size,
+        digest=entry.digest,
+        deadline=deadline,
+    )
     assert data is not None
     view = memoryview(data)
     where = f"{link.path.name}/{fname}"
     (length,) = struct.unpack("<Q", view[:8]) if len(view) >= 8 else (len(view),)
     if length > len(view) - 8:
         raise CheckpointError("delta_corrupt", f"{where}: header length {length} does not fit")
-    header = parse_json_object(bytes(view[8:8 + length]), where=where, reason="delta_corrupt")
+    header = parse_json_object(bytes(view[8 : 8 + length]), where=where, reason="delta_corrupt")
     header.pop("__metadata__", None)
     data_start = 8 + length
     blobs: dict[str, memoryview] = {}
     for tname, e in header.items():
         offsets = e.get("data_offsets") if isinstance(e, dict) else None
-        if not isinstance(e, dict) or e.get("dtype") != "U8" or not isinstance(offsets, list) or len(offsets) != 2 \
-                or not all(isinstance(x, int) and 0 <= x for x in offsets) or offsets[0] > offsets[1] \
-                or data_start + offsets[1] > len(view):
+        if (
+            not isinstance(e, dict)
+            or e.get("dtype") != "U8"
+            or not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(x, int) and 0 <= x for x in offsets)
+            or offsets[0] > offsets[1]
+            or data_start + offsets[1] > len(view)
+        ):
             raise CheckpointError("delta_corrupt", f"{where}: bad entry for {tname[:80]!r}")
-        blobs[tname] = view[data_start + offsets[0]:data_start + offsets[1]]
+        blobs[tname] = view[data_start + offsets[0] : data_start + offsets[1]]
     return blobs
 
 
-def materialize(root: Path | str, step: int, out: Path | str, *, timeout_s: float | None = None,
-                progress: Callable[[str], None] | None = None, check_finite: bool = False) -> Manifest:
+def materialize(
+    root: Path | str,
+    step: int,
+    out: Path | str,
+    *,
+    timeout_s: float | None = None,
+    progress: Callable[[str], None] | None = None,
+    check_finite: bool = False,
+) -> Manifest:
     """Rebuild step ``step`` under ``root`` as a plain HF model directory ``out`` (must not exist)."""
     root, out = Path(root), Path(out)
     if out.exists():
@@ -385,8 +499,9 @@ def materialize(root: Path | str, step: int, out: Path | str, *, timeout_s: floa
                 progress(f"applying delta step {d.manifest.step} ({i}/{len(chain.deltas)})")
             nxt = work / str(i)
             nxt.mkdir()
-            base_manifest = reconstruct(root, d, ChainLink(current, base_manifest), work, nxt, deadline,
-                                        check_finite=check_finite)
+            base_manifest = reconstruct(
+                root, d, ChainLink(current, base_manifest), work, nxt, deadline, check_finite=check_finite
+            )
             shutil.rmtree(current)
             current = nxt
         os.rename(current, out)
@@ -400,8 +515,14 @@ def copy_in(root: Path, link: ChainLink, out_dir: Path, deadline: Deadline) -> M
     if link.manifest.kind != "full":
         raise CheckpointError("broken_chain", f"{link.path.name} is a {link.manifest.kind} step, not full")
     for fname, entry in sorted(link.manifest.files.items()):
-        copy_verified(root, link.path / fname, out_dir / fname, where=f"{link.path.name}/{fname}",
-                      size=entry.size, digest=entry.digest, deadline=deadline)
+        copy_verified(
+            root,
+            link.path / fname,
+            out_dir / fname,
+            where=f"{link.path.name}/{fname}",
+            size=entry.size,
+            digest=entry.digest,
+            deadline=deadline,
+        )
     (out_dir / MANIFEST_NAME).write_text(link.manifest.to_json())
     return link.manifest
-

@@ -29,8 +29,9 @@ def new_scratch() -> np.ndarray:
     return np.empty(CHUNK_BYTES, dtype=np.uint8)
 
 
-def encode(new: np.ndarray, base: np.ndarray, level: int = ZSTD_LEVEL,
-           scratch: np.ndarray | None = None) -> bytes | None:
+def encode(
+    new: np.ndarray, base: np.ndarray, level: int = ZSTD_LEVEL, scratch: np.ndarray | None = None
+) -> bytes | None:
     """The compressed XOR of two equally long ``uint8`` arrays (one zstd frame that declares its
     size); None when they are equal. ``scratch`` is a :func:`new_scratch` buffer to reuse."""
     size = new.shape[0]
@@ -42,7 +43,7 @@ def encode(new: np.ndarray, base: np.ndarray, level: int = ZSTD_LEVEL,
     changed = False
     for start in range(0, size, CHUNK_BYTES):
         end = min(size, start + CHUNK_BYTES)
-        diff = np.bitwise_xor(new[start:end], base[start:end], out=scratch[:end - start])
+        diff = np.bitwise_xor(new[start:end], base[start:end], out=scratch[: end - start])
         changed = changed or bool(diff.any())
         parts.append(compressor.compress(diff.data))
     parts.append(compressor.flush())
@@ -54,8 +55,7 @@ class XorStream:
     decompressed bytes into ``chunk`` in place; :meth:`finish` checks that the blob held
     exactly the tensor's bytes. Memory stays at one :data:`CHUNK_BYTES` buffer."""
 
-    def __init__(self, blob: bytes | memoryview, size: int, *, where: str,
-                 scratch: np.ndarray | None = None):
+    def __init__(self, blob: bytes | memoryview, size: int, *, where: str, scratch: np.ndarray | None = None):
         _check_frame(blob, size, where)
         self.where = where
         self.size = size
@@ -76,11 +76,11 @@ class XorStream:
                     break
                 got += k
         except zstandard.ZstdError as exc:
-            raise CheckpointError("delta_corrupt", f"{self.where}: the delta does not decompress"
-                                  f" ({exc})") from None
+            raise CheckpointError("delta_corrupt", f"{self.where}: the delta does not decompress ({exc})") from None
         if got != n:
-            raise CheckpointError("delta_corrupt", f"{self.where}: the delta holds {self.done + got}"
-                                  f" bytes, the tensor has {self.size}")
+            raise CheckpointError(
+                "delta_corrupt", f"{self.where}: the delta holds {self.done + got} bytes, the tensor has {self.size}"
+            )
         np.bitwise_xor(chunk, self._scratch[:n], out=chunk)
         self.done += n
 
@@ -88,13 +88,13 @@ class XorStream:
         try:
             extra = self._reader.read(1)
         except zstandard.ZstdError as exc:
-            raise CheckpointError("delta_corrupt", f"{self.where}: the delta does not decompress"
-                                  f" ({exc})") from None
+            raise CheckpointError("delta_corrupt", f"{self.where}: the delta does not decompress ({exc})") from None
         finally:
             self._reader.close()
         if extra or self.done != self.size:
-            raise CheckpointError("delta_corrupt", f"{self.where}: the delta holds more bytes than"
-                                  f" the tensor's {self.size}")
+            raise CheckpointError(
+                "delta_corrupt", f"{self.where}: the delta holds more bytes than the tensor's {self.size}"
+            )
 
 
 def decode_into(blob: bytes | memoryview, base: np.ndarray, *, where: str) -> None:
@@ -102,7 +102,7 @@ def decode_into(blob: bytes | memoryview, base: np.ndarray, *, where: str) -> No
     Raises ``CheckpointError`` for a blob that is not the XOR of exactly ``len(base)`` bytes."""
     stream = XorStream(blob, base.shape[0], where=where)
     for start in range(0, base.shape[0], CHUNK_BYTES):
-        stream.apply(base[start:start + CHUNK_BYTES])
+        stream.apply(base[start : start + CHUNK_BYTES])
     stream.finish()
 
 
@@ -113,5 +113,5 @@ def _check_frame(blob: bytes | memoryview, size: int, where: str) -> None:
         raise CheckpointError("delta_corrupt", f"{where}: not a zstd frame ({exc})") from None
     if params.content_size != size:
         raise CheckpointError(
-            "delta_corrupt",
-            f"{where}: the delta frame declares {params.content_size} bytes, the tensor has {size}")
+            "delta_corrupt", f"{where}: the delta frame declares {params.content_size} bytes, the tensor has {size}"
+        )

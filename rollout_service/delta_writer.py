@@ -132,9 +132,14 @@ class DeltaStats:
 class DeltaCheckpointWriter:
     """Publishes each version as a delta against the previous one, or in full when it must."""
 
-    def __init__(self, *, full_every: int = DEFAULT_FULL_EVERY,
-                 max_ratio: float = DEFAULT_DELTA_MAX_RATIO, threads: int | None = None,
-                 level: int = delta_codec.ZSTD_LEVEL):
+    def __init__(
+        self,
+        *,
+        full_every: int = DEFAULT_FULL_EVERY,
+        max_ratio: float = DEFAULT_DELTA_MAX_RATIO,
+        threads: int | None = None,
+        level: int = delta_codec.ZSTD_LEVEL,
+    ):
         if full_every < 1:
             raise ValueError(f"full_every must be at least 1 (1: every checkpoint is full), got {full_every}")
         if not 0 < max_ratio <= 1:
@@ -165,14 +170,23 @@ class DeltaCheckpointWriter:
         """Host RAM held for the last version (one copy of the model in the checkpoint dtype)."""
         return sum(h.nbytes for h in self._held.values())
 
-    def publish(self, root: Path | str, step: int, tensors: Iterable[tuple[str, torch.Tensor]], *,
-                config: dict[str, Any] | Path | str | None, dtype: str | None = None,
-                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, base_model: str | None = None,
-                run_id: str | None = None) -> PublishResult:
+    def publish(
+        self,
+        root: Path | str,
+        step: int,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        config: dict[str, Any] | Path | str | None,
+        dtype: str | None = None,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        base_model: str | None = None,
+        run_id: str | None = None,
+    ) -> PublishResult:
         """:meth:`absorb` then :meth:`write`."""
         self.absorb(tensors, dtype=dtype)
-        return self.write(root, step, config=config, max_shard_bytes=max_shard_bytes,
-                          base_model=base_model, run_id=run_id)
+        return self.write(
+            root, step, config=config, max_shard_bytes=max_shard_bytes, base_model=base_model, run_id=run_id
+        )
 
     # --- taking in a version ----------------------------------------------------------------
     def absorb(self, tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: str | None = None) -> Absorbed:
@@ -215,7 +229,7 @@ class DeltaCheckpointWriter:
                 tag, shape = _tag_after_prepare(tensor, target), tuple(tensor.shape)
                 nbytes = DTYPE_SIZES[tag] * tensor.numel()
                 prev = old.get(name)
-                same = (prev is not None and prev.tag == tag and prev.shape == shape)
+                same = prev is not None and prev.tag == tag and prev.shape == shape
                 if delta and not (same and len(order) < len(old_order) and old_order[len(order)] == name):
                     delta = False
                     why_full = f"the tensor layout changed at {name!r} (names, shapes, dtypes or order)"
@@ -249,9 +263,14 @@ class DeltaCheckpointWriter:
             blobs, changed = {}, 0
         floats = {h.tag for h in held.values() if h.tag in FLOAT_DTYPES}
         self._pending_base = base
-        self._absorbed = Absorbed(delta=delta, blobs=blobs, dtype=target or (
-            floats.pop() if len(floats) == 1 else None), seconds=time.perf_counter() - t0,
-            why_full=why_full, changed_bytes=changed)
+        self._absorbed = Absorbed(
+            delta=delta,
+            blobs=blobs,
+            dtype=target or (floats.pop() if len(floats) == 1 else None),
+            seconds=time.perf_counter() - t0,
+            why_full=why_full,
+            changed_bytes=changed,
+        )
         return self._absorbed
 
     def _encode_into(self, tensor: torch.Tensor, target: str | None, prev: _Held) -> bytes | None:
@@ -276,9 +295,16 @@ class DeltaCheckpointWriter:
         return None
 
     # --- writing it ---------------------------------------------------------------------------
-    def write(self, root: Path | str, step: int, *, config: dict[str, Any] | Path | str | None,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, base_model: str | None = None,
-              run_id: str | None = None) -> PublishResult:
+    def write(
+        self,
+        root: Path | str,
+        step: int,
+        *,
+        config: dict[str, Any] | Path | str | None,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        base_model: str | None = None,
+        run_id: str | None = None,
+    ) -> PublishResult:
         """Publish the absorbed version as ``step``: a delta when it can, else in full."""
         absorbed = self._absorbed
         if absorbed is None:
@@ -292,34 +318,58 @@ class DeltaCheckpointWriter:
             assert base is not None
             delta_bytes = sum(len(b) for b in absorbed.blobs.values())
             if delta_bytes > self.max_ratio * full_bytes:
-                kind, why_full = "full", (f"the delta ({delta_bytes / max(full_bytes, 1):.0%} of the"
-                                          f" full size) is above checkpoint_delta_max_ratio"
-                                          f" {self.max_ratio:g}")
+                kind, why_full = (
+                    "full",
+                    (
+                        f"the delta ({delta_bytes / max(full_bytes, 1):.0%} of the"
+                        f" full size) is above checkpoint_delta_max_ratio"
+                        f" {self.max_ratio:g}"
+                    ),
+                )
             elif not _still_published(Path(root), base):
                 kind, why_full = "full", f"step {base.step} (the delta's base) is no longer published as it was"
         t0 = time.perf_counter()
         try:
             if kind == "full":
-                result = publish_checkpoint(root, step, self._held_tensors(), config=config,
-                                            max_shard_bytes=max_shard_bytes, base_model=base_model,
-                                            run_id=run_id)
+                result = publish_checkpoint(
+                    root,
+                    step,
+                    self._held_tensors(),
+                    config=config,
+                    max_shard_bytes=max_shard_bytes,
+                    base_model=base_model,
+                    run_id=run_id,
+                )
                 new_base = _Base(step, result.fingerprint, step, 0)
             else:
                 assert base is not None
-                result = self._write_delta(Path(root), step, base, absorbed, config=config,
-                                           max_shard_bytes=max_shard_bytes, base_model=base_model,
-                                           run_id=run_id)
+                result = self._write_delta(
+                    Path(root),
+                    step,
+                    base,
+                    absorbed,
+                    config=config,
+                    max_shard_bytes=max_shard_bytes,
+                    base_model=base_model,
+                    run_id=run_id,
+                )
                 new_base = _Base(step, result.fingerprint, base.chain_start, base.deltas_since_full + 1)
         except BaseException:
             self._base = None  # the held bytes are of a version that was not published
             raise
         self._base = new_base
         self.last = DeltaStats(
-            kind=kind, why_full=why_full, tensors=len(self._order),
+            kind=kind,
+            why_full=why_full,
+            tensors=len(self._order),
             changed_tensors=len(absorbed.blobs) if kind == "delta" else len(self._order),
             changed_bytes=absorbed.changed_bytes if kind == "delta" else full_bytes,
-            full_bytes=result.full_bytes, written_bytes=result.total_bytes, encode_s=absorbed.seconds,
-            write_s=time.perf_counter() - t0, chain_length=new_base.deltas_since_full)
+            full_bytes=result.full_bytes,
+            written_bytes=result.total_bytes,
+            encode_s=absorbed.seconds,
+            write_s=time.perf_counter() - t0,
+            chain_length=new_base.deltas_since_full,
+        )
         if kind == "full" and base is not None:
             log.info("step %d published in full: %s", step, why_full)
         return result
@@ -332,9 +382,18 @@ class DeltaCheckpointWriter:
     def _full_data_bytes(self) -> int:
         return sum(h.nbytes for h in self._held.values())
 
-    def _write_delta(self, root: Path, step: int, base: _Base, absorbed: Absorbed, *,
-                     config: dict[str, Any] | Path | str | None, max_shard_bytes: int,
-                     base_model: str | None, run_id: str) -> PublishResult:
+    def _write_delta(
+        self,
+        root: Path,
+        step: int,
+        base: _Base,
+        absorbed: Absorbed,
+        *,
+        config: dict[str, Any] | Path | str | None,
+        max_shard_bytes: int,
+        base_model: str | None,
+        run_id: str,
+    ) -> PublishResult:
         t0 = time.perf_counter()
         if config is None:
             raise ValueError("a delta checkpoint needs the model's config (config.json)")
@@ -356,44 +415,80 @@ class DeltaCheckpointWriter:
                 hasher.update(prefix)
                 for n in members:
                     hasher.update(self._held[n].data.data)
-                target[shard] = FileEntry(size=len(prefix) + data_len, digest=format_digest(hasher),
-                                          tensors=len(members))
+                target[shard] = FileEntry(
+                    size=len(prefix) + data_len, digest=format_digest(hasher), tensors=len(members)
+                )
                 changed = [n for n in members if n in absorbed.blobs]
                 delta_file = f"delta-{i:05d}-of-{len(shards):05d}.safetensors" if changed else None
                 if delta_file is not None:
-                    files[delta_file] = _write_shard(tmp / delta_file, [
-                        (n, torch.frombuffer(bytearray(absorbed.blobs[n]), dtype=torch.uint8))
-                        for n in changed])
+                    files[delta_file] = _write_shard(
+                        tmp / delta_file,
+                        [(n, torch.frombuffer(bytearray(absorbed.blobs[n]), dtype=torch.uint8)) for n in changed],
+                    )
                 for n in members:
                     h = self._held[n]
                     weight_map[n] = shard
-                    tensors[n] = DeltaTensor(shard=shard, dtype=h.tag, shape=list(h.shape),
-                                             digest=h.digest,
-                                             delta_file=delta_file if n in absorbed.blobs else None)
+                    tensors[n] = DeltaTensor(
+                        shard=shard,
+                        dtype=h.tag,
+                        shape=list(h.shape),
+                        digest=h.digest,
+                        delta_file=delta_file if n in absorbed.blobs else None,
+                    )
             if len(shards) > 1:
                 files[INDEX_NAME] = target[INDEX_NAME] = write_small(
-                    tmp / INDEX_NAME, index_json(weight_map, self._full_data_bytes()))
+                    tmp / INDEX_NAME, index_json(weight_map, self._full_data_bytes())
+                )
             files[CONFIG_NAME] = target[CONFIG_NAME] = write_small(tmp / CONFIG_NAME, config_text(config))
             manifest = Manifest(
-                step=step, weight_version=version_for_step(step), created_at=time.time(),
-                writer=writer_identity(), base_model=base_model, dtype=absorbed.dtype,
-                total_bytes=sum(e.size for e in files.values()), tensor_count=len(self._order),
-                files=files, run_id=run_id, kind="delta",
-                delta=DeltaInfo(base_step=base.step, base_fingerprint=base.fingerprint,
-                                chain_start=base.chain_start, target_files=target, tensors=tensors,
-                                changed_tensors=len(absorbed.blobs),
-                                changed_bytes=absorbed.changed_bytes))
+                step=step,
+                weight_version=version_for_step(step),
+                created_at=time.time(),
+                writer=writer_identity(),
+                base_model=base_model,
+                dtype=absorbed.dtype,
+                total_bytes=sum(e.size for e in files.values()),
+                tensor_count=len(self._order),
+                files=files,
+                run_id=run_id,
+                kind="delta",
+                delta=DeltaInfo(
+                    base_step=base.step,
+                    base_fingerprint=base.fingerprint,
+                    chain_start=base.chain_start,
+                    target_files=target,
+                    tensors=tensors,
+                    changed_tensors=len(absorbed.blobs),
+                    changed_bytes=absorbed.changed_bytes,
+                ),
+            )
             write_small(tmp / MANIFEST_NAME, manifest.to_json())
         total = time.perf_counter() - t0
         full = sum(e.size for e in target.values())
-        log.info("published %s as a delta on step %d: %d of %d tensors changed, %.2f MB (%.1f%% of %.1f MB)"
-                 " in %.2f s", root / step_dir_name(step), base.step, len(absorbed.blobs), len(self._order),
-                 manifest.total_bytes / 1e6, 100 * manifest.total_bytes / max(full, 1), full / 1e6, total)
-        return PublishResult(path=root / step_dir_name(step), step=step,
-                             weight_version=manifest.weight_version, total_bytes=manifest.total_bytes,
-                             tensor_count=manifest.tensor_count, files=len(files), write_seconds=total,
-                             total_seconds=total, kind="delta", fingerprint=manifest.fingerprint(),
-                             full_bytes=full)
+        log.info(
+            "published %s as a delta on step %d: %d of %d tensors changed, %.2f MB (%.1f%% of %.1f MB) in %.2f s",
+            root / step_dir_name(step),
+            base.step,
+            len(absorbed.blobs),
+            len(self._order),
+            manifest.total_bytes / 1e6,
+            100 * manifest.total_bytes / max(full, 1),
+            full / 1e6,
+            total,
+        )
+        return PublishResult(
+            path=root / step_dir_name(step),
+            step=step,
+            weight_version=manifest.weight_version,
+            total_bytes=manifest.total_bytes,
+            tensor_count=manifest.tensor_count,
+            files=len(files),
+            write_seconds=total,
+            total_seconds=total,
+            kind="delta",
+            fingerprint=manifest.fingerprint(),
+            full_bytes=full,
+        )
 
 
 def _tag_after_prepare(tensor: torch.Tensor, target: str | None) -> str:
@@ -438,4 +533,3 @@ def _still_published(root: Path, base: _Base) -> bool:
         return Manifest.load(root / step_dir_name(base.step), root=root).fingerprint() == base.fingerprint
     except CheckpointError:
         return False
-

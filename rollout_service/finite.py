@@ -31,19 +31,19 @@ def first_non_finite(data: memoryview, *, deadline: Deadline = NO_DEADLINE) -> t
     ``data`` is a whole safetensors file whose header safetensors has already accepted.
     """
     (header_len,) = struct.unpack("<Q", data[:8])
-    header = json.loads(bytes(data[8:8 + header_len]))
+    header = json.loads(bytes(data[8 : 8 + header_len]))
     base = 8 + header_len
     for name, info in sorted(header.items(), key=lambda kv: str(kv[0])):
         if name == "__metadata__" or not isinstance(info, dict):
             continue
         dtype = info.get("dtype")
         start, end = info["data_offsets"]
-        raw = data[base + start:base + end]
+        raw = data[base + start : base + end]
         count = 0
         step = _CHUNK_ELEMENTS * 8
         for i in range(0, len(raw), step):
             deadline.check(name)
-            count += count_non_finite(raw[i:i + step], str(dtype))
+            count += count_non_finite(raw[i : i + step], str(dtype))
         if count:
             return str(name), count
     return None

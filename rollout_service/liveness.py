@@ -26,8 +26,9 @@ def check_liveness(sglang_url: str, sidecar_url: str | None, *, timeout_s: float
             except (httpx.HTTPError, ValueError):
                 status = None
             if isinstance(status, dict) and status.get("loading_step") is not None:
-                return True, (f"the sidecar is loading step {status['loading_step']} into SGLang"
-                              " (/health waits on the load)")
+                return True, (
+                    f"the sidecar is loading step {status['loading_step']} into SGLang (/health waits on the load)"
+                )
         try:
             response = client.get(f"{sglang_url}/health")
         except httpx.HTTPError as exc:

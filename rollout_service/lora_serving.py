@@ -38,14 +38,22 @@ class LoraServing:
         if not self.target_modules:
             raise ValueError("--lora-target-modules needs at least one module name (or 'all')")
         if self.max_loras_per_batch < 2:
-            raise ValueError(f"--max-loras-per-batch must be at least 2 (an adapter and the base model),"
-                             f" got {self.max_loras_per_batch}")
+            raise ValueError(
+                f"--max-loras-per-batch must be at least 2 (an adapter and the base model),"
+                f" got {self.max_loras_per_batch}"
+            )
 
     def sglang_args(self, device: str) -> list[str]:
         """The ``sglang.launch_server`` flags for ``device`` ("cpu" or "cuda")."""
-        args = ["--enable-lora", "--max-lora-rank", str(self.max_rank),
-                "--lora-target-modules", *self.target_modules,
-                "--max-loras-per-batch", str(self.max_loras_per_batch)]
+        args = [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(self.max_rank),
+            "--lora-target-modules",
+            *self.target_modules,
+            "--max-loras-per-batch",
+            str(self.max_loras_per_batch),
+        ]
         backend = self.backend or (CPU_BACKEND if device == "cpu" else None)
         if backend:
             args += ["--lora-backend", backend]
@@ -54,19 +62,41 @@ class LoraServing:
 
 def add_lora_flags(p: argparse.ArgumentParser, add_env: Callable[..., Any]) -> None:
     """``--lora`` and its settings on a command's parser (flags and ``ROLLOUT_*`` variables)."""
-    add_env(p, "--lora", action="store_true",
-            help="serve LoRA adapters: start SGLang with --enable-lora so trained adapters are synced"
-                 " as adapters (POST /load_lora_adapter) instead of merged full checkpoints")
-    add_env(p, "--max-lora-rank", type=int, default=DEFAULT_MAX_RANK,
-            help=f"largest adapter rank SGLang can serve (default {DEFAULT_MAX_RANK})")
-    add_env(p, "--lora-target-modules", type=module_list, default=DEFAULT_TARGET_MODULES,
-            help="comma-separated modules adapters may change, or 'all' (default:"
-                 f" {','.join(DEFAULT_TARGET_MODULES)})")
-    add_env(p, "--max-loras-per-batch", type=int, default=DEFAULT_MAX_LORAS_PER_BATCH,
-            help=f"adapters SGLang keeps in its batch pool, the base model included (default"
-                 f" {DEFAULT_MAX_LORAS_PER_BATCH}; at least max_staleness + 2)")
-    add_env(p, "--lora-backend", default=None,
-            help="SGLang's --lora-backend (default: torch_native on CPU, SGLang's choice on CUDA)")
+    add_env(
+        p,
+        "--lora",
+        action="store_true",
+        help="serve LoRA adapters: start SGLang with --enable-lora so trained adapters are synced"
+        " as adapters (POST /load_lora_adapter) instead of merged full checkpoints",
+    )
+    add_env(
+        p,
+        "--max-lora-rank",
+        type=int,
+        default=DEFAULT_MAX_RANK,
+        help=f"largest adapter rank SGLang can serve (default {DEFAULT_MAX_RANK})",
+    )
+    add_env(
+        p,
+        "--lora-target-modules",
+        type=module_list,
+        default=DEFAULT_TARGET_MODULES,
+        help=f"comma-separated modules adapters may change, or 'all' (default: {','.join(DEFAULT_TARGET_MODULES)})",
+    )
+    add_env(
+        p,
+        "--max-loras-per-batch",
+        type=int,
+        default=DEFAULT_MAX_LORAS_PER_BATCH,
+        help=f"adapters SGLang keeps in its batch pool, the base model included (default"
+        f" {DEFAULT_MAX_LORAS_PER_BATCH}; at least max_staleness + 2)",
+    )
+    add_env(
+        p,
+        "--lora-backend",
+        default=None,
+        help="SGLang's --lora-backend (default: torch_native on CPU, SGLang's choice on CUDA)",
+    )
 
 
 def module_list(text: str) -> tuple[str, ...]:
@@ -81,5 +111,9 @@ def lora_from_args(args: argparse.Namespace) -> LoraServing | None:
     """The settings ``add_lora_flags`` parsed, or None without ``--lora``."""
     if not getattr(args, "lora", False):
         return None
-    return LoraServing(max_rank=args.max_lora_rank, target_modules=tuple(args.lora_target_modules),
-                       max_loras_per_batch=args.max_loras_per_batch, backend=args.lora_backend)
+    return LoraServing(
+        max_rank=args.max_lora_rank,
+        target_modules=tuple(args.lora_target_modules),
+        max_loras_per_batch=args.max_loras_per_batch,
+        backend=args.lora_backend,
+    )

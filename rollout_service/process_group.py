@@ -91,7 +91,7 @@ def descendant_groups(pid: int) -> set[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         children.setdefault(int(fields[1]), []).append(int(entry.name))
         groups[int(entry.name)] = int(fields[2])
     found: set[int] = set()
@@ -138,9 +138,16 @@ class ProcessGroup:
             (`kill_me_with_parent`).
     """
 
-    def __init__(self, argv: Sequence[str], log_path: str | os.PathLike[str], *, name: str = "process",
-                 env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
-                 die_with_parent: bool = False) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        log_path: str | os.PathLike[str],
+        *,
+        name: str = "process",
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        die_with_parent: bool = False,
+    ) -> None:
         self.argv = [str(a) for a in argv]
         self.log_path = Path(log_path)
         self.name = name
@@ -166,9 +173,15 @@ class ProcessGroup:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                cwd=self.cwd, start_new_session=True,
-                preexec_fn=kill_me_with_parent if self.die_with_parent else None)
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,
+                preexec_fn=kill_me_with_parent if self.die_with_parent else None,
+            )
 
     def is_running(self) -> bool:
         """True while the main process has not exited."""
@@ -178,10 +191,18 @@ class ProcessGroup:
         """The last `n` lines of the log."""
         return log_tail(self.log_path, n)
 
-    def wait_http(self, url: str, timeout_s: float, *, status: int = 200, progress_grace_s: float | None = None,
-                  progress_logs: Sequence[Path] = (), timeout_hint: str = "a slow machine may need a larger timeout",
-                  request_timeout_s: float = 5.0, failed: Callable[[httpx.Client], str | None] | None = None
-                  ) -> float:
+    def wait_http(
+        self,
+        url: str,
+        timeout_s: float,
+        *,
+        status: int = 200,
+        progress_grace_s: float | None = None,
+        progress_logs: Sequence[Path] = (),
+        timeout_hint: str = "a slow machine may need a larger timeout",
+        request_timeout_s: float = 5.0,
+        failed: Callable[[httpx.Client], str | None] | None = None,
+    ) -> float:
         """Block until GET `url` answers `status`; returns the seconds waited.
 
         With `progress_grace_s`, the wait goes on past `timeout_s` for as long as the log (and
@@ -209,7 +230,8 @@ class ProcessGroup:
                 if code is not None:
                     raise ProcessExitedError(
                         f"{self.name} exited with code {code} before {url} answered (log {self.log_path});"
-                        f" last log lines:\n{self.log_tail()}")
+                        f" last log lines:\n{self.log_tail()}"
+                    )
                 try:
                     if client.get(url).status_code == status:
                         waited = time.monotonic() - started
@@ -219,23 +241,35 @@ class ProcessGroup:
                 except httpx.HTTPError:
                     why = None
                 if why:
-                    raise ProcessStartError(f"{self.name} cannot become ready: {why} (log {self.log_path});"
-                                            f" last log lines:\n{self.log_tail()}")
+                    raise ProcessStartError(
+                        f"{self.name} cannot become ready: {why} (log {self.log_path});"
+                        f" last log lines:\n{self.log_tail()}"
+                    )
                 now = time.monotonic()
                 current = _total_size(logs)
                 if current != size:
                     size, last_growth = current, now
                 if now - started > timeout_s:
                     if progress_grace_s is None or now - last_growth >= progress_grace_s:
-                        silent = (f" and its log {self.log_path} showed no progress for {now - last_growth:.0f} s"
-                                  if progress_grace_s is not None else "")
+                        silent = (
+                            f" and its log {self.log_path} showed no progress for {now - last_growth:.0f} s"
+                            if progress_grace_s is not None
+                            else ""
+                        )
                         raise StartTimeoutError(
                             f"{url} did not answer within {timeout_s:.0f} s{silent} ({self.name}, process"
                             f" {self.pid} still running; log {self.log_path}); {timeout_hint}."
-                            f" Last log lines:\n{self.log_tail()}")
+                            f" Last log lines:\n{self.log_tail()}"
+                        )
                     if now >= next_report:
-                        logger.info("%s at %s is still starting after %.0f s (past the %.0f s timeout) and its"
-                                    " log shows progress; waiting", self.name, url, now - started, timeout_s)
+                        logger.info(
+                            "%s at %s is still starting after %.0f s (past the %.0f s timeout) and its"
+                            " log shows progress; waiting",
+                            self.name,
+                            url,
+                            now - started,
+                            timeout_s,
+                        )
                         next_report = now + PROGRESS_EVERY_S
                 elif now >= next_report:
                     logger.info("waiting for %s at %s (%.0f s elapsed)", self.name, url, now - started)
@@ -263,8 +297,13 @@ class ProcessGroup:
                     break
                 time.sleep(0.2)
             else:
-                logger.warning("%s (process group %d) ignored %s for %.0f s; sending SIGKILL", self.name, pgid,
-                               signal.Signals(sig).name, timeout_s)
+                logger.warning(
+                    "%s (process group %d) ignored %s for %.0f s; sending SIGKILL",
+                    self.name,
+                    pgid,
+                    signal.Signals(sig).name,
+                    timeout_s,
+                )
                 signal_group(pgid, signal.SIGKILL)
         try:
             self.process.wait(timeout=10)

@@ -51,8 +51,14 @@ def adapter_name_for(step: int, run_id: str | None) -> str:
 
 def step_for_adapter_name(name: Any) -> int | None:
     """The step an adapter name from :func:`adapter_name_for` names, or None."""
-    if not isinstance(name, str) or len(name) < 9 or name[0] != "v" or not name[1:9].isascii() \
-            or not name[1:9].isdigit() or (len(name) > 9 and name[9] != "-"):
+    if (
+        not isinstance(name, str)
+        or len(name) < 9
+        or name[0] != "v"
+        or not name[1:9].isascii()
+        or not name[1:9].isdigit()
+        or (len(name) > 9 and name[9] != "-")
+    ):
         return None
     return int(name[1:9])
 
@@ -112,8 +118,7 @@ class ReplicaReport:
 
 
 def _step(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEP \
-        else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEP else None
 
 
 def atomic_replace(dir_fd: int, name: str, data: bytes, *, owner: str = "") -> None:
@@ -125,12 +130,11 @@ def atomic_replace(dir_fd: int, name: str, data: bytes, *, owner: str = "") -> N
     """
     tmp = f"{TEMP_PREFIX}{owner + '-' if owner else ''}{uuid.uuid4().hex[:8]}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _NOFOLLOW, 0o644,
-                     dir_fd=dir_fd)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _NOFOLLOW, 0o644, dir_fd=dir_fd)
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -161,8 +165,7 @@ def read_acks(root: Path, *, max_age_s: float | None = None) -> dict[str, dict[s
         if not isinstance(data, dict):
             continue
         heartbeat = data.get("heartbeat", 0)
-        if max_age_s is not None and (not isinstance(heartbeat, (int, float))
-                                      or now - float(heartbeat) > max_age_s):
+        if max_age_s is not None and (not isinstance(heartbeat, (int, float)) or now - float(heartbeat) > max_age_s):
             continue
         acks[path.stem] = data
     return acks

@@ -62,8 +62,7 @@ class RestartPolicy:
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.restart_window_s <= 0:
-            raise ValueError(f"--restart-window must be a positive number of seconds, got"
-                             f" {self.restart_window_s}")
+            raise ValueError(f"--restart-window must be a positive number of seconds, got {self.restart_window_s}")
 
     def restarts_in_window(self) -> int:
         """Restarts within the last ``restart_window_s`` seconds."""
@@ -98,10 +97,14 @@ class Supervisor(threading.Thread):
     and stops watching, leaving SGLang down.
     """
 
-    def __init__(self, server: SGLangServer, policy: RestartPolicy,
-                 on_restart: Callable[[], None] = lambda: None,
-                 on_give_up: Callable[[str, str], None] = lambda reason, message: None,
-                 check_interval_s: float = 1.0):
+    def __init__(
+        self,
+        server: SGLangServer,
+        policy: RestartPolicy,
+        on_restart: Callable[[], None] = lambda: None,
+        on_give_up: Callable[[str, str], None] = lambda reason, message: None,
+        check_interval_s: float = 1.0,
+    ):
         super().__init__(name="sglang-supervisor", daemon=True)
         self.server = server
         self.policy = policy
@@ -117,8 +120,9 @@ class Supervisor(threading.Thread):
             SGLangStartError: SGLang exited first, or stayed silent past the start-up timeout.
         """
         self.server.start()
-        self.server.wait_healthy(self.policy.startup_timeout_s, progress_grace_s=self.policy.progress_grace_s,
-                                 timeout_hint=STARTUP_HINT)
+        self.server.wait_healthy(
+            self.policy.startup_timeout_s, progress_grace_s=self.policy.progress_grace_s, timeout_hint=STARTUP_HINT
+        )
 
     def should_restart(self) -> bool:
         """True when SGLang has exited (overridable, as uvicorn's `should_restart`)."""
@@ -145,18 +149,26 @@ class Supervisor(threading.Thread):
             if not self.should_restart():
                 continue
             if not policy.may_restart():
-                message = (f"SGLang exited and {policy.restarts_in_window()} restart(s) already happened"
-                           f" within the last {policy.restart_window_s:.0f} s (the budget is"
-                           f" {policy.describe()}; --max-restarts, --restart-window); not restarting"
-                           f" it. Fix the cause and restart `serve`. SGLang's last log lines"
-                           f" (log {self.server.log_path}):\n{self.server.log_tail(40)}")
+                message = (
+                    f"SGLang exited and {policy.restarts_in_window()} restart(s) already happened"
+                    f" within the last {policy.restart_window_s:.0f} s (the budget is"
+                    f" {policy.describe()}; --max-restarts, --restart-window); not restarting"
+                    f" it. Fix the cause and restart `serve`. SGLang's last log lines"
+                    f" (log {self.server.log_path}):\n{self.server.log_tail(40)}"
+                )
                 log.error("%s", message)
                 self._on_give_up(RESTART_BUDGET_SPENT, message)
                 return
             in_window = policy.record_restart()
-            log.warning("SGLang exited; restart %d of %d in %.0f s (%d within the last %.0f s; %d in"
-                        " all)", in_window, policy.max_restarts, backoff, in_window,
-                        policy.restart_window_s, policy.restarts)
+            log.warning(
+                "SGLang exited; restart %d of %d in %.0f s (%d within the last %.0f s; %d in all)",
+                in_window,
+                policy.max_restarts,
+                backoff,
+                in_window,
+                policy.restart_window_s,
+                policy.restarts,
+            )
             if self._stopping.wait(backoff):
                 return
             backoff = min(backoff * 2, policy.max_backoff_s)

@@ -52,9 +52,7 @@ def listed_gpus() -> list[str]:
     if nvidia_smi is None:
         return []
     try:
-        result = subprocess.run(
-            [nvidia_smi, "-L"], capture_output=True, text=True, timeout=30, check=False
-        )
+        result = subprocess.run([nvidia_smi, "-L"], capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.SubprocessError):
         return []
     if result.returncode != 0:
@@ -69,9 +67,11 @@ def torch_sees_cuda(python: str | None = None) -> bool:
     """
     try:
         result = subprocess.run(
-            [python or sys.executable, "-c",
-             "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"],
-            capture_output=True, text=True, timeout=300, check=False,
+            [python or sys.executable, "-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
         )
     except (OSError, subprocess.SubprocessError):
         return False
@@ -88,8 +88,13 @@ def driver_version() -> str | None:
     if nvidia_smi is None:
         return None
     try:
-        result = subprocess.run([nvidia_smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30, check=False)
+        result = subprocess.run(
+            [nvidia_smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]
@@ -114,7 +119,7 @@ def cuda_unavailable_message(gpus: Sequence[str], who: str, torch_version: str |
 
 
 def detect_device(python: str | None = None) -> str:
-    """"cuda" when `nvidia-smi -L` lists a GPU or torch in `python` sees CUDA, else "cpu"."""
+    """ "cuda" when `nvidia-smi -L` lists a GPU or torch in `python` sees CUDA, else "cpu"."""
     if listed_gpus():
         return "cuda"
     return "cuda" if torch_sees_cuda(python) else "cpu"
@@ -189,8 +194,13 @@ def query_gpu_memory() -> list[GPUMemory]:
 
     def query(*args: str) -> list[list[str]]:
         try:
-            result = subprocess.run([nvidia_smi, *args, "--format=csv,noheader,nounits"],
-                                    capture_output=True, text=True, timeout=30, check=False)
+            result = subprocess.run(
+                [nvidia_smi, *args, "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
         except (OSError, subprocess.SubprocessError):
             return []
         if result.returncode != 0:
@@ -204,15 +214,13 @@ def query_gpu_memory() -> list[GPUMemory]:
     gpus = []
     for row in query("--query-gpu=index,uuid,memory.total,memory.used"):
         try:
-            gpus.append(GPUMemory(int(row[0]), row[1], float(row[2]), float(row[3]),
-                                  tuple(apps.get(row[1], ()))))
+            gpus.append(GPUMemory(int(row[0]), row[1], float(row[2]), float(row[3]), tuple(apps.get(row[1], ()))))
         except (IndexError, ValueError):
             continue
     return gpus
 
 
-def gpus_for_server(gpus: Sequence[GPUMemory], visible: str | None, base_gpu_id: int,
-                    count: int) -> list[GPUMemory]:
+def gpus_for_server(gpus: Sequence[GPUMemory], visible: str | None, base_gpu_id: int, count: int) -> list[GPUMemory]:
     """The GPUs one SGLang server uses: `count` from `base_gpu_id` in CUDA_VISIBLE_DEVICES order."""
     if visible is not None and visible.strip() != "":
         order = []
@@ -222,7 +230,7 @@ def gpus_for_server(gpus: Sequence[GPUMemory], visible: str | None, base_gpu_id:
             order += match[:1]
     else:
         order = sorted(gpus, key=lambda g: g.index)
-    return order[base_gpu_id:base_gpu_id + count]
+    return order[base_gpu_id : base_gpu_id + count]
 
 
 SHARED_GPU_USED_MIB = 1024.0
@@ -245,11 +253,14 @@ def shared_gpu_mem_fraction(gpus: Sequence[GPUMemory]) -> tuple[float | None, st
     fraction = min(fraction, SGLANG_AUTO_FRACTION)
     what = "; ".join(
         f"GPU {g.index}: {g.used_mib / 1024:.1f} of {g.total_mib / 1024:.1f} GiB in use"
-        + (f" by {', '.join(g.processes)}" if g.processes else "") for g in busy)
+        + (f" by {', '.join(g.processes)}" if g.processes else "")
+        for g in busy
+    )
     return fraction, (
         f"SGLang shares its GPU with other processes ({what}); starting it with --mem-fraction-static"
         f" {fraction} instead of SGLang's automatic ~{SGLANG_AUTO_FRACTION}. Pass `-- --mem-fraction-static"
-        " X` to choose, or give SGLang and the trainer different GPUs with CUDA_VISIBLE_DEVICES.")
+        " X` to choose, or give SGLang and the trainer different GPUs with CUDA_VISIBLE_DEVICES."
+    )
 
 
 @dataclass
@@ -348,10 +359,15 @@ class SGLangServer:
         """The command line that `start()` runs."""
         cfg = self.config
         cmd = [
-            cfg.python, "-m", "sglang.launch_server",
-            "--model-path", os.fspath(cfg.model_path),
-            "--host", cfg.host,
-            "--port", str(self.port),
+            cfg.python,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            os.fspath(cfg.model_path),
+            "--host",
+            cfg.host,
+            "--port",
+            str(self.port),
         ]
         if self.device == "cpu":
             cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--skip-server-warmup"]
@@ -398,15 +414,16 @@ class SGLangServer:
         if self.device == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"
             previous = env.get("PYTHONPATH")
-            env["PYTHONPATH"] = os.pathsep.join(
-                [str(CPU_SHIMS_DIR)] + ([previous] if previous else [])
-            )
+            env["PYTHONPATH"] = os.pathsep.join([str(CPU_SHIMS_DIR)] + ([previous] if previous else []))
         env.update(self.config.env)
         if self.device == "cuda":
             env, removed = cuda_environment(env)
             if removed:
-                logger.warning("SGLang runs on CUDA: not passing the CPU-only settings %s to it (they"
-                               " would load the CPU sgl_kernel stand-in)", ", ".join(removed))
+                logger.warning(
+                    "SGLang runs on CUDA: not passing the CPU-only settings %s to it (they"
+                    " would load the CPU sgl_kernel stand-in)",
+                    ", ".join(removed),
+                )
         return env
 
     def start(self) -> None:
@@ -415,8 +432,9 @@ class SGLangServer:
             raise RuntimeError(f"SGLang server already running with pid {self.pid}; stop() it first")
         if self.device == "cuda" and not self._cuda_checked:
             if not torch_sees_cuda(self.config.python):
-                raise SGLangStartError(cuda_unavailable_message(
-                    listed_gpus(), f"SGLang on CUDA (python {self.config.python})"))
+                raise SGLangStartError(
+                    cuda_unavailable_message(listed_gpus(), f"SGLang on CUDA (python {self.config.python})")
+                )
             self._cuda_checked = True
         cmd = self.command()
         if self.device == "cuda":
@@ -424,21 +442,32 @@ class SGLangServer:
             if why:
                 logger.warning("%s", why)
             elif not _has_flag(self.config.extra_args, "--mem-fraction-static"):
-                logger.info("SGLang takes ~%d%% of each GPU it uses (its automatic --mem-fraction-static);"
-                            " if a trainer shares the GPU, pass `-- --mem-fraction-static 0.4` or similar",
-                            int(SGLANG_AUTO_FRACTION * 100))
-        logger.info("starting SGLang on %s (%s), log %s: %s", self.url, self.device, self.log_path,
-                    " ".join(cmd))
-        self._group = ProcessGroup(cmd, self.log_path, name="SGLang server", env=self.environment(),
-                                   die_with_parent=self.config.die_with_parent)
+                logger.info(
+                    "SGLang takes ~%d%% of each GPU it uses (its automatic --mem-fraction-static);"
+                    " if a trainer shares the GPU, pass `-- --mem-fraction-static 0.4` or similar",
+                    int(SGLANG_AUTO_FRACTION * 100),
+                )
+        logger.info("starting SGLang on %s (%s), log %s: %s", self.url, self.device, self.log_path, " ".join(cmd))
+        self._group = ProcessGroup(
+            cmd,
+            self.log_path,
+            name="SGLang server",
+            env=self.environment(),
+            die_with_parent=self.config.die_with_parent,
+        )
         self._group.start()
 
     def is_running(self) -> bool:
         """True while the server's main process has not exited."""
         return self._group is not None and self._group.is_running()
 
-    def wait_healthy(self, timeout_s: float = 300.0, *, progress_grace_s: float | None = None,
-                     timeout_hint: str = "a slow machine may need a larger timeout") -> None:
+    def wait_healthy(
+        self,
+        timeout_s: float = 300.0,
+        *,
+        progress_grace_s: float | None = None,
+        timeout_hint: str = "a slow machine may need a larger timeout",
+    ) -> None:
         """Block until GET /health answers 200.
 
         With `progress_grace_s`, the wait goes on past `timeout_s` for as long as the server log
@@ -452,8 +481,9 @@ class SGLangServer:
         if self._group is None:
             raise RuntimeError("wait_healthy() called before start()")
         try:
-            self._group.wait_http(f"{self.url}/health", timeout_s, progress_grace_s=progress_grace_s,
-                                  timeout_hint=timeout_hint)
+            self._group.wait_http(
+                f"{self.url}/health", timeout_s, progress_grace_s=progress_grace_s, timeout_hint=timeout_hint
+            )
         except ProcessStartError as exc:
             raise SGLangStartError(str(exc)) from None
 

@@ -144,8 +144,12 @@ def build_tokenizer(vocab_size: int = 4096) -> Any:
     )
     bpe.train_from_iterator(texts, trainer=trainer, length=len(texts))
     if bpe.get_vocab_size() < vocab_size:
-        logger.warning("BPE training reached only %d of %d tokens; the model keeps %d rows",
-                       bpe.get_vocab_size(), vocab_size, vocab_size)
+        logger.warning(
+            "BPE training reached only %d of %d tokens; the model keeps %d rows",
+            bpe.get_vocab_size(),
+            vocab_size,
+            vocab_size,
+        )
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         bos_token=ENDOFTEXT,
@@ -164,8 +168,11 @@ def training_corpus(min_bytes: int) -> list[str]:
     at least `min_bytes` bytes (all files if there are fewer)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(
-        (p for p in stdlib.rglob("*.py")
-         if not {"site-packages", "dist-packages", "__pycache__"} & set(p.relative_to(stdlib).parts)),
+        (
+            p
+            for p in stdlib.rglob("*.py")
+            if not {"site-packages", "dist-packages", "__pycache__"} & set(p.relative_to(stdlib).parts)
+        ),
         key=lambda p: p.relative_to(stdlib).as_posix(),
     )
     if not files:

@@ -47,8 +47,9 @@ NO_DEADLINE = Deadline(None)
 
 
 @contextlib.contextmanager
-def open_regular(root: Path, path: Path, *, where: str, max_bytes: int | None = None
-                 ) -> Iterator[tuple[int, os.stat_result]]:
+def open_regular(
+    root: Path, path: Path, *, where: str, max_bytes: int | None = None
+) -> Iterator[tuple[int, os.stat_result]]:
     """Yield ``(fd, fstat)`` of ``path``: inside ``root``, a regular file, at most ``max_bytes``.
 
     Raises ``CheckpointError`` with ``path_escape``, ``missing_file``, ``not_a_regular_file``,
@@ -71,8 +72,7 @@ def open_regular(root: Path, path: Path, *, where: str, max_bytes: int | None = 
                 " regular files: remove it and republish",
             )
         if max_bytes is not None and st.st_size > max_bytes:
-            raise CheckpointError(
-                "too_large", f"{where} has {st.st_size} bytes, more than the {max_bytes} allowed")
+            raise CheckpointError("too_large", f"{where} has {st.st_size} bytes, more than the {max_bytes} allowed")
         os.set_blocking(fd, True)
         yield fd, st
     finally:
@@ -98,8 +98,9 @@ def read_small(root: Path, path: Path, *, where: str, max_bytes: int = MAX_SMALL
 _COPY_CHUNK = 16 << 20
 
 
-def copy_verified(root: Path, src: Path, dst: Path | None, *, where: str, size: int, digest: str,
-                  deadline: Deadline) -> bytes | None:
+def copy_verified(
+    root: Path, src: Path, dst: Path | None, *, where: str, size: int, digest: str, deadline: Deadline
+) -> bytes | None:
     """Read ``src`` (untrusted, under ``root``) checking its size and digest as it streams.
 
     The bytes go to ``dst`` when given (a new file; returns None), else they are returned
@@ -112,8 +113,10 @@ def copy_verified(root: Path, src: Path, dst: Path | None, *, where: str, size: 
     held = bytearray(size) if dst is None else None
     buf = bytearray(_COPY_CHUNK)
     view = memoryview(buf)
-    with open_regular(root, src, where=where) as (fd, _), \
-            (open(dst, "wb", buffering=0) if dst is not None else contextlib.nullcontext()) as out:
+    with (
+        open_regular(root, src, where=where) as (fd, _),
+        open(dst, "wb", buffering=0) if dst is not None else contextlib.nullcontext() as out,
+    ):
         while copied <= size:
             deadline.check(where)
             n = os.readv(fd, [view])
@@ -127,19 +130,20 @@ def copy_verified(root: Path, src: Path, dst: Path | None, *, where: str, size: 
                 out.write(view[:n])
             else:
                 assert held is not None
-                held[copied:copied + n] = view[:n]
+                held[copied : copied + n] = view[:n]
             copied += n
     if copied != size:
         raise CheckpointError(
             "size_mismatch" if copied > size else "truncated",
             f"{where} changed while it was being read: {'more' if copied > size else 'fewer'}"
-            f" bytes than the manifest's {size}; the writer modified a published file")
+            f" bytes than the manifest's {size}; the writer modified a published file",
+        )
     found = format_digest(hasher)
     if found != digest:
         raise CheckpointError(
             "digest_mismatch",
-            f"{where} has digest {found}, the manifest says {digest}: the file's bytes"
-            " changed after publishing")
+            f"{where} has digest {found}, the manifest says {digest}: the file's bytes changed after publishing",
+        )
     return None if held is None else bytes(held)
 
 
@@ -149,9 +153,14 @@ def fd_path(fd: int) -> str:
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symlink")):
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symlink"),
+    ):
         if test(mode):
             return name
     return "not a plain file"

@@ -43,8 +43,14 @@ def sglang_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     """A real SGLang server on the CPU serving the untied tiny model, shared by the session."""
     logging.getLogger("rollout_service").setLevel(logging.INFO)
     log_path = tmp_path_factory.mktemp("sglang") / "server.log"
-    server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable, log_path=log_path,
-                          extra_args=SERVER_EXTRA_ARGS, die_with_parent=True)
+    server = SGLangServer(
+        tiny_model_dir,
+        device="cpu",
+        python=sys.executable,
+        log_path=log_path,
+        extra_args=SERVER_EXTRA_ARGS,
+        die_with_parent=True,
+    )
     server.start()
     try:
         server.wait_healthy(SERVER_HEALTH_TIMEOUT_S)
@@ -73,8 +79,11 @@ def sglang_server_at_base(sglang_server: SGLangServer, tiny_model_dir: Path) -> 
     have loaded checkpoints into it), labelled with SGLang's start-up version "default"."""
     import httpx
 
-    r = httpx.post(f"{sglang_server.url}/update_weights_from_disk",
-                   json={"model_path": str(tiny_model_dir), "weight_version": "default"}, timeout=300)
+    r = httpx.post(
+        f"{sglang_server.url}/update_weights_from_disk",
+        json={"model_path": str(tiny_model_dir), "weight_version": "default"},
+        timeout=300,
+    )
     assert r.status_code == 200 and r.json().get("success"), r.text
     return sglang_server
 
@@ -87,8 +96,13 @@ def sidecar_factory(sglang_server, checkpoint_root, tmp_path):
     started: list = []
 
     def start(*extra: str, root=None, url=None, replica_id="r0"):
-        sc = Sidecar(root or checkpoint_root, url or sglang_server.url,
-                     tmp_path / f"sidecar-{len(started)}.log", *extra, replica_id=replica_id)
+        sc = Sidecar(
+            root or checkpoint_root,
+            url or sglang_server.url,
+            tmp_path / f"sidecar-{len(started)}.log",
+            *extra,
+            replica_id=replica_id,
+        )
         started.append(sc)
         return sc
 
@@ -107,19 +121,32 @@ def fake() -> Iterator[FakeRollout]:
 
 # --- markers: `pytest -m "not slow"` runs everything that starts no server in about a minute ----
 
-SERVER_FIXTURES = frozenset({
-    "sglang_server", "sglang_server_at_base", "second_sglang_server", "sidecar_factory",
-    "rollout_units", "untied_unit", "tied_unit", "serve_unit", "unit",
-    "lora_server", "lora_sidecar", "lora_unit",  # tests/test_lora_sync.py, test_lora_grpo.py
-})
+SERVER_FIXTURES = frozenset(
+    {
+        "sglang_server",
+        "sglang_server_at_base",
+        "second_sglang_server",
+        "sidecar_factory",
+        "rollout_units",
+        "untied_unit",
+        "tied_unit",
+        "serve_unit",
+        "unit",
+        "lora_server",
+        "lora_sidecar",
+        "lora_unit",  # tests/test_lora_sync.py, test_lora_grpo.py
+    }
+)
 """Fixtures that start a real SGLang server (and often a sidecar or `serve`)."""
 
-SLOW_MODULES = frozenset({
-    "test_demo_learning",  # GRPO runs through `serve`
-    "test_benchmarks",  # runs the benchmark scripts, which start SGLang
-    "test_serve_and_replicas",  # `serve` subprocesses
-    "test_lora_grpo",  # GRPO runs through `serve --lora` (and one without)
-})
+SLOW_MODULES = frozenset(
+    {
+        "test_demo_learning",  # GRPO runs through `serve`
+        "test_benchmarks",  # runs the benchmark scripts, which start SGLang
+        "test_serve_and_replicas",  # `serve` subprocesses
+        "test_lora_grpo",  # GRPO runs through `serve --lora` (and one without)
+    }
+)
 """Modules whose tests start SGLang, sidecars or training processes without those fixtures."""
 
 

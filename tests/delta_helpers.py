@@ -18,22 +18,26 @@ def evolving_state(model_dir: Path, step: int) -> dict:
     out = {}
     for k, v in state.items():
         v = v.clone()
-        v.view(-1)[step % 50::50] += 0.05 * step
+        v.view(-1)[step % 50 :: 50] += 0.05 * step
         out[k] = v
     return out
 
 
-def publish_chain(root: Path, model_dir: Path, steps: range, full_every: int = 100,
-                  writer: DeltaCheckpointWriter | None = None, run_id: str = "r"
-                  ) -> tuple[DeltaCheckpointWriter, dict[int, dict]]:
+def publish_chain(
+    root: Path,
+    model_dir: Path,
+    steps: range,
+    full_every: int = 100,
+    writer: DeltaCheckpointWriter | None = None,
+    run_id: str = "r",
+) -> tuple[DeltaCheckpointWriter, dict[int, dict]]:
     """Publish ``steps`` of :func:`evolving_state` through one delta writer (bf16)."""
     writer = writer or DeltaCheckpointWriter(full_every=full_every)
     config = json.loads((model_dir / "config.json").read_text())
     states = {}
     for step in steps:
         states[step] = evolving_state(model_dir, step)
-        writer.publish(root, step, sorted(states[step].items()), config=config, dtype="bfloat16",
-                       run_id=run_id)
+        writer.publish(root, step, sorted(states[step].items()), config=config, dtype="bfloat16", run_id=run_id)
     return writer, states
 
 

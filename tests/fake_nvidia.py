@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-SCRIPT = r'''#!__PYTHON__
+SCRIPT = r"""#!__PYTHON__
 import json, sys
 spec = json.load(open(__SPEC__))
 args = sys.argv[1:]
@@ -33,18 +33,28 @@ elif query.startswith("--query-compute-apps="):
 else:
     print("fake nvidia-smi: unsupported arguments", args, file=sys.stderr)
     sys.exit(9)
-'''
+"""
 
 
-def install_fake_nvidia_smi(bin_dir: Path, gpus: list[dict[str, Any]], apps: list[dict[str, Any]] = (),
-                            driver: str = "570.86.15") -> Path:
+def install_fake_nvidia_smi(
+    bin_dir: Path, gpus: list[dict[str, Any]], apps: list[dict[str, Any]] = (), driver: str = "570.86.15"
+) -> Path:
     """Write `bin_dir/nvidia-smi`; put `bin_dir` first on PATH to use it."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     spec = bin_dir / "nvidia-smi.json"
     full = []
     for i, g in enumerate(gpus):
-        full.append({"index": i, "name": "NVIDIA H200", "uuid": f"GPU-{i:08d}-fake",
-                     "memory_total": 143771, "memory_used": 0, "driver_version": driver, **g})
+        full.append(
+            {
+                "index": i,
+                "name": "NVIDIA H200",
+                "uuid": f"GPU-{i:08d}-fake",
+                "memory_total": 143771,
+                "memory_used": 0,
+                "driver_version": driver,
+                **g,
+            }
+        )
     spec.write_text(json.dumps({"gpus": full, "apps": list(apps)}))
     script = bin_dir / "nvidia-smi"
     script.write_text(SCRIPT.replace("__PYTHON__", sys.executable).replace("__SPEC__", repr(str(spec))))

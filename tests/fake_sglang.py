@@ -119,9 +119,16 @@ class FakeRollout:
             for _ in range(n):
                 ids = [prompt[0]] + [rng.randrange(10, VOCAB_SIZE) for _ in range(length - 1)]
                 wire = [float(t) for t in ids] if self.float_token_ids else ids
-                out.append({"output_ids": wire, "meta_info": {
-                    "weight_version": version, "finish_reason": {"type": finish},
-                    "output_token_logprobs": [[-8.0, t, None] for t in wire]}})
+                out.append(
+                    {
+                        "output_ids": wire,
+                        "meta_info": {
+                            "weight_version": version,
+                            "finish_reason": {"type": finish},
+                            "output_token_logprobs": [[-8.0, t, None] for t in wire],
+                        },
+                    }
+                )
         return out
 
     def stop(self) -> None:

@@ -53,13 +53,25 @@ def launch_unit(model_dir: Path, workdir: Path) -> RolloutUnit:
     root.mkdir(parents=True)
     sglang_port, sidecar_port = free_port(), free_port()
     cmd = _serve_command() + [
-        "serve", "--model", str(model_dir), "--checkpoint-path", str(root), "--port", str(sglang_port),
-        "--sidecar-port", str(sidecar_port), "--device", "cpu", "--sglang-log", str(workdir / "sglang.log"),
-        "--replica-id", f"test-{sidecar_port}"]
+        "serve",
+        "--model",
+        str(model_dir),
+        "--checkpoint-path",
+        str(root),
+        "--port",
+        str(sglang_port),
+        "--sidecar-port",
+        str(sidecar_port),
+        "--device",
+        "cpu",
+        "--sglang-log",
+        str(workdir / "sglang.log"),
+        "--replica-id",
+        f"test-{sidecar_port}",
+    ]
     group = ProcessGroup(cmd, workdir / "serve.log", name="rollout-service serve", die_with_parent=True)
     group.start()
-    return RolloutUnit(model_dir, root, f"http://127.0.0.1:{sglang_port}", f"http://127.0.0.1:{sidecar_port}",
-                       group)
+    return RolloutUnit(model_dir, root, f"http://127.0.0.1:{sglang_port}", f"http://127.0.0.1:{sidecar_port}", group)
 
 
 def wait_ready(unit: RolloutUnit) -> None:

@@ -43,15 +43,20 @@ def sshfs_mount(base: Path, *options: str) -> Iterator[tuple[Path, Path]]:
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {base / 'host'}\n"
         f"AuthorizedKeysFile {base / 'authorized_keys'}\nPasswordAuthentication no\n"
         "PermitRootLogin prohibit-password\nStrictModes no\nSubsystem sftp internal-sftp\n"
-        f"PidFile {base / 'sshd.pid'}\n")
+        f"PidFile {base / 'sshd.pid'}\n"
+    )
     subprocess.run([SSHD, "-f", str(base / "sshd_config"), "-E", str(base / "sshd.log")], check=True)
     try:
-        opts = ",".join([f"IdentityFile={base / 'client'}", "StrictHostKeyChecking=no",
-                         "UserKnownHostsFile=/dev/null", *options])
+        opts = ",".join(
+            [f"IdentityFile={base / 'client'}", "StrictHostKeyChecking=no", "UserKnownHostsFile=/dev/null", *options]
+        )
         deadline = time.monotonic() + 30
         while True:
-            proc = subprocess.run(["sshfs", "-p", str(port), "-o", opts, f"root@127.0.0.1:{srv}", str(mnt)],
-                                  capture_output=True, text=True)
+            proc = subprocess.run(
+                ["sshfs", "-p", str(port), "-o", opts, f"root@127.0.0.1:{srv}", str(mnt)],
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode == 0:
                 break
             if time.monotonic() > deadline:

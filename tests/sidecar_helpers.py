@@ -23,9 +23,13 @@ class CLIProcess:
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None):
         self.args = args
         self.log_path = log_path
-        self.group = ProcessGroup([sys.executable, "-m", "rollout_service.cli", *args], log_path,
-                                  name=f"rollout-service {args[0]}", env={**os.environ, **(env or {})},
-                                  die_with_parent=True)
+        self.group = ProcessGroup(
+            [sys.executable, "-m", "rollout_service.cli", *args],
+            log_path,
+            name=f"rollout-service {args[0]}",
+            env={**os.environ, **(env or {})},
+            die_with_parent=True,
+        )
         self.group.start()
 
     @property
@@ -47,16 +51,31 @@ class CLIProcess:
 class Sidecar(CLIProcess):
     """`rollout-service sidecar` against an SGLang URL."""
 
-    def __init__(self, root: Path, sglang_url: str, log_path: Path, *extra: str,
-                 replica_id: str = "r0", port: int | None = None):
+    def __init__(
+        self, root: Path, sglang_url: str, log_path: Path, *extra: str, replica_id: str = "r0", port: int | None = None
+    ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if "--stage-dir" not in extra and "--no-stage" not in extra:
             # Each test's own stage (the default, /dev/shm/rollout-stage-REPLICA, is per machine).
             extra = ("--stage-dir", str(log_path.parent / f"stage-{replica_id}-{self.port}"), *extra)
-        super().__init__(["sidecar", "--checkpoint-path", str(root), "--sglang-url", sglang_url,
-                          "--port", str(self.port), "--replica-id", replica_id,
-                          "--health-interval", "0.5", *extra], log_path)
+        super().__init__(
+            [
+                "sidecar",
+                "--checkpoint-path",
+                str(root),
+                "--sglang-url",
+                sglang_url,
+                "--port",
+                str(self.port),
+                "--replica-id",
+                replica_id,
+                "--health-interval",
+                "0.5",
+                *extra,
+            ],
+            log_path,
+        )
         wait_http(f"{self.url}/healthz", START_TIMEOUT_S, self)
 
     def get(self, path: str, **kw: Any) -> httpx.Response:
@@ -98,16 +117,17 @@ def perturbed_state(model_dir: Path, step: int, scale: float = 0.05) -> dict:
     for f in sorted(model_dir.glob("*.safetensors")):
         state.update(load_file(str(f)))
     g = torch.Generator().manual_seed(1000 + step)
-    return {k: (v + scale * torch.randn(v.shape, generator=g).to(v.dtype)) if v.is_floating_point() else v
-            for k, v in state.items()}
+    return {
+        k: (v + scale * torch.randn(v.shape, generator=g).to(v.dtype)) if v.is_floating_point() else v
+        for k, v in state.items()
+    }
 
 
 def publish_step(root: Path, model_dir: Path, step: int, state: dict | None = None):
     from rollout_service.checkpoint_writer import publish_checkpoint
 
     state = perturbed_state(model_dir, step) if state is None else state
-    return publish_checkpoint(root, step, state.items(), config=model_dir / "config.json",
-                              base_model=str(model_dir))
+    return publish_checkpoint(root, step, state.items(), config=model_dir / "config.json", base_model=str(model_dir))
 
 
 def transformers_greedy(model_dir: Path, state: dict, prompt: list[int], max_new_tokens: int) -> list[int]:
@@ -121,6 +141,7 @@ def transformers_greedy(model_dir: Path, state: dict, prompt: list[int], max_new
     model.eval()
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()

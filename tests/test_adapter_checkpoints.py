@@ -26,14 +26,25 @@ REFERENCE = {
     "model.layers.0.mlp.gate_proj.weight": ("F32", (INTER, HIDDEN)),
     "model.layers.0.mlp.up_proj.weight": ("F32", (INTER, HIDDEN)),
 }
-LIMITS = LoraLimits(enabled=True, max_rank=16, target_modules=frozenset({"q_proj", "k_proj", "v_proj",
-                                                                          "gate_proj", "up_proj"}))
+LIMITS = LoraLimits(
+    enabled=True, max_rank=16, target_modules=frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+)
 
 
 def lora_config(r: int = 4, modules=("q_proj", "v_proj"), **extra) -> dict:
-    return {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": set(modules),
-            "use_dora": False, "modules_to_save": None, "use_rslora": False, "bias": "none",
-            "rank_pattern": {}, "alpha_pattern": {}, **extra}
+    return {
+        "peft_type": "LORA",
+        "r": r,
+        "lora_alpha": 2 * r,
+        "target_modules": set(modules),
+        "use_dora": False,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "bias": "none",
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        **extra,
+    }
 
 
 def lora_tensors(r: int = 4, modules=("q_proj", "v_proj"), seed: int = 0) -> dict[str, torch.Tensor]:
@@ -49,13 +60,17 @@ def lora_tensors(r: int = 4, modules=("q_proj", "v_proj"), seed: int = 0) -> dic
 
 
 def publish(root: Path, step: int = 1, r: int = 4, modules=("q_proj", "v_proj"), tensors=None, **cfg):
-    return publish_adapter(root, step, tensors if tensors is not None else lora_tensors(r, modules),
-                           lora_config(r, modules, **cfg), run_id="run1")
+    return publish_adapter(
+        root,
+        step,
+        tensors if tensors is not None else lora_tensors(r, modules),
+        lora_config(r, modules, **cfg),
+        run_id="run1",
+    )
 
 
 def check(root: Path, step: int = 1, limits: LoraLimits = LIMITS):
-    return validate_adapter(root / f"step-{step:08d}", root=root, reference=REFERENCE, limits=limits,
-                            check_finite=True)
+    return validate_adapter(root / f"step-{step:08d}", root=root, reference=REFERENCE, limits=limits, check_finite=True)
 
 
 def rejected(root: Path, step: int = 1, limits: LoraLimits = LIMITS) -> CheckpointError:
@@ -67,8 +82,11 @@ def rejected(root: Path, step: int = 1, limits: LoraLimits = LIMITS) -> Checkpoi
 def test_a_published_adapter_is_peft_files_and_a_manifest_that_validates(tmp_path):
     result = publish(tmp_path, modules=("q_proj", "v_proj", "gate_proj"))
     assert result.kind == "adapter"
-    assert sorted(p.name for p in result.path.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
-                                                             "manifest.json"]
+    assert sorted(p.name for p in result.path.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "manifest.json",
+    ]
     config = json.loads((result.path / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["target_modules"] == ["gate_proj", "q_proj", "v_proj"]
     manifest = Manifest.load(result.path)
@@ -80,15 +98,18 @@ def test_a_published_adapter_is_peft_files_and_a_manifest_that_validates(tmp_pat
         publish(tmp_path)
 
 
-@pytest.mark.parametrize(("change", "found"), [
-    (lambda a: a.update(peft_type="LOHA"), "adapter.peft_type"),
-    (lambda a: a.update(rank=0), "adapter.rank"),
-    (lambda a: a.update(rank=True), "adapter.rank"),
-    (lambda a: a.update(alpha=1e9), "adapter.alpha"),
-    (lambda a: a.update(target_modules=["q_proj;rm -rf"]), "adapter.target_modules"),
-    (lambda a: a.update(target_modules=[]), "adapter.target_modules"),
-    (lambda a: a.update(extra=1), "rank, alpha, target_modules and peft_type only"),
-])
+@pytest.mark.parametrize(
+    ("change", "found"),
+    [
+        (lambda a: a.update(peft_type="LOHA"), "adapter.peft_type"),
+        (lambda a: a.update(rank=0), "adapter.rank"),
+        (lambda a: a.update(rank=True), "adapter.rank"),
+        (lambda a: a.update(alpha=1e9), "adapter.alpha"),
+        (lambda a: a.update(target_modules=["q_proj;rm -rf"]), "adapter.target_modules"),
+        (lambda a: a.update(target_modules=[]), "adapter.target_modules"),
+        (lambda a: a.update(extra=1), "rank, alpha, target_modules and peft_type only"),
+    ],
+)
 def test_the_adapter_description_is_parsed_strictly(tmp_path, change, found):
     path = publish(tmp_path).path
     data = json.loads((path / "manifest.json").read_text())
@@ -167,19 +188,22 @@ def test_an_adapter_above_the_server_rank_or_modules_is_unservable(tmp_path):
     assert "started without LoRA" in str(error)
 
 
-@pytest.mark.parametrize(("config", "reason"), [
-    (lora_config(use_dora=True), "DoRA"),
-    (lora_config(modules_to_save=["lm_head"]), "modules_to_save"),
-    (lora_config(use_rslora=True), "use_rslora"),
-    (lora_config(rank_pattern={"q_proj": 8}), "rank_pattern"),
-    (lora_config(bias="lora_only"), "bias"),
-    (lora_config(r=32), "--max-lora-rank 16"),
-    (lora_config(modules=("q_proj", "v_proj", "o_proj")), "['o_proj'] are not among"),
-    (lora_config(target_modules="all-linear"), "is a pattern"),
-    (lora_config(modules=("q_proj",)), "needs q_proj and v_proj"),
-    (lora_config(modules=("q_proj", "v_proj", "up_proj")), "up_proj without gate_proj"),
-    ({**lora_config(), "peft_type": "IA3"}, "serves LoRA only"),
-])
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        (lora_config(use_dora=True), "DoRA"),
+        (lora_config(modules_to_save=["lm_head"]), "modules_to_save"),
+        (lora_config(use_rslora=True), "use_rslora"),
+        (lora_config(rank_pattern={"q_proj": 8}), "rank_pattern"),
+        (lora_config(bias="lora_only"), "bias"),
+        (lora_config(r=32), "--max-lora-rank 16"),
+        (lora_config(modules=("q_proj", "v_proj", "o_proj")), "['o_proj'] are not among"),
+        (lora_config(target_modules="all-linear"), "is a pattern"),
+        (lora_config(modules=("q_proj",)), "needs q_proj and v_proj"),
+        (lora_config(modules=("q_proj", "v_proj", "up_proj")), "up_proj without gate_proj"),
+        ({**lora_config(), "peft_type": "IA3"}, "serves LoRA only"),
+    ],
+)
 def test_each_adapter_sglang_cannot_serve_has_its_reason(config, reason):
     problem = adapter_support_problem(config, LIMITS)
     assert problem is not None and reason in problem, problem
@@ -188,16 +212,19 @@ def test_each_adapter_sglang_cannot_serve_has_its_reason(config, reason):
 def test_servable_adapters_have_no_problem():
     assert adapter_support_problem(lora_config(), LIMITS) is None
     assert adapter_support_problem(lora_config(modules=("q_proj", "k_proj", "v_proj", "gate_proj")), LIMITS) is None
-    assert adapter_support_problem(lora_config(modules=("gate_proj", "up_proj")),
-                                   LoraLimits(True, 16, frozenset({"all"}))) is None
+    assert (
+        adapter_support_problem(lora_config(modules=("gate_proj", "up_proj")), LoraLimits(True, 16, frozenset({"all"})))
+        is None
+    )
     # PEFT resolves target_modules="all-linear" to full module paths.
     resolved = lora_config(modules=("model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.v_proj"))
     assert adapter_support_problem(resolved, LIMITS) is None
 
 
 def test_server_info_gives_the_limits():
-    limits = LoraLimits.from_server_info({"enable_lora": True, "max_lora_rank": 64,
-                                          "lora_target_modules": ["q_proj", "v_proj"]})
+    limits = LoraLimits.from_server_info(
+        {"enable_lora": True, "max_lora_rank": 64, "lora_target_modules": ["q_proj", "v_proj"]}
+    )
     assert limits == LoraLimits(True, 64, frozenset({"q_proj", "v_proj"}))
     assert not LoraLimits.from_server_info({"enable_lora": None}).enabled
 
@@ -222,13 +249,25 @@ def test_serve_lora_puts_the_flags_on_sglangs_command_line(tmp_path):
     from rollout_service.lora_serving import lora_from_args
     from rollout_service.sglang_launcher import SGLangServer
 
-    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--checkpoint-path", str(tmp_path),
-                                      "--lora", "--max-lora-rank", "32", "--lora-target-modules", "q_proj,v_proj"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            str(tmp_path),
+            "--checkpoint-path",
+            str(tmp_path),
+            "--lora",
+            "--max-lora-rank",
+            "32",
+            "--lora-target-modules",
+            "q_proj,v_proj",
+        ]
+    )
     lora = lora_from_args(args)
     assert lora == LoraServing(max_rank=32, target_modules=("q_proj", "v_proj"))
     cmd = SGLangServer(tmp_path, device="cpu", lora=lora).command()
     i = cmd.index("--lora-target-modules")
-    assert "--enable-lora" in cmd and cmd[i + 1:i + 3] == ["q_proj", "v_proj"] and "torch_native" in cmd
+    assert "--enable-lora" in cmd and cmd[i + 1 : i + 3] == ["q_proj", "v_proj"] and "torch_native" in cmd
     plain = build_parser().parse_args(["serve", "--model", str(tmp_path), "--checkpoint-path", str(tmp_path)])
     assert lora_from_args(plain) is None
 
@@ -237,17 +276,23 @@ def test_serve_lora_puts_the_flags_on_sglangs_command_line(tmp_path):
 def test_the_cpu_stand_in_lets_sglangs_lora_modules_create_pinned_buffers():
     from rollout_service.sglang_launcher import CPU_SHIMS_DIR
 
-    code = ("import torch, sgl_kernel\n"
-            "from sglang.srt.lora import layers\n"
-            "t = layers.torch.tensor([1, 2], dtype=torch.int32, device='cpu', pin_memory=True)\n"
-            "assert t.tolist() == [1, 2] and torch.ones(2).pin_memory().tolist() == [1.0, 1.0]\n"
-            "assert layers.torch is not torch and layers.torch.Tensor is torch.Tensor\n"
-            "print('ok')\n")
+    code = (
+        "import torch, sgl_kernel\n"
+        "from sglang.srt.lora import layers\n"
+        "t = layers.torch.tensor([1, 2], dtype=torch.int32, device='cpu', pin_memory=True)\n"
+        "assert t.tolist() == [1, 2] and torch.ones(2).pin_memory().tolist() == [1.0, 1.0]\n"
+        "assert layers.torch is not torch and layers.torch.Tensor is torch.Tensor\n"
+        "print('ok')\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(CPU_SHIMS_DIR), "SGLANG_USE_CPU_ENGINE": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
     # Without the stand-in the same call fails on this CUDA build of torch (no driver), which is
     # what the shim is for; where torch can pin (a CPU-only build), there is nothing to show.
-    bare = subprocess.run([sys.executable, "-c", "import torch; torch.zeros(2, pin_memory=True)"],
-                          capture_output=True, text=True, timeout=120)
+    bare = subprocess.run(
+        [sys.executable, "-c", "import torch; torch.zeros(2, pin_memory=True)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bare.returncode != 0 or not torch.version.cuda

@@ -16,17 +16,34 @@ BENCH = Path(__file__).parents[1] / "benchmarks"
 
 
 def _run(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **env}
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return done
 
 
 def test_sync_bench_reports_every_phase_and_both_baselines(tmp_path: Path) -> None:
     out = tmp_path / "sync.json"
-    done = _run([sys.executable, str(BENCH / "sync_bench.py"), "--sizes", "tiny", "--storage", str(tmp_path),
-                 "--repeats", "1", "--warmup", "0", "--log-dir", str(tmp_path / "logs"), "--json", str(out)],
-                timeout=900)
+    done = _run(
+        [
+            sys.executable,
+            str(BENCH / "sync_bench.py"),
+            "--sizes",
+            "tiny",
+            "--storage",
+            str(tmp_path),
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--json",
+            str(out),
+        ],
+        timeout=900,
+    )
     [result] = json.loads(out.read_text())["results"]
     assert result["error"] is None and result["sglang"] and result["tensors"] > 0
     med = result["median_s"]
@@ -49,8 +66,15 @@ def test_gpu_check_dry_runs_on_the_cpu_with_its_fallback(tmp_path: Path) -> None
     # GPU_CHECK_DEVICE=cpu is the script's dry-run switch; without SGLang's CUDA kernels it takes
     # its trainer-side fallback, as on a GPU machine without SGLang.
     results = tmp_path / "results"
-    done = _run(["bash", str(BENCH / "gpu_check.sh")], timeout=600, OUT=str(results), GPU_CHECK_DEVICE="cpu",
-                GPU_CHECK_SIZES="tiny", GPU_CHECK_REPEATS="1", ROLLOUT_GPU_PYTHON=sys.executable)
+    done = _run(
+        ["bash", str(BENCH / "gpu_check.sh")],
+        timeout=600,
+        OUT=str(results),
+        GPU_CHECK_DEVICE="cpu",
+        GPU_CHECK_SIZES="tiny",
+        GPU_CHECK_REPEATS="1",
+        ROLLOUT_GPU_PYTHON=sys.executable,
+    )
     log = (results / "gpu-check.log").read_text()
     assert "trainer side only (--no-sglang)" in log and "size tiny finished with exit code 0" in log, log[-3000:]
     measured = json.loads((results / "sync-tiny.json").read_text())["results"]
@@ -63,8 +87,24 @@ def test_gpu_check_dry_runs_on_the_cpu_with_its_fallback(tmp_path: Path) -> None
 
 def test_rollout_bench_reports_live_and_replayed_overhead(tmp_path: Path) -> None:
     out = tmp_path / "rollout.json"
-    done = _run([sys.executable, str(BENCH / "rollout_bench.py"), "--skip-grpo", "--prompts", "2", "--n", "2",
-                 "--max-new-tokens", "8", "--repeats", "3", "--json", str(out)], timeout=900)
+    done = _run(
+        [
+            sys.executable,
+            str(BENCH / "rollout_bench.py"),
+            "--skip-grpo",
+            "--prompts",
+            "2",
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--repeats",
+            "3",
+            "--json",
+            str(out),
+        ],
+        timeout=900,
+    )
     o = json.loads(out.read_text())["overhead"]
     assert o["tokens_per_batch"] == 2 * 2 * 8
     assert len(o["pair_ratios"]) == 3 and len(o["seconds"]["direct"]) == len(o["seconds"]["trainer_hooks"]) == 3

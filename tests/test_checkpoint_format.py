@@ -63,8 +63,7 @@ def test_publish_round_trips_tensors_and_manifest(tmp_path):
     manifest = Manifest.load(result.path)
     assert manifest.step == 3 and manifest.weight_version == "3"
     assert manifest.tensor_count == len(state) and manifest.dtype == "F32"
-    assert manifest.total_bytes == sum(p.stat().st_size for p in result.path.iterdir()
-                                       if p.name != "manifest.json")
+    assert manifest.total_bytes == sum(p.stat().st_size for p in result.path.iterdir() if p.name != "manifest.json")
     assert set(manifest.files) == {"model.safetensors", "config.json"}
     assert manifest.files["model.safetensors"].digest.startswith("xxh3_128:")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003"]  # the rename is the only signal
@@ -126,6 +125,7 @@ def test_cleanup_removes_only_stale_temp_dirs(tmp_path):
 
 # --- validation failures, each with its own reason and message -------------------------------
 
+
 def test_truncated_shard_is_rejected(tmp_path):
     path = publish(tmp_path, 1).path
     shard = path / "model.safetensors"
@@ -141,8 +141,7 @@ def test_flipped_bytes_are_caught_by_digests(tmp_path):
     data[-10] ^= 0xFF
     shard.write_bytes(bytes(data))
     validate_checkpoint(path)  # sizes and headers still agree: only digests can see it
-    expect_error("digest_mismatch", r"model.safetensors has digest .* bytes changed", path,
-                 check_digests=True)
+    expect_error("digest_mismatch", r"model.safetensors has digest .* bytes changed", path, check_digests=True)
 
 
 def test_missing_file_is_rejected(tmp_path):
@@ -158,12 +157,10 @@ def test_missing_and_extra_tensors_are_rejected(tmp_path):
     fewer = dict(reference_state)
     del fewer["model.norm.weight"]
     path = publish(tmp_path, 2, fewer).path
-    expect_error("missing_tensor", r"lacks 1 tensor\(s\) .*model.norm.weight", path,
-                 reference=reference)
+    expect_error("missing_tensor", r"lacks 1 tensor\(s\) .*model.norm.weight", path, reference=reference)
     more = dict(reference_state, **{"model.extra.bias": torch.zeros(4)})
     path = publish(tmp_path, 3, more).path
-    expect_error("extra_tensor", r"has 1 tensor\(s\) the reference lacks.*model.extra.bias", path,
-                 reference=reference)
+    expect_error("extra_tensor", r"has 1 tensor\(s\) the reference lacks.*model.extra.bias", path, reference=reference)
 
 
 def test_wrong_shape_and_dtype_are_rejected(tmp_path):
@@ -171,11 +168,11 @@ def test_wrong_shape_and_dtype_are_rejected(tmp_path):
     state = make_state(2)
     state["model.norm.weight"] = torch.ones(17)
     path = publish(tmp_path, 2, state).path
-    expect_error("shape_mismatch", r"model.norm.weight has shape \[17\], the reference has \[16\]",
-                 path, reference=reference)
+    expect_error(
+        "shape_mismatch", r"model.norm.weight has shape \[17\], the reference has \[16\]", path, reference=reference
+    )
     path = publish(tmp_path, 3, make_state(3, torch.bfloat16)).path
-    expect_error("dtype_mismatch", r"has dtype BF16, the reference has F32", path,
-                 reference=reference)
+    expect_error("dtype_mismatch", r"has dtype BF16, the reference has F32", path, reference=reference)
     validate_checkpoint(path, reference=reference, allow_float_cast=True)
     mixed = make_state(4)
     mixed["model.norm.weight"] = torch.ones(16, dtype=torch.float16)

@@ -32,8 +32,16 @@ def test_retention_keeps_the_newest_and_what_a_live_replica_serves(tmp_path: Pat
     write_ack(tmp_path, "dead", {"loaded_step": 2, "loading_step": None})
     dead_ack = tmp_path / "acks" / "dead.json"
     dead_ack.write_text(json.dumps({**json.loads(dead_ack.read_text()), "heartbeat": time.time() - 3600}))
-    publisher = CheckpointPublisher(tmp_path, _NoWaiter(), config={"model_type": "x"}, dtype=None,
-                                    max_shard_bytes=1 << 20, keep=2, sync_timeout_s=5, heartbeat_max_age_s=60)
+    publisher = CheckpointPublisher(
+        tmp_path,
+        _NoWaiter(),
+        config={"model_type": "x"},
+        dtype=None,
+        max_shard_bytes=1 << 20,
+        keep=2,
+        sync_timeout_s=5,
+        heartbeat_max_age_s=60,
+    )
     for _ in range(5):
         version = publisher.next_version()
         publisher.publish_and_wait(version, [("w", torch.full((4,), float(version)))])
@@ -44,6 +52,14 @@ def test_retention_keeps_the_newest_and_what_a_live_replica_serves(tmp_path: Pat
 
 def test_versions_continue_above_checkpoints_already_in_the_root(tmp_path: Path) -> None:
     publish_checkpoint(tmp_path, 41, [("w", torch.zeros(2))], config={"model_type": "x"})
-    publisher = CheckpointPublisher(tmp_path, _NoWaiter(), config={"model_type": "x"}, dtype=None,
-                                    max_shard_bytes=1 << 20, keep=None, sync_timeout_s=5, heartbeat_max_age_s=60)
+    publisher = CheckpointPublisher(
+        tmp_path,
+        _NoWaiter(),
+        config={"model_type": "x"},
+        dtype=None,
+        max_shard_bytes=1 << 20,
+        keep=None,
+        sync_timeout_s=5,
+        heartbeat_max_age_s=60,
+    )
     assert publisher.next_version() == 42

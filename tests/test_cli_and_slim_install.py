@@ -17,14 +17,13 @@ CLI = [sys.executable, "-m", "rollout_service.cli"]
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
-def test_publish_validate_load_round_trip_through_the_cli(tiny_model_dir, checkpoint_root,
-                                                          sglang_server):
-    out = run_cli("publish", "--model-dir", str(tiny_model_dir), "--checkpoint-path",
-                  str(checkpoint_root), "--step", "7")
+def test_publish_validate_load_round_trip_through_the_cli(tiny_model_dir, checkpoint_root, sglang_server):
+    out = run_cli(
+        "publish", "--model-dir", str(tiny_model_dir), "--checkpoint-path", str(checkpoint_root), "--step", "7"
+    )
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     path = Path(info["published"])
@@ -32,13 +31,17 @@ def test_publish_validate_load_round_trip_through_the_cli(tiny_model_dir, checkp
     ok = run_cli("validate", str(path), "--reference", str(tiny_model_dir), "--digests")
     assert ok.returncode == 0, ok.stderr
     assert "digests match" in json.loads(ok.stdout)["checks"]
-    again = run_cli("publish", "--model-dir", str(tiny_model_dir), "--checkpoint-path",
-                    str(checkpoint_root), "--step", "7")
+    again = run_cli(
+        "publish", "--model-dir", str(tiny_model_dir), "--checkpoint-path", str(checkpoint_root), "--step", "7"
+    )
     assert again.returncode == 2 and "already published" in again.stderr
     # Validated -> loaded by SGLang with that version -> completions say so.
     report = validate_checkpoint(path)
-    r = httpx.post(f"{sglang_server.url}/update_weights_from_disk",
-                   json={"model_path": str(report.path), "weight_version": "7"}, timeout=300)
+    r = httpx.post(
+        f"{sglang_server.url}/update_weights_from_disk",
+        json={"model_path": str(report.path), "weight_version": "7"},
+        timeout=300,
+    )
     assert r.status_code == 200 and r.json()["success"], r.text
     assert generate(sglang_server.url, [1, 2, 3], max_new_tokens=3)["meta_info"]["weight_version"] == "7"
     # A damaged copy: validate names the reason and exits 1.
@@ -59,14 +62,14 @@ def test_help_explains_every_command():
 
 
 def test_environment_variables_set_flags_and_bad_values_are_named(checkpoint_root):
-    env = {"ROLLOUT_CHECKPOINT_PATH": str(checkpoint_root), "ROLLOUT_SGLANG_URL": "ftp://nope",
-           "ROLLOUT_PORT": "1"}
+    env = {"ROLLOUT_CHECKPOINT_PATH": str(checkpoint_root), "ROLLOUT_SGLANG_URL": "ftp://nope", "ROLLOUT_PORT": "1"}
     out = run_cli("sidecar", env=env)
     assert out.returncode == 2 and "--sglang-url must start with http://" in out.stderr
     out = run_cli("sidecar", env={**env, "ROLLOUT_PORT": "eighty"})
     assert out.returncode == 2 and "ROLLOUT_PORT='eighty' is not valid for --port" in out.stderr
-    out = run_cli("sidecar", "--sglang-url", "http://127.0.0.1:1", "--checkpoint-path",
-                  str(checkpoint_root / "missing"))
+    out = run_cli(
+        "sidecar", "--sglang-url", "http://127.0.0.1:1", "--checkpoint-path", str(checkpoint_root / "missing")
+    )
     assert out.returncode == 2 and "is not a directory" in out.stderr
 
 
@@ -93,7 +96,8 @@ def test_sidecar_and_validation_import_without_torch_or_sglang(tiny_model_dir, c
     from rollout_service.checkpoint_writer import publish_model_dir
 
     path = publish_model_dir(tiny_model_dir, checkpoint_root, 3, dtype="bfloat16").path
-    out = subprocess.run([sys.executable, "-c", _SLIM, str(checkpoint_root), str(path)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _SLIM, str(checkpoint_root), str(path)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "3"

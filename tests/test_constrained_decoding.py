@@ -35,8 +35,9 @@ def unit(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         yield rollout
 
 
-def _run(unit: Any, model_dir: Path, out: Path, *, learning_rate: float, steps: int,
-         logprob_source: str | None = None) -> dict[str, Any]:
+def _run(
+    unit: Any, model_dir: Path, out: Path, *, learning_rate: float, steps: int, logprob_source: str | None = None
+) -> dict[str, Any]:
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -48,27 +49,53 @@ def _run(unit: Any, model_dir: Path, out: Path, *, learning_rate: float, steps: 
         return base_reward(completions=completions, completion_ids=completion_ids)
 
     args = GRPOConfig(
-        output_dir=str(out), checkpoint_path=str(unit.checkpoint_root), sglang_urls=[unit.sglang_url],
-        sidecar_urls=[unit.sidecar_url], per_device_train_batch_size=32, num_generations=8,
-        max_completion_length=16, max_steps=steps, learning_rate=learning_rate, lr_scheduler_type="constant",
-        beta=0.0, logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True, bf16=False,
-        disable_tqdm=True, sync_timeout=300.0, keep_checkpoints=3, generation_kwargs={"regex": REGEX})
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tokenizer,
-                          train_dataset=Dataset.from_dict({"prompt": make_prompts(max(64, steps * 4))}))
+        output_dir=str(out),
+        checkpoint_path=str(unit.checkpoint_root),
+        sglang_urls=[unit.sglang_url],
+        sidecar_urls=[unit.sidecar_url],
+        per_device_train_batch_size=32,
+        num_generations=8,
+        max_completion_length=16,
+        max_steps=steps,
+        learning_rate=learning_rate,
+        lr_scheduler_type="constant",
+        beta=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        use_cpu=True,
+        bf16=False,
+        disable_tqdm=True,
+        sync_timeout=300.0,
+        keep_checkpoints=3,
+        generation_kwargs={"regex": REGEX},
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": make_prompts(max(64, steps * 4))}),
+    )
     if logprob_source is not None:
         trainer.vllm_generation.logprob_source = logprob_source
     trainer.train()
     history = [h for h in trainer.state.log_history if "reward" in h]
     rewards = [h["reward"] for h in history]
     k = max(1, len(rewards) // 4)
-    return {"rewards": rewards, "first": sum(rewards[:k]) / k, "last": sum(rewards[-k:]) / k, "texts": texts,
-            "is_mean": [h["sampling/importance_sampling_ratio/mean"] for h in history],
-            "source": trainer.vllm_generation.logprob_source}
+    return {
+        "rewards": rewards,
+        "first": sum(rewards[:k]) / k,
+        "last": sum(rewards[-k:]) / k,
+        "texts": texts,
+        "is_mean": [h["sampling/importance_sampling_ratio/mean"] for h in history],
+        "source": trainer.vllm_generation.logprob_source,
+    }
 
 
 @pytest.mark.sglang
-def test_constrained_rollouts_learn_against_an_lr_zero_control(unit: Any, tiny_model_dir: Path,
-                                                               tmp_path: Path) -> None:
+def test_constrained_rollouts_learn_against_an_lr_zero_control(unit: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
     learned = _run(unit, tiny_model_dir, tmp_path / "lr", learning_rate=2e-2, steps=STEPS)
     control = _run(unit, tiny_model_dir, tmp_path / "lr0", learning_rate=0.0, steps=STEPS)
     assert learned["source"] == "rescored"
@@ -76,8 +103,10 @@ def test_constrained_rollouts_learn_against_an_lr_zero_control(unit: Any, tiny_m
     pattern = re.compile(r"[0-9 ]*")
     assert learned["texts"] and all(pattern.fullmatch(t) for t in learned["texts"]), learned["texts"][:5]
     # The IS correction sees matching distributions: ratios ~1, nothing masked away.
-    assert all(0.8 < m < 1.25 for m in learned["is_mean"] + control["is_mean"]), (learned["is_mean"],
-                                                                                   control["is_mean"])
+    assert all(0.8 < m < 1.25 for m in learned["is_mean"] + control["is_mean"]), (
+        learned["is_mean"],
+        control["is_mean"],
+    )
     gain = learned["last"] - learned["first"]
     assert gain > 0.15, learned["rewards"]
     assert learned["last"] > control["last"] + 0.15, (learned["rewards"], control["rewards"])
@@ -85,8 +114,9 @@ def test_constrained_rollouts_learn_against_an_lr_zero_control(unit: Any, tiny_m
 
 
 @pytest.mark.sglang
-def test_constrained_logprobs_as_sampled_give_vanishing_is_ratios(unit: Any, tiny_model_dir: Path,
-                                                                   tmp_path: Path) -> None:
+def test_constrained_logprobs_as_sampled_give_vanishing_is_ratios(
+    unit: Any, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     # The failure this guards against: SGLang's constrained logprobs handed to TRL as they are.
     sampled = _run(unit, tiny_model_dir, tmp_path / "sampled", learning_rate=0.0, steps=2, logprob_source="sampled")
     assert all(m < 1e-3 for m in sampled["is_mean"]), sampled["is_mean"]
@@ -98,13 +128,20 @@ class _NotMain:
     process_index = 0
 
 
-@pytest.mark.parametrize(("kwargs", "temperature", "source"), [
-    ({"regex": "[a-z]+"}, 1.0, "rescored"), ({"logit_bias": {"5": -100.0}}, 1.0, "rescored"),
-    ({"frequency_penalty": 0.2}, 1.0, "rescored"), ({}, 1.0, "sampled"), ({"top_k": 5, "min_p": 0.1}, 0.7, "sampled"),
-    ({"regex": "[a-z]+"}, 0.7, "none"),
-])
-def test_which_logprobs_reach_the_is_correction(kwargs: dict[str, Any], temperature: float, source: str,
-                                               caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "temperature", "source"),
+    [
+        ({"regex": "[a-z]+"}, 1.0, "rescored"),
+        ({"logit_bias": {"5": -100.0}}, 1.0, "rescored"),
+        ({"frequency_penalty": 0.2}, 1.0, "rescored"),
+        ({}, 1.0, "sampled"),
+        ({"top_k": 5, "min_p": 0.1}, 0.7, "sampled"),
+        ({"regex": "[a-z]+"}, 0.7, "none"),
+    ],
+)
+def test_which_logprobs_reach_the_is_correction(
+    kwargs: dict[str, Any], temperature: float, source: str, caplog: pytest.LogCaptureFixture
+) -> None:
     from types import SimpleNamespace
 
     from trainer_hooks.sglang_generation import SGLangGeneration
@@ -115,5 +152,7 @@ def test_which_logprobs_reach_the_is_correction(kwargs: dict[str, Any], temperat
     if source == "none":
         assert "Use temperature=1.0 to keep it" in "\n".join(r.getMessage() for r in caplog.records)
     # RLOO asks for no logprobs at all: nothing to rescore.
-    assert SGLangGeneration(None, _NotMain(), None, args=args, logprobs=None,
-                            generation_kwargs=kwargs).logprob_source == "sampled"
+    assert (
+        SGLangGeneration(None, _NotMain(), None, args=args, logprobs=None, generation_kwargs=kwargs).logprob_source
+        == "sampled"
+    )

@@ -31,8 +31,9 @@ def test_repetition_penalty_requests_work_and_penalize_on_the_cpu_server(sglang_
     assert penalized["output_ids"] != plain["output_ids"]
     assert len(set(penalized["output_ids"])) > len(set(plain["output_ids"]))
     # Batched, sampled, n > 1, mixed with requests without a penalty: the server keeps serving.
-    batch = generate(sglang_server.url, [prompt, [10, 11, 12]], max_new_tokens=16, temperature=1.0, n=2,
-                     repetition_penalty=1.1)
+    batch = generate(
+        sglang_server.url, [prompt, [10, 11, 12]], max_new_tokens=16, temperature=1.0, n=2, repetition_penalty=1.1
+    )
     assert len(batch) == 4 and all(len(o["output_ids"]) > 0 for o in batch)
     assert httpx.get(f"{sglang_server.url}/health", timeout=60).status_code == 200
     assert "InternalTorchDynamoError" not in sglang_server.log_tail(400)
@@ -40,8 +41,17 @@ def test_repetition_penalty_requests_work_and_penalize_on_the_cpu_server(sglang_
 
 
 def _run_with_shims(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import sgl_kernel\n"
-                           + code, str(CPU_SHIMS_DIR)], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.path.insert(0, sys.argv[1]); import sgl_kernel\n" + code,
+            str(CPU_SHIMS_DIR),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow  # subprocesses with torch start-ups: several seconds
@@ -55,7 +65,8 @@ def test_torch_compile_works_beside_the_cpu_stand_in():
         "    logits[:] = torch.where(logits < 0, logits * scaling_penalties, logits / scaling_penalties)\n"
         "torch.manual_seed(0); logits = torch.randn(4, 64); pen = torch.rand(4, 64) + 0.5\n"
         "want = torch.where(logits < 0, logits * pen, logits / pen); got = logits.clone()\n"
-        "apply_scaling_penalties(got, pen); print('equal', torch.allclose(got, want))\n")
+        "apply_scaling_penalties(got, pen); print('equal', torch.allclose(got, want))\n"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-2:] == ["equal", "True"], done.stdout
 
@@ -63,7 +74,8 @@ def test_torch_compile_works_beside_the_cpu_stand_in():
 def test_the_stand_ins_get_device_module_still_answers_cpu_and_keeps_torchs_attributes():
     done = _run_with_shims(
         "import torch; g = torch.get_device_module\n"
-        "print(g() is torch.cpu, g('cpu') is torch.cpu, callable(g.__wrapped__), callable(g.cache_clear))\n")
+        "print(g() is torch.cpu, g('cpu') is torch.cpu, callable(g.__wrapped__), callable(g.cache_clear))\n"
+    )
     assert done.stdout.split()[-4:] == ["True", "True", "True", "True"], done.stdout + done.stderr[-2000:]
 
 

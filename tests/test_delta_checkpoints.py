@@ -34,8 +34,14 @@ class Model:
 
     def __init__(self, lr: float = 1e-5, seed: int = 0, shapes: dict[str, tuple[int, ...]] | None = None):
         g = torch.Generator().manual_seed(seed)
-        shapes = shapes or {"embed": (512, 64), "layer0.q": (64, 64), "layer0.mlp": (256, 64),
-                            "layer1.q": (64, 64), "layer1.mlp": (256, 64), "norm": (64,)}
+        shapes = shapes or {
+            "embed": (512, 64),
+            "layer0.q": (64, 64),
+            "layer0.mlp": (256, 64),
+            "layer1.q": (64, 64),
+            "layer1.mlp": (256, 64),
+            "norm": (64,),
+        }
         self.params = {k: torch.nn.Parameter(torch.randn(*s, generator=g) * 0.05) for k, s in shapes.items()}
         self.opt = torch.optim.AdamW(self.params.values(), lr=lr)
         self.g = g
@@ -49,12 +55,15 @@ class Model:
         return list(self.params.items())
 
 
-def publish_both(writer: DeltaCheckpointWriter, root: Path, full_root: Path, step: int, model: Model,
-                 max_shard_bytes: int = 40_000):
-    result = writer.publish(root, step, model.tensors(), config=CONFIG, dtype="bfloat16",
-                            max_shard_bytes=max_shard_bytes, run_id=RUN)
-    reference = publish_checkpoint(full_root, step, model.tensors(), config=CONFIG, dtype="bfloat16",
-                                   max_shard_bytes=max_shard_bytes, run_id=RUN)
+def publish_both(
+    writer: DeltaCheckpointWriter, root: Path, full_root: Path, step: int, model: Model, max_shard_bytes: int = 40_000
+):
+    result = writer.publish(
+        root, step, model.tensors(), config=CONFIG, dtype="bfloat16", max_shard_bytes=max_shard_bytes, run_id=RUN
+    )
+    reference = publish_checkpoint(
+        full_root, step, model.tensors(), config=CONFIG, dtype="bfloat16", max_shard_bytes=max_shard_bytes, run_id=RUN
+    )
     return result, reference
 
 
@@ -77,8 +86,9 @@ def test_25_delta_versions_rebuild_bit_for_bit_what_a_full_publish_writes(tmp_pa
         manifest = Manifest.load(result.path)
         ref = Manifest.load(reference.path)
         if manifest.kind == "delta":
-            assert {k: e.digest for k, e in manifest.delta.target_files.items()} == \
-                {k: e.digest for k, e in ref.files.items()}
+            assert {k: e.digest for k, e in manifest.delta.target_files.items()} == {
+                k: e.digest for k, e in ref.files.items()
+            }
             assert result.total_bytes < 0.5 * ref.total_bytes
             validate_checkpoint(result.path, check_digests=True)
         out = tmp_path / "mat" / str(step)
@@ -109,7 +119,8 @@ def test_the_writer_falls_back_to_full_with_a_reason(tmp_path: Path) -> None:
     # The base was republished by someone else: the delta would not apply to what is there.
     same = [(k, v + 1e-6) for k, v in noisy]
     (root / step_dir_name(4) / "manifest.json").write_text(
-        Manifest.load(root / step_dir_name(4)).to_json().replace('"rollout-service"', '"other"'))
+        Manifest.load(root / step_dir_name(4)).to_json().replace('"rollout-service"', '"other"')
+    )
     assert writer.publish(root, 5, same, config=CONFIG, dtype="bfloat16", run_id=RUN).kind == "full"
     assert "no longer published" in writer.last.why_full
     # A restarted trainer has nothing in memory: its first publish is full.
@@ -159,10 +170,16 @@ def _delta_file(root: Path, step: int) -> Path:
     return sorted((root / step_dir_name(step)).glob("delta-*.safetensors"))[0]
 
 
-@pytest.mark.parametrize("damage,reason", [
-    ("flip", "digest_mismatch"), ("truncate", "truncated"), ("remove", "missing_file"),
-    ("remove_base", "broken_chain"), ("republish_base", "broken_chain"),
-])
+@pytest.mark.parametrize(
+    "damage,reason",
+    [
+        ("flip", "digest_mismatch"),
+        ("truncate", "truncated"),
+        ("remove", "missing_file"),
+        ("remove_base", "broken_chain"),
+        ("republish_base", "broken_chain"),
+    ],
+)
 def test_a_damaged_link_is_rejected_with_a_reason(tmp_path: Path, damage: str, reason: str) -> None:
     root, _, _ = _chain(tmp_path)
     target = _delta_file(root, 3)
@@ -187,8 +204,11 @@ def test_a_damaged_link_is_rejected_with_a_reason(tmp_path: Path, damage: str, r
             stage.build(root, step_dir, Manifest.load(step_dir), Deadline(60))
         assert info.value.reason == reason, info.value
         # Nothing half-made is left under a final name.
-        assert not [p for p in stage.path.iterdir() if p.name.startswith(step_dir_name(3))
-                    or p.name.startswith(step_dir_name(4))]
+        assert not [
+            p
+            for p in stage.path.iterdir()
+            if p.name.startswith(step_dir_name(3)) or p.name.startswith(step_dir_name(4))
+        ]
     finally:
         stage.close()
 
@@ -248,20 +268,27 @@ def test_a_delta_without_a_stage_is_refused_by_validate_only_for_loading(tmp_pat
 def test_cli_validate_and_materialize(tmp_path: Path) -> None:
     root, full_root, _ = _chain(tmp_path, versions=3)
     cli = [sys.executable, "-m", "rollout_service.cli"]
-    out = subprocess.run(cli + ["validate", str(root / step_dir_name(3)), "--digests"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        cli + ["validate", str(root / step_dir_name(3)), "--digests"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert "delta" in out.stdout
     dest = tmp_path / "hf"
-    out = subprocess.run(cli + ["materialize", str(root), "--step", "3", "--out", str(dest)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        cli + ["materialize", str(root), "--step", "3", "--out", str(dest)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert_same_files(dest, full_root / step_dir_name(3))
-    again = subprocess.run(cli + ["materialize", str(root), "--step", "3", "--out", str(dest)],
-                           capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        cli + ["materialize", str(root), "--step", "3", "--out", str(dest)], capture_output=True, text=True, timeout=120
+    )
     assert again.returncode != 0 and "exists" in again.stderr
-    missing = subprocess.run(cli + ["materialize", str(root), "--step", "9", "--out", str(tmp_path / "n")],
-                             capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        cli + ["materialize", str(root), "--step", "9", "--out", str(tmp_path / "n")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode != 0 and "step-00000009" in missing.stderr
 
 
@@ -292,8 +319,9 @@ def test_kills_at_random_moments_of_an_apply_never_leave_a_half_applied_copy(tmp
     rng = random.Random(7)
     script = tmp_path / "apply.py"
     script.write_text(_APPLY_SCRIPT)
-    timing = subprocess.Popen([sys.executable, str(script), str(root), str(tmp_path / "timing"), "3"],
-                              stdout=subprocess.PIPE, text=True)
+    timing = subprocess.Popen(
+        [sys.executable, str(script), str(root), str(tmp_path / "timing"), "3"], stdout=subprocess.PIPE, text=True
+    )
     assert timing.stdout is not None and timing.stdout.readline().strip() == "ready"
     t0 = time.perf_counter()
     assert timing.stdout.readline().strip() == "done"
@@ -301,8 +329,9 @@ def test_kills_at_random_moments_of_an_apply_never_leave_a_half_applied_copy(tmp
     timing.wait(timeout=60)
     killed = 0
     for _ in range(20):
-        proc = subprocess.Popen([sys.executable, str(script), str(root), str(stage_dir), "3"],
-                                stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(root), str(stage_dir), "3"], stdout=subprocess.PIPE, text=True
+        )
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         time.sleep(rng.uniform(0, 0.9 * whole))
         if proc.poll() is None:
@@ -326,7 +355,6 @@ def test_kills_at_random_moments_of_an_apply_never_leave_a_half_applied_copy(tmp
         assert_same_files(built.path, full_root / step_dir_name(3))
     finally:
         stage.close()
-
 
 
 def test_a_delta_that_brings_nan_is_refused_when_finiteness_is_checked(tmp_path: Path) -> None:

@@ -32,7 +32,8 @@ def _staged_manifest(status: dict) -> Manifest:
 
 
 def test_twenty_trained_versions_synced_as_deltas_serve_exactly_the_trainers_weights(
-        sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path, monkeypatch):
+    sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path, monkeypatch
+):
     sidecar = sidecar_factory()
     full_root = tmp_path / "full"
     checks: list[tuple[int, str, bool]] = []
@@ -41,8 +42,15 @@ def test_twenty_trained_versions_synced_as_deltas_serve_exactly_the_trainers_wei
     def publish_and_compare(self, version, tensors, *, background):
         # An independent full publish of the very same weights, to compare the rebuild with.
         held = [(n, t.detach().clone()) for n, t in tensors]
-        publish_checkpoint(full_root, version, held, config=self.config, dtype=self.dtype,
-                           max_shard_bytes=self.max_shard_bytes, run_id=self.run_id)
+        publish_checkpoint(
+            full_root,
+            version,
+            held,
+            config=self.config,
+            dtype=self.dtype,
+            max_shard_bytes=self.max_shard_bytes,
+            run_id=self.run_id,
+        )
         future = original(self, version, held, background=background)
         future.result()
         status = sidecar.status()
@@ -53,25 +61,37 @@ def test_twenty_trained_versions_synced_as_deltas_serve_exactly_the_trainers_wei
         return future
 
     monkeypatch.setattr(checkpoint_sync.CheckpointPublisher, "publish", publish_and_compare)
-    config = make_config(tmp_path, checkpoint_root, [sglang_server.url], [sidecar.url], max_steps=21,
-                         learning_rate=1e-6, checkpoint_dtype="bfloat16", checkpoint_delta=True,
-                         checkpoint_full_every=8, keep_checkpoints=2)
+    config = make_config(
+        tmp_path,
+        checkpoint_root,
+        [sglang_server.url],
+        [sidecar.url],
+        max_steps=21,
+        learning_rate=1e-6,
+        checkpoint_dtype="bfloat16",
+        checkpoint_delta=True,
+        checkpoint_full_every=8,
+        keep_checkpoints=2,
+    )
     trainer = make_trainer(tiny_model_dir, config)
     trainer.train()
     assert len(checks) >= 20, checks
     assert all(same for _, _, same in checks), [c for c in checks if not c[2]]
     kinds = [k for _, k, _ in checks]
     assert kinds[0] == "full" and kinds.count("delta") >= 17, kinds
-    assert [v for v, k, _ in checks if k == "full"] == [checks[0][0] + 8 * i for i in range(len(
-        [k for k in kinds if k == "full"]))]
+    assert [v for v, k, _ in checks if k == "full"] == [
+        checks[0][0] + 8 * i for i in range(len([k for k in kinds if k == "full"]))
+    ]
     # The delta steps wrote a few percent of the full bytes (the metrics the trainer logs).
     logged_mb = [e["sglang/sync_mb"] for e in trainer.state.log_history if "sglang/sync_mb" in e]
     full_mb = [e["sglang/sync_full_mb"] for e in trainer.state.log_history if "sglang/sync_full_mb" in e]
     assert logged_mb and min(m / f for m, f in zip(logged_mb, full_mb)) < 0.5
     # Greedy output and logprobs of the served version equal transformers over the trainer's
     # weights as published (bf16, as SGLang got them).
-    state = {n: t.detach().to(torch.bfloat16).to(torch.float32)
-             for n, t in iter_unique_tensors(trainer.model.state_dict().items())}
+    state = {
+        n: t.detach().to(torch.bfloat16).to(torch.float32)
+        for n, t in iter_unique_tensors(trainer.model.state_dict().items())
+    }
     want = transformers_greedy(tiny_model_dir, state, PROMPT, 8)
     out = generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True, return_logprob=True)
     assert out["output_ids"] == want
@@ -108,8 +128,9 @@ def _wait_rejected(sidecar, step: int, timeout_s: float = 60.0) -> dict:
         time.sleep(0.3)
 
 
-def test_restart_mid_chain_late_joiner_and_a_corrupt_delta(sglang_server, sidecar_factory, checkpoint_root,
-                                                             tiny_model_dir, tmp_path):
+def test_restart_mid_chain_late_joiner_and_a_corrupt_delta(
+    sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path
+):
     stage = ("--stage-dir", str(tmp_path / "stage-r0"))
     sidecar = sidecar_factory(*stage)
     writer, states = publish_chain(checkpoint_root, tiny_model_dir, range(1, 4))
@@ -121,13 +142,17 @@ def test_restart_mid_chain_late_joiner_and_a_corrupt_delta(sglang_server, sideca
     _, more = publish_chain(checkpoint_root, tiny_model_dir, range(4, 5), writer=writer)
     status = sidecar2.wait_step(4)
     assert status["last_sync"]["kind"] == "delta" and status["last_sync"]["chain_length"] == 1
-    assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)["output_ids"] == \
-        transformers_greedy(tiny_model_dir, as_published(more[4]), PROMPT, 8)
+    assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)["output_ids"] == transformers_greedy(
+        tiny_model_dir, as_published(more[4]), PROMPT, 8
+    )
     # A late joiner with an empty stage replays the chain from the full step.
     sidecar2.stop()
     sidecar3 = sidecar_factory("--stage-dir", str(tmp_path / "fresh-stage"), replica_id="late")
-    httpx.post(f"{sglang_server.url}/update_weights_from_disk",
-               json={"model_path": str(tiny_model_dir), "weight_version": "default"}, timeout=300)
+    httpx.post(
+        f"{sglang_server.url}/update_weights_from_disk",
+        json={"model_path": str(tiny_model_dir), "weight_version": "default"},
+        timeout=300,
+    )
     status = sidecar3.wait_step(4)
     assert status["last_sync"]["chain_length"] == 3  # full 1 -> deltas 2, 3, 4
     # A corrupt delta is rejected with a reason, the last good step keeps serving, and the next

@@ -30,8 +30,9 @@ def serve_unit(tiny_model_dir, tmp_path_factory):
 
 def test_reward_rises_with_learning_and_not_at_lr_zero(serve_unit, tmp_path):
     unit, root = serve_unit
-    common = dict(steps=STEPS, sglang_url=unit.sglang_url, sidecar_url=unit.sidecar_url,
-                  checkpoint_path=root, plot=True)
+    common = dict(
+        steps=STEPS, sglang_url=unit.sglang_url, sidecar_url=unit.sidecar_url, checkpoint_path=root, plot=True
+    )
     # 2e-2 (the demo's default): reward ~1.0 by step 16 in 3 of 3 probe runs; at 1e-2 the climb
     # sometimes starts late (one CI run: 0.34 -> 0.48 in 16 steps), SGLang's sampling being unseeded.
     learned = run_demo(tmp_path / "lr", learning_rate=2e-2, **common)
@@ -57,15 +58,27 @@ def _run_script(unit, root, out, *extra, processes: int = 1, script: str = "grpo
 
     script = Path(__file__).parent / "scripts" / script
     # torchrun sets RANK/WORLD_SIZE; accelerate then runs MULTI_CPU with the gloo backend.
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node", str(processes)]
-    cmd = launcher + [str(script), "--sglang-url", unit.sglang_url, "--sidecar-url", unit.sidecar_url,
-                      "--checkpoint-path", str(root), "--out", str(out), *extra]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    cmd = launcher + [
+        str(script),
+        "--sglang-url",
+        unit.sglang_url,
+        "--sidecar-url",
+        unit.sidecar_url,
+        "--checkpoint-path",
+        str(root),
+        "--out",
+        str(out),
+        *extra,
+    ]
     os = __import__("os")
     # The checkout's packages, as pytest's `pythonpath` gives this process (rollout_demo included).
     repo = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p),
+    }
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return json.loads(out.read_text())
@@ -99,7 +112,6 @@ def test_peft_lora_run_publishes_merged_weights_that_sglang_loads(serve_unit, tm
     assert status["loaded_step"] == result["final_step"] and not status["rejected"]
 
 
-
 def test_deepspeed_zero3_run_gathers_partitioned_weights_that_sglang_loads(serve_unit, tmp_path):
     # TRL's GRPOTrainer under accelerate's DeepSpeed plugin, ZeRO stage 3 on 2 CPU processes.
     unit, root = serve_unit
@@ -113,12 +125,12 @@ def test_deepspeed_zero3_run_gathers_partitioned_weights_that_sglang_loads(serve
     status = _status(unit)
     assert status["loaded_step"] == result["final_step"] and not status["rejected"]
 
+
 def test_fsdp2_sharded_model_publishes_full_weights_that_sglang_serves(serve_unit, tmp_path):
     # accelerate runs FSDP on GPU-like devices only, so the model is sharded with FSDP2's own
     # fully_shard (as accelerate's FSDP2 plugin does) and synced by SGLangGeneration directly.
     unit, root = serve_unit
-    result = _run_script(unit, root, tmp_path / "fsdp2.json", "--steps", "2", processes=2,
-                         script="fsdp2_sync.py")
+    result = _run_script(unit, root, tmp_path / "fsdp2.json", "--steps", "2", processes=2, script="fsdp2_sync.py")
     assert result["processes"] == 2 and result["sharded"]
     checks = result["checks"]
     assert [c["step"] for c in checks] == sorted({c["step"] for c in checks}) and len(checks) == 2
@@ -133,9 +145,14 @@ def test_fsdp2_sharded_model_publishes_full_weights_that_sglang_serves(serve_uni
 
 def _tldr_rows(n: int) -> list[dict[str, str]]:
     topics = ["my cat", "the rent", "a new job", "our trip", "his bike", "the exam"]
-    return [{"prompt": f"SUBREDDIT: r/advice\nTITLE: about {topics[i % 6]}\nPOST: I worry about {topics[i % 6]} "
-                       f"every day and ask what to do.\nTL;DR:",
-             "completion": f" worried about {topics[i % 6]}"} for i in range(n)]
+    return [
+        {
+            "prompt": f"SUBREDDIT: r/advice\nTITLE: about {topics[i % 6]}\nPOST: I worry about {topics[i % 6]} "
+            f"every day and ask what to do.\nTL;DR:",
+            "completion": f" worried about {topics[i % 6]}",
+        }
+        for i in range(n)
+    ]
 
 
 def _example_module():
@@ -151,8 +168,10 @@ def _example_module():
 
 def test_rouge_reward_reads_the_reference_summary_column():
     reward = _example_module().rouge_l_reward()
-    scores = reward(["worried about my cat", "bananas", "worried about rent"],
-                    reference_summary=["worried about my cat", "worried about my cat", "worried about the rent"])
+    scores = reward(
+        ["worried about my cat", "bananas", "worried about rent"],
+        reference_summary=["worried about my cat", "worried about my cat", "worried about the rent"],
+    )
     assert scores[0] == 1.0 and scores[1] == 0.0 and 0.0 < scores[2] < 1.0
 
 
@@ -166,12 +185,35 @@ def test_gpu_example_runs_on_cpu_with_a_local_tldr_dataset(serve_unit, tmp_path,
     data = tmp_path / "tldr.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in _tldr_rows(24)))
     script = Path(__file__).parents[1] / "examples" / "grpo_tldr_gpu.py"
-    cmd = [sys.executable, str(script), "--model", str(tiny_model_dir), "--dataset", str(data),
-           "--checkpoint-path", str(root), "--sglang-url", unit.sglang_url, "--sidecar-url", unit.sidecar_url,
-           "--output-dir", str(tmp_path / "out"), "--max-steps", "2", "--per-device-train-batch-size", "4",
-           "--num-generations", "4", "--max-completion-length", "8", "--learning-rate", "1e-3"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        str(script),
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(data),
+        "--checkpoint-path",
+        str(root),
+        "--sglang-url",
+        unit.sglang_url,
+        "--sidecar-url",
+        unit.sidecar_url,
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--max-steps",
+        "2",
+        "--per-device-train-batch-size",
+        "4",
+        "--num-generations",
+        "4",
+        "--max-completion-length",
+        "8",
+        "--learning-rate",
+        "1e-3",
+    ]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     # One log line per step (logging_steps=1 for short runs), with the ROUGE reward and a sync.
     logged = [line for line in done.stdout.splitlines() if "'rewards/rouge_l/mean'" in line]
@@ -190,8 +232,24 @@ def test_gpu_example_names_a_dataset_without_the_tldr_columns(tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps({"text": "no prompt here"}) + "\n")
     script = Path(__file__).parents[1] / "examples" / "grpo_tldr_gpu.py"
-    done = subprocess.run([sys.executable, str(script), "--model", "unused", "--dataset", str(data),
-                           "--checkpoint-path", str(tmp_path / "c"), "--sglang-url", "http://127.0.0.1:9",
-                           "--sidecar-url", "http://127.0.0.1:9"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--model",
+            "unused",
+            "--dataset",
+            str(data),
+            "--checkpoint-path",
+            str(tmp_path / "c"),
+            "--sglang-url",
+            "http://127.0.0.1:9",
+            "--sidecar-url",
+            "http://127.0.0.1:9",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode != 0
     assert "missing column(s) ['completion', 'prompt']" in done.stderr, done.stderr[-2000:]

@@ -38,8 +38,7 @@ def test_every_rollout_service_command_line_and_env_var_exists_in_the_cli(monkey
         if argv[1] != "demo":
             check_cli(argv, env, where, monkeypatch)
     for where, argv, _ in dockerfile_invocations():
-        assert argv[1] == "--help" or argv[1] in cli_subcommands(build_parser()), \
-            f"{where}: unknown command {argv[1]}"
+        assert argv[1] == "--help" or argv[1] in cli_subcommands(build_parser()), f"{where}: unknown command {argv[1]}"
 
 
 def test_demo_command_lines_match_the_demo_cli(monkeypatch):
@@ -52,6 +51,7 @@ def test_demo_command_lines_match_the_demo_cli(monkeypatch):
 def test_sglang_and_accelerate_command_lines_parse_with_their_own_parsers():
     from accelerate.commands.launch import launch_command_parser
     from sglang.srt.server_args import ServerArgs
+
     sglang_parser = argparse.ArgumentParser(exit_on_error=False)
     ServerArgs.add_cli_args(sglang_parser)
     command_lines: list[tuple[str, list[str]]] = []
@@ -61,8 +61,12 @@ def test_sglang_and_accelerate_command_lines_parse_with_their_own_parsers():
         manifests = render_kustomization(kustomization)
         for workload, pod in pod_specs(manifests).items():
             for container in pod["containers"]:
-                command_lines.append((f"{kustomization.relative_to(REPO)} {workload}/{container['name']}",
-                                      k8s_argv(container, k8s_env(container, manifests))))
+                command_lines.append(
+                    (
+                        f"{kustomization.relative_to(REPO)} {workload}/{container['name']}",
+                        k8s_argv(container, k8s_env(container, manifests)),
+                    )
+                )
     seen = set()
     for where, argv in command_lines:
         if argv[:3] == ["python3", "-m", "sglang.launch_server"]:
@@ -74,8 +78,9 @@ def test_sglang_and_accelerate_command_lines_parse_with_their_own_parsers():
         elif argv[:2] == ["accelerate", "launch"]:
             seen.add("accelerate")
             args = launch_command_parser().parse_args(argv[2:])
-            assert (args.module and args.training_script == "rollout_demo.cli") or \
-                args.training_script == "/opt/rollout-service/examples/grpo_tldr_gpu.py", where
+            assert (
+                args.module and args.training_script == "rollout_demo.cli"
+            ) or args.training_script == "/opt/rollout-service/examples/grpo_tldr_gpu.py", where
     assert seen == {"sglang", "accelerate"}
 
 
@@ -83,11 +88,11 @@ def test_cpu_dev_sglang_flags_are_the_launchers_cpu_flags():
     from rollout_service.sglang_launcher import SGLangServer
 
     launcher = SGLangServer("/models/tiny", device="cpu", port=30000, host="0.0.0.0").command()
-    cpu_flags = launcher[launcher.index("--port") + 2:]
+    cpu_flags = launcher[launcher.index("--port") + 2 :]
     manifests = render_kustomization(K8S_DIR / "overlays" / "cpu-dev")
     sglang = find_container(pod_specs(manifests)["rollout"], "sglang")
     args = sglang["args"]
-    assert args[args.index("--port") + 2:] == cpu_flags
+    assert args[args.index("--port") + 2 :] == cpu_flags
     image = sglang["image"]
     stage = dockerfile_images()[("rollout.Dockerfile", "cpu")]
     assert image.split(":")[0] == stage["labels"]["org.opencontainers.image.title"]
@@ -101,8 +106,12 @@ def test_docs_mention_only_real_rollout_variables():
     known = set()
     for command in ("sidecar", "serve"):
         sub = cli_subcommands(build_parser())[command]
-        known |= {env_name(flag) for action in sub._actions for flag in action.option_strings
-                  if flag.startswith("--") and flag != "--help"}
+        known |= {
+            env_name(flag)
+            for action in sub._actions
+            for flag in action.option_strings
+            if flag.startswith("--") and flag != "--help"
+        }
     mentioned = set(re.findall(r"\bROLLOUT_[A-Z_]+[A-Z]\b", text)) - {"ROLLOUT_CACHE_DIR", "ROLLOUT_PYTHON"}
     assert mentioned, "docs/deploy.md should show the ROLLOUT_* configuration"
     assert mentioned <= known, f"docs/deploy.md names unknown variables {sorted(mentioned - known)}"

@@ -41,8 +41,9 @@ def test_compose_file_validates_with_docker_compose(profile, tmp_path):
         assert normalized["command"] == service["command"], name
         assert normalized.get("environment", {}) == compose_environment(service), name
         assert normalized["image"] == service["image"], name
-        assert [(v["source"], v["target"], v.get("read_only", False))
-                for v in normalized.get("volumes", [])] == compose_volumes(service), name
+        assert [
+            (v["source"], v["target"], v.get("read_only", False)) for v in normalized.get("volumes", [])
+        ] == compose_volumes(service), name
         if "healthcheck" in service:
             assert normalized["healthcheck"]["test"] == service["healthcheck"]["test"], name
 
@@ -53,8 +54,9 @@ def test_compose_file_validates_with_docker_compose(profile, tmp_path):
 def test_compose_requires_a_token_and_the_example_env_documents_every_variable():
     text = COMPOSE_FILE.read_text()
     variables = set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", text))
-    example = dict(line.split("=", 1) for line in ENV_EXAMPLE.read_text().splitlines()
-                   if line.strip() and not line.startswith("#"))
+    example = dict(
+        line.split("=", 1) for line in ENV_EXAMPLE.read_text().splitlines() if line.strip() and not line.startswith("#")
+    )
     assert variables == set(example), "compose.yaml's variables and .env.example's must match"
     assert example["ROLLOUT_TOKEN"] == "REPLACE_WITH_A_RANDOM_TOKEN"
     assert example["IMAGE_TAG"] == VERSION
@@ -73,7 +75,7 @@ def test_compose_probes_ports_and_volumes_match_the_cli_and_sidecar():
         service = services[name]
         env = compose_environment(service)
         command = service["command"][1]
-        flag = "--" + port_variable[len(ENV_PREFIX):].lower().replace("_", "-")
+        flag = "--" + port_variable[len(ENV_PREFIX) :].lower().replace("_", "-")
         port = int(env.get(port_variable) or option_default(command, flag))
         assert env["ROLLOUT_HOST"] == "0.0.0.0", f"{name}: other containers must reach the sidecar"
         (url,) = urls_in(" ".join(service["healthcheck"]["test"]))
@@ -81,8 +83,9 @@ def test_compose_probes_ports_and_volumes_match_the_cli_and_sidecar():
         assert url_port(url) == port, f"{name}: healthcheck port"
         assert any(str(p).endswith(f":{port}") for p in service["ports"]), f"{name}: published port"
         watched = env["ROLLOUT_CHECKPOINT_PATH"]
-        assert ("checkpoints", watched, False) in compose_volumes(service), \
+        assert ("checkpoints", watched, False) in compose_volumes(service), (
             f"{name}: the checkpoint volume must be mounted read-write at {watched} (acks/)"
+        )
         assert env["ROLLOUT_TOKEN"] == TEST_TOKEN
     gpu = compose_services(compose, "gpu")
     sglang_argv = [str(t) for t in gpu["sglang"]["command"]]
@@ -97,10 +100,16 @@ def test_compose_probes_ports_and_volumes_match_the_cli_and_sidecar():
     cpu = compose_services(compose, "cpu")
     cpu_env = compose_environment(cpu["rollout-cpu"])
     targets = {
-        "demo": (cpu_env["ROLLOUT_CHECKPOINT_PATH"], f"http://rollout-cpu:{cpu_env['ROLLOUT_PORT']}",
-                 f"http://rollout-cpu:{cpu_env['ROLLOUT_SIDECAR_PORT']}"),
-        "trainer": (sidecar_env["ROLLOUT_CHECKPOINT_PATH"], f"http://sglang:{sglang_port}",
-                    f"http://sidecar:{sidecar_env['ROLLOUT_PORT']}"),
+        "demo": (
+            cpu_env["ROLLOUT_CHECKPOINT_PATH"],
+            f"http://rollout-cpu:{cpu_env['ROLLOUT_PORT']}",
+            f"http://rollout-cpu:{cpu_env['ROLLOUT_SIDECAR_PORT']}",
+        ),
+        "trainer": (
+            sidecar_env["ROLLOUT_CHECKPOINT_PATH"],
+            f"http://sglang:{sglang_port}",
+            f"http://sidecar:{sidecar_env['ROLLOUT_PORT']}",
+        ),
     }
     for name, (checkpoints, sglang_url, sidecar_url) in targets.items():
         argv = [str(t) for t in services[name]["command"]]
@@ -115,5 +124,6 @@ def test_compose_probes_ports_and_volumes_match_the_cli_and_sidecar():
     demo_argv = [str(t) for t in cpu["demo"]["command"]]
     assert demo_argv[demo_argv.index("--model") + 1] == out
     for name in ("tiny-model", "rollout-cpu", "demo"):
-        assert any(volume == "models" and out.startswith(target + "/")
-                   for volume, target, _ in compose_volumes(cpu[name])), name
+        assert any(
+            volume == "models" and out.startswith(target + "/") for volume, target, _ in compose_volumes(cpu[name])
+        ), name

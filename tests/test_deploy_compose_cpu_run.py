@@ -35,12 +35,11 @@ def _rewrite(value: str, paths: dict[str, Path], ports: dict[int, int]) -> str:
     """Map container volume paths to host folders and container ports to free host ports."""
     for target in sorted(paths, key=len, reverse=True):
         if value == target or value.startswith(target + "/"):
-            value = str(paths[target]) + value[len(target):]
+            value = str(paths[target]) + value[len(target) :]
             break
     if value.isdigit() and int(value) in ports:
         return str(ports[int(value)])
-    return re.sub(r":(\d+)(?=[/'\"]|$)",
-                  lambda m: f":{ports.get(int(m.group(1)), int(m.group(1)))}", value)
+    return re.sub(r":(\d+)(?=[/'\"]|$)", lambda m: f":{ports.get(int(m.group(1)), int(m.group(1)))}", value)
 
 
 @pytest.mark.sglang
@@ -82,8 +81,14 @@ def test_compose_cpu_profile_serves_and_syncs_a_published_checkpoint(tmp_path):
     assert checkpoints.is_relative_to(tmp_path) and Path(compose_env["ROLLOUT_MODEL"]) == model_dir
     assert int(compose_env["ROLLOUT_SIDECAR_PORT"]) in ports.values()
 
-    group = ProcessGroup(argv, tmp_path / "rollout-cpu.log", name="compose service rollout-cpu", env=env,
-                         cwd=tmp_path, die_with_parent=True)
+    group = ProcessGroup(
+        argv,
+        tmp_path / "rollout-cpu.log",
+        name="compose service rollout-cpu",
+        env=env,
+        cwd=tmp_path,
+        die_with_parent=True,
+    )
     group.start()
     assert group.process is not None
     process = group.process
@@ -101,14 +106,28 @@ def test_compose_cpu_profile_serves_and_syncs_a_published_checkpoint(tmp_path):
             if check.returncode == 0:
                 break
             assert time.monotonic() < deadline, (
-                f"the compose healthcheck did not pass within {STARTUP_TIMEOUT_S:.0f} s:\n{log_tail()}")
+                f"the compose healthcheck did not pass within {STARTUP_TIMEOUT_S:.0f} s:\n{log_tail()}"
+            )
             time.sleep(3)
         assert httpx.get(f"{sidecar_url}/readyz", timeout=10).status_code == 200
 
         published = subprocess.run(
-            ["rollout-service", "publish", "--model-dir", str(model_dir),
-             "--checkpoint-path", str(checkpoints), "--step", "1"],
-            env=env, capture_output=True, text=True, timeout=300, check=False)
+            [
+                "rollout-service",
+                "publish",
+                "--model-dir",
+                str(model_dir),
+                "--checkpoint-path",
+                str(checkpoints),
+                "--step",
+                "1",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         assert published.returncode == 0, published.stderr
 
         waited = httpx.get(f"{sidecar_url}/wait", params={"version": 1, "timeout": 240}, timeout=260)
@@ -117,8 +136,11 @@ def test_compose_cpu_profile_serves_and_syncs_a_published_checkpoint(tmp_path):
         assert status["loaded_step"] == 1 and status["replica_id"] == compose_env["ROLLOUT_REPLICA_ID"]
         assert httpx.get(f"{sidecar_url}/readyz", timeout=10).status_code == 200
 
-        completion = httpx.post(f"{sglang_url}/generate", timeout=300, json={
-            "input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}})
+        completion = httpx.post(
+            f"{sglang_url}/generate",
+            timeout=300,
+            json={"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}},
+        )
         assert completion.status_code == 200, completion.text
         assert completion.json()["meta_info"]["weight_version"] == "1"
 
@@ -130,8 +152,9 @@ def test_compose_cpu_profile_serves_and_syncs_a_published_checkpoint(tmp_path):
 
         # The token from the compose environment guards POST /sync.
         assert httpx.post(f"{sidecar_url}/sync", timeout=10).status_code == 401
-        synced = httpx.post(f"{sidecar_url}/sync", timeout=10,
-                            headers={"Authorization": f"Bearer {compose_env['ROLLOUT_TOKEN']}"})
+        synced = httpx.post(
+            f"{sidecar_url}/sync", timeout=10, headers={"Authorization": f"Bearer {compose_env['ROLLOUT_TOKEN']}"}
+        )
         assert synced.status_code == 202
     finally:
         group.stop(60.0)

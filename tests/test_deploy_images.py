@@ -31,8 +31,7 @@ from deploy_files import (
 
 def test_dockerfiles_pin_bases_run_as_non_root_and_declare_health_checks():
     images = dockerfile_images()
-    assert {key[0] for key in images} == {"rollout.Dockerfile", "sidecar.Dockerfile",
-                                          "trainer.Dockerfile"}
+    assert {key[0] for key in images} == {"rollout.Dockerfile", "sidecar.Dockerfile", "trainer.Dockerfile"}
     shared_args = {}
     routes = sidecar_routes()
     for path in sorted(DOCKER_DIR.glob("*.Dockerfile")):
@@ -43,20 +42,24 @@ def test_dockerfiles_pin_bases_run_as_non_root_and_declare_health_checks():
             where = f"{path.name} stage {stage['target'] or 'default'}"
             base = expand_args(stage["from"], stage["args"])
             assert "$" not in base and ":" in base and not base.endswith(":latest"), f"{where}: {base}"
-            assert re.fullmatch(r"\d+(:\d+)?", expand_args(stage["user"] or "", stage["args"])), \
+            assert re.fullmatch(r"\d+(:\d+)?", expand_args(stage["user"] or "", stage["args"])), (
                 f"{where}: USER must be a numeric non-root uid (Kubernetes runAsNonRoot checks it)"
+            )
             assert not expand_args(stage["user"], stage["args"]).startswith("0"), where
             assert stage["healthcheck"], f"{where}: no HEALTHCHECK"
             assert stage["labels"]["org.opencontainers.image.version"] == VERSION, where
             for name, value in stage["env"].items():
-                assert not re.search(r"TOKEN|SECRET|PASSWORD|API_KEY", name) or not value, \
+                assert not re.search(r"TOKEN|SECRET|PASSWORD|API_KEY", name) or not value, (
                     f"{where}: {name} looks like a secret baked into the image"
+                )
             for url in urls_in(stage["healthcheck"]):
                 if "sidecar" in path.name:
                     assert httpx.URL(url).path in routes
             if "sidecar" in path.name:
-                assert "/healthz" in stage["healthcheck"] and \
-                    f"or {option_default('sidecar', '--port')})" in stage["healthcheck"]
+                assert (
+                    "/healthz" in stage["healthcheck"]
+                    and f"or {option_default('sidecar', '--port')})" in stage["healthcheck"]
+                )
             if path.name == "rollout.Dockerfile":
                 (url,) = urls_in(stage["healthcheck"])
                 assert httpx.URL(url).path == "/health"
@@ -71,8 +74,10 @@ def test_dockerfiles_pin_bases_run_as_non_root_and_declare_health_checks():
 
 
 def test_sglang_version_is_pinned_the_same_everywhere():
-    pin = {"sglang==" + v for v in re.findall(r"^sglang==(\S+)$", (REPO / "requirements" / "cpu.lock")
-                                               .read_text(), flags=re.M)}
+    pin = {
+        "sglang==" + v
+        for v in re.findall(r"^sglang==(\S+)$", (REPO / "requirements" / "cpu.lock").read_text(), flags=re.M)
+    }
     extra = {r for r in PROJECT["optional-dependencies"]["rollout"] if r.startswith("sglang")}
     arg = dockerfile_stages(DOCKER_DIR / "rollout.Dockerfile")[0]["args"]["SGLANG_VERSION"]
     assert pin == extra == {f"sglang=={arg}"}
@@ -93,8 +98,10 @@ def test_image_names_and_tags_agree_between_dockerfiles_compose_and_kubernetes()
             stage = images[(dockerfile.name, build.get("target"))]
             repo, tag = service["image"].rsplit(":", 1)
             assert repo == stage["labels"]["org.opencontainers.image.title"], name
-            assert built.setdefault(service["image"], (dockerfile.name, build.get("target"))) == \
-                (dockerfile.name, build.get("target")), f"{service['image']} built two ways"
+            assert built.setdefault(service["image"], (dockerfile.name, build.get("target"))) == (
+                dockerfile.name,
+                build.get("target"),
+            ), f"{service['image']} built two ways"
     titles = {stage["labels"]["org.opencontainers.image.title"] for stage in images.values()}
     assert {image.rsplit(":", 1)[0] for image in built} == titles, "every image is built by compose"
     for name, service in compose_services(compose).items():
@@ -105,4 +112,5 @@ def test_image_names_and_tags_agree_between_dockerfiles_compose_and_kubernetes()
             for container in pod["containers"] + pod.get("initContainers", []):
                 assert container["image"] in built, (
                     f"{kustomization.relative_to(REPO)} {workload}/{container['name']} uses"
-                    f" {container['image']}, not one of {sorted(built)}")
+                    f" {container['image']}, not one of {sorted(built)}"
+                )

@@ -38,8 +38,9 @@ from rollout_service.cli import build_parser
 def test_base_manifest_files_validate_against_the_kubernetes_schema():
     kustomization = yaml.safe_load((K8S_BASE / "kustomization.yaml").read_text())
     files = [K8S_BASE / name for name in kustomization["resources"]] + [EXAMPLE_SECRET]
-    assert sorted(p.name for p in K8S_BASE.glob("*.yaml") if p.name != "kustomization.yaml") == \
-        sorted(name for name in kustomization["resources"]), "every base file is a listed resource"
+    assert sorted(p.name for p in K8S_BASE.glob("*.yaml") if p.name != "kustomization.yaml") == sorted(
+        name for name in kustomization["resources"]
+    ), "every base file is a listed resource"
     for path in files:
         for doc in yaml_docs(path):
             validate_k8s(doc, str(path.relative_to(REPO)))
@@ -49,8 +50,9 @@ def test_base_manifest_files_validate_against_the_kubernetes_schema():
 def test_rendered_kustomization_validates_against_the_kubernetes_schema(kustomization):
     manifests = render_kustomization(kustomization)
     kinds = sorted(doc["kind"] for doc in manifests)
-    assert kinds == sorted(["ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "Service",
-                            "PodDisruptionBudget", "Job"]), kinds
+    assert kinds == sorted(
+        ["ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "Service", "PodDisruptionBudget", "Job"]
+    ), kinds
     for doc in manifests:
         validate_k8s(doc, f"rendered {kustomization.relative_to(REPO)}")
 
@@ -94,8 +96,10 @@ def test_kubernetes_probes_and_ports_match_the_sidecar_and_sglang():
         assert httpx.URL(sidecar_env["ROLLOUT_SGLANG_URL"]).host == "127.0.0.1"
 
         service = by_kind(manifests, "Service")["rollout"]
-        assert service["spec"]["selector"].items() <= \
-            by_kind(manifests, "Deployment")["rollout"]["spec"]["template"]["metadata"]["labels"].items()
+        assert (
+            service["spec"]["selector"].items()
+            <= by_kind(manifests, "Deployment")["rollout"]["spec"]["template"]["metadata"]["labels"].items()
+        )
         service_ports = {}
         for item in service["spec"]["ports"]:
             target = item["targetPort"]
@@ -135,8 +139,7 @@ def test_kubernetes_checkpoint_volume_is_shared_at_the_watched_path():
         assert find_mount(sidecar, "checkpoints")["mountPath"] == watched
         assert not find_mount(sidecar, "checkpoints").get("readOnly"), "the sidecar writes acks/"
         # The sidecar hands SGLang the checkpoint's path: SGLang must see it at the same place.
-        assert find_mount(sglang, "checkpoints") == {"name": "checkpoints", "mountPath": watched,
-                                                 "readOnly": True}
+        assert find_mount(sglang, "checkpoints") == {"name": "checkpoints", "mountPath": watched, "readOnly": True}
         trainer = find_container(trainer_pod, "trainer")
         argv = k8s_argv(trainer, k8s_env(trainer, manifests))
         assert argv[argv.index("--checkpoint-path") + 1] == watched
@@ -150,8 +153,11 @@ def test_kubernetes_checkpoint_volume_is_shared_at_the_watched_path():
             for pod, container in ((rollout, sglang), (trainer_pod, trainer)):
                 mounts = [m["mountPath"] for m in container["volumeMounts"]]
                 assert any(model.startswith(m + "/") for m in mounts), f"{where}: {model} not mounted"
-                makers = [c for c in pod.get("initContainers", [])
-                          if c.get("command", [])[:2] == ["rollout-service", "make-tiny-model"]]
+                makers = [
+                    c
+                    for c in pod.get("initContainers", [])
+                    if c.get("command", [])[:2] == ["rollout-service", "make-tiny-model"]
+                ]
                 assert makers and makers[0]["command"][-1] == model
 
 
@@ -163,8 +169,7 @@ def test_kubernetes_token_comes_from_a_secret_and_only_an_example_secret_ships()
         assert "Secret" not in {doc["kind"] for doc in manifests}, "ship no Secret in kustomizations"
         sidecar = find_container(pod_specs(manifests)["rollout"], "sidecar")
         (token,) = [e for e in sidecar["env"] if e["name"] == "ROLLOUT_TOKEN"]
-        assert token["valueFrom"]["secretKeyRef"] == {"name": example["metadata"]["name"],
-                                                      "key": "token"}
+        assert token["valueFrom"]["secretKeyRef"] == {"name": example["metadata"]["name"], "key": "token"}
 
 
 def test_kubernetes_resources_per_overlay():

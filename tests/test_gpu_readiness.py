@@ -60,14 +60,17 @@ def no_gpu_tools(monkeypatch, tmp_path):
 @pytest.fixture
 def fake_gpus(monkeypatch, tmp_path):
     """Install a fake nvidia-smi first on PATH; returns a function taking the GPUs/apps."""
+
     def install(gpus, apps=(), driver="570.86.15"):
         bin_dir = tmp_path / "fake-bin"
         install_fake_nvidia_smi(bin_dir, gpus, list(apps), driver)
         monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
     return install
 
 
 # ------------------------------------------------------ 1. Kubernetes service-link variables
+
 
 def test_a_kubernetes_service_link_variable_does_not_break_other_commands(monkeypatch, tmp_path):
     # kubelet injects ROLLOUT_PORT=tcp://... for a Service named `rollout`.
@@ -80,8 +83,7 @@ def test_a_kubernetes_service_link_variable_does_not_break_other_commands(monkey
     assert main(["validate", str(tmp_path / "missing")]) == 1  # runs (and reports the missing dir)
 
 
-def test_an_invalid_environment_value_is_refused_naming_the_variable_for_that_command(monkeypatch, capsys,
-                                                                                     tmp_path):
+def test_an_invalid_environment_value_is_refused_naming_the_variable_for_that_command(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("ROLLOUT_PORT", "tcp://10.96.0.10:30000")
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["sidecar", "--checkpoint-path", str(tmp_path), "--sglang-url", "http://x:1"])
@@ -90,20 +92,26 @@ def test_an_invalid_environment_value_is_refused_naming_the_variable_for_that_co
     assert "ROLLOUT_PORT='tcp://10.96.0.10:30000' is not valid for --port" in err
     assert "enableServiceLinks: false" in err
     # A flag on the command line wins over the variable, which is then not read at all.
-    args = build_parser().parse_args(["sidecar", "--checkpoint-path", str(tmp_path), "--sglang-url",
-                                      "http://x:1", "--port", "8101"])
+    args = build_parser().parse_args(
+        ["sidecar", "--checkpoint-path", str(tmp_path), "--sglang-url", "http://x:1", "--port", "8101"]
+    )
     assert args.port == 8101
 
 
 def test_environment_defaults_fill_only_the_chosen_command_and_required_flags_name_their_variable(
-        monkeypatch, capsys, tmp_path):
+    monkeypatch, capsys, tmp_path
+):
     monkeypatch.setenv("ROLLOUT_PORT", "8200")
     monkeypatch.setenv("ROLLOUT_CHECKPOINT_PATH", str(tmp_path))
     monkeypatch.setenv("ROLLOUT_SGLANG_URL", "http://127.0.0.1:30001")
     monkeypatch.setenv("ROLLOUT_CHECK_DIGESTS", "yes")
     args = build_parser().parse_args(["sidecar"])
-    assert (args.port, args.checkpoint_path, args.sglang_url, args.check_digests) == \
-        (8200, str(tmp_path), "http://127.0.0.1:30001", True)
+    assert (args.port, args.checkpoint_path, args.sglang_url, args.check_digests) == (
+        8200,
+        str(tmp_path),
+        "http://127.0.0.1:30001",
+        True,
+    )
     assert args.poll is None and args.health_interval == 2.0  # unset variables: the defaults
     monkeypatch.delenv("ROLLOUT_CHECKPOINT_PATH")
     with pytest.raises(SystemExit):
@@ -118,8 +126,13 @@ def test_environment_defaults_fill_only_the_chosen_command_and_required_flags_na
 
 def test_the_cli_process_survives_kubernetes_service_links(tmp_path):
     env = {**os.environ, "ROLLOUT_PORT": "tcp://10.96.0.10:30000", "ROLLOUT_PORT_30000_TCP": "tcp://10.96.0.10:30000"}
-    done = subprocess.run([sys.executable, "-m", "rollout_service.cli", "validate", str(tmp_path / "nope")],
-                          capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "rollout_service.cli", "validate", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 1 and "INVALID" in done.stderr, done.stderr
 
 
@@ -133,6 +146,7 @@ def test_every_pod_template_disables_service_links():
 
 
 # ------------------------------------------------------- 2. GPU trainers train on the GPU
+
 
 def _gpu_trainer_command_lines() -> list[tuple[str, list[str]]]:
     lines = [("compose gpu trainer", [str(t) for t in compose_services(load_compose(), "gpu")["trainer"]["command"]])]
@@ -167,6 +181,7 @@ def test_the_trainer_image_ships_the_gpu_example_at_the_path_the_templates_run()
 
 
 # ---------------------------------------------- 3. named volumes are writable by the image's user
+
 
 def _run_lines(stage_text: str) -> list[str]:
     return [line[4:] for line in stage_text.splitlines() if line.startswith("RUN ")]
@@ -220,13 +235,15 @@ def test_every_named_volume_mount_point_exists_in_the_image_and_belongs_to_its_u
                 assert _created_and_owned(stage, target), (
                     f"compose service {name} mounts volume {source} at {target}, which"
                     f" {build['dockerfile']} ({build.get('target') or 'default'} stage) does not create and"
-                    " chown to the image's user: Docker would create it root-owned, unwritable")
+                    " chown to the image's user: Docker would create it root-owned, unwritable"
+                )
                 checked.append((name, target))
     assert ("sglang", "/home/rollout/.cache/huggingface") in checked
     assert ("trainer", "/home/rollout/.cache/huggingface") in checked
 
 
 # ------------------------------------------ 4. GPUs listed but torch sees none: fail loudly
+
 
 def test_example_refuses_to_train_on_the_cpu_when_gpus_are_listed_but_torch_sees_none(fake_gpus):
     import torch
@@ -254,10 +271,24 @@ def test_example_device_cuda_without_a_gpu_fails_and_auto_on_a_gpu_less_machine_
 @pytest.mark.slow  # subprocesses with torch start-ups: several seconds
 def test_example_process_exits_before_training_when_gpus_are_listed_but_unusable(fake_gpus, tmp_path):
     fake_gpus([{}])
-    done = subprocess.run([sys.executable, str(EXAMPLE), "--checkpoint-path", str(tmp_path), "--sglang-url",
-                           "http://127.0.0.1:9", "--sidecar-url", "http://127.0.0.1:9", "--dataset",
-                           str(tmp_path / "never-read.jsonl")],
-                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--checkpoint-path",
+            str(tmp_path),
+            "--sglang-url",
+            "http://127.0.0.1:9",
+            "--sidecar-url",
+            "http://127.0.0.1:9",
+            "--dataset",
+            str(tmp_path / "never-read.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
     assert done.returncode != 0 and "driver >= 580" in done.stderr, done.stderr[-2000:]
     assert "never-read" not in done.stderr  # it stopped before loading data
 
@@ -273,12 +304,16 @@ def test_sglang_on_cuda_without_a_usable_gpu_fails_at_start_naming_the_driver_fl
 
 # ------------------------------------------ 6. SGLang beside a trainer on the same GPU
 
-def test_sglang_gets_a_memory_fraction_that_fits_beside_other_processes_on_its_gpu(fake_gpus, tmp_path,
-                                                                                  monkeypatch, caplog):
+
+def test_sglang_gets_a_memory_fraction_that_fits_beside_other_processes_on_its_gpu(
+    fake_gpus, tmp_path, monkeypatch, caplog
+):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     # GPU 0 holds a 40 GiB trainer, GPU 1 is free.
-    fake_gpus([{"memory_used": 41000}, {}],
-              apps=[{"gpu_uuid": "GPU-00000000-fake", "pid": 4242, "process_name": "python", "used_memory": 40960}])
+    fake_gpus(
+        [{"memory_used": 41000}, {}],
+        apps=[{"gpu_uuid": "GPU-00000000-fake", "pid": 4242, "process_name": "python", "used_memory": 40960}],
+    )
     server = SGLangServer(tmp_path, device="cuda", log_path=tmp_path / "s.log")
     cmd = server.command()
     fraction = float(cmd[cmd.index("--mem-fraction-static") + 1])
@@ -293,19 +328,22 @@ def test_sglang_gets_a_memory_fraction_that_fits_beside_other_processes_on_its_g
     tp2 = SGLangServer(tmp_path, device="cuda", extra_args=["--tp-size", "2"], log_path=tmp_path / "u.log")
     assert "--mem-fraction-static" in tp2.command()
     # An explicit value always wins.
-    explicit = SGLangServer(tmp_path, device="cuda", extra_args=["--mem-fraction-static", "0.3"],
-                            log_path=tmp_path / "v.log")
+    explicit = SGLangServer(
+        tmp_path, device="cuda", extra_args=["--mem-fraction-static", "0.3"], log_path=tmp_path / "v.log"
+    )
     assert explicit.command().count("--mem-fraction-static") == 1
 
 
 def test_cuda_visible_devices_uuids_select_the_servers_gpu(fake_gpus, tmp_path):
     fake_gpus([{}, {"memory_used": 90000}])
-    server = SGLangServer(tmp_path, device="cuda", env={"CUDA_VISIBLE_DEVICES": "GPU-00000001"},
-                          log_path=tmp_path / "s.log")
+    server = SGLangServer(
+        tmp_path, device="cuda", env={"CUDA_VISIBLE_DEVICES": "GPU-00000001"}, log_path=tmp_path / "s.log"
+    )
     assert "--mem-fraction-static" in server.command()
 
 
 # ------------------------------------------- 7. liveness that knows about weight loads in flight
+
 
 def test_liveness_counts_sglang_alive_during_a_load_and_dead_when_health_hangs_without_one(capsys):
     sglang = FakeRoutes({"/health": (200, {}, 3.0)})  # /health waits on the weight-update lock
@@ -331,8 +369,8 @@ def test_liveness_counts_sglang_alive_during_a_load_and_dead_when_health_hangs_w
 
 # ------------------------------------------------ 11. the CPU stand-in never reaches a GPU
 
-def test_cuda_strips_the_cpu_stand_in_and_cpu_engine_from_an_inherited_environment(monkeypatch, tmp_path,
-                                                                                    caplog):
+
+def test_cuda_strips_the_cpu_stand_in_and_cpu_engine_from_an_inherited_environment(monkeypatch, tmp_path, caplog):
     link = tmp_path / "rollout-cpu-shims"  # as the CPU image links it
     link.symlink_to(CPU_SHIMS_DIR)
     copy = tmp_path / "copied-shims"
@@ -359,19 +397,28 @@ def test_auto_device_asks_torch_when_nvidia_smi_is_missing(no_gpu_tools, tmp_pat
 
 
 def test_the_sgl_kernel_stand_in_refuses_to_import_where_cuda_is_available():
-    code = ("import sys, torch; torch.cuda.is_available = lambda: True; sys.path.insert(0, sys.argv[1]);"
-            " import sgl_kernel")
-    done = subprocess.run([sys.executable, "-c", code, str(CPU_SHIMS_DIR)], capture_output=True, text=True,
-                          timeout=300)
+    code = (
+        "import sys, torch; torch.cuda.is_available = lambda: True; sys.path.insert(0, sys.argv[1]); import sgl_kernel"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(CPU_SHIMS_DIR)], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "ImportError" in done.stderr
     assert "must not be imported here" in done.stderr and "PYTHONPATH" in done.stderr
-    ok = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import sgl_kernel;"
-                         " print(sgl_kernel.IS_STAND_IN)", str(CPU_SHIMS_DIR)],
-                        capture_output=True, text=True, timeout=300)
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.path.insert(0, sys.argv[1]); import sgl_kernel; print(sgl_kernel.IS_STAND_IN)",
+            str(CPU_SHIMS_DIR),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ok.stdout.strip() == "True", ok.stderr
 
 
 # --------------------------------------------------------- 12. gpu_check.sh's production path
+
 
 def test_gpu_check_runs_sglang_with_cuda_graphs():
     script = (REPO / "benchmarks" / "gpu_check.sh").read_text()
@@ -382,10 +429,16 @@ def test_gpu_check_runs_sglang_with_cuda_graphs():
 @pytest.mark.sglang
 def test_gpu_check_compares_greedy_logprobs_before_and_after_a_load(tmp_path):
     results = tmp_path / "results"
-    env = {**os.environ, "OUT": str(results), "GPU_CHECK_DEVICE": "cpu", "GPU_CHECK_SIZES": " ",
-           "ROLLOUT_GPU_PYTHON": sys.executable}
-    done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True,
-                          timeout=900, env=env)
+    env = {
+        **os.environ,
+        "OUT": str(results),
+        "GPU_CHECK_DEVICE": "cpu",
+        "GPU_CHECK_SIZES": " ",
+        "ROLLOUT_GPU_PYTHON": sys.executable,
+    }
+    done = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True, timeout=900, env=env
+    )
     log = (results / "gpu-check.log").read_text()
     check = json.loads((results / "graph-check.json").read_text())
     assert check["passed"], log[-4000:]

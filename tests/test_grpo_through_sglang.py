@@ -24,8 +24,9 @@ LOGPROB_TOLERANCE = 0.05
 
 
 @pytest.fixture(scope="module")
-def rollout_units(tiny_model_dir: Path, tiny_model_dir_tied: Path,
-                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RolloutUnit]]:
+def rollout_units(
+    tiny_model_dir: Path, tiny_model_dir_tied: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, RolloutUnit]]:
     """Both units (untied and tied model), launched together so that their slow start-ups overlap."""
     units: dict[str, RolloutUnit] = {}
     try:
@@ -51,10 +52,13 @@ def tied_unit(rollout_units: dict[str, RolloutUnit]) -> RolloutUnit:
 
 # --- (a) GRPO steps through the checkpoint root, with (b) and (c) checked along the way ------------------------
 
+
 def test_grpo_steps_sync_through_checkpoint_path_with_increasing_versions(
-        untied_unit: RolloutUnit, tmp_path: Path) -> None:
-    config = make_config(tmp_path, untied_unit.checkpoint_root, [untied_unit.sglang_url], [untied_unit.sidecar_url],
-                         keep_checkpoints=2)
+    untied_unit: RolloutUnit, tmp_path: Path
+) -> None:
+    config = make_config(
+        tmp_path, untied_unit.checkpoint_root, [untied_unit.sglang_url], [untied_unit.sidecar_url], keep_checkpoints=2
+    )
     trainer = make_trainer(untied_unit.model_dir, config)
     inputs = EmbeddingInputs(trainer.model)
     try:
@@ -80,8 +84,9 @@ def test_grpo_steps_sync_through_checkpoint_path_with_increasing_versions(
 
 
 def test_background_sync_keeps_rollouts_within_max_staleness(untied_unit: RolloutUnit, tmp_path: Path) -> None:
-    config = make_config(tmp_path, untied_unit.checkpoint_root, [untied_unit.sglang_url], [untied_unit.sidecar_url],
-                         max_staleness=1)
+    config = make_config(
+        tmp_path, untied_unit.checkpoint_root, [untied_unit.sglang_url], [untied_unit.sidecar_url], max_staleness=1
+    )
     trainer = make_trainer(untied_unit.model_dir, config)
     trainer.train()  # returns after the last background sync finished (or raises its error)
     generation = trainer.vllm_generation
@@ -94,7 +99,6 @@ def test_background_sync_keeps_rollouts_within_max_staleness(untied_unit: Rollou
         assert record.required_version == max(record.published_version - 1, first)
         assert all(v is not None and v >= record.required_version for v in record.versions), record
     assert max(logged(trainer, "sglang/version_lag")) <= 1
-
 
 
 def test_trl_tool_loop_runs_multi_turn_through_sglang(untied_unit: RolloutUnit, tmp_path: Path) -> None:
@@ -118,9 +122,16 @@ def test_trl_tool_loop_runs_multi_turn_through_sglang(untied_unit: RolloutUnit, 
         return a + b
 
     tool_call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-    config = make_config(tmp_path, untied_unit.checkpoint_root, [untied_unit.sglang_url], [untied_unit.sidecar_url],
-                         max_steps=1, max_completion_length=160, max_tool_calling_iterations=1,
-                         generation_kwargs={"regex": re.escape(tool_call)})
+    config = make_config(
+        tmp_path,
+        untied_unit.checkpoint_root,
+        [untied_unit.sglang_url],
+        [untied_unit.sidecar_url],
+        max_steps=1,
+        max_completion_length=160,
+        max_tool_calling_iterations=1,
+        generation_kwargs={"regex": re.escape(tool_call)},
+    )
     tokenizer = AutoTokenizer.from_pretrained(untied_unit.model_dir)
     # A chat template TRL knows how to parse tool calls from.
     tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja").read_text()
@@ -130,9 +141,14 @@ def test_trl_tool_loop_runs_multi_turn_through_sglang(untied_unit: RolloutUnit, 
         seen.extend(completions)
         return [float(len(c)) for c in completions]
 
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(untied_unit.model_dir, dtype=torch.float32),
-                          reward_funcs=reward, args=config, train_dataset=prompts_dataset(), processing_class=tokenizer,
-                          tools=[add])
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(untied_unit.model_dir, dtype=torch.float32),
+        reward_funcs=reward,
+        args=config,
+        train_dataset=prompts_dataset(),
+        processing_class=tokenizer,
+        tools=[add],
+    )
     trainer.train()
     assert calls == [(1, 2)] * 4  # one call per completion
     assert logged(trainer, "tools/call_frequency") == [1.0] and logged(trainer, "tools/failure_frequency") == [0.0]
@@ -146,12 +162,25 @@ def test_trl_tool_loop_runs_multi_turn_through_sglang(untied_unit: RolloutUnit, 
 
 
 def test_evaluation_generates_through_sglang_on_the_synced_weights(untied_unit: RolloutUnit, tmp_path: Path) -> None:
-    config = make_config(tmp_path, untied_unit.checkpoint_root, [untied_unit.sglang_url], [untied_unit.sidecar_url],
-                         max_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+    config = make_config(
+        tmp_path,
+        untied_unit.checkpoint_root,
+        [untied_unit.sglang_url],
+        [untied_unit.sidecar_url],
+        max_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=4,
+    )
     model = AutoModelForCausalLM.from_pretrained(untied_unit.model_dir, dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=config, train_dataset=prompts_dataset(),
-                          eval_dataset=prompts_dataset(4), processing_class=AutoTokenizer.from_pretrained(
-                              untied_unit.model_dir))
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=config,
+        train_dataset=prompts_dataset(),
+        eval_dataset=prompts_dataset(4),
+        processing_class=AutoTokenizer.from_pretrained(untied_unit.model_dir),
+    )
     trainer.train()
     assert logged(trainer, "eval_reward"), trainer.state.log_history
     train_records, eval_records = list(trainer.vllm_generation.history)[:2], list(trainer.vllm_generation.history)[2:]
@@ -163,9 +192,11 @@ def test_evaluation_generates_through_sglang_on_the_synced_weights(untied_unit: 
     metrics = trainer.evaluate()
     assert "eval_reward" in metrics and "eval_loss" in metrics
 
+
 def test_grpo_waits_through_ack_files_with_expected_replicas(untied_unit: RolloutUnit, tmp_path: Path) -> None:
-    config = make_config(tmp_path, untied_unit.checkpoint_root, [untied_unit.sglang_url], [], expected_replicas=1,
-                         max_steps=1)
+    config = make_config(
+        tmp_path, untied_unit.checkpoint_root, [untied_unit.sglang_url], [], expected_replicas=1, max_steps=1
+    )
     trainer = make_trainer(untied_unit.model_dir, config)
     trainer.train()
     [record] = trainer.vllm_generation.history
@@ -174,18 +205,26 @@ def test_grpo_waits_through_ack_files_with_expected_replicas(untied_unit: Rollou
 
 # --- (c) SGLang's logprobs match the trainer's after a sync ----------------------------------------------------
 
-def _trainer_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int],
-                      temperature: float) -> torch.Tensor:
+
+def _trainer_logprobs(
+    model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float
+) -> torch.Tensor:
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
 
 
 def _check_logprobs_match_after_sync(unit: RolloutUnit, tmp_path: Path) -> None:
     temperature = 0.7
-    config = make_config(tmp_path, unit.checkpoint_root, [unit.sglang_url], [unit.sidecar_url],
-                         temperature=temperature, max_completion_length=12)
+    config = make_config(
+        tmp_path,
+        unit.checkpoint_root,
+        [unit.sglang_url],
+        [unit.sidecar_url],
+        temperature=temperature,
+        max_completion_length=12,
+    )
     trainer = make_trainer(unit.model_dir, config)
     model = trainer.model
     # Not a deepcopy: the trainer binds an instance-level forward that a copy would still call.
@@ -198,12 +237,16 @@ def _check_logprobs_match_after_sync(unit: RolloutUnit, tmp_path: Path) -> None:
     generation = trainer.vllm_generation
     generation.sync_weights()
     tokenizer = trainer.processing_class
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)["input_ids"]
-               for text in ("def main():", "import os")]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for text in ("def main():", "import os")
+    ]
     n = 2
     _, completion_ids, logprobs, _ = generation.generate(
-        prompts=[p for p in prompts for _ in range(n)], images=None, num_generations=n)
+        prompts=[p for p in prompts for _ in range(n)], images=None, num_generations=n
+    )
     assert set(generation.history[-1].versions) == {generation.publisher.latest_version}
     worst, worst_base = 0.0, 0.0
     for i, completion in enumerate(completion_ids):

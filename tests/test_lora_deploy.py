@@ -36,8 +36,13 @@ def render_outside(kustomization: Path) -> tuple:
     """Render a kustomization that names overlays and components outside its own folder."""
     command = kustomize_command()
     assert command is not None, "neither kustomize nor kubectl is on PATH"
-    done = subprocess.run([*command, "--load-restrictor", "LoadRestrictionsNone", str(kustomization)],
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [*command, "--load-restrictor", "LoadRestrictionsNone", str(kustomization)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc)
 
@@ -51,9 +56,9 @@ def sglang_args(kustomization: Path) -> list[str]:
 def test_the_lora_component_adds_serve_lora_flags_to_sglang(tmp_path):
     plain = sglang_args(K8S_DIR / "overlays" / "gpu")
     with_lora = sglang_args(overlay_with(tmp_path, "gpu", "lora"))
-    assert with_lora[:len(plain)] == plain and with_lora[len(plain):] == LoraServing().sglang_args("cuda")
+    assert with_lora[: len(plain)] == plain and with_lora[len(plain) :] == LoraServing().sglang_args("cuda")
     cpu = sglang_args(overlay_with(tmp_path, "cpu-dev", "lora", "lora-cpu"))
-    assert cpu[-len(LoraServing().sglang_args("cpu")):] == LoraServing().sglang_args("cpu")
+    assert cpu[-len(LoraServing().sglang_args("cpu")) :] == LoraServing().sglang_args("cpu")
 
 
 def test_compose_cpu_profile_passes_rollout_lora_to_serve():

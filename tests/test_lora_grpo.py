@@ -36,11 +36,31 @@ class Unit:
         self.root.mkdir(parents=True)
         port, sidecar_port = free_port(), free_port()
         self.sglang_url, self.sidecar_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{sidecar_port}"
-        self.proc = CLIProcess(["serve", "--model", str(model_dir), "--checkpoint-path", str(self.root),
-                                "--port", str(port), "--sidecar-port", str(sidecar_port), "--device", "cpu",
-                                "--health-interval", "0.5", "--replica-id", f"lora-{sidecar_port}",
-                                "--stage-dir", str(work / "stage"), "--sglang-log", str(work / "sglang.log"),
-                                *extra], work / "serve.log")
+        self.proc = CLIProcess(
+            [
+                "serve",
+                "--model",
+                str(model_dir),
+                "--checkpoint-path",
+                str(self.root),
+                "--port",
+                str(port),
+                "--sidecar-port",
+                str(sidecar_port),
+                "--device",
+                "cpu",
+                "--health-interval",
+                "0.5",
+                "--replica-id",
+                f"lora-{sidecar_port}",
+                "--stage-dir",
+                str(work / "stage"),
+                "--sglang-log",
+                str(work / "sglang.log"),
+                *extra,
+            ],
+            work / "serve.log",
+        )
         wait_http(f"{self.sidecar_url}/readyz", 600, self.proc)
 
 
@@ -82,14 +102,36 @@ def run_grpo(unit: Unit, model_dir: Path, out: Path, peft_config: Any, *, steps:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     args = GRPOConfig(
-        output_dir=str(out), checkpoint_path=str(unit.root), sglang_urls=[unit.sglang_url],
-        sidecar_urls=[unit.sidecar_url], per_device_train_batch_size=32, num_generations=8,
-        max_completion_length=16, max_steps=steps, learning_rate=learning_rate, lr_scheduler_type="constant",
-        beta=0.0, temperature=1.0, logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True,
-        bf16=False, disable_tqdm=True, sync_timeout=300.0, keep_checkpoints=None)
-    trainer = GRPOTrainer(model=policy, reward_funcs=word_start_reward(tokenizer), args=args,
-                          train_dataset=Dataset.from_dict({"prompt": prompts(max(64, steps * 4))}),
-                          processing_class=tokenizer, peft_config=peft_config)
+        output_dir=str(out),
+        checkpoint_path=str(unit.root),
+        sglang_urls=[unit.sglang_url],
+        sidecar_urls=[unit.sidecar_url],
+        per_device_train_batch_size=32,
+        num_generations=8,
+        max_completion_length=16,
+        max_steps=steps,
+        learning_rate=learning_rate,
+        lr_scheduler_type="constant",
+        beta=0.0,
+        temperature=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        use_cpu=True,
+        bf16=False,
+        disable_tqdm=True,
+        sync_timeout=300.0,
+        keep_checkpoints=None,
+    )
+    trainer = GRPOTrainer(
+        model=policy,
+        reward_funcs=word_start_reward(tokenizer),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts(max(64, steps * 4))}),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
     trainer.train()
     return trainer
 
@@ -114,15 +156,15 @@ def logged(trainer: Any, key: str) -> list[float]:
     return [float(h[key]) for h in trainer.state.log_history if key in h]
 
 
-def test_grpo_with_peft_config_trains_through_adapter_sync_on_the_trainers_adapter(lora_unit, tiny_model_dir,
-                                                                                    tmp_path):
+def test_grpo_with_peft_config_trains_through_adapter_sync_on_the_trainers_adapter(lora_unit, tiny_model_dir, tmp_path):
     from peft import LoraConfig
 
     steps = 8
 
     def lora() -> Any:
-        return LoraConfig(r=MAX_RANK, lora_alpha=2 * MAX_RANK, target_modules="all-linear", lora_dropout=0.0,
-                          task_type="CAUSAL_LM")
+        return LoraConfig(
+            r=MAX_RANK, lora_alpha=2 * MAX_RANK, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM"
+        )
 
     learned = run_grpo(lora_unit, tiny_model_dir, tmp_path / "lr", lora(), steps=steps, learning_rate=5e-2)
     control = run_grpo(lora_unit, tiny_model_dir, tmp_path / "lr0", lora(), steps=steps, learning_rate=0.0)
@@ -138,22 +180,35 @@ def test_grpo_with_peft_config_trains_through_adapter_sync_on_the_trainers_adapt
         assert max(logged(trainer, "sampling/sampling_logp_difference/max")) < 5e-3
     assert len(set(digests["learned"])) == steps, "training did not change the published adapter at every step"
     assert len(set(digests["control"])) == 1, "at learning rate 0 every version's adapter must be the same bytes"
-    print("rewards with adapter sync:", [round(x, 3) for x in rewards(learned)],
-          "lr 0:", [round(x, 3) for x in rewards(control)])
+    print(
+        "rewards with adapter sync:",
+        [round(x, 3) for x in rewards(learned)],
+        "lr 0:",
+        [round(x, 3) for x in rewards(control)],
+    )
 
 
-@pytest.mark.parametrize(("case", "kwargs", "reason"), [
-    ("dora", dict(target_modules=["q_proj", "v_proj"], use_dora=True), "DoRA"),
-    ("modules_to_save", dict(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]),
-     "modules_to_save"),
-    ("rank", dict(target_modules=["q_proj", "v_proj"], r=2 * MAX_RANK),
-     f"above the server's --max-lora-rank {MAX_RANK}"),
-    ("module", dict(target_modules=["q_proj", "v_proj", "embed_tokens"]),
-     "not among the server's --lora-target-modules"),
-    ("unfusable", dict(target_modules=["q_proj", "v_proj", "up_proj"]), "up_proj without gate_proj"),
-])
+@pytest.mark.parametrize(
+    ("case", "kwargs", "reason"),
+    [
+        ("dora", dict(target_modules=["q_proj", "v_proj"], use_dora=True), "DoRA"),
+        ("modules_to_save", dict(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]), "modules_to_save"),
+        (
+            "rank",
+            dict(target_modules=["q_proj", "v_proj"], r=2 * MAX_RANK),
+            f"above the server's --max-lora-rank {MAX_RANK}",
+        ),
+        (
+            "module",
+            dict(target_modules=["q_proj", "v_proj", "embed_tokens"]),
+            "not among the server's --lora-target-modules",
+        ),
+        ("unfusable", dict(target_modules=["q_proj", "v_proj", "up_proj"]), "up_proj without gate_proj"),
+    ],
+)
 def test_adapters_sglang_cannot_serve_fall_back_to_merged_sync_with_the_reason(
-        lora_unit, tiny_model_dir, tmp_path, caplog, case, kwargs, reason):
+    lora_unit, tiny_model_dir, tmp_path, caplog, case, kwargs, reason
+):
     from peft import LoraConfig
 
     caplog.set_level(logging.INFO, logger="trainer_hooks")
@@ -181,4 +236,3 @@ def test_a_server_without_lora_gets_merged_full_checkpoints(tiny_model_dir, tmp_
     assert_every_completion_has_the_version_asked_for(trainer)
     manifests = run_manifests(unit.root, trainer.vllm_generation.publisher.run_id)
     assert len(manifests) == 2 and {m.kind for m in manifests} == {"full"}
-

@@ -34,8 +34,14 @@ ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 def lora_server(tiny_model_dir, tmp_path_factory):
     """A real SGLang on the CPU serving LoRA adapters up to rank 16."""
     log = tmp_path_factory.mktemp("lora-sglang") / "server.log"
-    server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable, log_path=log,
-                          die_with_parent=True, lora=LoraServing(max_rank=16, max_loras_per_batch=4))
+    server = SGLangServer(
+        tiny_model_dir,
+        device="cpu",
+        python=sys.executable,
+        log_path=log,
+        die_with_parent=True,
+        lora=LoraServing(max_rank=16, max_loras_per_batch=4),
+    )
     server.start()
     try:
         server.wait_healthy(300)
@@ -49,8 +55,13 @@ def lora_sidecar(lora_server, checkpoint_root, tmp_path):
     started = []
 
     def start(*extra: str, replica_id: str = "r0", url: str | None = None):
-        sc = Sidecar(checkpoint_root, url or lora_server.url, tmp_path / f"sidecar-{len(started)}.log",
-                     *extra, replica_id=replica_id)
+        sc = Sidecar(
+            checkpoint_root,
+            url or lora_server.url,
+            tmp_path / f"sidecar-{len(started)}.log",
+            *extra,
+            replica_id=replica_id,
+        )
         started.append(sc)
         return sc
 
@@ -85,13 +96,17 @@ def train_steps(model, steps: int, seed: int) -> None:
 def publish(model, root, step: int):
     from peft import get_peft_model_state_dict
 
-    return publish_adapter(root, step, get_peft_model_state_dict(model), model.peft_config["default"].to_dict(),
-                           run_id=RUN_ID)
+    return publish_adapter(
+        root, step, get_peft_model_state_dict(model), model.peft_config["default"].to_dict(), run_id=RUN_ID
+    )
 
 
 def sglang_greedy(url: str, prompt: list[int], lora: str | None) -> tuple[list[int], list[float]]:
-    body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS,
-                                                     "ignore_eos": True}, "return_logprob": True}
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+        "return_logprob": True,
+    }
     if lora is not None:
         body["lora_path"] = lora
     r = httpx.post(f"{url}/generate", json=body, timeout=300)
@@ -110,9 +125,14 @@ def peft_logprobs(model, prompt: list[int], completion: list[int]) -> list[float
 
 def peft_greedy(model, prompt: list[int]) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def served_adapters(url: str) -> set[str]:
@@ -129,8 +149,9 @@ def wait_until(predicate, timeout_s: float, what: str):
     raise AssertionError(f"{what} within {timeout_s} s")
 
 
-def test_adapter_versions_from_training_serve_what_peft_computes(lora_server, lora_sidecar, checkpoint_root,
-                                                                  tiny_model_dir):
+def test_adapter_versions_from_training_serve_what_peft_computes(
+    lora_server, lora_sidecar, checkpoint_root, tiny_model_dir
+):
     sidecar = lora_sidecar("--lora-keep", "2")
     model = peft_model(tiny_model_dir)
     base_tokens = [sglang_greedy(lora_server.url, p, None)[0] for p in PROMPTS]
@@ -149,23 +170,32 @@ def test_adapter_versions_from_training_serve_what_peft_computes(lora_server, lo
             diffs = [abs(a - b) for a, b in zip(logprobs, want)]
             worst = max(worst, *diffs)
             assert max(diffs) <= LOGPROB_ATOL, (version, logprobs, want)
-        assert any(sglang_greedy(lora_server.url, p, name)[0] != b for p, b in zip(PROMPTS, base_tokens)), \
+        assert any(sglang_greedy(lora_server.url, p, name)[0] != b for p, b in zip(PROMPTS, base_tokens)), (
             "the trained adapter does not change any greedy output: the test proves nothing"
+        )
     print(f"largest |logprob SGLang - peft| over 3 versions: {worst:.2e}")
     # --lora-keep 2: version 1 left the window once version 3 was loaded.
-    wait_until(lambda: adapter_name_for(1, RUN_ID) not in served_adapters(lora_server.url), 30,
-               "version 1 was not unloaded")
+    wait_until(
+        lambda: adapter_name_for(1, RUN_ID) not in served_adapters(lora_server.url), 30, "version 1 was not unloaded"
+    )
     assert {adapter_name_for(v, RUN_ID) for v in (2, 3)} <= served_adapters(lora_server.url)
-    r = httpx.post(f"{lora_server.url}/generate", timeout=60,
-                   json={"input_ids": PROMPTS[0], "lora_path": adapter_name_for(1, RUN_ID),
-                         "sampling_params": {"max_new_tokens": 2}})
+    r = httpx.post(
+        f"{lora_server.url}/generate",
+        timeout=60,
+        json={
+            "input_ids": PROMPTS[0],
+            "lora_path": adapter_name_for(1, RUN_ID),
+            "sampling_params": {"max_new_tokens": 2},
+        },
+    )
     assert r.status_code != 200, "SGLang still serves the unloaded version 1"
     ack = sidecar.status()
     assert ack["loaded_step"] == 3 and ack["weight_version"] == "3"
 
 
-def test_corrupt_adapter_is_rejected_and_the_last_good_one_keeps_serving(lora_server, lora_sidecar,
-                                                                          checkpoint_root, tiny_model_dir):
+def test_corrupt_adapter_is_rejected_and_the_last_good_one_keeps_serving(
+    lora_server, lora_sidecar, checkpoint_root, tiny_model_dir
+):
     sidecar = lora_sidecar()
     model = peft_model(tiny_model_dir, targets=["q_proj", "v_proj"])
     train_steps(model, 2, seed=7)
@@ -194,8 +224,7 @@ def test_corrupt_adapter_is_rejected_and_the_last_good_one_keeps_serving(lora_se
     assert status["loaded_step"] == 1
 
 
-def test_restarted_sglang_gets_the_newest_adapter_again(lora_server, lora_sidecar, checkpoint_root,
-                                                         tiny_model_dir):
+def test_restarted_sglang_gets_the_newest_adapter_again(lora_server, lora_sidecar, checkpoint_root, tiny_model_dir):
     sidecar = lora_sidecar()
     model = peft_model(tiny_model_dir, targets=["q_proj", "v_proj"])
     for version in (1, 2):
@@ -204,25 +233,34 @@ def test_restarted_sglang_gets_the_newest_adapter_again(lora_server, lora_sideca
     sidecar.wait_step(2)
     before = sglang_greedy(lora_server.url, PROMPTS[1], adapter_name_for(2, RUN_ID))[0]
     lora_server.restart(300)
-    wait_until(lambda: adapter_name_for(2, RUN_ID) in served_adapters(lora_server.url), 120,
-               "the sidecar did not load version 2 into the restarted SGLang")
+    wait_until(
+        lambda: adapter_name_for(2, RUN_ID) in served_adapters(lora_server.url),
+        120,
+        "the sidecar did not load version 2 into the restarted SGLang",
+    )
     status = sidecar.wait_step(2)
     assert status["loaded_step"] == 2
     assert sglang_greedy(lora_server.url, PROMPTS[1], adapter_name_for(2, RUN_ID))[0] == before
     assert sidecar.metric("rollout_sidecar_sglang_restarts_total") >= 1
 
 
-def test_a_second_replica_catches_up_and_both_serve_each_new_adapter(lora_server, lora_sidecar, checkpoint_root,
-                                                                     tiny_model_dir, tmp_path):
+def test_a_second_replica_catches_up_and_both_serve_each_new_adapter(
+    lora_server, lora_sidecar, checkpoint_root, tiny_model_dir, tmp_path
+):
     first = lora_sidecar(replica_id="r0")
     model = peft_model(tiny_model_dir, targets=["q_proj", "v_proj", "gate_proj"])
     for version in (1, 2):
         train_steps(model, 2, seed=40 + version)
         publish(model, checkpoint_root, version)
     first.wait_step(2)
-    second_server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable, die_with_parent=True,
-                                 log_path=tmp_path / "second-sglang.log",
-                                 lora=LoraServing(max_rank=16, max_loras_per_batch=4))
+    second_server = SGLangServer(
+        tiny_model_dir,
+        device="cpu",
+        python=sys.executable,
+        die_with_parent=True,
+        log_path=tmp_path / "second-sglang.log",
+        lora=LoraServing(max_rank=16, max_loras_per_batch=4),
+    )
     second_server.start()
     try:
         second_server.wait_healthy(300)

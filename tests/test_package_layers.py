@@ -27,7 +27,7 @@ def _imported_packages(path: Path) -> set[str]:
 def test_each_package_imports_only_the_packages_below_it():
     breaks = []
     for index, package in enumerate(LAYERS):
-        above = set(LAYERS[index + 1:])
+        above = set(LAYERS[index + 1 :])
         files = sorted((REPO / package).rglob("*.py"))
         assert files, f"no sources under {package}/"
         for path in files:

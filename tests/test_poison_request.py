@@ -26,14 +26,22 @@ CRASH_MARK = "Scheduler hit an exception"
 
 @pytest.mark.sglang
 def test_a_request_that_kills_sglang_is_sent_twice_then_fails_the_step_naming_it(
-        tiny_model_dir: Path, tmp_path: Path) -> None:
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     unit = launch_unit(tiny_model_dir, tmp_path / "unit")
     sglang_log = tmp_path / "unit" / "sglang.log"
     try:
         wait_ready(unit)
-        config = make_config(tmp_path, unit.checkpoint_root, [unit.sglang_url], [unit.sidecar_url],
-                             sglang_log_paths=[str(sglang_log)], generation_kwargs=POISON, max_steps=2,
-                             sync_timeout=400.0)
+        config = make_config(
+            tmp_path,
+            unit.checkpoint_root,
+            [unit.sglang_url],
+            [unit.sidecar_url],
+            sglang_log_paths=[str(sglang_log)],
+            generation_kwargs=POISON,
+            max_steps=2,
+            sync_timeout=400.0,
+        )
         trainer = make_trainer(tiny_model_dir, config)
         started = time.monotonic()
         with pytest.raises(SGLangPoisonRequestError) as caught:
@@ -57,30 +65,42 @@ def test_a_request_that_kills_sglang_is_sent_twice_then_fails_the_step_naming_it
 
 
 def test_last_error_lines_are_the_end_of_the_last_traceback() -> None:
-    log = "\n".join([
-        "[2026-12-01 11:06:04] Prefill batch, #new-seq: 2",
-        "[2026-12-01 11:06:05] Scheduler hit an exception: Traceback (most recent call last):",
-        '  File "scheduler.py", line 1, in run', "    old()", "ValueError: the first crash", "",
-        "[2026-12-01 11:07:13] Scheduler hit an exception: Traceback (most recent call last):",
-        '  File "scheduler.py", line 6368, in run_scheduler_process', "    scheduler.run_event_loop()",
-        "           ^^^^^^^^^^^^^", "RuntimeError: index 4999 is out of bounds for dimension 1 with size 4097", "",
-        "[2026-12-01 11:07:13] SIGQUIT received. signum=None, frame=None. It usually means one child failed.",
-    ])
+    log = "\n".join(
+        [
+            "[2026-12-01 11:06:04] Prefill batch, #new-seq: 2",
+            "[2026-12-01 11:06:05] Scheduler hit an exception: Traceback (most recent call last):",
+            '  File "scheduler.py", line 1, in run',
+            "    old()",
+            "ValueError: the first crash",
+            "",
+            "[2026-12-01 11:07:13] Scheduler hit an exception: Traceback (most recent call last):",
+            '  File "scheduler.py", line 6368, in run_scheduler_process',
+            "    scheduler.run_event_loop()",
+            "           ^^^^^^^^^^^^^",
+            "RuntimeError: index 4999 is out of bounds for dimension 1 with size 4097",
+            "",
+            "[2026-12-01 11:07:13] SIGQUIT received. signum=None, frame=None. It usually means one child failed.",
+        ]
+    )
     assert last_error_lines(log) == [
         "[2026-12-01 11:07:13] Scheduler hit an exception: Traceback (most recent call last):",
-        "RuntimeError: index 4999 is out of bounds for dimension 1 with size 4097"]
+        "RuntimeError: index 4999 is out of bounds for dimension 1 with size 4097",
+    ]
     assert last_error_lines("all fine\nINFO: 200 OK") == []
 
 
 def test_a_request_failing_behind_a_healthy_front_is_sent_twice_not_until_the_deadline(
-        tmp_path: Path, fake: FakeRollout) -> None:
+    tmp_path: Path, fake: FakeRollout
+) -> None:
     # A router in front of a server the request kills: 5xx on /generate while its own /health answers.
     from trainer_hooks.sglang_endpoints import SGLangEndpoints
 
     fake.generate_status = 502
     log = tmp_path / "sglang.log"
-    log.write_text("[t] Scheduler hit an exception: Traceback (most recent call last):\n"
-                   '  File "x.py", line 1, in f\nValueError: the poison\n\n[t] SIGQUIT received.\n')
+    log.write_text(
+        "[t] Scheduler hit an exception: Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in f\nValueError: the poison\n\n[t] SIGQUIT received.\n'
+    )
     endpoints = SGLangEndpoints([fake.url], request_timeout_s=10, log_paths=[str(log)])
     import trainer_hooks.sglang_endpoints as module
 
@@ -88,8 +108,12 @@ def test_a_request_failing_behind_a_healthy_front_is_sent_twice_not_until_the_de
     try:
         started = time.monotonic()
         with pytest.raises(SGLangPoisonRequestError) as caught:
-            endpoints.generate([[5, 6, 7]], {"n": 2, "max_new_tokens": 4, "top_k": 3}, want_logprobs=True,
-                               deadline=time.monotonic() + 60)
+            endpoints.generate(
+                [[5, 6, 7]],
+                {"n": 2, "max_new_tokens": 4, "top_k": 3},
+                want_logprobs=True,
+                deadline=time.monotonic() + 60,
+            )
         assert time.monotonic() - started < 30
     finally:
         module.DEAD_RETRY_S = saved

@@ -43,8 +43,7 @@ time.sleep(600)
 def _python(tmp_path: Path, code: str, *args: str, name: str = "stand-in") -> ProcessGroup:
     script = tmp_path / f"{name}.py"
     script.write_text(code)
-    return ProcessGroup([sys.executable, str(script), *args], tmp_path / f"{name}.log", name=name,
-                        die_with_parent=True)
+    return ProcessGroup([sys.executable, str(script), *args], tmp_path / f"{name}.log", name=name, die_with_parent=True)
 
 
 def test_wait_http_returns_once_the_endpoint_answers_the_expected_status(tmp_path):
@@ -75,8 +74,12 @@ def test_a_silent_start_times_out_naming_the_hint_and_the_silence(tmp_path):
     try:
         started = time.monotonic()
         with pytest.raises(StartTimeoutError) as caught:
-            group.wait_http(f"http://127.0.0.1:{free_port()}/health", 1.0, progress_grace_s=1.0,
-                            timeout_hint="raise --startup-timeout")
+            group.wait_http(
+                f"http://127.0.0.1:{free_port()}/health",
+                1.0,
+                progress_grace_s=1.0,
+                timeout_hint="raise --startup-timeout",
+            )
         assert time.monotonic() - started < 15
     finally:
         group.stop()
@@ -112,8 +115,13 @@ def test_a_process_that_reports_it_cannot_become_ready_ends_the_wait_at_once(tmp
     try:
         t0 = time.monotonic()
         with pytest.raises(ProcessStartError, match="cannot become ready: stage_failed: taken"):
-            group.wait_http(f"http://127.0.0.1:{port}/", 1, status=200, progress_grace_s=600,
-                            failed=lambda client: "stage_failed: taken")
+            group.wait_http(
+                f"http://127.0.0.1:{port}/",
+                1,
+                status=200,
+                progress_grace_s=600,
+                failed=lambda client: "stage_failed: taken",
+            )
         assert time.monotonic() - t0 < 30
     finally:
         group.stop()

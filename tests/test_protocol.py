@@ -16,13 +16,26 @@ def test_versions_and_steps_convert_both_ways_and_nothing_else_is_a_step():
 
 
 def test_report_round_trips_and_reads_wrong_types_as_absent():
-    report = ReplicaReport("r1", loaded_step=7, weight_version="7", run_id="abc", fingerprint="f" * 32,
-                           loaded_current=False, loading_step=8, ready=True, sglang_healthy=True,
-                           sglang_url="http://x", last_error={"reason": "truncated"},
-                           rejected={"9": "truncated"}, heartbeat=1.5)
+    report = ReplicaReport(
+        "r1",
+        loaded_step=7,
+        weight_version="7",
+        run_id="abc",
+        fingerprint="f" * 32,
+        loaded_current=False,
+        loading_step=8,
+        ready=True,
+        sglang_healthy=True,
+        sglang_url="http://x",
+        last_error={"reason": "truncated"},
+        rejected={"9": "truncated"},
+        heartbeat=1.5,
+    )
     assert ReplicaReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
-    junk = ReplicaReport.from_dict({"loaded_step": "7", "loading_step": True, "ready": "yes",
-                                    "run_id": 5, "rejected": [1], "heartbeat": "now"}, replica_id="r2")
+    junk = ReplicaReport.from_dict(
+        {"loaded_step": "7", "loading_step": True, "ready": "yes", "run_id": 5, "rejected": [1], "heartbeat": "now"},
+        replica_id="r2",
+    )
     assert junk == ReplicaReport("r2")
     assert ReplicaReport.from_dict([1, 2], replica_id="r3") == ReplicaReport("r3")
 

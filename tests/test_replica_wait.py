@@ -18,8 +18,11 @@ def test_ack_file_timeout_names_lagging_and_dead_replicas(tmp_path: Path) -> Non
     gone = tmp_path / "acks" / "gone.json"
     gone.write_text(json.dumps({**json.loads(gone.read_text()), "heartbeat": time.time() - 600}))
     waiter = AckFileWaiter(tmp_path, expected=2, max_age_s=60)
-    with pytest.raises(ReplicaSyncTimeout, match=r"only 0 of expected_replicas=2 replica\(s\) acknowledged checkpoint "
-                                                r"step-00000004 within sync_timeout=1 s\. Live replicas: 1\. Lagging: "
-                                                r"alive \(loaded 3, loading 4\)\. Replicas without a fresh heartbeat "
-                                                r"\(dead\?\): gone \(last heartbeat 60\d s ago\)"):
+    with pytest.raises(
+        ReplicaSyncTimeout,
+        match=r"only 0 of expected_replicas=2 replica\(s\) acknowledged checkpoint "
+        r"step-00000004 within sync_timeout=1 s\. Live replicas: 1\. Lagging: "
+        r"alive \(loaded 3, loading 4\)\. Replicas without a fresh heartbeat "
+        r"\(dead\?\): gone \(last heartbeat 60\d s ago\)",
+    ):
         waiter.wait(4, timeout_s=1)

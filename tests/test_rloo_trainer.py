@@ -9,8 +9,9 @@ from trainer_helpers import make_config, make_trainer
 from trainer_hooks import RLOOConfig, RLOOTrainer
 
 
-def test_rloo_trainer_generates_through_the_same_backend(tiny_model_dir: Path, tmp_path: Path,
-                                                         fake: FakeRollout) -> None:
+def test_rloo_trainer_generates_through_the_same_backend(
+    tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout
+) -> None:
     config = make_config(tmp_path, tmp_path, [fake.url], [fake.url], config_class=RLOOConfig, max_steps=1)
     trainer = make_trainer(tiny_model_dir, config, trainer_class=RLOOTrainer)
     trainer.train()

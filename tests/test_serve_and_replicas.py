@@ -23,17 +23,31 @@ STARTUP_S = 400.0
 
 
 def sglang_children(pid: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(pid).children(recursive=True)
-            if "sglang.launch_server" in " ".join(p.cmdline())]
+    return [p for p in psutil.Process(pid).children(recursive=True) if "sglang.launch_server" in " ".join(p.cmdline())]
 
 
-def test_serve_restarts_a_killed_sglang_and_reapplies_the_newest_checkpoint(
-        tiny_model_dir, checkpoint_root, tmp_path):
+def test_serve_restarts_a_killed_sglang_and_reapplies_the_newest_checkpoint(tiny_model_dir, checkpoint_root, tmp_path):
     port, sidecar_port = free_port(), free_port()
-    serve = CLIProcess(["serve", "--model", str(tiny_model_dir), "--checkpoint-path",
-                        str(checkpoint_root), "--port", str(port), "--sidecar-port", str(sidecar_port),
-                        "--device", "cpu", "--health-interval", "0.5", "--replica-id", "served"],
-                       tmp_path / "serve.log")
+    serve = CLIProcess(
+        [
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--checkpoint-path",
+            str(checkpoint_root),
+            "--port",
+            str(port),
+            "--sidecar-port",
+            str(sidecar_port),
+            "--device",
+            "cpu",
+            "--health-interval",
+            "0.5",
+            "--replica-id",
+            "served",
+        ],
+        tmp_path / "serve.log",
+    )
     sidecar = f"http://127.0.0.1:{sidecar_port}"
     sglang = f"http://127.0.0.1:{port}"
     try:
@@ -51,8 +65,9 @@ def test_serve_restarts_a_killed_sglang_and_reapplies_the_newest_checkpoint(
         shutil.rmtree(checkpoint_root / "step-00000001")
         publish_step(checkpoint_root, tiny_model_dir, 1)
         assert httpx.get(f"{sidecar}/wait?version=1&timeout=120", timeout=150).status_code == 200
-        [leader] = [p for p in sglang_children(serve.proc.pid) if p.pid == os.getpgid(p.pid)] or \
-            sglang_children(serve.proc.pid)[:1]
+        [leader] = [p for p in sglang_children(serve.proc.pid) if p.pid == os.getpgid(p.pid)] or sglang_children(
+            serve.proc.pid
+        )[:1]
         os.killpg(os.getpgid(leader.pid), signal.SIGKILL)
         wait_http(f"{sidecar}/readyz", 60, serve, status=503)
         wait_http(f"{sidecar}/readyz", STARTUP_S, serve)
@@ -67,16 +82,19 @@ def test_serve_restarts_a_killed_sglang_and_reapplies_the_newest_checkpoint(
         serve.kill(signal.SIGTERM)
     assert serve.proc.returncode == 0, serve.log_tail()
     time.sleep(1)
-    alive = [pid for pid in children if psutil.pid_exists(pid)
-             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    alive = [pid for pid in children if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert not alive, f"serve left processes behind: {alive}"
 
 
 @pytest.fixture(scope="module")
 def second_sglang_server(tiny_model_dir, tmp_path_factory):
-    server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable,
-                          log_path=tmp_path_factory.mktemp("sglang2") / "server.log",
-                          die_with_parent=True)
+    server = SGLangServer(
+        tiny_model_dir,
+        device="cpu",
+        python=sys.executable,
+        log_path=tmp_path_factory.mktemp("sglang2") / "server.log",
+        die_with_parent=True,
+    )
     server.start()
     try:
         server.wait_healthy(STARTUP_S)
@@ -85,8 +103,9 @@ def second_sglang_server(tiny_model_dir, tmp_path_factory):
         server.stop()
 
 
-def test_two_replicas_load_and_acknowledge_every_step(sglang_server, second_sglang_server,
-                                                      checkpoint_root, tiny_model_dir, tmp_path):
+def test_two_replicas_load_and_acknowledge_every_step(
+    sglang_server, second_sglang_server, checkpoint_root, tiny_model_dir, tmp_path
+):
     a = Sidecar(checkpoint_root, sglang_server.url, tmp_path / "a.log", replica_id="replica-a")
     b = Sidecar(checkpoint_root, second_sglang_server.url, tmp_path / "b.log", replica_id="replica-b")
     try:
@@ -105,8 +124,9 @@ def test_two_replicas_load_and_acknowledge_every_step(sglang_server, second_sgla
         b.stop()
 
 
-def test_two_replicas_stage_and_rebuild_deltas_independently(sglang_server, second_sglang_server,
-                                                              checkpoint_root, tiny_model_dir, tmp_path):
+def test_two_replicas_stage_and_rebuild_deltas_independently(
+    sglang_server, second_sglang_server, checkpoint_root, tiny_model_dir, tmp_path
+):
     from delta_helpers import as_published, publish_chain
     from sidecar_helpers import transformers_greedy
 
@@ -130,7 +150,8 @@ def test_two_replicas_stage_and_rebuild_deltas_independently(sglang_server, seco
 
 
 def test_grpo_spreads_rollouts_over_two_real_servers_and_skips_a_dead_one(
-        sglang_server, second_sglang_server, checkpoint_root, tiny_model_dir, tmp_path, caplog):
+    sglang_server, second_sglang_server, checkpoint_root, tiny_model_dir, tmp_path, caplog
+):
     import logging
 
     import torch
@@ -143,17 +164,31 @@ def test_grpo_spreads_rollouts_over_two_real_servers_and_skips_a_dead_one(
     a = Sidecar(checkpoint_root, sglang_server.url, tmp_path / "a.log", replica_id="replica-a")
     b = Sidecar(checkpoint_root, second_sglang_server.url, tmp_path / "b.log", replica_id="replica-b")
     try:
-        args = GRPOConfig(output_dir=str(tmp_path / "out"), checkpoint_path=str(checkpoint_root),
-                          sglang_urls=[sglang_server.url, dead, second_sglang_server.url],
-                          sidecar_urls=[a.url, b.url], report_to="none", use_cpu=True, bf16=False,
-                          num_generations=4, per_device_train_batch_size=12, max_completion_length=6,
-                          max_steps=2, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                          sync_timeout=300.0, seed=0)
+        args = GRPOConfig(
+            output_dir=str(tmp_path / "out"),
+            checkpoint_path=str(checkpoint_root),
+            sglang_urls=[sglang_server.url, dead, second_sglang_server.url],
+            sidecar_urls=[a.url, b.url],
+            report_to="none",
+            use_cpu=True,
+            bf16=False,
+            num_generations=4,
+            per_device_train_batch_size=12,
+            max_completion_length=6,
+            max_steps=2,
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            sync_timeout=300.0,
+            seed=0,
+        )
         trainer = GRPOTrainer(
             model=AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
-            reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions], args=args,
+            reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+            args=args,
             train_dataset=Dataset.from_dict({"prompt": [f"count to {i}" for i in range(16)]}),
-            processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+            processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+        )
         with caplog.at_level(logging.WARNING, logger="trainer_hooks"):
             trainer.train()
         endpoints = trainer.vllm_generation.endpoints

@@ -96,9 +96,13 @@ class StandInServer:
 
 def _run_supervisor(server, policy, crashes: int, timeout_s: float = 20.0):
     restarts, gave_up = [], []
-    supervisor = Supervisor(server, policy, on_restart=lambda: restarts.append(1),
-                            on_give_up=lambda reason, message: gave_up.append((reason, message)),
-                            check_interval_s=0.01)
+    supervisor = Supervisor(
+        server,
+        policy,
+        on_restart=lambda: restarts.append(1),
+        on_give_up=lambda reason, message: gave_up.append((reason, message)),
+        check_interval_s=0.01,
+    )
     supervisor.start()
     deadline = time.monotonic() + timeout_s
     try:
@@ -195,16 +199,16 @@ def test_a_silent_startup_fails_after_the_timeout_naming_the_flag_to_raise(tmp_p
     assert "showed no progress" in str(exc.value)
 
 
-def test_serve_fails_a_stalled_start_with_exit_2_naming_startup_timeout(tmp_path, checkpoint_root, monkeypatch,
-                                                                         caplog):
+def test_serve_fails_a_stalled_start_with_exit_2_naming_startup_timeout(tmp_path, checkpoint_root, monkeypatch, caplog):
     from rollout_service.serve import run_serve
     from rollout_service.sidecar.settings import SidecarSettings
 
     monkeypatch.setenv("STAND_IN_MODE", "silent")
     monkeypatch.setenv("STAND_IN_SECONDS", "0")
     server = SGLangServer(tmp_path, device="cpu", python=str(_stand_in(tmp_path)), log_path=tmp_path / "s.log")
-    settings = SidecarSettings(checkpoint_path=checkpoint_root, sglang_url=server.url, port=free_port(),
-                               replica_id="stalled", stage=False)
+    settings = SidecarSettings(
+        checkpoint_path=checkpoint_root, sglang_url=server.url, port=free_port(), replica_id="stalled", stage=False
+    )
     policy = RestartPolicy(startup_timeout_s=1.0, progress_grace_s=1.0)
     assert run_serve(server, settings, policy) == 2
     assert "raise `serve --startup-timeout` (ROLLOUT_STARTUP_TIMEOUT)" in caplog.text
@@ -213,19 +217,42 @@ def test_serve_fails_a_stalled_start_with_exit_2_naming_startup_timeout(tmp_path
 
 # ------------------------------------------------------ a spent budget, with a real SGLang
 
+
 @pytest.mark.sglang
 def test_serve_reports_a_spent_restart_budget_on_readyz_and_status(tiny_model_dir, checkpoint_root, tmp_path):
     port, sidecar_port = free_port(), free_port()
-    serve = CLIProcess(["serve", "--model", str(tiny_model_dir), "--checkpoint-path", str(checkpoint_root),
-                        "--port", str(port), "--sidecar-port", str(sidecar_port), "--device", "cpu",
-                        "--health-interval", "0.5", "--replica-id", "budget", "--max-restarts", "0",
-                        "--stage-dir", str(tmp_path / "stage")],
-                       tmp_path / "serve.log")
+    serve = CLIProcess(
+        [
+            "serve",
+            "--model",
+            str(tiny_model_dir),
+            "--checkpoint-path",
+            str(checkpoint_root),
+            "--port",
+            str(port),
+            "--sidecar-port",
+            str(sidecar_port),
+            "--device",
+            "cpu",
+            "--health-interval",
+            "0.5",
+            "--replica-id",
+            "budget",
+            "--max-restarts",
+            "0",
+            "--stage-dir",
+            str(tmp_path / "stage"),
+        ],
+        tmp_path / "serve.log",
+    )
     sidecar = f"http://127.0.0.1:{sidecar_port}"
     try:
         wait_http(f"{sidecar}/readyz", 400, serve)
-        sglang = [p for p in psutil.Process(serve.proc.pid).children(recursive=True)
-                  if "sglang.launch_server" in " ".join(p.cmdline())]
+        sglang = [
+            p
+            for p in psutil.Process(serve.proc.pid).children(recursive=True)
+            if "sglang.launch_server" in " ".join(p.cmdline())
+        ]
         os.killpg(os.getpgid(sglang[0].pid), signal.SIGKILL)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -240,8 +267,11 @@ def test_serve_reports_a_spent_restart_budget_on_readyz_and_status(tiny_model_di
         assert status["fatal"]["reason"] == RESTART_BUDGET_SPENT
         assert serve.proc.poll() is None, "serve keeps the sidecar up to say why"
         time.sleep(2)
-        assert not [p for p in psutil.Process(serve.proc.pid).children(recursive=True)
-                    if "sglang.launch_server" in " ".join(p.cmdline())], "SGLang must not be restarted"
+        assert not [
+            p
+            for p in psutil.Process(serve.proc.pid).children(recursive=True)
+            if "sglang.launch_server" in " ".join(p.cmdline())
+        ], "SGLang must not be restarted"
     finally:
         serve.kill(signal.SIGTERM)
     assert serve.proc.returncode == 3, serve.log_tail()

@@ -15,8 +15,12 @@ def test_batch_is_split_across_endpoints_in_prompt_order(fake: FakeRollout) -> N
     other = FakeRollout().start()
     try:
         endpoints = SGLangEndpoints([fake.url, other.url], request_timeout_s=10, vocab_size=VOCAB_SIZE)
-        groups = endpoints.generate([[11, 1], [22, 2], [33, 3]], {"n": 2, "max_new_tokens": 3},
-                                    want_logprobs=True, deadline=time.monotonic() + 10)
+        groups = endpoints.generate(
+            [[11, 1], [22, 2], [33, 3]],
+            {"n": 2, "max_new_tokens": 3},
+            want_logprobs=True,
+            deadline=time.monotonic() + 10,
+        )
         endpoints.close()
     finally:
         other.stop()
@@ -29,12 +33,14 @@ def test_dead_endpoint_is_skipped_while_another_answers(fake: FakeRollout, caplo
     dead = dead_url()
     endpoints = SGLangEndpoints([dead, fake.url], request_timeout_s=10)
     with caplog.at_level(logging.WARNING):
-        groups = endpoints.generate([[1, 2], [3, 4]], {"n": 1, "max_new_tokens": 2}, want_logprobs=False,
-                                    deadline=time.monotonic() + 10)
+        groups = endpoints.generate(
+            [[1, 2], [3, 4]], {"n": 1, "max_new_tokens": 2}, want_logprobs=False, deadline=time.monotonic() + 10
+        )
     endpoints.close()
     assert [g[0].token_ids[0] for g in groups] == [1, 3]
-    assert any(dead in r.getMessage() and "other endpoint(s) take its prompts" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        dead in r.getMessage() and "other endpoint(s) take its prompts" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_all_endpoints_dead_raises_naming_each_after_the_deadline() -> None:
@@ -42,8 +48,7 @@ def test_all_endpoints_dead_raises_naming_each_after_the_deadline() -> None:
     endpoints = SGLangEndpoints([dead_a, dead_b], request_timeout_s=5)
     started = time.monotonic()
     with pytest.raises(SGLangUnavailableError) as info:
-        endpoints.generate([[1, 2]], {"n": 1, "max_new_tokens": 2}, want_logprobs=False,
-                           deadline=time.monotonic() + 2)
+        endpoints.generate([[1, 2]], {"n": 1, "max_new_tokens": 2}, want_logprobs=False, deadline=time.monotonic() + 2)
     endpoints.close()
     assert dead_a in str(info.value) and dead_b in str(info.value)
     assert 2 <= time.monotonic() - started < 15

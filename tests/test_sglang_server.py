@@ -31,11 +31,11 @@ def _encode(model_dir: Path, texts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(text) for text in texts]
 
 
-def test_generate_batch_returns_int_token_ids_with_matching_logprobs(sglang_server_at_base,
-                                                                     tiny_model_dir):
+def test_generate_batch_returns_int_token_ids_with_matching_logprobs(sglang_server_at_base, tiny_model_dir):
     prompts = _encode(tiny_model_dir, PROMPTS[:2])
-    out = generate(sglang_server_at_base.url, prompts, max_new_tokens=8, temperature=1.0, n=2,
-                   return_logprob=True, ignore_eos=True)
+    out = generate(
+        sglang_server_at_base.url, prompts, max_new_tokens=8, temperature=1.0, n=2, return_logprob=True, ignore_eos=True
+    )
 
     assert isinstance(out, list) and len(out) == len(prompts) * 2
     for item in out:
@@ -55,8 +55,14 @@ def test_greedy_generation_matches_transformers(sglang_server_at_base, tiny_mode
 
     max_new_tokens = 24
     prompts = _encode(tiny_model_dir, PROMPTS)
-    out = generate(sglang_server_at_base.url, prompts, max_new_tokens=max_new_tokens, temperature=0.0,
-                   ignore_eos=True, min_new_tokens=max_new_tokens)
+    out = generate(
+        sglang_server_at_base.url,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        min_new_tokens=max_new_tokens,
+    )
     served = [item["output_ids"] for item in out]
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -70,7 +76,7 @@ def test_greedy_generation_matches_transformers(sglang_server_at_base, tiny_mode
                 max_new_tokens=max_new_tokens,
                 min_new_tokens=max_new_tokens,
             )
-            expected.append(result[0, len(ids):].tolist())
+            expected.append(result[0, len(ids) :].tolist())
 
     assert served == expected
 
@@ -95,8 +101,7 @@ def test_wait_healthy_reports_exit_code_and_log_when_model_path_is_bogus(tmp_pat
 
 
 def test_stop_leaves_no_process_of_the_group_alive(tiny_model_dir, tmp_path):
-    server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable,
-                          log_path=tmp_path / "server.log")
+    server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable, log_path=tmp_path / "server.log")
     server.start()
     try:
         server.wait_healthy(timeout_s=300)
@@ -164,16 +169,23 @@ def test_trainer_talks_to_an_sglang_started_with_an_api_key(tiny_model_dir, tmp_
 
     from trainer_hooks.sglang_endpoints import SGLangEndpoints, SGLangRequestError
 
-    server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable, log_path=tmp_path / "server.log",
-                          extra_args=("--api-key", "s3cret"), die_with_parent=True)
+    server = SGLangServer(
+        tiny_model_dir,
+        device="cpu",
+        python=sys.executable,
+        log_path=tmp_path / "server.log",
+        extra_args=("--api-key", "s3cret"),
+        die_with_parent=True,
+    )
     server.start()
     try:
         server.wait_healthy(timeout_s=300)  # /health needs no key
 
         def generate_with(key):
             with contextlib.closing(SGLangEndpoints([server.url], request_timeout_s=120, api_key=key)) as endpoints:
-                return endpoints.generate([[1, 2, 3]], {"max_new_tokens": 2, "n": 2}, want_logprobs=True,
-                                          deadline=_time.monotonic() + 120)
+                return endpoints.generate(
+                    [[1, 2, 3]], {"max_new_tokens": 2, "n": 2}, want_logprobs=True, deadline=_time.monotonic() + 120
+                )
 
         def sleeps_on_idle(key):
             with contextlib.closing(SGLangEndpoints([server.url], request_timeout_s=30, api_key=key)) as endpoints:
@@ -181,8 +193,9 @@ def test_trainer_talks_to_an_sglang_started_with_an_api_key(tiny_model_dir, tmp_
 
         [group] = generate_with("s3cret")
         assert len(group) == 2 and all(len(c.token_ids) == 2 for c in group)
-        with pytest.raises(SGLangRequestError,
-                           match=r"HTTP 401: .*--api-key and the trainer sent none; set sglang_api_token"):
+        with pytest.raises(
+            SGLangRequestError, match=r"HTTP 401: .*--api-key and the trainer sent none; set sglang_api_token"
+        ):
             generate_with(None)
         with pytest.raises(SGLangRequestError, match="sent a different key"):
             generate_with("wrong")
@@ -196,12 +209,24 @@ def test_server_settings_are_the_config_fields_and_a_misspelt_one_is_refused(tmp
 
     from rollout_service.sglang_launcher import SGLangServerConfig
 
-    server = SGLangServer(tmp_path, device="cpu", port=31234, extra_args=["--dtype", "bfloat16"], python="",
-                          env=None, log_path=tmp_path / "s.log", die_with_parent=True)
+    server = SGLangServer(
+        tmp_path,
+        device="cpu",
+        port=31234,
+        extra_args=["--dtype", "bfloat16"],
+        python="",
+        env=None,
+        log_path=tmp_path / "s.log",
+        die_with_parent=True,
+    )
     config = server.config
     assert isinstance(config, SGLangServerConfig)
-    assert (config.port, config.python, config.extra_args, config.env) == (31234, sys.executable,
-                                                                            ("--dtype", "bfloat16"), {})
+    assert (config.port, config.python, config.extra_args, config.env) == (
+        31234,
+        sys.executable,
+        ("--dtype", "bfloat16"),
+        {},
+    )
     assert config.die_with_parent is True and server.url == "http://127.0.0.1:31234"
     assert set(f.name for f in dataclasses.fields(SGLangServerConfig)) >= {"model_path", "device", "lora"}
     with pytest.raises(TypeError, match="devcie"):

@@ -23,12 +23,12 @@ PROMPT = [11, 42, 7, 99, 256, 3]
 
 def publish_on_server(srv, model_dir, step, state=None):
     state = perturbed_state(model_dir, step) if state is None else state
-    return publish_checkpoint(srv, step, state.items(), config=model_dir / "config.json",
-                              run_id="nfs-run")
+    return publish_checkpoint(srv, step, state.items(), config=model_dir / "config.json", run_id="nfs-run")
 
 
 def test_polling_sidecar_on_sshfs_loads_what_the_trainer_writes_server_side(
-        sglang_server, sidecar_factory, tiny_model_dir, tmp_path):
+    sglang_server, sidecar_factory, tiny_model_dir, tmp_path
+):
     with sshfs_mount(tmp_path / "fs", "dcache_timeout=1", "attr_timeout=1") as (srv, mnt):
         sidecar = sidecar_factory("--poll", "0.5", root=mnt, replica_id="nfs")
         assert sidecar.status()["watch_mode"] == "polling"
@@ -39,8 +39,9 @@ def test_polling_sidecar_on_sshfs_loads_what_the_trainer_writes_server_side(
             assert status["loaded_step"] == step and status["loaded_run_id"] == "nfs-run"
         served = httpx.get(f"{sglang_server.url}/model_info", timeout=30).json()["model_path"]
         assert not served.startswith(str(mnt)), "SGLang reads the stage copy, not the network mount"
-        assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)["output_ids"] == \
-            transformers_greedy(tiny_model_dir, state, PROMPT, 8)
+        assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)[
+            "output_ids"
+        ] == transformers_greedy(tiny_model_dir, state, PROMPT, 8)
         # A step damaged on the server is rejected over the mount; the last good one keeps serving.
         bad = publish_on_server(tmp_path / "side", tiny_model_dir, 4).path
         shard = bad / "model.safetensors"
@@ -55,7 +56,8 @@ def test_polling_sidecar_on_sshfs_loads_what_the_trainer_writes_server_side(
 
 
 def test_stale_cached_listing_does_not_delay_a_step_the_trainer_names(
-        sglang_server, sidecar_factory, tiny_model_dir, tmp_path):
+    sglang_server, sidecar_factory, tiny_model_dir, tmp_path
+):
     # Listings cached for a minute: the mount goes on showing the old contents of the root.
     with sshfs_mount(tmp_path / "fs", "dcache_timeout=60", "dcache_dir_timeout=60") as (srv, mnt):
         sidecar = sidecar_factory("--poll", "0.5", root=mnt, replica_id="stale")
@@ -78,19 +80,20 @@ def test_stale_cached_listing_does_not_delay_a_step_the_trainer_names(
 
 
 def test_a_delta_chain_in_polling_mode_over_the_network_file_system(
-        sglang_server, sidecar_factory, tiny_model_dir, tmp_path):
+    sglang_server, sidecar_factory, tiny_model_dir, tmp_path
+):
     from delta_helpers import as_published, publish_chain
 
     with sshfs_mount(tmp_path / "fs", "dcache_timeout=1", "attr_timeout=1") as (srv, mnt):
         sidecar = sidecar_factory("--poll", "0.5", root=mnt, replica_id="nfs-delta")
         writer = None
         for step in (1, 2, 3, 4):
-            writer, states = publish_chain(srv, tiny_model_dir, range(step, step + 1), writer=writer,
-                                           run_id="nfs-run")
+            writer, states = publish_chain(srv, tiny_model_dir, range(step, step + 1), writer=writer, run_id="nfs-run")
             last = sidecar.wait_step(step, timeout_s=60)["last_sync"]  # polling alone
             assert last["kind"] == ("full" if step == 1 else "delta")
             if step > 1:  # only the delta came over the mount
                 assert last["bytes_read"] < 0.5 * sum(p.stat().st_size for p in (srv / "step-00000001").iterdir())
-        assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)["output_ids"] == \
-            transformers_greedy(tiny_model_dir, as_published(states[4]), PROMPT, 8)
+        assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)[
+            "output_ids"
+        ] == transformers_greedy(tiny_model_dir, as_published(states[4]), PROMPT, 8)
         sidecar.stop()

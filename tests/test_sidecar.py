@@ -21,8 +21,9 @@ def weight_version(url: str) -> str:
     return httpx.get(f"{url}/model_info", timeout=30).json()["weight_version"]
 
 
-def test_steps_load_in_order_and_serve_exactly_those_weights(sglang_server, sidecar_factory,
-                                                              checkpoint_root, tiny_model_dir):
+def test_steps_load_in_order_and_serve_exactly_those_weights(
+    sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir
+):
     sidecar = sidecar_factory()
     for step in (1, 2, 3):
         state = perturbed_state(tiny_model_dir, step)
@@ -31,8 +32,9 @@ def test_steps_load_in_order_and_serve_exactly_those_weights(sglang_server, side
         assert status["loaded_step"] == step
         out = generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)
         assert out["meta_info"]["weight_version"] == str(step)
-        assert out["output_ids"] == transformers_greedy(tiny_model_dir, state, PROMPT, 8), \
+        assert out["output_ids"] == transformers_greedy(tiny_model_dir, state, PROMPT, 8), (
             f"SGLang's greedy output for step {step} differs from transformers on the same weights"
+        )
     status = sidecar.status()
     assert status["last_sync"]["step"] == 3 and status["last_error"] is None
     assert sidecar.metric("rollout_sidecar_syncs_total", outcome="loaded", reason="ok") == 3
@@ -52,8 +54,9 @@ def test_both_watch_modes_detect_publications(mode, sidecar_factory, checkpoint_
     assert status["last_sync"]["detect_s"] is not None
 
 
-def test_burst_during_load_ends_on_newest_without_failures(sglang_server, sidecar_factory,
-                                                            checkpoint_root, tiny_model_dir):
+def test_burst_during_load_ends_on_newest_without_failures(
+    sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir
+):
     sidecar = sidecar_factory()
     # Published aside, then renamed in within microseconds: a burst faster than any load.
     side = checkpoint_root.parent / "side"
@@ -70,7 +73,8 @@ def test_burst_during_load_ends_on_newest_without_failures(sglang_server, sideca
 
 
 def test_truncated_checkpoint_is_rejected_and_previous_keeps_serving(
-        sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path):
+    sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path
+):
     sidecar = sidecar_factory()
     publish_step(checkpoint_root, tiny_model_dir, 1)
     sidecar.wait_step(1)
@@ -98,8 +102,7 @@ def test_wait_token_and_path_confinement(sidecar_factory, checkpoint_root, tiny_
     r = sidecar.get("/wait?version=1&timeout=1")
     assert r.status_code == 504 and r.json()["waited_for"] == 1 and r.json()["loaded_step"] is None
     assert httpx.post(f"{sidecar.url}/sync", timeout=10).status_code == 401
-    assert httpx.post(f"{sidecar.url}/sync", headers={"Authorization": "Bearer nope"},
-                      timeout=10).status_code == 401
+    assert httpx.post(f"{sidecar.url}/sync", headers={"Authorization": "Bearer nope"}, timeout=10).status_code == 401
     auth = {"Authorization": "Bearer s3cret"}
     for escape in ("../outside", "/etc", "step-00000001/../../x"):
         r = httpx.post(f"{sidecar.url}/sync", json={"checkpoint": escape}, headers=auth, timeout=10)
@@ -124,8 +127,9 @@ def test_wait_token_and_path_confinement(sidecar_factory, checkpoint_root, tiny_
     assert waiter["r"].status_code == 200 and waiter["r"].json()["loaded_step"] == 1
 
 
-def test_generation_during_syncs_never_fails_or_goes_backwards(sglang_server, sidecar_factory,
-                                                                checkpoint_root, tiny_model_dir):
+def test_generation_during_syncs_never_fails_or_goes_backwards(
+    sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir
+):
     sidecar = sidecar_factory()
     publish_step(checkpoint_root, tiny_model_dir, 1)
     sidecar.wait_step(1)
@@ -136,8 +140,9 @@ def test_generation_during_syncs_never_fails_or_goes_backwards(sglang_server, si
     def client(i: int) -> None:
         while not stop.is_set():
             try:
-                out = generate(sglang_server.url, [PROMPT, PROMPT[::-1]], max_new_tokens=24,
-                               temperature=1.0, ignore_eos=True)
+                out = generate(
+                    sglang_server.url, [PROMPT, PROMPT[::-1]], max_new_tokens=24, temperature=1.0, ignore_eos=True
+                )
             except Exception as exc:  # any failure is a test failure
                 errors.append(repr(exc))
                 return
@@ -165,8 +170,7 @@ def test_generation_during_syncs_never_fails_or_goes_backwards(sglang_server, si
     assert max(max(v) for v in seen.values()) == 4
 
 
-def test_restarted_sidecar_converges_without_reloading(sglang_server, sidecar_factory,
-                                                        checkpoint_root, tiny_model_dir):
+def test_restarted_sidecar_converges_without_reloading(sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir):
     first = sidecar_factory(replica_id="rx")
     publish_step(checkpoint_root, tiny_model_dir, 1)
     first.wait_step(1)

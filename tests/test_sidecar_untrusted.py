@@ -25,11 +25,17 @@ pytestmark = pytest.mark.sglang
 PROMPT = [11, 42, 7, 99, 256, 3]
 
 
-def publish_crafted(root: Path, staging: Path, model_dir: Path, step: int, spoil, state=None,
-                    run_id: str | None = None) -> Path:
+def publish_crafted(
+    root: Path, staging: Path, model_dir: Path, step: int, spoil, state=None, run_id: str | None = None
+) -> Path:
     """Publish step ``step`` elsewhere, let ``spoil(path)`` damage it, then rename it in."""
-    path = publish_checkpoint(staging, step, (state or perturbed_state(model_dir, step)).items(),
-                              config=model_dir / "config.json", run_id=run_id).path
+    path = publish_checkpoint(
+        staging,
+        step,
+        (state or perturbed_state(model_dir, step)).items(),
+        config=model_dir / "config.json",
+        run_id=run_id,
+    ).path
     spoil(path)
     final = root / path.name
     os.rename(path, final)
@@ -60,15 +66,17 @@ def sglang_health(url: str) -> int:
 
 
 def test_first_checkpoint_is_checked_against_the_served_model_and_after_a_restart(
-        sglang_server_at_base, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path):
+    sglang_server_at_base, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path
+):
     url = sglang_server_at_base.url
     stage = tmp_path / "stage"
     sidecar = sidecar_factory("--stage-dir", str(stage), replica_id="ref")
     wait_until(lambda: sidecar.status()["reference"], 60, "the reference learnt from SGLang")
     assert sidecar.status()["reference"] == str(tiny_model_dir)
     t0 = time.monotonic()
-    publish_checkpoint(checkpoint_root, 1, resized_state(tiny_model_dir, 1).items(),
-                       config=tiny_model_dir / "config.json")
+    publish_checkpoint(
+        checkpoint_root, 1, resized_state(tiny_model_dir, 1).items(), config=tiny_model_dir / "config.json"
+    )
     wait_until(lambda: "1" in sidecar.status()["rejected"], 60, "rejection of step 1")
     rejection_s = time.monotonic() - t0
     status = sidecar.status()
@@ -85,8 +93,9 @@ def test_first_checkpoint_is_checked_against_the_served_model_and_after_a_restar
     again = sidecar_factory("--stage-dir", str(stage), replica_id="ref")
     wait_until(lambda: again.status()["loaded_step"] == 2, 60, "adoption of step 2")
     assert again.status()["reference"] == str(tiny_model_dir), "the reference survives a restart"
-    publish_checkpoint(checkpoint_root, 3, resized_state(tiny_model_dir, 3).items(),
-                       config=tiny_model_dir / "config.json")
+    publish_checkpoint(
+        checkpoint_root, 3, resized_state(tiny_model_dir, 3).items(), config=tiny_model_dir / "config.json"
+    )
     wait_until(lambda: "3" in again.status()["rejected"], 60, "rejection of step 3")
     assert again.status()["rejected"]["3"] == "shape_mismatch"
     assert sglang_health(url) == 200
@@ -122,17 +131,30 @@ def _flip_a_weight_byte(path: Path) -> None:
 
 
 def test_poison_entries_are_each_rejected_and_the_loop_keeps_serving(
-        sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path):
+    sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path
+):
     sidecar = sidecar_factory()
     publish_step(checkpoint_root, tiny_model_dir, 1)
     sidecar.wait_step(1)
     nan_state = perturbed_state(tiny_model_dir, 7)
     nan_state["model.norm.weight"][3] = float("nan")
     staging = tmp_path / "staging"
-    spoilers = {2: (_fifo_manifest, None), 3: (_nested_manifest, None), 4: (_zero_manifest, None),
-                5: (_bad_index_types, None), 6: (_flip_a_weight_byte, None), 7: (lambda p: None, nan_state)}
-    expected = {"2": "not_a_regular_file", "3": "bad_manifest", "4": "path_escape",
-                "5": "bad_manifest", "6": "digest_mismatch", "7": "non_finite"}
+    spoilers = {
+        2: (_fifo_manifest, None),
+        3: (_nested_manifest, None),
+        4: (_zero_manifest, None),
+        5: (_bad_index_types, None),
+        6: (_flip_a_weight_byte, None),
+        7: (lambda p: None, nan_state),
+    }
+    expected = {
+        "2": "not_a_regular_file",
+        "3": "bad_manifest",
+        "4": "path_escape",
+        "5": "bad_manifest",
+        "6": "digest_mismatch",
+        "7": "non_finite",
+    }
     t0 = time.monotonic()
     for step, (spoil, state) in spoilers.items():
         publish_crafted(checkpoint_root, staging, tiny_model_dir, step, spoil, state)
@@ -162,11 +184,17 @@ def test_poison_entries_are_each_rejected_and_the_loop_keeps_serving(
 
 
 def test_wait_answers_only_for_the_run_and_bytes_sglang_serves(
-        sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir):
+    sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir
+):
     sidecar = sidecar_factory()
     for step in (1, 2, 3):
-        publish_checkpoint(checkpoint_root, step, perturbed_state(tiny_model_dir, step).items(),
-                           config=tiny_model_dir / "config.json", run_id="runA")
+        publish_checkpoint(
+            checkpoint_root,
+            step,
+            perturbed_state(tiny_model_dir, step).items(),
+            config=tiny_model_dir / "config.json",
+            run_id="runA",
+        )
     sidecar.wait_step(3)
     assert sidecar.status()["loaded_run_id"] == "runA"
     # A new run reuses the root: emptied, then its own step 1.
@@ -185,24 +213,27 @@ def test_wait_answers_only_for_the_run_and_bytes_sglang_serves(
     t = threading.Thread(target=wait_new_run)
     t.start()
     time.sleep(1.0)
-    publish_checkpoint(checkpoint_root, 1, new_state.items(), config=tiny_model_dir / "config.json",
-                       run_id="runB")
+    publish_checkpoint(checkpoint_root, 1, new_state.items(), config=tiny_model_dir / "config.json", run_id="runB")
     t.join(180)
     assert answers["wait"].status_code == 200, answers["wait"].text
     assert answers["wait"].json()["loaded_run_id"] == "runB"
     assert answers["served_then"]["weight_version"] == "1"
-    assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)["output_ids"] == \
-        transformers_greedy(tiny_model_dir, new_state, PROMPT, 8)
+    assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)["output_ids"] == transformers_greedy(
+        tiny_model_dir, new_state, PROMPT, 8
+    )
     # The same step republished with other bytes is loaded again.
     before = sidecar.status()["loaded_fingerprint"]
     shutil.rmtree(checkpoint_root / "step-00000001")
     republished = perturbed_state(tiny_model_dir, 202)
-    publish_checkpoint(checkpoint_root, 1, republished.items(), config=tiny_model_dir / "config.json",
-                       run_id="runB")
-    wait_until(lambda: sidecar.status()["loaded_fingerprint"] not in (None, before)
-               and sidecar.status()["loaded_current"], 60, "the republished step 1")
-    assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)["output_ids"] == \
-        transformers_greedy(tiny_model_dir, republished, PROMPT, 8)
+    publish_checkpoint(checkpoint_root, 1, republished.items(), config=tiny_model_dir / "config.json", run_id="runB")
+    wait_until(
+        lambda: sidecar.status()["loaded_fingerprint"] not in (None, before) and sidecar.status()["loaded_current"],
+        60,
+        "the republished step 1",
+    )
+    assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)["output_ids"] == transformers_greedy(
+        tiny_model_dir, republished, PROMPT, 8
+    )
     assert sidecar.get("/wait?version=1&run=runA&timeout=1").status_code == 504
     # The trainer's waiters carry the run id their publisher stamps into every manifest.
     for waiter in (SidecarWaiter([sidecar.url]), AckFileWaiter(checkpoint_root, 1, max_age_s=60)):
@@ -214,8 +245,7 @@ def test_wait_answers_only_for_the_run_and_bytes_sglang_serves(
         assert view.run_id == "runB" and view.loaded_step == 1
 
 
-def test_sync_api_bounds_bodies_and_answers_bad_input_with_400(sidecar_factory, checkpoint_root,
-                                                              tmp_path):
+def test_sync_api_bounds_bodies_and_answers_bad_input_with_400(sidecar_factory, checkpoint_root, tmp_path):
     sidecar = sidecar_factory("--token", "tok")
     auth = {"Authorization": "Bearer tok"}
     proc = psutil.Process(sidecar.proc.pid)
@@ -231,8 +261,12 @@ def test_sync_api_bounds_bodies_and_answers_bad_input_with_400(sidecar_factory, 
         assert r.status_code == 413 and len(r.content) < 1000, (r.status_code, r.content[:200])
     except httpx.HTTPError:
         pass  # the server may close the connection once it has refused the body
-    r = httpx.post(f"{sidecar.url}/sync", content=b"y" * (300 << 10),
-                   headers={**auth, "content-type": "application/json"}, timeout=60)
+    r = httpx.post(
+        f"{sidecar.url}/sync",
+        content=b"y" * (300 << 10),
+        headers={**auth, "content-type": "application/json"},
+        timeout=60,
+    )
     assert r.status_code == 413 and b"yyyy" not in r.content
     assert proc.memory_info().rss - rss_before < 50 << 20, "a large body must not be buffered"
     for body in (b"{not json", b"[1, 2]", b"\xff\xfe", b'{"checkpoint": 5}', b"[" * 3000):
@@ -243,14 +277,14 @@ def test_sync_api_bounds_bodies_and_answers_bad_input_with_400(sidecar_factory, 
     (checkpoint_root / "step-00000004").symlink_to(outside)
     r = httpx.post(f"{sidecar.url}/sync", json={"checkpoint": "step-00000004"}, headers=auth, timeout=30)
     assert r.status_code == 400 and "secret-place" not in r.text
-    for query in ("version=abc", "version=-1", "version=1&timeout=nan", "version=1&run=../x",
-                  "version=100000000"):
+    for query in ("version=abc", "version=-1", "version=1&timeout=nan", "version=1&run=../x", "version=100000000"):
         assert sidecar.get(f"/wait?{query}").status_code == 400, query
     assert sidecar.get("/healthz").status_code == 200
 
 
 def test_readyz_follows_a_frozen_sglang_and_a_freeze_is_not_a_restart(
-        sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir):
+    sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir
+):
     sidecar = sidecar_factory()
     publish_step(checkpoint_root, tiny_model_dir, 1)
     sidecar.wait_step(1)
@@ -274,8 +308,7 @@ def test_readyz_follows_a_frozen_sglang_and_a_freeze_is_not_a_restart(
     assert sidecar.status()["loaded_step"] == 1
 
 
-def test_a_failing_loop_backs_off_logs_once_and_recovers(sidecar_factory, checkpoint_root,
-                                                         tiny_model_dir, tmp_path):
+def test_a_failing_loop_backs_off_logs_once_and_recovers(sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path):
     sidecar = sidecar_factory()
     publish_step(checkpoint_root, tiny_model_dir, 1)
     sidecar.wait_step(1)
@@ -283,8 +316,7 @@ def test_a_failing_loop_backs_off_logs_once_and_recovers(sidecar_factory, checkp
     os.rename(checkpoint_root, moved)
     checkpoint_root.write_text("not a directory")  # every listing of the root now fails
     try:
-        wait_until(lambda: (sidecar.status()["last_error"] or {}).get("reason") == "loop_error", 30,
-                   "a loop error")
+        wait_until(lambda: (sidecar.status()["last_error"] or {}).get("reason") == "loop_error", 30, "a loop error")
         first = sidecar.status()["loop_errors"]
         time.sleep(6)
         status = sidecar.status()
@@ -303,7 +335,8 @@ def test_a_failing_loop_backs_off_logs_once_and_recovers(sidecar_factory, checkp
 
 
 def test_a_writer_changing_files_during_the_sync_never_reaches_sglang(
-        sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path):
+    sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path
+):
     """Time of check to time of use: a stray writer keeps corrupting and restoring a published
     shard's header while the sidecar syncs. SGLang only ever reads the verified stage copy."""
     sidecar = sidecar_factory()
@@ -339,8 +372,9 @@ def test_a_writer_changing_files_during_the_sync_never_reaches_sglang(
     assert sidecar.metric("rollout_sidecar_sglang_restarts_total") == 0
     status = sidecar.status()
     if status["loaded_step"] == 2:  # it staged a moment when the bytes were whole: those are served
-        assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)["output_ids"] == \
-            transformers_greedy(tiny_model_dir, state, PROMPT, 8)
+        assert generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)[
+            "output_ids"
+        ] == transformers_greedy(tiny_model_dir, state, PROMPT, 8)
     else:
         assert status["rejected"].get("2") in ("digest_mismatch", "header_invalid", "changed_while_staging")
     served = httpx.get(f"{sglang_server.url}/model_info", timeout=30).json()["model_path"]

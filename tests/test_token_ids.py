@@ -15,15 +15,18 @@ from trainer_hooks.sglang_responses import SGLangResponseError, parse_generate_r
 
 
 def test_integral_float_token_ids_are_coerced_and_others_rejected() -> None:
-    item = {"output_ids": [5.0, 7.0], "meta_info": {"weight_version": "3",
-                                                    "output_token_logprobs": [[-1.0, 5.0, None], [-2.0, 7, None]]}}
+    item = {
+        "output_ids": [5.0, 7.0],
+        "meta_info": {"weight_version": "3", "output_token_logprobs": [[-1.0, 5.0, None], [-2.0, 7, None]]},
+    }
     [[completion]] = parse_generate_response([item], num_prompts=1, n=1, want_logprobs=True, vocab_size=VOCAB_SIZE)
     assert completion.token_ids == [5, 7] and all(type(t) is int for t in completion.token_ids)
     assert completion.weight_version == 3
     bad = copy.deepcopy(item)
     bad["output_ids"][1] = 7.5
-    with pytest.raises(SGLangResponseError,
-                       match=r"output_ids\[1\]: expected an integer token id, found the non-integral"):
+    with pytest.raises(
+        SGLangResponseError, match=r"output_ids\[1\]: expected an integer token id, found the non-integral"
+    ):
         parse_generate_response([bad], num_prompts=1, n=1, want_logprobs=True)
     bad["output_ids"][1] = "7"
     with pytest.raises(SGLangResponseError, match="expected an integer token id, found '7'"):
@@ -33,12 +36,16 @@ def test_integral_float_token_ids_are_coerced_and_others_rejected() -> None:
         parse_generate_response([bad], num_prompts=1, n=1, want_logprobs=True, vocab_size=VOCAB_SIZE)
 
 
-
 def test_well_formed_answers_take_the_fast_path_with_the_same_result_and_checks() -> None:
     # Exact ints (what SGLang sends) are read in one pass; NaN logprobs become None either way,
     # and a logprob entry for another token, a negative id or an id beyond the vocabulary still fails.
-    item = {"output_ids": [5, 7, 9], "meta_info": {"weight_version": "4", "output_token_logprobs": [
-        [-1.0, 5, None], [float("nan"), 7, None], [-0.5, 9, None]]}}
+    item = {
+        "output_ids": [5, 7, 9],
+        "meta_info": {
+            "weight_version": "4",
+            "output_token_logprobs": [[-1.0, 5, None], [float("nan"), 7, None], [-0.5, 9, None]],
+        },
+    }
     import trainer_hooks.sglang_responses as responses
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
@@ -54,9 +61,10 @@ def test_well_formed_answers_take_the_fast_path_with_the_same_result_and_checks(
     assert fast.token_ids == slow.token_ids == [5, 7, 9]
     assert fast.logprobs == [-1.0, None, -0.5] and slow.logprobs == [-1.0, None, -1.0]
     for path, value, message in [
-            (("meta_info", "output_token_logprobs", 1, 1), 8, r"\[1\] is for token 8, output_ids\[1\] is 7"),
-            (("output_ids", 0), -3, "outside the model's vocabulary"),
-            (("output_ids", 2), VOCAB_SIZE, r"output_ids\[2\]: token id .* outside")]:
+        (("meta_info", "output_token_logprobs", 1, 1), 8, r"\[1\] is for token 8, output_ids\[1\] is 7"),
+        (("output_ids", 0), -3, "outside the model's vocabulary"),
+        (("output_ids", 2), VOCAB_SIZE, r"output_ids\[2\]: token id .* outside"),
+    ]:
         bad = copy.deepcopy(item)
         target = bad
         for key in path[:-1]:
@@ -65,8 +73,10 @@ def test_well_formed_answers_take_the_fast_path_with_the_same_result_and_checks(
         with pytest.raises(SGLangResponseError, match=message):
             parse_generate_response([bad], num_prompts=1, n=1, want_logprobs=True, vocab_size=VOCAB_SIZE)
 
+
 def test_grpo_trains_on_integer_token_tensors_when_the_server_sends_floats(
-        tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout) -> None:
+    tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout
+) -> None:
     """Without coercion TRL would build float tensors from these ids and the embedding would crash."""
     fake.float_token_ids = True
     root = tmp_path / "ckpts"

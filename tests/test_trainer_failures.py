@@ -22,27 +22,41 @@ def test_dead_sidecar_fails_the_sync_after_sync_timeout(tiny_model_dir: Path, tm
     config = make_config(tmp_path, tmp_path, [dead_url()], [sidecar], sync_timeout=3)
     trainer = make_trainer(tiny_model_dir, config)
     started = time.monotonic()
-    with pytest.raises(ReplicaSyncTimeout, match=rf"did not load checkpoint step-00000001 within sync_timeout=3 s: "
-                                                rf"{sidecar} \(unreachable: ConnectError"):
+    with pytest.raises(
+        ReplicaSyncTimeout,
+        match=rf"did not load checkpoint step-00000001 within sync_timeout=3 s: "
+        rf"{sidecar} \(unreachable: ConnectError",
+    ):
         trainer.train()
     assert time.monotonic() - started < 30
 
 
 def test_sidecar_reporting_sglang_down_is_named_in_the_timeout_error(
-        tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout) -> None:
+    tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout
+) -> None:
     fake.wait_status = 504
-    fake.wait_body = {"loaded_step": None, "sglang_healthy": False, "rejected": {},
-                      "last_error": {"reason": "sglang_down", "message": "SGLang at http://x is not answering"}}
+    fake.wait_body = {
+        "loaded_step": None,
+        "sglang_healthy": False,
+        "rejected": {},
+        "last_error": {"reason": "sglang_down", "message": "SGLang at http://x is not answering"},
+    }
     trainer = make_trainer(tiny_model_dir, make_config(tmp_path, tmp_path, [fake.url], [fake.url], sync_timeout=2))
-    with pytest.raises(ReplicaSyncTimeout, match=r"\(loaded nothing, SGLang not healthy, last error: sglang_down: "
-                                                r"SGLang at http://x is not answering\)"):
+    with pytest.raises(
+        ReplicaSyncTimeout,
+        match=r"\(loaded nothing, SGLang not healthy, last error: sglang_down: "
+        r"SGLang at http://x is not answering\)",
+    ):
         trainer.train()
 
 
 def test_rejected_checkpoint_fails_at_once(tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout) -> None:
     fake.wait_status = 504
-    fake.wait_body = {"loaded_step": None, "rejected": {"1": "shape_mismatch"},
-                      "last_error": {"reason": "shape_mismatch", "message": "tensor x has shape [2]"}}
+    fake.wait_body = {
+        "loaded_step": None,
+        "rejected": {"1": "shape_mismatch"},
+        "last_error": {"reason": "shape_mismatch", "message": "tensor x has shape [2]"},
+    }
     trainer = make_trainer(tiny_model_dir, make_config(tmp_path, tmp_path, [fake.url], [fake.url], sync_timeout=60))
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rejected checkpoint step-00000001 \(shape_mismatch\)"):
@@ -50,8 +64,9 @@ def test_rejected_checkpoint_fails_at_once(tiny_model_dir: Path, tmp_path: Path,
     assert time.monotonic() - started < 30
 
 
-def test_dead_sglang_fails_generation_after_sync_timeout(tiny_model_dir: Path, tmp_path: Path,
-                                                         fake: FakeRollout) -> None:
+def test_dead_sglang_fails_generation_after_sync_timeout(
+    tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout
+) -> None:
     server = dead_url()
     trainer = make_trainer(tiny_model_dir, make_config(tmp_path, tmp_path, [server], [fake.url], sync_timeout=3))
     started = time.monotonic()
@@ -70,8 +85,9 @@ def test_hung_sglang_times_out_instead_of_hanging(tiny_model_dir: Path, tmp_path
     assert time.monotonic() - started < 20
 
 
-def test_stale_answers_are_retried_until_the_replica_catches_up(tiny_model_dir: Path, tmp_path: Path,
-                                                               fake: FakeRollout) -> None:
+def test_stale_answers_are_retried_until_the_replica_catches_up(
+    tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout
+) -> None:
     fake.stale_answers = 1
     trainer = make_trainer(tiny_model_dir, make_config(tmp_path, tmp_path, [fake.url], [fake.url], max_steps=1))
     trainer.train()
@@ -90,6 +106,9 @@ def test_aborted_answers_are_generated_again(tiny_model_dir: Path, tmp_path: Pat
 def test_stale_answers_fail_after_sync_timeout(tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout) -> None:
     fake.fixed_version = "default"
     trainer = make_trainer(tiny_model_dir, make_config(tmp_path, tmp_path, [fake.url], [fake.url], sync_timeout=3))
-    with pytest.raises(StaleWeightsError, match=r"weights of version\(s\) \['default'\], but the trainer published "
-                                               r"version 1 and max_staleness=0 requires version >= 1"):
+    with pytest.raises(
+        StaleWeightsError,
+        match=r"weights of version\(s\) \['default'\], but the trainer published "
+        r"version 1 and max_staleness=0 requires version >= 1",
+    ):
         trainer.train()

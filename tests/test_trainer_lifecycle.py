@@ -22,8 +22,7 @@ def _backend_threads(before: set[threading.Thread]) -> list[str]:
     """The backend's threads started since ``before`` that are still alive (given 5 s to exit)."""
     deadline = time.monotonic() + 5
     while True:
-        alive = [t.name for t in threading.enumerate()
-                 if t not in before and t.name.startswith(BACKEND_THREADS)]
+        alive = [t.name for t in threading.enumerate() if t not in before and t.name.startswith(BACKEND_THREADS)]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)
@@ -31,8 +30,9 @@ def _backend_threads(before: set[threading.Thread]) -> list[str]:
 
 def test_a_finished_training_releases_the_backend(tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout) -> None:
     # max_staleness=1: the checkpoints are published by the background worker thread.
-    trainer = make_trainer(tiny_model_dir, make_config(tmp_path, tmp_path, [fake.url], [fake.url], max_steps=2,
-                                                       max_staleness=1))
+    trainer = make_trainer(
+        tiny_model_dir, make_config(tmp_path, tmp_path, [fake.url], [fake.url], max_steps=2, max_staleness=1)
+    )
     before = set(threading.enumerate())
     started: list[str] = []
     original = trainer.vllm_generation.generate
@@ -52,7 +52,8 @@ def test_a_finished_training_releases_the_backend(tiny_model_dir: Path, tmp_path
 
 
 def test_a_failed_training_releases_the_backend_and_raises_its_own_error(
-        tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout) -> None:
+    tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout
+) -> None:
     fake.fixed_version = "default"  # never the published weights: the step fails after sync_timeout
     trainer = make_trainer(tiny_model_dir, make_config(tmp_path, tmp_path, [fake.url], [fake.url], sync_timeout=2))
     before = set(threading.enumerate())
@@ -68,8 +69,9 @@ def test_closed_endpoints_open_again_on_the_next_request(fake: FakeRollout) -> N
     endpoints = SGLangEndpoints([fake.url], request_timeout_s=10)
     assert not endpoints.is_open
     for _ in range(2):
-        [[completion]] = endpoints.generate([[7, 1]], {"n": 1, "max_new_tokens": 2}, want_logprobs=False,
-                                            deadline=time.monotonic() + 10)
+        [[completion]] = endpoints.generate(
+            [[7, 1]], {"n": 1, "max_new_tokens": 2}, want_logprobs=False, deadline=time.monotonic() + 10
+        )
         assert completion.token_ids[0] == 7 and endpoints.is_open
         endpoints.close()
         assert not endpoints.is_open

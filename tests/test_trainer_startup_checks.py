@@ -39,11 +39,11 @@ def test_unwritable_checkpoint_path_fails_at_startup_with_a_clear_error(tmp_path
         (tmp_path / "read-only").chmod(0o755)
 
 
-
 def test_sglang_api_token_is_redacted_in_the_logged_config(tmp_path: Path) -> None:
     config = make_config(tmp_path, tmp_path, ["http://127.0.0.1:1"], ["http://127.0.0.1:2"], sglang_api_token="s3cret")
     assert config.sglang_api_token == "s3cret"
     assert config.to_dict()["sglang_api_token"] != "s3cret" and "s3cret" not in config.to_json_string()
+
 
 def test_config_without_endpoints_or_a_way_to_wait_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no SGLang endpoint: set sglang_urls"):
@@ -58,7 +58,6 @@ def test_untested_trl_version_is_refused_with_a_clear_message() -> None:
     check_trl_version("1.16.3")
     with pytest.raises(RuntimeError, match=r"tested with TRL .*1\.17\.0 is installed"):
         check_trl_version("1.17.0")
-
 
 
 def test_a_trainer_on_every_core_beside_a_local_cpu_sglang_is_warned(caplog: pytest.LogCaptureFixture) -> None:

@@ -30,33 +30,58 @@ def _config(tmp_path: Path, config_class: type = GRPOConfig, **overrides: Any) -
 
 # --- generation_kwargs: SGLang's names --------------------------------------------------------------
 
+
 def test_transformers_generation_kwargs_are_renamed_or_dropped_with_a_log_line(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="trainer_hooks.config")
-    config = _config(tmp_path, generation_kwargs={
-        "do_sample": False, "num_beams": 1, "eos_token_id": 7, "max_tokens": 5, "seed": 3, "use_cache": True,
-        "min_p": 0.05, "stop": ["\n"]})
-    assert config.generation_kwargs == {"top_k": 1, "stop_token_ids": [7], "max_new_tokens": 5, "sampling_seed": 3,
-                                        "min_p": 0.05, "stop": ["\n"]}
+    config = _config(
+        tmp_path,
+        generation_kwargs={
+            "do_sample": False,
+            "num_beams": 1,
+            "eos_token_id": 7,
+            "max_tokens": 5,
+            "seed": 3,
+            "use_cache": True,
+            "min_p": 0.05,
+            "stop": ["\n"],
+        },
+    )
+    assert config.generation_kwargs == {
+        "top_k": 1,
+        "stop_token_ids": [7],
+        "max_new_tokens": 5,
+        "sampling_seed": 3,
+        "min_p": 0.05,
+        "stop": ["\n"],
+    }
     text = _messages(caplog)
     assert "do_sample=False -> top_k=1" in text and "eos_token_id=7 renamed to SGLang's stop_token_ids" in text
     assert "use_cache dropped" in text and "num_beams=1 dropped" in text
 
 
-@pytest.mark.parametrize(("kwargs", "named"), [
-    ({"num_beams": 4}, r"num_beams=4: beam search .*drop num_beams and sample num_generations"),
-    ({"length_penalty": 1.2}, r"length_penalty=1.2 has no SGLang counterpart .*only applies to beam search"),
-    ({"max_length": 64}, r"max_length=64 .*use max_completion_length"),
-    ({"no_repeat_ngram_size": 3}, r"no_repeat_ngram_size=3 .*repetition_penalty / frequency_penalty"),
-    ({"num_return_sequences": 4}, r"num_return_sequences=4 .*use num_generations"),
-    ({"n": 4}, r"n=4 .*use num_generations"),
-    ({"typical_p": 0.9}, r"typical_p=0.9 .*top_p / min_p"),
-    ({"bad_words_ids": [[5]]}, r"bad_words_ids=\[\[5\]\] .*logit_bias"),
-    ({"temprature": 0.7}, r"temprature=0.7 is not an SGLang sampling parameter .*Use SGLang's names: .*temperature"),
-    ({"regex": "a+", "json_schema": "{}"}, r"several SGLang constraints \['regex', 'json_schema'\]"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"num_beams": 4}, r"num_beams=4: beam search .*drop num_beams and sample num_generations"),
+        ({"length_penalty": 1.2}, r"length_penalty=1.2 has no SGLang counterpart .*only applies to beam search"),
+        ({"max_length": 64}, r"max_length=64 .*use max_completion_length"),
+        ({"no_repeat_ngram_size": 3}, r"no_repeat_ngram_size=3 .*repetition_penalty / frequency_penalty"),
+        ({"num_return_sequences": 4}, r"num_return_sequences=4 .*use num_generations"),
+        ({"n": 4}, r"n=4 .*use num_generations"),
+        ({"typical_p": 0.9}, r"typical_p=0.9 .*top_p / min_p"),
+        ({"bad_words_ids": [[5]]}, r"bad_words_ids=\[\[5\]\] .*logit_bias"),
+        (
+            {"temprature": 0.7},
+            r"temprature=0.7 is not an SGLang sampling parameter .*Use SGLang's names: .*temperature",
+        ),
+        ({"regex": "a+", "json_schema": "{}"}, r"several SGLang constraints \['regex', 'json_schema'\]"),
+    ],
+)
 def test_generation_kwargs_without_an_sglang_counterpart_are_refused_naming_the_fix(
-        tmp_path: Path, kwargs: dict[str, Any], named: str) -> None:
+    tmp_path: Path, kwargs: dict[str, Any], named: str
+) -> None:
     with pytest.raises(ValueError, match=named):
         _config(tmp_path, generation_kwargs=kwargs)
     with pytest.raises(ValueError, match=named):
@@ -64,38 +89,57 @@ def test_generation_kwargs_without_an_sglang_counterpart_are_refused_naming_the_
 
 
 def test_sglang_names_pass_unchanged() -> None:
-    kwargs = {"regex": "( [a-z]+)+", "min_new_tokens": 2, "stop_token_ids": [3], "frequency_penalty": 0.1,
-              "logit_bias": {"5": -100.0}, "ignore_eos": True, "skip_special_tokens": False}
+    kwargs = {
+        "regex": "( [a-z]+)+",
+        "min_new_tokens": 2,
+        "stop_token_ids": [3],
+        "frequency_penalty": 0.1,
+        "logit_bias": {"5": -100.0},
+        "ignore_eos": True,
+        "skip_special_tokens": False,
+    }
     assert translate_generation_kwargs(dict(kwargs)) == kwargs
 
 
 # --- loss and engine fields -------------------------------------------------------------------------
 
-def test_vespo_gets_a_token_level_is_mode_with_one_log_line(tmp_path: Path,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+
+def test_vespo_gets_a_token_level_is_mode_with_one_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="trainer_hooks.config")
     config = _config(tmp_path, loss_type="vespo")
     assert config.vllm_importance_sampling_mode == "token_truncate"
     assert [r for r in caplog.records if "loss_type='vespo'" in r.getMessage()], caplog.text
     # A token-level mode the user chose stays.
-    assert _config(tmp_path, loss_type="vespo", vllm_importance_sampling_mode="token_mask"
-                   ).vllm_importance_sampling_mode == "token_mask"
+    assert (
+        _config(tmp_path, loss_type="vespo", vllm_importance_sampling_mode="token_mask").vllm_importance_sampling_mode
+        == "token_mask"
+    )
 
 
 def test_transformers_generation_switches_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"use_transformers_continuous_batching=True asks TRL to generate in the "
-                                         r"trainer.*drop use_transformers_continuous_batching"):
+    with pytest.raises(
+        ValueError,
+        match=r"use_transformers_continuous_batching=True asks TRL to generate in the "
+        r"trainer.*drop use_transformers_continuous_batching",
+    ):
         _config(tmp_path, use_transformers_continuous_batching=True)
 
 
-def test_vllm_engine_settings_are_ignored_with_the_sglang_flag_named(tmp_path: Path,
-                                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_vllm_engine_settings_are_ignored_with_the_sglang_flag_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="trainer_hooks.config")
-    _config(tmp_path, vllm_gpu_memory_utilization=0.8, vllm_tensor_parallel_size=2, vllm_server_port=8001,
-            cache_implementation="static")
+    _config(
+        tmp_path,
+        vllm_gpu_memory_utilization=0.8,
+        vllm_tensor_parallel_size=2,
+        vllm_server_port=8001,
+        cache_implementation="static",
+    )
     text = _messages(caplog)
-    assert ("vllm_gpu_memory_utilization=0.8 is not used with SGLang rollouts; use SGLang's"
-            " --mem-fraction-static") in text
+    assert (
+        "vllm_gpu_memory_utilization=0.8 is not used with SGLang rollouts; use SGLang's --mem-fraction-static"
+    ) in text
     assert "vllm_tensor_parallel_size=2 is not used with SGLang rollouts; use SGLang's --tp-size" in text
     assert "vllm_server_port=8001 is not used with SGLang rollouts; use sglang_urls" in text
     assert "cache_implementation='static' is not used" in text
@@ -103,8 +147,10 @@ def test_vllm_engine_settings_are_ignored_with_the_sglang_flag_named(tmp_path: P
 
 # --- issue 15 item 8: the collective watchdog vs the project's own timeouts --------------------------
 
-def test_ddp_timeout_is_raised_above_the_main_process_http_budget(tmp_path: Path,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+
+def test_ddp_timeout_is_raised_above_the_main_process_http_budget(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="trainer_hooks.config")
     config = _config(tmp_path)  # one process: nothing waits in a collective, nothing changes
     assert config.ddp_timeout == 1800 and config.sglang_request_timeout == 1800
@@ -152,7 +198,7 @@ def recording_init(*args, **kwargs):
     return real_init(*args, **kwargs)
 dist.init_process_group = recording_init
 from trainer_hooks import GRPOConfig
-args = GRPOConfig(output_dir={str(tmp_path / 'o')!r}, checkpoint_path={str(tmp_path)!r},
+args = GRPOConfig(output_dir={str(tmp_path / "o")!r}, checkpoint_path={str(tmp_path)!r},
                   sglang_urls={DEAD!r}, sidecar_urls={DEAD!r}, use_cpu={use_cpu!r}, ddp_backend='gloo', bf16=False,
                   report_to='none', per_device_train_batch_size=4, num_generations=4)
 open({str(out)!r} + str(args.process_index), "w").write(json.dumps(dict(
@@ -161,8 +207,9 @@ open({str(out)!r} + str(args.process_index), "w").write(json.dumps(dict(
 """)
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=str(tmp_path))
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=str(tmp_path)
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     results = [json.loads(Path(str(out) + str(i)).read_text()) for i in range(2)]
     expected = int(collective_budget_s(600.0, 1800.0, rescoring=False))
@@ -182,14 +229,21 @@ open({str(out)!r} + str(args.process_index), "w").write(json.dumps(dict(
 
 # --- through a real SGLang: the fields that change generation or the loss ----------------------------
 
+
 @pytest.fixture(scope="module")
 def unit(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     with ready_unit(tiny_model_dir, tmp_path_factory.mktemp("conformance-unit")) as rollout:
         yield rollout
 
 
-def _train(unit: Any, model_dir: Path, tmp_path: Path, config_class: type = GRPOConfig,
-           trainer_class: type | None = None, **overrides: Any) -> tuple[Any, list[list[int]], list[str]]:
+def _train(
+    unit: Any,
+    model_dir: Path,
+    tmp_path: Path,
+    config_class: type = GRPOConfig,
+    trainer_class: type | None = None,
+    **overrides: Any,
+) -> tuple[Any, list[list[int]], list[str]]:
     """A short real run; returns the trainer and every completion's token ids and text."""
     from trainer_hooks import GRPOTrainer
 
@@ -204,8 +258,9 @@ def _train(unit: Any, model_dir: Path, tmp_path: Path, config_class: type = GRPO
 
     settings = dict(max_steps=1, learning_rate=1e-2)
     settings.update(overrides)
-    config = make_config(tmp_path, unit.checkpoint_root, [unit.sglang_url], [unit.sidecar_url],
-                         config_class=config_class, **settings)
+    config = make_config(
+        tmp_path, unit.checkpoint_root, [unit.sglang_url], [unit.sidecar_url], config_class=config_class, **settings
+    )
     trainer = make_trainer(model_dir, config, trainer_class=trainer_class or GRPOTrainer)
     trainer.reward_funcs = [reward]
     trainer.reward_func_names = ["reward"]
@@ -215,15 +270,22 @@ def _train(unit: Any, model_dir: Path, tmp_path: Path, config_class: type = GRPO
 
 
 def _groups(ids: list[list[int]], size: int = 4) -> list[list[list[int]]]:
-    return [ids[i:i + size] for i in range(0, len(ids), size)]
+    return [ids[i : i + size] for i in range(0, len(ids), size)]
 
 
 @pytest.mark.sglang
-@pytest.mark.parametrize("overrides", [
-    {"generation_kwargs": {"do_sample": False}}, {"top_k": 1}, {"top_p": 1e-6},
-], ids=["do_sample=False", "top_k=1", "top_p=1e-6"])
-def test_greedy_settings_reach_sglang(unit: Any, tiny_model_dir: Path, tmp_path: Path,
-                                      overrides: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"generation_kwargs": {"do_sample": False}},
+        {"top_k": 1},
+        {"top_p": 1e-6},
+    ],
+    ids=["do_sample=False", "top_k=1", "top_p=1e-6"],
+)
+def test_greedy_settings_reach_sglang(
+    unit: Any, tiny_model_dir: Path, tmp_path: Path, overrides: dict[str, Any]
+) -> None:
     # Each makes SGLang greedy: the num_generations completions of a prompt are identical.
     _, ids, _ = _train(unit, tiny_model_dir, tmp_path, **overrides)
     assert ids and all(all(c == g[0] for c in g) for g in _groups(ids)), _groups(ids)[:2]
@@ -236,41 +298,57 @@ def test_sampling_settings_reach_sglang(unit: Any, tiny_model_dir: Path, tmp_pat
     assert all(1 <= len(c) <= 3 for c in ids)
     assert any(len({tuple(c) for c in g}) > 1 for g in _groups(ids))
     # generation_kwargs' max_new_tokens (SGLang's name) overrides it, as in TRL's own generation.
-    _, ids, _ = _train(unit, tiny_model_dir, tmp_path / "b", max_completion_length=8,
-                       generation_kwargs={"max_tokens": 2})
+    _, ids, _ = _train(
+        unit, tiny_model_dir, tmp_path / "b", max_completion_length=8, generation_kwargs={"max_tokens": 2}
+    )
     assert all(1 <= len(c) <= 2 for c in ids)
 
 
 @pytest.mark.sglang
-def test_structured_outputs_regex_constrains_the_completions(unit: Any, tiny_model_dir: Path,
-                                                             tmp_path: Path) -> None:
+def test_structured_outputs_regex_constrains_the_completions(unit: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
     import re
 
     trainer, _, texts = _train(unit, tiny_model_dir, tmp_path, vllm_structured_outputs_regex="[0-9]+")
     assert texts and all(re.fullmatch(r"[0-9]*", t) for t in texts), texts[:8]
     assert trainer.vllm_generation.logprob_source == "rescored"
-    is_mean = [h["sampling/importance_sampling_ratio/mean"] for h in trainer.state.log_history
-               if "sampling/importance_sampling_ratio/mean" in h]
+    is_mean = [
+        h["sampling/importance_sampling_ratio/mean"]
+        for h in trainer.state.log_history
+        if "sampling/importance_sampling_ratio/mean" in h
+    ]
     assert is_mean and all(0.8 < m < 1.25 for m in is_mean), is_mean
 
 
 LOSS_SETTINGS = [
-    {"loss_type": "grpo"}, {"loss_type": "bnpo"}, {"loss_type": "dr_grpo"}, {"loss_type": "dapo"},
-    {"loss_type": "cispo"}, {"loss_type": "sapo"}, {"loss_type": "luspo", "importance_sampling_level": "sequence"},
-    {"loss_type": "vespo"}, {"beta": 0.04}, {"beta": 0.04, "sync_ref_model": True, "ref_model_sync_steps": 1},
-    {"num_iterations": 2, "max_steps": 2}, {"epsilon_high": 0.28, "delta": 1.5},
-    {"importance_sampling_level": "sequence"}, {"top_entropy_quantile": 0.5}, {"entropy_coef": 0.01},
-    {"off_policy_mask_threshold": 0.5}, {"vllm_importance_sampling_mode": "token_truncate"},
+    {"loss_type": "grpo"},
+    {"loss_type": "bnpo"},
+    {"loss_type": "dr_grpo"},
+    {"loss_type": "dapo"},
+    {"loss_type": "cispo"},
+    {"loss_type": "sapo"},
+    {"loss_type": "luspo", "importance_sampling_level": "sequence"},
+    {"loss_type": "vespo"},
+    {"beta": 0.04},
+    {"beta": 0.04, "sync_ref_model": True, "ref_model_sync_steps": 1},
+    {"num_iterations": 2, "max_steps": 2},
+    {"epsilon_high": 0.28, "delta": 1.5},
+    {"importance_sampling_level": "sequence"},
+    {"top_entropy_quantile": 0.5},
+    {"entropy_coef": 0.01},
+    {"off_policy_mask_threshold": 0.5},
+    {"vllm_importance_sampling_mode": "token_truncate"},
     {"vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.5},
-    {"scale_rewards": "batch"}, {"mask_truncated_completions": True, "max_completion_length": 16},
+    {"scale_rewards": "batch"},
+    {"mask_truncated_completions": True, "max_completion_length": 16},
     {"steps_per_generation": 2, "max_steps": 2},
 ]
 
 
 @pytest.mark.sglang
 @pytest.mark.parametrize("overrides", LOSS_SETTINGS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
-def test_loss_settings_train_on_sglang_rollouts(unit: Any, tiny_model_dir: Path, tmp_path: Path,
-                                                overrides: dict[str, Any]) -> None:
+def test_loss_settings_train_on_sglang_rollouts(
+    unit: Any, tiny_model_dir: Path, tmp_path: Path, overrides: dict[str, Any]
+) -> None:
     import math
 
     import torch
@@ -294,8 +372,11 @@ def test_loss_settings_train_on_sglang_rollouts(unit: Any, tiny_model_dir: Path,
     after = {k: v.detach() for k, v in trainer.model.named_parameters()}
     assert any(not torch.equal(before[k], after[k]) for k in before), "no parameter changed"
     # ... and TRL's IS correction saw SGLang's logprobs agree with its own (nothing masked away).
-    is_mean = [h["sampling/importance_sampling_ratio/mean"] for h in trainer.state.log_history
-               if "sampling/importance_sampling_ratio/mean" in h]
+    is_mean = [
+        h["sampling/importance_sampling_ratio/mean"]
+        for h in trainer.state.log_history
+        if "sampling/importance_sampling_ratio/mean" in h
+    ]
     assert is_mean and all(0.8 < m < 1.25 for m in is_mean), is_mean
 
 
@@ -305,9 +386,17 @@ def test_rloo_fields_train_on_sglang_rollouts(unit: Any, tiny_model_dir: Path, t
 
     from trainer_hooks import RLOOTrainer
 
-    trainer, ids, _ = _train(unit, tiny_model_dir, tmp_path, config_class=RLOOConfig, trainer_class=RLOOTrainer,
-                             normalize_advantages=True, reward_clip_range=(-1.0, 1.0), beta=0.0,
-                             generation_kwargs={"do_sample": False})
+    trainer, ids, _ = _train(
+        unit,
+        tiny_model_dir,
+        tmp_path,
+        config_class=RLOOConfig,
+        trainer_class=RLOOTrainer,
+        normalize_advantages=True,
+        reward_clip_range=(-1.0, 1.0),
+        beta=0.0,
+        generation_kwargs={"do_sample": False},
+    )
     assert all(all(c == g[0] for c in g) for g in _groups(ids))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses and all(math.isfinite(x) for x in losses)

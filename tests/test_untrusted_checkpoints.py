@@ -29,13 +29,14 @@ PUBLISH_CONFIG = {"model_type": "qwen2"}
 
 def make_state(seed: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"model.embed_tokens.weight": torch.randn(32, 16, generator=g).to(dtype),
-            "model.norm.weight": torch.randn(16, generator=g).to(dtype)}
+    return {
+        "model.embed_tokens.weight": torch.randn(32, 16, generator=g).to(dtype),
+        "model.norm.weight": torch.randn(16, generator=g).to(dtype),
+    }
 
 
 def publish(root: Path, step: int, state=None, **kw):
-    return publish_checkpoint(root, step, (state or make_state(step)).items(), config=PUBLISH_CONFIG,
-                              **kw).path
+    return publish_checkpoint(root, step, (state or make_state(step)).items(), config=PUBLISH_CONFIG, **kw).path
 
 
 def validate_in_thread(path: Path, limit_s: float = 10.0, **kw) -> CheckpointError:
@@ -61,8 +62,12 @@ def validate_in_thread(path: Path, limit_s: float = 10.0, **kw) -> CheckpointErr
 
 
 def cli_validate(path: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollout_service.cli", "validate", str(path), *extra],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_service.cli", "validate", str(path), *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def assert_cli_invalid(path: Path, reason: str, *extra: str) -> None:
@@ -82,6 +87,7 @@ def rewrite_manifest(path: Path, text: str | bytes) -> None:
 
 
 # --- class 2: every entry is untrusted -------------------------------------------------------
+
 
 @pytest.mark.parametrize("victim", ["manifest.json", "config.json", "model.safetensors"])
 def test_fifo_in_place_of_a_file_is_refused_without_blocking(tmp_path, victim):
@@ -136,28 +142,30 @@ def test_validation_has_a_deadline(tmp_path):
 
 # --- class 3: any failure is a rejection with a reason ----------------------------------------
 
+
 def _manifest(path: Path) -> dict:
     return json.loads((path / "manifest.json").read_text())
 
 
 BAD_MANIFESTS = {
     "deep_nesting": lambda m: "[" * 100_000 + "]" * 100_000,
-    "infinity_size": lambda m: json.dumps(m).replace(f'"total_bytes": {m["total_bytes"]}',
-                                                     '"total_bytes": Infinity'),
-    "nan_created_at": lambda m: json.dumps(m).replace(f'"created_at": {m["created_at"]}',
-                                                      '"created_at": NaN'),
+    "infinity_size": lambda m: json.dumps(m).replace(f'"total_bytes": {m["total_bytes"]}', '"total_bytes": Infinity'),
+    "nan_created_at": lambda m: json.dumps(m).replace(f'"created_at": {m["created_at"]}', '"created_at": NaN'),
     "non_utf8": lambda m: b"\xff\xfe" + json.dumps(m).encode(),
     "files_is_a_list": lambda m: json.dumps({**m, "files": [1, 2]}),
-    "size_is_a_string": lambda m: json.dumps({**m, "files": {
-        k: {**v, "size": str(v["size"])} for k, v in m["files"].items()}}),
-    "size_is_a_float": lambda m: json.dumps({**m, "files": {
-        k: {**v, "size": v["size"] + 0.5} for k, v in m["files"].items()}}),
+    "size_is_a_string": lambda m: json.dumps(
+        {**m, "files": {k: {**v, "size": str(v["size"])} for k, v in m["files"].items()}}
+    ),
+    "size_is_a_float": lambda m: json.dumps(
+        {**m, "files": {k: {**v, "size": v["size"] + 0.5} for k, v in m["files"].items()}}
+    ),
     "size_is_negative": lambda m: json.dumps({**m, "total_bytes": -1}),
     "size_is_huge": lambda m: json.dumps({**m, "total_bytes": 10**40}),
     "step_is_bool": lambda m: json.dumps({**m, "step": True}),
     "entry_is_a_number": lambda m: json.dumps({**m, "files": {"model.safetensors": 3}}),
-    "digest_is_an_object": lambda m: json.dumps({**m, "files": {
-        k: {**v, "digest": {"x": 1}} for k, v in m["files"].items()}}),
+    "digest_is_an_object": lambda m: json.dumps(
+        {**m, "files": {k: {**v, "digest": {"x": 1}} for k, v in m["files"].items()}}
+    ),
     "top_level_array": lambda m: json.dumps([m]),
     "bad_run_id": lambda m: json.dumps({**m, "run_id": "../../etc"}),
     "empty": lambda m: "",
@@ -195,8 +203,7 @@ def test_wrong_json_types_in_the_index_are_rejections(tmp_path, weight_map):
     from rollout_service.digest import file_digest
 
     index.write_text(text)
-    manifest["files"]["model.safetensors.index.json"].update(size=index.stat().st_size,
-                                                             digest=file_digest(index))
+    manifest["files"]["model.safetensors.index.json"].update(size=index.stat().st_size, digest=file_digest(index))
     manifest["total_bytes"] = sum(e["size"] for e in manifest["files"].values())
     rewrite_manifest(path, json.dumps(manifest))
     err = validate_in_thread(path)
@@ -225,17 +232,23 @@ def test_integer_tensors_cannot_stand_in_for_weights(tmp_path):
 
 # --- class 5: step names are ASCII digits only ------------------------------------------------
 
+
 def test_only_ascii_digit_step_names_are_steps(tmp_path):
     publish(tmp_path, 3)
-    for name in ("step-\uff10\uff10\uff10\uff10\uff10\uff10\uff19\uff19",  # fullwidth digits
-                 "step-\u0660\u0660\u0660\u0660\u0660\u0660\u0669\u0669",  # Arabic-Indic digits
-                 "step-00000099\n", "step-000000099", "step-0000009"):
+    for name in (
+        "step-\uff10\uff10\uff10\uff10\uff10\uff10\uff19\uff19",  # fullwidth digits
+        "step-\u0660\u0660\u0660\u0660\u0660\u0660\u0669\u0669",  # Arabic-Indic digits
+        "step-00000099\n",
+        "step-000000099",
+        "step-0000009",
+    ):
         assert parse_step_dir_name(name) is None, name
         (tmp_path / name).mkdir()
     assert [c.step for c in list_checkpoints(tmp_path)] == [3]
 
 
 # --- class 6: weights that are not finite -----------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -252,6 +265,7 @@ def test_non_finite_weights_are_rejected_when_bytes_are_read(tmp_path, dtype, ba
 
 
 # --- class 7: acks stay inside the root -------------------------------------------------------
+
 
 def test_symlinked_acks_dir_is_not_followed(tmp_path):
     root, outside = tmp_path / "root", tmp_path / "outside"

@@ -24,12 +24,29 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow  # subprocesses with torch start-ups: several seconds
 def test_fsdp1_publishes_full_weights_not_flat_shards(tmp_path):
     out = tmp_path / "fsdp1.json"
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(REPO / "tests" / "scripts" / "fsdp1_gather.py"), "--out", str(out),
-                           "--root", str(tmp_path / "ckpts")],
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1",
-                               "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(REPO / "tests" / "scripts" / "fsdp1_gather.py"),
+            "--out",
+            str(out),
+            "--root",
+            str(tmp_path / "ckpts"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        },
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     main = json.loads(out.with_suffix(".rank0.json").read_text())
     other = json.loads(out.with_suffix(".rank1.json").read_text())
@@ -64,17 +81,31 @@ class _NoWait:
 
 
 def _publisher(tmp_path, dtype):
-    return CheckpointPublisher(tmp_path, _NoWait(), config={}, dtype=dtype, max_shard_bytes=1 << 20, keep=None,
-                               sync_timeout_s=10, heartbeat_max_age_s=10)
+    return CheckpointPublisher(
+        tmp_path,
+        _NoWait(),
+        config={},
+        dtype=dtype,
+        max_shard_bytes=1 << 20,
+        keep=None,
+        sync_timeout_s=10,
+        heartbeat_max_age_s=10,
+    )
 
 
 def test_floating_tensors_on_a_device_are_cast_there_before_the_copy_to_the_cpu():
     # The meta device stands in for a GPU: it has no data, so any copy to the CPU would fail.
-    on_device = [("w", torch.empty(4, 4, device="meta")), ("ids", torch.empty(4, dtype=torch.int64, device="meta")),
-                 ("h", torch.empty(2, device="meta", dtype=torch.bfloat16))]
+    on_device = [
+        ("w", torch.empty(4, 4, device="meta")),
+        ("ids", torch.empty(4, dtype=torch.int64, device="meta")),
+        ("h", torch.empty(2, device="meta", dtype=torch.bfloat16)),
+    ]
     cast = list(cast_on_device(on_device, torch.bfloat16))
     assert [(n, t.dtype, t.device.type) for n, t in cast] == [
-        ("w", torch.bfloat16, "meta"), ("ids", torch.int64, "meta"), ("h", torch.bfloat16, "meta")]
+        ("w", torch.bfloat16, "meta"),
+        ("ids", torch.int64, "meta"),
+        ("h", torch.bfloat16, "meta"),
+    ]
     cpu = torch.ones(3)
     [(_, same)] = cast_on_device([("c", cpu)], torch.bfloat16)
     assert same is cpu  # CPU tensors: the writer casts, as before (no extra copy)
@@ -120,12 +151,14 @@ def test_a_background_publish_writes_the_values_of_the_snapshot_time_in_the_chec
 
 def test_zero3_gathered_parameters_are_copied_on_the_main_process_only():
     import deepspeed  # noqa: F401  (pinned in requirements/cpu.lock)
+
     model = torch.nn.Linear(4, 4)  # no ds_id: GatheredParameters is a no-op, the copy policy is what is tested
     plugin = SimpleNamespace(zero_stage=3)
 
     def run(is_main):
-        acc = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin), device=torch.device("cpu"),
-                              is_main_process=is_main)
+        acc = SimpleNamespace(
+            state=SimpleNamespace(deepspeed_plugin=plugin), device=torch.device("cpu"), is_main_process=is_main
+        )
         return dict(iter_full_weights(model, acc))
 
     main = run(True)

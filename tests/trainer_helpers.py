@@ -28,13 +28,33 @@ def length_reward(completions: list[Any], **kwargs: Any) -> list[float]:
     return [len(c[0]["content"]) / 100.0 for c in completions]
 
 
-def make_config(tmp_path: Path, root: Path, sglang_urls: list[str], sidecar_urls: list[str] | None = None,
-                config_class: type = GRPOConfig, **overrides: Any) -> Any:
+def make_config(
+    tmp_path: Path,
+    root: Path,
+    sglang_urls: list[str],
+    sidecar_urls: list[str] | None = None,
+    config_class: type = GRPOConfig,
+    **overrides: Any,
+) -> Any:
     settings: dict[str, Any] = dict(
-        output_dir=str(tmp_path / "out"), checkpoint_path=str(root), sglang_urls=sglang_urls,
-        sidecar_urls=sidecar_urls or [], report_to="none", use_cpu=True, bf16=False, num_generations=4,
-        per_device_train_batch_size=4, max_completion_length=8, max_steps=3, logging_steps=1,
-        save_strategy="no", learning_rate=1e-3, sync_timeout=SLOW_SYNC_TIMEOUT_S, disable_tqdm=True, seed=0)
+        output_dir=str(tmp_path / "out"),
+        checkpoint_path=str(root),
+        sglang_urls=sglang_urls,
+        sidecar_urls=sidecar_urls or [],
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        max_completion_length=8,
+        max_steps=3,
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=1e-3,
+        sync_timeout=SLOW_SYNC_TIMEOUT_S,
+        disable_tqdm=True,
+        seed=0,
+    )
     settings.update(overrides)
     return config_class(**settings)
 
@@ -42,8 +62,13 @@ def make_config(tmp_path: Path, root: Path, sglang_urls: list[str], sidecar_urls
 def make_trainer(model_dir: Path, config: Any, trainer_class: type = GRPOTrainer) -> Any:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return trainer_class(model=model, reward_funcs=length_reward, args=config, train_dataset=prompts_dataset(),
-                         processing_class=tokenizer)
+    return trainer_class(
+        model=model,
+        reward_funcs=length_reward,
+        args=config,
+        train_dataset=prompts_dataset(),
+        processing_class=tokenizer,
+    )
 
 
 class EmbeddingInputs:

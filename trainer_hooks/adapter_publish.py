@@ -47,8 +47,9 @@ def peft_adapter_config(model: torch.nn.Module) -> dict[str, Any] | None:
     return None if config is None else config.to_dict()
 
 
-def server_lora_limits(urls: Sequence[str], api_key: str | None, timeout_s: float = 30.0
-                       ) -> list[tuple[str, LoraLimits | str]]:
+def server_lora_limits(
+    urls: Sequence[str], api_key: str | None, timeout_s: float = 30.0
+) -> list[tuple[str, LoraLimits | str]]:
     """Each endpoint's LoRA limits from ``/server_info``, or why they could not be read."""
     found: list[tuple[str, LoraLimits | str]] = []
     with httpx.Client(timeout=timeout_s, headers=bearer_headers(api_key), trust_env=False) as client:
@@ -62,14 +63,18 @@ def server_lora_limits(urls: Sequence[str], api_key: str | None, timeout_s: floa
     return found
 
 
-def adapter_sync_problem(model: torch.nn.Module, accelerator: Any, urls: Sequence[str],
-                         api_key: str | None) -> str | None:
+def adapter_sync_problem(
+    model: torch.nn.Module, accelerator: Any, urls: Sequence[str], api_key: str | None
+) -> str | None:
     """Why adapter sync cannot be used for ``model`` with these endpoints; None when it can."""
     config = peft_adapter_config(model)
     if config is None:
         return "the model is not a PEFT LoRA model"
-    if is_zero3(accelerator) or is_fsdp1(unwrap_model(model)) or any(
-            hasattr(p, "full_tensor") for p in unwrap_model(model).parameters()):
+    if (
+        is_zero3(accelerator)
+        or is_fsdp1(unwrap_model(model))
+        or any(hasattr(p, "full_tensor") for p in unwrap_model(model).parameters())
+    ):
         return "the adapter is sharded (DeepSpeed ZeRO-3 or FSDP); adapter sync gathers unsharded adapters only"
     for url, limits in server_lora_limits(urls, api_key):
         if isinstance(limits, str):
@@ -105,20 +110,31 @@ class AdapterPublisher:
         pub.join()
         t0 = time.perf_counter()
         want = target_dtype(self.dtype)
-        state = {name: t.detach().to("cpu", dtype=want if want is not None and t.is_floating_point() else t.dtype)
-                 for name, t in get_peft_model_state_dict(self.model, adapter_name=ADAPTER_NAME).items()}
+        state = {
+            name: t.detach().to("cpu", dtype=want if want is not None and t.is_floating_point() else t.dtype)
+            for name, t in get_peft_model_state_dict(self.model, adapter_name=ADAPTER_NAME).items()
+        }
         gather_s = time.perf_counter() - t0
         version = pub.next_version()
         pub._start(version)
         t1 = time.perf_counter()
-        result = publish_adapter(pub.root, version, state, self.config, dtype=self.dtype,
-                                 base_model=pub.base_model, run_id=pub.run_id)
-        return pub._finish(version, gather_s=gather_s, write_s=time.perf_counter() - t1, result=result,
-                           started=t1, before_s=gather_s, background=False)
+        result = publish_adapter(
+            pub.root, version, state, self.config, dtype=self.dtype, base_model=pub.base_model, run_id=pub.run_id
+        )
+        return pub._finish(
+            version,
+            gather_s=gather_s,
+            write_s=time.perf_counter() - t1,
+            result=result,
+            started=t1,
+            before_s=gather_s,
+            background=False,
+        )
 
 
-def choose_adapter_sync(publisher: CheckpointPublisher, model: torch.nn.Module, accelerator: Any, args: Any,
-                        dtype: str | None) -> AdapterPublisher | None:
+def choose_adapter_sync(
+    publisher: CheckpointPublisher, model: torch.nn.Module, accelerator: Any, args: Any, dtype: str | None
+) -> AdapterPublisher | None:
     """An :class:`AdapterPublisher` when adapter sync applies (``args.adapter_sync`` and no
     :func:`adapter_sync_problem`); else None, with one log line saying why for a PEFT model."""
     if peft_adapter_config(model) is None:
@@ -128,8 +144,9 @@ def choose_adapter_sync(publisher: CheckpointPublisher, model: torch.nn.Module, 
         return None
     problem = adapter_sync_problem(model, accelerator, args.sglang_urls, getattr(args, "sglang_api_token", None))
     if problem is not None:
-        log.warning("LoRA adapter sync is not possible, syncing the merged model as full checkpoints instead:"
-                    " %s", problem)
+        log.warning(
+            "LoRA adapter sync is not possible, syncing the merged model as full checkpoints instead: %s", problem
+        )
         return None
     log.info("LoRA adapter sync: each version is published as an adapter and served with SGLang's LoRA support")
     return AdapterPublisher(publisher, model, dtype)

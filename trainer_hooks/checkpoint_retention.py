@@ -48,8 +48,13 @@ def prune_checkpoints(root: Path | str, keep: int, protected: set[int] | frozens
         shutil.rmtree(hidden, ignore_errors=True)
         removed.append(ckpt.step)
     if removed:
-        log.info("deleted old checkpoint step(s) %s under %s (keeping %d, protected %s)", removed, root, keep,
-                 sorted(needed - {c.step for c in found[-keep:]}))
+        log.info(
+            "deleted old checkpoint step(s) %s under %s (keeping %d, protected %s)",
+            removed,
+            root,
+            keep,
+            sorted(needed - {c.step for c in found[-keep:]}),
+        )
     return removed
 
 

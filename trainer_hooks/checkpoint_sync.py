@@ -104,8 +104,9 @@ def target_dtype(name: str | None) -> torch.dtype | None:
     return _FLOAT_DTYPES[normalize_dtype(name)]  # type: ignore[index]
 
 
-def cast_on_device(tensors: Iterable[tuple[str, torch.Tensor]],
-                   dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+def cast_on_device(
+    tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Cast floating tensors to ``dtype`` where they are (on the GPU), before any copy to the CPU.
 
     The writer copies each tensor to the CPU and then casts; done here first, a float32 -> bfloat16
@@ -173,8 +174,9 @@ class CheckpointPublisher:
         candidates = [0, self.latest_version or 0, newest.step if newest else 0]
         return max(candidates) + 1
 
-    def publish(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], *,
-                background: bool) -> Future[SyncRecord]:
+    def publish(
+        self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], *, background: bool
+    ) -> Future[SyncRecord]:
         """Take in ``tensors`` now, then write ``version`` and wait for the replicas in a job.
 
         The job runs on this thread (``background=False``: the Future is done on return) or on
@@ -201,8 +203,15 @@ class CheckpointPublisher:
             spent = time.perf_counter() - t1
             gather_s = timed.seconds if streams else taken_s
             write_s = max(0.0, spent - timed.seconds) if streams else spent
-            return self._finish(version, gather_s=gather_s, write_s=write_s, result=result,
-                                started=t1, before_s=0.0 if streams else taken_s, background=background)
+            return self._finish(
+                version,
+                gather_s=gather_s,
+                write_s=write_s,
+                result=result,
+                started=t1,
+                before_s=0.0 if streams else taken_s,
+                background=background,
+            )
 
         if background:
             if self._pool is None:
@@ -229,28 +238,30 @@ class CheckpointPublisher:
         self.publish(version, tensors, background=True)
         return time.perf_counter() - t0
 
-    def _take_in(self, timed: _TimedIterator, background: bool
-                 ) -> tuple[Callable[[int], PublishResult], bool]:
+    def _take_in(self, timed: _TimedIterator, background: bool) -> tuple[Callable[[int], PublishResult], bool]:
         """What the job needs, taken from the weights now: (write(version), whether it streams)."""
-        common = dict(config=self.config, max_shard_bytes=self.max_shard_bytes,
-                      base_model=self.base_model, run_id=self.run_id)
+        common: dict[str, Any] = dict(
+            config=self.config, max_shard_bytes=self.max_shard_bytes, base_model=self.base_model, run_id=self.run_id
+        )
         if self.delta is not None:
             delta = self.delta
             delta.absorb(cast_on_device(timed, self._torch_dtype), dtype=self.dtype)
-            return (lambda version: delta.write(self.root, version, **common)), False  # type: ignore[arg-type]
+            return (lambda version: delta.write(self.root, version, **common)), False
         if background:
             snapshot = self._snapshot(iter(timed))
 
             def write_snapshot(version: int) -> PublishResult:
                 try:
-                    return publish_checkpoint(self.root, version, snapshot, dtype=self.dtype, **common)  # type: ignore[arg-type]
+                    return publish_checkpoint(self.root, version, snapshot, dtype=self.dtype, **common)
                 finally:
                     snapshot.clear()
 
             return write_snapshot, False
-        return (lambda version: publish_checkpoint(
-            self.root, version, cast_on_device(timed, self._torch_dtype), dtype=self.dtype,
-            **common)), True  # type: ignore[arg-type]
+        return (
+            lambda version: publish_checkpoint(
+                self.root, version, cast_on_device(timed, self._torch_dtype), dtype=self.dtype, **common
+            )
+        ), True
 
     def _snapshot(self, source: Iterator[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """A CPU copy of every tensor, already in the checkpoint dtype (one copy, never two).
@@ -331,8 +342,17 @@ class CheckpointPublisher:
         if self.first_version is None:
             self.first_version = version
 
-    def _finish(self, version: int, *, gather_s: float, write_s: float, result: PublishResult,
-                started: float, before_s: float, background: bool) -> SyncRecord:
+    def _finish(
+        self,
+        version: int,
+        *,
+        gather_s: float,
+        write_s: float,
+        result: PublishResult,
+        started: float,
+        before_s: float,
+        background: bool,
+    ) -> SyncRecord:
         """Wake and wait for the replicas, prune, record; ``started``/``before_s`` give the total time."""
         self.waiter.notify(version)
         t_wait = time.perf_counter()
@@ -340,16 +360,31 @@ class CheckpointPublisher:
         wait_s = time.perf_counter() - t_wait
         self.confirmed_version = max(self.confirmed_version or 0, version)
         pruned = self._prune(version)
-        record = SyncRecord(version=version, gather_s=gather_s, write_s=write_s, wait_s=wait_s,
-                            total_s=before_s + (time.perf_counter() - started), bytes=result.total_bytes,
-                            background=background, pruned=len(pruned), kind=result.kind,
-                            full_bytes=result.full_bytes or result.total_bytes)
+        record = SyncRecord(
+            version=version,
+            gather_s=gather_s,
+            write_s=write_s,
+            wait_s=wait_s,
+            total_s=before_s + (time.perf_counter() - started),
+            bytes=result.total_bytes,
+            background=background,
+            pruned=len(pruned),
+            kind=result.kind,
+            full_bytes=result.full_bytes or result.total_bytes,
+        )
         with self._records_lock:
             self._records.append(record)
-        log.info("sync version %d (%s): gather %.3f s, write %.3f s (%.1f MB%s), replicas %.3f s%s", version,
-                 result.kind, gather_s, write_s, result.total_bytes / 1e6,
-                 f" of {record.full_bytes / 1e6:.1f} MB full" if result.kind == "delta" else "", wait_s,
-                 " (background)" if background else "")
+        log.info(
+            "sync version %d (%s): gather %.3f s, write %.3f s (%.1f MB%s), replicas %.3f s%s",
+            version,
+            result.kind,
+            gather_s,
+            write_s,
+            result.total_bytes / 1e6,
+            f" of {record.full_bytes / 1e6:.1f} MB full" if result.kind == "delta" else "",
+            wait_s,
+            " (background)" if background else "",
+        )
         return record
 
     def _prune(self, newest: int) -> list[int]:

@@ -86,8 +86,10 @@ class SGLangRolloutArguments:
 
     checkpoint_path: str | None = field(
         default=None,
-        metadata={"help": "Shared directory the trainer publishes step-XXXXXXXX checkpoints into "
-                  "(the directory the SGLang sidecars watch)."},
+        metadata={
+            "help": "Shared directory the trainer publishes step-XXXXXXXX checkpoints into "
+            "(the directory the SGLang sidecars watch)."
+        },
     )
     sglang_urls: list[str] = field(
         default_factory=list,
@@ -107,20 +109,25 @@ class SGLangRolloutArguments:
     )
     max_staleness: int = field(
         default=0,
-        metadata={"help": "Versions a rollout's weights may lag the newest checkpoint (0: none; "
-                  ">0: publish in the background)."},
+        metadata={
+            "help": "Versions a rollout's weights may lag the newest checkpoint (0: none; "
+            ">0: publish in the background)."
+        },
     )
     checkpoint_dtype: str | None = field(
         default=None,
         metadata={"help": "dtype of published checkpoints (default: the model's configured dtype)."},
     )
     checkpoint_max_shard_mb: float = field(
-        default=2048.0, metadata={"help": "Largest safetensors shard written, in MB."},
+        default=2048.0,
+        metadata={"help": "Largest safetensors shard written, in MB."},
     )
     checkpoint_delta: bool | None = field(
         default=None,
-        metadata={"help": "Publish XOR+zstd deltas instead of whole checkpoints (default: on for bf16/fp16 "
-                  "checkpoints, off for fp32). Keeps one model copy in host RAM."},
+        metadata={
+            "help": "Publish XOR+zstd deltas instead of whole checkpoints (default: on for bf16/fp16 "
+            "checkpoints, off for fp32). Keeps one model copy in host RAM."
+        },
     )
     checkpoint_full_every: int = field(
         default=DEFAULT_FULL_EVERY,
@@ -132,21 +139,28 @@ class SGLangRolloutArguments:
     )
     adapter_sync: bool = field(
         default=True,
-        metadata={"help": "With a PEFT LoRA model, sync only the adapter when every replica serves LoRA "
-                  "(serve --lora); otherwise merged full checkpoints, with one log line saying why."},
+        metadata={
+            "help": "With a PEFT LoRA model, sync only the adapter when every replica serves LoRA "
+            "(serve --lora); otherwise merged full checkpoints, with one log line saying why."
+        },
     )
     keep_checkpoints: int | None = field(
         default=3,
-        metadata={"help": "Newest checkpoints to keep (None: keep all); a version a live replica "
-                  "serves or loads is never deleted."},
+        metadata={
+            "help": "Newest checkpoints to keep (None: keep all); a version a live replica "
+            "serves or loads is never deleted."
+        },
     )
     sidecar_token: str | None = field(
-        default=None, metadata={"help": "Bearer token of the sidecars' POST /sync."},
+        default=None,
+        metadata={"help": "Bearer token of the sidecars' POST /sync."},
     )
     sglang_api_token: str | None = field(
         default=None,
-        metadata={"help": "The --api-key SGLang was started with, sent as a Bearer token with every request "
-                  "(named *_token so that TrainingArguments redacts it in logs)."},
+        metadata={
+            "help": "The --api-key SGLang was started with, sent as a Bearer token with every request "
+            "(named *_token so that TrainingArguments redacts it in logs)."
+        },
     )
     sglang_request_timeout: float = field(
         default=DEFAULT_REQUEST_TIMEOUT_S,
@@ -158,9 +172,11 @@ class SGLangRolloutArguments:
     )
     sglang_log_paths: list[str] = field(
         default_factory=list,
-        metadata={"help": "SGLang's log files as the trainer sees them (the --sglang-log of `rollout-service serve`), "
-                  "one per sglang_urls entry or one for all: when a request kills a server, the trainer's error "
-                  "quotes SGLang's last error lines from there."},
+        metadata={
+            "help": "SGLang's log files as the trainer sees them (the --sglang-log of `rollout-service serve`), "
+            "one per sglang_urls entry or one for all: when a request kills a server, the trainer's error "
+            "quotes SGLang's last error lines from there."
+        },
     )
 
     # TRL's own switches, fixed for SGLang (and checked below).
@@ -238,10 +254,15 @@ class SGLangRolloutArguments:
             normalize_dtype(self.checkpoint_dtype)
         if self.checkpoint_delta not in (None, True, False):
             raise ValueError(f"checkpoint_delta must be True, False or None (auto), got {self.checkpoint_delta!r}")
-        if isinstance(self.checkpoint_full_every, bool) or not isinstance(self.checkpoint_full_every, int) \
-                or self.checkpoint_full_every < 1:
-            raise ValueError(f"checkpoint_full_every must be an integer >= 1 (1: every checkpoint is full), got "
-                             f"{self.checkpoint_full_every!r}")
+        if (
+            isinstance(self.checkpoint_full_every, bool)
+            or not isinstance(self.checkpoint_full_every, int)
+            or self.checkpoint_full_every < 1
+        ):
+            raise ValueError(
+                f"checkpoint_full_every must be an integer >= 1 (1: every checkpoint is full), got "
+                f"{self.checkpoint_full_every!r}"
+            )
         if not 0 < self.checkpoint_delta_max_ratio <= 1:
             raise ValueError(f"checkpoint_delta_max_ratio must be in (0, 1], got {self.checkpoint_delta_max_ratio!r}")
         if self.checkpoint_path is None or str(self.checkpoint_path).strip() == "":
@@ -310,20 +331,47 @@ class RLOOConfig(SGLangRolloutArguments, trl.RLOOConfig):
 
 # --- TRL fields with SGLang rollouts (docs/trl-conformance.md has the table) -----------------
 
-SGLANG_SAMPLING_PARAMS = frozenset({
-    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "json_schema", "regex",
-    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-    "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed", "custom_params", "watermark",
-})
+SGLANG_SAMPLING_PARAMS = frozenset(
+    {
+        "max_new_tokens",
+        "stop",
+        "stop_token_ids",
+        "stop_regex",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "min_new_tokens",
+        "json_schema",
+        "regex",
+        "ebnf",
+        "structural_tag",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
+        "stream_interval",
+        "logit_bias",
+        "sampling_seed",
+        "custom_params",
+        "watermark",
+    }
+)
 """The request-level sampling parameters of SGLang 0.5.23's ``/generate`` (``SamplingParams``) that
 ``generation_kwargs`` may carry; ``n`` and ``beam_width`` are not among them (see below)."""
 
 CONSTRAINT_PARAMS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 _RENAMED = {  # transformers / vLLM name -> SGLang name, same meaning
-    "stop_strings": "stop", "eos_token_id": "stop_token_ids", "max_tokens": "max_new_tokens",
-    "min_tokens": "min_new_tokens", "seed": "sampling_seed", "include_stop_str_in_output": "no_stop_trim",
+    "stop_strings": "stop",
+    "eos_token_id": "stop_token_ids",
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "seed": "sampling_seed",
+    "include_stop_str_in_output": "no_stop_trim",
 }
 _DROPPED = {  # transformers generation options that mean nothing for an HTTP engine
     "pad_token_id": "SGLang pads nothing (it returns token ids per completion)",
@@ -404,8 +452,10 @@ def translate_generation_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]
         elif key == "do_sample":
             if value is False:
                 out.setdefault("top_k", 1)
-                log.warning("generation_kwargs: do_sample=False -> top_k=1 for SGLang (greedy; the returned logprobs "
-                            "stay those of the temperature-scaled distribution, like the trainer's)")
+                log.warning(
+                    "generation_kwargs: do_sample=False -> top_k=1 for SGLang (greedy; the returned logprobs "
+                    "stay those of the temperature-scaled distribution, like the trainer's)"
+                )
             else:
                 log.info("generation_kwargs: do_sample=True dropped (SGLang always samples)")
         elif key == "num_beams":
@@ -505,12 +555,18 @@ def adapt_trl_fields(config: Any, *, world_size: int) -> None:
         value = getattr(config, name, default)
         if value != default:
             log.warning("%s=%r is not used with SGLang rollouts; use %s", name, value, instead)
-    if (getattr(config, "loss_type", None) == "vespo" and getattr(config, "vllm_importance_sampling_correction", False)
-            and config.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")):
-        log.warning("loss_type='vespo': vllm_importance_sampling_mode %r -> 'token_truncate' (TRL's VESPO needs a "
-                    "token-level mode once the external-engine IS correction is on; set "
-                    "vllm_importance_sampling_mode='token_mask' or vllm_importance_sampling_correction=False to choose "
-                    "otherwise)", config.vllm_importance_sampling_mode)
+    if (
+        getattr(config, "loss_type", None) == "vespo"
+        and getattr(config, "vllm_importance_sampling_correction", False)
+        and config.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
+    ):
+        log.warning(
+            "loss_type='vespo': vllm_importance_sampling_mode %r -> 'token_truncate' (TRL's VESPO needs a "
+            "token-level mode once the external-engine IS correction is on; set "
+            "vllm_importance_sampling_mode='token_mask' or vllm_importance_sampling_correction=False to choose "
+            "otherwise)",
+            config.vllm_importance_sampling_mode,
+        )
         config.vllm_importance_sampling_mode = "token_truncate"
     if world_size > 1:
         params = dict(config.generation_kwargs or {}, repetition_penalty=getattr(config, "repetition_penalty", 1.0))
@@ -520,8 +576,9 @@ def adapt_trl_fields(config: Any, *, world_size: int) -> None:
             # transformers starts the process group without ddp_timeout when use_cpu=True, so torch's
             # default (30 min) is the watchdog: fit the request timeout under it instead.
             if budget > TORCH_DEFAULT_PG_TIMEOUT_S:
-                fitted = ((TORCH_DEFAULT_PG_TIMEOUT_S - config.sync_timeout - COLLECTIVE_MARGIN_S)
-                          / (2 if rescoring else 1))
+                fitted = (TORCH_DEFAULT_PG_TIMEOUT_S - config.sync_timeout - COLLECTIVE_MARGIN_S) / (
+                    2 if rescoring else 1
+                )
                 if fitted < 60:
                     raise ValueError(
                         f"with use_cpu=True and {world_size} processes the process group runs with torch's default "
@@ -536,8 +593,13 @@ def adapt_trl_fields(config: Any, *, world_size: int) -> None:
                     "with torch's default timeout (%g s, ddp_timeout is not used), and the main process must report a "
                     "stuck request before that watchdog aborts the other processes (sync_timeout %g s + requests"
                     " + %g s)",
-                    config.sglang_request_timeout, int(fitted), world_size, TORCH_DEFAULT_PG_TIMEOUT_S,
-                    config.sync_timeout, COLLECTIVE_MARGIN_S)
+                    config.sglang_request_timeout,
+                    int(fitted),
+                    world_size,
+                    TORCH_DEFAULT_PG_TIMEOUT_S,
+                    config.sync_timeout,
+                    COLLECTIVE_MARGIN_S,
+                )
                 config.sglang_request_timeout = float(int(fitted))
             return
         if config.ddp_timeout < budget:
@@ -547,8 +609,14 @@ def adapt_trl_fields(config: Any, *, world_size: int) -> None:
                 "talks to SGLang for up to sync_timeout (%g s) + sglang_request_timeout (%g s)%s + %g s, and a "
                 "shorter ddp_timeout would end a stuck request in a collective abort (NCCL/gloo watchdog) instead of "
                 "the trainer's own error. To keep a shorter ddp_timeout, lower sglang_request_timeout and sync_timeout",
-                config.ddp_timeout, new, world_size, config.sync_timeout, config.sglang_request_timeout,
-                " x2 (rescoring)" if rescoring_needed(params) else "", COLLECTIVE_MARGIN_S)
+                config.ddp_timeout,
+                new,
+                world_size,
+                config.sync_timeout,
+                config.sglang_request_timeout,
+                " x2 (rescoring)" if rescoring_needed(params) else "",
+                COLLECTIVE_MARGIN_S,
+            )
             config.ddp_timeout = new
 
 

@@ -100,11 +100,18 @@ class SidecarWaiter:
         body = {"checkpoint": step_dir_name(version)}
         for url in self.urls:
             try:
-                r = httpx.post(f"{url}/sync", json=body, headers=self._headers,
-                               timeout=httpx.Timeout(5.0, connect=CONNECT_TIMEOUT_S))
+                r = httpx.post(
+                    f"{url}/sync",
+                    json=body,
+                    headers=self._headers,
+                    timeout=httpx.Timeout(5.0, connect=CONNECT_TIMEOUT_S),
+                )
                 if r.status_code == 401:
-                    log.warning("sidecar %s refused POST /sync (401): set sidecar_token to its --token; it "
-                                "still finds the checkpoint by watching the directory", url)
+                    log.warning(
+                        "sidecar %s refused POST /sync (401): set sidecar_token to its --token; it "
+                        "still finds the checkpoint by watching the directory",
+                        url,
+                    )
                 elif r.status_code >= 400:
                     log.debug("sidecar %s answered POST /sync with %d: %s", url, r.status_code, r.text[:200])
             except httpx.HTTPError as exc:
@@ -135,9 +142,15 @@ class SidecarWaiter:
                         "sidecars (GET /status) and their SGLang servers, or raise sync_timeout"
                     )
                 if now >= next_report:
-                    log.info("waiting for %d of %d replica(s) to load %s (%.0f s of %.0f s): %s", len(pending),
-                             len(self.urls), step_dir_name(version), now - started, timeout_s,
-                             "; ".join(self._views[u].describe() for u in pending))
+                    log.info(
+                        "waiting for %d of %d replica(s) to load %s (%.0f s of %.0f s): %s",
+                        len(pending),
+                        len(self.urls),
+                        step_dir_name(version),
+                        now - started,
+                        timeout_s,
+                        "; ".join(self._views[u].describe() for u in pending),
+                    )
                     next_report = now + PROGRESS_EVERY_S
         return [self._views[u] for u in self.urls]
 
@@ -148,8 +161,9 @@ class SidecarWaiter:
             params: dict[str, Any] = {"version": version, "timeout": wait_s}
             if self.run_id is not None:
                 params["run"] = self.run_id
-            r = client.get(f"{url}/wait", params=params,
-                           timeout=httpx.Timeout(wait_s + 10.0, connect=CONNECT_TIMEOUT_S))
+            r = client.get(
+                f"{url}/wait", params=params, timeout=httpx.Timeout(wait_s + 10.0, connect=CONNECT_TIMEOUT_S)
+            )
         except httpx.HTTPError as exc:
             view.unreachable = f"{type(exc).__name__}: {exc}"
             time.sleep(min(1.0, slice_s))
@@ -202,8 +216,14 @@ class AckFileWaiter:
         next_report = started + PROGRESS_EVERY_S
         while True:
             views = self._views()
-            done = [v for v in views if v.loaded_step is not None and v.loaded_step >= version
-                    and (self.run_id is None or v.run_id == self.run_id) and v.current is not False]
+            done = [
+                v
+                for v in views
+                if v.loaded_step is not None
+                and v.loaded_step >= version
+                and (self.run_id is None or v.run_id == self.run_id)
+                and v.current is not False
+            ]
             if len(done) >= self.expected:
                 return views
             now = time.monotonic()
@@ -214,9 +234,15 @@ class AckFileWaiter:
                     " Check the sidecars' logs and their SGLang servers, or raise sync_timeout"
                 )
             if now >= next_report:
-                log.info("waiting for replicas to acknowledge %s (%.0f s of %.0f s): %d of %d done; %s",
-                         step_dir_name(version), now - started, timeout_s, len(done), self.expected,
-                         self._situation(views, version))
+                log.info(
+                    "waiting for replicas to acknowledge %s (%.0f s of %.0f s): %d of %d done; %s",
+                    step_dir_name(version),
+                    now - started,
+                    timeout_s,
+                    len(done),
+                    self.expected,
+                    self._situation(views, version),
+                )
                 next_report = now + PROGRESS_EVERY_S
             time.sleep(POLL_INTERVAL_S)
 
@@ -238,8 +264,11 @@ class AckFileWaiter:
         lagging = [v.describe() for v in live if v.loaded_step is None or v.loaded_step < version]
         names = {v.name for v in live}
         now = time.time()
-        dead = [f"{name} (last heartbeat {now - float(ack.get('heartbeat', 0)):.0f} s ago)"
-                for name, ack in sorted(read_acks(self.root).items()) if name not in names]
+        dead = [
+            f"{name} (last heartbeat {now - float(ack.get('heartbeat', 0)):.0f} s ago)"
+            for name, ack in sorted(read_acks(self.root).items())
+            if name not in names
+        ]
         text = f"Live replicas: {len(live)}."
         if lagging:
             text += f" Lagging: {'; '.join(lagging)}."

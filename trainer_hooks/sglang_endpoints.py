@@ -87,10 +87,17 @@ class _Endpoint:
 class SGLangEndpoints:
     """A set of SGLang base URLs that generation batches are spread over."""
 
-    def __init__(self, urls: Sequence[str], *, request_timeout_s: float,
-                 vocab_size: int | None = None, api_key: str | None = None,
-                 transport: httpx.BaseTransport | None = None, log_paths: Sequence[str] = (),
-                 status_urls: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        request_timeout_s: float,
+        vocab_size: int | None = None,
+        api_key: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+        log_paths: Sequence[str] = (),
+        status_urls: Sequence[str] = (),
+    ) -> None:
         """``transport`` replaces the network (``httpx.MockTransport`` replays recorded answers
         in benchmarks); leave it None to talk to the servers. ``log_paths`` (one per URL, or one
         for all) and ``status_urls`` (sidecars, for ``GET /status``) are where SGLang's own error
@@ -126,8 +133,9 @@ class SGLangEndpoints:
     def sleeps_on_idle(self, url: str) -> bool | None:
         """SGLang's ``sleep_on_idle`` setting from ``GET /server_info``; None when it cannot be read."""
         try:
-            info = self._client.get(f"{url.rstrip('/')}/server_info", headers=self._headers,
-                                    timeout=SETTINGS_TIMEOUT_S).json()
+            info = self._client.get(
+                f"{url.rstrip('/')}/server_info", headers=self._headers, timeout=SETTINGS_TIMEOUT_S
+            ).json()
         except (httpx.HTTPError, ValueError):
             return None
         value = info.get("sleep_on_idle") if isinstance(info, dict) else None
@@ -196,10 +204,22 @@ class SGLangEndpoints:
                 continue
             chunks = _split(pending, len(live))
             futures = [
-                (endpoint, chunk,
-                 self._pool.submit(self._post, endpoint.url, [list(prompts[i]) for i in chunk],
-                                   sampling_params, n, want_logprobs, rescore, lora_path))
-                for endpoint, chunk in zip(live, chunks) if chunk
+                (
+                    endpoint,
+                    chunk,
+                    self._pool.submit(
+                        self._post,
+                        endpoint.url,
+                        [list(prompts[i]) for i in chunk],
+                        sampling_params,
+                        n,
+                        want_logprobs,
+                        rescore,
+                        lora_path,
+                    ),
+                )
+                for endpoint, chunk in zip(live, chunks)
+                if chunk
             ]
             failed: list[int] = []
             for endpoint, chunk, future in futures:
@@ -212,8 +232,9 @@ class SGLangEndpoints:
                     self._mark_dead(endpoint, exc.reason + (" (the server died)" if died else ""))
                     failed.extend(chunk)
                     if exc.sent:
-                        self._count_crash(endpoint.url, [prompts[i] for i in chunk], sampling_params, exc.reason,
-                                          died=died)
+                        self._count_crash(
+                            endpoint.url, [prompts[i] for i in chunk], sampling_params, exc.reason, died=died
+                        )
                     continue
                 self._mark_alive(endpoint, len(chunk))
                 for i, group in zip(chunk, groups):
@@ -225,13 +246,22 @@ class SGLangEndpoints:
 
     def _answers_health(self, url: str) -> bool:
         try:
-            return self._client.get(f"{url}/health", headers=self._headers,
-                                    timeout=HEALTH_PROBE_TIMEOUT_S).status_code == 200
+            return (
+                self._client.get(f"{url}/health", headers=self._headers, timeout=HEALTH_PROBE_TIMEOUT_S).status_code
+                == 200
+            )
         except httpx.HTTPError:
             return False
 
-    def _count_crash(self, url: str, prompts: Sequence[Sequence[int]], sampling_params: dict[str, Any],
-                     reason: str, *, died: bool = True) -> None:
+    def _count_crash(
+        self,
+        url: str,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: dict[str, Any],
+        reason: str,
+        *,
+        died: bool = True,
+    ) -> None:
         """Record that the server at ``url`` died (or failed with 5xx) serving ``prompts``; raise
         when one of them has now failed a server more than ``POISON_RETRIES`` times."""
         counts = []
@@ -249,9 +279,14 @@ class SGLangEndpoints:
                 "SGLang's names) or the server; a supervised server (`rollout-service serve`) is restarted for the "
                 "next run"
             )
-        log.warning("SGLang at %s %s %d prompt(s) (sampling parameters %s); waiting for a server to come back, "
-                    "then sending them once more", url, "died while serving" if died else "failed on", len(prompts),
-                    _describe(sampling_params))
+        log.warning(
+            "SGLang at %s %s %d prompt(s) (sampling parameters %s); waiting for a server to come back, "
+            "then sending them once more",
+            url,
+            "died while serving" if died else "failed on",
+            len(prompts),
+            _describe(sampling_params),
+        )
 
     def _error_lines(self, url: str) -> str:
         """SGLang's own last error lines for the server at ``url``: from its log file when the
@@ -263,8 +298,11 @@ class SGLangEndpoints:
         parts: list[str] = []
         if path is not None:
             lines = last_error_lines(_read_tail(path))
-            parts.append(f"SGLang's last error lines (from {path}):\n    " + "\n    ".join(lines) if lines
-                         else f"SGLang's log {path} has no error lines the trainer could find.")
+            parts.append(
+                f"SGLang's last error lines (from {path}):\n    " + "\n    ".join(lines)
+                if lines
+                else f"SGLang's log {path} has no error lines the trainer could find."
+            )
         statuses = self._status_urls
         if len(statuses) == len(self.urls):
             statuses = [statuses[index]]
@@ -274,26 +312,41 @@ class SGLangEndpoints:
             except (httpx.HTTPError, ValueError):
                 continue
             if isinstance(status, dict):
-                found = {k: status[k] for k in ("last_error", "sglang_last_exit", "sglang_last_error",
-                                                "restart_budget", "gave_up") if status.get(k)}
+                found = {
+                    k: status[k]
+                    for k in ("last_error", "sglang_last_exit", "sglang_last_error", "restart_budget", "gave_up")
+                    if status.get(k)
+                }
                 if found:
                     parts.append(f"Sidecar {status_url} /status: {json.dumps(found, default=str)[:1500]}")
         if path is None:
-            parts.append("(SGLang's own log is not known to the trainer: set sglang_log_paths to the file SGLang "
-                         "writes, e.g. the --sglang-log of `rollout-service serve`.)")
+            parts.append(
+                "(SGLang's own log is not known to the trainer: set sglang_log_paths to the file SGLang "
+                "writes, e.g. the --sglang-log of `rollout-service serve`.)"
+            )
         return " ".join(parts) if parts else ""
 
-    def _post(self, url: str, input_ids: list[list[int]], sampling_params: dict[str, Any], n: int,
-              want_logprobs: bool, rescore: bool = False, lora_path: str | None = None) -> list[list[Completion]]:
-        payload = {"input_ids": input_ids, "sampling_params": sampling_params,
-                   "return_logprob": want_logprobs}
+    def _post(
+        self,
+        url: str,
+        input_ids: list[list[int]],
+        sampling_params: dict[str, Any],
+        n: int,
+        want_logprobs: bool,
+        rescore: bool = False,
+        lora_path: str | None = None,
+    ) -> list[list[Completion]]:
+        payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": want_logprobs}
         if lora_path is not None:
             payload["lora_path"] = lora_path
         try:
             response = self._client.post(f"{url}/generate", json=payload, headers=self._headers)
         except httpx.TimeoutException as exc:
-            raise _EndpointFailed(url, f"no answer within the timeout ({type(exc).__name__}; "
-                                       f"sglang_request_timeout={self._request_timeout_s:g} s)") from exc
+            raise _EndpointFailed(
+                url,
+                f"no answer within the timeout ({type(exc).__name__}; "
+                f"sglang_request_timeout={self._request_timeout_s:g} s)",
+            ) from exc
         except httpx.ConnectError as exc:
             raise _EndpointFailed(url, f"{type(exc).__name__}: {exc}") from exc
         except httpx.HTTPError as exc:  # sent, then the connection broke
@@ -303,8 +356,9 @@ class SGLangEndpoints:
         if response.status_code in (401, 403):
             raise SGLangRequestError(
                 f"SGLang at {url} refused POST /generate with HTTP {response.status_code}: it was started with "
-                "--api-key and the trainer sent " + ("a different key" if self._headers else "none") +
-                "; set sglang_api_token in the config to that key"
+                "--api-key and the trainer sent "
+                + ("a different key" if self._headers else "none")
+                + "; set sglang_api_token in the config to that key"
             )
         if response.status_code != 200:
             raise SGLangRequestError(
@@ -316,15 +370,23 @@ class SGLangEndpoints:
             data = response.json()
         except ValueError as exc:
             raise _EndpointFailed(
-                url, f"answered HTTP 200 with a body that is not JSON: {response.text[:200]!r}") from exc
-        groups = parse_generate_response(data, num_prompts=len(input_ids), n=n, want_logprobs=want_logprobs,
-                                         vocab_size=self._vocab_size, source=f"SGLang at {url}")
+                url, f"answered HTTP 200 with a body that is not JSON: {response.text[:200]!r}"
+            ) from exc
+        groups = parse_generate_response(
+            data,
+            num_prompts=len(input_ids),
+            n=n,
+            want_logprobs=want_logprobs,
+            vocab_size=self._vocab_size,
+            source=f"SGLang at {url}",
+        )
         if rescore and want_logprobs:
             self._rescore(url, input_ids, groups, lora_path)
         return groups
 
-    def _rescore(self, url: str, input_ids: list[list[int]], groups: list[list[Completion]],
-                 lora_path: str | None = None) -> None:
+    def _rescore(
+        self, url: str, input_ids: list[list[int]], groups: list[list[Completion]], lora_path: str | None = None
+    ) -> None:
         """Replace each completion's logprobs by the model's own logprobs of its tokens (SGLang's
         prompt logprobs of prompt + completion: temperature 1, no grammar, penalties or bias);
         None for a completion whose weight version changed in between (no IS correction there)."""
@@ -337,8 +399,12 @@ class SGLangEndpoints:
                     owners.append(completion)
         if not sequences:
             return
-        payload = {"input_ids": sequences, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
-                   "return_logprob": True, "logprob_start_len": starts}
+        payload = {
+            "input_ids": sequences,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": starts,
+        }
         if lora_path is not None:
             payload["lora_path"] = lora_path
         try:
@@ -350,20 +416,25 @@ class SGLangEndpoints:
         except httpx.HTTPError as exc:
             raise _EndpointFailed(url, f"rescoring: {type(exc).__name__}: {exc}", sent=True) from exc
         if response.status_code != 200:
-            raise _EndpointFailed(url, f"rescoring answered HTTP {response.status_code}: {response.text[:300]}",
-                                  sent=response.status_code >= 500)
+            raise _EndpointFailed(
+                url,
+                f"rescoring answered HTTP {response.status_code}: {response.text[:300]}",
+                sent=response.status_code >= 500,
+            )
         data = response.json()
         if isinstance(data, dict):
             data = [data]
         if not isinstance(data, list) or len(data) != len(owners):
-            raise SGLangResponseError(f"SGLang at {url} answered {len(data) if isinstance(data, list) else data!r} "
-                                      f"rescoring results for {len(owners)} completions")
+            raise SGLangResponseError(
+                f"SGLang at {url} answered {len(data) if isinstance(data, list) else data!r} "
+                f"rescoring results for {len(owners)} completions"
+            )
         for completion, item in zip(owners, data):
             meta = item.get("meta_info", {}) if isinstance(item, dict) else {}
             entries = meta.get("input_token_logprobs") or []
             version = meta.get("weight_version")
             tokens = [e[1] for e in entries[1:]] if isinstance(entries, list) else None
-            if (str(version) != str(completion.raw_weight_version) or tokens != completion.token_ids):
+            if str(version) != str(completion.raw_weight_version) or tokens != completion.token_ids:
                 completion.logprobs = [None] * len(completion.token_ids)
                 continue
             completion.logprobs = [None if e[0] is None or e[0] != e[0] else float(e[0]) for e in entries[1:]]
@@ -380,11 +451,17 @@ class SGLangEndpoints:
             endpoint.dead_until = time.monotonic() + DEAD_RETRY_S
             others = sum(1 for e in self._endpoints if e.dead_until <= time.monotonic())
         if others:
-            log.warning("SGLang endpoint %s failed (%s); skipping it for %.0f s, %d other endpoint(s) take "
-                        "its prompts", endpoint.url, reason, DEAD_RETRY_S, others)
+            log.warning(
+                "SGLang endpoint %s failed (%s); skipping it for %.0f s, %d other endpoint(s) take its prompts",
+                endpoint.url,
+                reason,
+                DEAD_RETRY_S,
+                others,
+            )
         else:
-            log.warning("SGLang endpoint %s failed (%s); no endpoint is left, retrying until the deadline",
-                        endpoint.url, reason)
+            log.warning(
+                "SGLang endpoint %s failed (%s); no endpoint is left, retrying until the deadline", endpoint.url, reason
+            )
 
     def _mark_alive(self, endpoint: _Endpoint, answered: int) -> None:
         with self._lock:
@@ -443,7 +520,7 @@ def last_error_lines(text: str, limit: int = 6) -> list[str]:
         start = starts[-1]
         out = [lines[start].strip()]
         tail: list[str] = []
-        for line in lines[start + 1:]:
+        for line in lines[start + 1 :]:
             if line.startswith((" ", "\t")) or not line.strip():
                 if tail and not line.strip():
                     break

@@ -37,6 +37,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -169,15 +170,21 @@ class SGLangGeneration:
         if self.want_logprobs and rescoring_needed(self.sampling_params):
             if float(temperature) == 1.0:
                 self.logprob_source = "rescored"
-                log.info("sampling parameters %s change SGLang's distribution (grammar, logit_bias or penalties): "
-                         "completions are rescored with the model's own logprobs for TRL's importance-sampling "
-                         "correction (one prefill-only request per batch)", _processing_keys(self.sampling_params))
+                log.info(
+                    "sampling parameters %s change SGLang's distribution (grammar, logit_bias or penalties): "
+                    "completions are rescored with the model's own logprobs for TRL's importance-sampling "
+                    "correction (one prefill-only request per batch)",
+                    _processing_keys(self.sampling_params),
+                )
             else:
                 self.logprob_source = "none"
-                log.warning("sampling parameters %s change SGLang's distribution and temperature=%g != 1: SGLang "
-                            "0.5.23 cannot return the model's own temperature-scaled logprobs, so TRL's importance-"
-                            "sampling correction is off for these rollouts (ratio 1). Use temperature=1.0 to keep it",
-                            _processing_keys(self.sampling_params), temperature)
+                log.warning(
+                    "sampling parameters %s change SGLang's distribution and temperature=%g != 1: SGLang "
+                    "0.5.23 cannot return the model's own temperature-scaled logprobs, so TRL's importance-"
+                    "sampling correction is off for these rollouts (ratio 1). Use temperature=1.0 to keep it",
+                    _processing_keys(self.sampling_params),
+                    temperature,
+                )
         self.history: deque[GenerationRecord] = deque(maxlen=10_000)
         """One record per ``generate`` call on the main process (tests and debugging read it)."""
         self._metrics = _Metrics()
@@ -218,8 +225,13 @@ class SGLangGeneration:
                 version = self.publisher.next_version()
                 if self.max_staleness > 0 and self.publisher.first_version is not None:
                     gather_s = self.publisher.publish_in_background(version, tensors)
-                    log.info("publishing version %d in the background (copy %.3f s); rollouts may use weights "
-                             "up to %d version(s) old", version, gather_s, self.max_staleness)
+                    log.info(
+                        "publishing version %d in the background (copy %.3f s); rollouts may use weights "
+                        "up to %d version(s) old",
+                        version,
+                        gather_s,
+                        self.max_staleness,
+                    )
                 else:
                     self.publisher.publish_and_wait(version, tensors)
             except Exception as exc:  # reported to every process below
@@ -245,8 +257,7 @@ class SGLangGeneration:
         images: list[Any] | None,
         num_generations: int,
         profiler: Any = None,
-    ) -> tuple[list[list[int]], list[list[int]], list[list[list[float | None]]] | None,
-               list[list[list[int]]] | None]:
+    ) -> tuple[list[list[int]], list[list[int]], list[list[list[float | None]]] | None, list[list[list[int]]] | None]:
         """Generate ``num_generations`` completions per prompt group; see the module docstring."""
         profiler = profiler or nullcontext()
         accelerator = self.accelerator
@@ -266,8 +277,10 @@ class SGLangGeneration:
                 with profiler:
                     groups = self._generate_on_main(unique, num_generations)
                 completions = [c for group in groups for c in group]
-                payload = ([c.token_ids for c in completions],
-                           [c.logprobs for c in completions] if self.want_logprobs else None)  # type: ignore[misc]
+                payload = (
+                    [c.token_ids for c in completions],
+                    [c.logprobs for c in completions] if self.want_logprobs else None,  # type: ignore[misc]
+                )
             except Exception as exc:  # reported to every process below
                 error = exc
         _raise_everywhere(accelerator, error, "generate")
@@ -342,26 +355,37 @@ class SGLangGeneration:
         config = base.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         vocab_size = getattr(text_config, "vocab_size", None)
-        self._endpoints = SGLangEndpoints(args.sglang_urls, request_timeout_s=args.sglang_request_timeout,
-                                          vocab_size=vocab_size, api_key=args.sglang_api_token,
-                                          log_paths=getattr(args, "sglang_log_paths", None) or (),
-                                          status_urls=args.sidecar_urls or ())
+        self._endpoints = SGLangEndpoints(
+            args.sglang_urls,
+            request_timeout_s=args.sglang_request_timeout,
+            vocab_size=vocab_size,
+            api_key=args.sglang_api_token,
+            log_paths=getattr(args, "sglang_log_paths", None) or (),
+            status_urls=args.sidecar_urls or (),
+        )
+        root = args.checkpoint_path
+        assert root is not None  # the config refuses to be built without one
         if args.sidecar_urls:
             self.waiter = SidecarWaiter(args.sidecar_urls, token=args.sidecar_token)
         else:
             assert args.expected_replicas is not None
-            self.waiter = AckFileWaiter(args.checkpoint_path, args.expected_replicas,  # type: ignore[arg-type]
-                                        max_age_s=args.replica_heartbeat_max_age)
+            self.waiter = AckFileWaiter(Path(root), args.expected_replicas, max_age_s=args.replica_heartbeat_max_age)
         warn_if_sharing_the_cpu(self._endpoints)
         dtype = _checkpoint_dtype(args.checkpoint_dtype, base)
         config_dict = json.loads(config.to_json_string())
         config_dict["dtype"] = dtype
         self.publisher = CheckpointPublisher(
-            args.checkpoint_path, self.waiter, config=config_dict, dtype=dtype,  # type: ignore[arg-type]
-            max_shard_bytes=int(args.checkpoint_max_shard_mb * 1024 * 1024), keep=args.keep_checkpoints,
-            sync_timeout_s=args.sync_timeout, heartbeat_max_age_s=args.replica_heartbeat_max_age,
+            root,
+            self.waiter,
+            config=config_dict,
+            dtype=dtype,
+            max_shard_bytes=int(args.checkpoint_max_shard_mb * 1024 * 1024),
+            keep=args.keep_checkpoints,
+            sync_timeout_s=args.sync_timeout,
+            heartbeat_max_age_s=args.replica_heartbeat_max_age,
             base_model=getattr(base, "name_or_path", None) or None,
-            delta=delta_writer_for(args, dtype))
+            delta=delta_writer_for(args, dtype),
+        )
         self.adapters = choose_adapter_sync(self.publisher, model, self.accelerator, args, dtype)
 
     def _required_version(self) -> int | None:
@@ -384,10 +408,14 @@ class SGLangGeneration:
         retries = 0
         while True:
             adapter = self.adapters.current() if self.adapters is not None else None
-            answers = self._endpoints.generate([unique[i] for i in todo], params,
-                                               want_logprobs=self.want_logprobs, deadline=deadline,
-                                               rescore=self.logprob_source == "rescored",
-                                               lora_path=None if adapter is None else adapter[1])
+            answers = self._endpoints.generate(
+                [unique[i] for i in todo],
+                params,
+                want_logprobs=self.want_logprobs,
+                deadline=deadline,
+                rescore=self.logprob_source == "rescored",
+                lora_path=None if adapter is None else adapter[1],
+            )
             if adapter is not None:
                 label_with_adapter(answers, *adapter)
             if self.logprob_source == "none":
@@ -403,8 +431,9 @@ class SGLangGeneration:
                 if any(c.finish_reason == "abort" for c in group):
                     aborted += 1
                     retry.append(i)
-                elif required is not None and any(c.weight_version is None or c.weight_version < required
-                                                  for c in group):
+                elif required is not None and any(
+                    c.weight_version is None or c.weight_version < required for c in group
+                ):
                     stale_versions.update(c.raw_weight_version or "none" for c in group)
                     retry.append(i)
             if not retry:
@@ -425,22 +454,39 @@ class SGLangGeneration:
                 )
             retries += 1
             if aborted:
-                log.warning("SGLang aborted %d prompt group(s) (a restart or weight update cut them off); "
-                            "generating them again (attempt %d)", aborted, retries)
+                log.warning(
+                    "SGLang aborted %d prompt group(s) (a restart or weight update cut them off); "
+                    "generating them again (attempt %d)",
+                    aborted,
+                    retries,
+                )
             if stale_versions:
-                log.warning("%d prompt(s) answered with stale weights (versions %s, need >= %s); waiting for the "
-                            "replicas and retrying (attempt %d)", len(retry) - aborted, sorted(stale_versions),
-                            required, retries)
-            self._wait_for_replicas(required if stale_versions else None, deadline,
-                                    pause=min(STALE_RETRY_PAUSE_S * retries, 5.0))
+                log.warning(
+                    "%d prompt(s) answered with stale weights (versions %s, need >= %s); waiting for the "
+                    "replicas and retrying (attempt %d)",
+                    len(retry) - aborted,
+                    sorted(stale_versions),
+                    required,
+                    retries,
+                )
+            self._wait_for_replicas(
+                required if stale_versions else None, deadline, pause=min(STALE_RETRY_PAUSE_S * retries, 5.0)
+            )
             todo = retry
         done = [g for g in groups if g is not None]
         versions = [c.weight_version for g in done for c in g]
         latest = self.publisher.latest_version
         known = [v for v in versions if v is not None]
         seconds = time.monotonic() - started
-        self.history.append(GenerationRecord(published_version=latest, required_version=self._required_version(),
-                                             versions=versions, stale_retries=retries, seconds=seconds))
+        self.history.append(
+            GenerationRecord(
+                published_version=latest,
+                required_version=self._required_version(),
+                versions=versions,
+                stale_retries=retries,
+                seconds=seconds,
+            )
+        )
         if latest is not None and known:
             self._metrics.add("sglang/version_lag", latest - min(known))
         self._metrics.add("sglang/stale_retries", retries)
@@ -459,9 +505,21 @@ class SGLangGeneration:
 
 
 def _processing_keys(params: dict[str, Any]) -> list[str]:
-    return sorted(k for k in ("regex", "json_schema", "ebnf", "structural_tag", "logit_bias", "min_new_tokens",
-                              "frequency_penalty", "presence_penalty", "repetition_penalty")
-                  if params.get(k) not in (None, 0, 0.0, {}) and not (k == "repetition_penalty" and params[k] == 1.0))
+    return sorted(
+        k
+        for k in (
+            "regex",
+            "json_schema",
+            "ebnf",
+            "structural_tag",
+            "logit_bias",
+            "min_new_tokens",
+            "frequency_penalty",
+            "presence_penalty",
+            "repetition_penalty",
+        )
+        if params.get(k) not in (None, 0, 0.0, {}) and not (k == "repetition_penalty" and params[k] == 1.0)
+    )
 
 
 def _unique_prompts(all_prompts: list[list[int]], num_generations: int) -> list[list[int]]:
@@ -472,7 +530,7 @@ def _unique_prompts(all_prompts: list[list[int]], num_generations: int) -> list[
         )
     unique = all_prompts[::num_generations]
     for g, prompt in enumerate(unique):
-        block = all_prompts[g * num_generations:(g + 1) * num_generations]
+        block = all_prompts[g * num_generations : (g + 1) * num_generations]
         if any(list(p) != list(prompt) for p in block):
             raise ValueError(
                 f"prompt group {g} does not repeat one prompt {num_generations} times; generate() expects TRL's "
@@ -496,10 +554,14 @@ def warn_if_sharing_the_cpu(endpoints: SGLangEndpoints) -> bool:
     polling = [u for u in endpoints.urls if is_loopback_url(u) and endpoints.sleeps_on_idle(u) is not True]
     if not polling:
         return False
-    log.warning("SGLang at %s runs on this machine's CPU, may busy-poll a core while idle, and the trainer uses "
-                "all %d cores: training can slow down many times over. Start SGLang with --sleep-on-idle (as "
-                "`rollout-service serve` does on CPU) or call torch.set_num_threads(%d) before training",
-                ", ".join(polling), cores, max(1, cores // 2))
+    log.warning(
+        "SGLang at %s runs on this machine's CPU, may busy-poll a core while idle, and the trainer uses "
+        "all %d cores: training can slow down many times over. Start SGLang with --sleep-on-idle (as "
+        "`rollout-service serve` does on CPU) or call torch.set_num_threads(%d) before training",
+        ", ".join(polling),
+        cores,
+        max(1, cores // 2),
+    )
     return True
 
 
@@ -512,8 +574,10 @@ def delta_writer_for(args: Any, dtype: str) -> DeltaCheckpointWriter | None:
         wanted = normalize_dtype(dtype) in ("BF16", "F16")
     if not wanted:
         return None
-    return DeltaCheckpointWriter(full_every=getattr(args, "checkpoint_full_every", DEFAULT_FULL_EVERY),
-                                 max_ratio=getattr(args, "checkpoint_delta_max_ratio", DEFAULT_DELTA_MAX_RATIO))
+    return DeltaCheckpointWriter(
+        full_every=getattr(args, "checkpoint_full_every", DEFAULT_FULL_EVERY),
+        max_ratio=getattr(args, "checkpoint_delta_max_ratio", DEFAULT_DELTA_MAX_RATIO),
+    )
 
 
 def _checkpoint_dtype(requested: str | None, model: torch.nn.Module) -> str:

@@ -45,17 +45,13 @@ def coerce_token_id(value: Any, where: str, vocab_size: int | None = None) -> in
     strings, non-integral or negative numbers and ids outside the vocabulary raise.
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise SGLangResponseError(
-            f"{where}: expected an integer token id, found {value!r} ({type(value).__name__})"
-        )
+        raise SGLangResponseError(f"{where}: expected an integer token id, found {value!r} ({type(value).__name__})")
     if isinstance(value, numbers.Integral):
         token = int(value)
     else:
         number = float(value)
         if not math.isfinite(number) or not number.is_integer():
-            raise SGLangResponseError(
-                f"{where}: expected an integer token id, found the non-integral number {value!r}"
-            )
+            raise SGLangResponseError(f"{where}: expected an integer token id, found the non-integral number {value!r}")
         token = int(number)
     if token < 0 or (vocab_size is not None and token >= vocab_size):
         raise SGLangResponseError(
@@ -89,16 +85,16 @@ def parse_generate_response(
         )
     if len(data) != num_prompts * n:
         raise SGLangResponseError(
-            f"{source} answered {len(data)} results for {num_prompts} prompts x n={n}, expected "
-            f"{num_prompts * n}"
+            f"{source} answered {len(data)} results for {num_prompts} prompts x n={n}, expected {num_prompts * n}"
         )
     groups: list[list[Completion]] = []
     for p in range(num_prompts):
         group = []
         for s in range(n):
             item = data[p * n + s]
-            group.append(_parse_item(item, f"{source} result {p * n + s} (prompt {p}, sample {s})",
-                                     want_logprobs, vocab_size))
+            group.append(
+                _parse_item(item, f"{source} result {p * n + s} (prompt {p}, sample {s})", want_logprobs, vocab_size)
+            )
         groups.append(group)
     return groups
 
@@ -147,7 +143,8 @@ def _token_ids(raw: list[Any], where: str, vocab_size: int | None) -> list[int]:
     """``raw`` as validated ints: one pass over exact ints in range (what SGLang sends), else
     token by token through :func:`coerce_token_id` for a message naming the bad one."""
     if all(type(t) is int for t in raw) and (
-            not raw or (min(raw) >= 0 and (vocab_size is None or max(raw) < vocab_size))):
+        not raw or (min(raw) >= 0 and (vocab_size is None or max(raw) < vocab_size))
+    ):
         return list(raw)
     return [coerce_token_id(t, f"{where}[{i}]", vocab_size) for i, t in enumerate(raw)]
 
@@ -162,8 +159,9 @@ def _fast_logprobs(entries: list[Any], token_ids: list[int]) -> list[float | Non
     return [None if e[0] != e[0] else e[0] for e in entries]  # NaN -> None
 
 
-def _checked_logprobs(entries: list[Any], token_ids: list[int], where: str,
-                      vocab_size: int | None) -> list[float | None]:
+def _checked_logprobs(
+    entries: list[Any], token_ids: list[int], where: str, vocab_size: int | None
+) -> list[float | None]:
     """Entry by entry, raising on the first malformed one with its index."""
     logprobs: list[float | None] = []
     for i, entry in enumerate(entries):

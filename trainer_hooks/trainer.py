@@ -55,18 +55,40 @@ def check_trl_version(version: str | None = None) -> None:
 def _sglang_factory(config: SGLangRolloutArguments, current_step: Callable[[], int]) -> Callable[..., SGLangGeneration]:
     """A stand-in for ``VLLMGeneration`` taking the keyword arguments TRL passes to it."""
 
-    def build(*, model: Any, accelerator: Any, processing_class: Any, repetition_penalty: float = 1.0,
-              temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = 0, min_p: float | None = 0.0,
-              max_completion_length: int = 16, logprobs: int | None = 0,
-              generation_kwargs: dict[str, Any] | None = None, structured_outputs_regex: str | None = None,
-              **vllm_only: Any) -> SGLangGeneration:
+    def build(
+        *,
+        model: Any,
+        accelerator: Any,
+        processing_class: Any,
+        repetition_penalty: float = 1.0,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int | None = 0,
+        min_p: float | None = 0.0,
+        max_completion_length: int = 16,
+        logprobs: int | None = 0,
+        generation_kwargs: dict[str, Any] | None = None,
+        structured_outputs_regex: str | None = None,
+        **vllm_only: Any,
+    ) -> SGLangGeneration:
         kwargs = dict(generation_kwargs or {})
         if structured_outputs_regex is not None:
             kwargs.setdefault("regex", structured_outputs_regex)  # SGLang's name for the same constraint
         return SGLangGeneration(
-            model, accelerator, processing_class, args=config, temperature=temperature, top_p=top_p, top_k=top_k,
-            min_p=min_p, repetition_penalty=repetition_penalty, max_completion_length=max_completion_length,
-            logprobs=logprobs, generation_kwargs=kwargs, current_step=current_step)
+            model,
+            accelerator,
+            processing_class,
+            args=config,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            max_completion_length=max_completion_length,
+            logprobs=logprobs,
+            generation_kwargs=kwargs,
+            current_step=current_step,
+        )
 
     return build
 

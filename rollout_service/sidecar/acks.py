@@ -41,13 +41,15 @@ class AckWriter:
             except FileExistsError:
                 pass
             try:
-                return os.open(ACKS_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | _NOFOLLOW,
-                               dir_fd=root_fd)
+                return os.open(ACKS_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | _NOFOLLOW, dir_fd=root_fd)
             except OSError as exc:
                 st = os.lstat(ACKS_DIR, dir_fd=root_fd)
                 if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-                    raise OSError(exc.errno, f"{self.root / ACKS_DIR} is not a plain directory (a"
-                                  " symlink or a file); remove it so acks stay inside the root") from None
+                    raise OSError(
+                        exc.errno,
+                        f"{self.root / ACKS_DIR} is not a plain directory (a"
+                        " symlink or a file); remove it so acks stay inside the root",
+                    ) from None
                 raise
         finally:
             os.close(root_fd)
@@ -58,8 +60,7 @@ class AckWriter:
 
     def write_fields(self, fields: dict[str, Any]) -> None:
         """Write report fields as they are (tools and tests may leave some out)."""
-        data = json.dumps(dict(fields, replica_id=self.replica_id, heartbeat=time.time()),
-                          sort_keys=True).encode()
+        data = json.dumps(dict(fields, replica_id=self.replica_id, heartbeat=time.time()), sort_keys=True).encode()
         dir_fd = self._open_dir()
         try:
             atomic_replace(dir_fd, f"{self.replica_id}.json", data, owner=self.replica_id)

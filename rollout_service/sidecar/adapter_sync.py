@@ -95,26 +95,32 @@ class AdapterSync:
                 return False
             view_version = c.state.sglang_weight_version
             if step_for_version(view_version) is not None:
-                c._reject(ckpt, "adapter_base_replaced",
-                          f"{path.name} is a LoRA adapter for the base model, but SGLang serves the full"
-                          f" checkpoint version {view_version}; restart SGLang on its base model to serve"
-                          " adapters again")
+                c._reject(
+                    ckpt,
+                    "adapter_base_replaced",
+                    f"{path.name} is a LoRA adapter for the base model, but SGLang serves the full"
+                    f" checkpoint version {view_version}; restart SGLang on its base model to serve"
+                    " adapters again",
+                )
                 return False
             limits = LoraLimits.from_server_info(info)
             budget = c.settings.validate_timeout_s
             try:
-                report = await asyncio.wait_for(asyncio.to_thread(self._prepare, path, limits),
-                                                timeout=budget + 5.0)
+                report = await asyncio.wait_for(asyncio.to_thread(self._prepare, path, limits), timeout=budget + 5.0)
             except asyncio.TimeoutError:
-                c._reject(ckpt, "validation_timeout", f"validating adapter {path.name} did not finish"
-                          f" within {budget:g} s")
+                c._reject(
+                    ckpt, "validation_timeout", f"validating adapter {path.name} did not finish within {budget:g} s"
+                )
                 return False
             except CheckpointError as exc:
                 c._reject(ckpt, exc.reason, str(exc))
                 return False
             except Exception as exc:  # whatever broke while reading step N rejects step N
-                c._reject(ckpt, "unreadable", f"adapter {path.name} could not be validated:"
-                          f" {type(exc).__name__}: {str(exc)[:300]}")
+                c._reject(
+                    ckpt,
+                    "unreadable",
+                    f"adapter {path.name} could not be validated: {type(exc).__name__}: {str(exc)[:300]}",
+                )
                 return False
             validate_s = time.perf_counter() - t0
             name = adapter_name_for(step, report.manifest.run_id)
@@ -135,8 +141,11 @@ class AdapterSync:
             load_s = time.perf_counter() - t1
             if not confirmed:
                 c.metrics.syncs.labels("failed", "adapter_not_confirmed").inc()
-                c._error("adapter_not_confirmed", f"after loading {path.name} SGLang does not list the"
-                         f" adapter {name!r} in /v1/models", step=step)
+                c._error(
+                    "adapter_not_confirmed",
+                    f"after loading {path.name} SGLang does not list the adapter {name!r} in /v1/models",
+                    step=step,
+                )
                 return False
             self.loaded[step] = name
             self.serving = name
@@ -148,9 +157,16 @@ class AdapterSync:
             c.metrics.syncs.labels("loaded", "ok").inc()
             c.metrics.last_sync_seconds.labels("validate").set(validate_s)
             c.metrics.last_sync_seconds.labels("load").set(load_s)
-            log.info("loaded adapter step %d into SGLang as %r (rank %d, %s): validate%s %.3f s, load"
-                     " %.3f s", step, name, report.manifest.adapter.rank if report.manifest.adapter else 0,
-                     ",".join(report.modules), "+stage" if c.stage is not None else "", validate_s, load_s)
+            log.info(
+                "loaded adapter step %d into SGLang as %r (rank %d, %s): validate%s %.3f s, load %.3f s",
+                step,
+                name,
+                report.manifest.adapter.rank if report.manifest.adapter else 0,
+                ",".join(report.modules),
+                "+stage" if c.stage is not None else "",
+                validate_s,
+                load_s,
+            )
             self._retire(step)
             if c.stage is not None:
                 await asyncio.to_thread(c.stage.prune, {report.path})
@@ -166,23 +182,33 @@ class AdapterSync:
         s = c.settings
         assert c._reference is not None
         deadline = Deadline(s.validate_timeout_s)
-        report = validate_adapter(path, root=c.root, reference=c._reference, limits=limits,
-                                  check_finite=s.check_finite and c.stage is None,
-                                  timeout_s=s.validate_timeout_s)
+        report = validate_adapter(
+            path,
+            root=c.root,
+            reference=c._reference,
+            limits=limits,
+            check_finite=s.check_finite and c.stage is None,
+            timeout_s=s.validate_timeout_s,
+        )
         if c.stage is None:
             return report
         copy = c.stage.copy_in(c.root, report.path, report.manifest, deadline)
         remaining = max(0.001, s.validate_timeout_s - (time.monotonic() - deadline.started))
-        staged = validate_adapter(copy, root=c.stage.path, reference=c._reference, limits=limits,
-                                  check_finite=s.check_finite, timeout_s=remaining)
+        staged = validate_adapter(
+            copy,
+            root=c.stage.path,
+            reference=c._reference,
+            limits=limits,
+            check_finite=s.check_finite,
+            timeout_s=remaining,
+        )
         if staged.manifest.fingerprint() != report.manifest.fingerprint():
-            raise CheckpointError("changed_while_staging", f"{path.name}'s manifest changed while it was"
-                                  " being staged")
+            raise CheckpointError("changed_while_staging", f"{path.name}'s manifest changed while it was being staged")
         return staged
 
     def _retire(self, newest: int) -> None:
         """Unload the adapters beyond the newest ``keep`` versions, beside the loop."""
-        old = sorted(self.loaded)[:-self.keep] if len(self.loaded) > self.keep else []
+        old = sorted(self.loaded)[: -self.keep] if len(self.loaded) > self.keep else []
         for step in old:
             name = self.loaded.pop(step)
             task = asyncio.get_running_loop().create_task(self._unload(step, name))
@@ -195,4 +221,3 @@ class AdapterSync:
             log.info("unloaded adapter %r (step %d): outside the newest %d versions", name, step, self.keep)
         except (SGLangLoadRejected, SGLangUnavailable) as exc:
             log.warning("could not unload adapter %r (step %d): %s", name, step, exc)
-

@@ -51,14 +51,16 @@ def create_app(settings: SidecarSettings) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    app = FastAPI(title="rollout-service sidecar", lifespan=lifespan,
-                  description="Loads each new checkpoint from shared storage into SGLang.")
+    app = FastAPI(
+        title="rollout-service sidecar",
+        lifespan=lifespan,
+        description="Loads each new checkpoint from shared storage into SGLang.",
+    )
     app.state.controller = controller
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}"
-                             for e in exc.errors()[:5])
+        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:5])
         return JSONResponse({"error": "bad_request", "detail": problems[:1000]}, status_code=400)
 
     def require_token(request: Request) -> None:
@@ -69,8 +71,7 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         if auth.lower().startswith("bearer "):
             supplied = supplied or auth[7:]
         if not hmac.compare_digest(supplied.encode(), settings.token.encode()):
-            raise HTTPException(status_code=401, detail="missing or wrong token: send"
-                                " 'Authorization: Bearer <token>'")
+            raise HTTPException(status_code=401, detail="missing or wrong token: send 'Authorization: Bearer <token>'")
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
@@ -80,9 +81,14 @@ def create_app(settings: SidecarSettings) -> FastAPI:
     async def readyz() -> JSONResponse:
         s = controller.state
         ready, why = controller.readiness()
-        body = {"ready": ready, "reason": why, "loaded_step": s.loaded_step,
-                "newest_known_step": s.newest_known_step, "sglang_healthy": s.sglang_healthy,
-                "fatal": s.fatal}
+        body = {
+            "ready": ready,
+            "reason": why,
+            "loaded_step": s.loaded_step,
+            "newest_known_step": s.newest_known_step,
+            "sglang_healthy": s.sglang_healthy,
+            "fatal": s.fatal,
+        }
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/status")
@@ -90,11 +96,16 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         return controller.state.to_dict()
 
     @app.get("/wait")
-    async def wait(version: int = Query(..., ge=0, le=MAX_STEP, description="checkpoint step to wait for"),
-                   timeout: float = Query(60.0, gt=0, le=MAX_WAIT_S),
-                   run: str | None = Query(None, max_length=64, pattern=f"^{RUN_ID_RE.pattern}$",
-                                           description="the publishing run's id (manifest run_id):"
-                                           " only a checkpoint of that run counts")) -> JSONResponse:
+    async def wait(
+        version: int = Query(..., ge=0, le=MAX_STEP, description="checkpoint step to wait for"),
+        timeout: float = Query(60.0, gt=0, le=MAX_WAIT_S),
+        run: str | None = Query(
+            None,
+            max_length=64,
+            pattern=f"^{RUN_ID_RE.pattern}$",
+            description="the publishing run's id (manifest run_id): only a checkpoint of that run counts",
+        ),
+    ) -> JSONResponse:
         ok = await controller.wait_for_step(version, timeout, run_id=run)
         body = controller.state.to_dict()
         body["waited_for"] = version
@@ -109,11 +120,13 @@ def create_app(settings: SidecarSettings) -> FastAPI:
             try:
                 data = json.loads(raw.decode("utf-8"))
             except (ValueError, RecursionError):
-                raise HTTPException(status_code=400, detail="body must be JSON, e.g."
-                                    ' {"checkpoint": "step-00000003"}') from None
+                raise HTTPException(
+                    status_code=400, detail='body must be JSON, e.g. {"checkpoint": "step-00000003"}'
+                ) from None
             if not isinstance(data, dict):
-                raise HTTPException(status_code=400, detail='body must be a JSON object, e.g.'
-                                    ' {"checkpoint": "step-00000003"}')
+                raise HTTPException(
+                    status_code=400, detail='body must be a JSON object, e.g. {"checkpoint": "step-00000003"}'
+                )
             checkpoint = data.get("checkpoint")
             if checkpoint is not None and not isinstance(checkpoint, str):
                 raise HTTPException(status_code=400, detail="'checkpoint' must be a string")
@@ -125,8 +138,10 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         except CheckpointError as exc:
             return JSONResponse({"error": exc.reason, "detail": str(exc)}, status_code=400)
         except (OSError, ValueError) as exc:
-            return JSONResponse({"error": "bad_request", "detail": f"cannot use that checkpoint"
-                                 f" name: {type(exc).__name__}"}, status_code=400)
+            return JSONResponse(
+                {"error": "bad_request", "detail": f"cannot use that checkpoint name: {type(exc).__name__}"},
+                status_code=400,
+            )
         return JSONResponse({"triggered": True, "checkpoint": str(path)}, status_code=202)
 
     @app.get("/metrics")
@@ -138,8 +153,10 @@ def create_app(settings: SidecarSettings) -> FastAPI:
 
 async def _bounded_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
-    too_large = HTTPException(status_code=413, detail=f"body larger than {limit} bytes; send"
-                              ' {"checkpoint": "step-00000042"} (any step) or nothing')
+    too_large = HTTPException(
+        status_code=413,
+        detail=f'body larger than {limit} bytes; send {{"checkpoint": "step-00000042"}} (any step) or nothing',
+    )
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -160,6 +177,9 @@ def run_sidecar(settings: SidecarSettings) -> None:
     import uvicorn
 
     if settings.host not in LOOPBACK_HOSTS and not settings.token:
-        log.warning("the sidecar listens on %s without a token: anyone who can reach it can trigger"
-                    " syncs. Set --token (or ROLLOUT_TOKEN).", settings.host)
+        log.warning(
+            "the sidecar listens on %s without a token: anyone who can reach it can trigger"
+            " syncs. Set --token (or ROLLOUT_TOKEN).",
+            settings.host,
+        )
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")

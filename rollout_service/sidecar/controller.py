@@ -128,19 +128,29 @@ class SidecarState:
     def report(self) -> ReplicaReport:
         """The part of the state the trainer reads (the replica protocol)."""
         return ReplicaReport(
-            replica_id=self.replica_id, loaded_step=self.loaded_step,
+            replica_id=self.replica_id,
+            loaded_step=self.loaded_step,
             weight_version=None if self.loaded_step is None else version_for_step(self.loaded_step),
-            run_id=self.loaded_run_id, fingerprint=self.loaded_fingerprint,
-            loaded_current=self.loaded_current, loading_step=self.loading_step, ready=self.ready,
-            sglang_healthy=self.sglang_healthy, sglang_url=self.sglang_url,
-            last_error=self.last_error, rejected={str(k): v for k, v in self.rejected.items()})
+            run_id=self.loaded_run_id,
+            fingerprint=self.loaded_fingerprint,
+            loaded_current=self.loaded_current,
+            loading_step=self.loading_step,
+            ready=self.ready,
+            sglang_healthy=self.sglang_healthy,
+            sglang_url=self.sglang_url,
+            last_error=self.last_error,
+            rejected={str(k): v for k, v in self.rejected.items()},
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """``/status``: the replica report and everything else the sidecar knows."""
         data = asdict(self)
         data["loaded_version"] = None if self.loaded_step is None else version_for_step(self.loaded_step)
-        data["pending_step"] = (self.newest_known_step if self.newest_known_step is not None
-                                and self.newest_known_step != self.loaded_step else None)
+        data["pending_step"] = (
+            self.newest_known_step
+            if self.newest_known_step is not None and self.newest_known_step != self.loaded_step
+            else None
+        )
         data.update(self.report().to_dict())
         return data
 
@@ -148,23 +158,30 @@ class SidecarState:
 class SyncController:
     """Owns the loop that keeps one SGLang server on the newest valid checkpoint."""
 
-    def __init__(self, settings: SidecarSettings, metrics: SidecarMetrics | None = None,
-                 client: SGLangClient | None = None):
+    def __init__(
+        self, settings: SidecarSettings, metrics: SidecarMetrics | None = None, client: SGLangClient | None = None
+    ):
         self.settings = settings
         self.root = Path(settings.checkpoint_path)
         self.metrics = metrics or SidecarMetrics()
-        self.client = client or SGLangClient(settings.sglang_url, api_key=settings.sglang_api_key,
-                                             timeout_s=settings.request_timeout_s,
-                                             load_timeout_s=settings.load_timeout_s)
+        self.client = client or SGLangClient(
+            settings.sglang_url,
+            api_key=settings.sglang_api_key,
+            timeout_s=settings.request_timeout_s,
+            load_timeout_s=settings.load_timeout_s,
+        )
         self.stage: Stage | None = None
         """Opened (created, locked, cleaned) when the loop starts, not when the app is built."""
         self.acks = AckWriter(self.root, settings.replica_id)
         self.adapters = AdapterSync(self, keep=settings.lora_keep)
         """LoRA adapter steps (``kind: "adapter"``) are loaded through it (adapter_sync.py)."""
-        self.state = SidecarState(replica_id=settings.replica_id,
-                                  checkpoint_path=str(self.root), sglang_url=settings.sglang_url,
-                                  watch_mode="inotify" if settings.poll_interval_s is None else "polling",
-                                  stage_dir=None if settings.stage_dir is None else str(settings.stage_dir))
+        self.state = SidecarState(
+            replica_id=settings.replica_id,
+            checkpoint_path=str(self.root),
+            sglang_url=settings.sglang_url,
+            watch_mode="inotify" if settings.poll_interval_s is None else "polling",
+            stage_dir=None if settings.stage_dir is None else str(settings.stage_dir),
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._changed: asyncio.Condition | None = None
@@ -203,8 +220,13 @@ class SyncController:
     def serves(self, step: int, run_id: str | None = None) -> bool:
         """True when SGLang serves, right now, a checkpoint at least ``step`` of run ``run_id``."""
         s = self.state
-        return bool(s.sglang_healthy and s.loaded_step is not None and s.loaded_step >= step
-                    and s.loaded_current and (run_id is None or s.loaded_run_id == run_id))
+        return bool(
+            s.sglang_healthy
+            and s.loaded_step is not None
+            and s.loaded_step >= step
+            and s.loaded_current
+            and (run_id is None or s.loaded_run_id == run_id)
+        )
 
     async def wait_for_step(self, step: int, timeout_s: float, run_id: str | None = None) -> bool:
         """Wait until SGLang serves ``step`` or newer (of ``run_id`` when given).
@@ -216,9 +238,10 @@ class SyncController:
         while True:
             async with self._changed:
                 try:
-                    await asyncio.wait_for(self._changed.wait_for(
-                        lambda: self.serves(step, run_id) or self._still_rejected(step)),
-                        timeout=max(0.0, deadline - time.monotonic()))
+                    await asyncio.wait_for(
+                        self._changed.wait_for(lambda: self.serves(step, run_id) or self._still_rejected(step)),
+                        timeout=max(0.0, deadline - time.monotonic()),
+                    )
                 except asyncio.TimeoutError:
                     return False
             if not self.serves(step, run_id):
@@ -237,8 +260,9 @@ class SyncController:
         fresh = max(3 * self.settings.health_interval_s, 3.0)
         if s.fatal is not None:
             return False, f"{s.fatal['reason']}: {s.fatal['message']}"
-        if s.loop_heartbeat is None or (s.loading_step is None and now - s.loop_heartbeat > max(
-                5 * self.settings.health_interval_s, 15.0)):
+        if s.loop_heartbeat is None or (
+            s.loading_step is None and now - s.loop_heartbeat > max(5 * self.settings.health_interval_s, 15.0)
+        ):
             return False, "the sync loop has not completed a pass recently"
         if s.sglang_seen_at is None or now - s.sglang_seen_at > fresh:
             return False, f"SGLang at {self.settings.sglang_url} has not answered recently"
@@ -253,8 +277,11 @@ class SyncController:
         path = resolve_inside(self.root, checkpoint)
         step = parse_step_dir_name(path.name)
         if step is None or path.parent != Path(os.path.realpath(self.root)):
-            raise CheckpointError("not_a_checkpoint", f"{checkpoint[:200]!r} is not a step directory"
-                                  f" ('step-' and 8 digits, e.g. step-00000042) directly under {self.root}")
+            raise CheckpointError(
+                "not_a_checkpoint",
+                f"{checkpoint[:200]!r} is not a step directory"
+                f" ('step-' and 8 digits, e.g. step-00000042) directly under {self.root}",
+            )
         if not path.is_dir():
             raise CheckpointError("missing_checkpoint", f"{path.name} does not exist under {self.root}")
         if len(self._named) < 64:
@@ -267,9 +294,14 @@ class SyncController:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._changed = asyncio.Condition()
-        log.info("sidecar %s: SGLang %s, checkpoints %s (%s), stage %s", self.settings.replica_id,
-                 self.settings.sglang_url, self.root, self.state.watch_mode,
-                 self.state.stage_dir or "off (SGLang reads shared storage directly)")
+        log.info(
+            "sidecar %s: SGLang %s, checkpoints %s (%s), stage %s",
+            self.settings.replica_id,
+            self.settings.sglang_url,
+            self.root,
+            self.state.watch_mode,
+            self.state.stage_dir or "off (SGLang reads shared storage directly)",
+        )
         await asyncio.to_thread(self.acks.clean_up_leftovers)
         if self.settings.stage_dir is not None:
             try:
@@ -333,8 +365,11 @@ class SyncController:
     async def _publish_state(self) -> None:
         newest = await asyncio.to_thread(self._newest_candidate_step)
         self.state.newest_known_step = newest
-        self.state.ready = bool(self.state.sglang_healthy and self.state.fatal is None and (
-            newest is None or (self.state.loaded_step == newest and self.state.loaded_current)))
+        self.state.ready = bool(
+            self.state.sglang_healthy
+            and self.state.fatal is None
+            and (newest is None or (self.state.loaded_step == newest and self.state.loaded_current))
+        )
         self.metrics.ready.set(1 if self.state.ready else 0)
         self.metrics.sglang_up.set(1 if self.state.sglang_healthy else 0)
         self.metrics.loaded_version.set(-1 if self.state.loaded_step is None else self.state.loaded_step)
@@ -364,10 +399,17 @@ class SyncController:
         self.state.sglang_seen_at = time.time()
         self.state.sglang_weight_version = view.weight_version
         loaded = self.state.loaded_step
-        if loaded is not None and (not await self.adapters.still_served() if self.adapters.serving
-                                   else view.weight_version != version_for_step(loaded)):
-            log.warning("SGLang reports weight version %r but step %d was loaded: it restarted;"
-                        " re-applying the newest checkpoint", view.weight_version, loaded)
+        if loaded is not None and (
+            not await self.adapters.still_served()
+            if self.adapters.serving
+            else view.weight_version != version_for_step(loaded)
+        ):
+            log.warning(
+                "SGLang reports weight version %r but step %d was loaded: it restarted;"
+                " re-applying the newest checkpoint",
+                view.weight_version,
+                loaded,
+            )
             self.metrics.sglang_restarts.inc()  # counted only when the weights were really lost
             self.state.loaded_step = None
             self.state.loaded_fingerprint = self.state.loaded_run_id = None
@@ -423,25 +465,29 @@ class SyncController:
                 if local is not None:
                     found = read_model_specs(local), str(local)
         if found is None:
-            self._error("no_reference",
-                        f"cannot learn the tensor names and shapes of the model SGLang serves"
-                        f" ({view.model_path!r} is not a local model directory): pass"
-                        " --reference-dir with that model's directory; nothing is loaded until then")
+            self._error(
+                "no_reference",
+                f"cannot learn the tensor names and shapes of the model SGLang serves"
+                f" ({view.model_path!r} is not a local model directory): pass"
+                " --reference-dir with that model's directory; nothing is loaded until then",
+            )
             return
         self._reference, self.state.reference = found
         if self.stage is not None:
             self.stage.save_reference(*found)
             served = view.model_path
             self.stage.prune(keep={Path(served)} if served and self.stage.owns(served) else set())
-        log.info("checking checkpoints against %d tensors of the served model (%s)",
-                 len(self._reference), self.state.reference)
+        log.info(
+            "checking checkpoints against %d tensors of the served model (%s)",
+            len(self._reference),
+            self.state.reference,
+        )
         if self.state.last_error and self.state.last_error.get("reason") == "no_reference":
             self.state.last_error = None
 
     async def _sync_pass(self) -> None:
         staged_ok = self.settings.stage_dir is None or self.stage is not None
-        if self.state.sglang_healthy and self._reference is not None and self.state.fatal is None \
-                and staged_ok:
+        if self.state.sglang_healthy and self._reference is not None and self.state.fatal is None and staged_ok:
             await self._sync_newest()
 
     async def _sync_newest(self) -> None:
@@ -495,7 +541,8 @@ class SyncController:
     def _still_rejected(self, step: int) -> bool:
         """``step`` was rejected and its directory was not replaced since (one stat)."""
         return step in self.state.rejected and self._is_rejected(
-            PublishedCheckpoint(step=step, path=self.root / step_dir_name(step)))
+            PublishedCheckpoint(step=step, path=self.root / step_dir_name(step))
+        )
 
     def _is_rejected(self, ckpt: PublishedCheckpoint) -> bool:
         """Rejected, and not replaced since (a republished step directory is looked at anew)."""
@@ -520,13 +567,15 @@ class SyncController:
             t0 = time.perf_counter()
             budget = self.settings.validate_timeout_s
             try:
-                report, built = await asyncio.wait_for(asyncio.to_thread(self._prepare, path),
-                                                       timeout=budget + 5.0)
+                report, built = await asyncio.wait_for(asyncio.to_thread(self._prepare, path), timeout=budget + 5.0)
             except asyncio.TimeoutError:
-                self._reject(ckpt, "validation_timeout",
-                             f"validating {path.name} did not finish within {budget:g} s (a file"
-                             " that blocks or storage that hangs); raise --validate-timeout if"
-                             " the storage is just slow")
+                self._reject(
+                    ckpt,
+                    "validation_timeout",
+                    f"validating {path.name} did not finish within {budget:g} s (a file"
+                    " that blocks or storage that hangs); raise --validate-timeout if"
+                    " the storage is just slow",
+                )
                 return False
             except CheckpointError as exc:
                 self._reject(ckpt, exc.reason, str(exc))
@@ -536,8 +585,9 @@ class SyncController:
                 self._error("stage_failed", str(exc), step=step)
                 raise
             except Exception as exc:  # whatever broke while reading step N rejects step N
-                self._reject(ckpt, "unreadable", f"{path.name} could not be validated:"
-                             f" {type(exc).__name__}: {str(exc)[:300]}")
+                self._reject(
+                    ckpt, "unreadable", f"{path.name} could not be validated: {type(exc).__name__}: {str(exc)[:300]}"
+                )
                 return False
             validate_s = time.perf_counter() - t0
             load_started = time.time()
@@ -555,8 +605,11 @@ class SyncController:
                 self.state.sglang_healthy = False
                 self.metrics.syncs.labels("failed", "sglang_unavailable").inc()
                 if self._crashes[step] >= MAX_CRASHES_PER_STEP:
-                    self._reject(ckpt, "sglang_crashed_on_load",
-                                 f"SGLang died {self._crashes[step]} times while loading {path.name}")
+                    self._reject(
+                        ckpt,
+                        "sglang_crashed_on_load",
+                        f"SGLang died {self._crashes[step]} times while loading {path.name}",
+                    )
                 else:
                     self._error("sglang_unavailable", str(exc), step=step)
                 return False
@@ -564,8 +617,12 @@ class SyncController:
             view = await self.client.view()
             if view.weight_version != version:
                 self.metrics.syncs.labels("failed", "version_not_confirmed").inc()
-                self._error("version_not_confirmed", f"after loading {path.name} SGLang reports weight"
-                            f" version {view.weight_version!r}, expected {version!r}", step=step)
+                self._error(
+                    "version_not_confirmed",
+                    f"after loading {path.name} SGLang reports weight"
+                    f" version {view.weight_version!r}, expected {version!r}",
+                    step=step,
+                )
                 return False
             finished = time.time()
             self._set_loaded(step, report.manifest, str(report.path))
@@ -578,15 +635,21 @@ class SyncController:
                 self.state.stage_bytes = await asyncio.to_thread(self.stage.usage_bytes)
                 self.metrics.stage_bytes.set(self.state.stage_bytes)
             record = SyncRecord(
-                step=step, weight_version=version, path=str(report.path),
+                step=step,
+                weight_version=version,
+                path=str(report.path),
                 detect_s=None if published is None else max(0.0, detected - published),
-                validate_s=validate_s, load_s=load_s,
-                total_s=None if published is None else finished - published, finished_at=finished,
-                run_id=report.manifest.run_id, staged=self.stage is not None,
+                validate_s=validate_s,
+                load_s=load_s,
+                total_s=None if published is None else finished - published,
+                finished_at=finished,
+                run_id=report.manifest.run_id,
+                staged=self.stage is not None,
                 kind=built.kind if built is not None else report.manifest.kind,
                 bytes_read=built.bytes_read if built is not None else None,
                 apply_s=built.apply_s if built is not None else None,
-                chain_length=built.chain_length if built is not None else 0)
+                chain_length=built.chain_length if built is not None else 0,
+            )
             self.state.last_sync = record
             if self.state.last_error is not None and self.state.last_error.get("step") == step:
                 self.state.last_error = None
@@ -596,10 +659,16 @@ class SyncController:
                 if value is not None:
                     self.metrics.last_sync_seconds.labels(phase[:-2]).set(value)
             self.metrics.record_sync(record.kind, record.bytes_read, record.chain_length)
-            log.info("loaded step %d (%s%s) into SGLang: validate%s %.3f s, load %.3f s%s", step,
-                     record.kind, f", {record.bytes_read / 1e6:.1f} MB read" if record.bytes_read is not None
-                     else "", "+stage" if self.stage is not None else "", validate_s, load_s,
-                     "" if record.total_s is None else f", publish->serving {record.total_s:.3f} s")
+            log.info(
+                "loaded step %d (%s%s) into SGLang: validate%s %.3f s, load %.3f s%s",
+                step,
+                record.kind,
+                f", {record.bytes_read / 1e6:.1f} MB read" if record.bytes_read is not None else "",
+                "+stage" if self.stage is not None else "",
+                validate_s,
+                load_s,
+                "" if record.total_s is None else f", publish->serving {record.total_s:.3f} s",
+            )
             await self._maybe_ack(force=True)
             await self._publish_state()
             return True
@@ -620,28 +689,37 @@ class SyncController:
         deadline = Deadline(s.validate_timeout_s)
         staged = self.stage is not None
         report = validate_checkpoint(
-            path, root=self.root, reference=self._reference, allow_float_cast=True,
-            check_digests=s.check_digests and not staged, check_finite=s.check_finite and not staged,
-            timeout_s=s.validate_timeout_s)
+            path,
+            root=self.root,
+            reference=self._reference,
+            allow_float_cast=True,
+            check_digests=s.check_digests and not staged,
+            check_finite=s.check_finite and not staged,
+            timeout_s=s.validate_timeout_s,
+        )
         if self.stage is None:
             if report.manifest.kind == "delta":
                 raise CheckpointError(
                     "delta_needs_stage",
                     f"{path.name} is a delta checkpoint, which is rebuilt in the sidecar's stage"
                     " directory: run the sidecar without --no-stage (or publish full checkpoints:"
-                    " checkpoint_delta=False)")
+                    " checkpoint_delta=False)",
+                )
             return report, None
-        built = self.stage.build(self.root, report.path, report.manifest, deadline,
-                                 check_finite=s.check_finite)
+        built = self.stage.build(self.root, report.path, report.manifest, deadline, check_finite=s.check_finite)
         remaining = max(0.001, s.validate_timeout_s - (time.monotonic() - deadline.started))
         # A rebuild checked the tensors its delta changed; the others are its base's, checked
         # when the base was staged: no second read of the whole model.
         staged_report = validate_checkpoint(
-            built.path, root=self.stage.path, reference=self._reference, allow_float_cast=True,
-            check_finite=s.check_finite and built.kind != "delta", timeout_s=remaining)
+            built.path,
+            root=self.stage.path,
+            reference=self._reference,
+            allow_float_cast=True,
+            check_finite=s.check_finite and built.kind != "delta",
+            timeout_s=remaining,
+        )
         if staged_report.manifest.source_fingerprint() != report.manifest.fingerprint():
-            raise CheckpointError("changed_while_staging", f"{path.name}'s manifest changed while"
-                                  " it was being staged")
+            raise CheckpointError("changed_while_staging", f"{path.name}'s manifest changed while it was being staged")
         staged_report.digests_checked = True
         return staged_report, built
 
@@ -679,8 +757,7 @@ def _local_model_dir(model_path: str) -> Path | None:
     except ImportError:
         return None
     try:
-        local = Path(snapshot_download(model_path, local_files_only=True,
-                                       allow_patterns=["*.safetensors", "*.json"]))
+        local = Path(snapshot_download(model_path, local_files_only=True, allow_patterns=["*.safetensors", "*.json"]))
     except Exception:  # not cached, not a repo id: no reference from it
         return None
     return local if any(local.glob("*.safetensors")) else None

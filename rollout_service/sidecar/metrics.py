@@ -13,36 +13,69 @@ class SidecarMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.syncs = Counter("syncs", "Checkpoint syncs by outcome (loaded, rejected, failed) and reason",
-                             ["outcome", "reason"], namespace=NAMESPACE, registry=r)
-        self.last_sync_seconds = Gauge("last_sync_seconds", "Seconds spent in each phase of the last"
-                                       " successful sync (detect, validate, apply, load, total; apply: copying or"
-                                       " rebuilding in the stage, part of validate)", ["phase"],
-                                       namespace=NAMESPACE, registry=r)
-        self.loaded_version = Gauge("loaded_version", "Checkpoint step SGLang is serving (-1: base"
-                                    " weights)", namespace=NAMESPACE, registry=r)
+        self.syncs = Counter(
+            "syncs",
+            "Checkpoint syncs by outcome (loaded, rejected, failed) and reason",
+            ["outcome", "reason"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.last_sync_seconds = Gauge(
+            "last_sync_seconds",
+            "Seconds spent in each phase of the last"
+            " successful sync (detect, validate, apply, load, total; apply: copying or"
+            " rebuilding in the stage, part of validate)",
+            ["phase"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.loaded_version = Gauge(
+            "loaded_version", "Checkpoint step SGLang is serving (-1: base weights)", namespace=NAMESPACE, registry=r
+        )
         self.detection_latency = Histogram(
-            "detection_latency_seconds", "Publish finished (step directory renamed into place) ->"
-            " load started", namespace=NAMESPACE, registry=r,
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
-        self.sglang_restarts = Counter("sglang_restarts", "Times SGLang was seen to come back with"
-                                       " lost weights or after being down", namespace=NAMESPACE,
-                                       registry=r)
-        self.sglang_up = Gauge("sglang_up", "1 when SGLang answers /health", namespace=NAMESPACE,
-                               registry=r)
-        self.ready = Gauge("ready", "1 when serving the newest valid checkpoint", namespace=NAMESPACE,
-                           registry=r)
-        self.synced_bytes = Counter("synced_bytes", "Bytes read from shared storage by syncs, by the"
-                                    " published step's kind (full, delta)", ["kind"],
-                                    namespace=NAMESPACE, registry=r)
-        self.last_sync_kind = Gauge("last_sync_kind", "1 for the kind of the last successful sync"
-                                    " (full, delta)", ["kind"], namespace=NAMESPACE, registry=r)
-        self.last_sync_bytes_read = Gauge("last_sync_bytes_read", "Bytes the last successful sync"
-                                          " read from shared storage", namespace=NAMESPACE, registry=r)
-        self.chain_length = Gauge("last_sync_chain_length", "Deltas the last successful sync applied"
-                                  " (0: a full step)", namespace=NAMESPACE, registry=r)
-        self.stage_bytes = Gauge("stage_bytes", "Bytes held in the node-local stage directory",
-                                 namespace=NAMESPACE, registry=r)
+            "detection_latency_seconds",
+            "Publish finished (step directory renamed into place) -> load started",
+            namespace=NAMESPACE,
+            registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+        )
+        self.sglang_restarts = Counter(
+            "sglang_restarts",
+            "Times SGLang was seen to come back with lost weights or after being down",
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.sglang_up = Gauge("sglang_up", "1 when SGLang answers /health", namespace=NAMESPACE, registry=r)
+        self.ready = Gauge("ready", "1 when serving the newest valid checkpoint", namespace=NAMESPACE, registry=r)
+        self.synced_bytes = Counter(
+            "synced_bytes",
+            "Bytes read from shared storage by syncs, by the published step's kind (full, delta)",
+            ["kind"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.last_sync_kind = Gauge(
+            "last_sync_kind",
+            "1 for the kind of the last successful sync (full, delta)",
+            ["kind"],
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.last_sync_bytes_read = Gauge(
+            "last_sync_bytes_read",
+            "Bytes the last successful sync read from shared storage",
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.chain_length = Gauge(
+            "last_sync_chain_length",
+            "Deltas the last successful sync applied (0: a full step)",
+            namespace=NAMESPACE,
+            registry=r,
+        )
+        self.stage_bytes = Gauge(
+            "stage_bytes", "Bytes held in the node-local stage directory", namespace=NAMESPACE, registry=r
+        )
         self.loaded_version.set(-1)
 
     def record_sync(self, kind: str, bytes_read: int | None, chain_length: int) -> None:

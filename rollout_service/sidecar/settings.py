@@ -73,8 +73,10 @@ class SidecarSettings:
         else:
             self.stage_dir = Path(self.stage_dir)
         if self.stage_dir is not None and is_inside(self.stage_dir, self.checkpoint_path):
-            raise ValueError(f"--stage-dir {self.stage_dir} is inside the checkpoint root; it must be"
-                             " node-local and private to this sidecar")
+            raise ValueError(
+                f"--stage-dir {self.stage_dir} is inside the checkpoint root; it must be"
+                " node-local and private to this sidecar"
+            )
         if self.lora_keep < 1:
             raise ValueError(f"--lora-keep must be at least 1, got {self.lora_keep}")
         if not self.validate_timeout_s > 0:

@@ -29,13 +29,13 @@ class ServerView:
 class SGLangClient:
     """Async client for one SGLang server's health, model info and weight updates."""
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 10.0,
-                 load_timeout_s: float = 1800.0):
+    def __init__(
+        self, base_url: str, *, api_key: str | None = None, timeout_s: float = 10.0, load_timeout_s: float = 1800.0
+    ):
         self.base_url = base_url.rstrip("/")
         self._timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
         self._load_timeout = httpx.Timeout(load_timeout_s, connect=min(timeout_s, 3.0))
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=bearer_headers(api_key),
-                                       trust_env=False)
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=bearer_headers(api_key), trust_env=False)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -58,27 +58,28 @@ class SGLangClient:
         except (httpx.HTTPError, ValueError):
             return ServerView(healthy=False)
         version = data.get("weight_version")
-        return ServerView(healthy=True, weight_version=None if version is None else str(version),
-                          model_path=data.get("model_path"))
+        return ServerView(
+            healthy=True, weight_version=None if version is None else str(version), model_path=data.get("model_path")
+        )
 
     async def load_from_disk(self, model_path: str, weight_version: str) -> dict:
         """``/update_weights_from_disk``; in-flight requests finish on the old weights first."""
-        body = {"model_path": model_path, "weight_version": weight_version,
-                "abort_all_requests": False, "flush_cache": True}
+        body = {
+            "model_path": model_path,
+            "weight_version": weight_version,
+            "abort_all_requests": False,
+            "flush_cache": True,
+        }
         try:
-            resp = await self._http.post("/update_weights_from_disk", json=body,
-                                         timeout=self._load_timeout)
+            resp = await self._http.post("/update_weights_from_disk", json=body, timeout=self._load_timeout)
         except httpx.HTTPError as exc:
-            raise SGLangUnavailable(f"SGLang at {self.base_url} failed during the weight update:"
-                                    f" {exc!r}") from exc
+            raise SGLangUnavailable(f"SGLang at {self.base_url} failed during the weight update: {exc!r}") from exc
         try:
             data = resp.json()
         except ValueError:
             data = {"success": False, "message": resp.text[:500]}
         if resp.status_code != 200 or not data.get("success", False):
-            raise SGLangLoadRejected(
-                f"SGLang refused {model_path} (HTTP {resp.status_code}): {data.get('message')}"
-            )
+            raise SGLangLoadRejected(f"SGLang refused {model_path} (HTTP {resp.status_code}): {data.get('message')}")
         return data
 
     # --- LoRA adapters (adapter sync; see ``sidecar/adapter_sync.py``) ------------------------
@@ -121,6 +122,8 @@ class SGLangClient:
         except ValueError:
             data = {"success": False, "error_message": resp.text[:500]}
         if resp.status_code != 200 or not data.get("success", False):
-            raise SGLangLoadRejected(f"SGLang refused {route} {body} (HTTP {resp.status_code}):"
-                                     f" {str(data.get('error_message') or data.get('message'))[:500]}")
+            raise SGLangLoadRejected(
+                f"SGLang refused {route} {body} (HTTP {resp.status_code}):"
+                f" {str(data.get('error_message') or data.get('message'))[:500]}"
+            )
         return data

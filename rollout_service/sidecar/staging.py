@@ -92,15 +92,18 @@ class Stage:
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise StageError(f"cannot create the stage directory {self.path}: {exc.strerror};"
-                             " pass a writable node-local --stage-dir") from None
+            raise StageError(
+                f"cannot create the stage directory {self.path}: {exc.strerror}; pass a writable node-local --stage-dir"
+            ) from None
         self._lock = open(self.path / LOCK_NAME, "a")
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock.close()
-            raise StageError(f"another sidecar uses the stage directory {self.path}: give each"
-                             " replica its own --stage-dir (or --replica-id)") from None
+            raise StageError(
+                f"another sidecar uses the stage directory {self.path}: give each"
+                " replica its own --stage-dir (or --replica-id)"
+            ) from None
         for entry in self.path.iterdir():
             if entry.name.startswith(TEMP_PREFIX):
                 _remove(entry)
@@ -157,10 +160,12 @@ class Stage:
             raise StageError(
                 f"the stage directory {self.path} has {free >> 20} MiB free, step"
                 f" {manifest_step} needs {need >> 20} MiB: give --stage-dir a folder with room"
-                " for two copies of the model")
+                " for two copies of the model"
+            )
 
-    def build(self, root: Path, source_dir: Path, manifest: Manifest, deadline: Deadline, *,
-              check_finite: bool = False) -> StagedBuild:
+    def build(
+        self, root: Path, source_dir: Path, manifest: Manifest, deadline: Deadline, *, check_finite: bool = False
+    ) -> StagedBuild:
         """A verified full copy of a published step here: copied (full) or rebuilt (delta).
 
         ``check_finite`` makes a rebuild refuse NaN/Inf in the tensors a delta changes (a full
@@ -176,13 +181,13 @@ class Stage:
         except CheckpointError as exc:
             if exc.reason != "base_mismatch" or not chain.start_is_staged:
                 raise
-            log.warning("the staged copy %s is damaged (%s); replaying the chain from its full step",
-                        chain.start.path.name, exc)
+            log.warning(
+                "the staged copy %s is damaged (%s); replaying the chain from its full step", chain.start.path.name, exc
+            )
             _remove(chain.start.path)
             return self._apply_chain(root, resolve_chain(root, link, None), deadline, t0, check_finite)
 
-    def _apply_chain(self, root: Path, chain: Chain, deadline: Deadline, t0: float,
-                     check_finite: bool) -> StagedBuild:
+    def _apply_chain(self, root: Path, chain: Chain, deadline: Deadline, t0: float, check_finite: bool) -> StagedBuild:
         bytes_read = 0
         made_here: set[Path] = set()
         if chain.start_is_staged:
@@ -202,8 +207,7 @@ class Stage:
             tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir()
             try:
-                rebuilt = reconstruct(root, link, current, self.path, tmp, deadline,
-                                      check_finite=check_finite)
+                rebuilt = reconstruct(root, link, current, self.path, tmp, deadline, check_finite=check_finite)
                 os.rename(tmp, final)
             except BaseException:
                 _remove(tmp)
@@ -226,8 +230,15 @@ class Stage:
         try:
             for fname, entry in sorted(manifest.files.items()):
                 where = f"{source_dir.name}/{fname}"
-                copy_verified(root, source_dir / fname, tmp / fname, where=where, size=entry.size,
-                              digest=entry.digest, deadline=deadline)
+                copy_verified(
+                    root,
+                    source_dir / fname,
+                    tmp / fname,
+                    where=where,
+                    size=entry.size,
+                    digest=entry.digest,
+                    deadline=deadline,
+                )
             (tmp / MANIFEST_NAME).write_text(manifest.to_json())
             os.rename(tmp, final)
         except BaseException:
@@ -247,8 +258,7 @@ class Stage:
     def load_reference(self) -> tuple[TensorSpecs, str] | None:
         try:
             data = json.loads((self.path / REFERENCE_NAME).read_text())
-            specs = {str(k): (str(v[0]), tuple(int(x) for x in v[1]))
-                     for k, v in data["tensors"].items()}
+            specs = {str(k): (str(v[0]), tuple(int(x) for x in v[1])) for k, v in data["tensors"].items()}
             return specs, str(data.get("source"))
         except (OSError, ValueError, KeyError, TypeError, IndexError):
             return None

@@ -47,12 +47,10 @@ class _Handler(FileSystemEventHandler):
 class CheckpointWatcher:
     """Calls ``on_change(description)`` from a watchdog thread when a publication may have landed."""
 
-    def __init__(self, root: Path, on_change: Callable[[str], None],
-                 poll_interval_s: float | None = None):
+    def __init__(self, root: Path, on_change: Callable[[str], None], poll_interval_s: float | None = None):
         self.root = Path(root)
         self.mode = "inotify" if poll_interval_s is None else "polling"
-        self._observer = (Observer() if poll_interval_s is None
-                          else PollingObserver(timeout=poll_interval_s))
+        self._observer = Observer() if poll_interval_s is None else PollingObserver(timeout=poll_interval_s)
         self._observer.schedule(_Handler(on_change), str(self.root), recursive=False)
 
     def start(self) -> None:

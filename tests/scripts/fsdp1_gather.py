@@ -42,23 +42,30 @@ def main() -> None:
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.01)
     full = {k: v.clone() for k, v in model.state_dict().items()}
-    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Qwen2DecoderLayer}),
-                                       device_id=torch.device("cpu"))
+    wrapped = FullyShardedDataParallel(
+        model, auto_wrap_policy=ModuleWrapPolicy({Qwen2DecoderLayer}), device_id=torch.device("cpu")
+    )
     local = {n: tuple(t.shape) for n, t in wrapped.named_parameters()}
     accelerator = SimpleNamespace(is_main_process=rank == 0, device=torch.device("cpu"), state=None)
     tensors = iter_full_weights(wrapped, accelerator)
-    result = {"rank": rank, "is_fsdp1": is_fsdp1(wrapped), "local_names": sorted(local)[:3],
-              "flat_local": any("_flat_param" in n for n in local)}
+    result = {
+        "rank": rank,
+        "is_fsdp1": is_fsdp1(wrapped),
+        "local_names": sorted(local)[:3],
+        "flat_local": any("_flat_param" in n for n in local),
+    }
     if rank == 0:
-        published = publish_checkpoint(a.root, 1, tensors, config=model_dir / "config.json",
-                                       max_shard_bytes=256 * 1024)  # several shards
+        published = publish_checkpoint(
+            a.root, 1, tensors, config=model_dir / "config.json", max_shard_bytes=256 * 1024
+        )  # several shards
         state = {}
         for path in sorted(Path(published.path).glob("*.safetensors")):
             state.update(load_file(str(path)))
         result.update(
             files=published.files,
             names_match=sorted(state) == sorted(full),
-            missing=sorted(set(full) - set(state))[:5], extra=sorted(set(state) - set(full))[:5],
+            missing=sorted(set(full) - set(state))[:5],
+            extra=sorted(set(state) - set(full))[:5],
             shapes_match=all(tuple(state[k].shape) == tuple(full[k].shape) for k in state if k in full),
             values_match=all(torch.equal(state[k], full[k]) for k in state if k in full),
         )

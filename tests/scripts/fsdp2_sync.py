@@ -39,10 +39,18 @@ def main() -> None:
     p = rollout_unit_parser(steps=2)
     a = p.parse_args()
     # The config first: building TrainingArguments resets accelerate's shared state.
-    args = GRPOConfig(output_dir=str(Path(a.out).parent / "fsdp2-trainer"), checkpoint_path=a.checkpoint_path,
-                      sglang_urls=[a.sglang_url], sidecar_urls=[a.sidecar_url], use_cpu=True, bf16=False,
-                      report_to=[], sync_timeout=300.0, keep_checkpoints=None,
-                      checkpoint_max_shard_mb=1.0)  # several shards: the writer holds tensors across gathers
+    args = GRPOConfig(
+        output_dir=str(Path(a.out).parent / "fsdp2-trainer"),
+        checkpoint_path=a.checkpoint_path,
+        sglang_urls=[a.sglang_url],
+        sidecar_urls=[a.sidecar_url],
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        sync_timeout=300.0,
+        keep_checkpoints=None,
+        checkpoint_max_shard_mb=1.0,
+    )  # several shards: the writer holds tensors across gathers
     accelerator = Accelerator(cpu=True)
     world = accelerator.num_processes
     model_dir = ensure_tiny_model(tied=False)
@@ -56,8 +64,9 @@ def main() -> None:
     sharded = bool(big) and all(type(p).__name__ == "DTensor" and p.to_local().numel() < p.numel() for p in big)
 
     step = 0
-    generation = SGLangGeneration(model, accelerator, tok, args=args, max_completion_length=6,
-                                  current_step=lambda: step)
+    generation = SGLangGeneration(
+        model, accelerator, tok, args=args, max_completion_length=6, current_step=lambda: step
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(accelerator.process_index)
     checks = []
@@ -79,12 +88,18 @@ def main() -> None:
                 published.update(load_file(str(shard)))
             diffs = {k: (published[k] - full[k]).abs().max().item() for k in published if k in full}
             record = generation.history[-1]
-            checks.append({
-                "step": ckpt.step, "shards": len(list(ckpt.path.glob("*.safetensors"))),
-                "published_equals_trained": set(published) == set(full) and max(diffs.values()) == 0.0,
-                "missing": sorted(set(full) - set(published)), "extra": sorted(set(published) - set(full)),
-                "max_abs_diff": max(diffs.values()), "served_versions": sorted({v for v in record.versions}),
-                "completions": len(completions)})
+            checks.append(
+                {
+                    "step": ckpt.step,
+                    "shards": len(list(ckpt.path.glob("*.safetensors"))),
+                    "published_equals_trained": set(published) == set(full) and max(diffs.values()) == 0.0,
+                    "missing": sorted(set(full) - set(published)),
+                    "extra": sorted(set(published) - set(full)),
+                    "max_abs_diff": max(diffs.values()),
+                    "served_versions": sorted({v for v in record.versions}),
+                    "completions": len(completions),
+                }
+            )
         dist.barrier()
     generation.close()
     if accelerator.is_main_process:

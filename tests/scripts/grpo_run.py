@@ -45,17 +45,36 @@ def main() -> None:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"])
-    args = GRPOConfig(output_dir=str(Path(a.out).parent / "trainer"), checkpoint_path=a.checkpoint_path,
-                      sglang_urls=[a.sglang_url], sidecar_urls=[a.sidecar_url],
-                      per_device_train_batch_size=8, num_generations=8, max_completion_length=8,
-                      max_steps=a.steps, learning_rate=5e-2 if a.peft else 1e-2, beta=0.0,
-                      logging_steps=1, save_strategy="no", report_to=[], bf16=False,
-                      disable_tqdm=True, sync_timeout=300.0, keep_checkpoints=None, seed=0,
-                      # DeepSpeed: accelerate drops its plugin under use_cpu, and needs gloo named.
-                      **(dict(use_cpu=False, ddp_backend="gloo") if a.zero3 else dict(use_cpu=True)))
-    trainer = GRPOTrainer(model=model, reward_funcs=word_start_reward(tok), args=args,
-                          train_dataset=Dataset.from_dict({"prompt": make_prompts(64)}),
-                          processing_class=tok, peft_config=peft_config)
+    args = GRPOConfig(
+        output_dir=str(Path(a.out).parent / "trainer"),
+        checkpoint_path=a.checkpoint_path,
+        sglang_urls=[a.sglang_url],
+        sidecar_urls=[a.sidecar_url],
+        per_device_train_batch_size=8,
+        num_generations=8,
+        max_completion_length=8,
+        max_steps=a.steps,
+        learning_rate=5e-2 if a.peft else 1e-2,
+        beta=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        bf16=False,
+        disable_tqdm=True,
+        sync_timeout=300.0,
+        keep_checkpoints=None,
+        seed=0,
+        # DeepSpeed: accelerate drops its plugin under use_cpu, and needs gloo named.
+        **(dict(use_cpu=False, ddp_backend="gloo") if a.zero3 else dict(use_cpu=True)),
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=word_start_reward(tok),
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": make_prompts(64)}),
+        processing_class=tok,
+        peft_config=peft_config,
+    )
     trainer.train()
     # Publish the final weights too, the way the next step's sync would.
     trainer.state.global_step += 1
@@ -78,33 +97,55 @@ def main() -> None:
     published = load_file(str(ckpt.path / "model.safetensors"))
     # PEFT: every sync merges and then unmerges the adapter, which leaves float rounding in the
     # base weights (as TRL's vLLM path does), so merged weights agree to rounding, not bits.
-    diffs = {k: (published[k] - trained[k].to(published[k].dtype)).abs().max().item()
-             for k in published if k in trained}
+    diffs = {
+        k: (published[k] - trained[k].to(published[k].dtype)).abs().max().item() for k in published if k in trained
+    }
     tolerance = 1e-5 if a.peft else 0.0
     equal = set(published) <= set(trained) and all(d <= tolerance for d in diffs.values())
     missing = sorted(set(trained) - set(published))
     history = [h for h in trainer.state.log_history if "reward" in h]
-    Path(a.out).write_text(json.dumps({
-        "processes": trainer.accelerator.num_processes, "history": history,
-        "distributed_type": str(trainer.accelerator.distributed_type), "partitioned_parameters": partitioned,
-        "parameters": sum(1 for _ in unwrapped.parameters()),
-        "final_step": ckpt.step, "published_equals_trained": equal,
-        "max_abs_diff": max(diffs.values()) if diffs else None,
-        "extra_published": sorted(set(published) - set(trained)),
-        "unpublished_tensors": missing}, indent=2))
+    Path(a.out).write_text(
+        json.dumps(
+            {
+                "processes": trainer.accelerator.num_processes,
+                "history": history,
+                "distributed_type": str(trainer.accelerator.distributed_type),
+                "partitioned_parameters": partitioned,
+                "parameters": sum(1 for _ in unwrapped.parameters()),
+                "final_step": ckpt.step,
+                "published_equals_trained": equal,
+                "max_abs_diff": max(diffs.values()) if diffs else None,
+                "extra_published": sorted(set(published) - set(trained)),
+                "unpublished_tensors": missing,
+            },
+            indent=2,
+        )
+    )
 
 
 def _use_zero3_on_cpu(work: Path) -> None:
     """Configure accelerate's DeepSpeed plugin for ZeRO-3 on the CPU (before any accelerate state)."""
     config = work / "ds_zero3.json"
-    config.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "train_batch_size": "auto", "gradient_clipping": "auto",
-        # Threshold 0: every parameter is partitioned (by default small ones stay whole).
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "bf16": {"enabled": False}, "fp16": {"enabled": False}}))
-    os.environ.update(DS_ACCELERATOR="cpu", ACCELERATE_USE_DEEPSPEED="true",
-                      ACCELERATE_DEEPSPEED_CONFIG_FILE=str(config), ACCELERATE_DEEPSPEED_ZERO3_INIT="true")
+    config.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "train_batch_size": "auto",
+                "gradient_clipping": "auto",
+                # Threshold 0: every parameter is partitioned (by default small ones stay whole).
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                "bf16": {"enabled": False},
+                "fp16": {"enabled": False},
+            }
+        )
+    )
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        ACCELERATE_USE_DEEPSPEED="true",
+        ACCELERATE_DEEPSPEED_CONFIG_FILE=str(config),
+        ACCELERATE_DEEPSPEED_ZERO3_INIT="true",
+    )
     # Test speed only: DeepSpeed's CPU backend JIT-compiles a shared-memory collective (~2.5 min
     # on 2 cores, then ~25 s of compiler probes per launch); without it collectives use gloo.
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None

@@ -85,17 +85,14 @@ def assign_req_to_token_pool_cpu(
         return
     if bool((ends > pool_len).any()):
         raise ValueError(
-            f"assign_req_to_token_pool_cpu: end_offset {ends.tolist()} exceeds the pool row "
-            f"length {pool_len}"
+            f"assign_req_to_token_pool_cpu: end_offset {ends.tolist()} exceeds the pool row length {pool_len}"
         )
     if out_cache_loc.numel() < total:
         raise ValueError(
             f"assign_req_to_token_pool_cpu expected at least {total} entries in out_cache_loc "
             f"(the sum of end - start), found {out_cache_loc.numel()}"
         )
-    rows = torch.repeat_interleave(
-        req_pool_indices.to(device=req_to_token.device, dtype=torch.int64), lengths
-    )
+    rows = torch.repeat_interleave(req_pool_indices.to(device=req_to_token.device, dtype=torch.int64), lengths)
     segment_starts = torch.cumsum(lengths, dim=0) - lengths
     position_in_segment = torch.arange(total, device=req_to_token.device) - torch.repeat_interleave(
         segment_starts, lengths
@@ -120,13 +117,9 @@ def _unavailable(name: str, feature: str) -> Callable[..., NoReturn]:
     return kernel
 
 
-assign_draft_cache_locs_contiguous_cpu = _unavailable(
-    "assign_draft_cache_locs_contiguous_cpu", "speculative decoding"
-)
+assign_draft_cache_locs_contiguous_cpu = _unavailable("assign_draft_cache_locs_contiguous_cpu", "speculative decoding")
 assign_extend_cache_locs_cpu = _unavailable("assign_extend_cache_locs_cpu", "speculative decoding")
-build_tree_kernel_efficient_cpu = _unavailable(
-    "build_tree_kernel_efficient_cpu", "speculative decoding"
-)
+build_tree_kernel_efficient_cpu = _unavailable("build_tree_kernel_efficient_cpu", "speculative decoding")
 copy_all_layer_kv_cache_cpu = _unavailable(
     "copy_all_layer_kv_cache_cpu", "KV-cache copies between pools (hierarchical caching)"
 )

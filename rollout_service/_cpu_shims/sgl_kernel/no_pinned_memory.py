@@ -27,8 +27,20 @@ from typing import Any
 import torch
 
 LORA_PACKAGE = "sglang.srt.lora"
-FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like",
-             "full_like", "arange", "as_tensor", "empty_strided")
+FACTORIES = (
+    "tensor",
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "arange",
+    "as_tensor",
+    "empty_strided",
+)
 
 
 def _without_pin(factory: Callable[..., Any]) -> Callable[..., Any]:
@@ -94,8 +106,11 @@ def install() -> bool:
     if not any(isinstance(f, _LoraModuleFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _LoraModuleFinder())
     for name, module in list(sys.modules.items()):  # LoRA modules imported before the stand-in
-        if module is not None and (name == LORA_PACKAGE or name.startswith(LORA_PACKAGE + ".")) \
-                and module.__dict__.get("torch") is torch:
+        if (
+            module is not None
+            and (name == LORA_PACKAGE or name.startswith(LORA_PACKAGE + "."))
+            and module.__dict__.get("torch") is torch
+        ):
             module.__dict__["torch"] = _TORCH_VIEW
     torch.Tensor.pin_memory = _tensor_pin_memory
     return True
