@@ -62,7 +62,11 @@ def test_stale_cached_listing_does_not_delay_a_step_the_trainer_names(
     with sshfs_mount(tmp_path / "fs", "dcache_timeout=60", "dcache_dir_timeout=60") as (srv, mnt):
         sidecar = sidecar_factory("--poll", "0.5", root=mnt, replica_id="stale")
         publish_on_server(srv, tiny_model_dir, 1)
-        SidecarWaiter([sidecar.url]).wait(1, timeout_s=60)
+        first = SidecarWaiter([sidecar.url])
+        # Named, as the trainer does: the sidecar's first listing (of the empty root) may be
+        # cached for the whole minute, so polling alone could not be relied on here.
+        first.notify(1)
+        first.wait(1, timeout_s=60)
         os.listdir(mnt)  # the client caches this listing
         publish_on_server(srv, tiny_model_dir, 2)
         assert "step-00000002" not in os.listdir(mnt), "the mount's cached listing should be stale"
