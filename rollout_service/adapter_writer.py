@@ -23,10 +23,8 @@ import torch
 from .checkpoint_format import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
-    MANIFEST_NAME,
     AdapterInfo,
     FileEntry,
-    Manifest,
     normalize_dtype,
     step_dir_name,
 )
@@ -35,11 +33,10 @@ from .checkpoint_writer import (
     atomic_step_dir,
     check_run_id,
     shard_prefix,
+    write_manifest,
     write_small,
-    writer_identity,
 )
 from .digest import format_digest, new_hasher
-from .protocol import version_for_step
 
 log = logging.getLogger(__name__)
 
@@ -145,21 +142,17 @@ def publish_adapter(
             ADAPTER_CONFIG_NAME: write_small(tmp / ADAPTER_CONFIG_NAME, adapter_config_json(config)),
         }
         write_seconds = time.perf_counter() - t0
-        manifest = Manifest(
-            step=step,
-            weight_version=version_for_step(step),
-            created_at=time.time(),
-            writer=writer_identity(),
+        manifest = write_manifest(
+            tmp,
+            step,
+            files,
             base_model=base_model,
             dtype=target or (tags.pop() if len(tags) == 1 else None),
-            total_bytes=sum(e.size for e in files.values()),
             tensor_count=len(prepared),
-            files=files,
             run_id=run_id,
             kind="adapter",
             adapter=info,
         )
-        write_small(tmp / MANIFEST_NAME, manifest.to_json())
     final = Path(root) / step_dir_name(step)
     total = time.perf_counter() - t0
     log.info(

@@ -274,19 +274,15 @@ def publish_checkpoint(
             )
         if config is not None:
             files[CONFIG_NAME] = write_small(tmp / CONFIG_NAME, config_text(config))
-        manifest = Manifest(
-            step=step,
-            weight_version=version_for_step(step),
-            created_at=time.time(),
-            writer=writer_identity(),
+        manifest = write_manifest(
+            tmp,
+            step,
+            files,
             base_model=base_model,
             dtype=target or (dtypes.pop() if len(dtypes) == 1 else None),
-            total_bytes=sum(e.size for e in files.values()),
             tensor_count=len(weight_map),
-            files=files,
             run_id=run_id,
         )
-        write_small(tmp / MANIFEST_NAME, manifest.to_json())
     final = Path(root) / step_dir_name(step)
     total = time.perf_counter() - t0
     log.info(
@@ -312,6 +308,26 @@ def check_run_id(run_id: str | None) -> str:
     if not RUN_ID_RE.fullmatch(run_id):
         raise ValueError(f"run_id must be 1-64 letters, digits, '_' or '-', got {run_id!r}")
     return run_id
+
+
+def write_manifest(tmp: Path, step: int, files: dict[str, FileEntry], *, tensor_count: int, **fields: Any) -> Manifest:
+    """Write ``manifest.json`` (last, describing ``files``) into a step's work folder; return it.
+
+    The one place that fills what every kind's manifest shares: step, weight version, time,
+    writer and total size; ``fields`` are the rest (dtype, base_model, run_id, kind, ...).
+    """
+    manifest = Manifest(
+        step=step,
+        weight_version=version_for_step(step),
+        created_at=time.time(),
+        writer=writer_identity(),
+        total_bytes=sum(e.size for e in files.values()),
+        tensor_count=tensor_count,
+        files=files,
+        **fields,
+    )
+    write_small(tmp / MANIFEST_NAME, manifest.to_json())
+    return manifest
 
 
 def writer_identity() -> dict[str, Any]:

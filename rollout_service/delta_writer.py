@@ -44,7 +44,6 @@ from .checkpoint_format import (
     DTYPE_SIZES,
     FLOAT_DTYPES,
     INDEX_NAME,
-    MANIFEST_NAME,
     CheckpointError,
     DeltaInfo,
     DeltaTensor,
@@ -68,11 +67,10 @@ from .checkpoint_writer import (
     publish_checkpoint,
     shard_file_names,
     shard_prefix,
+    write_manifest,
     write_small,
-    writer_identity,
 )
 from .digest import format_digest, new_hasher
-from .protocol import version_for_step
 
 log = logging.getLogger(__name__)
 
@@ -440,16 +438,13 @@ class DeltaCheckpointWriter:
                     tmp / INDEX_NAME, index_json(weight_map, self._full_data_bytes())
                 )
             files[CONFIG_NAME] = target[CONFIG_NAME] = write_small(tmp / CONFIG_NAME, config_text(config))
-            manifest = Manifest(
-                step=step,
-                weight_version=version_for_step(step),
-                created_at=time.time(),
-                writer=writer_identity(),
+            manifest = write_manifest(
+                tmp,
+                step,
+                files,
                 base_model=base_model,
                 dtype=absorbed.dtype,
-                total_bytes=sum(e.size for e in files.values()),
                 tensor_count=len(self._order),
-                files=files,
                 run_id=run_id,
                 kind="delta",
                 delta=DeltaInfo(
@@ -462,7 +457,6 @@ class DeltaCheckpointWriter:
                     changed_bytes=absorbed.changed_bytes,
                 ),
             )
-            write_small(tmp / MANIFEST_NAME, manifest.to_json())
         total = time.perf_counter() - t0
         full = sum(e.size for e in target.values())
         log.info(
