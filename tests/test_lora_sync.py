@@ -163,6 +163,10 @@ def test_adapter_versions_from_training_serve_what_peft_computes(
         status = sidecar.wait_step(version)
         assert status["loaded_step"] == version and status["last_error"] is None, status
         name = adapter_name_for(version, RUN_ID)
+        last = status["last_sync"]
+        assert (last["step"], last["kind"], last["weight_version"]) == (version, "adapter", name), last
+        assert last["validate_s"] >= 0 and last["load_s"] > 0
+        assert sidecar.metric("rollout_sidecar_last_sync_kind", kind="adapter") == 1
         for prompt in PROMPTS:
             tokens, logprobs = sglang_greedy(lora_server.url, prompt, name)
             assert tokens == peft_greedy(model, prompt), f"version {version}: SGLang's greedy tokens differ from peft"

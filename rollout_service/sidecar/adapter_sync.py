@@ -35,6 +35,7 @@ from ..checkpoint_reader import PublishedCheckpoint
 from ..protocol import adapter_name_for, step_for_version
 from ..untrusted_files import Deadline
 from .sglang_client import SGLangLoadRejected, SGLangUnavailable
+from .sync_record import SyncRecord, published_at
 
 if TYPE_CHECKING:
     from .controller import SyncController
@@ -85,6 +86,8 @@ class AdapterSync:
         """Validate, stage, load and confirm one adapter step; False when it was not loaded."""
         c = self.c
         step, path = ckpt.step, ckpt.path
+        detected = c._detected_at.pop(step, time.time())
+        published = None if step in c._loaded_before else published_at(path)
         c.state.loading_step = step
         try:
             t0 = time.perf_counter()
@@ -149,14 +152,23 @@ class AdapterSync:
                 return False
             self.loaded[step] = name
             self.serving = name
-            c._set_loaded(step, report.manifest, str(report.path))
-            c._loaded_before.add(step)
-            c._crashes.pop(step, None)
-            if c.state.last_error is not None and c.state.last_error.get("step") == step:
-                c.state.last_error = None
-            c.metrics.syncs.labels("loaded", "ok").inc()
-            c.metrics.last_sync_seconds.labels("validate").set(validate_s)
-            c.metrics.last_sync_seconds.labels("load").set(load_s)
+            finished = time.time()
+            c._record_sync(
+                report.manifest,
+                SyncRecord(
+                    step=step,
+                    weight_version=name,
+                    path=str(report.path),
+                    detect_s=None if published is None else max(0.0, detected - published),
+                    validate_s=validate_s,
+                    load_s=load_s,
+                    total_s=None if published is None else finished - published,
+                    finished_at=finished,
+                    run_id=report.manifest.run_id,
+                    staged=c.stage is not None,
+                    kind="adapter",
+                ),
+            )
             log.info(
                 "loaded adapter step %d into SGLang as %r (rank %d, %s): validate%s %.3f s, load %.3f s",
                 step,

@@ -59,36 +59,13 @@ from .metrics import SidecarMetrics
 from .settings import SidecarSettings
 from .sglang_client import ServerView, SGLangClient, SGLangLoadRejected, SGLangUnavailable
 from .staging import Stage, StagedBuild, StageError
+from .sync_record import SyncRecord, published_at
 
 log = logging.getLogger(__name__)
 
 # Loads of one step during which SGLang died, before that step is given up on.
 MAX_CRASHES_PER_STEP = 2
 MAX_BACKOFF_S = 30.0
-
-
-@dataclass
-class SyncRecord:
-    """One finished sync, with its phase times in seconds."""
-
-    step: int
-    weight_version: str
-    path: str
-    detect_s: float | None
-    validate_s: float
-    load_s: float
-    total_s: float | None
-    finished_at: float
-    run_id: str | None = None
-    staged: bool = False
-    kind: str = "full"
-    """The published step's kind: full, or delta (rebuilt in the stage)."""
-    bytes_read: int | None = None
-    """Bytes read from shared storage for this sync (None without a stage: SGLang read them)."""
-    apply_s: float | None = None
-    """Seconds spent copying or rebuilding the step in the stage (part of validate_s)."""
-    chain_length: int = 0
-    """Deltas applied for this sync (more than 1: a chain was replayed)."""
 
 
 @dataclass
@@ -561,7 +538,7 @@ class SyncController:
         step, path = ckpt.step, ckpt.path
         detected = self._detected_at.pop(step, time.time())
         # Publish-time latencies only mean something the first time a step is loaded.
-        published = None if step in self._loaded_before else _published_at(path)
+        published = None if step in self._loaded_before else published_at(path)
         self.state.loading_step = step
         try:
             t0 = time.perf_counter()
@@ -625,15 +602,6 @@ class SyncController:
                 )
                 return False
             finished = time.time()
-            self._set_loaded(step, report.manifest, str(report.path))
-            self.adapters.forget_serving()
-            self._loaded_before.add(step)
-            self.state.sglang_weight_version = version
-            self._crashes.pop(step, None)
-            if self.stage is not None:
-                await asyncio.to_thread(self.stage.prune, {report.path})
-                self.state.stage_bytes = await asyncio.to_thread(self.stage.usage_bytes)
-                self.metrics.stage_bytes.set(self.state.stage_bytes)
             record = SyncRecord(
                 step=step,
                 weight_version=version,
@@ -650,15 +618,13 @@ class SyncController:
                 apply_s=built.apply_s if built is not None else None,
                 chain_length=built.chain_length if built is not None else 0,
             )
-            self.state.last_sync = record
-            if self.state.last_error is not None and self.state.last_error.get("step") == step:
-                self.state.last_error = None
-            self.metrics.syncs.labels("loaded", "ok").inc()
-            for phase in ("detect_s", "validate_s", "apply_s", "load_s", "total_s"):
-                value = getattr(record, phase)
-                if value is not None:
-                    self.metrics.last_sync_seconds.labels(phase[:-2]).set(value)
-            self.metrics.record_sync(record.kind, record.bytes_read, record.chain_length)
+            self._record_sync(report.manifest, record)
+            self.adapters.forget_serving()
+            self.state.sglang_weight_version = version
+            if self.stage is not None:
+                await asyncio.to_thread(self.stage.prune, {report.path})
+                self.state.stage_bytes = await asyncio.to_thread(self.stage.usage_bytes)
+                self.metrics.stage_bytes.set(self.state.stage_bytes)
             log.info(
                 "loaded step %d (%s%s) into SGLang: validate%s %.3f s, load %.3f s%s",
                 step,
@@ -674,6 +640,26 @@ class SyncController:
             return True
         finally:
             self.state.loading_step = None
+
+    def _record_sync(self, manifest: Manifest, record: SyncRecord) -> None:
+        """Mark ``record``'s step served, with its record and metrics.
+
+        The served step and its record change together, with no await between them: a /wait
+        woken in between would otherwise report the new step with the old record.
+        """
+        step = record.step
+        self._set_loaded(step, manifest, record.path)
+        self.state.last_sync = record
+        self._loaded_before.add(step)
+        self._crashes.pop(step, None)
+        if self.state.last_error is not None and self.state.last_error.get("step") == step:
+            self.state.last_error = None
+        self.metrics.syncs.labels("loaded", "ok").inc()
+        for phase in ("detect_s", "validate_s", "apply_s", "load_s", "total_s"):
+            value = getattr(record, phase)
+            if value is not None:
+                self.metrics.last_sync_seconds.labels(phase[:-2]).set(value)
+        self.metrics.record_sync(record.kind, record.bytes_read, record.chain_length)
 
     def _set_loaded(self, step: int, manifest: Manifest, served_path: str) -> None:
         self.state.loaded_step = step
@@ -769,11 +755,3 @@ def _dir_identity(path: Path) -> tuple[int, int, int] | None:
     except OSError:
         return None
     return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def _published_at(path: Path) -> float | None:
-    """When the step directory was renamed into place (its ctime changes on rename)."""
-    try:
-        return path.stat().st_ctime
-    except OSError:
-        return None

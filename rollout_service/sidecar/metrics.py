@@ -49,14 +49,14 @@ class SidecarMetrics:
         self.ready = Gauge("ready", "1 when serving the newest valid checkpoint", namespace=NAMESPACE, registry=r)
         self.synced_bytes = Counter(
             "synced_bytes",
-            "Bytes read from shared storage by syncs, by the published step's kind (full, delta)",
+            "Bytes read from shared storage by syncs, by the published step's kind (full, delta, adapter)",
             ["kind"],
             namespace=NAMESPACE,
             registry=r,
         )
         self.last_sync_kind = Gauge(
             "last_sync_kind",
-            "1 for the kind of the last successful sync (full, delta)",
+            "1 for the kind of the last successful sync (full, delta, adapter)",
             ["kind"],
             namespace=NAMESPACE,
             registry=r,
