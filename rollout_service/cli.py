@@ -1,10 +1,14 @@
 """The ``rollout-service`` commands: publish, validate, materialize, sidecar, serve, make-tiny-model, liveness.
 
-Run ``rollout-service <command> --help`` for each command's flags. Flags of the
-long-running commands can also be set with ``ROLLOUT_*`` environment variables. The installed
-``rollout-service`` console command is ``rollout_demo.cli``, which adds ``demo`` (it trains with
-``trainer_hooks``, which this package must not import); ``python -m rollout_service.cli`` runs
-these commands without it.
+Run ``rollout-service <command> --help`` for each command's flags. Flags of the long-running
+commands can also be set with ``ROLLOUT_*`` environment variables (``--help`` names each one).
+This module is the parser, the dispatch and each command's body; the sidecar's flags are not
+written here but derived from :class:`~rollout_service.sidecar.settings.SidecarSettings` (see
+:mod:`rollout_service.cli_env`, which also holds the env-backed flag machinery).
+
+The installed ``rollout-service`` console command is ``rollout_demo.cli``, which adds ``demo`` (it
+trains with ``trainer_hooks``, which this package must not import); ``python -m
+rollout_service.cli`` runs these commands without it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint_format import CheckpointError
-from .cli_env import EnvArgumentParser, add_env_argument
+from .cli_env import EnvArgumentParser, SettingFlags, add_env_argument
+from .lora_serving import add_lora_flags
+from .sidecar.settings import SidecarSettings
+
+SIDECAR_SETTINGS = SettingFlags(SidecarSettings)
+"""`sidecar`'s flags: one per SidecarSettings setting."""
+SERVE_SIDECAR_SETTINGS = SettingFlags(SidecarSettings, exclude={"sglang_url"}, flags={"port": "--sidecar-port"})
+"""`serve`'s sidecar flags: the URL is the SGLang server it starts, and `--port` is SGLang's."""
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
@@ -131,6 +142,36 @@ def _cmd_liveness(args: argparse.Namespace) -> int:
     return 0 if alive else 1
 
 
+def _cmd_sidecar(args: argparse.Namespace) -> int:
+    from .sidecar.app import run_sidecar
+
+    run_sidecar(SIDECAR_SETTINGS.build(args))
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .lora_serving import lora_from_args
+    from .serve import RestartPolicy, run_serve
+    from .sglang_launcher import SGLangServer
+
+    Path(args.checkpoint_path).mkdir(parents=True, exist_ok=True)
+    server = SGLangServer(
+        model_path=args.model,
+        host=args.sglang_host,
+        port=args.port,
+        device=args.device,
+        extra_args=list(args.sglang_args or []),
+        max_total_tokens=args.max_total_tokens,
+        log_path=Path(args.sglang_log) if args.sglang_log else None,
+        die_with_parent=True,
+        lora=lora_from_args(args),
+    )
+    policy = RestartPolicy(
+        max_restarts=args.max_restarts, restart_window_s=args.restart_window, startup_timeout_s=args.startup_timeout
+    )
+    return run_serve(server, SERVE_SIDECAR_SETTINGS.build(args, sglang_url=server.url), policy)
+
+
 Registrar = Callable[[Any, Any], None]
 """Adds one command: called with the subparsers object and `add_env_argument`."""
 
@@ -219,16 +260,69 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
     p.add_argument("--timeout", type=float, default=8.0, help="seconds for each HTTP call")
     p.set_defaults(func=_cmd_liveness)
 
-    for register in [*_extra_commands(), *extra_commands]:
+    p = sub.add_parser(
+        "sidecar",
+        help="watch a checkpoint root and load new checkpoints into a running SGLang",
+        description="Watch CHECKPOINT_PATH; validate each newly published step-* checkpoint and load"
+        " it into SGLang with /update_weights_from_disk (weight_version = step); acknowledge it over"
+        " HTTP and in CHECKPOINT_PATH/acks/REPLICA_ID.json. API: GET /healthz /readyz /status"
+        " /wait?version=N&timeout=S /metrics, POST /sync.",
+    )
+    SIDECAR_SETTINGS.add_to(p)
+    p.set_defaults(func=_cmd_sidecar)
+
+    p = sub.add_parser(
+        "serve",
+        help="start SGLang and its sidecar as one supervised unit (like trl vllm-serve)",
+        description="Start an SGLang server on MODEL (CPU or GPU flags chosen for this machine) and"
+        " a sidecar that keeps it on the newest checkpoint under CHECKPOINT_PATH. A crashed SGLang"
+        " is restarted with back-off and the newest checkpoint re-applied. Arguments after '--' go"
+        " to sglang.launch_server verbatim, e.g. `rollout-service serve --model M --checkpoint-path"
+        " C -- --tp-size 2`.",
+    )
+    add_env = add_env_argument
+    add_env(p, "--model", required=True, help="HF model directory SGLang starts from (base weights)")
+    SERVE_SIDECAR_SETTINGS.add_to(p)
+    add_env(p, "--port", type=int, default=30000, help="SGLang's port")
+    add_env(p, "--sglang-host", default="127.0.0.1", help="address SGLang binds to")
+    add_env(p, "--device", default="auto", help="auto, cpu or cuda")
+    add_env(
+        p,
+        "--max-total-tokens",
+        type=int,
+        default=16384,
+        help="KV cache size on CPU (bounded, or SGLang reserves ~15 GB)",
+    )
+    add_env(
+        p,
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="SGLang restarts allowed within --restart-window seconds; once spent, SGLang stays"
+        " down and /readyz and /status report `restart_budget_spent` with its last log lines",
+    )
+    add_env(
+        p,
+        "--restart-window",
+        type=float,
+        default=600.0,
+        help="the window, in seconds, over which --max-restarts is counted (as systemd's StartLimitIntervalSec)",
+    )
+    add_env(
+        p,
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for SGLang's /health at each start; the wait goes on while SGLang's"
+        " log shows progress (a first download, kernel compilation, CUDA graphs)",
+    )
+    add_env(p, "--sglang-log", default=None, help="file for SGLang's output (default: a temp file)")
+    add_lora_flags(p, add_env)
+    p.set_defaults(func=_cmd_serve, sglang_args=[])
+
+    for register in extra_commands:
         register(sub, add_env_argument)
     return parser
-
-
-def _extra_commands() -> Sequence[Registrar]:
-    """Commands that live in their own modules (imported lazily so --help stays fast)."""
-    from . import cli_commands
-
-    return cli_commands.REGISTRARS
 
 
 def main(argv: list[str] | None = None, extra_commands: Sequence[Registrar] = ()) -> int:

@@ -1,4 +1,24 @@
-"""argparse helpers: every flag can also come from an environment variable (for containers).
+"""Settings declared once, as dataclass fields; their CLI flags and ``ROLLOUT_*`` variables derived.
+
+A setting is a dataclass field whose metadata is :func:`setting`: the field gives its name, type
+and default, :func:`setting` its flag and help. :class:`SettingFlags` derives the rest from the
+fields: one flag per setting (``--poll``), its environment variable (``ROLLOUT_POLL``, see
+:func:`env_name`), the help line (``[env ROLLOUT_POLL]``, the default, "required"), the text
+conversion, and the dataclass built back from a parsed command line. Flags that are not settings
+of a dataclass (``serve --model``, the demo's) use :func:`add_env_argument` directly, as the
+generator does.
+
+How values are read (the same for every setting):
+
+- Precedence: the command line, then the variable, then the field's default. A field without a
+  default is a required flag; ``--flag (or ROLLOUT_FLAG)`` is named when neither is given.
+- A ``bool`` setting is a switch that flips its default: ``--check-digests`` for a field that
+  defaults to False, ``--no-stage`` for one that defaults to True. Its variable holds the switch's
+  value: ``1/true/yes/on`` or ``0/false/no/off`` (``ROLLOUT_NO_STAGE=1`` turns staging off).
+- ``int``, ``float``, ``str`` and ``Path`` fields convert the text with the type. An empty
+  variable counts as unset; an optional (``X | None``) non-text field given ``""`` on the command
+  line is None. Other types declare ``parse=``.
+- A value that does not convert is refused (exit 2) with a message naming the variable.
 
 Environment defaults are read only for the command being run, after its command line is parsed:
 a variable meant for another command never breaks this one. That matters in Kubernetes, where
@@ -6,14 +26,26 @@ kubelet's service links put ``ROLLOUT_PORT=tcp://10.96.0.10:30000`` (and ``ROLLO
 ...) into every pod of a namespace with a Service named ``rollout``; the pod templates set
 ``enableServiceLinks: false``, and a value that is not valid for the command's flag is refused with
 a message naming the variable.
+
+Why a small generator over the dataclass and not pydantic-settings: the settings stay plain
+dataclasses that tests and embedders construct directly, validated in ``__post_init__``; the
+slim sidecar image gains no dependency; and the behaviour that matters here is argparse's, which
+pydantic-settings would not give: variables read only for the chosen command (the service-link
+case above), one field exposed under another flag on another command (``serve --sidecar-port``
+is the sidecar's ``--port``), ``--no-*`` switches, and the exact variable semantics above, which
+its boolean and empty-string parsing would change. The generator is the first half of this module.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
-from collections.abc import Callable, Sequence
+import types
+import typing
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "ROLLOUT_"
@@ -24,10 +56,151 @@ _FROM_ENV_OR_DEFAULT = object()
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
+_SETTING = "rollout_service.setting"
+"""The key of a field's :class:`Setting` in its metadata."""
+
+_TEXT_TYPES: tuple[type, ...] = (str, int, float, Path)
+"""Field types converted from text by calling the type."""
+
 
 def env_name(flag: str) -> str:
     """``--checkpoint-path`` -> ``ROLLOUT_CHECKPOINT_PATH``."""
     return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
+
+
+# ---------------------------------------------------------------------------- declaration
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a field declares for the command line; its type and default are the field's."""
+
+    flag: str
+    """``--poll``; the variable is derived from it (:func:`env_name`)."""
+    help: str
+    parse: Callable[[str], Any] | None = None
+    """Text -> value, for a type outside ``str``/``int``/``float``/``Path``/``bool``."""
+
+
+def setting(flag: str, help: str, *, parse: Callable[[str], Any] | None = None) -> dict[str, Setting]:
+    """The metadata of a dataclass field that is also a CLI flag and a ``ROLLOUT_*`` variable.
+
+    ``port: int = field(default=8100, metadata=setting("--port", "..."))``; a field without a
+    default is a required flag. (``dataclasses.field`` itself, so that mypy still checks the
+    constructor's required arguments and each default's type.)
+    """
+    return {_SETTING: Setting(flag, help, parse)}
+
+
+def declared_settings(cls: type) -> Iterator[tuple[dataclasses.Field[Any], Setting]]:
+    """The fields of dataclass ``cls`` declared with :func:`setting`, with their declarations."""
+    for f in dataclasses.fields(cls):
+        declaration = f.metadata.get(_SETTING)
+        if declaration is not None:
+            yield f, declaration
+
+
+# ---------------------------------------------------------------------------- derivation
+
+
+@dataclass(frozen=True)
+class SettingFlag:
+    """One setting as one command exposes it."""
+
+    field: str
+    flag: str
+    help: str
+    default: Any
+    """The flag's default: the field's, or False for a switch; None when required."""
+    required: bool
+    parse: Callable[[str], Any] | None
+    """Text -> value; None for a switch."""
+    invert: bool
+    """A switch for a field that defaults to True (``--no-stage`` sets ``stage=False``)."""
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")  # argparse's rule
+
+    @property
+    def env(self) -> str:
+        return env_name(self.flag)
+
+
+class SettingFlags:
+    """The flags of a settings dataclass on one command: added to its parser, read back into it.
+
+    ``exclude`` leaves fields off (the command supplies them to :meth:`build`); ``flags`` exposes a
+    field under another flag (and so another variable) on this command.
+    """
+
+    def __init__(self, cls: type, *, exclude: Collection[str] = (), flags: Mapping[str, str] | None = None) -> None:
+        renamed = dict(flags or {})
+        unknown = (set(exclude) | set(renamed)) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"{cls.__name__} has no fields {sorted(unknown)}")
+        self.cls = cls
+        hints = typing.get_type_hints(cls)
+        self.flags: list[SettingFlag] = []
+        for f, declaration in declared_settings(cls):
+            if f.name in exclude:
+                continue
+            where = f"{cls.__name__}.{f.name}"
+            flag = renamed.get(f.name, declaration.flag)
+            required = f.default is dataclasses.MISSING
+            if hints[f.name] is bool:
+                if required or flag.startswith("--no-") != bool(f.default):
+                    raise TypeError(
+                        f"{where}: a bool setting is a switch that flips its default;"
+                        " name it --no-... exactly when the default is True"
+                    )
+                spec = SettingFlag(f.name, flag, declaration.help, False, False, None, invert=bool(f.default))
+            else:
+                parse = declaration.parse or _text_converter(hints[f.name], where)
+                default = None if required else f.default
+                spec = SettingFlag(f.name, flag, declaration.help, default, required, parse, invert=False)
+            self.flags.append(spec)
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        """Add one env-backed flag per setting to ``parser`` (an :class:`EnvArgumentParser`)."""
+        for spec in self.flags:
+            if spec.parse is None:
+                add_env_argument(parser, spec.flag, help=spec.help, default=False, action="store_true")
+            else:
+                add_env_argument(
+                    parser, spec.flag, help=spec.help, default=spec.default, type=spec.parse, required=spec.required
+                )
+
+    def build(self, args: argparse.Namespace, **values: Any) -> Any:
+        """An instance of the dataclass from a parse (fields without a flag: ``values``, or defaults)."""
+        kwargs = {}
+        for spec in self.flags:
+            value = getattr(args, spec.dest)
+            kwargs[spec.field] = (not value) if spec.invert else value
+        return self.cls(**{**kwargs, **values})
+
+
+def _text_converter(hint: Any, where: str) -> Callable[[str], Any]:
+    """The text -> value function of a field's type (see the module docstring)."""
+    members = typing.get_args(hint)
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in members
+    if optional:
+        rest = [m for m in members if m is not type(None)]
+        hint = rest[0] if len(rest) == 1 else hint
+    if hint not in _TEXT_TYPES:
+        raise TypeError(f"{where}: no text conversion for {hint!r}; declare setting(..., parse=...)")
+    convert: Callable[[str], Any] = hint
+    if not optional or hint is str:
+        return convert
+
+    def optional_value(text: str) -> Any:
+        return None if text == "" else convert(text)
+
+    optional_value.__name__ = convert.__name__  # argparse names it: "invalid float value: 'x'"
+    return optional_value
+
+
+# ------------------------------------------------------------------- env-backed argparse flags
 
 
 @dataclass(frozen=True)
@@ -89,7 +262,7 @@ class EnvArgumentParser(argparse.ArgumentParser):
         self.apply_env(parsed, os.environ)
         return parsed, extras
 
-    def apply_env(self, namespace: argparse.Namespace, environ: Any) -> None:
+    def apply_env(self, namespace: argparse.Namespace, environ: Mapping[str, str]) -> None:
         """Replace every env-backed flag not given on the command line by its variable or default."""
         missing = []
         for spec in self.env_flags:
@@ -120,8 +293,8 @@ def add_env_argument(
     type: Any = str,
     required: bool = False,
     **kwargs: Any,
-) -> None:
-    """Add ``flag`` whose default comes from its ``ROLLOUT_*`` variable when that is set.
+) -> str:
+    """Add ``flag`` whose default comes from its ``ROLLOUT_*`` variable when that is set; returns its dest.
 
     The variable is read when this parser's command is the one being run (see
     :class:`EnvArgumentParser`), not when the parser is built.
@@ -132,7 +305,7 @@ def add_env_argument(
         )
     env = env_name(flag)
     is_switch = kwargs.get("action") == "store_true"
-    suffix = f" [env {env}" + (f"; default {default}" if default not in (None, False) else "") + "]"
+    suffix = f" [env {env}" + (f"; default {default}" if default not in (None, False, "") else "") + "]"
     if required:
         suffix = f" (required) [env {env}]"
     if is_switch:
@@ -144,3 +317,4 @@ def add_env_argument(
             flag=flag, dest=action.dest, env=env, default=default, type=type, required=required, is_switch=is_switch
         )
     )
+    return action.dest

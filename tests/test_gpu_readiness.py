@@ -108,7 +108,7 @@ def test_environment_defaults_fill_only_the_chosen_command_and_required_flags_na
     args = build_parser().parse_args(["sidecar"])
     assert (args.port, args.checkpoint_path, args.sglang_url, args.check_digests) == (
         8200,
-        str(tmp_path),
+        tmp_path,  # a Path: the flag converts with SidecarSettings.checkpoint_path's type
         "http://127.0.0.1:30001",
         True,
     )

@@ -4,44 +4,119 @@ from __future__ import annotations
 
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint_paths import is_inside
+from ..cli_env import setting
 
 _REPLICA_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 @dataclass
 class SidecarSettings:
-    """What a sidecar watches, whom it talks to, and how it serves its own API."""
+    """What a sidecar watches, whom it talks to, and how it serves its own API.
 
-    checkpoint_path: Path
-    sglang_url: str
-    replica_id: str = ""
-    poll_interval_s: float | None = None  # None: inotify; a number: polling observer period
-    host: str = "127.0.0.1"
-    port: int = 8100
-    token: str | None = None
-    sglang_api_key: str | None = None
-    reference_dir: Path | None = None
-    check_digests: bool = False
-    health_interval_s: float = 2.0
-    deep_health_interval_s: float = 30.0
+    Each field whose metadata is a ``setting`` is also a flag of ``rollout-service sidecar`` (and ``serve``)
+    and a ``ROLLOUT_*`` variable, derived from this declaration (see ``rollout_service.cli_env``).
+    The other fields are tuning knobs for tests and embedders, not on the command line.
+    """
+
+    checkpoint_path: Path = field(
+        metadata=setting("--checkpoint-path", "checkpoint root the trainer publishes step-* directories into")
+    )
+    sglang_url: str = field(metadata=setting("--sglang-url", "SGLang server to load checkpoints into"))
+    replica_id: str = field(
+        default="",
+        metadata=setting("--replica-id", "name of this replica in acks/<id>.json and /status (default: HOSTNAME-PORT)"),
+    )
+    poll_interval_s: float | None = field(
+        default=None,
+        metadata=setting("--poll", "poll the checkpoint root every N seconds instead of inotify (NFS, CephFS, Lustre)"),
+    )
+    """None: inotify; a number: the polling observer's period."""
+    host: str = field(default="127.0.0.1", metadata=setting("--host", "address the sidecar binds to"))
+    port: int = field(default=8100, metadata=setting("--port", "port of the sidecar's HTTP API"))
+    token: str | None = field(
+        default=None,
+        metadata=setting("--token", "token required by POST endpoints ('Authorization: Bearer TOKEN')"),
+    )
+    sglang_api_key: str | None = field(
+        default=None, metadata=setting("--sglang-api-key", "API key SGLang was started with, if any")
+    )
+    reference_dir: Path | None = field(
+        default=None,
+        metadata=setting(
+            "--reference-dir",
+            "model directory whose tensor names/shapes new checkpoints must match (default:"
+            " the previously loaded checkpoint)",
+        ),
+    )
+    check_digests: bool = field(
+        default=False,
+        metadata=setting(
+            "--check-digests", "re-read every byte and check digests before loading (slower, catches bit rot)"
+        ),
+    )
+    health_interval_s: float = field(
+        default=2.0, metadata=setting("--health-interval", "seconds between SGLang health checks")
+    )
+    deep_health_interval_s: float = field(
+        default=30.0,
+        metadata=setting(
+            "--deep-health-interval", "seconds between SGLang /health calls (each runs a one-token generation)"
+        ),
+    )
     rescan_interval_s: float = 30.0
     ack_interval_s: float = 5.0
-    load_timeout_s: float = 1800.0
+    load_timeout_s: float = field(
+        default=1800.0,
+        metadata=setting("--load-timeout", "seconds to allow one /update_weights_from_disk call"),
+    )
     request_timeout_s: float = 10.0
-    stage: bool = True
+    stage: bool = field(
+        default=True,
+        metadata=setting(
+            "--no-stage",
+            "let SGLang read checkpoints straight from shared storage (no copy; a writer can"
+            " then change files between validation and SGLang's read)",
+        ),
+    )
     """Copy and verify each checkpoint node-locally before SGLang reads it (closes the
     time-of-check/time-of-use window; see ``sidecar/staging.py``)."""
-    stage_dir: Path | None = None  # None with stage=True: /dev/shm when it has room, else ~/.cache
-    check_finite: bool = True
+    stage_dir: Path | None = field(
+        default=None,
+        metadata=setting(
+            "--stage-dir",
+            "node-local folder (one per replica) where each checkpoint is copied and every"
+            " byte verified before SGLang reads it (default: /dev/shm/rollout-stage-REPLICA when"
+            " /dev/shm has 8 GiB free, else ~/.cache/rollout-service/stage/REPLICA)",
+        ),
+    )
+    """None with stage=True: /dev/shm when it has room, else ~/.cache."""
+    check_finite: bool = field(
+        default=True,
+        metadata=setting(
+            "--no-check-finite",
+            "do not refuse NaN/Inf weights (checked on bytes that staging or --check-digests reads anyway)",
+        ),
+    )
     """Refuse NaN/Inf weights (checked on the bytes the stage or digest mode reads anyway)."""
-    validate_timeout_s: float = 600.0
-    lora_keep: int = 3
-    """LoRA adapter versions kept loaded in SGLang (older ones are unloaded once unused); at
-    least the trainer's ``max_staleness + 1``."""
+    validate_timeout_s: float = field(
+        default=600.0,
+        metadata=setting(
+            "--validate-timeout",
+            "seconds one checkpoint's validation (and staging copy) may take before the step is rejected",
+        ),
+    )
+    lora_keep: int = field(
+        default=3,
+        metadata=setting(
+            "--lora-keep",
+            "LoRA adapter versions kept loaded in SGLang (adapter sync); older ones are unloaded"
+            " once no request uses them. At least the trainer's max_staleness + 1",
+        ),
+    )
 
     def __post_init__(self) -> None:
         self.checkpoint_path = Path(self.checkpoint_path)

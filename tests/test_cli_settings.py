@@ -1,0 +1,269 @@
+"""The sidecar's settings are declared once (SidecarSettings) and their flags and ROLLOUT_* variables
+derived from that declaration: each setting has one flag and one variable on each command, the
+variable sets the value, the flag wins over it, a bad value names the variable, --help lists it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollout_service.cli import SERVE_SIDECAR_SETTINGS, SIDECAR_SETTINGS, build_parser
+from rollout_service.cli_env import (
+    ENV_PREFIX,
+    EnvArgumentParser,
+    SettingFlags,
+    declared_settings,
+    env_name,
+    setting,
+)
+from rollout_service.sidecar.settings import SidecarSettings
+
+NOT_ON_THE_COMMAND_LINE = {"rescan_interval_s", "ack_interval_s", "request_timeout_s"}
+"""SidecarSettings fields that are tuning knobs for tests and embedders, deliberately without a flag."""
+
+FIELDS = {f.name for f in dataclasses.fields(SidecarSettings)}
+SETTINGS = {f.name for f, _ in declared_settings(SidecarSettings)}
+
+
+def subparser(command: str) -> argparse.ArgumentParser:
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    raise AssertionError("no subcommands")
+
+
+def flag_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {flag: a for a in parser._actions for flag in a.option_strings if flag.startswith("--")}
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith(ENV_PREFIX):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> dict[str, Path]:
+    paths = {name: tmp_path / name for name in ("ckpt", "ckpt2", "ref", "ref2", "stage", "stage2")}
+    for path in paths.values():
+        path.mkdir()
+    return paths
+
+
+def values(dirs: dict[str, Path]) -> dict[str, tuple[str, Any, str, Any]]:
+    """field -> (variable's text, value it gives, flag's text, value it gives); None text: a switch."""
+    return {
+        "checkpoint_path": (str(dirs["ckpt"]), dirs["ckpt"], str(dirs["ckpt2"]), dirs["ckpt2"]),
+        "sglang_url": ("http://env:1", "http://env:1", "http://flag:2/", "http://flag:2"),
+        "replica_id": ("from-env", "from-env", "from-flag", "from-flag"),
+        "poll_interval_s": ("2.5", 2.5, "7", 7.0),
+        "host": ("0.0.0.0", "0.0.0.0", "10.0.0.1", "10.0.0.1"),
+        "port": ("8201", 8201, "8202", 8202),
+        "token": ("env-token", "env-token", "flag-token", "flag-token"),
+        "sglang_api_key": ("env-key", "env-key", "flag-key", "flag-key"),
+        "reference_dir": (str(dirs["ref"]), dirs["ref"], str(dirs["ref2"]), dirs["ref2"]),
+        "check_digests": ("yes", True, "", True),
+        "health_interval_s": ("3.5", 3.5, "4", 4.0),
+        "deep_health_interval_s": ("31", 31.0, "32", 32.0),
+        "load_timeout_s": ("99", 99.0, "98", 98.0),
+        "stage": ("on", False, "", False),
+        "stage_dir": (str(dirs["stage"]), dirs["stage"], str(dirs["stage2"]), dirs["stage2"]),
+        "check_finite": ("1", False, "", False),
+        "validate_timeout_s": ("12", 12.0, "13", 13.0),
+        "lora_keep": ("5", 5, "6", 6),
+    }
+
+
+REQUIRED = {"checkpoint_path": "--checkpoint-path", "sglang_url": "--sglang-url"}
+
+
+def required_argv(dirs: dict[str, Path], *, skip: str = "") -> list[str]:
+    argv = []
+    if skip != "checkpoint_path":
+        argv += ["--checkpoint-path", str(dirs["ckpt"])]
+    if skip != "sglang_url":
+        argv += ["--sglang-url", "http://127.0.0.1:1"]
+    return argv
+
+
+# ------------------------------------------------------------------------------ the derivation
+
+
+def test_every_field_is_a_setting_or_deliberately_off_the_command_line(dirs):
+    assert FIELDS - SETTINGS == NOT_ON_THE_COMMAND_LINE
+    assert set(values(dirs)) == SETTINGS, "each setting needs a row in values() above"
+
+
+def test_every_setting_has_exactly_one_flag_and_one_variable_on_each_command():
+    for command, derived, expected in [
+        ("sidecar", SIDECAR_SETTINGS, SETTINGS),
+        ("serve", SERVE_SIDECAR_SETTINGS, SETTINGS - {"sglang_url"}),
+    ]:
+        assert [spec.field for spec in derived.flags] == [
+            f.name for f, _ in declared_settings(SidecarSettings) if f.name in expected
+        ]
+        parser = subparser(command)
+        actions = flag_actions(parser)
+        envs = [spec.env for spec in parser.env_flags]
+        assert len(envs) == len(set(envs)), f"{command}: a variable names two flags"
+        for spec in derived.flags:
+            assert [a for a in parser._actions if a.dest == spec.dest] == [actions[spec.flag]], (command, spec)
+            assert actions[spec.flag].option_strings == [spec.flag]
+            assert spec.env == env_name(spec.flag) and envs.count(spec.env) == 1, (command, spec)
+            assert spec.help in actions[spec.flag].help
+
+
+def test_flag_and_variable_names_stay_what_users_and_deploy_files_use():
+    sidecar = {spec.field: spec.env for spec in SIDECAR_SETTINGS.flags}
+    serve = {spec.field: spec.env for spec in SERVE_SIDECAR_SETTINGS.flags}
+    assert sidecar["checkpoint_path"] == serve["checkpoint_path"] == "ROLLOUT_CHECKPOINT_PATH"
+    assert sidecar["poll_interval_s"] == "ROLLOUT_POLL"
+    assert sidecar["stage"] == "ROLLOUT_NO_STAGE" and sidecar["check_finite"] == "ROLLOUT_NO_CHECK_FINITE"
+    assert (sidecar["port"], serve["port"]) == ("ROLLOUT_PORT", "ROLLOUT_SIDECAR_PORT")
+    assert "sglang_url" not in serve  # serve's sidecar talks to the SGLang it starts
+
+
+def test_help_of_each_command_lists_every_settings_variable_and_its_default():
+    for command, derived in [("sidecar", SIDECAR_SETTINGS), ("serve", SERVE_SIDECAR_SETTINGS)]:
+        text = " ".join(subparser(command).format_help().split())
+        for spec in derived.flags:
+            assert spec.flag in text and f"[env {spec.env}" in text, (command, spec.env)
+        assert "--checkpoint-path CHECKPOINT_PATH checkpoint root" in text
+    sidecar = " ".join(subparser("sidecar").format_help().split())
+    assert "(required) [env ROLLOUT_SGLANG_URL]" in sidecar
+    assert "[env ROLLOUT_LOAD_TIMEOUT; default 1800.0]" in sidecar
+    assert "[env ROLLOUT_REPLICA_ID]" in sidecar  # an empty default is not shown
+
+
+# ------------------------------------------------------------------------ values, env and flags
+
+
+def test_defaults_are_the_dataclass_defaults(clean_env, dirs):
+    built = SIDECAR_SETTINGS.build(build_parser().parse_args(["sidecar", *required_argv(dirs)]))
+    direct = SidecarSettings(checkpoint_path=dirs["ckpt"], sglang_url="http://127.0.0.1:1")
+    assert built == direct
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_a_variable_sets_the_setting_and_the_flag_wins_over_it(clean_env, dirs, name):
+    env_text, env_value, flag_text, flag_value = values(dirs)[name]
+    (spec,) = [s for s in SIDECAR_SETTINGS.flags if s.field == name]
+    clean_env.setenv(spec.env, env_text)
+    args = build_parser().parse_args(["sidecar", *required_argv(dirs, skip=name)])
+    assert getattr(SIDECAR_SETTINGS.build(args), name) == env_value
+    flag = [spec.flag] if spec.parse is None else [spec.flag, flag_text]
+    if spec.parse is None:  # a switch given on the command line wins over a variable that says no
+        clean_env.setenv(spec.env, "0")
+    args = build_parser().parse_args(["sidecar", *required_argv(dirs, skip=name), *flag])
+    assert getattr(SIDECAR_SETTINGS.build(args), name) == flag_value
+
+
+def test_serve_reads_the_sidecar_port_from_its_own_variable(clean_env, dirs):
+    clean_env.setenv("ROLLOUT_PORT", "30001")  # serve: SGLang's port
+    clean_env.setenv("ROLLOUT_SIDECAR_PORT", "8105")
+    clean_env.setenv("ROLLOUT_POLL", "3")
+    args = build_parser().parse_args(["serve", "--model", "m", "--checkpoint-path", str(dirs["ckpt"])])
+    built = SERVE_SIDECAR_SETTINGS.build(args, sglang_url="http://127.0.0.1:30001")
+    assert (args.port, built.port, built.poll_interval_s, built.sglang_url) == (
+        30001,
+        8105,
+        3.0,
+        "http://127.0.0.1:30001",
+    )
+
+
+NOT_TEXT = sorted(
+    name
+    for name, hint in typing.get_type_hints(SidecarSettings).items()
+    if name in SETTINGS and not {str, Path} & set(typing.get_args(hint) or (hint,))
+)
+"""The settings a word like 'not-a-number' is not valid for (numbers and switches)."""
+
+
+@pytest.mark.parametrize("name", NOT_TEXT)
+def test_a_bad_variable_is_refused_naming_it(clean_env, dirs, capsys, name):
+    (spec,) = [s for s in SIDECAR_SETTINGS.flags if s.field == name]
+    clean_env.setenv(spec.env, "not-a-number")
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["sidecar", *required_argv(dirs, skip=name)])
+    assert exc.value.code == 2
+    assert f"environment variable {spec.env}='not-a-number' is not valid for {spec.flag}" in capsys.readouterr().err
+
+
+def test_the_bad_variable_cases_cover_numbers_and_switches():
+    assert {"port", "poll_interval_s", "lora_keep", "check_digests", "stage"} <= set(NOT_TEXT)
+
+
+def test_empty_values_mean_unset(clean_env, dirs):
+    clean_env.setenv("ROLLOUT_POLL", "")
+    clean_env.setenv("ROLLOUT_PORT", "")
+    args = build_parser().parse_args(["sidecar", *required_argv(dirs), "--reference-dir", "", "--stage-dir", ""])
+    built = SIDECAR_SETTINGS.build(args)
+    assert (built.poll_interval_s, built.port, built.reference_dir) == (None, 8100, None)
+    assert built.stage_dir is not None and built.stage_dir != Path()  # the default stage folder
+
+
+def test_a_missing_required_setting_names_its_flag_and_variable(clean_env, dirs, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["sidecar", "--checkpoint-path", str(dirs["ckpt"])])
+    assert "--sglang-url (or ROLLOUT_SGLANG_URL)" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- declarations it refuses
+
+
+def _parser() -> EnvArgumentParser:
+    return EnvArgumentParser(prog="t")
+
+
+def test_a_switch_must_be_named_after_the_default_it_flips():
+    @dataclass
+    class Wrong:
+        on: bool = field(default=True, metadata=setting("--on", "x"))
+
+    with pytest.raises(TypeError, match="--no-"):
+        SettingFlags(Wrong)
+
+    @dataclass
+    class Right:
+        on: bool = field(default=True, metadata=setting("--no-on", "x"))
+        off: bool = field(default=False, metadata=setting("--off", "y"))
+
+    flags = SettingFlags(Right)
+    parser = _parser()
+    flags.add_to(parser)
+    assert flags.build(parser.parse_args(["--no-on", "--off"])) == Right(on=False, off=True)
+    assert flags.build(parser.parse_args([])) == Right()
+
+
+def test_a_type_without_a_text_conversion_needs_parse_and_unknown_fields_are_refused():
+    @dataclass
+    class Modules:
+        names: tuple[str, ...] = field(default=("a",), metadata=setting("--names", "x"))
+
+    with pytest.raises(TypeError, match="parse="):
+        SettingFlags(Modules)
+
+    @dataclass
+    class Parsed:
+        names: tuple[str, ...] = field(
+            default=("a",), metadata=setting("--names", "x", parse=lambda t: tuple(t.split(",")))
+        )
+
+    flags = SettingFlags(Parsed)
+    parser = _parser()
+    flags.add_to(parser)
+    assert flags.build(parser.parse_args(["--names", "b,c"])).names == ("b", "c")
+    with pytest.raises(TypeError, match="no fields"):
+        SettingFlags(Parsed, exclude={"nope"})
