@@ -24,12 +24,15 @@ from typing import Any
 from .checkpoint_format import CheckpointError
 from .cli_env import EnvArgumentParser, SettingFlags, add_env_argument
 from .lora_serving import add_lora_flags
+from .serve import RestartPolicy
 from .sidecar.settings import SidecarSettings
 
 SIDECAR_SETTINGS = SettingFlags(SidecarSettings)
 """`sidecar`'s flags: one per SidecarSettings setting."""
 SERVE_SIDECAR_SETTINGS = SettingFlags(SidecarSettings, exclude={"sglang_url"}, flags={"port": "--sidecar-port"})
 """`serve`'s sidecar flags: the URL is the SGLang server it starts, and `--port` is SGLang's."""
+SERVE_RESTART_SETTINGS = SettingFlags(RestartPolicy)
+"""`serve`'s restart budget and startup timeout."""
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
@@ -151,7 +154,7 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from .lora_serving import lora_from_args
-    from .serve import RestartPolicy, run_serve
+    from .serve import run_serve
     from .sglang_launcher import SGLangServer
 
     Path(args.checkpoint_path).mkdir(parents=True, exist_ok=True)
@@ -166,9 +169,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         die_with_parent=True,
         lora=lora_from_args(args),
     )
-    policy = RestartPolicy(
-        max_restarts=args.max_restarts, restart_window_s=args.restart_window, startup_timeout_s=args.startup_timeout
-    )
+    policy = SERVE_RESTART_SETTINGS.build(args)
     return run_serve(server, SERVE_SIDECAR_SETTINGS.build(args, sglang_url=server.url), policy)
 
 
@@ -293,31 +294,9 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         default=16384,
         help="KV cache size on CPU (bounded, or SGLang reserves ~15 GB)",
     )
-    add_env(
-        p,
-        "--max-restarts",
-        type=int,
-        default=5,
-        help="SGLang restarts allowed within --restart-window seconds; once spent, SGLang stays"
-        " down and /readyz and /status report `restart_budget_spent` with its last log lines",
-    )
-    add_env(
-        p,
-        "--restart-window",
-        type=float,
-        default=600.0,
-        help="the window, in seconds, over which --max-restarts is counted (as systemd's StartLimitIntervalSec)",
-    )
-    add_env(
-        p,
-        "--startup-timeout",
-        type=float,
-        default=600.0,
-        help="seconds to wait for SGLang's /health at each start; the wait goes on while SGLang's"
-        " log shows progress (a first download, kernel compilation, CUDA graphs)",
-    )
+    SERVE_RESTART_SETTINGS.add_to(p)
     add_env(p, "--sglang-log", default=None, help="file for SGLang's output (default: a temp file)")
-    add_lora_flags(p, add_env)
+    add_lora_flags(p)
     p.set_defaults(func=_cmd_serve, sglang_args=[])
 
     for register in extra_commands:

@@ -12,9 +12,9 @@ LoRA backend is used (its other backends are GPU kernels); on CUDA SGLang picks 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+
+from .cli_env import SettingFlags, add_env_argument, setting
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_MAX_RANK = 64
@@ -22,14 +22,48 @@ DEFAULT_MAX_LORAS_PER_BATCH = 4
 CPU_BACKEND = "torch_native"
 
 
+def module_list(text: str) -> tuple[str, ...]:
+    """``"q_proj,v_proj"`` (or space-separated) -> ``("q_proj", "v_proj")``."""
+    modules = tuple(m for m in text.replace(",", " ").split() if m)
+    if not modules:
+        raise ValueError("give at least one module name, e.g. q_proj,v_proj")
+    return modules
+
+
 @dataclass(frozen=True)
 class LoraServing:
-    """SGLang's LoRA flags for one server (see the module docstring for the defaults)."""
+    """SGLang's LoRA flags for one server (see the module docstring for the defaults).
 
-    max_rank: int = DEFAULT_MAX_RANK
-    target_modules: tuple[str, ...] = field(default=DEFAULT_TARGET_MODULES)
-    max_loras_per_batch: int = DEFAULT_MAX_LORAS_PER_BATCH
-    backend: str | None = None
+    Each field is also a flag of ``serve`` and a ``ROLLOUT_*`` variable, used with ``--lora``
+    (derived from this declaration: see ``rollout_service.cli_env``).
+    """
+
+    max_rank: int = field(
+        default=DEFAULT_MAX_RANK,
+        metadata=setting("--max-lora-rank", f"largest adapter rank SGLang can serve (default {DEFAULT_MAX_RANK})"),
+    )
+    target_modules: tuple[str, ...] = field(
+        default=DEFAULT_TARGET_MODULES,
+        metadata=setting(
+            "--lora-target-modules",
+            f"comma-separated modules adapters may change, or 'all' (default: {','.join(DEFAULT_TARGET_MODULES)})",
+            parse=module_list,
+        ),
+    )
+    max_loras_per_batch: int = field(
+        default=DEFAULT_MAX_LORAS_PER_BATCH,
+        metadata=setting(
+            "--max-loras-per-batch",
+            f"adapters SGLang keeps in its batch pool, the base model included (default"
+            f" {DEFAULT_MAX_LORAS_PER_BATCH}; at least max_staleness + 2)",
+        ),
+    )
+    backend: str | None = field(
+        default=None,
+        metadata=setting(
+            "--lora-backend", "SGLang's --lora-backend (default: torch_native on CPU, SGLang's choice on CUDA)"
+        ),
+    )
     """None: ``torch_native`` on the CPU, SGLang's default on CUDA."""
 
     def __post_init__(self) -> None:
@@ -60,60 +94,21 @@ class LoraServing:
         return args
 
 
-def add_lora_flags(p: argparse.ArgumentParser, add_env: Callable[..., Any]) -> None:
+def add_lora_flags(p: argparse.ArgumentParser) -> None:
     """``--lora`` and its settings on a command's parser (flags and ``ROLLOUT_*`` variables)."""
-    add_env(
+    add_env_argument(
         p,
         "--lora",
         action="store_true",
         help="serve LoRA adapters: start SGLang with --enable-lora so trained adapters are synced"
         " as adapters (POST /load_lora_adapter) instead of merged full checkpoints",
     )
-    add_env(
-        p,
-        "--max-lora-rank",
-        type=int,
-        default=DEFAULT_MAX_RANK,
-        help=f"largest adapter rank SGLang can serve (default {DEFAULT_MAX_RANK})",
-    )
-    add_env(
-        p,
-        "--lora-target-modules",
-        type=module_list,
-        default=DEFAULT_TARGET_MODULES,
-        help=f"comma-separated modules adapters may change, or 'all' (default: {','.join(DEFAULT_TARGET_MODULES)})",
-    )
-    add_env(
-        p,
-        "--max-loras-per-batch",
-        type=int,
-        default=DEFAULT_MAX_LORAS_PER_BATCH,
-        help=f"adapters SGLang keeps in its batch pool, the base model included (default"
-        f" {DEFAULT_MAX_LORAS_PER_BATCH}; at least max_staleness + 2)",
-    )
-    add_env(
-        p,
-        "--lora-backend",
-        default=None,
-        help="SGLang's --lora-backend (default: torch_native on CPU, SGLang's choice on CUDA)",
-    )
-
-
-def module_list(text: str) -> tuple[str, ...]:
-    """``"q_proj,v_proj"`` (or space-separated) -> ``("q_proj", "v_proj")``."""
-    modules = tuple(m for m in text.replace(",", " ").split() if m)
-    if not modules:
-        raise ValueError("give at least one module name, e.g. q_proj,v_proj")
-    return modules
+    SettingFlags(LoraServing).add_to(p)
 
 
 def lora_from_args(args: argparse.Namespace) -> LoraServing | None:
     """The settings ``add_lora_flags`` parsed, or None without ``--lora``."""
     if not getattr(args, "lora", False):
         return None
-    return LoraServing(
-        max_rank=args.max_lora_rank,
-        target_modules=tuple(args.lora_target_modules),
-        max_loras_per_batch=args.max_loras_per_batch,
-        backend=args.lora_backend,
-    )
+    lora: LoraServing = SettingFlags(LoraServing).build(args)
+    return lora

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+from .cli_env import setting
 from .sglang_launcher import SGLangServer, SGLangStartError
 from .sidecar.settings import SidecarSettings
 
@@ -44,14 +45,35 @@ class RestartPolicy:
     StartLimitBurst / StartLimitIntervalSec); back-off doubles from ``backoff_s`` up to
     ``max_backoff_s`` and resets after a successful restart. Each start waits
     ``startup_timeout_s`` for ``/health``, longer while the log shows progress (until it has been
-    silent for ``progress_grace_s``).
+    silent for ``progress_grace_s``). The fields declared with ``setting`` are ``serve``'s flags
+    and ``ROLLOUT_*`` variables (see ``rollout_service.cli_env``).
     """
 
-    max_restarts: int = 5
-    restart_window_s: float = 600.0
+    max_restarts: int = field(
+        default=5,
+        metadata=setting(
+            "--max-restarts",
+            "SGLang restarts allowed within --restart-window seconds; once spent, SGLang stays"
+            " down and /readyz and /status report `restart_budget_spent` with its last log lines",
+        ),
+    )
+    restart_window_s: float = field(
+        default=600.0,
+        metadata=setting(
+            "--restart-window",
+            "the window, in seconds, over which --max-restarts is counted (as systemd's StartLimitIntervalSec)",
+        ),
+    )
     backoff_s: float = 2.0
     max_backoff_s: float = 60.0
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = field(
+        default=600.0,
+        metadata=setting(
+            "--startup-timeout",
+            "seconds to wait for SGLang's /health at each start; the wait goes on while SGLang's"
+            " log shows progress (a first download, kernel compilation, CUDA graphs)",
+        ),
+    )
     progress_grace_s: float = 120.0
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     restarts: int = field(default=0, init=False)

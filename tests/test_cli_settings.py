@@ -1,6 +1,7 @@
-"""The sidecar's settings are declared once (SidecarSettings) and their flags and ROLLOUT_* variables
-derived from that declaration: each setting has one flag and one variable on each command, the
-variable sets the value, the flag wins over it, a bad value names the variable, --help lists it.
+"""Settings are declared once, as dataclass fields (SidecarSettings; serve's RestartPolicy and
+LoraServing too), and their flags and ROLLOUT_* variables derived from that declaration: each
+setting has one flag and one variable on each command, the variable sets the value, the flag wins
+over it, a bad value names the variable, --help lists it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from rollout_service.cli import SERVE_SIDECAR_SETTINGS, SIDECAR_SETTINGS, build_parser
+from rollout_service.cli import SERVE_RESTART_SETTINGS, SERVE_SIDECAR_SETTINGS, SIDECAR_SETTINGS, build_parser
 from rollout_service.cli_env import (
     ENV_PREFIX,
     EnvArgumentParser,
@@ -23,6 +24,8 @@ from rollout_service.cli_env import (
     env_name,
     setting,
 )
+from rollout_service.lora_serving import LoraServing, lora_from_args
+from rollout_service.serve import RestartPolicy
 from rollout_service.sidecar.settings import SidecarSettings
 
 NOT_ON_THE_COMMAND_LINE = {"rescan_interval_s", "ack_interval_s", "request_timeout_s"}
@@ -218,6 +221,25 @@ def test_a_missing_required_setting_names_its_flag_and_variable(clean_env, dirs,
     with pytest.raises(SystemExit):
         build_parser().parse_args(["sidecar", "--checkpoint-path", str(dirs["ckpt"])])
     assert "--sglang-url (or ROLLOUT_SGLANG_URL)" in capsys.readouterr().err
+
+
+def test_serve_restart_and_lora_settings_are_derived_from_their_dataclasses(clean_env, dirs):
+    assert [s.field for s in SERVE_RESTART_SETTINGS.flags] == ["max_restarts", "restart_window_s", "startup_timeout_s"]
+    assert {f.name for f, _ in declared_settings(LoraServing)} == {f.name for f in dataclasses.fields(LoraServing)}
+    serve = subparser("serve")
+    text = " ".join(serve.format_help().split())
+    for name in ("ROLLOUT_MAX_RESTARTS", "ROLLOUT_RESTART_WINDOW", "ROLLOUT_STARTUP_TIMEOUT", "ROLLOUT_LORA_BACKEND"):
+        assert f"[env {name}" in text and [e.env for e in serve.env_flags].count(name) == 1
+    argv = ["serve", "--model", "m", "--checkpoint-path", str(dirs["ckpt"])]
+    clean_env.setenv("ROLLOUT_MAX_RESTARTS", "2")
+    clean_env.setenv("ROLLOUT_STARTUP_TIMEOUT", "900")
+    clean_env.setenv("ROLLOUT_LORA", "1")
+    clean_env.setenv("ROLLOUT_LORA_TARGET_MODULES", "q_proj v_proj")
+    args = build_parser().parse_args([*argv, "--startup-timeout", "1200", "--max-lora-rank", "8"])
+    assert SERVE_RESTART_SETTINGS.build(args) == RestartPolicy(max_restarts=2, startup_timeout_s=1200.0)
+    assert lora_from_args(args) == LoraServing(max_rank=8, target_modules=("q_proj", "v_proj"))
+    clean_env.setenv("ROLLOUT_LORA", "0")
+    assert lora_from_args(build_parser().parse_args(argv)) is None
 
 
 # ------------------------------------------------------------------- declarations it refuses
