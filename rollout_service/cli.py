@@ -2,9 +2,10 @@
 
 Run ``rollout-service <command> --help`` for each command's flags. Flags of the long-running
 commands can also be set with ``ROLLOUT_*`` environment variables (``--help`` names each one).
-This module is the parser, the dispatch and each command's body; the sidecar's flags are not
-written here but derived from :class:`~rollout_service.sidecar.settings.SidecarSettings` (see
-:mod:`rollout_service.cli_env`, which also holds the env-backed flag machinery).
+This module is the parser, the dispatch and each command's body. The flags of settings are not
+written here: they are derived from the dataclasses that declare them (``SidecarSettings``,
+``serve``'s ``RestartPolicy`` and ``LoraServing``) by :mod:`rollout_service.cli_env`, which also
+holds the env-backed flag machinery the other flags use.
 
 The installed ``rollout-service`` console command is ``rollout_demo.cli``, which adds ``demo`` (it
 trains with ``trainer_hooks``, which this package must not import); ``python -m
@@ -23,8 +24,8 @@ from typing import Any
 
 from .checkpoint_format import CheckpointError
 from .cli_env import EnvArgumentParser, SettingFlags, add_env_argument
-from .lora_serving import add_lora_flags
-from .serve import RestartPolicy
+from .lora_serving import add_lora_flags, lora_from_args
+from .serve import RestartPolicy, run_serve
 from .sidecar.settings import SidecarSettings
 
 SIDECAR_SETTINGS = SettingFlags(SidecarSettings)
@@ -153,8 +154,6 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .lora_serving import lora_from_args
-    from .serve import run_serve
     from .sglang_launcher import SGLangServer
 
     Path(args.checkpoint_path).mkdir(parents=True, exist_ok=True)
