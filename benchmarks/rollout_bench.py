@@ -41,7 +41,7 @@ def generation_overhead(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rollout_service.sglang_launcher import SGLangServer
-    from trainer_hooks import GRPOConfig, SGLangGeneration
+    from trainer_hooks import GRPOConfig, build_sglang_generation
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     batch = [tokenizer(f"prompt number {i}: def f(x):")["input_ids"] for i in range(prompts)]
@@ -59,7 +59,7 @@ def generation_overhead(
             num_generations=n,
             per_device_train_batch_size=n,
         )
-        gen = SGLangGeneration(
+        gen = build_sglang_generation(
             AutoModelForCausalLM.from_pretrained(str(model_dir)),
             Accelerator(cpu=True),
             tokenizer,
@@ -101,9 +101,11 @@ def generation_overhead(
         # response checks, int coercion, weight-version check, scatter) against a plain client
         # (encode the request, read the JSON and the ids); both pay httpx's request/response work.
         transport = httpx.MockTransport(lambda request: httpx.Response(200, content=recorded))
-        gen._endpoints.close()  # the benchmark swaps the network for a replay of `recorded`
-        gen._endpoints = type(gen._endpoints)(
-            [server.url], request_timeout_s=60.0, vocab_size=gen._endpoints._vocab_size, transport=transport
+        rollouts = gen.rollouts
+        assert rollouts is not None
+        rollouts.endpoints.close()  # the benchmark swaps the network for a replay of `recorded`
+        rollouts.endpoints = type(rollouts.endpoints)(
+            [server.url], request_timeout_s=60.0, vocab_size=rollouts.endpoints._vocab_size, transport=transport
         )
         replay_client = httpx.Client(transport=transport)
         replay = {"direct": [], "trainer_hooks": []}

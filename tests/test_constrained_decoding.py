@@ -142,17 +142,12 @@ class _NotMain:
 def test_which_logprobs_reach_the_is_correction(
     kwargs: dict[str, Any], temperature: float, source: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from types import SimpleNamespace
-
     from trainer_hooks.sglang_generation import SGLangGeneration
 
-    args = SimpleNamespace(max_staleness=0, sync_timeout=10.0)
-    gen = SGLangGeneration(None, _NotMain(), None, args=args, temperature=temperature, generation_kwargs=kwargs)
+    # Not the main process: the sampling arguments alone decide, no publisher or SGLang needed.
+    gen = SGLangGeneration(None, _NotMain(), None, temperature=temperature, generation_kwargs=kwargs)
     assert gen.logprob_source == source
     if source == "none":
         assert "Use temperature=1.0 to keep it" in "\n".join(r.getMessage() for r in caplog.records)
     # RLOO asks for no logprobs at all: nothing to rescore.
-    assert (
-        SGLangGeneration(None, _NotMain(), None, args=args, logprobs=None, generation_kwargs=kwargs).logprob_source
-        == "sampled"
-    )
+    assert SGLangGeneration(None, _NotMain(), None, logprobs=None, generation_kwargs=kwargs).logprob_source == "sampled"

@@ -153,8 +153,8 @@ def test_idle_cpu_server_sleeps_instead_of_busy_polling(sglang_server_at_base):
     # The trainer reads the setting back and sees no reason to warn, even on every core.
     import torch
 
+    from trainer_hooks.cpu_contention import warn_if_sharing_the_cpu
     from trainer_hooks.sglang_endpoints import SGLangEndpoints
-    from trainer_hooks.sglang_generation import warn_if_sharing_the_cpu
 
     threads = torch.get_num_threads()
     try:

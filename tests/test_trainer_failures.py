@@ -14,7 +14,7 @@ from fake_sglang import FakeRollout, dead_url
 from trainer_helpers import make_config, make_trainer
 from trainer_hooks.replica_wait import ReplicaSyncTimeout
 from trainer_hooks.sglang_endpoints import SGLangUnavailableError
-from trainer_hooks.sglang_generation import StaleWeightsError
+from trainer_hooks.stale_retry import StaleWeightsError
 
 
 def test_dead_sidecar_fails_the_sync_after_sync_timeout(tiny_model_dir: Path, tmp_path: Path) -> None:

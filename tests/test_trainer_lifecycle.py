@@ -12,7 +12,7 @@ import pytest
 from fake_sglang import FakeRollout
 from trainer_helpers import make_config, make_trainer
 from trainer_hooks.sglang_endpoints import SGLangEndpoints
-from trainer_hooks.sglang_generation import StaleWeightsError
+from trainer_hooks.stale_retry import StaleWeightsError
 
 BACKEND_THREADS = ("sglang-generate", "checkpoint-sync")
 """Name prefixes of the threads the backend starts (request pool, background publisher)."""

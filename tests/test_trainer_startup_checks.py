@@ -61,7 +61,7 @@ def test_untested_trl_version_is_refused_with_a_clear_message() -> None:
 
 
 def test_a_trainer_on_every_core_beside_a_local_cpu_sglang_is_warned(caplog: pytest.LogCaptureFixture) -> None:
-    from trainer_hooks.sglang_generation import warn_if_sharing_the_cpu
+    from trainer_hooks.cpu_contention import warn_if_sharing_the_cpu
 
     def endpoints_at(url: str) -> SGLangEndpoints:
         return SGLangEndpoints([url], request_timeout_s=5)

@@ -10,11 +10,12 @@ and which SGLang servers and sidecars to use::
     GRPOTrainer(model="Qwen/Qwen2.5-0.5B-Instruct", reward_funcs=reward, args=args,
                 train_dataset=dataset).train()
 
-:class:`SGLangGeneration` is the backend itself (TRL's ``sync_weights`` / ``generate`` seam).
+:class:`SGLangGeneration` is the backend itself (TRL's ``sync_weights`` / ``generate`` seam);
+:func:`build_sglang_generation` builds one outside a trainer, wired from a config.
 """
 
 from .config import GRPOConfig, RLOOConfig
 from .sglang_generation import SGLangGeneration
-from .trainer import GRPOTrainer, RLOOTrainer
+from .trainer import GRPOTrainer, RLOOTrainer, build_sglang_generation
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "RLOOConfig", "RLOOTrainer", "SGLangGeneration"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "RLOOConfig", "RLOOTrainer", "SGLangGeneration", "build_sglang_generation"]

@@ -10,7 +10,8 @@ cannot, the trainer syncs merged full checkpoints and logs the reason once.
 :class:`AdapterPublisher` then publishes each version as an ``adapter`` step (``adapter_writer``:
 PEFT's file names, the same atomic publication as full checkpoints) through the trainer's
 :class:`~trainer_hooks.checkpoint_sync.CheckpointPublisher` bookkeeping (versions, waiting for
-every replica, pruning, sync records), always on the calling thread: an adapter is small. The
+every replica, pruning, sync records; its public :meth:`~CheckpointPublisher.publish_prepared`),
+always on the calling thread: an adapter is small. The
 rollouts of a version name its adapter (``lora_path``) and carry its version.
 """
 
@@ -23,14 +24,17 @@ from typing import Any
 
 import httpx
 import torch
+from accelerate.utils import is_peft_model
 
 from rollout_service.adapter_reader import LoraLimits, adapter_support_problem
 from rollout_service.adapter_writer import publish_adapter
+from rollout_service.checkpoint_writer import PublishResult
 from rollout_service.http_auth import bearer_headers
 from rollout_service.protocol import adapter_name_for
 
-from .checkpoint_sync import CheckpointPublisher, SyncRecord, target_dtype
-from .weight_gather import is_fsdp1, is_peft, is_zero3, unwrap_model
+from .checkpoint_dtype import target_dtype
+from .checkpoint_sync import CheckpointPublisher, SyncRecord
+from .weight_gather import distributed_backend, is_fsdp1, unwrap_model
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +45,7 @@ ADAPTER_NAME = "default"
 def peft_adapter_config(model: torch.nn.Module) -> dict[str, Any] | None:
     """The trained adapter's ``LoraConfig`` as a dict, or None when ``model`` is not a PEFT model."""
     model = unwrap_model(model)
-    if not is_peft(model):
+    if not is_peft_model(model):
         return None
     config = getattr(model, "peft_config", {}).get(ADAPTER_NAME)
     return None if config is None else config.to_dict()
@@ -71,9 +75,9 @@ def adapter_sync_problem(
     if config is None:
         return "the model is not a PEFT LoRA model"
     if (
-        is_zero3(accelerator)
-        or is_fsdp1(unwrap_model(model))
-        or any(hasattr(p, "full_tensor") for p in unwrap_model(model).parameters())
+        distributed_backend(accelerator).is_zero3
+        or is_fsdp1(model)
+        or any(hasattr(p, "full_tensor") for p in model.parameters())
     ):
         return "the adapter is sharded (DeepSpeed ZeRO-3 or FSDP); adapter sync gathers unsharded adapters only"
     for url, limits in server_lora_limits(urls, api_key):
@@ -115,21 +119,13 @@ class AdapterPublisher:
             for name, t in get_peft_model_state_dict(self.model, adapter_name=ADAPTER_NAME).items()
         }
         gather_s = time.perf_counter() - t0
-        version = pub.next_version()
-        pub._start(version)
-        t1 = time.perf_counter()
-        result = publish_adapter(
-            pub.root, version, state, self.config, dtype=self.dtype, base_model=pub.base_model, run_id=pub.run_id
-        )
-        return pub._finish(
-            version,
-            gather_s=gather_s,
-            write_s=time.perf_counter() - t1,
-            result=result,
-            started=t1,
-            before_s=gather_s,
-            background=False,
-        )
+
+        def write(version: int) -> PublishResult:
+            return publish_adapter(
+                pub.root, version, state, self.config, dtype=self.dtype, base_model=pub.base_model, run_id=pub.run_id
+            )
+
+        return pub.publish_prepared(pub.next_version(), write, prepared_s=gather_s).result()
 
 
 def choose_adapter_sync(

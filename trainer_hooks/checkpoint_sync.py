@@ -12,7 +12,9 @@ on the calling thread (the gather, which is collective), then a job writes the c
 waits for the replicas; it returns a ``concurrent.futures.Future`` of the job. In the
 foreground the job runs at once on the calling thread; in the background it runs on a worker
 thread while training goes on (at most one is in flight: the next sync first waits for it, and
-an error in the worker is raised by the next call into the publisher).
+an error in the worker is raised by the next call into the publisher). A checkpoint the caller
+writes itself (the LoRA adapter, ``adapter_publish.py``) takes the same path through
+:meth:`CheckpointPublisher.publish_prepared`, with the caller's writer as the job's write.
 
 Taking in depends on what the job needs to outlive the live parameters:
 
@@ -45,6 +47,7 @@ from rollout_service.checkpoint_writer import PublishResult, cleanup_stale_temp_
 from rollout_service.delta_writer import DeltaCheckpointWriter
 from rollout_service.protocol import read_acks
 
+from .checkpoint_dtype import target_dtype
 from .checkpoint_retention import prune_checkpoints
 from .replica_wait import ReplicaWaiter
 
@@ -89,19 +92,6 @@ class _TimedIterator:
         """Consume what is left (gathers are collective: other processes wait for them)."""
         for _ in self:
             pass
-
-
-_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-"""safetensors tags (what ``normalize_dtype`` returns) of the dtypes checkpoints may be cast to."""
-
-
-def target_dtype(name: str | None) -> torch.dtype | None:
-    """The torch dtype of a checkpoint dtype name ("bfloat16", "bf16", ...), None to keep each tensor's."""
-    if name is None:
-        return None
-    from rollout_service.checkpoint_format import normalize_dtype
-
-    return _FLOAT_DTYPES[normalize_dtype(name)]  # type: ignore[index]
 
 
 def cast_on_device(
@@ -192,24 +182,61 @@ class CheckpointPublisher:
             timed.drain()
             raise
         taken_s = time.perf_counter() - t0
+
+        def write_all(version: int) -> PublishResult:
+            try:
+                return write(version)
+            finally:
+                timed.drain()
+
+        streamed = timed if streams else None
+        return self._submit(version, write_all, taken_s=taken_s, streamed=streamed, background=background)
+
+    def publish_prepared(
+        self,
+        version: int,
+        write: Callable[[int], PublishResult],
+        *,
+        prepared_s: float,
+        background: bool = False,
+    ) -> Future[SyncRecord]:
+        """Publish ``version`` with a writer prepared by the caller, as :meth:`publish` does the weights.
+
+        ``write(version)`` publishes the checkpoint (any kind: an adapter, ...) from what the caller
+        took in, which took ``prepared_s`` seconds (recorded as the gather); then the job wakes and
+        waits for the replicas, prunes and records the sync, on this thread or (``background=True``)
+        on the worker thread, in which case what ``write`` reads must not change until it is done.
+        """
+        self.join()
+        return self._submit(version, write, taken_s=prepared_s, streamed=None, background=background)
+
+    def _submit(
+        self,
+        version: int,
+        write: Callable[[int], PublishResult],
+        *,
+        taken_s: float,
+        streamed: _TimedIterator | None,
+        background: bool,
+    ) -> Future[SyncRecord]:
+        """The one publish path: ``version`` becomes the latest, then a job writes it with ``write``,
+        waits for the replicas and records the sync. ``streamed``: the weights the writer draws
+        (their drawing time is the gather); else ``taken_s`` was the gather, spent before the job."""
         self._start(version)
 
         def job() -> SyncRecord:
             t1 = time.perf_counter()
-            try:
-                result = write(version)
-            finally:
-                timed.drain()
+            result = write(version)
             spent = time.perf_counter() - t1
-            gather_s = timed.seconds if streams else taken_s
-            write_s = max(0.0, spent - timed.seconds) if streams else spent
+            gather_s = streamed.seconds if streamed is not None else taken_s
+            write_s = max(0.0, spent - streamed.seconds) if streamed is not None else spent
             return self._finish(
                 version,
                 gather_s=gather_s,
                 write_s=write_s,
                 result=result,
                 started=t1,
-                before_s=0.0 if streams else taken_s,
+                before_s=0.0 if streamed is not None else taken_s,
                 background=background,
             )
 

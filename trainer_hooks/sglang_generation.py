@@ -16,74 +16,41 @@ TRL's GRPO and RLOO trainers talk to their generation backend through exactly tw
     row. They are gathered from all processes, de-duplicated with ``[::num_generations]``, sent
     to SGLang as one batch per endpoint with ``n=num_generations``, checked (integer token ids,
     weight version within ``max_staleness`` of the newest checkpoint, else retried after waiting
-    for the replica) and scattered back. Returns ``(prompt_ids, completion_ids, logprobs,
-    logprob_token_ids)``: lists per completion, logprobs shaped ``[[lp], ...]`` per token (the
-    sampled token's logprob after temperature scaling, which is what TRL's importance sampling
-    needs; when the sampling parameters change the distribution, e.g. a grammar, the model's own
-    logprob read back from SGLang instead, see ``logprob_source``), ``logprob_token_ids``
-    likewise ``[[token_id], ...]``.
+    for the replica: :mod:`trainer_hooks.stale_retry`) and scattered back. Returns
+    ``(prompt_ids, completion_ids, logprobs, logprob_token_ids)``: lists per completion, logprobs
+    shaped ``[[lp], ...]`` per token (the sampled token's logprob after temperature scaling, which
+    is what TRL's importance sampling needs; when the sampling parameters change the
+    distribution, e.g. a grammar, the model's own logprob read back from SGLang instead, see
+    ``logprob_source``), ``logprob_token_ids`` likewise ``[[token_id], ...]``.
 
 Errors on the main process (SGLang down, replicas lagging past ``sync_timeout``) are broadcast
 to every process, so all of them raise instead of some waiting forever in a collective.
+
+The parts behind the seam live beside it: the main process's wiring (endpoints, replica waiter,
+checkpoint publisher, adapter sync) in :mod:`trainer_hooks.trainer`, the staleness bound and its
+retries in :mod:`trainer_hooks.stale_retry`, the logged metrics in :mod:`trainer_hooks.rollout_metrics`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
 
-from rollout_service.checkpoint_format import DEFAULT_DELTA_MAX_RATIO, DEFAULT_FULL_EVERY, normalize_dtype
-from rollout_service.delta_writer import DeltaCheckpointWriter
-from rollout_service.http_auth import is_loopback_url
-
-from .adapter_publish import AdapterPublisher, choose_adapter_sync, label_with_adapter
+from .adapter_publish import AdapterPublisher
 from .checkpoint_sync import CheckpointPublisher
-from .config import SGLangRolloutArguments, rescoring_needed
-from .replica_wait import AckFileWaiter, ReplicaSyncTimeout, ReplicaWaiter, SidecarWaiter
+from .config import rescoring_needed
+from .rollout_metrics import RolloutMetrics
 from .sglang_endpoints import SGLangEndpoints
-from .sglang_responses import Completion
-from .weight_gather import is_peft, iter_full_weights, unwrap_model
+from .stale_retry import GenerationRecord, StaleRetryPolicy
+from .weight_gather import iter_full_weights
 
 log = logging.getLogger(__name__)
-
-_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
-STALE_RETRY_PAUSE_S = 1.0
-STALE_WAIT_SLICE_S = 10.0
-
-
-class StaleWeightsError(RuntimeError):
-    """SGLang kept answering with weights older than the staleness bound allows."""
-
-
-@dataclass
-class GenerationRecord:
-    """What one ``generate`` call saw: the version it required and the versions that answered."""
-
-    published_version: int | None
-    required_version: int | None
-    versions: list[int | None]
-    stale_retries: int
-    seconds: float
-
-
-@dataclass
-class _Metrics:
-    values: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-
-    def add(self, key: str, value: float | None) -> None:
-        if value is not None:
-            self.values[key].append(float(value))
 
 
 class _ProcessedLogprobsServerInfo:
@@ -101,11 +68,20 @@ class _ProcessedLogprobsServerInfo:
 class SGLangGeneration:
     """TRL's generation seam implemented with SGLang servers and a shared checkpoint root.
 
+    Built by :func:`trainer_hooks.trainer.build_sglang_generation`, which wires the main
+    process's parts from the trainer's config; the other processes get none and only take part in
+    the collectives (gathers and broadcasts).
+
     Arguments:
         model: the policy being trained (plain, DDP, FSDP2, DeepSpeed or PEFT model).
         accelerator: the trainer's ``accelerate.Accelerator``.
         processing_class: the trainer's tokenizer or processor (unused: prompts arrive as ids).
-        args: the trainer's config (a :class:`~trainer_hooks.config.SGLangRolloutArguments`).
+
+        > Main process (None on the others)
+
+        publisher: publishes the gathered weights as checkpoint versions and waits for the replicas.
+        rollouts: sends the prompts to SGLang and retries aborted and stale answers.
+        adapters: with LoRA adapter sync, publishes the adapter instead of the merged weights.
 
         > Sampling (as TRL passes them to its vLLM backend)
 
@@ -128,7 +104,9 @@ class SGLangGeneration:
         accelerator: Any,
         processing_class: Any,
         *,
-        args: SGLangRolloutArguments,
+        publisher: CheckpointPublisher | None = None,
+        rollouts: StaleRetryPolicy | None = None,
+        adapters: AdapterPublisher | None = None,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int | None = 0,
@@ -144,12 +122,18 @@ class SGLangGeneration:
                 f"logprobs={logprobs} asks for top-{logprobs} logprobs per token; SGLangGeneration returns the "
                 "sampled token's logprob only (logprobs=0) or none (logprobs=None)"
             )
+        if accelerator.is_main_process and (publisher is None or rollouts is None):
+            raise ValueError(
+                "SGLangGeneration on the main process needs its publisher and rollouts; build it with "
+                "trainer_hooks.build_sglang_generation(...)"
+            )
         self.model = model
         self.accelerator = accelerator
         self.processing_class = processing_class
-        self.args = args
-        self.max_staleness = int(args.max_staleness)
-        self.sync_timeout = float(args.sync_timeout)
+        self.publisher = publisher
+        self.rollouts = rollouts
+        self.adapters = adapters
+        """Set on the main process when LoRA adapter sync applies (adapter_publish.py)."""
         self.want_logprobs = logprobs is not None
         self.current_step = current_step
         self.sampling_params: dict[str, Any] = {
@@ -161,41 +145,16 @@ class SGLangGeneration:
             "max_new_tokens": max_completion_length,
             **dict(generation_kwargs or {}),
         }
-        self.logprob_source = "sampled"
+        self.logprob_source = _logprob_source(self.sampling_params, temperature, self.want_logprobs)
         """Which logprobs reach TRL's importance-sampling correction: ``"sampled"`` (SGLang's
         logprobs of the sampling distribution, after temperature), ``"rescored"`` (the model's own
         logprobs read back by a prefill-only request, because the sampling parameters change the
         distribution and the trainer compares the unprocessed model; docs/trl-conformance.md) or
         ``"none"`` (NaN: TRL then applies no correction to those tokens)."""
-        if self.want_logprobs and rescoring_needed(self.sampling_params):
-            if float(temperature) == 1.0:
-                self.logprob_source = "rescored"
-                log.info(
-                    "sampling parameters %s change SGLang's distribution (grammar, logit_bias or penalties): "
-                    "completions are rescored with the model's own logprobs for TRL's importance-sampling "
-                    "correction (one prefill-only request per batch)",
-                    _processing_keys(self.sampling_params),
-                )
-            else:
-                self.logprob_source = "none"
-                log.warning(
-                    "sampling parameters %s change SGLang's distribution and temperature=%g != 1: SGLang "
-                    "0.5.23 cannot return the model's own temperature-scaled logprobs, so TRL's importance-"
-                    "sampling correction is off for these rollouts (ratio 1). Use temperature=1.0 to keep it",
-                    _processing_keys(self.sampling_params),
-                    temperature,
-                )
         self.history: deque[GenerationRecord] = deque(maxlen=10_000)
         """One record per ``generate`` call on the main process (tests and debugging read it)."""
-        self._metrics = _Metrics()
+        self.metrics = RolloutMetrics()
         self._synced_step: int | None = None
-        self._endpoints: SGLangEndpoints | None = None
-        self.waiter: ReplicaWaiter | None = None
-        self.publisher: CheckpointPublisher | None = None
-        self.adapters: AdapterPublisher | None = None
-        """Set on the main process when LoRA adapter sync applies (adapter_publish.py)."""
-        if accelerator.is_main_process:
-            self._setup_main(model, args)
 
     # --- TRL's server-mode start-up check --------------------------------------------------
     @property
@@ -220,17 +179,17 @@ class SGLangGeneration:
         tensors = iter_full_weights(self.model, accelerator)
         error: BaseException | None = None
         if accelerator.is_main_process:
-            assert self.publisher is not None
+            assert self.publisher is not None and self.rollouts is not None
             try:
                 version = self.publisher.next_version()
-                if self.max_staleness > 0 and self.publisher.first_version is not None:
+                if self.rollouts.publishes_in_background():
                     gather_s = self.publisher.publish_in_background(version, tensors)
                     log.info(
                         "publishing version %d in the background (copy %.3f s); rollouts may use weights "
                         "up to %d version(s) old",
                         version,
                         gather_s,
-                        self.max_staleness,
+                        self.rollouts.max_staleness,
                     )
                 else:
                     self.publisher.publish_and_wait(version, tensors)
@@ -267,6 +226,7 @@ class SGLangGeneration:
         payload: tuple[list[list[int]], list[list[float | None]] | None] | None = None
         error: BaseException | None = None
         if accelerator.is_main_process:
+            assert self.rollouts is not None
             try:
                 if any(image is not None for image in all_images):
                     raise NotImplementedError(
@@ -275,8 +235,18 @@ class SGLangGeneration:
                     )
                 unique = _unique_prompts(all_prompts, num_generations)
                 with profiler:
-                    groups = self._generate_on_main(unique, num_generations)
+                    groups, record = self.rollouts.generate(
+                        unique,
+                        dict(self.sampling_params, n=num_generations),
+                        want_logprobs=self.want_logprobs,
+                        rescore=self.logprob_source == "rescored",
+                    )
+                self.history.append(record)
+                self.metrics.add_generation(record)
                 completions = [c for group in groups for c in group]
+                if self.logprob_source == "none":
+                    for c in completions:
+                        c.logprobs = [None] * len(c.token_ids)
                 payload = (
                     [c.token_ids for c in completions],
                     [c.logprobs for c in completions] if self.want_logprobs else None,  # type: ignore[misc]
@@ -305,21 +275,12 @@ class SGLangGeneration:
             logprob_token_ids = [[[t] for t in ids] for ids in completion_ids]
         return [list(p) for p in prompts], completion_ids, logprobs, logprob_token_ids
 
-    # --- metrics ----------------------------------------------------------------------------
+    # --- around the seam: metrics, the last background sync, closing ------------------------
     def drain_metrics(self) -> dict[str, list[float]]:
         """Sync and generation metrics recorded since the last call (main process; empty elsewhere)."""
         if self.publisher is not None:
-            for record in self.publisher.drain_records():
-                self._metrics.add("sglang/sync_version", record.version)
-                self._metrics.add("sglang/sync_gather_s", record.gather_s)
-                self._metrics.add("sglang/sync_write_s", record.write_s)
-                self._metrics.add("sglang/sync_wait_s", record.wait_s)
-                self._metrics.add("sglang/sync_total_s", record.total_s)
-                self._metrics.add("sglang/sync_mb", record.bytes / 1e6)
-                self._metrics.add("sglang/sync_full_mb", record.full_bytes / 1e6)
-                self._metrics.add("sglang/sync_delta", 1.0 if record.kind == "delta" else 0.0)
-        values, self._metrics = self._metrics.values, _Metrics()
-        return dict(values)
+            self.metrics.add_syncs(self.publisher.drain_records())
+        return self.metrics.drain()
 
     def finish_pending_sync(self) -> None:
         """Wait for a background sync to finish; raise its error on every process."""
@@ -334,7 +295,7 @@ class SGLangGeneration:
     @property
     def endpoints(self) -> SGLangEndpoints | None:
         """The SGLang servers this process talks to (the main process's; None on the others)."""
-        return self._endpoints
+        return self.rollouts.endpoints if self.rollouts is not None else None
 
     def close(self) -> None:
         """Finish a background sync (raising its error), stop the publisher's worker thread and
@@ -344,164 +305,30 @@ class SGLangGeneration:
             if self.publisher is not None:
                 self.publisher.close()
         finally:
-            if self._endpoints is not None:
-                self._endpoints.close()
+            if self.rollouts is not None:
+                self.rollouts.endpoints.close()
 
-    # --- main-process internals -----------------------------------------------------------
-    def _setup_main(self, model: torch.nn.Module, args: SGLangRolloutArguments) -> None:
-        base = unwrap_model(model)
-        if is_peft(base):
-            base = base.get_base_model()
-        config = base.config
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        vocab_size = getattr(text_config, "vocab_size", None)
-        self._endpoints = SGLangEndpoints(
-            args.sglang_urls,
-            request_timeout_s=args.sglang_request_timeout,
-            vocab_size=vocab_size,
-            api_key=args.sglang_api_token,
-            log_paths=getattr(args, "sglang_log_paths", None) or (),
-            status_urls=args.sidecar_urls or (),
+
+def _logprob_source(params: dict[str, Any], temperature: float, want_logprobs: bool) -> str:
+    """What ``SGLangGeneration.logprob_source`` documents, decided from the sampling parameters."""
+    if not (want_logprobs and rescoring_needed(params)):
+        return "sampled"
+    if float(temperature) == 1.0:
+        log.info(
+            "sampling parameters %s change SGLang's distribution (grammar, logit_bias or penalties): "
+            "completions are rescored with the model's own logprobs for TRL's importance-sampling "
+            "correction (one prefill-only request per batch)",
+            _processing_keys(params),
         )
-        root = args.checkpoint_path
-        assert root is not None  # the config refuses to be built without one
-        if args.sidecar_urls:
-            self.waiter = SidecarWaiter(args.sidecar_urls, token=args.sidecar_token)
-        else:
-            assert args.expected_replicas is not None
-            self.waiter = AckFileWaiter(Path(root), args.expected_replicas, max_age_s=args.replica_heartbeat_max_age)
-        warn_if_sharing_the_cpu(self._endpoints)
-        dtype = _checkpoint_dtype(args.checkpoint_dtype, base)
-        config_dict = json.loads(config.to_json_string())
-        config_dict["dtype"] = dtype
-        self.publisher = CheckpointPublisher(
-            root,
-            self.waiter,
-            config=config_dict,
-            dtype=dtype,
-            max_shard_bytes=int(args.checkpoint_max_shard_mb * 1024 * 1024),
-            keep=args.keep_checkpoints,
-            sync_timeout_s=args.sync_timeout,
-            heartbeat_max_age_s=args.replica_heartbeat_max_age,
-            base_model=getattr(base, "name_or_path", None) or None,
-            delta=delta_writer_for(args, dtype),
-        )
-        self.adapters = choose_adapter_sync(self.publisher, model, self.accelerator, args, dtype)
-
-    def _required_version(self) -> int | None:
-        """The oldest checkpoint version a completion may come from (None before the first sync)."""
-        assert self.publisher is not None
-        latest, first = self.publisher.latest_version, self.publisher.first_version
-        if latest is None or first is None:
-            return None
-        return max(latest - self.max_staleness, first)
-
-    def _generate_on_main(self, unique: list[list[int]], n: int) -> list[list[Completion]]:
-        assert self._endpoints is not None and self.publisher is not None
-        self.publisher.raise_if_failed()
-        started = time.monotonic()
-        deadline = started + self.sync_timeout
-        params = dict(self.sampling_params, n=n)
-        self._endpoints.forget_crashes()
-        groups: list[list[Completion] | None] = [None] * len(unique)
-        todo = list(range(len(unique)))
-        retries = 0
-        while True:
-            adapter = self.adapters.current() if self.adapters is not None else None
-            answers = self._endpoints.generate(
-                [unique[i] for i in todo],
-                params,
-                want_logprobs=self.want_logprobs,
-                deadline=deadline,
-                rescore=self.logprob_source == "rescored",
-                lora_path=None if adapter is None else adapter[1],
-            )
-            if adapter is not None:
-                label_with_adapter(answers, *adapter)
-            if self.logprob_source == "none":
-                for group in answers:
-                    for c in group:
-                        c.logprobs = [None] * len(c.token_ids)
-            required = self._required_version()
-            retry: list[int] = []
-            stale_versions: set[str] = set()
-            aborted = 0
-            for i, group in zip(todo, answers):
-                groups[i] = group
-                if any(c.finish_reason == "abort" for c in group):
-                    aborted += 1
-                    retry.append(i)
-                elif required is not None and any(
-                    c.weight_version is None or c.weight_version < required for c in group
-                ):
-                    stale_versions.update(c.raw_weight_version or "none" for c in group)
-                    retry.append(i)
-            if not retry:
-                break
-            if time.monotonic() >= deadline:
-                if stale_versions:
-                    raise StaleWeightsError(
-                        f"SGLang kept answering {len(retry) - aborted} prompt(s) with weights of version(s) "
-                        f"{sorted(stale_versions)}, but the trainer published version {self.publisher.latest_version} "
-                        f"and max_staleness={self.max_staleness} requires version >= {required}; the replicas did "
-                        f"not catch up within sync_timeout={self.sync_timeout:g} s. A replica behind the endpoints "
-                        f"{self._endpoints.urls} is not loading checkpoints: check its sidecar (GET /status) and its "
-                        "--checkpoint-path"
-                    )
-                raise RuntimeError(
-                    f"SGLang kept aborting {aborted} prompt group(s) until sync_timeout={self.sync_timeout:g} s ran "
-                    f"out; check the SGLang server logs behind {self._endpoints.urls}"
-                )
-            retries += 1
-            if aborted:
-                log.warning(
-                    "SGLang aborted %d prompt group(s) (a restart or weight update cut them off); "
-                    "generating them again (attempt %d)",
-                    aborted,
-                    retries,
-                )
-            if stale_versions:
-                log.warning(
-                    "%d prompt(s) answered with stale weights (versions %s, need >= %s); waiting for the "
-                    "replicas and retrying (attempt %d)",
-                    len(retry) - aborted,
-                    sorted(stale_versions),
-                    required,
-                    retries,
-                )
-            self._wait_for_replicas(
-                required if stale_versions else None, deadline, pause=min(STALE_RETRY_PAUSE_S * retries, 5.0)
-            )
-            todo = retry
-        done = [g for g in groups if g is not None]
-        versions = [c.weight_version for g in done for c in g]
-        latest = self.publisher.latest_version
-        known = [v for v in versions if v is not None]
-        seconds = time.monotonic() - started
-        self.history.append(
-            GenerationRecord(
-                published_version=latest,
-                required_version=self._required_version(),
-                versions=versions,
-                stale_retries=retries,
-                seconds=seconds,
-            )
-        )
-        if latest is not None and known:
-            self._metrics.add("sglang/version_lag", latest - min(known))
-        self._metrics.add("sglang/stale_retries", retries)
-        self._metrics.add("sglang/generate_s", seconds)
-        return done
-
-    def _wait_for_replicas(self, version: int | None, deadline: float, pause: float) -> None:
-        assert self.waiter is not None
-        remaining = deadline - time.monotonic()
-        if version is not None and remaining > 0:
-            try:
-                self.waiter.wait(version, min(STALE_WAIT_SLICE_S, remaining))
-            except ReplicaSyncTimeout:
-                pass
-        time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+        return "rescored"
+    log.warning(
+        "sampling parameters %s change SGLang's distribution and temperature=%g != 1: SGLang "
+        "0.5.23 cannot return the model's own temperature-scaled logprobs, so TRL's importance-"
+        "sampling correction is off for these rollouts (ratio 1). Use temperature=1.0 to keep it",
+        _processing_keys(params),
+        temperature,
+    )
+    return "none"
 
 
 def _processing_keys(params: dict[str, Any]) -> list[str]:
@@ -537,65 +364,6 @@ def _unique_prompts(all_prompts: list[list[int]], num_generations: int) -> list[
                 "RepeatSampler layout (each prompt num_generations times in a row across processes)"
             )
     return [list(p) for p in unique]
-
-
-def warn_if_sharing_the_cpu(endpoints: SGLangEndpoints) -> bool:
-    """Warn (and return True) when a CPU-only trainer uses every core beside a local SGLang that
-    busy-polls.
-
-    SGLang's CPU scheduler keeps a core busy even when idle unless it runs with
-    ``--sleep-on-idle`` (``rollout-service serve`` and the launcher pass it on CPU); a trainer
-    whose torch threads use every core then waits on its own descheduled threads (measured on
-    2 cores: TRL's step 0.34 s -> 6.5 s with an idle busy-polling server beside it).
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if torch.cuda.is_available() or torch.get_num_threads() < cores:
-        return False
-    polling = [u for u in endpoints.urls if is_loopback_url(u) and endpoints.sleeps_on_idle(u) is not True]
-    if not polling:
-        return False
-    log.warning(
-        "SGLang at %s runs on this machine's CPU, may busy-poll a core while idle, and the trainer uses "
-        "all %d cores: training can slow down many times over. Start SGLang with --sleep-on-idle (as "
-        "`rollout-service serve` does on CPU) or call torch.set_num_threads(%d) before training",
-        ", ".join(polling),
-        cores,
-        max(1, cores // 2),
-    )
-    return True
-
-
-def delta_writer_for(args: Any, dtype: str) -> DeltaCheckpointWriter | None:
-    """The delta writer ``checkpoint_delta`` asks for; by default (None) one for 16-bit checkpoints,
-    whose unchanged weights are most of the model at RL learning rates (fp32's low bits change at
-    nearly every step, so its deltas barely compress)."""
-    wanted = getattr(args, "checkpoint_delta", None)
-    if wanted is None:
-        wanted = normalize_dtype(dtype) in ("BF16", "F16")
-    if not wanted:
-        return None
-    return DeltaCheckpointWriter(
-        full_every=getattr(args, "checkpoint_full_every", DEFAULT_FULL_EVERY),
-        max_ratio=getattr(args, "checkpoint_delta_max_ratio", DEFAULT_DELTA_MAX_RATIO),
-    )
-
-
-def _checkpoint_dtype(requested: str | None, model: torch.nn.Module) -> str:
-    """The dtype name checkpoints are written in: the requested one, else the model's configured one."""
-    if requested is not None:
-        return _DTYPE_NAMES[normalize_dtype(requested)]  # type: ignore[index]
-    configured = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
-    if isinstance(configured, torch.dtype):
-        configured = str(configured).removeprefix("torch.")
-    if isinstance(configured, str) and configured not in ("auto", ""):
-        try:
-            return _DTYPE_NAMES[normalize_dtype(configured)]  # type: ignore[index]
-        except (KeyError, ValueError):
-            pass
-    for param in model.parameters():
-        if param.is_floating_point():
-            return str(param.dtype).removeprefix("torch.")
-    return "float32"
 
 
 def _drain(iterator: Any) -> None:

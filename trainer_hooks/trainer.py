@@ -4,7 +4,9 @@
 TRL's trainers, with ``args`` a :class:`trainer_hooks.config.GRPOConfig` (``RLOOConfig``).
 TRL builds its generation backend in ``__init__`` by calling ``VLLMGeneration(...)`` when
 ``use_vllm`` is set; while the parent constructor runs, that name is bound to a factory that
-builds :class:`~trainer_hooks.sglang_generation.SGLangGeneration` from the same arguments.
+builds :class:`~trainer_hooks.sglang_generation.SGLangGeneration` from the same arguments
+(:func:`build_sglang_generation`, which also wires the main process's parts from the config:
+SGLang endpoints, replica waiter, checkpoint publisher, adapter sync, staleness policy).
 Everything else stays TRL's: the reward pipeline, evaluation and the importance-sampling
 correction (gated on ``use_vllm``) run unchanged on SGLang's completions and logprobs.
 
@@ -17,20 +19,35 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import torch
 import trl
+from accelerate.utils import is_peft_model
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from trl.trainer import grpo_trainer as _trl_grpo_module
 from trl.trainer import rloo_trainer as _trl_rloo_module
 
+from rollout_service.checkpoint_format import DEFAULT_DELTA_MAX_RATIO, DEFAULT_FULL_EVERY, normalize_dtype
+from rollout_service.delta_writer import DeltaCheckpointWriter
+
+from .adapter_publish import AdapterPublisher, choose_adapter_sync
+from .checkpoint_dtype import checkpoint_dtype
+from .checkpoint_sync import CheckpointPublisher
 from .config import GRPOConfig, RLOOConfig, SGLangRolloutArguments
+from .cpu_contention import warn_if_sharing_the_cpu
+from .replica_wait import AckFileWaiter, ReplicaWaiter, SidecarWaiter
+from .sglang_endpoints import SGLangEndpoints
 from .sglang_generation import SGLangGeneration
+from .stale_retry import StaleRetryPolicy
+from .weight_gather import unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +67,105 @@ def check_trl_version(version: str | None = None) -> None:
             "into TRL's private generation seam, which changes between minor versions: install "
             "`trl>=1.16,<1.17` or update trainer_hooks for this TRL"
         )
+
+
+def build_sglang_generation(
+    model: torch.nn.Module,
+    accelerator: Any,
+    processing_class: Any,
+    *,
+    args: SGLangRolloutArguments,
+    current_step: Callable[[], int] | None = None,
+    **sampling: Any,
+) -> SGLangGeneration:
+    """The SGLang backend for this process, wired from ``args``.
+
+    On the main process: the SGLang endpoints, the replica waiter (the sidecars, or the ack files
+    of ``expected_replicas``), the checkpoint publisher (dtype, shards, retention, deltas), LoRA
+    adapter sync when it applies, and the staleness policy; a warning when the trainer shares the
+    CPU with a busy-polling SGLang. The other processes get none of them. ``sampling`` is
+    :class:`SGLangGeneration`'s sampling arguments (``temperature``, ..., ``generation_kwargs``).
+    """
+    publisher = rollouts = adapters = None
+    if accelerator.is_main_process:
+        publisher, rollouts, adapters = _wire_main_process(model, accelerator, args)
+    return SGLangGeneration(
+        model,
+        accelerator,
+        processing_class,
+        publisher=publisher,
+        rollouts=rollouts,
+        adapters=adapters,
+        current_step=current_step,
+        **sampling,
+    )
+
+
+def _wire_main_process(
+    model: torch.nn.Module, accelerator: Any, args: SGLangRolloutArguments
+) -> tuple[CheckpointPublisher, StaleRetryPolicy, AdapterPublisher | None]:
+    base = unwrap_model(model)
+    if is_peft_model(base):  # the base model's config and name
+        base = base.get_base_model()
+    config = base.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    endpoints = SGLangEndpoints(
+        args.sglang_urls,
+        request_timeout_s=args.sglang_request_timeout,
+        vocab_size=getattr(text_config, "vocab_size", None),
+        api_key=args.sglang_api_token,
+        log_paths=getattr(args, "sglang_log_paths", None) or (),
+        status_urls=args.sidecar_urls or (),
+    )
+    root = args.checkpoint_path
+    assert root is not None  # the config refuses to be built without one
+    waiter: ReplicaWaiter
+    if args.sidecar_urls:
+        waiter = SidecarWaiter(args.sidecar_urls, token=args.sidecar_token)
+    else:
+        assert args.expected_replicas is not None
+        waiter = AckFileWaiter(Path(root), args.expected_replicas, max_age_s=args.replica_heartbeat_max_age)
+    warn_if_sharing_the_cpu(endpoints)
+    dtype = checkpoint_dtype(args.checkpoint_dtype, base)
+    config_dict = json.loads(config.to_json_string())
+    config_dict["dtype"] = dtype
+    publisher = CheckpointPublisher(
+        root,
+        waiter,
+        config=config_dict,
+        dtype=dtype,
+        max_shard_bytes=int(args.checkpoint_max_shard_mb * 1024 * 1024),
+        keep=args.keep_checkpoints,
+        sync_timeout_s=args.sync_timeout,
+        heartbeat_max_age_s=args.replica_heartbeat_max_age,
+        base_model=getattr(base, "name_or_path", None) or None,
+        delta=delta_writer_for(args, dtype),
+    )
+    adapters = choose_adapter_sync(publisher, model, accelerator, args, dtype)
+    rollouts = StaleRetryPolicy(
+        endpoints,
+        publisher,
+        waiter,
+        max_staleness=args.max_staleness,
+        sync_timeout_s=args.sync_timeout,
+        adapters=adapters,
+    )
+    return publisher, rollouts, adapters
+
+
+def delta_writer_for(args: Any, dtype: str) -> DeltaCheckpointWriter | None:
+    """The delta writer ``checkpoint_delta`` asks for; by default (None) one for 16-bit checkpoints,
+    whose unchanged weights are most of the model at RL learning rates (fp32's low bits change at
+    nearly every step, so its deltas barely compress)."""
+    wanted = getattr(args, "checkpoint_delta", None)
+    if wanted is None:
+        wanted = normalize_dtype(dtype) in ("BF16", "F16")
+    if not wanted:
+        return None
+    return DeltaCheckpointWriter(
+        full_every=getattr(args, "checkpoint_full_every", DEFAULT_FULL_EVERY),
+        max_ratio=getattr(args, "checkpoint_delta_max_ratio", DEFAULT_DELTA_MAX_RATIO),
+    )
 
 
 def _sglang_factory(config: SGLangRolloutArguments, current_step: Callable[[], int]) -> Callable[..., SGLangGeneration]:
@@ -74,11 +190,12 @@ def _sglang_factory(config: SGLangRolloutArguments, current_step: Callable[[], i
         kwargs = dict(generation_kwargs or {})
         if structured_outputs_regex is not None:
             kwargs.setdefault("regex", structured_outputs_regex)  # SGLang's name for the same constraint
-        return SGLangGeneration(
+        return build_sglang_generation(
             model,
             accelerator,
             processing_class,
             args=config,
+            current_step=current_step,
             temperature=temperature,
             top_p=top_p,
             top_k=top_k,
@@ -87,7 +204,6 @@ def _sglang_factory(config: SGLangRolloutArguments, current_step: Callable[[], i
             max_completion_length=max_completion_length,
             logprobs=logprobs,
             generation_kwargs=kwargs,
-            current_step=current_step,
         )
 
     return build

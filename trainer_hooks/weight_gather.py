@@ -3,9 +3,10 @@
 :func:`iter_full_weights` yields ``(name, full tensor)`` one parameter at a time, whatever
 holds the parameters: a plain module, DDP (unwrapped), FSDP2 (``DTensor.full_tensor()``), FSDP1
 (``FullyShardedDataParallel.summon_full_params``, accelerate's default FSDP version),
-DeepSpeed ZeRO-3 (``deepspeed.zero.GatheredParameters`` per parameter) or PEFT (adapters merged
-into the base weights for the duration, ``base_model.model.`` / ``.base_layer`` stripped, LoRA
-tensors skipped, then unmerged), as TRL does for vLLM. Gathering is collective under FSDP and
+DeepSpeed ZeRO-3 (``deepspeed.zero.GatheredParameters`` per parameter, through TRL's
+``DistributedBackend``) or PEFT (adapters merged into the base weights for the duration,
+``base_model.model.`` / ``.base_layer`` stripped, LoRA tensors skipped, then unmerged), as TRL
+does for vLLM. Gathering is collective under FSDP and
 ZeRO-3: every process must exhaust the iterator, also processes that publish nothing.
 
 A yielded tensor is either the live parameter (plain modules, DDP: valid while the model is
@@ -19,40 +20,39 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+from accelerate.utils import extract_model_from_parallel, is_peft_model
 from torch import nn
+from trl.distributed import DistributedBackend
+
+# What TRL 1.16 and accelerate provide is used as is: accelerate's ``extract_model_from_parallel``
+# (unwrapping) and ``is_peft_model``, TRL's ``DistributedBackend`` (the ZeRO stage, and ZeRO-3's
+# per-parameter ``GatheredParameters``). What they lack is kept here: TRL's name fixing and its
+# FSDP1 / FSDP2 walks are private methods of its ``VLLMGeneration`` (``_fix_param_name_to_vllm``,
+# ``_iter_fsdp1_params``, ``_iter_fsdp2_params``), and its ``summon_full_params`` acts only when
+# accelerate's FSDP plugin says version 1, while a model can be FSDP1-wrapped without the plugin
+# (``is_fsdp1`` looks at the modules themselves).
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+_NO_PLUGINS = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=None))
+"""An accelerator without DeepSpeed or FSDP, for callers that pass none."""
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip DDP / DeepSpeed-engine / torch.compile wrappers (``.module``, ``._orig_mod``)."""
-    seen = 0
-    while seen < 8:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel) or type(model).__name__ == "DeepSpeedEngine":
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        else:
-            break
-        seen += 1
-    return model
+    """The trained model inside DDP, DataParallel, DeepSpeed-engine, FSDP1 and torch.compile
+    wrappers (accelerate's ``extract_model_from_parallel``)."""
+    return extract_model_from_parallel(model, keep_torch_compile=False)
 
 
-def is_zero3(accelerator: Any) -> bool:
-    """True when the accelerator runs DeepSpeed ZeRO stage 3."""
-    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
-    return bool(plugin is not None and getattr(plugin, "zero_stage", 0) == 3)
-
-
-def is_peft(model: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
+def distributed_backend(accelerator: Any) -> DistributedBackend:
+    """TRL's view of the accelerator's DeepSpeed / FSDP set-up; a plain one without an accelerator
+    (``None``, or one without accelerate's state)."""
+    if getattr(accelerator, "state", None) is None:
+        accelerator = _NO_PLUGINS
+    return DistributedBackend(accelerator)
 
 
 def clean_name(name: str, peft_prefix: str | None = None) -> str | None:
@@ -78,17 +78,20 @@ def is_fsdp1(model: nn.Module) -> bool:
 
 def iter_full_weights(model: nn.Module, accelerator: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every parameter of ``model`` as ``(hf_name, full tensor)``; see the module docstring."""
-    model = unwrap_model(model)
-    zero3 = is_zero3(accelerator)
     fsdp1 = is_fsdp1(model)
+    if not fsdp1:
+        # An FSDP1 root stays wrapped: its flat parameter holds the weights no inner unit owns,
+        # and summon_full_params restores them only through it (clean_name drops its prefixes).
+        model = unwrap_model(model)
+    dist = distributed_backend(accelerator)
     device = getattr(accelerator, "device", None)
     # Only the main process writes the checkpoint; the others only take part in the gathers, so
     # they never pay for a private copy.
     writes = bool(getattr(accelerator, "is_main_process", True))
-    if is_peft(model):
+    if is_peft_model(model):
         prefix = getattr(model, "prefix", "lora_")
         # Merging needs every shard of the base weights at once.
-        with _fsdp1_full_params(model, fsdp1), _gathered(list(model.parameters()), zero3):
+        with _fsdp1_full_params(model, fsdp1), dist.gather_params(list(model.parameters())):
             model.merge_adapter()
             try:
                 for name, param in model.named_parameters():
@@ -117,11 +120,11 @@ def iter_full_weights(model: nn.Module, accelerator: Any = None) -> Iterator[tup
     for name, param in model.named_parameters():
         hf_name = clean_name(name)
         assert hf_name is not None
-        with _gathered([param], zero3):
+        with dist.gather_params([param]):
             full = _full(param, device)
             # ZeRO-3 frees the gathered buffer at the next step; the writer keeps a shard's
             # tensors until it writes the shard, so it gets a copy (the main process only).
-            yield hf_name, full.clone() if zero3 and writes else full
+            yield hf_name, full.clone() if dist.is_zero3 and writes else full
 
 
 @contextlib.contextmanager
@@ -143,19 +146,3 @@ def _full(param: torch.Tensor, device: Any) -> torch.Tensor:
             data = data.to(device)  # CPU-offloaded shards: the collective runs on the accelerator
         return data.full_tensor()
     return data
-
-
-@contextlib.contextmanager
-def _gathered(params: list[torch.Tensor], zero3: bool) -> Iterator[None]:
-    if not zero3:
-        yield
-        return
-    try:
-        import deepspeed
-    except ImportError as exc:
-        raise RuntimeError(
-            "the accelerator runs DeepSpeed ZeRO-3 but `import deepspeed` fails; install deepspeed in the "
-            "trainer's environment"
-        ) from exc
-    with deepspeed.zero.GatheredParameters(params):
-        yield

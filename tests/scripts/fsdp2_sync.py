@@ -31,8 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rollout_service.checkpoint_reader import latest_checkpoint
 from rollout_service.tiny_model import ensure_tiny_model
 from script_args import rollout_unit_parser
-from trainer_hooks import GRPOConfig
-from trainer_hooks.sglang_generation import SGLangGeneration
+from trainer_hooks import GRPOConfig, build_sglang_generation
 
 
 def main() -> None:
@@ -64,7 +63,7 @@ def main() -> None:
     sharded = bool(big) and all(type(p).__name__ == "DTensor" and p.to_local().numel() < p.numel() for p in big)
 
     step = 0
-    generation = SGLangGeneration(
+    generation = build_sglang_generation(
         model, accelerator, tok, args=args, max_completion_length=6, current_step=lambda: step
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -1,0 +1,188 @@
+"""The staleness bound and the retries it takes: what the trainer accepts from SGLang, and how long it tries.
+
+Rollouts may come from weights at most ``max_staleness`` versions older than the newest version
+the trainer published (never older than its first one; before the first sync anything goes).
+:class:`StaleRetryPolicy` holds that rule on the main process:
+
+- :meth:`~StaleRetryPolicy.generate` sends the unique prompt groups to SGLang and generates again
+  every group that came back aborted (a restart or a weight update cut it off) or from weights
+  older than the bound, after waiting for the replicas to catch up, until ``sync_timeout`` runs
+  out; then it raises :class:`StaleWeightsError` (stale answers) or ``RuntimeError`` (aborts).
+- :meth:`~StaleRetryPolicy.publishes_in_background` says whether a sync may publish without
+  waiting for the replicas (``max_staleness > 0``, after the first version).
+
+Each call returns a :class:`GenerationRecord` of what it required and what answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .adapter_publish import AdapterPublisher, label_with_adapter
+from .checkpoint_sync import CheckpointPublisher
+from .replica_wait import ReplicaSyncTimeout, ReplicaWaiter
+from .sglang_endpoints import SGLangEndpoints
+from .sglang_responses import Completion
+
+log = logging.getLogger(__name__)
+
+STALE_RETRY_PAUSE_S = 1.0
+"""Pause before the n-th retry: n times this, at most 5 s."""
+STALE_WAIT_SLICE_S = 10.0
+"""Longest wait for the replicas to serve the required version before one retry."""
+
+
+class StaleWeightsError(RuntimeError):
+    """SGLang kept answering with weights older than the staleness bound allows."""
+
+
+@dataclass
+class GenerationRecord:
+    """What one ``generate`` call saw: the version it required and the versions that answered."""
+
+    published_version: int | None
+    required_version: int | None
+    versions: list[int | None]
+    stale_retries: int
+    seconds: float
+
+
+class StaleRetryPolicy:
+    """Generates prompt groups until every answer is complete and within the staleness bound.
+
+    Arguments:
+        endpoints: the SGLang servers to ask.
+        publisher: the trainer's checkpoint publisher (which versions were published).
+        waiter: how to wait for the replicas to serve a version.
+        max_staleness: how many versions older than the newest published one a rollout may be.
+        sync_timeout_s: how long one ``generate`` call may retry.
+        adapters: with LoRA adapter sync, the adapter publisher whose newest served adapter the
+            requests name (its version labels the completions).
+    """
+
+    def __init__(
+        self,
+        endpoints: SGLangEndpoints,
+        publisher: CheckpointPublisher,
+        waiter: ReplicaWaiter,
+        *,
+        max_staleness: int,
+        sync_timeout_s: float,
+        adapters: AdapterPublisher | None = None,
+    ) -> None:
+        self.endpoints = endpoints
+        self.publisher = publisher
+        self.waiter = waiter
+        self.max_staleness = int(max_staleness)
+        self.sync_timeout_s = float(sync_timeout_s)
+        self.adapters = adapters
+
+    def publishes_in_background(self) -> bool:
+        """Whether the next sync may publish without waiting for the replicas: rollouts may lag
+        (``max_staleness > 0``), and the first version was waited for."""
+        return self.max_staleness > 0 and self.publisher.first_version is not None
+
+    def required_version(self) -> int | None:
+        """The oldest checkpoint version a completion may come from (None before the first sync)."""
+        latest, first = self.publisher.latest_version, self.publisher.first_version
+        if latest is None or first is None:
+            return None
+        return max(latest - self.max_staleness, first)
+
+    def generate(
+        self, unique: list[list[int]], params: dict[str, Any], *, want_logprobs: bool, rescore: bool
+    ) -> tuple[list[list[Completion]], GenerationRecord]:
+        """One group of ``params["n"]`` completions per prompt of ``unique``, each complete and
+        within the staleness bound; raises when ``sync_timeout_s`` ran out first (see the module
+        docstring). ``want_logprobs`` and ``rescore`` are passed to the endpoints."""
+        self.publisher.raise_if_failed()
+        started = time.monotonic()
+        deadline = started + self.sync_timeout_s
+        self.endpoints.forget_crashes()
+        groups: list[list[Completion] | None] = [None] * len(unique)
+        todo = list(range(len(unique)))
+        retries = 0
+        while True:
+            adapter = self.adapters.current() if self.adapters is not None else None
+            answers = self.endpoints.generate(
+                [unique[i] for i in todo],
+                params,
+                want_logprobs=want_logprobs,
+                deadline=deadline,
+                rescore=rescore,
+                lora_path=None if adapter is None else adapter[1],
+            )
+            if adapter is not None:
+                label_with_adapter(answers, *adapter)
+            required = self.required_version()
+            retry: list[int] = []
+            stale_versions: set[str] = set()
+            aborted = 0
+            for i, group in zip(todo, answers):
+                groups[i] = group
+                if any(c.finish_reason == "abort" for c in group):
+                    aborted += 1
+                    retry.append(i)
+                elif required is not None and any(
+                    c.weight_version is None or c.weight_version < required for c in group
+                ):
+                    stale_versions.update(c.raw_weight_version or "none" for c in group)
+                    retry.append(i)
+            if not retry:
+                break
+            if time.monotonic() >= deadline:
+                if stale_versions:
+                    raise StaleWeightsError(
+                        f"SGLang kept answering {len(retry) - aborted} prompt(s) with weights of version(s) "
+                        f"{sorted(stale_versions)}, but the trainer published version {self.publisher.latest_version} "
+                        f"and max_staleness={self.max_staleness} requires version >= {required}; the replicas did "
+                        f"not catch up within sync_timeout={self.sync_timeout_s:g} s. A replica behind the endpoints "
+                        f"{self.endpoints.urls} is not loading checkpoints: check its sidecar (GET /status) and its "
+                        "--checkpoint-path"
+                    )
+                raise RuntimeError(
+                    f"SGLang kept aborting {aborted} prompt group(s) until sync_timeout={self.sync_timeout_s:g} s ran "
+                    f"out; check the SGLang server logs behind {self.endpoints.urls}"
+                )
+            retries += 1
+            if aborted:
+                log.warning(
+                    "SGLang aborted %d prompt group(s) (a restart or weight update cut them off); "
+                    "generating them again (attempt %d)",
+                    aborted,
+                    retries,
+                )
+            if stale_versions:
+                log.warning(
+                    "%d prompt(s) answered with stale weights (versions %s, need >= %s); waiting for the "
+                    "replicas and retrying (attempt %d)",
+                    len(retry) - aborted,
+                    sorted(stale_versions),
+                    required,
+                    retries,
+                )
+            self._wait_for_replicas(
+                required if stale_versions else None, deadline, pause=min(STALE_RETRY_PAUSE_S * retries, 5.0)
+            )
+            todo = retry
+        done = [g for g in groups if g is not None]
+        record = GenerationRecord(
+            published_version=self.publisher.latest_version,
+            required_version=self.required_version(),
+            versions=[c.weight_version for g in done for c in g],
+            stale_retries=retries,
+            seconds=time.monotonic() - started,
+        )
+        return done, record
+
+    def _wait_for_replicas(self, version: int | None, deadline: float, pause: float) -> None:
+        remaining = deadline - time.monotonic()
+        if version is not None and remaining > 0:
+            try:
+                self.waiter.wait(version, min(STALE_WAIT_SLICE_S, remaining))
+            except ReplicaSyncTimeout:
+                pass
+        time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
