@@ -17,6 +17,9 @@ same for both kinds (it reads the same full files); ``sync_bench.py`` measures i
 
     ./scripts/run.sh python benchmarks/delta_bench.py --sizes 0.5,1 --lrs 1e-6,1e-5 \\
         --storage local,shm,sshfs
+
+``--auto-versions N`` instead syncs N versions three ways side by side (always delta, always
+full, and ``auto``: the writer's measured choice, ``rollout_service/delta_choice.py``).
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from model_factory import plan_bench_model  # noqa: E402
 
-from rollout_service.checkpoint_format import Manifest, step_dir_name  # noqa: E402
+from rollout_service.checkpoint_format import DEFAULT_FULL_EVERY, Manifest, step_dir_name  # noqa: E402
 from rollout_service.checkpoint_writer import publish_checkpoint  # noqa: E402
+from rollout_service.delta_choice import PublishCosts  # noqa: E402
 from rollout_service.delta_writer import DeltaCheckpointWriter  # noqa: E402
 from rollout_service.sidecar.staging import Stage  # noqa: E402
 from rollout_service.untrusted_files import Deadline  # noqa: E402
@@ -188,6 +192,89 @@ def run(gb: float, lr: float, storages: list[tuple[str, Path]], stage_root: Path
     return rows
 
 
+def run_auto(gb: float, lr: float, storages: list[tuple[str, Path]], stage_root: Path, versions: int) -> list[dict]:
+    """The same ``versions`` AdamW versions synced three ways on each storage, side by side:
+    always a delta, always full, and ``auto`` (``PublishCosts``: the kind measured faster).
+    Each sync = publish + the sidecar's stage build (copy or rebuild, verified)."""
+    params = qwen2_state(gb)
+    opt = torch.optim.AdamW(params.values(), lr=lr)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        adam_step(opt, params, g)
+    rows = []
+    for label, base in storages:
+        work = Path(tempfile.mkdtemp(prefix=f"delta-bench-auto-{label}-", dir=base))
+        stages = {m: Path(tempfile.mkdtemp(prefix=f"delta-bench-stage-{m}-", dir=stage_root)) for m in MODES}
+        try:
+            writers = {
+                "delta": DeltaCheckpointWriter(full_every=1000),
+                "auto": DeltaCheckpointWriter(full_every=1000, costs=PublishCosts(probe_every=DEFAULT_FULL_EVERY)),
+            }
+            stage = {m: Stage(d) for m, d in stages.items()}
+            seconds = {m: 0.0 for m in MODES}
+            kinds: list[str] = []
+            for version in range(1, versions + 1):
+                for mode in MODES:
+                    root = work / mode
+                    t0 = time.perf_counter()
+                    if mode == "full":
+                        publish_checkpoint(root, version, params.items(), config=CONFIG, dtype="bfloat16", run_id="b")
+                    else:
+                        kind = (
+                            writers[mode]
+                            .publish(root, version, params.items(), config=CONFIG, dtype="bfloat16", run_id="b")
+                            .kind
+                        )
+                        if mode == "auto":
+                            kinds.append(kind)
+                    path = root / step_dir_name(version)
+                    built = stage[mode].build(root, path, Manifest.load(path), Deadline(None))
+                    stage[mode].prune({built.path})
+                    if version > 1:  # version 1 is full in every mode
+                        seconds[mode] += time.perf_counter() - t0
+                adam_step(opt, params, g)
+            for m in MODES:
+                stage[m].close()
+            for w in writers.values():
+                w.close()
+            row = {
+                "size_gb": gb,
+                "lr": lr,
+                "storage": label,
+                "versions": versions,
+                "auto_kinds": "".join(k[0].upper() for k in kinds),
+                **{f"{m}_sync_s": seconds[m] / (versions - 1) for m in MODES},
+                "auto_s_per_gb": writers["auto"].costs.s_per_gb if writers["auto"].costs else {},
+            }
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+            for d in stages.values():
+                shutil.rmtree(d, ignore_errors=True)
+    return rows
+
+
+MODES = ("delta", "full", "auto")
+
+
+def print_auto_table(rows: list[dict]) -> None:
+    head = f"{'size':>5} {'lr':>6} {'storage':>7} {'delta':>7} {'full':>7} {'auto':>7} {'auto/best':>9}  auto's kinds"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        best = min(r["delta_sync_s"], r["full_sync_s"])
+        print(
+            f"{r['size_gb']:>4}G {r['lr']:>6.0e} {r['storage']:>7} {r['delta_sync_s']:>6.2f}s {r['full_sync_s']:>6.2f}s"
+            f" {r['auto_sync_s']:>6.2f}s {r['auto_sync_s'] / best:>8.2f}x  {r['auto_kinds']}"
+        )
+    print(
+        "\nmean seconds per sync (publish + the stage's verified copy or rebuild) over versions 2..N of the"
+        " same AdamW run; auto = checkpoint_delta's default (the kind measured faster, a delta probe every"
+        f" {DEFAULT_FULL_EVERY} versions); kinds: F full, D delta."
+    )
+
+
 def print_table(rows: list[dict]) -> None:
     head = (
         f"{'size':>5} {'lr':>6} {'storage':>7} {'changed':>8} {'bytes d/f':>9} {'encode':>8}"
@@ -228,8 +315,17 @@ def main(argv: list[str] | None = None) -> int:
         default=3,
         help="AdamW steps before the first published version (default 3: Adam's first steps move every weight by lr)",
     )
+    ap.add_argument(
+        "--auto-versions",
+        type=int,
+        default=0,
+        help="instead: sync this many versions three ways (always delta, always full, auto: the kind"
+        " measured faster) and compare mean sync times",
+    )
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
+    if args.auto_versions == 1 or args.auto_versions < 0:
+        ap.error("--auto-versions needs at least 2 versions (version 1 is always full)")
     with contextlib.ExitStack() as mounts:
         storages = []
         for label in args.storage.split(","):
@@ -245,8 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for gb in (float(x) for x in args.sizes.split(",")):
             for lr in (float(x) for x in args.lrs.split(",")):
-                rows += run(gb, lr, storages, Path(args.stage_root), args.warmup_steps)
-    print_table(rows)
+                if args.auto_versions:
+                    rows += run_auto(gb, lr, storages, Path(args.stage_root), args.auto_versions)
+                else:
+                    rows += run(gb, lr, storages, Path(args.stage_root), args.warmup_steps)
+    (print_auto_table if args.auto_versions else print_table)(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

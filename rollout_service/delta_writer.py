@@ -12,8 +12,9 @@ either
 - a **full** checkpoint, written from the copy by :func:`publish_checkpoint`: for the first
   version, every ``full_every`` versions, after a restart (nothing in memory), when names,
   shapes, dtypes or their order change, when the previous version is no longer published as
-  it was, when an earlier publish failed, and when a delta would exceed ``max_ratio`` of the
-  full size.
+  it was, when an earlier publish failed, when a delta would exceed ``max_ratio`` of the
+  full size, and (with ``costs``, :mod:`~rollout_service.delta_choice`) while full publishes
+  measure faster than deltas on this storage.
 
 The work is split in two so that a trainer can gather in the foreground and write in the
 background: :meth:`absorb` consumes the weights (the collective part), :meth:`write` writes
@@ -70,6 +71,7 @@ from .checkpoint_writer import (
     write_manifest,
     write_small,
 )
+from .delta_choice import PublishCosts
 from .digest import format_digest, new_hasher
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,8 @@ class Absorbed:
     seconds: float
     why_full: str = ""
     changed_bytes: int = 0
+    auto_full: bool = False
+    """Full only because full publishes measured faster (``costs``)."""
 
 
 @dataclass
@@ -137,7 +141,10 @@ class DeltaCheckpointWriter:
         max_ratio: float = DEFAULT_DELTA_MAX_RATIO,
         threads: int | None = None,
         level: int = delta_codec.ZSTD_LEVEL,
+        costs: PublishCosts | None = None,
     ):
+        """``costs``: choose between delta and full by measured publish times (None: a delta
+        whenever one is possible)."""
         if full_every < 1:
             raise ValueError(f"full_every must be at least 1 (1: every checkpoint is full), got {full_every}")
         if not 0 < max_ratio <= 1:
@@ -155,6 +162,9 @@ class DeltaCheckpointWriter:
         self._pool: ThreadPoolExecutor | None = None
         self._scratch = threading.local()
         """One XOR buffer per encode thread, kept across versions (no page faults per tensor)."""
+        self.costs = costs
+        self._auto_full = False
+        """The last version was published in full because full publishes measured faster."""
         self.last = DeltaStats()
 
     def close(self) -> None:
@@ -198,6 +208,9 @@ class DeltaCheckpointWriter:
             why_full = "no previous version in memory (first publish or restart)"
         elif base.deltas_since_full + 1 >= self.full_every:
             why_full = f"a full checkpoint every {self.full_every} versions"
+        elif self.costs is not None:
+            why_full = self.costs.choose().reason
+        auto_full = bool(why_full) and base is not None and base.deltas_since_full + 1 < self.full_every
         delta = not why_full
         self._base = None  # until this version is written, nothing is a valid base
         old, old_order = self._held, self._order
@@ -268,6 +281,7 @@ class DeltaCheckpointWriter:
             seconds=time.perf_counter() - t0,
             why_full=why_full,
             changed_bytes=changed,
+            auto_full=auto_full,
         )
         return self._absorbed
 
@@ -356,6 +370,10 @@ class DeltaCheckpointWriter:
             self._base = None  # the held bytes are of a version that was not published
             raise
         self._base = new_base
+        seconds = absorbed.seconds + (time.perf_counter() - t0)
+        if self.costs is not None and absorbed.delta == (kind == "delta"):
+            # A delta candidate written in full (too big, base gone) measured neither path.
+            self.costs.observe(kind, seconds, result.full_bytes)
         self.last = DeltaStats(
             kind=kind,
             why_full=why_full,
@@ -368,9 +386,20 @@ class DeltaCheckpointWriter:
             write_s=time.perf_counter() - t0,
             chain_length=new_base.deltas_since_full,
         )
-        if kind == "full" and base is not None:
+        auto_full = absorbed.auto_full
+        if auto_full != self._auto_full:
+            if auto_full:
+                log.info("step %d published in full: %s", step, why_full)
+            else:
+                log.info("step %d published as a %s again (measured: %s)", step, kind, self._cost_summary())
+        elif kind == "full" and base is not None and not auto_full:
             log.info("step %d published in full: %s", step, why_full)
+        self._auto_full = auto_full
         return result
+
+    def _cost_summary(self) -> str:
+        costs = {} if self.costs is None else self.costs.s_per_gb
+        return ", ".join(f"{k} {v:.2f} s/GB" for k, v in sorted(costs.items()))
 
     def _held_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self._order:

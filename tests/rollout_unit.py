@@ -68,6 +68,8 @@ def launch_unit(model_dir: Path, workdir: Path) -> RolloutUnit:
         str(workdir / "sglang.log"),
         "--replica-id",
         f"test-{sidecar_port}",
+        "--stage-dir",  # the default, /dev/shm/rollout-stage-REPLICA, would outlive the test
+        str(workdir / "stage"),
     ]
     group = ProcessGroup(cmd, workdir / "serve.log", name="rollout-service serve", die_with_parent=True)
     group.start()

@@ -19,6 +19,7 @@ from rollout_service.checkpoint_format import CheckpointError, Manifest, step_di
 from rollout_service.checkpoint_reader import list_checkpoints, validate_checkpoint
 from rollout_service.checkpoint_writer import publish_checkpoint
 from rollout_service.delta_apply import materialize
+from rollout_service.delta_choice import PublishCosts
 from rollout_service.delta_writer import DeltaCheckpointWriter
 from rollout_service.sidecar.staging import Stage
 from rollout_service.untrusted_files import Deadline
@@ -126,6 +127,73 @@ def test_the_writer_falls_back_to_full_with_a_reason(tmp_path: Path) -> None:
     # A restarted trainer has nothing in memory: its first publish is full.
     fresh = DeltaCheckpointWriter()
     assert fresh.publish(root, 6, same, config=CONFIG, dtype="bfloat16", run_id=RUN).kind == "full"
+
+
+class ScriptedCosts(PublishCosts):
+    """The real choice over scripted timings: each publish "took" ``rate[kind]`` s/GB (the
+    writer's real timings on a 100 KB test model are noise)."""
+
+    def __init__(self, probe_every: int):
+        super().__init__(probe_every)
+        self.rate = {"full": 1.0, "delta": 3.0}
+        self.seen: list[str] = []
+
+    def observe(self, kind: str, seconds: float, full_bytes: int) -> None:
+        self.seen.append(kind)
+        super().observe(kind, self.rate[kind] * full_bytes / 1e9, full_bytes)
+
+
+def test_publish_costs_choose_the_faster_kind_and_probe_deltas_again() -> None:
+    costs = PublishCosts(probe_every=3)
+    assert costs.choose().delta  # nothing measured yet
+    costs.observe("full", 1.0, 10**9)
+    assert costs.choose().delta  # deltas not measured yet
+    costs.observe("delta", 3.0, 10**9)
+    choice = costs.choose()
+    assert not choice.delta and "1.00 s/GB against 3.00 s/GB" in choice.reason and "every 3 versions" in choice.reason
+    for _ in range(2):
+        costs.observe("full", 1.0, 10**9)
+        assert not costs.choose().delta
+    costs.observe("full", 1.0, 10**9)
+    assert costs.choose().delta  # 3 versions without a delta: the probe
+    costs.observe("delta", 0.2, 10**9)  # the storage got slower, or the host quieter
+    assert costs.s_per_gb["delta"] == pytest.approx(1.6) and not costs.choose().delta  # averaged, still slower
+    costs.observe("delta", 0.2, 10**9)
+    assert costs.s_per_gb["delta"] == pytest.approx(0.9) and costs.choose().delta
+    costs.observe("delta", 1.0, 0)  # nothing to divide by: ignored
+    assert costs.s_per_gb["delta"] == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="probe_every"):
+        PublishCosts(0)
+
+
+def test_the_writer_publishes_full_while_full_is_faster_and_keeps_chains_exact(tmp_path: Path, caplog) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="rollout_service.delta_writer")
+    root, full_root = tmp_path / "root", tmp_path / "full"
+    model = Model(lr=1e-6)
+    costs = ScriptedCosts(probe_every=4)
+    writer = DeltaCheckpointWriter(full_every=4, costs=costs)
+    kinds = []
+    for step in range(1, 15):
+        if step == 9:
+            costs.rate = {"full": 3.0, "delta": 1.0}  # from here deltas are the faster sync
+        result, reference = publish_both(writer, root, full_root, step, model)
+        kinds.append(result.kind)
+        out = tmp_path / "mat" / str(step)
+        materialize(root, step, out)
+        assert_same_files(out, reference.path)
+        model.step()
+    # 1: no base; 2: deltas not measured yet; 3-6: full is faster; 7: the probe (4 versions
+    # without a delta) measures deltas slower still; 8-11: full (the timings changed at 9, but
+    # only a delta measures a delta); 12: the probe sees the new rate; 13 and on: deltas.
+    assert "".join(k[0].upper() for k in kinds) == "FDFFFFDFFFFDDD"
+    assert costs.seen == kinds, "every publish is measured as the kind it was"
+    lines = [r.getMessage() for r in caplog.records]
+    switches = [m for m in lines if "full publishes are faster on this storage" in m]
+    assert [m.split()[1] for m in switches] == ["3", "8"], lines  # once per switch to full, not every step
+    assert any("step 7 published as a delta again" in m for m in lines)
+    assert any("step 12 published as a delta again" in m for m in lines)
 
 
 def test_a_failed_write_makes_the_next_publish_full(tmp_path: Path, monkeypatch) -> None:
