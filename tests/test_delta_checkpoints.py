@@ -442,3 +442,19 @@ def test_a_delta_that_brings_nan_is_refused_when_finiteness_is_checked(tmp_path:
         assert stage.build(root, two, Manifest.load(two), Deadline(60)).kind == "delta"  # unchecked: loads
     finally:
         stage.close()
+
+
+def test_the_trainers_default_measures_and_true_forces_deltas() -> None:
+    from types import SimpleNamespace
+
+    from trainer_hooks.trainer import delta_writer_for
+
+    def writer(delta: bool | None, dtype: str) -> DeltaCheckpointWriter | None:
+        return delta_writer_for(SimpleNamespace(checkpoint_delta=delta, checkpoint_full_every=7), dtype)
+
+    default = writer(None, "bfloat16")
+    assert default is not None and default.costs is not None and default.costs.probe_every == 7
+    forced = writer(True, "bfloat16")
+    assert forced is not None and forced.costs is None and forced.full_every == 7
+    assert writer(None, "float32") is None and writer(False, "bfloat16") is None
+    assert writer(True, "float32") is not None

@@ -58,9 +58,12 @@ class SGLangRolloutArguments:
         checkpoint_max_shard_mb: largest safetensors shard written, in MB.
         checkpoint_delta: publish XOR+zstd deltas against the previous version instead of the
             whole model (the sidecars rebuild the full checkpoint in their node-local stage).
-            None (default): on for bfloat16/float16 checkpoints, off for float32 (whose low
-            bits change at every step, so deltas barely compress). Costs one model copy in
-            host RAM (the bytes of the last published version).
+            None (default): for bfloat16/float16 checkpoints, a delta or a full checkpoint,
+            whichever measures faster per GB on this storage (deltas win on network file
+            systems, full checkpoints on tmpfs; ``rollout_service/delta_choice.py``); off for
+            float32 (whose low bits change at every step, so deltas barely compress). True: a
+            delta whenever one is possible. Costs one model copy in host RAM (the bytes of the
+            last published version).
         checkpoint_full_every: with deltas, publish a full checkpoint every this many versions
             (late joiners and restarted sidecars replay at most this many deltas).
         checkpoint_delta_max_ratio: publish a full checkpoint instead of a delta whose bytes
@@ -125,8 +128,9 @@ class SGLangRolloutArguments:
     checkpoint_delta: bool | None = field(
         default=None,
         metadata={
-            "help": "Publish XOR+zstd deltas instead of whole checkpoints (default: on for bf16/fp16 "
-            "checkpoints, off for fp32). Keeps one model copy in host RAM."
+            "help": "Publish XOR+zstd deltas instead of whole checkpoints (default: for bf16/fp16 "
+            "checkpoints, whichever of delta and full measures faster on this storage; off for fp32; "
+            "True: always deltas). Keeps one model copy in host RAM."
         },
     )
     checkpoint_full_every: int = field(

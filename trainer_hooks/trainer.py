@@ -36,6 +36,7 @@ from trl.trainer import grpo_trainer as _trl_grpo_module
 from trl.trainer import rloo_trainer as _trl_rloo_module
 
 from rollout_service.checkpoint_format import DEFAULT_DELTA_MAX_RATIO, DEFAULT_FULL_EVERY, normalize_dtype
+from rollout_service.delta_choice import PublishCosts
 from rollout_service.delta_writer import DeltaCheckpointWriter
 
 from .adapter_publish import AdapterPublisher, choose_adapter_sync
@@ -154,17 +155,22 @@ def _wire_main_process(
 
 
 def delta_writer_for(args: Any, dtype: str) -> DeltaCheckpointWriter | None:
-    """The delta writer ``checkpoint_delta`` asks for; by default (None) one for 16-bit checkpoints,
-    whose unchanged weights are most of the model at RL learning rates (fp32's low bits change at
-    nearly every step, so its deltas barely compress)."""
+    """The delta writer ``checkpoint_delta`` asks for. By default (None) one for 16-bit
+    checkpoints, whose unchanged weights are most of the model at RL learning rates (fp32's low
+    bits change at nearly every step, so its deltas barely compress), that publishes a delta only
+    while deltas measure faster than full publishes on this storage; True: a delta whenever one
+    is possible."""
     wanted = getattr(args, "checkpoint_delta", None)
+    measured = wanted is None
     if wanted is None:
         wanted = normalize_dtype(dtype) in ("BF16", "F16")
     if not wanted:
         return None
+    full_every = getattr(args, "checkpoint_full_every", DEFAULT_FULL_EVERY)
     return DeltaCheckpointWriter(
-        full_every=getattr(args, "checkpoint_full_every", DEFAULT_FULL_EVERY),
+        full_every=full_every,
         max_ratio=getattr(args, "checkpoint_delta_max_ratio", DEFAULT_DELTA_MAX_RATIO),
+        costs=PublishCosts(probe_every=full_every) if measured else None,
     )
 
 
