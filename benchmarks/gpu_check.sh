@@ -157,7 +157,7 @@ fi
 cat > "$WORK/cast_check.py" <<'PYEOF'
 import json, sys, tempfile, time
 import torch
-from trainer_hooks.checkpoint_sync import CheckpointPublisher
+from trainer_hooks.checkpoint_publisher import CheckpointPublisher
 
 device, gib = sys.argv[1], float(sys.argv[2])
 n = int(gib * (1 << 30) / 4 / 16)

@@ -15,7 +15,7 @@ from rollout_service.checkpoint_format import Manifest, step_dir_name
 from rollout_service.checkpoint_writer import PublishResult
 from rollout_service.protocol import adapter_name_for
 from trainer_hooks.adapter_publish import AdapterPublisher
-from trainer_hooks.checkpoint_sync import CheckpointPublisher
+from trainer_hooks.checkpoint_publisher import CheckpointPublisher
 
 
 class _Waiter:

@@ -12,8 +12,8 @@ import torch
 from rollout_service.checkpoint_reader import list_checkpoints
 from rollout_service.checkpoint_writer import publish_checkpoint
 from rollout_service.sidecar.acks import write_ack
+from trainer_hooks.checkpoint_publisher import CheckpointPublisher
 from trainer_hooks.checkpoint_retention import prune_checkpoints
-from trainer_hooks.checkpoint_sync import CheckpointPublisher
 
 
 class _NoWaiter:

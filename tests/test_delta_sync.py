@@ -16,7 +16,7 @@ from rollout_service.checkpoint_format import Manifest, step_dir_name
 from rollout_service.checkpoint_writer import iter_unique_tensors, publish_checkpoint
 from sidecar_helpers import transformers_greedy
 from trainer_helpers import make_config, make_trainer
-from trainer_hooks import checkpoint_sync
+from trainer_hooks import checkpoint_publisher
 
 PROMPT = [11, 42, 7, 99, 256, 3]
 CONFIG_NAME = "config.json"
@@ -37,7 +37,7 @@ def test_twenty_trained_versions_synced_as_deltas_serve_exactly_the_trainers_wei
     sidecar = sidecar_factory()
     full_root = tmp_path / "full"
     checks: list[tuple[int, str, bool]] = []
-    original = checkpoint_sync.CheckpointPublisher.publish
+    original = checkpoint_publisher.CheckpointPublisher.publish
 
     def publish_and_compare(self, version, tensors, *, background):
         # An independent full publish of the very same weights, to compare the rebuild with.
@@ -60,7 +60,7 @@ def test_twenty_trained_versions_synced_as_deltas_serve_exactly_the_trainers_wei
         checks.append((version, status["last_sync"]["kind"], _digests(staged) == _digests(full)))
         return future
 
-    monkeypatch.setattr(checkpoint_sync.CheckpointPublisher, "publish", publish_and_compare)
+    monkeypatch.setattr(checkpoint_publisher.CheckpointPublisher, "publish", publish_and_compare)
     config = make_config(
         tmp_path,
         checkpoint_root,

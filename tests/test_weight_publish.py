@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer_hooks import checkpoint_sync
-from trainer_hooks.checkpoint_sync import CheckpointPublisher, cast_on_device
+from trainer_hooks import checkpoint_publisher
+from trainer_hooks.checkpoint_publisher import CheckpointPublisher, cast_on_device
 from trainer_hooks.weight_gather import iter_full_weights
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,7 +115,7 @@ def test_floating_tensors_on_a_device_are_cast_there_before_the_copy_to_the_cpu(
 
 def test_the_foreground_publish_hands_the_writer_tensors_already_cast_on_their_device(tmp_path, monkeypatch):
     recorder = _Recorder()
-    monkeypatch.setattr(checkpoint_sync, "publish_checkpoint", recorder)
+    monkeypatch.setattr(checkpoint_publisher, "publish_checkpoint", recorder)
     publisher = _publisher(tmp_path, "bfloat16")
     publisher.publish_and_wait(1, [("a", torch.empty(8, device="meta")), ("b", torch.ones(2))])
     assert recorder.seen == [("a", torch.bfloat16, "meta"), ("b", torch.float32, "cpu")]

@@ -9,7 +9,7 @@ cannot, the trainer syncs merged full checkpoints and logs the reason once.
 
 :class:`AdapterPublisher` then publishes each version as an ``adapter`` step (``adapter_writer``:
 PEFT's file names, the same atomic publication as full checkpoints) through the trainer's
-:class:`~trainer_hooks.checkpoint_sync.CheckpointPublisher` bookkeeping (versions, waiting for
+:class:`~trainer_hooks.checkpoint_publisher.CheckpointPublisher` bookkeeping (versions, waiting for
 every replica, pruning, sync records; its public :meth:`~CheckpointPublisher.publish_prepared`),
 always on the calling thread: an adapter is small. The
 rollouts of a version name its adapter (``lora_path``) and carry its version.
@@ -33,7 +33,7 @@ from rollout_service.http_auth import bearer_headers
 from rollout_service.protocol import adapter_name_for
 
 from .checkpoint_dtype import target_dtype
-from .checkpoint_sync import CheckpointPublisher, SyncRecord
+from .checkpoint_publisher import CheckpointPublisher, SyncRecord
 from .weight_gather import distributed_backend, is_fsdp1, unwrap_model
 
 log = logging.getLogger(__name__)

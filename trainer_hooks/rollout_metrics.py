@@ -4,7 +4,7 @@
 keeps, and hands them over once per log call (the trainer's ``log`` extends its metric lists
 with :meth:`~RolloutMetrics.drain`):
 
-- per sync (:class:`~trainer_hooks.checkpoint_sync.SyncRecord`): ``sglang/sync_version``,
+- per sync (:class:`~trainer_hooks.checkpoint_publisher.SyncRecord`): ``sglang/sync_version``,
   ``sync_gather_s``, ``sync_write_s``, ``sync_wait_s``, ``sync_total_s``, ``sync_mb`` (what was
   written), ``sync_full_mb`` (what a full checkpoint is) and ``sync_delta`` (1 for a delta);
 - per ``generate`` call (:class:`~trainer_hooks.stale_retry.GenerationRecord`):
@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from .checkpoint_sync import SyncRecord
+from .checkpoint_publisher import SyncRecord
 
 if TYPE_CHECKING:
     from .stale_retry import GenerationRecord

@@ -43,7 +43,7 @@ import torch
 from accelerate.utils import broadcast_object_list, gather_object
 
 from .adapter_publish import AdapterPublisher
-from .checkpoint_sync import CheckpointPublisher
+from .checkpoint_publisher import CheckpointPublisher
 from .config import rescoring_needed
 from .rollout_metrics import RolloutMetrics
 from .sglang_endpoints import SGLangEndpoints

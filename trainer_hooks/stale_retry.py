@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .adapter_publish import AdapterPublisher, label_with_adapter
-from .checkpoint_sync import CheckpointPublisher
+from .checkpoint_publisher import CheckpointPublisher
 from .replica_wait import ReplicaSyncTimeout, ReplicaWaiter
 from .sglang_endpoints import SGLangEndpoints
 from .sglang_responses import Completion

@@ -41,7 +41,7 @@ from rollout_service.delta_writer import DeltaCheckpointWriter
 
 from .adapter_publish import AdapterPublisher, choose_adapter_sync
 from .checkpoint_dtype import checkpoint_dtype
-from .checkpoint_sync import CheckpointPublisher
+from .checkpoint_publisher import CheckpointPublisher
 from .config import GRPOConfig, RLOOConfig, SGLangRolloutArguments
 from .cpu_contention import warn_if_sharing_the_cpu
 from .replica_wait import AckFileWaiter, ReplicaWaiter, SidecarWaiter
