@@ -36,6 +36,8 @@ def rollout_units(
     finally:
         for unit in units.values():
             stop_unit(unit)
+    for unit in units.values():  # it held staged copies of the synced steps (RAM, in /dev/shm)
+        assert not (unit.checkpoint_root.parent / "stage").exists(), "serve left its stage directory behind"
 
 
 @pytest.fixture(scope="module")

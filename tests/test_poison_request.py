@@ -60,8 +60,10 @@ def test_a_request_that_kills_sglang_is_sent_twice_then_fails_the_step_naming_it
         # The unit is still there (restarting SGLang), not at its restart limit.
         assert unit.process.poll() is None, "rollout-service serve exited"
         assert trainer.state.global_step == 0
+        assert (tmp_path / "unit" / "stage").is_dir()
     finally:
         stop_unit(unit)
+    assert not (tmp_path / "unit" / "stage").exists(), "serve left its stage directory behind"
 
 
 def test_last_error_lines_are_the_end_of_the_last_traceback() -> None:

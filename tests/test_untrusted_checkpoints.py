@@ -310,3 +310,19 @@ def test_a_stage_directory_serves_one_sidecar_only(tmp_path):
     first.close()
     Stage(tmp_path / "stage").close()  # free again once the first one is gone ...
     assert not any(p.name.startswith(".tmp-") for p in (tmp_path / "stage").iterdir())  # ... and cleaned
+
+
+def test_removing_a_stage_deletes_its_copies_and_frees_the_directory(tmp_path, tiny_model_dir):
+    from rollout_service.checkpoint_format import Manifest
+    from rollout_service.checkpoint_writer import iter_model_dir_tensors
+    from rollout_service.sidecar.staging import Stage
+    from rollout_service.untrusted_files import Deadline
+
+    root = tmp_path / "root"
+    result = publish_checkpoint(root, 1, iter_model_dir_tensors(tiny_model_dir), config=tiny_model_dir / "config.json")
+    stage = Stage(tmp_path / "stage")
+    built = stage.build(root, result.path, Manifest.load(result.path), Deadline(None))
+    assert built.path.is_dir() and stage.usage_bytes() >= result.total_bytes
+    assert stage.remove() >= result.total_bytes
+    assert not (tmp_path / "stage").exists()
+    Stage(tmp_path / "stage").close()  # the lock went with it: a new sidecar may use the path

@@ -23,6 +23,7 @@ reference.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -110,6 +111,21 @@ class Stage:
 
     def close(self) -> None:
         self._lock.close()
+
+    def remove(self) -> int:
+        """Delete the stage directory with everything in it, once nothing will read it again
+        (``serve`` stopped SGLang): a stage in /dev/shm is RAM until someone deletes it.
+        Returns the bytes freed."""
+        freed = self.usage_bytes()
+        for entry in self.path.iterdir():
+            if entry.name != LOCK_NAME:
+                _remove(entry)
+        self._lock.close()
+        with contextlib.suppress(FileNotFoundError):
+            (self.path / LOCK_NAME).unlink()
+        with contextlib.suppress(OSError):  # not empty: someone else's file; leave it
+            self.path.rmdir()
+        return freed
 
     def prune(self, keep: set[Path]) -> None:
         """Remove staged copies other than ``keep`` (the one SGLang serves)."""
