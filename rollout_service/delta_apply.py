@@ -209,7 +209,24 @@ def reconstruct(
 
 APPLY_THREADS = max(1, min(8, os.cpu_count() or 1))
 """Tensors of a shard are rebuilt on this many threads (zstd, numpy and file I/O release the GIL)."""
+APPLY_NICENESS = 10
+"""How much lower than the sidecar's own the apply threads' CPU priority is: the rebuild runs
+while SGLang serves, and where they share cores the serving should win (an idle CPU still goes
+to the rebuild in full)."""
 _buffers = threading.local()
+
+
+def _lower_priority() -> None:
+    """(Apply-thread initializer.) Raise this thread's nice value by :data:`APPLY_NICENESS`
+    (Linux: a thread id is a ``PRIO_PROCESS`` target; raising it needs no privilege)."""
+    get_id = getattr(threading, "get_native_id", None)
+    if get_id is None or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = get_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + APPLY_NICENESS))
+    except OSError:  # a sandbox that forbids it: run at the normal priority
+        pass
 
 
 def _rebuild_shard(
@@ -274,7 +291,7 @@ def _rebuild_shard(
             )
         os.write(out.fileno(), prefix)
         os.ftruncate(out.fileno(), target.size)
-        with ThreadPoolExecutor(APPLY_THREADS, thread_name_prefix="delta-apply") as pool:
+        with ThreadPoolExecutor(APPLY_THREADS, thread_name_prefix="delta-apply", initializer=_lower_priority) as pool:
             base_digest = pool.submit(_digest_of_fd, fd, st.st_size, base_where, deadline)
             rebuilt = [
                 pool.submit(

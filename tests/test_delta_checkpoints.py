@@ -308,6 +308,32 @@ def test_the_stage_replays_a_chain_and_then_applies_one_delta_per_sync(tmp_path:
         stage.close()
 
 
+def test_the_rebuild_runs_at_a_lower_cpu_priority_than_the_sidecar(tmp_path: Path, monkeypatch) -> None:
+    import threading
+
+    from rollout_service import delta_apply
+
+    root, full_root, _ = _chain(tmp_path, versions=2)
+    seen: list[tuple[int, int]] = []
+    original = delta_apply._rebuild_tensor
+
+    def recording(*args, **kwargs):
+        seen.append((threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(delta_apply, "_rebuild_tensor", recording)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    stage = Stage(tmp_path / "stage")
+    try:
+        built = stage.build(root, root / step_dir_name(2), Manifest.load(root / step_dir_name(2)), Deadline(60))
+        assert_same_files(built.path, full_root / step_dir_name(2))
+    finally:
+        stage.close()
+    assert seen and {nice for _, nice in seen} == {min(19, mine + delta_apply.APPLY_NICENESS)}
+    assert threading.get_native_id() not in {tid for tid, _ in seen}  # the caller's own priority is untouched
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+
+
 def test_retention_never_breaks_a_chain(tmp_path: Path) -> None:
     root, _, _ = _chain(tmp_path, versions=7, full_every=3)  # full 1, 4, 7; deltas 2-3, 5-6
     kinds = {c.step: Manifest.load(c.path).kind for c in list_checkpoints(root)}
