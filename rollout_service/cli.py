@@ -26,6 +26,7 @@ from .checkpoint_format import CheckpointError
 from .cli_env import EnvArgumentParser, SettingFlags, add_env_argument
 from .lora_serving import add_lora_flags, lora_from_args
 from .serve import RestartPolicy, run_serve
+from .sglang_launcher import SGLangServer, SGLangServerConfig
 from .sidecar.settings import SidecarSettings
 
 SIDECAR_SETTINGS = SettingFlags(SidecarSettings)
@@ -34,6 +35,8 @@ SERVE_SIDECAR_SETTINGS = SettingFlags(SidecarSettings, exclude={"sglang_url"}, f
 """`serve`'s sidecar flags: the URL is the SGLang server it starts, and `--port` is SGLang's."""
 SERVE_RESTART_SETTINGS = SettingFlags(RestartPolicy)
 """`serve`'s restart budget and startup timeout."""
+SERVE_SGLANG_SETTINGS = SettingFlags(SGLangServerConfig, defaults={"port": 30000})
+"""`serve`'s SGLang flags (`--model`, `--port`, ...): SGLang's usual port, where the library picks a free one."""
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
@@ -154,17 +157,10 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .sglang_launcher import SGLangServer
-
     Path(args.checkpoint_path).mkdir(parents=True, exist_ok=True)
     server = SGLangServer(
-        model_path=args.model,
-        host=args.sglang_host,
-        port=args.port,
-        device=args.device,
+        **SERVE_SGLANG_SETTINGS.values(args),
         extra_args=list(args.sglang_args or []),
-        max_total_tokens=args.max_total_tokens,
-        log_path=Path(args.sglang_log) if args.sglang_log else None,
         die_with_parent=True,
         lora=lora_from_args(args),
     )
@@ -280,21 +276,9 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         " to sglang.launch_server verbatim, e.g. `rollout-service serve --model M --checkpoint-path"
         " C -- --tp-size 2`.",
     )
-    add_env = add_env_argument
-    add_env(p, "--model", required=True, help="HF model directory SGLang starts from (base weights)")
+    SERVE_SGLANG_SETTINGS.add_to(p)
     SERVE_SIDECAR_SETTINGS.add_to(p)
-    add_env(p, "--port", type=int, default=30000, help="SGLang's port")
-    add_env(p, "--sglang-host", default="127.0.0.1", help="address SGLang binds to")
-    add_env(p, "--device", default="auto", help="auto, cpu or cuda")
-    add_env(
-        p,
-        "--max-total-tokens",
-        type=int,
-        default=16384,
-        help="KV cache size on CPU (bounded, or SGLang reserves ~15 GB)",
-    )
     SERVE_RESTART_SETTINGS.add_to(p)
-    add_env(p, "--sglang-log", default=None, help="file for SGLang's output (default: a temp file)")
     add_lora_flags(p)
     p.set_defaults(func=_cmd_serve, sglang_args=[])
 

@@ -131,12 +131,21 @@ class SettingFlags:
     """The flags of a settings dataclass on one command: added to its parser, read back into it.
 
     ``exclude`` leaves fields off (the command supplies them to :meth:`build`); ``flags`` exposes a
-    field under another flag (and so another variable) on this command.
+    field under another flag (and so another variable) on this command; ``defaults`` gives a field
+    this command's own default (``serve --port`` is 30000 where the library picks a free port).
     """
 
-    def __init__(self, cls: type, *, exclude: Collection[str] = (), flags: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        cls: type,
+        *,
+        exclude: Collection[str] = (),
+        flags: Mapping[str, str] | None = None,
+        defaults: Mapping[str, Any] | None = None,
+    ) -> None:
         renamed = dict(flags or {})
-        unknown = (set(exclude) | set(renamed)) - {f.name for f in dataclasses.fields(cls)}
+        own_defaults = dict(defaults or {})
+        unknown = (set(exclude) | set(renamed) | set(own_defaults)) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"{cls.__name__} has no fields {sorted(unknown)}")
         self.cls = cls
@@ -147,17 +156,18 @@ class SettingFlags:
                 continue
             where = f"{cls.__name__}.{f.name}"
             flag = renamed.get(f.name, declaration.flag)
-            required = f.default is dataclasses.MISSING
+            field_default = own_defaults.get(f.name, f.default)
+            required = field_default is dataclasses.MISSING
             if hints[f.name] is bool:
-                if required or flag.startswith("--no-") != bool(f.default):
+                if required or flag.startswith("--no-") != bool(field_default):
                     raise TypeError(
                         f"{where}: a bool setting is a switch that flips its default;"
                         " name it --no-... exactly when the default is True"
                     )
-                spec = SettingFlag(f.name, flag, declaration.help, False, False, None, invert=bool(f.default))
+                spec = SettingFlag(f.name, flag, declaration.help, False, False, None, invert=bool(field_default))
             else:
                 parse = declaration.parse or _text_converter(hints[f.name], where)
-                default = None if required else f.default
+                default = None if required else field_default
                 spec = SettingFlag(f.name, flag, declaration.help, default, required, parse, invert=False)
             self.flags.append(spec)
 
@@ -171,13 +181,17 @@ class SettingFlags:
                     parser, spec.flag, help=spec.help, default=spec.default, type=spec.parse, required=spec.required
                 )
 
-    def build(self, args: argparse.Namespace, **values: Any) -> Any:
-        """An instance of the dataclass from a parse (fields without a flag: ``values``, or defaults)."""
+    def values(self, args: argparse.Namespace) -> dict[str, Any]:
+        """The fields' values from a parse, by field name (only the fields with a flag here)."""
         kwargs = {}
         for spec in self.flags:
             value = getattr(args, spec.dest)
             kwargs[spec.field] = (not value) if spec.invert else value
-        return self.cls(**{**kwargs, **values})
+        return kwargs
+
+    def build(self, args: argparse.Namespace, **values: Any) -> Any:
+        """An instance of the dataclass from a parse (fields without a flag: ``values``, or defaults)."""
+        return self.cls(**{**self.values(args), **values})
 
 
 def _text_converter(hint: Any, where: str) -> Callable[[str], Any]:

@@ -24,6 +24,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from .cli_env import setting
 from .lora_serving import LoraServing
 from .process_group import LOG_TAIL_LINES, ProcessGroup, ProcessStartError, log_tail
 
@@ -288,15 +289,23 @@ class SGLangServerConfig:
         lora: LoRA serving flags (`rollout_service.lora_serving.LoraServing`); None serves no adapters.
     """
 
-    model_path: str | os.PathLike[str]
-    host: str = "127.0.0.1"
-    port: int | None = None
-    device: str = "auto"
-    max_total_tokens: int = 16384
+    model_path: str | os.PathLike[str] = field(
+        metadata=setting("--model", "HF model directory SGLang starts from (base weights)", parse=str)
+    )
+    host: str = field(default="127.0.0.1", metadata=setting("--sglang-host", "address SGLang binds to"))
+    port: int | None = field(default=None, metadata=setting("--port", "SGLang's port"))
+    device: str = field(default="auto", metadata=setting("--device", "auto, cpu or cuda"))
+    max_total_tokens: int = field(
+        default=16384,
+        metadata=setting("--max-total-tokens", "KV cache size on CPU (bounded, or SGLang reserves ~15 GB)"),
+    )
     python: str = sys.executable
     extra_args: Sequence[str] = field(default_factory=tuple)
     env: Mapping[str, str] = field(default_factory=dict)
-    log_path: str | os.PathLike[str] | None = None
+    log_path: str | os.PathLike[str] | None = field(
+        default=None,
+        metadata=setting("--sglang-log", "file for SGLang's output (default: a temp file)", parse=Path),
+    )
     die_with_parent: bool = False
     lora: LoraServing | None = None
 

@@ -242,6 +242,41 @@ def test_serve_restart_and_lora_settings_are_derived_from_their_dataclasses(clea
     assert lora_from_args(build_parser().parse_args(argv)) is None
 
 
+def test_serve_sglang_settings_are_derived_from_the_server_config(clean_env, dirs):
+    from rollout_service.cli import SERVE_SGLANG_SETTINGS
+    from rollout_service.sglang_launcher import SGLangServerConfig
+
+    flags = {s.field: s.flag for s in SERVE_SGLANG_SETTINGS.flags}
+    assert flags == {
+        "model_path": "--model",
+        "host": "--sglang-host",
+        "port": "--port",
+        "device": "--device",
+        "max_total_tokens": "--max-total-tokens",
+        "log_path": "--sglang-log",
+    }
+    argv = ["serve", "--checkpoint-path", str(dirs["ckpt"])]
+    clean_env.setenv("ROLLOUT_MODEL", "/models/base")
+    clean_env.setenv("ROLLOUT_MAX_TOTAL_TOKENS", "2048")
+    got = SERVE_SGLANG_SETTINGS.values(build_parser().parse_args([*argv, "--device", "cpu"]))
+    # serve's own default port (the library's default, None, picks a free one); the rest are the config's.
+    library = SGLangServerConfig("/models/base")
+    assert got == {
+        "model_path": "/models/base",
+        "host": library.host,
+        "port": 30000,
+        "device": "cpu",
+        "max_total_tokens": 2048,
+        "log_path": None,
+    }
+    assert library.port is None and library.max_total_tokens == 16384
+    log = dirs["ckpt"] / "sglang.log"
+    got = SERVE_SGLANG_SETTINGS.values(build_parser().parse_args([*argv, "--sglang-log", str(log), "--port", "1234"]))
+    assert got["log_path"] == log and got["port"] == 1234
+    with pytest.raises(TypeError, match="no fields"):
+        SettingFlags(SGLangServerConfig, defaults={"prot": 1})
+
+
 # ------------------------------------------------------------------- declarations it refuses
 
 
