@@ -12,8 +12,10 @@ is 3-5x faster end to end than moving the whole model; on tmpfs or a fast local 
 - a delta is published while its average is not above the full one's (the sidecar's side of
   each path mirrors the trainer's: a full step is read back at the storage's rate, a delta is
   rebuilt at the encode's rate, so the trainer's comparison decides both);
-- while full publishes are faster, a delta is tried again every ``probe_every`` versions, so a
-  change (a slower mount, a busier host) is noticed.
+- while full publishes are faster, a delta is tried again every ``probe_every`` versions (one
+  delta, then ``probe_every - 1`` full ones), so a change (a slower mount, a busier host) is
+  noticed. A delta that had to be written in full after all (too large, its base gone) counts
+  as a delta, at what it cost: the encode was paid for nothing.
 
 Until both kinds have been measured at least once, deltas are chosen (the writer's first
 publish is full anyway, and its second is the first delta: the comparison starts at the third).
@@ -32,6 +34,8 @@ class Choice:
     delta: bool
     reason: str = ""
     """Why a full publish was chosen (empty for a delta)."""
+    probe: bool = False
+    """A delta only to measure deltas again (full publishes were faster so far)."""
 
 
 class PublishCosts:
@@ -60,8 +64,8 @@ class PublishCosts:
         full, delta = self.s_per_gb.get("full"), self.s_per_gb.get("delta")
         if full is None or delta is None or delta <= full:
             return Choice(True)
-        if self._since_delta >= self.probe_every:
-            return Choice(True)  # the probe: measure deltas again
+        if self._since_delta >= self.probe_every - 1:
+            return Choice(True, probe=True)  # measure deltas again
         return Choice(
             False,
             f"full publishes are faster on this storage ({full:.2f} s/GB against {delta:.2f} s/GB for"

@@ -104,6 +104,8 @@ class Absorbed:
     changed_bytes: int = 0
     auto_full: bool = False
     """Full only because full publishes measured faster (``costs``)."""
+    probe: bool = False
+    """A delta candidate only to measure deltas again (``costs``)."""
 
 
 @dataclass
@@ -163,8 +165,8 @@ class DeltaCheckpointWriter:
         self._scratch = threading.local()
         """One XOR buffer per encode thread, kept across versions (no page faults per tensor)."""
         self.costs = costs
-        self._auto_full = False
-        """The last version was published in full because full publishes measured faster."""
+        self._said_full_is_faster = False
+        """The log says full publishes measure faster (said once, until deltas win again)."""
         self.last = DeltaStats()
 
     def close(self) -> None:
@@ -208,8 +210,10 @@ class DeltaCheckpointWriter:
             why_full = "no previous version in memory (first publish or restart)"
         elif base.deltas_since_full + 1 >= self.full_every:
             why_full = f"a full checkpoint every {self.full_every} versions"
-        elif self.costs is not None:
-            why_full = self.costs.choose().reason
+        probe = False
+        if not why_full and self.costs is not None:
+            choice = self.costs.choose()
+            why_full, probe = choice.reason, choice.probe
         auto_full = bool(why_full) and base is not None and base.deltas_since_full + 1 < self.full_every
         delta = not why_full
         self._base = None  # until this version is written, nothing is a valid base
@@ -282,6 +286,7 @@ class DeltaCheckpointWriter:
             why_full=why_full,
             changed_bytes=changed,
             auto_full=auto_full,
+            probe=probe,
         )
         return self._absorbed
 
@@ -371,9 +376,9 @@ class DeltaCheckpointWriter:
             raise
         self._base = new_base
         seconds = absorbed.seconds + (time.perf_counter() - t0)
-        if self.costs is not None and absorbed.delta == (kind == "delta"):
-            # A delta candidate written in full (too big, base gone) measured neither path.
-            self.costs.observe(kind, seconds, result.full_bytes)
+        if self.costs is not None:
+            # A delta candidate written in full (too big, base gone) is what a delta cost here.
+            self.costs.observe("delta" if absorbed.delta else kind, seconds, result.full_bytes)
         self.last = DeltaStats(
             kind=kind,
             why_full=why_full,
@@ -386,15 +391,18 @@ class DeltaCheckpointWriter:
             write_s=time.perf_counter() - t0,
             chain_length=new_base.deltas_since_full,
         )
-        auto_full = absorbed.auto_full
-        if auto_full != self._auto_full:
-            if auto_full:
+        if absorbed.auto_full:
+            if not self._said_full_is_faster:
                 log.info("step %d published in full: %s", step, why_full)
-            else:
-                log.info("step %d published as a %s again (measured: %s)", step, kind, self._cost_summary())
-        elif kind == "full" and base is not None and not auto_full:
+                self._said_full_is_faster = True
+        elif kind == "delta":
+            if absorbed.probe:
+                log.debug("step %d: a delta to measure deltas again (%s)", step, self._cost_summary())
+            elif self._said_full_is_faster:
+                log.info("step %d published as a delta: deltas measure faster again (%s)", step, self._cost_summary())
+                self._said_full_is_faster = False
+        elif base is not None:
             log.info("step %d published in full: %s", step, why_full)
-        self._auto_full = auto_full
         return result
 
     def _cost_summary(self) -> str:

@@ -246,20 +246,24 @@ def run_serve(server: SGLangServer, settings: SidecarSettings, policy: RestartPo
         log.error("%s", exc)
         exit_code = 2
     finally:
-        supervisor.shutdown()
-        _remove_stage(controller)
+        try:
+            supervisor.shutdown()
+        finally:
+            _remove_stage(controller)
     return exit_code
 
 
 def _remove_stage(controller: Any) -> None:
     """SGLang is stopped: its staged copies will never be read again (a new ``serve`` starts
     SGLang on the base model and stages the newest checkpoint anew)."""
+    from .sidecar.staging import StageError
+
     stage = getattr(controller, "stage", None)
     if stage is None:
         return
     try:
         freed = stage.remove()
-    except OSError as exc:
+    except (OSError, StageError) as exc:
         log.warning("could not remove the stage directory %s: %s; delete it by hand", stage.path, exc)
         return
     log.info("removed the stage directory %s (%.1f MB)", stage.path, freed / 1e6)

@@ -151,15 +151,20 @@ def test_publish_costs_choose_the_faster_kind_and_probe_deltas_again() -> None:
     costs.observe("delta", 3.0, 10**9)
     choice = costs.choose()
     assert not choice.delta and "1.00 s/GB against 3.00 s/GB" in choice.reason and "every 3 versions" in choice.reason
-    for _ in range(2):
-        costs.observe("full", 1.0, 10**9)
-        assert not costs.choose().delta
     costs.observe("full", 1.0, 10**9)
-    assert costs.choose().delta  # 3 versions without a delta: the probe
+    assert not costs.choose().delta
+    costs.observe("full", 1.0, 10**9)
+    choice = costs.choose()  # a delta, then 2 full ones: every 3rd version is a delta
+    assert choice.delta and choice.probe
     costs.observe("delta", 0.2, 10**9)  # the storage got slower, or the host quieter
     assert costs.s_per_gb["delta"] == pytest.approx(1.6) and not costs.choose().delta  # averaged, still slower
+    costs.observe("full", 1.0, 10**9)
+    costs.observe("full", 1.0, 10**9)
+    assert costs.choose().probe
     costs.observe("delta", 0.2, 10**9)
-    assert costs.s_per_gb["delta"] == pytest.approx(0.9) and costs.choose().delta
+    assert costs.s_per_gb["delta"] == pytest.approx(0.9)
+    choice = costs.choose()
+    assert choice.delta and not choice.probe
     costs.observe("delta", 1.0, 0)  # nothing to divide by: ignored
     assert costs.s_per_gb["delta"] == pytest.approx(0.9)
     with pytest.raises(ValueError, match="probe_every"):
@@ -184,16 +189,34 @@ def test_the_writer_publishes_full_while_full_is_faster_and_keeps_chains_exact(t
         materialize(root, step, out)
         assert_same_files(out, reference.path)
         model.step()
-    # 1: no base; 2: deltas not measured yet; 3-6: full is faster; 7: the probe (4 versions
-    # without a delta) measures deltas slower still; 8-11: full (the timings changed at 9, but
-    # only a delta measures a delta); 12: the probe sees the new rate; 13 and on: deltas.
-    assert "".join(k[0].upper() for k in kinds) == "FDFFFFDFFFFDDD"
+    # 1: no base; 2: deltas not measured yet; 3-5: full is faster; 6: a delta every 4 versions
+    # measures deltas slower still; 7-9: full (the timings changed at 9, but only a delta measures
+    # a delta); 10: the next such delta sees the new rate; 11-12: deltas; 13: the full step every
+    # full_every (4) versions; 14: a delta.
+    assert "".join(k[0].upper() for k in kinds) == "FDFFFDFFFDDDFD"
     assert costs.seen == kinds, "every publish is measured as the kind it was"
     lines = [r.getMessage() for r in caplog.records]
-    switches = [m for m in lines if "full publishes are faster on this storage" in m]
-    assert [m.split()[1] for m in switches] == ["3", "8"], lines  # once per switch to full, not every step
-    assert any("step 7 published as a delta again" in m for m in lines)
-    assert any("step 12 published as a delta again" in m for m in lines)
+    faster = [m.split()[1] for m in lines if "full publishes are faster on this storage" in m]
+    assert faster == ["3"], lines  # said once, not at every full version nor after each probe
+    assert [m.split()[1] for m in lines if "deltas measure faster again" in m] == ["11"], lines
+    assert any("step 13 published in full: a full checkpoint every 4 versions" in m for m in lines), lines
+
+
+def test_a_delta_that_comes_out_too_large_counts_as_a_slow_delta(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    model = Model(lr=1e-2)  # every weight changes: no delta fits under max_ratio
+    costs = ScriptedCosts(probe_every=2)
+    writer = DeltaCheckpointWriter(full_every=100, max_ratio=0.01, costs=costs)
+    reasons = []
+    for step in range(1, 8):
+        assert writer.publish(root, step, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN).kind == "full"
+        reasons.append(writer.last.why_full)
+        model.step()
+    # Version 2 encoded a delta and wrote it in full: measured as a delta (its encode was paid
+    # for), so the next deltas are tried only every 2 versions, not at every version.
+    assert costs.seen == ["full", "delta", "full", "delta", "full", "delta", "full"]
+    assert all("checkpoint_delta_max_ratio" in r for r in reasons[1::2]), reasons
+    assert all("full publishes are faster" in r for r in reasons[2::2]), reasons
 
 
 def test_a_failed_write_makes_the_next_publish_full(tmp_path: Path, monkeypatch) -> None:

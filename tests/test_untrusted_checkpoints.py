@@ -315,7 +315,7 @@ def test_a_stage_directory_serves_one_sidecar_only(tmp_path):
 def test_removing_a_stage_deletes_its_copies_and_frees_the_directory(tmp_path, tiny_model_dir):
     from rollout_service.checkpoint_format import Manifest
     from rollout_service.checkpoint_writer import iter_model_dir_tensors
-    from rollout_service.sidecar.staging import Stage
+    from rollout_service.sidecar.staging import Stage, StageError
     from rollout_service.untrusted_files import Deadline
 
     root = tmp_path / "root"
@@ -326,3 +326,14 @@ def test_removing_a_stage_deletes_its_copies_and_frees_the_directory(tmp_path, t
     assert stage.remove() >= result.total_bytes
     assert not (tmp_path / "stage").exists()
     Stage(tmp_path / "stage").close()  # the lock went with it: a new sidecar may use the path
+    # Removing after close (serve: the sidecar closed its stage, then SGLang stopped) while another
+    # sidecar took the directory in between leaves that sidecar's stage alone.
+    mine = Stage(tmp_path / "stage")
+    mine.build(root, result.path, Manifest.load(result.path), Deadline(None))
+    mine.close()
+    theirs = Stage(tmp_path / "stage")
+    with pytest.raises(StageError, match="another sidecar uses the stage directory"):
+        mine.remove()
+    assert (tmp_path / "stage" / ".lock").exists() and any(p.name.startswith("step-") for p in theirs.path.iterdir())
+    theirs.close()
+    assert mine.remove() > 0 and not (tmp_path / "stage").exists()  # free again: removed

@@ -65,7 +65,9 @@ class SGLangRolloutArguments:
             delta whenever one is possible. Costs one model copy in host RAM (the bytes of the
             last published version).
         checkpoint_full_every: with deltas, publish a full checkpoint every this many versions
-            (late joiners and restarted sidecars replay at most this many deltas).
+            (late joiners and restarted sidecars replay at most this many deltas). With the
+            default ``checkpoint_delta=None``, also how often a delta is tried again while full
+            checkpoints measure faster.
         checkpoint_delta_max_ratio: publish a full checkpoint instead of a delta whose bytes
             exceed this fraction of the full checkpoint's.
         adapter_sync: with a PEFT LoRA model, publish only the adapter (``kind: "adapter"``) and

@@ -224,10 +224,12 @@ class SyncController:
             if not self.serves(step, run_id):
                 return False
             # Confirm against the root now, not the last pass: the served step may be gone.
+            checked = (self.state.loaded_step, self._served_path)
             presence = await asyncio.to_thread(self._loaded_presence)
             if presence == "same":
                 return True
-            self.state.loaded_current = False
+            if (self.state.loaded_step, self._served_path) == checked:  # not a step loaded meanwhile
+                self.state.loaded_current = False
             self.notify("wait")
 
     def readiness(self) -> tuple[bool, str]:

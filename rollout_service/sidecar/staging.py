@@ -115,15 +115,28 @@ class Stage:
     def remove(self) -> int:
         """Delete the stage directory with everything in it, once nothing will read it again
         (``serve`` stopped SGLang): a stage in /dev/shm is RAM until someone deletes it.
-        Returns the bytes freed."""
-        freed = self.usage_bytes()
-        for entry in self.path.iterdir():
-            if entry.name != LOCK_NAME:
-                _remove(entry)
+        Returns the bytes freed. Works after :meth:`close` too: the lock is taken again first,
+        and a stage another sidecar locked meanwhile is left alone (``StageError``)."""
         self._lock.close()
-        with contextlib.suppress(FileNotFoundError):
-            (self.path / LOCK_NAME).unlink()
-        with contextlib.suppress(OSError):  # not empty: someone else's file; leave it
+        try:
+            lock = open(self.path / LOCK_NAME, "a")
+        except FileNotFoundError:
+            return 0
+        try:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise StageError(
+                    f"another sidecar uses the stage directory {self.path} now; left it in place"
+                ) from None
+            freed = self.usage_bytes()
+            for entry in self.path.iterdir():
+                if entry.name != LOCK_NAME:
+                    _remove(entry)
+            (self.path / LOCK_NAME).unlink()  # while still held: nobody locks a file about to vanish
+        finally:
+            lock.close()
+        with contextlib.suppress(OSError):  # not empty: someone's new file; leave it
             self.path.rmdir()
         return freed
 
