@@ -85,6 +85,7 @@ class _Held:
     shape: tuple[int, ...]
     data: np.ndarray
     digest: str
+    """Of ``data``; empty until a delta needs it (see ``_fill_digest``)."""
 
     @property
     def nbytes(self) -> int:
@@ -308,7 +309,7 @@ class DeltaCheckpointWriter:
         t = _prepare(tensor, target)
         raw = _bytes_of(t)
         entry.data = _keep(tensor, t, raw, reuse)
-        entry.digest = _digest(entry.data)
+        entry.digest = ""  # computed when a delta needs it: a full publish hashes its files itself
         return None
 
     # --- writing it ---------------------------------------------------------------------------
@@ -467,7 +468,7 @@ class DeltaCheckpointWriter:
                         shard=shard,
                         dtype=h.tag,
                         shape=list(h.shape),
-                        digest=h.digest,
+                        digest=h.digest or _fill_digest(h),
                         delta_file=delta_file if n in absorbed.blobs else None,
                     )
             if len(shards) > 1:
@@ -550,6 +551,12 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
     if t.numel() == 0:
         return np.empty(0, dtype=np.uint8)
     return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def _fill_digest(h: _Held) -> str:
+    """The held bytes' digest, computed on first use (the tensor has not changed since a full publish)."""
+    h.digest = _digest(h.data)
+    return h.digest
 
 
 def _digest(data: np.ndarray) -> str:
