@@ -124,8 +124,9 @@ class Case:
         delta = med.get("ours_delta.end_to_end_s")
         if delta is not None and ours:
             out["delta/full"] = delta / ours
-        if med.get("ours_delta.pause_s") is not None and med.get("ours_delta.load_s"):
-            out["delta pause/load"] = med["ours_delta.pause_s"] / med["ours_delta.load_s"]
+        for kind in ("", "replica_"):
+            if med.get(f"ours_delta.{kind}pause_s") is not None and med.get("ours_delta.load_s"):
+                out[f"delta {kind}pause/load"] = med[f"ours_delta.{kind}pause_s"] / med["ours_delta.load_s"]
         return out
 
 
@@ -368,6 +369,9 @@ def our_sync(
     )
     if probe is not None:
         out["pause_s"] = probe.pause(t0, acked)
+        # From the publish's rename on: what SGLang feels of the sync where the trainer runs on
+        # other hosts (here the trainer's encode and write share SGLang's two cores).
+        out["replica_pause_s"] = probe.pause(published, acked)
     return out
 
 
@@ -634,6 +638,7 @@ def print_tables(cases: list[Case]) -> None:
         print(
             f"{'size':<6}{'storage':<16}{'written':>9}{'of full':>8}{'encode':>8}{'publish':>8}{'apply':>7}"
             f"{'load':>7}{'pause':>7}{'delta':>8}{'full':>8}{'d/f':>7}{'pause/load':>11}"
+            f"{'r.pause':>8}{'r.pause/load':>13}"
         )
         for c in cases:
             m, r = c.medians(), c.ratios()
@@ -645,11 +650,14 @@ def print_tables(cases: list[Case]) -> None:
                 f"{fmt(m.get('ours_delta.pause_s'), 7)}{fmt(m.get('ours_delta.end_to_end_s'), 8)}"
                 f"{fmt(m.get('ours.end_to_end_s'), 8)}{ratio(r.get('delta/full'), 7)}"
                 f"{ratio(r.get('delta pause/load'), 11)}"
+                f"{fmt(m.get('ours_delta.replica_pause_s'), 8)}{ratio(r.get('delta replica_pause/load'), 13)}"
             )
         print(
             "written/of full: bytes a delta sync wrote to shared storage; apply: rebuild + verify in the stage;"
             " load: SGLang's load from the stage; pause: longest /generate probe during the sync less an"
-            " idle one; delta, full: end to end publish start -> the trainer knows it is served"
+            " idle one; r.pause: the same from the publish's rename on (the replica's part: what SGLang"
+            " feels where the trainer runs elsewhere); delta, full: end to end publish start -> the trainer"
+            " knows it is served"
         )
     if any(c.sglang for c in cases):
         print(
