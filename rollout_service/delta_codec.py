@@ -29,6 +29,35 @@ def new_scratch() -> np.ndarray:
     return np.empty(CHUNK_BYTES, dtype=np.uint8)
 
 
+class XorEncoder:
+    """Encodes one tensor of ``size`` bytes chunk by chunk (each at most :data:`CHUNK_BYTES`):
+    :meth:`add` takes the next new and base bytes, :meth:`finish` returns the blob (one zstd
+    frame that declares its size), or None when nothing changed."""
+
+    def __init__(self, size: int, level: int = ZSTD_LEVEL, scratch: np.ndarray | None = None):
+        self.size = size
+        self._scratch = new_scratch() if scratch is None else scratch
+        self._compressor = zstandard.ZstdCompressor(level=level, write_content_size=True).compressobj(size=size)
+        self._parts: list[bytes] = []
+        self._seen = 0
+        self._changed = False
+
+    def add(self, new: np.ndarray, base: np.ndarray) -> None:
+        n = new.shape[0]
+        if n != base.shape[0] or n > CHUNK_BYTES or self._seen + n > self.size:
+            raise ValueError(f"cannot XOR {n} bytes with {base.shape[0]} at {self._seen} of {self.size}")
+        diff = np.bitwise_xor(new, base, out=self._scratch[:n])
+        self._changed = self._changed or bool(diff.any())
+        self._parts.append(self._compressor.compress(diff.data))
+        self._seen += n
+
+    def finish(self) -> bytes | None:
+        if self._seen != self.size:
+            raise ValueError(f"encoded {self._seen} of {self.size} bytes")
+        self._parts.append(self._compressor.flush())
+        return b"".join(self._parts) if self._changed else None
+
+
 def encode(
     new: np.ndarray, base: np.ndarray, level: int = ZSTD_LEVEL, scratch: np.ndarray | None = None
 ) -> bytes | None:
@@ -37,17 +66,11 @@ def encode(
     size = new.shape[0]
     if size != base.shape[0]:
         raise ValueError(f"cannot XOR {size} bytes with {base.shape[0]}")
-    scratch = new_scratch() if scratch is None else scratch
-    compressor = zstandard.ZstdCompressor(level=level, write_content_size=True).compressobj(size=size)
-    parts = []
-    changed = False
+    encoder = XorEncoder(size, level, scratch)
     for start in range(0, size, CHUNK_BYTES):
         end = min(size, start + CHUNK_BYTES)
-        diff = np.bitwise_xor(new[start:end], base[start:end], out=scratch[: end - start])
-        changed = changed or bool(diff.any())
-        parts.append(compressor.compress(diff.data))
-    parts.append(compressor.flush())
-    return b"".join(parts) if changed else None
+        encoder.add(new[start:end], base[start:end])
+    return encoder.finish()
 
 
 class XorStream:

@@ -292,23 +292,44 @@ class DeltaCheckpointWriter:
         return self._absorbed
 
     def _encode_into(self, tensor: torch.Tensor, target: str | None, prev: _Held) -> bytes | None:
-        """(On an encode thread.) Cast, XOR with the held bytes, compress, update the held bytes."""
-        t = _prepare(tensor, target)  # the cast runs here, on several threads at once
-        raw = _bytes_of(t)
-        scratch = getattr(self._scratch, "buf", None)
-        if scratch is None:
-            scratch = self._scratch.buf = delta_codec.new_scratch()
-        blob = delta_codec.encode(raw, prev.data, self.level, scratch=scratch)
-        if blob is not None:
-            prev.data = _keep(tensor, t, raw, prev.data)
-            prev.digest = _digest(prev.data)
-        return blob
+        """(On an encode thread.) Cast, XOR with the held bytes, compress and update the held
+        bytes in place, one :data:`~rollout_service.delta_codec.CHUNK_BYTES` chunk at a time:
+        the cast lands in a buffer this thread reuses, so a version allocates no model-sized
+        memory (no page faults) and the held bytes stay the one copy."""
+        cast_bytes, scratch = self._thread_buffers()
+        itemsize = DTYPE_SIZES[prev.tag]
+        cast = torch.from_numpy(cast_bytes).view(_TAG_TO_TORCH[prev.tag])
+        source = tensor.detach().reshape(-1)
+        encoder = delta_codec.XorEncoder(prev.nbytes, self.level, scratch)
+        hasher = new_hasher()
+        held = prev.data
+        per_chunk = delta_codec.CHUNK_BYTES // itemsize
+        for first in range(0, source.numel(), per_chunk):
+            count = min(per_chunk, source.numel() - first)
+            cast[:count].copy_(source[first : first + count])  # the cast (and a GPU's copy to host)
+            new, lo = cast_bytes[: count * itemsize], first * itemsize
+            old = held[lo : lo + count * itemsize]
+            encoder.add(new, old)
+            np.copyto(old, new)
+            hasher.update(new.data)
+        prev.digest = format_digest(hasher)
+        return encoder.finish()
+
+    def _thread_buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """This encode thread's cast and XOR buffers, kept across versions."""
+        buffers: tuple[np.ndarray, np.ndarray] | None = getattr(self._scratch, "buffers", None)
+        if buffers is None:
+            buffers = self._scratch.buffers = (delta_codec.new_scratch(), delta_codec.new_scratch())
+        return buffers
 
     @staticmethod
     def _copy_into(tensor: torch.Tensor, target: str | None, entry: _Held, reuse: np.ndarray | None) -> None:
-        t = _prepare(tensor, target)
-        raw = _bytes_of(t)
-        entry.data = _keep(tensor, t, raw, reuse)
+        if reuse is not None:  # cast straight into the last version's buffer: no allocation
+            torch.from_numpy(reuse).view(_TAG_TO_TORCH[entry.tag]).copy_(tensor.detach().reshape(-1))
+            entry.data = reuse
+        else:
+            t = _prepare(tensor, target)
+            entry.data = _keep(tensor, t, _bytes_of(t), None)
         entry.digest = ""  # computed when a delta needs it: a full publish hashes its files itself
         return None
 

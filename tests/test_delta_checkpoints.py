@@ -102,6 +102,28 @@ def test_25_delta_versions_rebuild_bit_for_bit_what_a_full_publish_writes(tmp_pa
     assert [i + 1 for i, k in enumerate(kinds) if k == "full"] == [1, 11, 21]
 
 
+def test_tensors_larger_than_a_chunk_are_encoded_in_place_bit_for_bit(tmp_path: Path) -> None:
+    from rollout_service import delta_codec
+
+    root, full_root = tmp_path / "root", tmp_path / "full"
+    big = (4096, 2304)  # 18.9 MB in bf16: two encode chunks, the second one partial
+    assert 1 < 2 * big[0] * big[1] / delta_codec.CHUNK_BYTES < 2
+    model = Model(lr=1e-6, shapes={"embed": big, "norm": (64,), "odd": (3, 5)})
+    writer = DeltaCheckpointWriter(full_every=100)
+    held_before = None
+    for step in range(1, 5):
+        result, reference = publish_both(writer, root, full_root, step, model, max_shard_bytes=10 << 20)
+        assert result.kind == ("full" if step == 1 else "delta")
+        out = tmp_path / "mat" / str(step)
+        materialize(root, step, out)
+        assert_same_files(out, reference.path)
+        held = writer._held["embed"].data
+        if held_before is not None:
+            assert held is held_before, "the held bytes are updated in place, not reallocated"
+        held_before = held
+        model.step()
+
+
 def test_the_writer_falls_back_to_full_with_a_reason(tmp_path: Path) -> None:
     root = tmp_path / "root"
     model = Model()
