@@ -393,37 +393,41 @@ class SyncController:
             self.state.loaded_step = None
             self.state.loaded_fingerprint = self.state.loaded_run_id = None
         if self.state.loaded_step is None and view.weight_version is not None:
-            await asyncio.to_thread(self._adopt, view)
+            adopted = await asyncio.to_thread(self._adoptable, view)
+            if adopted is not None and self.state.loaded_step is None:  # on the loop: /status sees all or nothing
+                step, manifest, served = adopted
+                self._set_loaded(step, manifest, str(served))
+                self._crashes.pop(step, None)
+                log.info("SGLang already serves step %d (%s); adopting it without a reload", step, served)
         await asyncio.to_thread(self._ensure_reference, view)
 
-    def _adopt(self, view: ServerView) -> None:
-        """A restarted sidecar beside a server that already serves a published step.
+    def _adoptable(self, view: ServerView) -> tuple[int, Manifest, Path] | None:
+        """(In a thread.) For a restarted sidecar beside a server that already serves a published
+        step: that step, its manifest and the served path, or None.
 
-        Adopted when SGLang's ``model_path`` holds a manifest of that step whose fingerprint is
+        Adoptable when SGLang's ``model_path`` holds a manifest of that step whose fingerprint is
         the published one (a staged copy, ours or another sidecar's, or the step directory
         itself), or is a copy in this sidecar's own stage.
         """
         step = step_for_version(view.weight_version)
         if step is None or not view.model_path or not os.path.isdir(view.model_path):
-            return
+            return None
         served = Path(view.model_path)
         try:
             manifest = Manifest.load(served, root=served.parent)
         except CheckpointError:
-            return
+            return None
         if manifest.step != step:
-            return
+            return None
         ours = self.stage is not None and self.stage.owns(served)
         if not ours:
             try:
                 published = Manifest.load(self.root / step_dir_name(step), root=self.root)
             except CheckpointError:
-                return
+                return None
             if published.fingerprint() != manifest.source_fingerprint():
-                return
-        self._set_loaded(step, manifest, str(served))
-        self._crashes.pop(step, None)
-        log.info("SGLang already serves step %d (%s); adopting it without a reload", step, served)
+                return None
+        return step, manifest, served
 
     def _ensure_reference(self, view: ServerView) -> None:
         """Learn the served model's tensor specs once (every checkpoint is checked against them)."""
