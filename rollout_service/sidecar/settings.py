@@ -49,7 +49,7 @@ class SidecarSettings:
         metadata=setting(
             "--reference-dir",
             "model directory whose tensor names/shapes new checkpoints must match (default:"
-            " the previously loaded checkpoint)",
+            " the model SGLang serves, learnt from its model_path, or the reference the stage kept)",
         ),
     )
     check_digests: bool = field(
