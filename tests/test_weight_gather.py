@@ -34,3 +34,16 @@ def test_peft_weights_are_published_merged_under_base_names(tiny_model_dir: Path
     assert not torch.equal(published[q], base.state_dict()[q])  # the adapter really was merged
     with torch.no_grad():
         torch.testing.assert_close(peft_model(ids).logits, before)  # ...and unmerged afterwards
+
+
+def test_the_distributed_view_of_accelerators_with_and_without_plugin_fields() -> None:
+    from types import SimpleNamespace
+
+    from trainer_hooks.weight_gather import distributed_backend
+
+    zero3 = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3), fsdp_plugin=None))
+    assert distributed_backend(zero3).is_zero3 and distributed_backend(zero3).zero_stage == 3
+    # No accelerator, an accelerator without a state, a state without the plugin fields: plain.
+    for plain in (None, SimpleNamespace(), SimpleNamespace(state=SimpleNamespace())):
+        backend = distributed_backend(plain)
+        assert backend.zero_stage == 0 and not backend.is_zero3 and not backend.is_fsdp

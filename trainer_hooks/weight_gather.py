@@ -37,8 +37,6 @@ from trl.distributed import DistributedBackend
 # (``is_fsdp1`` looks at the modules themselves).
 
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
-_NO_PLUGINS = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=None))
-"""An accelerator without DeepSpeed or FSDP, for callers that pass none."""
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -50,9 +48,13 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 def distributed_backend(accelerator: Any) -> DistributedBackend:
     """TRL's view of the accelerator's DeepSpeed / FSDP set-up; a plain one without an accelerator
     (``None``, or one without accelerate's state)."""
-    if getattr(accelerator, "state", None) is None:
-        accelerator = _NO_PLUGINS
-    return DistributedBackend(accelerator)
+    # TRL reads only the two plugin fields, and without getattr: a state lacking them (a stand-in,
+    # another accelerate) counts as no DeepSpeed and no FSDP rather than an AttributeError.
+    state = getattr(accelerator, "state", None)
+    plugins = SimpleNamespace(
+        deepspeed_plugin=getattr(state, "deepspeed_plugin", None), fsdp_plugin=getattr(state, "fsdp_plugin", None)
+    )
+    return DistributedBackend(SimpleNamespace(state=plugins))
 
 
 def clean_name(name: str, peft_prefix: str | None = None) -> str | None:
