@@ -100,6 +100,28 @@ class Sidecar(CLIProcess):
         return 0.0
 
 
+def serve_argv(model_dir: Path, root: Path, port: int, sidecar_port: int, replica_id: str, *extra: str) -> list[str]:
+    """``rollout-service serve`` on the CPU with a fast health loop (the tests' common flags)."""
+    return [
+        "serve",
+        "--model",
+        str(model_dir),
+        "--checkpoint-path",
+        str(root),
+        "--port",
+        str(port),
+        "--sidecar-port",
+        str(sidecar_port),
+        "--device",
+        "cpu",
+        "--health-interval",
+        "0.5",
+        "--replica-id",
+        replica_id,
+        *extra,
+    ]
+
+
 def wait_http(url: str, timeout_s: float, proc: CLIProcess, status: int = 200) -> None:
     """Wait until GET `url` answers `status`; fail the test naming `proc`'s exit or log tail otherwise."""
     try:

@@ -25,7 +25,7 @@ import torch
 from helpers import free_port
 from rollout_service.checkpoint_format import Manifest
 from rollout_service.checkpoint_reader import list_checkpoints
-from sidecar_helpers import CLIProcess, wait_http
+from sidecar_helpers import CLIProcess, serve_argv, wait_http
 
 MAX_RANK = 16
 FALLBACK = "LoRA adapter sync is not possible"
@@ -40,28 +40,18 @@ class Unit:
         port, sidecar_port = free_port(), free_port()
         self.sglang_url, self.sidecar_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{sidecar_port}"
         self.proc = CLIProcess(
-            [
-                "serve",
-                "--model",
-                str(model_dir),
-                "--checkpoint-path",
-                str(self.root),
-                "--port",
-                str(port),
-                "--sidecar-port",
-                str(sidecar_port),
-                "--device",
-                "cpu",
-                "--health-interval",
-                "0.5",
-                "--replica-id",
+            serve_argv(
+                model_dir,
+                self.root,
+                port,
+                sidecar_port,
                 f"lora-{sidecar_port}",
                 "--stage-dir",
                 str(work / "stage"),
                 "--sglang-log",
                 str(work / "sglang.log"),
                 *extra,
-            ],
+            ),
             work / "serve.log",
         )
         wait_http(f"{self.sidecar_url}/readyz", 600, self.proc)

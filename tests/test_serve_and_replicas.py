@@ -17,7 +17,7 @@ import torch
 
 from helpers import free_port, generate
 from rollout_service.sglang_launcher import SGLangServer
-from sidecar_helpers import CLIProcess, Sidecar, perturbed_state, publish_step, wait_http
+from sidecar_helpers import CLIProcess, Sidecar, perturbed_state, publish_step, serve_argv, wait_http
 
 STARTUP_S = 400.0
 
@@ -29,23 +29,7 @@ def sglang_children(pid: int) -> list[psutil.Process]:
 def test_serve_restarts_a_killed_sglang_and_reapplies_the_newest_checkpoint(tiny_model_dir, checkpoint_root, tmp_path):
     port, sidecar_port = free_port(), free_port()
     serve = CLIProcess(
-        [
-            "serve",
-            "--model",
-            str(tiny_model_dir),
-            "--checkpoint-path",
-            str(checkpoint_root),
-            "--port",
-            str(port),
-            "--sidecar-port",
-            str(sidecar_port),
-            "--device",
-            "cpu",
-            "--health-interval",
-            "0.5",
-            "--replica-id",
-            "served",
-        ],
+        serve_argv(tiny_model_dir, checkpoint_root, port, sidecar_port, "served"),
         tmp_path / "serve.log",
     )
     sidecar = f"http://127.0.0.1:{sidecar_port}"

@@ -24,7 +24,7 @@ import pytest
 from helpers import free_port
 from rollout_service.serve import RESTART_BUDGET_SPENT, STARTUP_HINT, RestartPolicy, Supervisor
 from rollout_service.sglang_launcher import SGLangServer, SGLangStartError
-from sidecar_helpers import CLIProcess, wait_http
+from sidecar_helpers import CLIProcess, serve_argv, wait_http
 
 
 class FakeClock:
@@ -222,27 +222,17 @@ def test_serve_fails_a_stalled_start_with_exit_2_naming_startup_timeout(tmp_path
 def test_serve_reports_a_spent_restart_budget_on_readyz_and_status(tiny_model_dir, checkpoint_root, tmp_path):
     port, sidecar_port = free_port(), free_port()
     serve = CLIProcess(
-        [
-            "serve",
-            "--model",
-            str(tiny_model_dir),
-            "--checkpoint-path",
-            str(checkpoint_root),
-            "--port",
-            str(port),
-            "--sidecar-port",
-            str(sidecar_port),
-            "--device",
-            "cpu",
-            "--health-interval",
-            "0.5",
-            "--replica-id",
+        serve_argv(
+            tiny_model_dir,
+            checkpoint_root,
+            port,
+            sidecar_port,
             "budget",
             "--max-restarts",
             "0",
             "--stage-dir",
             str(tmp_path / "stage"),
-        ],
+        ),
         tmp_path / "serve.log",
     )
     sidecar = f"http://127.0.0.1:{sidecar_port}"

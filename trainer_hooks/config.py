@@ -92,8 +92,8 @@ class SGLangRolloutArguments:
     checkpoint_path: str | None = field(
         default=None,
         metadata={
-            "help": "Shared directory the trainer publishes step-XXXXXXXX checkpoints into "
-            "(the directory the SGLang sidecars watch)."
+            "help": "Shared directory the trainer publishes checkpoints into, one step-NNNNNNNN "
+            "directory per version (e.g. step-00000042; the directory the SGLang sidecars watch)."
         },
     )
     sglang_urls: list[str] = field(

@@ -152,18 +152,16 @@ class AdapterSync:
                 return False
             self.loaded[step] = name
             self.serving = name
-            finished = time.time()
             c._record_sync(
                 report.manifest,
-                SyncRecord(
+                SyncRecord.ended_now(
+                    published=published,
+                    detected=detected,
+                    validate_s=validate_s,
+                    load_s=load_s,
                     step=step,
                     weight_version=name,
                     path=str(report.path),
-                    detect_s=None if published is None else max(0.0, detected - published),
-                    validate_s=validate_s,
-                    load_s=load_s,
-                    total_s=None if published is None else finished - published,
-                    finished_at=finished,
                     run_id=report.manifest.run_id,
                     staged=c.stage is not None,
                     kind="adapter",

@@ -607,16 +607,14 @@ class SyncController:
                     step=step,
                 )
                 return False
-            finished = time.time()
-            record = SyncRecord(
+            record = SyncRecord.ended_now(
+                published=published,
+                detected=detected,
+                validate_s=validate_s,
+                load_s=load_s,
                 step=step,
                 weight_version=version,
                 path=str(report.path),
-                detect_s=None if published is None else max(0.0, detected - published),
-                validate_s=validate_s,
-                load_s=load_s,
-                total_s=None if published is None else finished - published,
-                finished_at=finished,
                 run_id=report.manifest.run_id,
                 staged=self.stage is not None,
                 kind=built.kind if built is not None else report.manifest.kind,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -28,6 +30,22 @@ class SyncRecord:
     """Seconds spent copying or rebuilding the step in the stage (part of validate_s)."""
     chain_length: int = 0
     """Deltas applied for this sync (more than 1: a chain was replayed)."""
+
+    @classmethod
+    def ended_now(
+        cls, *, published: float | None, detected: float, validate_s: float, load_s: float, **fields: Any
+    ) -> SyncRecord:
+        """The record of a sync that ends now; its publish-time latencies from ``published`` (the
+        step's rename, None when they mean nothing: a step loaded before) and ``detected``."""
+        finished = time.time()
+        return cls(
+            detect_s=None if published is None else max(0.0, detected - published),
+            validate_s=validate_s,
+            load_s=load_s,
+            total_s=None if published is None else finished - published,
+            finished_at=finished,
+            **fields,
+        )
 
 
 def published_at(path: Path) -> float | None:
