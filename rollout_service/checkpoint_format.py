@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -45,7 +46,14 @@ FORMAT_VERSION = 2
 READABLE_FORMAT_VERSIONS = (1, 2)
 """1: full checkpoints only (no ``kind`` field); 2: ``kind`` full, delta or adapter."""
 KINDS = ("full", "delta", "adapter")
-DELTA_CODEC = "xor+zstd"
+DELTA_CODEC = "xor+zstd-frames"
+"""A changed tensor's blob is ``zstd(new bytes XOR base bytes)``, one zstd frame per
+``frame_bytes`` of the tensor (each declares its size), so that encode and rebuild run a big
+tensor on several threads; a part that did not change has no frame. (The first delta writer's
+``xor+zstd``, one frame per tensor, is refused with a reason: the next full step recovers.)"""
+DELTA_FRAME_BYTES = 16 << 20
+"""What the writer uses: 1 GB embeddings make 64 frames, small enough to stay in cache."""
+MIN_FRAME_BYTES, MAX_FRAME_BYTES = 1 << 12, 1 << 30
 DEFAULT_FULL_EVERY = 20
 """A full checkpoint every 20 versions: see docs/benchmarks.md (delta sync) for the measured
 trade-off between bytes per sync and a late joiner's replay."""
@@ -155,6 +163,9 @@ class DeltaTensor:
     """xxh3-128 of the tensor's new bytes."""
     delta_file: str | None = None
     """The ``delta-*.safetensors`` file holding its XOR blob; None when it did not change."""
+    frames: list[int] | None = None
+    """With ``delta_file``: the compressed size of each frame of the blob, in order; frame i
+    is the XOR of bytes ``[i * frame_bytes, (i + 1) * frame_bytes)``, 0 where they did not change."""
 
 
 @dataclass
@@ -167,6 +178,7 @@ class DeltaInfo:
     target_files: dict[str, FileEntry]
     tensors: dict[str, DeltaTensor]
     codec: str = DELTA_CODEC
+    frame_bytes: int = DELTA_FRAME_BYTES
     changed_tensors: int = 0
     changed_bytes: int = 0
     """Bytes of the changed tensors (uncompressed), for reports."""
@@ -458,10 +470,35 @@ class _FieldReader:
             raise self._bad("adapter.target_modules", "a list of 1-64 module names", modules)
         return AdapterInfo(rank=rank, alpha=float(alpha), target_modules=list(modules))
 
+    def frames(self, value: Any, name: str, dtype: str, shape: list[int], frame_bytes: int) -> list[int]:
+        """A changed tensor's frame sizes: one per ``frame_bytes`` of it, each at most what zstd
+        can make of that many bytes, at least one non-zero."""
+        size = DTYPE_SIZES[dtype] * math.prod(shape)
+        count = -(-size // frame_bytes)
+        bound = frame_bytes + (frame_bytes >> 7) + 1024  # above zstd's worst case (ZSTD_compressBound)
+        if (
+            not isinstance(value, list)
+            or len(value) != count
+            or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= bound for x in value)
+            or not any(value)
+        ):
+            raise self._bad(name, f"{count} frame sizes (one per {frame_bytes} bytes of the tensor), not all 0", value)
+        return list(value)
+
     def delta(self, value: Any) -> DeltaInfo:
         d = self.obj(value, "delta")
         if d.get("codec") != DELTA_CODEC:
-            raise self._bad("delta.codec", repr(DELTA_CODEC), d.get("codec"))
+            raise CheckpointError(
+                "bad_manifest",
+                f"{self.where}: delta.codec is {str(d.get('codec'))[:40]!r}, this reader understands"
+                f" {DELTA_CODEC!r} (a delta of another rollout-service version: run the same version"
+                " on the trainer and the sidecars; the replica recovers at the next full step)",
+            )
+        frame_bytes = self.integer(d.get("frame_bytes"), "delta.frame_bytes", MAX_FRAME_BYTES)
+        if frame_bytes < MIN_FRAME_BYTES:
+            raise self._bad(
+                "delta.frame_bytes", f"an integer between {MIN_FRAME_BYTES} and {MAX_FRAME_BYTES}", frame_bytes
+            )
         fp = d.get("base_fingerprint")
         if not isinstance(fp, str) or not _FINGERPRINT_RE.fullmatch(fp):
             raise self._bad("delta.base_fingerprint", "32 hex digits", fp)
@@ -489,14 +526,17 @@ class _FieldReader:
             ):
                 raise self._bad(f"{at}.shape", "a list of at most 8 sizes", shape)
             delta_file = e.get("delta_file")
+            frames = None
             if delta_file is not None:
                 self.file_name(delta_file, f"{at}.delta_file")
+                frames = self.frames(e.get("frames"), f"{at}.frames", dtype, shape, frame_bytes)
             tensors[tname] = DeltaTensor(
                 shard=shard,
                 dtype=dtype,
                 shape=list(shape),
                 digest=self.digest(e.get("digest"), f"{at}.digest"),
                 delta_file=delta_file,
+                frames=frames,
             )
         return DeltaInfo(
             base_step=self.integer(d.get("base_step"), "delta.base_step", MAX_STEP),
@@ -505,6 +545,7 @@ class _FieldReader:
             target_files=target,
             tensors=tensors,
             codec=DELTA_CODEC,
+            frame_bytes=frame_bytes,
             changed_tensors=self.integer(d.get("changed_tensors", 0), "delta.changed_tensors", 10**7),
             changed_bytes=self.integer(
                 d.get("changed_bytes", 0), "delta.changed_bytes", MAX_FILE_BYTES * MAX_MANIFEST_FILES

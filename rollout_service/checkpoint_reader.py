@@ -420,6 +420,12 @@ def _delta_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, dead
         odd = sorted(k for k, (dt, shape) in file_specs.items() if dt != "U8" or len(shape) != 1)
         if odd:
             raise CheckpointError("delta_corrupt", f"{name}/{fname}: {odd[0]} is not a U8 blob")
+        for k, (_, shape) in sorted(file_specs.items()):
+            framed = sum(delta.tensors[k].frames or [])
+            if shape[0] != framed:
+                raise CheckpointError(
+                    "delta_corrupt", f"{name}/{fname}: the blob of {k[:80]} has {shape[0]} bytes, its frames {framed}"
+                )
     missing = sorted(set(expected) - set(f for f in manifest.files if f.endswith(".safetensors")))
     if missing:
         raise CheckpointError("bad_manifest", f"{name}: delta file {missing[0]} is not a .safetensors file")

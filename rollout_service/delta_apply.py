@@ -16,16 +16,17 @@ folder and never a half-applied copy under a final name.
 
 from __future__ import annotations
 
+import io
+import mmap
 import os
 import shutil
 import struct
 import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -209,24 +210,7 @@ def reconstruct(
 
 APPLY_THREADS = max(1, min(8, os.cpu_count() or 1))
 """Tensors of a shard are rebuilt on this many threads (zstd, numpy and file I/O release the GIL)."""
-APPLY_NICENESS = 10
-"""How much lower than the sidecar's own the apply threads' CPU priority is: the rebuild runs
-while SGLang serves, and where they share cores the serving should win (an idle CPU still goes
-to the rebuild in full)."""
 _buffers = threading.local()
-
-
-def _lower_priority() -> None:
-    """(Apply-thread initializer.) Raise this thread's nice value by :data:`APPLY_NICENESS`
-    (Linux: a thread id is a ``PRIO_PROCESS`` target; raising it needs no privilege)."""
-    get_id = getattr(threading, "get_native_id", None)
-    if get_id is None or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = get_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + APPLY_NICENESS))
-    except OSError:  # a sandbox that forbids it: run at the normal priority
-        pass
 
 
 def _rebuild_shard(
@@ -244,9 +228,12 @@ def _rebuild_shard(
     check_finite: bool,
 ) -> None:
     """Rebuild one shard: its tensors on :data:`APPLY_THREADS` threads, each read from the base at
-    its offset, XORed with its blob and written at the same offset of the new file; then the
-    base's and the new file's digests are checked (a damaged base is told apart from a corrupt
-    delta: ``base_mismatch`` wins)."""
+    its offset, XORed with its blob and written at the same offset of the new file; then every
+    tensor's and the new file's digests are checked. ``out_path`` may be an old file of the
+    stage's spare copy: every byte of it is written over (the tensors tile the file) and it is
+    cut to the target's size. The base's own digest is computed only when a check fails, to
+    tell a damaged base from a corrupt delta (``base_mismatch`` wins): on the happy path the
+    new file's digest already proves the base was right."""
     manifest = delta_link.manifest
     delta = manifest.delta
     assert delta is not None
@@ -254,7 +241,7 @@ def _rebuild_shard(
     base_where = f"{base.path.name}/{fname}"
     with (
         open_regular(base_root, base.path / fname, where=base_where) as (fd, st),
-        open(out_path, "wb+", buffering=0) as out,
+        io.FileIO(os.open(out_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644), "r+") as out,
     ):
         if st.st_size != base_entry.size:
             raise CheckpointError(
@@ -265,7 +252,8 @@ def _rebuild_shard(
             raise CheckpointError(
                 "delta_layout_mismatch", f"{where}: the base shard holds other tensors than the delta says"
             )
-        jobs: list[tuple[str, int, int, DeltaTensor, memoryview | None]] = []
+        tensors: list[tuple[str, int, int, DeltaTensor]] = []
+        parts: list[tuple[int, int, memoryview | None, str, str]] = []
         offset = len(prefix)
         for tname, (dtype, shape, length) in order.items():
             t = delta.tensors[tname]
@@ -274,7 +262,8 @@ def _rebuild_shard(
                     "delta_layout_mismatch",
                     f"{where}: tensor {tname} is {dtype} {list(shape)} in the base, {t.dtype} {t.shape} in the delta",
                 )
-            blob = None
+            blob_where = f"{delta_link.path.name}/{t.delta_file}: {tname}"
+            frames = None
             if t.delta_file is not None:
                 blobs = loaded.get(t.delta_file)
                 if blobs is None:
@@ -282,7 +271,13 @@ def _rebuild_shard(
                 blob = blobs.get(tname)
                 if blob is None:
                     raise CheckpointError("delta_corrupt", f"{where}: {t.delta_file} lacks tensor {tname}")
-            jobs.append((tname, offset, length, t, blob))
+                frames = _split_frames(blob, t, blob_where)
+            for i, start in enumerate(range(0, length, delta.frame_bytes)):
+                frame = None if frames is None else frames[i]
+                parts.append(
+                    (offset + start, min(delta.frame_bytes, length - start), frame, t.dtype, f"{blob_where} (part {i})")
+                )
+            tensors.append((tname, offset, length, t))
             offset += length
         if offset != target.size:
             raise CheckpointError(
@@ -291,89 +286,127 @@ def _rebuild_shard(
             )
         os.write(out.fileno(), prefix)
         os.ftruncate(out.fileno(), target.size)
-        with ThreadPoolExecutor(APPLY_THREADS, thread_name_prefix="delta-apply", initializer=_lower_priority) as pool:
-            base_digest = pool.submit(_digest_of_fd, fd, st.st_size, base_where, deadline)
+        with ThreadPoolExecutor(APPLY_THREADS, thread_name_prefix="delta-apply") as pool:
             rebuilt = [
                 pool.submit(
-                    _rebuild_tensor,
+                    _rebuild_part,
                     fd,
                     out.fileno(),
                     off,
-                    length,
-                    t,
-                    blob,
-                    f"{delta_link.path.name}/{t.delta_file}: {tname}",
+                    n,
+                    frame,
+                    dtype,
+                    part_where,
                     base_where,
                     check_finite,
                     deadline,
                 )
-                for tname, off, length, t, blob in jobs
+                for off, n, frame, dtype, part_where in parts
             ]
-            everything: list[Future[Any]] = [base_digest, *rebuilt]
-            wait(everything)
-        if base_digest.result() != base_entry.digest:
-            raise CheckpointError(
-                "base_mismatch", f"{base_where} is not the file its manifest describes (the local copy was damaged)"
-            )
-        for (tname, *_), job in zip(jobs, rebuilt):
-            if not job.result():  # raises the first failure of a rebuild
+            wait(rebuilt)
+
+        def check_base() -> None:
+            if _digest_of_fd(fd, st.st_size, base_where, deadline) != base_entry.digest:
+                raise CheckpointError(
+                    "base_mismatch", f"{base_where} is not the file its manifest describes (the local copy was damaged)"
+                )
+
+        for job in rebuilt:
+            if job.exception() is not None:
+                check_base()
+                job.result()  # raises the first failure of a rebuild
+        file_digest, tensor_digests = _mapped_digests(out.fileno(), len(prefix), tensors, deadline, where)
+        for (tname, *_, t), found in zip(tensors, tensor_digests):
+            if found != t.digest:
+                check_base()
                 raise CheckpointError(
                     "digest_mismatch",
                     f"{where}: tensor {tname} rebuilt to other bytes than were published (the delta is corrupt)",
                 )
-        if _digest_of_fd(out.fileno(), target.size, where, deadline) != target.digest:
+        if file_digest != target.digest:
+            check_base()
             raise CheckpointError(
                 "digest_mismatch", f"{where}: the rebuilt shard differs from the published full checkpoint's"
             )
 
 
+def _split_frames(blob: memoryview, t: DeltaTensor, where: str) -> list[memoryview | None]:
+    """A changed tensor's blob cut into its frames (None for a part that did not change)."""
+    sizes = t.frames or []
+    if sum(sizes) != len(blob):
+        raise CheckpointError(
+            "delta_corrupt", f"{where}: the blob has {len(blob)} bytes, its frames add up to {sum(sizes)}"
+        )
+    frames: list[memoryview | None] = []
+    at = 0
+    for size in sizes:
+        frames.append(blob[at : at + size] if size else None)
+        at += size
+    return frames
+
+
 def _thread_buffers() -> tuple[np.ndarray, np.ndarray]:
-    """This thread's read buffer and decompression buffer (reused: no page faults per tensor)."""
+    """This thread's read buffer and decompression buffer (reused: no page faults per part)."""
     bufs = getattr(_buffers, "pair", None)
     if bufs is None:
         bufs = _buffers.pair = (delta_codec.new_scratch(), delta_codec.new_scratch())
     return bufs
 
 
-def _rebuild_tensor(
+def _rebuild_part(
     base_fd: int,
     out_fd: int,
     offset: int,
     length: int,
-    t: DeltaTensor,
-    blob: memoryview | None,
-    blob_where: str,
+    frame: memoryview | None,
+    dtype: str,
+    where: str,
     base_where: str,
     check_finite: bool,
     deadline: Deadline,
-) -> bool:
-    """(On an apply thread.) Write one tensor's new bytes at ``offset``; True when they have the
-    published digest. Raises ``CheckpointError`` for a blob that does not decompress to it."""
+) -> None:
+    """(On an apply thread.) Write one part of a tensor (at most one frame's bytes) at ``offset``
+    of the new file: the base's bytes, XORed with the frame's when the part changed. Raises
+    ``CheckpointError`` for a frame that does not decompress to the part, or that makes NaN/Inf
+    with ``check_finite``."""
+    deadline.check(where)
     buf, scratch = _thread_buffers()
-    view = buf.data
-    stream = None if blob is None else delta_codec.XorStream(blob, length, scratch=scratch, where=blob_where)
-    tensor_hash = new_hasher()
-    done = 0
-    while done < length:
-        deadline.check(blob_where)
-        n = min(length - done, buf.shape[0])
-        _pread_into(base_fd, view[:n], offset + done, base_where)
-        if stream is not None:
-            stream.apply(buf[:n])
-            if check_finite and count_non_finite(view[:n], t.dtype):
-                raise CheckpointError(
-                    "non_finite",
-                    f"{blob_where} holds NaN/Inf values; SGLang would load it and generate garbage."
-                    " Check the training run for divergence",
-                )
-        tensor_hash.update(view[:n])
-        written = 0
-        while written < n:
-            written += os.pwrite(out_fd, view[written:n], offset + done + written)
-        done += n
-    if stream is not None:
-        stream.finish()
-    return format_digest(tensor_hash) == t.digest
+    view = buf.data[:length]
+    _pread_into(base_fd, view, offset, base_where)
+    if frame is not None:
+        delta_codec.apply_frame(frame, buf[:length], scratch, where=where)
+        if check_finite and count_non_finite(view, dtype):
+            raise CheckpointError(
+                "non_finite",
+                f"{where} holds NaN/Inf values; SGLang would load it and generate garbage."
+                " Check the training run for divergence",
+            )
+    written = 0
+    while written < length:
+        written += os.pwrite(out_fd, view[written:], offset + written)
+
+
+def _mapped_digests(
+    fd: int, prefix_len: int, tensors: list[tuple[str, int, int, DeltaTensor]], deadline: Deadline, where: str
+) -> tuple[str, list[str]]:
+    """The digest of a file this process just wrote (its own, in the stage) and of each of its
+    tensors, in one pass through a mapping (no copy into a buffer; each part is hashed twice
+    while it is in cache). ``tensors`` (name, offset, length, ...) tile the file after its prefix."""
+    size = prefix_len + sum(length for _, _, length, _ in tensors)
+    file_hasher = new_hasher()
+    found: list[str] = []
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
+        with view[:prefix_len] as head:
+            file_hasher.update(head)
+        for _, offset, length, _ in tensors:
+            deadline.check(where)
+            own = new_hasher()
+            for start in range(offset, offset + length, delta_codec.CHUNK_BYTES):
+                with view[start : min(start + delta_codec.CHUNK_BYTES, offset + length)] as part:
+                    file_hasher.update(part)
+                    own.update(part)
+            found.append(format_digest(own))
+    return format_digest(file_hasher), found
 
 
 def _digest_of_fd(fd: int, size: int, where: str, deadline: Deadline) -> str:

@@ -2,8 +2,9 @@
 
 :class:`DeltaCheckpointWriter` keeps **one CPU copy of the last published version's bytes**
 (in the checkpoint dtype: for a bf16 7B model, 14 GB of host RAM) and never a second one:
-each new tensor is XORed with its copy, the XOR is compressed with zstd (on a thread pool,
-while the next tensor is gathered), and the copy is updated in place. A publish is then
+each new tensor is XORed with its copy part by part (16 MiB, one zstd frame each: a big
+tensor runs on several threads), the XOR is compressed with zstd on a thread pool while the
+next tensor is gathered, and the copy is updated in place. A publish is then
 either
 
 - a **delta** (``kind: delta``, see :mod:`~rollout_service.checkpoint_format`): the
@@ -99,6 +100,8 @@ class Absorbed:
     delta: bool
     """Still a delta candidate (same layout as the base)."""
     blobs: dict[str, bytes]
+    frames: dict[str, list[int]]
+    """Per changed tensor, the compressed size of each frame of its blob (0: part unchanged)."""
     dtype: str | None
     seconds: float
     why_full: str = ""
@@ -164,7 +167,7 @@ class DeltaCheckpointWriter:
         self._pending_base: _Base | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._scratch = threading.local()
-        """One XOR buffer per encode thread, kept across versions (no page faults per tensor)."""
+        """Per encode thread: its cast and XOR buffers and its compressor, kept across versions."""
         self.costs = costs
         self._said_full_is_faster = False
         """The log says full publishes measure faster (said once, until deltas win again)."""
@@ -222,15 +225,18 @@ class DeltaCheckpointWriter:
         held: dict[str, _Held] = {}
         order: list[str] = []
         blobs: dict[str, bytes] = {}
+        frames: dict[str, list[int]] = {}
         changed = 0
-        pending: deque[tuple[str, Future[Any]]] = deque()
+        pending: deque[tuple[str, list[Future[bytes | None]]]] = deque()
 
-        def settle(name: str, job: Future[Any]) -> None:
+        def settle(name: str, jobs: list[Future[bytes | None]]) -> None:
             nonlocal changed
-            blob = job.result()
-            if blob is not None:
-                blobs[name] = blob
+            parts = [job.result() for job in jobs]
+            if any(part is not None for part in parts):
+                blobs[name] = b"".join(part for part in parts if part is not None)
+                frames[name] = [0 if part is None else len(part) for part in parts]
                 changed += held[name].nbytes
+                held[name].digest = ""  # its held bytes changed: hashed again when written
 
         source = iter(tensors)
         if self._pool is None:
@@ -253,12 +259,12 @@ class DeltaCheckpointWriter:
                 if delta:
                     assert prev is not None
                     held[name] = prev
-                    pending.append((name, pool.submit(self._encode_into, tensor, target, prev)))
+                    pending.append((name, self._submit_encode(pool, tensor, prev)))
                 else:
                     reuse = prev.data if prev is not None and prev.nbytes == nbytes else None
                     entry = _Held(tag, shape, _NO_BYTES, "")
                     held[name] = entry
-                    pending.append((name, pool.submit(self._copy_into, tensor, target, entry, reuse)))
+                    pending.append((name, [pool.submit(self._copy_into, tensor, target, entry, reuse)]))
                 while len(pending) > 2 * self.threads:
                     settle(*pending.popleft())
             while pending:
@@ -266,8 +272,9 @@ class DeltaCheckpointWriter:
         except BaseException:
             for _ in source:  # gathers are collective: take part in the rest
                 pass
-            for _, job in pending:
-                job.cancel()
+            for _, jobs in pending:
+                for job in jobs:
+                    job.cancel()
             self._held, self._order = {}, []
             raise
         if not order:
@@ -276,12 +283,13 @@ class DeltaCheckpointWriter:
             delta, why_full = False, "the tensor layout changed (fewer tensors than the last version)"
         self._held, self._order = held, order
         if not delta:
-            blobs, changed = {}, 0
+            blobs, frames, changed = {}, {}, 0
         floats = {h.tag for h in held.values() if h.tag in FLOAT_DTYPES}
         self._pending_base = base
         self._absorbed = Absorbed(
             delta=delta,
             blobs=blobs,
+            frames=frames,
             dtype=target or (floats.pop() if len(floats) == 1 else None),
             seconds=time.perf_counter() - t0,
             why_full=why_full,
@@ -291,36 +299,41 @@ class DeltaCheckpointWriter:
         )
         return self._absorbed
 
-    def _encode_into(self, tensor: torch.Tensor, target: str | None, prev: _Held) -> bytes | None:
-        """(On an encode thread.) Cast, XOR with the held bytes, compress and update the held
-        bytes in place, one :data:`~rollout_service.delta_codec.CHUNK_BYTES` chunk at a time:
-        the cast lands in a buffer this thread reuses, so a version allocates no model-sized
-        memory (no page faults) and the held bytes stay the one copy."""
-        cast_bytes, scratch = self._thread_buffers()
+    def _submit_encode(self, pool: ThreadPoolExecutor, tensor: torch.Tensor, prev: _Held) -> list[Future[bytes | None]]:
+        """One encode job per :data:`~rollout_service.delta_codec.CHUNK_BYTES` part of the tensor."""
+        flat = tensor.detach().reshape(-1)
+        per_part = delta_codec.CHUNK_BYTES // DTYPE_SIZES[prev.tag]
+        return [
+            pool.submit(self._encode_part, flat, prev, first, min(per_part, flat.numel() - first))
+            for first in range(0, flat.numel(), per_part)
+        ]
+
+    def _encode_part(self, flat: torch.Tensor, prev: _Held, first: int, count: int) -> bytes | None:
+        """(On an encode thread.) Cast one part into this thread's buffer, XOR it with the held
+        bytes, compress it into one frame, and update the held bytes in place when they changed:
+        a version allocates no model-sized memory (no page faults) and the held bytes stay the
+        one copy. Returns the frame, or None when the part did not change."""
+        cast_bytes, scratch, compressor = self._thread_state()
         itemsize = DTYPE_SIZES[prev.tag]
         cast = torch.from_numpy(cast_bytes).view(_TAG_TO_TORCH[prev.tag])
-        source = tensor.detach().reshape(-1)
-        encoder = delta_codec.XorEncoder(prev.nbytes, self.level, scratch)
-        hasher = new_hasher()
-        held = prev.data
-        per_chunk = delta_codec.CHUNK_BYTES // itemsize
-        for first in range(0, source.numel(), per_chunk):
-            count = min(per_chunk, source.numel() - first)
-            cast[:count].copy_(source[first : first + count])  # the cast (and a GPU's copy to host)
-            new, lo = cast_bytes[: count * itemsize], first * itemsize
-            old = held[lo : lo + count * itemsize]
-            encoder.add(new, old)
+        cast[:count].copy_(flat[first : first + count])  # the cast (and a GPU's copy to host)
+        new, lo = cast_bytes[: count * itemsize], first * itemsize
+        old = prev.data[lo : lo + count * itemsize]
+        frame = delta_codec.encode_frame(new, old, scratch, compressor)
+        if frame is not None:
             np.copyto(old, new)
-            hasher.update(new.data)
-        prev.digest = format_digest(hasher)
-        return encoder.finish()
+        return frame
 
-    def _thread_buffers(self) -> tuple[np.ndarray, np.ndarray]:
-        """This encode thread's cast and XOR buffers, kept across versions."""
-        buffers: tuple[np.ndarray, np.ndarray] | None = getattr(self._scratch, "buffers", None)
-        if buffers is None:
-            buffers = self._scratch.buffers = (delta_codec.new_scratch(), delta_codec.new_scratch())
-        return buffers
+    def _thread_state(self) -> tuple[np.ndarray, np.ndarray, Any]:
+        """This encode thread's cast and XOR buffers and its compressor, kept across versions."""
+        state: tuple[np.ndarray, np.ndarray, Any] | None = getattr(self._scratch, "state", None)
+        if state is None:
+            state = self._scratch.state = (
+                delta_codec.new_scratch(),
+                delta_codec.new_scratch(),
+                delta_codec.new_compressor(self.level),
+            )
+        return state
 
     @staticmethod
     def _copy_into(tensor: torch.Tensor, target: str | None, entry: _Held, reuse: np.ndarray | None) -> None:
@@ -471,7 +484,7 @@ class DeltaCheckpointWriter:
                 hasher = new_hasher()
                 hasher.update(prefix)
                 for n in members:
-                    hasher.update(self._held[n].data.data)
+                    _hash_held(self._held[n], hasher)
                 target[shard] = FileEntry(
                     size=len(prefix) + data_len, digest=format_digest(hasher), tensors=len(members)
                 )
@@ -489,8 +502,9 @@ class DeltaCheckpointWriter:
                         shard=shard,
                         dtype=h.tag,
                         shape=list(h.shape),
-                        digest=h.digest or _fill_digest(h),
+                        digest=h.digest,
                         delta_file=delta_file if n in absorbed.blobs else None,
+                        frames=absorbed.frames.get(n),
                     )
             if len(shards) > 1:
                 files[INDEX_NAME] = target[INDEX_NAME] = write_small(
@@ -512,6 +526,7 @@ class DeltaCheckpointWriter:
                     chain_start=base.chain_start,
                     target_files=target,
                     tensors=tensors,
+                    frame_bytes=delta_codec.CHUNK_BYTES,
                     changed_tensors=len(absorbed.blobs),
                     changed_bytes=absorbed.changed_bytes,
                 ),
@@ -574,16 +589,19 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _fill_digest(h: _Held) -> str:
-    """The held bytes' digest, computed on first use (the tensor has not changed since a full publish)."""
-    h.digest = _digest(h.data)
-    return h.digest
-
-
-def _digest(data: np.ndarray) -> str:
-    hasher = new_hasher()
-    hasher.update(data.data)
-    return format_digest(hasher)
+def _hash_held(h: _Held, shard_hasher: Any) -> None:
+    """Feed a tensor's held bytes to its shard's hasher and, part by part in the same pass
+    (the part is still in cache), to its own digest when that is not known yet (it changed,
+    or nothing has needed it since a full publish)."""
+    own = None if h.digest else new_hasher()
+    data = h.data
+    for start in range(0, h.nbytes, delta_codec.CHUNK_BYTES):
+        part = data[start : start + delta_codec.CHUNK_BYTES].data
+        shard_hasher.update(part)
+        if own is not None:
+            own.update(part)
+    if own is not None:
+        h.digest = format_digest(own)
 
 
 def _still_published(root: Path, base: _Base) -> bool:

@@ -11,6 +11,7 @@ or a 10 GB "manifest" cannot exhaust memory. :class:`Deadline` bounds a whole va
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import stat
 import time
@@ -103,8 +104,9 @@ def copy_verified(
 ) -> bytes | None:
     """Read ``src`` (untrusted, under ``root``) checking its size and digest as it streams.
 
-    The bytes go to ``dst`` when given (a new file; returns None), else they are returned
-    (for files small enough to hold: delta files). A file that changes while it is read
+    The bytes go to ``dst`` when given (returns None): a new file, or an old one that is
+    written over and cut to ``size`` (the stage's spare: no fresh pages to fill), else they
+    are returned (for files small enough to hold: delta files). A file that changes while it is read
     raises ``truncated``/``size_mismatch``/``digest_mismatch``: nothing it yields is trusted
     until this returns.
     """
@@ -115,7 +117,7 @@ def copy_verified(
     view = memoryview(buf)
     with (
         open_regular(root, src, where=where) as (fd, _),
-        open(dst, "wb", buffering=0) if dst is not None else contextlib.nullcontext() as out,
+        _open_for_overwrite(dst) if dst is not None else contextlib.nullcontext() as out,
     ):
         while copied <= size:
             deadline.check(where)
@@ -132,6 +134,8 @@ def copy_verified(
                 assert held is not None
                 held[copied : copied + n] = view[:n]
             copied += n
+        if out is not None and copied == size:
+            out.truncate(size)  # an old file written over: cut what was longer
     if copied != size:
         raise CheckpointError(
             "size_mismatch" if copied > size else "truncated",
@@ -145,6 +149,12 @@ def copy_verified(
             f"{where} has digest {found}, the manifest says {digest}: the file's bytes changed after publishing",
         )
     return None if held is None else bytes(held)
+
+
+def _open_for_overwrite(path: Path) -> io.FileIO:
+    """``path`` for writing from its start, created if missing, not truncated (see copy_verified)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    return io.FileIO(fd, "wb", closefd=True)
 
 
 def fd_path(fd: int) -> str:

@@ -3,7 +3,6 @@ corrupt or missing links, retention of chains, the stage's chain replay, and kil
 
 from __future__ import annotations
 
-import filecmp
 import os
 import random
 import signal
@@ -15,65 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from delta_helpers import CONFIG, RUN, Model, assert_same_files, publish_both
 from rollout_service.checkpoint_format import CheckpointError, Manifest, step_dir_name
 from rollout_service.checkpoint_reader import list_checkpoints, validate_checkpoint
-from rollout_service.checkpoint_writer import publish_checkpoint
 from rollout_service.delta_apply import materialize
 from rollout_service.delta_choice import PublishCosts
 from rollout_service.delta_writer import DeltaCheckpointWriter
 from rollout_service.sidecar.staging import Stage
 from rollout_service.untrusted_files import Deadline
 from trainer_hooks.checkpoint_retention import prune_checkpoints
-
-CONFIG = {"model_type": "qwen2", "hidden_size": 64}
-RUN = "run1"
-
-
-class Model:
-    """fp32 master weights stepped by AdamW with random gradients (Adam's step does not depend
-    on the gradient's scale, so the update sizes are realistic); published in bf16."""
-
-    def __init__(self, lr: float = 1e-5, seed: int = 0, shapes: dict[str, tuple[int, ...]] | None = None):
-        g = torch.Generator().manual_seed(seed)
-        shapes = shapes or {
-            "embed": (512, 64),
-            "layer0.q": (64, 64),
-            "layer0.mlp": (256, 64),
-            "layer1.q": (64, 64),
-            "layer1.mlp": (256, 64),
-            "norm": (64,),
-        }
-        self.params = {k: torch.nn.Parameter(torch.randn(*s, generator=g) * 0.05) for k, s in shapes.items()}
-        self.opt = torch.optim.AdamW(self.params.values(), lr=lr)
-        self.g = g
-
-    def step(self) -> None:
-        for p in self.params.values():
-            p.grad = torch.randn(p.shape, generator=self.g)
-        self.opt.step()
-
-    def tensors(self):
-        return list(self.params.items())
-
-
-def publish_both(
-    writer: DeltaCheckpointWriter, root: Path, full_root: Path, step: int, model: Model, max_shard_bytes: int = 40_000
-):
-    result = writer.publish(
-        root, step, model.tensors(), config=CONFIG, dtype="bfloat16", max_shard_bytes=max_shard_bytes, run_id=RUN
-    )
-    reference = publish_checkpoint(
-        full_root, step, model.tensors(), config=CONFIG, dtype="bfloat16", max_shard_bytes=max_shard_bytes, run_id=RUN
-    )
-    return result, reference
-
-
-def assert_same_files(rebuilt: Path, full: Path) -> None:
-    ref = Manifest.load(full)
-    names = sorted(ref.files)
-    assert sorted(p.name for p in rebuilt.iterdir() if p.name != "manifest.json") == names
-    for name in names:
-        assert filecmp.cmp(rebuilt / name, full / name, shallow=False), name
 
 
 def test_25_delta_versions_rebuild_bit_for_bit_what_a_full_publish_writes(tmp_path: Path) -> None:
@@ -351,32 +300,6 @@ def test_the_stage_replays_a_chain_and_then_applies_one_delta_per_sync(tmp_path:
         assert_same_files(six.path, full_root / step_dir_name(6))
     finally:
         stage.close()
-
-
-def test_the_rebuild_runs_at_a_lower_cpu_priority_than_the_sidecar(tmp_path: Path, monkeypatch) -> None:
-    import threading
-
-    from rollout_service import delta_apply
-
-    root, full_root, _ = _chain(tmp_path, versions=2)
-    seen: list[tuple[int, int]] = []
-    original = delta_apply._rebuild_tensor
-
-    def recording(*args, **kwargs):
-        seen.append((threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(delta_apply, "_rebuild_tensor", recording)
-    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    stage = Stage(tmp_path / "stage")
-    try:
-        built = stage.build(root, root / step_dir_name(2), Manifest.load(root / step_dir_name(2)), Deadline(60))
-        assert_same_files(built.path, full_root / step_dir_name(2))
-    finally:
-        stage.close()
-    assert seen and {nice for _, nice in seen} == {min(19, mine + delta_apply.APPLY_NICENESS)}
-    assert threading.get_native_id() not in {tid for tid, _ in seen}  # the caller's own priority is untouched
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
 
 
 def test_retention_never_breaks_a_chain(tmp_path: Path) -> None:

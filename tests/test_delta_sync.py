@@ -102,8 +102,26 @@ def test_twenty_trained_versions_synced_as_deltas_serve_exactly_the_trainers_wei
     # /status and /metrics say what the last sync was.
     status = sidecar.status()
     assert status["last_sync"]["kind"] in ("full", "delta") and status["stage_bytes"] > 0
+    # The stage kept the copy it stopped serving as its spare, and writes the next version over
+    # it: safe only because SGLang keeps no mapping or descriptor of a staged file after a load.
+    stage_dir = Path(status["last_sync"]["path"]).parent
+    assert [p for p in stage_dir.iterdir() if p.name.startswith(".tmp-spare-")]
+    assert not _files_held_by(sglang_server.pid, stage_dir)
     assert sidecar.metric("rollout_sidecar_last_sync_kind", kind=status["last_sync"]["kind"]) == 1
     assert sidecar.metric("rollout_sidecar_synced_bytes_total", kind="delta") > 0
+
+
+def _files_held_by(pid: int | None, folder: Path) -> list[str]:
+    """Files under ``folder`` that SGLang's processes (the server and its children) map or hold open."""
+    import psutil
+
+    assert pid is not None
+    top = psutil.Process(pid)
+    held = []
+    for proc in [top, *top.children(recursive=True)]:
+        paths = [m.path for m in proc.memory_maps(grouped=False)] + [f.path for f in proc.open_files()]
+        held += [p for p in paths if p.startswith(str(folder.resolve()))]
+    return held
 
 
 def _transformers_logprobs(model_dir: Path, state: dict, prompt: list[int], completion: list[int]) -> list[float]:

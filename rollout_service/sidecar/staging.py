@@ -16,6 +16,14 @@ has no copy of the base (a restart with an emptied stage, a late joiner) replays
 from its full step; a missing or corrupt link rejects the step with a reason. Staged copies
 are named ``step-XXXXXXXX-<fingerprint>`` after the *published* manifest they stand for.
 
+A copy that stops being served is kept as a hidden *spare* (one at most, and only while the
+stage's file system would still have room for another copy): the next copy or rebuild writes
+over its files instead of new ones. On tmpfs, filling fresh pages costs more than the copy
+itself (1.6 GB/s against 5 GB/s for writing over existing ones, measured on the CPU test bed),
+so this roughly halves what staging a version costs there. The spare is named ``.tmp-*``: a
+restart removes it. Its bytes are never trusted: every byte written over them is checked
+against the published digests like any other.
+
 The stage also keeps ``reference.json``: the tensor names, shapes and dtypes of the model
 SGLang serves, learnt at the first load, so a restarted sidecar checks against the same
 reference.
@@ -44,6 +52,7 @@ log = logging.getLogger(__name__)
 
 REFERENCE_NAME = "reference.json"
 LOCK_NAME = ".lock"
+SPARE_PREFIX = f"{TEMP_PREFIX}spare-"
 SPACE_MARGIN_BYTES = 64 << 20
 
 
@@ -108,6 +117,8 @@ class Stage:
         for entry in self.path.iterdir():
             if entry.name.startswith(TEMP_PREFIX):
                 _remove(entry)
+        self._spare: Path | None = None
+        """A copy nobody serves any more, whose files the next copy or rebuild writes over."""
 
     def close(self) -> None:
         self._lock.close()
@@ -141,13 +152,48 @@ class Stage:
         return freed
 
     def prune(self, keep: set[Path]) -> None:
-        """Remove staged copies other than ``keep`` (the one SGLang serves)."""
+        """Remove staged copies other than ``keep`` (the one SGLang serves); one of them may
+        stay as the spare (see the module's docstring)."""
         keep_real = {Path(os.path.realpath(p)) for p in keep}
         for entry in self.path.iterdir():
-            if entry.name in (REFERENCE_NAME, LOCK_NAME):
+            if entry.name in (REFERENCE_NAME, LOCK_NAME) or entry == self._spare:
                 continue
             if Path(os.path.realpath(entry)) not in keep_real:
-                _remove(entry)
+                self._retire(entry)
+
+    def _retire(self, path: Path) -> None:
+        """A staged copy nobody will load again: keep it as the spare when there is none and
+        the file system would still have room for another copy, else remove it."""
+        if self._spare is not None or path.name.startswith(TEMP_PREFIX) or not path.is_dir() or path.is_symlink():
+            _remove(path)
+            return
+        try:
+            size = sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(path))
+            roomy = shutil.disk_usage(self.path).free >= size + SPACE_MARGIN_BYTES
+            if roomy:
+                spare = self.path / f"{SPARE_PREFIX}{uuid.uuid4().hex[:8]}"
+                os.rename(path, spare)
+                self._spare = spare
+                return
+        except OSError:
+            pass
+        _remove(path)
+
+    def _fill_from_spare(self, tmp: Path, names: list[str]) -> None:
+        """Move the spare's files of these names into the new folder ``tmp`` (to be written
+        over, every byte) and remove the rest of the spare."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return
+        try:
+            for name in names:
+                old = spare / name
+                if old.is_file() and not old.is_symlink():
+                    os.rename(old, tmp / name)
+        except OSError as exc:  # a spare is only a saving: go on without it
+            log.debug("the stage's spare copy %s could not be reused: %s", spare, exc)
+        finally:
+            _remove(spare)
 
     def owns(self, path: str | Path | None) -> bool:
         if not path:
@@ -236,6 +282,7 @@ class Stage:
             tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir()
             try:
+                self._fill_from_spare(tmp, sorted(delta.target_files))
                 rebuilt = reconstruct(root, link, current, self.path, tmp, deadline, check_finite=check_finite)
                 os.rename(tmp, final)
             except BaseException:
@@ -243,7 +290,7 @@ class Stage:
                 raise
             bytes_read += link.manifest.total_bytes
             if current.path in made_here:  # an intermediate version nobody serves
-                _remove(current.path)
+                self._retire(current.path)
             made_here.add(final)
             current = ChainLink(final, rebuilt)
         return StagedBuild(current.path, "delta", bytes_read, time.perf_counter() - t0, len(chain.deltas))
@@ -257,6 +304,7 @@ class Stage:
         tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
+            self._fill_from_spare(tmp, sorted(manifest.files))
             for fname, entry in sorted(manifest.files.items()):
                 where = f"{source_dir.name}/{fname}"
                 copy_verified(
