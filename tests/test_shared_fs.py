@@ -101,3 +101,23 @@ def test_a_delta_chain_in_polling_mode_over_the_network_file_system(
             "output_ids"
         ] == transformers_greedy(tiny_model_dir, as_published(states[4]), PROMPT, 8)
         sidecar.stop()
+
+
+def test_publish_times_are_exact_on_a_file_system_that_keeps_whole_seconds(tmp_path, tiny_model_dir):
+    """SFTP carries whole seconds only, so sshfs reports a step's rename up to a second early:
+    the sidecar's detect_s and total_s would be that much too long without the manifest's time."""
+    from rollout_service.sidecar.sync_record import published_at
+
+    with sshfs_mount(tmp_path / "fs") as (_, mnt):
+        state = perturbed_state(tiny_model_dir, 1)
+        errors = []
+        for step in (1, 2, 3):
+            result = publish_checkpoint(mnt, step, state.items(), config=tiny_model_dir / "config.json", run_id="r")
+            done = time.time()
+            st = result.path.stat()
+            assert st.st_ctime_ns % 1_000_000_000 == 0, "sshfs kept sub-second times: this test lost its point"
+            when = published_at(result.path, mnt)
+            assert when is not None
+            errors.append(done - when)
+            time.sleep(0.3)
+        assert all(0 <= e < 0.25 for e in errors), errors

@@ -87,7 +87,7 @@ class AdapterSync:
         c = self.c
         step, path = ckpt.step, ckpt.path
         detected = c._detected_at.pop(step, time.time())
-        published = None if step in c._loaded_before else published_at(path)
+        published = None if step in c._loaded_before else await asyncio.to_thread(published_at, path, c.root)
         c.state.loading_step = step
         try:
             t0 = time.perf_counter()

@@ -544,7 +544,7 @@ class SyncController:
         step, path = ckpt.step, ckpt.path
         detected = self._detected_at.pop(step, time.time())
         # Publish-time latencies only mean something the first time a step is loaded.
-        published = None if step in self._loaded_before else published_at(path)
+        published = None if step in self._loaded_before else await asyncio.to_thread(published_at, path, self.root)
         self.state.loading_step = step
         try:
             t0 = time.perf_counter()

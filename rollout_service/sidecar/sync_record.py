@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint_format import CheckpointError, Manifest
+
 
 @dataclass
 class SyncRecord:
@@ -48,9 +50,20 @@ class SyncRecord:
         )
 
 
-def published_at(path: Path) -> float | None:
-    """When the step directory was renamed into place (its ctime changes on rename)."""
+def published_at(path: Path, root: Path) -> float | None:
+    """When the step directory was renamed into place (its ctime changes on rename).
+
+    File systems that keep whole seconds only (sshfs: SFTP carries no sub-second times) would
+    make every latency up to a second too long; there the manifest's ``created_at`` (the
+    writer's clock, just before its rename) is taken when it falls within that second."""
     try:
-        return path.stat().st_ctime
+        st = path.stat()
     except OSError:
         return None
+    if st.st_ctime_ns % 1_000_000_000:
+        return st.st_ctime
+    try:
+        created = Manifest.load(path, root=root).created_at
+    except CheckpointError:
+        return st.st_ctime
+    return created if st.st_ctime <= created < st.st_ctime + 1 else st.st_ctime
