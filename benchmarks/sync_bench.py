@@ -29,6 +29,8 @@ it measures three ways of getting the trainer's weights into SGLang:
 
 During every sidecar sync a probe thread sends ``/generate`` (one token) back to back; the
 longest probe that overlapped the sync, less the median idle probe, is SGLang's ``pause``.
+On a CPU test bed that probe keeps SGLang computing on the cores the sidecar and the trainer
+use; ``--no-probe`` measures end to end with SGLang idle (as where it generates on a GPU).
 
 Physical and naive runs alternate per repeat; the sidecar runs come after them (a naive load
 would make a running sidecar re-apply its own checkpoint). ``--warmup`` untimed syncs (default
@@ -448,7 +450,7 @@ def run_case(
                 trainer_state = {k: torch.nn.Parameter(v.detach().float()) for k, v in state.items()}
                 writer = DeltaCheckpointWriter(full_every=1000)
                 stepper = torch.optim.AdamW(trainer_state.values(), lr=args.delta_lr)
-            probe = Probe(server.url) if server is not None else None
+            probe = Probe(server.url) if server is not None and not args.no_probe else None
             for step in range(
                 1, args.warmup + args.repeats + 2 if kind == "ours_delta" else args.warmup + args.repeats + 1
             ):
@@ -725,6 +727,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--delta-lr", type=float, default=1e-6, help="AdamW learning rate of the delta runs' updates (default 1e-6)"
+    )
+    parser.add_argument(
+        "--no-probe",
+        action="store_true",
+        help="no /generate probe during the syncs (no pause figure; end to end with SGLang idle)",
     )
     parser.add_argument(
         "--stage-dir", default=None, help="the sidecar's stage (default: its own choice, /dev/shm when it has room)"

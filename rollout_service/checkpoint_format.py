@@ -53,7 +53,8 @@ tensor on several threads; a part that did not change has no frame. (The first d
 ``xor+zstd``, one frame per tensor, is refused with a reason: the next full step recovers.)"""
 DELTA_FRAME_BYTES = 16 << 20
 """What the writer uses: 1 GB embeddings make 64 frames, small enough to stay in cache."""
-MIN_FRAME_BYTES, MAX_FRAME_BYTES = 1 << 12, 1 << 30
+MIN_FRAME_BYTES, MAX_FRAME_BYTES = 1 << 12, 1 << 26
+"""Frame sizes a reader accepts: it holds two buffers of one frame per apply thread."""
 DEFAULT_FULL_EVERY = 20
 """A full checkpoint every 20 versions: see docs/benchmarks.md (delta sync) for the measured
 trade-off between bytes per sync and a late joiner's replay."""

@@ -345,11 +345,13 @@ def _split_frames(blob: memoryview, t: DeltaTensor, where: str) -> list[memoryvi
     return frames
 
 
-def _thread_buffers() -> tuple[np.ndarray, np.ndarray]:
-    """This thread's read buffer and decompression buffer (reused: no page faults per part)."""
-    bufs = getattr(_buffers, "pair", None)
-    if bufs is None:
-        bufs = _buffers.pair = (delta_codec.new_scratch(), delta_codec.new_scratch())
+def _thread_buffers(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """This thread's read and decompression buffers of at least ``size`` bytes (one frame;
+    reused across parts and syncs: no page faults per part)."""
+    bufs: tuple[np.ndarray, np.ndarray] | None = getattr(_buffers, "pair", None)
+    if bufs is None or bufs[0].shape[0] < size:
+        size = max(size, delta_codec.CHUNK_BYTES)
+        bufs = _buffers.pair = (delta_codec.new_scratch(size), delta_codec.new_scratch(size))
     return bufs
 
 
@@ -370,7 +372,7 @@ def _rebuild_part(
     ``CheckpointError`` for a frame that does not decompress to the part, or that makes NaN/Inf
     with ``check_finite``."""
     deadline.check(where)
-    buf, scratch = _thread_buffers()
+    buf, scratch = _thread_buffers(length)
     view = buf.data[:length]
     _pread_into(base_fd, view, offset, base_where)
     if frame is not None:

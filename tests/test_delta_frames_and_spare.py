@@ -241,3 +241,17 @@ def test_no_spare_is_kept_when_the_stage_would_run_short_of_room(tmp_path: Path,
         assert [p.name for p in stage.path.iterdir() if p.name.startswith("step-")] == [second.path.name]
     finally:
         stage.close()
+
+
+def test_the_rebuild_follows_the_frame_size_the_manifest_names(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(delta_codec, "CHUNK_BYTES", 64 << 10)  # a writer with 64 KiB frames
+    root, full_root = tmp_path / "root", tmp_path / "full"
+    model = Model(lr=1e-6, shapes={"embed": (1000, 96), "norm": (64,)})  # 192 KB: 3 frames
+    writer = DeltaCheckpointWriter(full_every=100)
+    for step in (1, 2, 3):
+        publish_both(writer, root, full_root, step, model)
+        model.step()
+    delta = Manifest.load(root / step_dir_name(3)).delta
+    assert delta is not None and delta.frame_bytes == 64 << 10 and len(delta.tensors["embed"].frames or []) == 3
+    monkeypatch.setattr(delta_codec, "CHUNK_BYTES", 16 << 20)  # the reader's own size differs
+    assert_same_files(_build(tmp_path, root, 3).path, full_root / step_dir_name(3))

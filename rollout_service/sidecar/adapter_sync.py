@@ -178,8 +178,9 @@ class AdapterSync:
                 load_s,
             )
             self._retire(step)
-            if c.stage is not None:
-                await asyncio.to_thread(c.stage.prune, {report.path})
+            await c._wake_waiters(max(step, c.state.newest_known_step or step))
+            if c.stage is not None:  # no spare: adapter syncs do not write full copies
+                await asyncio.to_thread(c.stage.prune, {report.path}, keep_spare=False)
             await c._maybe_ack(force=True)
             await c._publish_state()
             return True

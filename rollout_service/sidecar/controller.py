@@ -342,16 +342,18 @@ class SyncController:
         self._error("loop_error", message)
 
     async def _publish_state(self) -> None:
-        newest = await asyncio.to_thread(self._newest_candidate_step)
-        self.state.newest_known_step = newest
-        self.state.ready = bool(
-            self.state.sglang_healthy
-            and self.state.fatal is None
-            and (newest is None or (self.state.loaded_step == newest and self.state.loaded_current))
+        await self._wake_waiters(await asyncio.to_thread(self._newest_candidate_step))
+
+    async def _wake_waiters(self, newest: int | None) -> None:
+        """Set the state derived from the newest known step and wake every ``/wait``."""
+        s = self.state
+        s.newest_known_step = newest
+        s.ready = bool(
+            s.sglang_healthy and s.fatal is None and (newest is None or (s.loaded_step == newest and s.loaded_current))
         )
-        self.metrics.ready.set(1 if self.state.ready else 0)
-        self.metrics.sglang_up.set(1 if self.state.sglang_healthy else 0)
-        self.metrics.loaded_version.set(-1 if self.state.loaded_step is None else self.state.loaded_step)
+        self.metrics.ready.set(1 if s.ready else 0)
+        self.metrics.sglang_up.set(1 if s.sglang_healthy else 0)
+        self.metrics.loaded_version.set(-1 if s.loaded_step is None else s.loaded_step)
         assert self._changed is not None
         async with self._changed:
             self._changed.notify_all()
@@ -625,6 +627,9 @@ class SyncController:
             self._record_sync(report.manifest, record)
             self.adapters.forget_serving()
             self.state.sglang_weight_version = version
+            # The trainer's /wait answers now, not after the housekeeping below (pruning the
+            # stage, the ack file and the root's listing on shared storage: 0.1-0.2 s measured).
+            await self._wake_waiters(max(step, self.state.newest_known_step or step))
             if self.stage is not None:
                 await asyncio.to_thread(self.stage.prune, {report.path})
                 self.state.stage_bytes = await asyncio.to_thread(self.stage.usage_bytes)

@@ -151,15 +151,20 @@ class Stage:
             self.path.rmdir()
         return freed
 
-    def prune(self, keep: set[Path]) -> None:
+    def prune(self, keep: set[Path], *, keep_spare: bool = True) -> None:
         """Remove staged copies other than ``keep`` (the one SGLang serves); one of them may
-        stay as the spare (see the module's docstring)."""
+        stay as the spare (see the module's docstring) unless ``keep_spare`` is False."""
         keep_real = {Path(os.path.realpath(p)) for p in keep}
         for entry in self.path.iterdir():
-            if entry.name in (REFERENCE_NAME, LOCK_NAME) or entry == self._spare:
+            if entry.name in (REFERENCE_NAME, LOCK_NAME) or (keep_spare and entry == self._spare):
                 continue
             if Path(os.path.realpath(entry)) not in keep_real:
-                self._retire(entry)
+                if keep_spare:
+                    self._retire(entry)
+                else:
+                    _remove(entry)
+        if not keep_spare:
+            self._spare = None
 
     def _retire(self, path: Path) -> None:
         """A staged copy nobody will load again: keep it as the spare when there is none and
