@@ -7,7 +7,7 @@ copies each published checkpoint into a directory only it writes (``--stage-dir`
 the manifest's digests as it copies, validates the copy (headers, reference, finiteness),
 and hands SGLang the copy. A copy becomes visible under its final name only by an atomic
 rename, so a sidecar killed mid-copy leaves a hidden ``.tmp-*`` folder that the next start
-removes. The stage holds the served copy and at most one being prepared.
+removes. The stage holds the served copy, at most one being prepared, and a spare (below).
 
 A ``delta`` step is rebuilt here (:meth:`Stage.build`): applied to the staged copy of its
 base while SGLang keeps serving that copy, every tensor and file checked against the digests
