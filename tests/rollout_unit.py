@@ -17,6 +17,7 @@ from pathlib import Path
 
 from helpers import free_port
 from rollout_service.process_group import ProcessGroup
+from sidecar_helpers import serve_argv
 
 UNIT_READY_TIMEOUT_S = 600.0
 UNIT_STOP_TIMEOUT_S = 60.0
@@ -52,25 +53,18 @@ def launch_unit(model_dir: Path, workdir: Path) -> RolloutUnit:
     root = workdir / "ckpts"
     root.mkdir(parents=True)
     sglang_port, sidecar_port = free_port(), free_port()
-    cmd = _serve_command() + [
-        "serve",
-        "--model",
-        str(model_dir),
-        "--checkpoint-path",
-        str(root),
-        "--port",
-        str(sglang_port),
-        "--sidecar-port",
-        str(sidecar_port),
-        "--device",
-        "cpu",
+    cmd = _serve_command() + serve_argv(
+        model_dir,
+        root,
+        sglang_port,
+        sidecar_port,
+        f"test-{sidecar_port}",
         "--sglang-log",
         str(workdir / "sglang.log"),
-        "--replica-id",
-        f"test-{sidecar_port}",
         "--stage-dir",  # the default, /dev/shm/rollout-stage-REPLICA, would outlive the test
         str(workdir / "stage"),
-    ]
+        health_interval=None,
+    )
     group = ProcessGroup(cmd, workdir / "serve.log", name="rollout-service serve", die_with_parent=True)
     group.start()
     return RolloutUnit(model_dir, root, f"http://127.0.0.1:{sglang_port}", f"http://127.0.0.1:{sidecar_port}", group)

@@ -100,8 +100,18 @@ class Sidecar(CLIProcess):
         return 0.0
 
 
-def serve_argv(model_dir: Path, root: Path, port: int, sidecar_port: int, replica_id: str, *extra: str) -> list[str]:
-    """``rollout-service serve`` on the CPU with a fast health loop (the tests' common flags)."""
+def serve_argv(
+    model_dir: Path,
+    root: Path,
+    port: int,
+    sidecar_port: int,
+    replica_id: str,
+    *extra: str,
+    health_interval: str | None = "0.5",
+) -> list[str]:
+    """``rollout-service serve`` on the CPU with a fast health loop (the tests' common flags;
+    ``health_interval=None``: serve's own)."""
+    health = [] if health_interval is None else ["--health-interval", health_interval]
     return [
         "serve",
         "--model",
@@ -114,8 +124,7 @@ def serve_argv(model_dir: Path, root: Path, port: int, sidecar_port: int, replic
         str(sidecar_port),
         "--device",
         "cpu",
-        "--health-interval",
-        "0.5",
+        *health,
         "--replica-id",
         replica_id,
         *extra,

@@ -106,7 +106,8 @@ def test_a_delta_chain_in_polling_mode_over_the_network_file_system(
 def test_publish_times_are_exact_on_a_file_system_that_keeps_whole_seconds(tmp_path, tiny_model_dir):
     """SFTP carries whole seconds only, so sshfs reports a step's rename up to a second early:
     the sidecar's detect_s and total_s would be that much too long without the manifest's time."""
-    from rollout_service.sidecar.sync_record import published_at
+    from rollout_service.checkpoint_format import Manifest
+    from rollout_service.sidecar.sync_record import SyncRecord, published_at
 
     with sshfs_mount(tmp_path / "fs") as (_, mnt):
         state = perturbed_state(tiny_model_dir, 1)
@@ -116,8 +117,20 @@ def test_publish_times_are_exact_on_a_file_system_that_keeps_whole_seconds(tmp_p
             done = time.time()
             st = result.path.stat()
             assert st.st_ctime_ns % 1_000_000_000 == 0, "sshfs kept sub-second times: this test lost its point"
-            when = published_at(result.path, mnt)
-            assert when is not None
+            ctime = published_at(result.path)
+            assert ctime is not None
+            record = SyncRecord.ended_now(  # what the sidecar records for a load that ends now
+                published=ctime,
+                created_at=Manifest.load(result.path, root=mnt).created_at,
+                detected=done,
+                validate_s=0.0,
+                load_s=0.0,
+                step=step,
+                weight_version=str(step),
+                path=str(result.path),
+            )
+            assert record.total_s is not None
+            when = record.finished_at - record.total_s
             errors.append(done - when)
             time.sleep(0.3)
         assert all(0 <= e < 0.25 for e in errors), errors

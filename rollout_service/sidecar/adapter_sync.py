@@ -87,7 +87,7 @@ class AdapterSync:
         c = self.c
         step, path = ckpt.step, ckpt.path
         detected = c._detected_at.pop(step, time.time())
-        published = None if step in c._loaded_before else await asyncio.to_thread(published_at, path, c.root)
+        published = None if step in c._loaded_before else await asyncio.to_thread(published_at, path)
         c.state.loading_step = step
         try:
             t0 = time.perf_counter()
@@ -156,6 +156,7 @@ class AdapterSync:
                 report.manifest,
                 SyncRecord.ended_now(
                     published=published,
+                    created_at=report.manifest.created_at,
                     detected=detected,
                     validate_s=validate_s,
                     load_s=load_s,
@@ -178,7 +179,7 @@ class AdapterSync:
                 load_s,
             )
             self._retire(step)
-            await c._wake_waiters(max(step, c.state.newest_known_step or step))
+            await c._wake_after_load(step)
             if c.stage is not None:  # no spare: adapter syncs do not write full copies
                 await asyncio.to_thread(c.stage.prune, {report.path}, keep_spare=False)
             await c._maybe_ack(force=True)

@@ -7,8 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint_format import CheckpointError, Manifest
-
 
 @dataclass
 class SyncRecord:
@@ -35,11 +33,21 @@ class SyncRecord:
 
     @classmethod
     def ended_now(
-        cls, *, published: float | None, detected: float, validate_s: float, load_s: float, **fields: Any
+        cls,
+        *,
+        published: float | None,
+        created_at: float | None = None,
+        detected: float,
+        validate_s: float,
+        load_s: float,
+        **fields: Any,
     ) -> SyncRecord:
         """The record of a sync that ends now; its publish-time latencies from ``published`` (the
-        step's rename, None when they mean nothing: a step loaded before) and ``detected``."""
+        step's rename, :func:`published_at`; None when they mean nothing: a step loaded before),
+        made exact with the manifest's ``created_at`` (see :func:`rename_time`), and ``detected``."""
         finished = time.time()
+        if published is not None and created_at is not None:
+            published = rename_time(published, created_at)
         return cls(
             detect_s=None if published is None else max(0.0, detected - published),
             validate_s=validate_s,
@@ -50,20 +58,20 @@ class SyncRecord:
         )
 
 
-def published_at(path: Path, root: Path) -> float | None:
-    """When the step directory was renamed into place (its ctime changes on rename).
-
-    File systems that keep whole seconds only (sshfs: SFTP carries no sub-second times) would
-    make every latency up to a second too long; there the manifest's ``created_at`` (the
-    writer's clock, just before its rename) is taken when it falls within that second."""
+def published_at(path: Path) -> float | None:
+    """When the step directory was renamed into place (its ctime changes on rename)."""
     try:
-        st = path.stat()
+        return path.stat().st_ctime
     except OSError:
         return None
-    if st.st_ctime_ns % 1_000_000_000:
-        return st.st_ctime
-    try:
-        created = Manifest.load(path, root=root).created_at
-    except CheckpointError:
-        return st.st_ctime
-    return created if st.st_ctime <= created < st.st_ctime + 1 else st.st_ctime
+
+
+def rename_time(ctime: float, created_at: float) -> float:
+    """The rename's time from the step directory's ``ctime`` and its manifest's ``created_at``.
+
+    File systems that keep whole seconds only (sshfs: SFTP carries no sub-second times) would
+    make every latency up to a second too long; there ``created_at`` (the writer's clock, just
+    before its rename) is taken when it falls within that second."""
+    if ctime != int(ctime):
+        return ctime
+    return created_at if ctime <= created_at < ctime + 1 else ctime
