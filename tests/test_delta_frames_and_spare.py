@@ -255,3 +255,28 @@ def test_the_rebuild_follows_the_frame_size_the_manifest_names(tmp_path: Path, m
     assert delta is not None and delta.frame_bytes == 64 << 10 and len(delta.tensors["embed"].frames or []) == 3
     monkeypatch.setattr(delta_codec, "CHUNK_BYTES", 16 << 20)  # the reader's own size differs
     assert_same_files(_build(tmp_path, root, 3).path, full_root / step_dir_name(3))
+
+
+def test_a_prune_without_a_spare_removes_the_spare_too(tmp_path: Path) -> None:
+    """Adapter loads prune this way: they write no full copies, so a spare would only hold memory."""
+    root, full_root = tmp_path / "root", tmp_path / "full"
+    model = Model(lr=1e-6)
+    writer = DeltaCheckpointWriter(full_every=100)
+    for step in (1, 2, 3):
+        publish_both(writer, root, full_root, step, model)
+        model.step()
+    stage = Stage(tmp_path / "stage")
+    try:
+        _build(tmp_path, root, 2, stage)
+        assert _spares(stage)
+        served = stage.build(root, root / step_dir_name(3), Manifest.load(root / step_dir_name(3)), Deadline(60))
+        stage.prune({served.path}, keep_spare=False)
+        assert not _spares(stage)
+        assert [p.name for p in stage.path.iterdir() if p.name.startswith("step-")] == [served.path.name]
+        # The next build has no spare to take, and is still exact.
+        four = publish_both(writer, root, full_root, 4, model)[0]
+        assert_same_files(
+            stage.build(root, four.path, Manifest.load(four.path), Deadline(60)).path, full_root / step_dir_name(4)
+        )
+    finally:
+        stage.close()
