@@ -16,15 +16,15 @@ folder and never a half-applied copy under a final name.
 
 from __future__ import annotations
 
+import contextlib
 import io
-import mmap
 import os
 import shutil
 import struct
 import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +43,8 @@ from .checkpoint_format import (
 )
 from .digest import format_digest, new_hasher
 from .finite import count_non_finite
-from .untrusted_files import Deadline, copy_verified, open_regular
+from .ordered_digests import OrderedDigests
+from .untrusted_files import Deadline, VerifiedRead, copy_verified, open_regular
 
 MAX_CHAIN_LENGTH = 10_000
 MAX_HEADER_BYTES = 100 << 20
@@ -143,7 +144,6 @@ def reconstruct(
     by_shard: dict[str, list[str]] = {}
     for tname, t in delta.tensors.items():
         by_shard.setdefault(t.shard, []).append(tname)
-    loaded: dict[str, dict[str, memoryview]] = {}
     for fname, target in sorted(delta.target_files.items()):
         deadline.check(f"{name}/{fname}")
         if fname in manifest.files:  # config, index: carried whole by the delta
@@ -179,11 +179,9 @@ def reconstruct(
             target,
             members,
             out_dir / fname,
-            loaded,
             deadline,
             check_finite,
         )
-        loaded.clear()  # the writer puts each shard's blobs in a delta file of its own
     rebuilt = Manifest(
         step=manifest.step,
         weight_version=manifest.weight_version,
@@ -223,12 +221,12 @@ def _rebuild_shard(
     target: FileEntry,
     members: list[str],
     out_path: Path,
-    loaded: dict[str, dict[str, memoryview]],
     deadline: Deadline,
     check_finite: bool,
 ) -> None:
     """Rebuild one shard: its tensors on :data:`APPLY_THREADS` threads, each read from the base at
-    its offset, XORed with its blob and written at the same offset of the new file; then every
+    its offset, XORed with its blob and written at the same offset of the new file, and hashed
+    in file order as it is written (:mod:`~rollout_service.ordered_digests`); then every
     tensor's and the new file's digests are checked. ``out_path`` may be an old file of the
     stage's spare copy: every byte of it is written over (the tensors tile the file) and it is
     cut to the target's size. The base's own digest is computed only when a check fails, to
@@ -242,6 +240,7 @@ def _rebuild_shard(
     with (
         open_regular(base_root, base.path / fname, where=base_where) as (fd, st),
         io.FileIO(os.open(out_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644), "r+") as out,
+        contextlib.ExitStack() as open_files,
     ):
         if st.st_size != base_entry.size:
             raise CheckpointError(
@@ -252,8 +251,12 @@ def _rebuild_shard(
             raise CheckpointError(
                 "delta_layout_mismatch", f"{where}: the base shard holds other tensors than the delta says"
             )
-        tensors: list[tuple[str, int, int, DeltaTensor]] = []
+        delta_files: dict[str, _DeltaFile] = {}
+        tensors: list[tuple[str, DeltaTensor]] = []
         parts: list[tuple[int, int, memoryview | None, str, str]] = []
+        part_needs: list[tuple[_DeltaFile, int] | None] = []
+        """Per part: the delta file and how far into it must be read before the part can start."""
+        part_tensors: list[int] = []
         offset = len(prefix)
         for tname, (dtype, shape, length) in order.items():
             t = delta.tensors[tname]
@@ -263,21 +266,28 @@ def _rebuild_shard(
                     f"{where}: tensor {tname} is {dtype} {list(shape)} in the base, {t.dtype} {t.shape} in the delta",
                 )
             blob_where = f"{delta_link.path.name}/{t.delta_file}: {tname}"
-            frames = None
+            frames, source, read_to = None, None, 0
             if t.delta_file is not None:
-                blobs = loaded.get(t.delta_file)
-                if blobs is None:
-                    blobs = loaded[t.delta_file] = _load_delta_file(root, delta_link, t.delta_file, deadline)
-                blob = blobs.get(tname)
-                if blob is None:
-                    raise CheckpointError("delta_corrupt", f"{where}: {t.delta_file} lacks tensor {tname}")
+                source = delta_files.get(t.delta_file)
+                if source is None:
+                    source = delta_files[t.delta_file] = open_files.enter_context(
+                        _DeltaFile(root, delta_link, t.delta_file, deadline)
+                    )
+                blob, read_to = source.blob(tname, where)
                 frames = _split_frames(blob, t, blob_where)
             for i, start in enumerate(range(0, length, delta.frame_bytes)):
                 frame = None if frames is None else frames[i]
                 parts.append(
                     (offset + start, min(delta.frame_bytes, length - start), frame, t.dtype, f"{blob_where} (part {i})")
                 )
-            tensors.append((tname, offset, length, t))
+                if frame is None:
+                    part_needs.append(None)
+                else:
+                    assert source is not None
+                    read_to += len(frame)  # frames follow each other in the blob
+                    part_needs.append((source, read_to))
+                part_tensors.append(len(tensors))
+            tensors.append((tname, t))
             offset += length
         if offset != target.size:
             raise CheckpointError(
@@ -286,23 +296,33 @@ def _rebuild_shard(
             )
         os.write(out.fileno(), prefix)
         os.ftruncate(out.fileno(), target.size)
+        digests = OrderedDigests(prefix, part_tensors, len(tensors))
+        rebuilt: list[Future[None]] = []
         with ThreadPoolExecutor(APPLY_THREADS, thread_name_prefix="delta-apply") as pool:
-            rebuilt = [
-                pool.submit(
-                    _rebuild_part,
-                    fd,
-                    out.fileno(),
-                    off,
-                    n,
-                    frame,
-                    dtype,
-                    part_where,
-                    base_where,
-                    check_finite,
-                    deadline,
+            # In file order: each part waits for the earlier ones to be hashed. A part starts as
+            # soon as its frame is read: the delta file streams in while the threads rebuild.
+            for index, ((off, n, frame, dtype, part_where), needs) in enumerate(zip(parts, part_needs)):
+                if needs is not None:
+                    needs[0].read_upto(needs[1])
+                rebuilt.append(
+                    pool.submit(
+                        _rebuild_part,
+                        fd,
+                        out.fileno(),
+                        off,
+                        n,
+                        frame,
+                        dtype,
+                        part_where,
+                        base_where,
+                        check_finite,
+                        deadline,
+                        digests,
+                        index,
+                    )
                 )
-                for off, n, frame, dtype, part_where in parts
-            ]
+            for source in delta_files.values():
+                source.finish()  # the delta files' own size and digest, before any result counts
             wait(rebuilt)
 
         def check_base() -> None:
@@ -315,8 +335,8 @@ def _rebuild_shard(
             if job.exception() is not None:
                 check_base()
                 job.result()  # raises the first failure of a rebuild
-        file_digest, tensor_digests = _mapped_digests(out.fileno(), len(prefix), tensors, deadline, where)
-        for (tname, *_, t), found in zip(tensors, tensor_digests):
+        file_digest, tensor_digests = digests.result()
+        for (tname, t), found in zip(tensors, tensor_digests):
             if found != t.digest:
                 check_base()
                 raise CheckpointError(
@@ -366,49 +386,34 @@ def _rebuild_part(
     base_where: str,
     check_finite: bool,
     deadline: Deadline,
+    digests: OrderedDigests,
+    index: int,
 ) -> None:
     """(On an apply thread.) Write one part of a tensor (at most one frame's bytes) at ``offset``
-    of the new file: the base's bytes, XORed with the frame's when the part changed. Raises
+    of the new file: the base's bytes, XORed with the frame's when the part changed; then hash
+    the bytes written, still in cache, as part ``index`` of ``digests``. Raises
     ``CheckpointError`` for a frame that does not decompress to the part, or that makes NaN/Inf
     with ``check_finite``."""
-    deadline.check(where)
-    buf, scratch = _thread_buffers(length)
-    view = buf.data[:length]
-    _pread_into(base_fd, view, offset, base_where)
-    if frame is not None:
-        delta_codec.apply_frame(frame, buf[:length], scratch, where=where)
-        if check_finite and count_non_finite(view, dtype):
-            raise CheckpointError(
-                "non_finite",
-                f"{where} holds NaN/Inf values; SGLang would load it and generate garbage."
-                " Check the training run for divergence",
-            )
-    written = 0
-    while written < length:
-        written += os.pwrite(out_fd, view[written:], offset + written)
-
-
-def _mapped_digests(
-    fd: int, prefix_len: int, tensors: list[tuple[str, int, int, DeltaTensor]], deadline: Deadline, where: str
-) -> tuple[str, list[str]]:
-    """The digest of a file this process just wrote (its own, in the stage) and of each of its
-    tensors, in one pass through a mapping (no copy into a buffer; each part is hashed twice
-    while it is in cache). ``tensors`` (name, offset, length, ...) tile the file after its prefix."""
-    size = prefix_len + sum(length for _, _, length, _ in tensors)
-    file_hasher = new_hasher()
-    found: list[str] = []
-    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
-        with view[:prefix_len] as head:
-            file_hasher.update(head)
-        for _, offset, length, _ in tensors:
-            deadline.check(where)
-            own = new_hasher()
-            for start in range(offset, offset + length, delta_codec.CHUNK_BYTES):
-                with view[start : min(start + delta_codec.CHUNK_BYTES, offset + length)] as part:
-                    file_hasher.update(part)
-                    own.update(part)
-            found.append(format_digest(own))
-    return format_digest(file_hasher), found
+    try:
+        deadline.check(where)
+        buf, scratch = _thread_buffers(length)
+        view = buf.data[:length]
+        _pread_into(base_fd, view, offset, base_where)
+        if frame is not None:
+            delta_codec.apply_frame(frame, buf[:length], scratch, where=where)
+            if check_finite and count_non_finite(view, dtype):
+                raise CheckpointError(
+                    "non_finite",
+                    f"{where} holds NaN/Inf values; SGLang would load it and generate garbage."
+                    " Check the training run for divergence",
+                )
+        written = 0
+        while written < length:
+            written += os.pwrite(out_fd, view[written:], offset + written)
+        digests.feed(index, view, deadline, where)
+    except BaseException:
+        digests.abandon()
+        raise
 
 
 def _digest_of_fd(fd: int, size: int, where: str, deadline: Deadline) -> str:
@@ -481,44 +486,69 @@ def _read_header(fd: int, size: int, where: str) -> tuple[bytes, dict[str, tuple
     return head + raw, order
 
 
-def _load_delta_file(root: Path, link: ChainLink, fname: str, deadline: Deadline) -> dict[str, memoryview]:
-    """Read a ``delta-*.safetensors`` file whole (digest checked) and split it into blobs."""
-    entry = link.manifest.files.get(fname)
-    if entry is None:
-        raise CheckpointError("bad_manifest", f"{link.path.name}: {fname} is not in its files")
-    data = copy_verified(
-        root,
-        link.path / fname,
-        None,
-        where=f"{link.path.name}/{fname}",
-        size=entry.size,
-        digest=entry.digest,
-        deadline=deadline,
-    )
-    assert data is not None
-    view = memoryview(data)
-    where = f"{link.path.name}/{fname}"
-    (length,) = struct.unpack("<Q", view[:8]) if len(view) >= 8 else (len(view),)
-    if length > len(view) - 8:
-        raise CheckpointError("delta_corrupt", f"{where}: header length {length} does not fit")
-    header = parse_json_object(bytes(view[8 : 8 + length]), where=where, reason="delta_corrupt")
-    header.pop("__metadata__", None)
-    data_start = 8 + length
-    blobs: dict[str, memoryview] = {}
-    for tname, e in header.items():
-        offsets = e.get("data_offsets") if isinstance(e, dict) else None
-        if (
-            not isinstance(e, dict)
-            or e.get("dtype") != "U8"
-            or not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(x, int) and 0 <= x for x in offsets)
-            or offsets[0] > offsets[1]
-            or data_start + offsets[1] > len(view)
-        ):
-            raise CheckpointError("delta_corrupt", f"{where}: bad entry for {tname[:80]!r}")
-        blobs[tname] = view[data_start + offsets[0] : data_start + offsets[1]]
-    return blobs
+class _DeltaFile:
+    """A ``delta-*.safetensors`` file read front to back while its blobs are applied
+    (:class:`~rollout_service.untrusted_files.VerifiedRead`: nothing counts until
+    :meth:`finish` checked its size and digest). Its header is read and checked at once."""
+
+    def __init__(self, root: Path, link: ChainLink, fname: str, deadline: Deadline):
+        entry = link.manifest.files.get(fname)
+        if entry is None:
+            raise CheckpointError("bad_manifest", f"{link.path.name}: {fname} is not in its files")
+        self.where = f"{link.path.name}/{fname}"
+        self._read = VerifiedRead(
+            root, link.path / fname, where=self.where, size=entry.size, digest=entry.digest, deadline=deadline
+        )
+        self._blobs: dict[str, tuple[int, int]] = {}
+        self._base = 0
+        try:
+            self._parse_header(entry.size)
+        except BaseException:
+            self._read.close()
+            raise
+
+    def __enter__(self) -> _DeltaFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._read.close()
+
+    def _parse_header(self, size: int) -> None:
+        self._read.upto(8)
+        (length,) = struct.unpack("<Q", self._read.data[:8]) if size >= 8 else (size,)
+        if length > size - 8:
+            raise CheckpointError("delta_corrupt", f"{self.where}: header length {length} does not fit")
+        self._read.upto(8 + length)
+        header = parse_json_object(bytes(self._read.data[8 : 8 + length]), where=self.where, reason="delta_corrupt")
+        header.pop("__metadata__", None)
+        data_start = 8 + length
+        for tname, e in header.items():
+            offsets = e.get("data_offsets") if isinstance(e, dict) else None
+            if (
+                not isinstance(e, dict)
+                or e.get("dtype") != "U8"
+                or not isinstance(offsets, list)
+                or len(offsets) != 2
+                or not all(isinstance(x, int) and 0 <= x for x in offsets)
+                or offsets[0] > offsets[1]
+                or data_start + offsets[1] > size
+            ):
+                raise CheckpointError("delta_corrupt", f"{self.where}: bad entry for {tname[:80]!r}")
+            self._blobs[tname] = (data_start + offsets[0], data_start + offsets[1])
+
+    def blob(self, tname: str, where: str) -> tuple[memoryview, int]:
+        """The blob of ``tname`` and where it starts in the file: its bytes are valid once
+        :meth:`read_upto` passed its end."""
+        span = self._blobs.get(tname)
+        if span is None:
+            raise CheckpointError("delta_corrupt", f"{where}: {self.where} lacks tensor {tname}")
+        return self._read.data[span[0] : span[1]], span[0]
+
+    def read_upto(self, end: int) -> None:
+        self._read.upto(end)
+
+    def finish(self) -> None:
+        self._read.finish()
 
 
 def materialize(

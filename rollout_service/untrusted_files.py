@@ -17,6 +17,7 @@ import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from .checkpoint_format import CheckpointError
 from .checkpoint_paths import resolve_inside
@@ -99,26 +100,19 @@ def read_small(root: Path, path: Path, *, where: str, max_bytes: int = MAX_SMALL
 _COPY_CHUNK = 16 << 20
 
 
-def copy_verified(
-    root: Path, src: Path, dst: Path | None, *, where: str, size: int, digest: str, deadline: Deadline
-) -> bytes | None:
-    """Read ``src`` (untrusted, under ``root``) checking its size and digest as it streams.
+def copy_verified(root: Path, src: Path, dst: Path, *, where: str, size: int, digest: str, deadline: Deadline) -> None:
+    """Copy ``src`` (untrusted, under ``root``) to ``dst``, checking its size and digest as it streams.
 
-    The bytes go to ``dst`` when given (returns None): a new file, or an old one that is
-    written over and cut to ``size`` (the stage's spare: no fresh pages to fill), else they
-    are returned (for files small enough to hold: delta files). A file that changes while it is read
-    raises ``truncated``/``size_mismatch``/``digest_mismatch``: nothing it yields is trusted
-    until this returns.
+    ``dst`` is a new file, or an old one that is written over and cut to ``size`` (the stage's
+    spare: no fresh pages to fill). A file that changes while it is read raises
+    ``truncated``/``size_mismatch``/``digest_mismatch``: nothing written is trusted until
+    this returns.
     """
     hasher = new_hasher()
     copied = 0
-    held = bytearray(size) if dst is None else None
     buf = bytearray(_COPY_CHUNK)
     view = memoryview(buf)
-    with (
-        open_regular(root, src, where=where) as (fd, _),
-        _open_for_overwrite(dst) if dst is not None else contextlib.nullcontext() as out,
-    ):
+    with open_regular(root, src, where=where) as (fd, _), _open_for_overwrite(dst) as out:
         while copied <= size:
             deadline.check(where)
             n = os.readv(fd, [view])
@@ -128,14 +122,14 @@ def copy_verified(
                 copied += n
                 break
             hasher.update(view[:n])
-            if out is not None:
-                out.write(view[:n])
-            else:
-                assert held is not None
-                held[copied : copied + n] = view[:n]
+            out.write(view[:n])
             copied += n
-        if out is not None and copied == size:
+        if copied == size:
             out.truncate(size)  # an old file written over: cut what was longer
+    _check_read(where, copied, size, hasher, digest)
+
+
+def _check_read(where: str, copied: int, size: int, hasher: Any, digest: str) -> None:
     if copied != size:
         raise CheckpointError(
             "size_mismatch" if copied > size else "truncated",
@@ -148,7 +142,54 @@ def copy_verified(
             "digest_mismatch",
             f"{where} has digest {found}, the manifest says {digest}: the file's bytes changed after publishing",
         )
-    return None if held is None else bytes(held)
+
+
+class VerifiedRead:
+    """An untrusted file under ``root`` read into memory front to back as its bytes are needed.
+
+    :attr:`data` is a ``size``-byte view; :meth:`upto` makes its first ``n`` bytes valid
+    (reading on, hashing as it goes), so a caller can use the front of a file while the rest
+    is still on the wire (a delta file over a network file system). Nothing read is trusted
+    until :meth:`finish` read the rest and checked the size and digest: a file that changes
+    while it is read raises ``truncated``/``size_mismatch``/``digest_mismatch``. Use it as a
+    context manager (it holds the file open).
+    """
+
+    def __init__(self, root: Path, src: Path, *, where: str, size: int, digest: str, deadline: Deadline):
+        self.where, self.size, self.digest, self.deadline = where, size, digest, deadline
+        self._opened = open_regular(root, src, where=where)
+        self._fd, _ = self._opened.__enter__()
+        self._buf = bytearray(size)
+        self.data = memoryview(self._buf)
+        self._hasher = new_hasher()
+        self._got = 0
+
+    def __enter__(self) -> VerifiedRead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the file (:attr:`data` stays readable)."""
+        self._opened.__exit__(None, None, None)
+
+    def upto(self, n: int) -> None:
+        """Read until the first ``n`` bytes (at most :attr:`size`) are in :attr:`data`."""
+        n = min(n, self.size)
+        while self._got < n:
+            self.deadline.check(self.where)
+            k = os.readv(self._fd, [self.data[self._got : min(self._got + _COPY_CHUNK // 4, self.size)]])
+            if not k:
+                _check_read(self.where, self._got, self.size, self._hasher, self.digest)
+            self._hasher.update(self.data[self._got : self._got + k])
+            self._got += k
+
+    def finish(self) -> None:
+        """Read the rest; raise unless the file held exactly ``size`` bytes with ``digest``."""
+        self.upto(self.size)
+        extra = os.read(self._fd, 1)
+        _check_read(self.where, self._got + len(extra), self.size, self._hasher, self.digest)
 
 
 def _open_for_overwrite(path: Path) -> io.FileIO:

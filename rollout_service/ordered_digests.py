@@ -1,0 +1,69 @@
+"""Digests of a file and of each of its tensors, fed part by part from several threads.
+
+A delta rebuild produces a file's parts on a thread pool, and each part's bytes are in the
+CPU cache right after its thread made them: hashing them there costs a few milliseconds per
+GB, where a second pass over the written file costs 0.15-0.3 s per GB (measured in
+``docs/benchmarks.md`` §4g). xxh3 is a stream, so the parts must reach the hashers in file
+order: :meth:`OrderedDigests.feed` waits until every earlier part was fed. Callers submit
+the parts to a FIFO pool in file order, so an earlier part is always running or done and
+every wait ends; a part that fails calls :meth:`OrderedDigests.abandon` so that the later
+ones stop waiting.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .digest import format_digest, new_hasher
+from .untrusted_files import Deadline
+
+WAIT_SLICE_S = 0.2
+"""How often a waiting part checks its deadline."""
+
+
+class Abandoned(Exception):
+    """An earlier part failed: this part's bytes are not hashed (the rebuild is lost anyway)."""
+
+
+class OrderedDigests:
+    """The digest of a file (``prefix`` then every part) and of each tensor (its parts).
+
+    ``part_tensors[i]`` is the index of the tensor that part ``i`` belongs to; parts are
+    numbered in file order and a tensor's parts follow each other. A tensor without parts
+    (no bytes) gets the digest of nothing.
+    """
+
+    def __init__(self, prefix: bytes | memoryview, part_tensors: list[int], tensor_count: int):
+        self._file = new_hasher()
+        self._file.update(prefix)
+        self._tensors = [new_hasher() for _ in range(tensor_count)]
+        self._part_tensors = part_tensors
+        self._next = 0
+        self._abandoned = False
+        self._turn = threading.Condition()
+
+    def feed(self, index: int, data: memoryview, deadline: Deadline, where: str) -> None:
+        """Hash part ``index`` once parts ``0 .. index - 1`` are hashed (raises :class:`Abandoned`
+        when one of them failed, ``CheckpointError('validation_timeout')`` past the deadline)."""
+        with self._turn:
+            while self._next != index and not self._abandoned:
+                self._turn.wait(WAIT_SLICE_S)
+                deadline.check(where)
+            if self._abandoned:
+                raise Abandoned(where)
+            self._file.update(data)
+            self._tensors[self._part_tensors[index]].update(data)
+            self._next += 1
+            self._turn.notify_all()
+
+    def abandon(self) -> None:
+        """A part failed: wake every waiting part (each raises :class:`Abandoned`)."""
+        with self._turn:
+            self._abandoned = True
+            self._turn.notify_all()
+
+    def result(self) -> tuple[str, list[str]]:
+        """The file's digest and each tensor's, once every part was fed."""
+        if self._abandoned or self._next != len(self._part_tensors):
+            raise RuntimeError(f"only {self._next} of {len(self._part_tensors)} parts were hashed")
+        return format_digest(self._file), [format_digest(h) for h in self._tensors]
