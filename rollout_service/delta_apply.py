@@ -401,7 +401,7 @@ def _rebuild_part(
         _pread_into(base_fd, view, offset, base_where)
         if frame is not None:
             delta_codec.apply_frame(frame, buf[:length], scratch, where=where)
-            if check_finite and count_non_finite(view, dtype):
+            if check_finite and count_non_finite(view, dtype, scratch):  # scratch: free after the apply
                 raise CheckpointError(
                     "non_finite",
                     f"{where} holds NaN/Inf values; SGLang would load it and generate garbage."
