@@ -43,7 +43,7 @@ from .checkpoint_format import (
 )
 from .digest import format_digest, new_hasher
 from .finite import count_non_finite
-from .ordered_digests import OrderedDigests
+from .ordered_digests import Abandoned, OrderedDigests
 from .untrusted_files import Deadline, VerifiedRead, copy_verified, open_regular
 
 MAX_CHAIN_LENGTH = 10_000
@@ -265,7 +265,7 @@ def _rebuild_shard(
                     "delta_layout_mismatch",
                     f"{where}: tensor {tname} is {dtype} {list(shape)} in the base, {t.dtype} {t.shape} in the delta",
                 )
-            blob_where = f"{delta_link.path.name}/{t.delta_file}: {tname}"
+            blob_where = f"{delta_link.path.name}/{t.delta_file or fname}: {tname}"
             frames, source, read_to = None, None, 0
             if t.delta_file is not None:
                 source = delta_files.get(t.delta_file)
@@ -331,10 +331,11 @@ def _rebuild_shard(
                     "base_mismatch", f"{base_where} is not the file its manifest describes (the local copy was damaged)"
                 )
 
-        for job in rebuilt:
-            if job.exception() is not None:
-                check_base()
-                job.result()  # raises the first failure of a rebuild
+        failures = [job.exception() for job in rebuilt if job.exception() is not None]
+        if failures:
+            check_base()
+            # The first part that failed by itself (the others stopped because of it).
+            raise next((exc for exc in failures if not isinstance(exc, Abandoned)), failures[0])
         file_digest, tensor_digests = digests.result()
         for (tname, t), found in zip(tensors, tensor_digests):
             if found != t.digest:

@@ -6,8 +6,8 @@ GB, where a second pass over the written file costs 0.15-0.3 s per GB (measured 
 ``docs/benchmarks.md`` §4g). xxh3 is a stream, so the parts must reach the hashers in file
 order: :meth:`OrderedDigests.feed` waits until every earlier part was fed. Callers submit
 the parts to a FIFO pool in file order, so an earlier part is always running or done and
-every wait ends; a part that fails calls :meth:`OrderedDigests.abandon` so that the later
-ones stop waiting.
+every wait ends; a part that fails calls :meth:`OrderedDigests.abandon` so that the parts
+still waiting stop (raising :class:`Abandoned`, which the caller ranks below the failure).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ WAIT_SLICE_S = 0.2
 
 
 class Abandoned(Exception):
-    """An earlier part failed: this part's bytes are not hashed (the rebuild is lost anyway)."""
+    """Another part failed: this part's bytes are not hashed (the rebuild is lost anyway)."""
 
 
 class OrderedDigests:
@@ -44,7 +44,7 @@ class OrderedDigests:
 
     def feed(self, index: int, data: memoryview, deadline: Deadline, where: str) -> None:
         """Hash part ``index`` once parts ``0 .. index - 1`` are hashed (raises :class:`Abandoned`
-        when one of them failed, ``CheckpointError('validation_timeout')`` past the deadline)."""
+        when a part failed, ``CheckpointError('validation_timeout')`` past the deadline)."""
         with self._turn:
             while self._next != index and not self._abandoned:
                 self._turn.wait(WAIT_SLICE_S)

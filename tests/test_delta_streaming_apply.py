@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import xxhash
 
-from delta_helpers import Model, assert_same_files, publish_both
+from delta_helpers import CONFIG, RUN, Model, assert_same_files, publish_both
 from rollout_service import delta_apply, delta_codec
 from rollout_service.checkpoint_format import MANIFEST_NAME, CheckpointError, Manifest, step_dir_name
 from rollout_service.delta_writer import DeltaCheckpointWriter
@@ -230,4 +231,38 @@ def test_a_part_that_fails_early_stops_the_parts_waiting_behind_it(tmp_path: Pat
         assert _no_final_copy(stage, 3)
     finally:
         runner.join()
+        stage.close()
+
+
+def test_a_later_part_that_fails_is_the_reason_given_not_the_earlier_parts_it_stopped(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A NaN in the last part of a tensor fails that part while the first part is still at
+    work: the first part then stops (Abandoned), and the reason given is the NaN."""
+    monkeypatch.setattr(delta_codec, "CHUNK_BYTES", FRAME)
+    monkeypatch.setattr(delta_apply, "APPLY_THREADS", 2)
+    root = tmp_path / "root"
+    model = Model(lr=1e-4, shapes={"embed": (512, 64), "norm": (64,)})
+    writer = DeltaCheckpointWriter(full_every=100)
+    writer.publish(root, 1, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN)
+    model.step()
+    with torch.no_grad():
+        model.params["embed"][-1, -1] = float("nan")  # the last of its 16 parts
+    assert writer.publish(root, 2, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN).kind == "delta"
+    stage = _stage_to(tmp_path, root, 2)
+    slow_read = delta_apply._pread_into
+
+    def first_part_slow(fd: int, view: memoryview, offset: int, where: str) -> None:
+        if "(part 0)" in where or offset < 4096:
+            time.sleep(0.5)
+        slow_read(fd, view, offset, where)
+
+    monkeypatch.setattr(delta_apply, "_pread_into", first_part_slow)
+    two = root / step_dir_name(2)
+    try:
+        with pytest.raises(CheckpointError) as info:
+            stage.build(root, two, Manifest.load(two), Deadline(60), check_finite=True)
+        assert info.value.reason == "non_finite" and "embed" in str(info.value), info.value
+        assert _no_final_copy(stage, 2)
+    finally:
         stage.close()

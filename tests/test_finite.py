@@ -26,7 +26,9 @@ def test_counts_equal_torchs_isfinite_for_every_bit_pattern_class(tag: str, with
     edges = [0.0, -0.0, info.max, -info.max, info.tiny, -info.tiny, info.smallest_normal / 4, 1.0, -3.5]
     specials = [float("nan"), -float("nan")] + ([] if tag == "F8_E4M3" else [float("inf"), -float("inf")])
     g = torch.Generator().manual_seed(0)
-    values = torch.cat([torch.tensor(edges, dtype=torch.float64), torch.randn(4000, generator=g).double() * 4]).to(dtype)
+    values = torch.cat([torch.tensor(edges, dtype=torch.float64), torch.randn(4000, generator=g).double() * 4]).to(
+        dtype
+    )
     values = values.repeat(3)
     at = torch.randperm(values.numel(), generator=g)[:37]
     values[at] = torch.tensor(specials * 37, dtype=torch.float64)[:37].to(dtype)
