@@ -331,7 +331,7 @@ def _rebuild_shard(
                     "base_mismatch", f"{base_where} is not the file its manifest describes (the local copy was damaged)"
                 )
 
-        failures = [job.exception() for job in rebuilt if job.exception() is not None]
+        failures = [exc for exc in (job.exception() for job in rebuilt) if exc is not None]
         if failures:
             check_base()
             # The first part that failed by itself (the others stopped because of it).
