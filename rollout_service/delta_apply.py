@@ -367,12 +367,12 @@ def _split_frames(blob: memoryview, t: DeltaTensor, where: str) -> list[memoryvi
 
 
 def _thread_buffers(size: int) -> tuple[np.ndarray, np.ndarray]:
-    """This thread's read and decompression buffers of at least ``size`` bytes (one frame;
-    reused across parts and syncs: no page faults per part)."""
+    """This thread's part buffer (at least ``size`` bytes: one frame's part) and its slice
+    scratch; reused across parts and syncs: no page faults per part."""
     bufs: tuple[np.ndarray, np.ndarray] | None = getattr(_buffers, "pair", None)
     if bufs is None or bufs[0].shape[0] < size:
         size = max(size, delta_codec.CHUNK_BYTES)
-        bufs = _buffers.pair = (delta_codec.new_scratch(size), delta_codec.new_scratch(size))
+        bufs = _buffers.pair = (delta_codec.new_scratch(size), delta_codec.new_scratch(delta_codec.SLICE_BYTES))
     return bufs
 
 
@@ -391,27 +391,34 @@ def _rebuild_part(
     index: int,
 ) -> None:
     """(On an apply thread.) Write one part of a tensor (at most one frame's bytes) at ``offset``
-    of the new file: the base's bytes, XORed with the frame's when the part changed; then hash
-    the bytes written, still in cache, as part ``index`` of ``digests``. Raises
+    of the new file: the base's bytes, XORed with the frame's when the part changed, slice by
+    slice (:data:`~rollout_service.delta_codec.SLICE_BYTES`: read, XOR, check and write in
+    cache); then hash the part's bytes as part ``index`` of ``digests``. Raises
     ``CheckpointError`` for a frame that does not decompress to the part, or that makes NaN/Inf
     with ``check_finite``."""
     try:
         deadline.check(where)
         buf, scratch = _thread_buffers(length)
-        view = buf.data[:length]
-        _pread_into(base_fd, view, offset, base_where)
-        if frame is not None:
-            delta_codec.apply_frame(frame, buf[:length], scratch, where=where)
-            if check_finite and count_non_finite(view, dtype, scratch):  # scratch: free after the apply
-                raise CheckpointError(
-                    "non_finite",
-                    f"{where} holds NaN/Inf values; SGLang would load it and generate garbage."
-                    " Check the training run for divergence",
-                )
-        written = 0
-        while written < length:
-            written += os.pwrite(out_fd, view[written:], offset + written)
-        digests.feed(index, view, deadline, where)
+        with (
+            contextlib.nullcontext() if frame is None else delta_codec.FrameReader(frame, length, where=where)
+        ) as reader:
+            for start in range(0, length, delta_codec.SLICE_BYTES):
+                piece = buf[start : min(start + delta_codec.SLICE_BYTES, length)]
+                _pread_into(base_fd, piece.data, offset + start, base_where)
+                if reader is not None:
+                    reader.xor_into(piece, scratch[: piece.shape[0]])
+                    if check_finite and count_non_finite(piece, dtype, scratch):
+                        raise CheckpointError(
+                            "non_finite",
+                            f"{where} holds NaN/Inf values; SGLang would load it and generate garbage."
+                            " Check the training run for divergence",
+                        )
+                written, m = 0, piece.shape[0]
+                while written < m:
+                    written += os.pwrite(out_fd, piece.data[written:], offset + start + written)
+            if reader is not None:
+                reader.finish()
+        digests.feed(index, buf.data[:length], deadline, where)
     except BaseException:
         digests.abandon()
         raise
