@@ -157,10 +157,10 @@ class VerifiedRead:
 
     def __init__(self, root: Path, src: Path, *, where: str, size: int, digest: str, deadline: Deadline):
         self.where, self.size, self.digest, self.deadline = where, size, digest, deadline
+        self._buf = bytearray(size)  # before the file is opened: a failed allocation leaks nothing
+        self.data = memoryview(self._buf)
         self._opened = open_regular(root, src, where=where)
         self._fd, _ = self._opened.__enter__()
-        self._buf = bytearray(size)
-        self.data = memoryview(self._buf)
         self._hasher = new_hasher()
         self._got = 0
 
