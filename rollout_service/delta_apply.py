@@ -508,7 +508,6 @@ class _DeltaFile:
             root, link.path / fname, where=self.where, size=entry.size, digest=entry.digest, deadline=deadline
         )
         self._blobs: dict[str, tuple[int, int]] = {}
-        self._base = 0
         try:
             self._parse_header(entry.size)
         except BaseException:

@@ -1,9 +1,9 @@
 """Digests of a file and of each of its tensors, fed part by part from several threads.
 
-A delta rebuild produces a file's parts on a thread pool, and each part's bytes are in the
-CPU cache right after its thread made them: hashing them there costs a few milliseconds per
-GB, where a second pass over the written file costs 0.15-0.3 s per GB (measured in
-``docs/benchmarks.md`` §4g). xxh3 is a stream, so the parts must reach the hashers in file
+A delta rebuild produces a file's parts on a thread pool, and each part's bytes are still in
+its thread's own buffer (much of it in cache) right after the thread wrote them: hashing them
+there spares a second pass over the written file, which costs 0.15-0.3 s per GB through a
+mapping of tmpfs (``docs/benchmarks.md`` §4g), and it runs on every apply thread, not one. xxh3 is a stream, so the parts must reach the hashers in file
 order: :meth:`OrderedDigests.feed` waits until every earlier part was fed. Callers submit
 the parts to a FIFO pool in file order, so an earlier part is always running or done and
 every wait ends; a part that fails calls :meth:`OrderedDigests.abandon` so that the parts

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import torch
 
-from rollout_service.checkpoint_format import Manifest
+from rollout_service.checkpoint_format import Manifest, step_dir_name
 from rollout_service.checkpoint_writer import publish_checkpoint
 from rollout_service.delta_writer import DeltaCheckpointWriter
+from rollout_service.sidecar.staging import Stage
+from rollout_service.untrusted_files import Deadline
 from sidecar_helpers import perturbed_state
 
 
@@ -98,3 +100,14 @@ def assert_same_files(rebuilt: Path, full: Path) -> None:
     assert sorted(p.name for p in rebuilt.iterdir() if p.name != "manifest.json") == names
     for name in names:
         assert filecmp.cmp(rebuilt / name, full / name, shallow=False), name
+
+
+def stage_through(stage: Stage, root: Path, step: int):
+    """Build steps 1 .. ``step`` under ``root`` into ``stage`` one after another, each pruned to
+    the newest as the sidecar does; returns the last build (None for step 0)."""
+    built = None
+    for s in range(1, step + 1):
+        path = root / step_dir_name(s)
+        built = stage.build(root, path, Manifest.load(path), Deadline(60))
+        stage.prune({built.path})
+    return built

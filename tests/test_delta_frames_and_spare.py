@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from delta_helpers import CONFIG, RUN, Model, assert_same_files, publish_both
+from delta_helpers import CONFIG, RUN, Model, assert_same_files, publish_both, stage_through
 from rollout_service import delta_codec
 from rollout_service.checkpoint_format import (
     DELTA_CODEC,
@@ -57,11 +57,7 @@ def _build(tmp_path: Path, root: Path, step: int, stage: Stage | None = None):
     own = stage is None
     stage = stage or Stage(tmp_path / "stage")
     try:
-        for s in range(1, step + 1):
-            path = root / step_dir_name(s)
-            built = stage.build(root, path, Manifest.load(path), Deadline(60))
-            stage.prune({built.path})
-        return built
+        return stage_through(stage, root, step)
     finally:
         if own:
             stage.close()
