@@ -3,11 +3,12 @@
 A delta rebuild produces a file's parts on a thread pool, and each part's bytes are still in
 its thread's own buffer (much of it in cache) right after the thread wrote them: hashing them
 there spares a second pass over the written file, which costs 0.15-0.3 s per GB through a
-mapping of tmpfs (``docs/benchmarks.md`` §4g), and it runs on every apply thread, not one. xxh3 is a stream, so the parts must reach the hashers in file
-order: :meth:`OrderedDigests.feed` waits until every earlier part was fed. Callers submit
-the parts to a FIFO pool in file order, so an earlier part is always running or done and
-every wait ends; a part that fails calls :meth:`OrderedDigests.abandon` so that the parts
-still waiting stop (raising :class:`Abandoned`, which the caller ranks below the failure).
+mapping of tmpfs (``docs/benchmarks.md`` §4g), and it runs on every apply thread, not one.
+xxh3 is a stream, so the parts must reach the hashers in file order:
+:meth:`OrderedDigests.feed` waits until every earlier part was fed. Callers submit the parts to
+a FIFO pool in file order, so an earlier part is always running or done and every wait ends;
+a part that fails calls :meth:`OrderedDigests.abandon` so that the parts still waiting stop
+(raising :class:`Abandoned`, which the caller ranks below the failure).
 """
 
 from __future__ import annotations
