@@ -74,6 +74,7 @@ from .checkpoint_writer import (
 )
 from .delta_choice import PublishCosts
 from .digest import format_digest, new_hasher
+from .ordered_digests import OrderedDigests
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,10 @@ class Absorbed:
     """Full only because full publishes measured faster (``costs``)."""
     probe: bool = False
     """A delta candidate only to measure deltas again (``costs``)."""
+    shard_digests: list[str] | None = None
+    """Each shard's digest (of the bytes a full publish writes), hashed by the encode threads
+    for ``max_shard_bytes``; None: :meth:`DeltaCheckpointWriter.write` hashes the held copy."""
+    max_shard_bytes: int = 0
 
 
 @dataclass
@@ -197,14 +202,22 @@ class DeltaCheckpointWriter:
         run_id: str | None = None,
     ) -> PublishResult:
         """:meth:`absorb` then :meth:`write`."""
-        self.absorb(tensors, dtype=dtype)
+        self.absorb(tensors, dtype=dtype, max_shard_bytes=max_shard_bytes)
         return self.write(
             root, step, config=config, max_shard_bytes=max_shard_bytes, base_model=base_model, run_id=run_id
         )
 
     # --- taking in a version ----------------------------------------------------------------
-    def absorb(self, tensors: Iterable[tuple[str, torch.Tensor]], *, dtype: str | None = None) -> Absorbed:
-        """Consume every tensor (always to the end), update the held copy, encode the XORs."""
+    def absorb(
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        dtype: str | None = None,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    ) -> Absorbed:
+        """Consume every tensor (always to the end), update the held copy, encode the XORs and
+        (for a delta, whose shards are the last version's) hash the shards a full publish with
+        ``max_shard_bytes`` would write, each part as soon as its held bytes are updated."""
         t0 = time.perf_counter()
         target = normalize_dtype(dtype)
         self._absorbed = None
@@ -228,6 +241,7 @@ class DeltaCheckpointWriter:
         frames: dict[str, list[int]] = {}
         changed = 0
         pending: deque[tuple[str, list[Future[bytes | None]]]] = deque()
+        hashing = _LayoutDigests(old_order, old, max_shard_bytes) if delta else None
 
         def settle(name: str, jobs: list[Future[bytes | None]]) -> None:
             nonlocal changed
@@ -253,15 +267,15 @@ class DeltaCheckpointWriter:
                 prev = old.get(name)
                 same = prev is not None and prev.tag == tag and prev.shape == shape
                 if delta and not (same and len(order) < len(old_order) and old_order[len(order)] == name):
-                    delta = False
+                    delta, hashing = False, None  # the parts submitted so far are still hashed: no one waits
                     why_full = f"the tensor layout changed at {name!r} (names, shapes, dtypes or order)"
                 order.append(name)
                 if delta:
                     assert prev is not None
                     held[name] = prev
-                    pending.append((name, self._submit_encode(pool, tensor, prev)))
+                    pending.append((name, self._submit_encode(pool, name, tensor, prev, hashing)))
                 else:
-                    reuse = prev.data if prev is not None and prev.nbytes == nbytes else None
+                    reuse = prev.data if prev is not None and prev.nbytes == nbytes > 0 else None
                     entry = _Held(tag, shape, _NO_BYTES, "")
                     held[name] = entry
                     pending.append((name, [pool.submit(self._copy_into, tensor, target, entry, reuse)]))
@@ -284,6 +298,7 @@ class DeltaCheckpointWriter:
         self._held, self._order = held, order
         if not delta:
             blobs, frames, changed = {}, {}, 0
+        shard_digests = hashing.finish(held) if delta and hashing is not None else None
         floats = {h.tag for h in held.values() if h.tag in FLOAT_DTYPES}
         self._pending_base = base
         self._absorbed = Absorbed(
@@ -296,23 +311,37 @@ class DeltaCheckpointWriter:
             changed_bytes=changed,
             auto_full=auto_full,
             probe=probe,
+            shard_digests=shard_digests,
+            max_shard_bytes=max_shard_bytes,
         )
         return self._absorbed
 
-    def _submit_encode(self, pool: ThreadPoolExecutor, tensor: torch.Tensor, prev: _Held) -> list[Future[bytes | None]]:
+    def _submit_encode(
+        self, pool: ThreadPoolExecutor, name: str, tensor: torch.Tensor, prev: _Held, hashing: _LayoutDigests | None
+    ) -> list[Future[bytes | None]]:
         """One encode job per :data:`~rollout_service.delta_codec.CHUNK_BYTES` part of the tensor."""
         flat = tensor.detach().reshape(-1)
         per_part = delta_codec.CHUNK_BYTES // DTYPE_SIZES[prev.tag]
         return [
-            pool.submit(self._encode_part, flat, prev, first, min(per_part, flat.numel() - first))
-            for first in range(0, flat.numel(), per_part)
+            pool.submit(self._encode_part, flat, prev, first, min(per_part, flat.numel() - first), hashing, name, i)
+            for i, first in enumerate(range(0, flat.numel(), per_part))
         ]
 
-    def _encode_part(self, flat: torch.Tensor, prev: _Held, first: int, count: int) -> bytes | None:
+    def _encode_part(
+        self,
+        flat: torch.Tensor,
+        prev: _Held,
+        first: int,
+        count: int,
+        hashing: _LayoutDigests | None,
+        name: str,
+        part: int,
+    ) -> bytes | None:
         """(On an encode thread.) Cast one part into this thread's buffer, XOR it with the held
-        bytes, compress it into one frame, and update the held bytes in place when they changed:
-        a version allocates no model-sized memory (no page faults) and the held bytes stay the
-        one copy. Returns the frame, or None when the part did not change."""
+        bytes, compress it into one frame, update the held bytes in place when they changed (a
+        version allocates no model-sized memory: no page faults, and the held bytes stay the one
+        copy), and offer them to ``hashing`` while they are still in cache. Returns the frame,
+        or None when the part did not change."""
         cast_bytes, scratch, compressor = self._thread_state()
         itemsize = DTYPE_SIZES[prev.tag]
         cast = torch.from_numpy(cast_bytes).view(_TAG_TO_TORCH[prev.tag])
@@ -322,6 +351,8 @@ class DeltaCheckpointWriter:
         frame = delta_codec.encode_frame(new, old, scratch, compressor)
         if frame is not None:
             np.copyto(old, new)
+        if hashing is not None:
+            hashing.offer(name, part, old.data)
         return frame
 
     def _thread_state(self) -> tuple[np.ndarray, np.ndarray, Any]:
@@ -447,6 +478,9 @@ class DeltaCheckpointWriter:
     def _held_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self._order:
             h = self._held[name]
+            if not h.nbytes:  # an empty array's stride cannot be viewed as another dtype
+                yield name, torch.empty(h.shape, dtype=_TAG_TO_TORCH[h.tag])
+                continue
             yield name, torch.from_numpy(h.data).view(_TAG_TO_TORCH[h.tag]).reshape(h.shape)
 
     def _full_data_bytes(self) -> int:
@@ -467,12 +501,8 @@ class DeltaCheckpointWriter:
         t0 = time.perf_counter()
         if config is None:
             raise ValueError("a delta checkpoint needs the model's config (config.json)")
-        planner = ShardPlanner(max_shard_bytes)
-        shards: list[list[str]] = []
-        for name in self._order:
-            if planner.starts_new_shard(self._held[name].nbytes):
-                shards.append([])
-            shards[-1].append(name)
+        shards = _plan_shards(self._order, self._held, max_shard_bytes)
+        hashed = absorbed.shard_digests if absorbed.max_shard_bytes == max_shard_bytes else None
         names = shard_file_names(len(shards))
         with atomic_step_dir(root, step) as tmp:
             files: dict[str, FileEntry] = {}
@@ -481,13 +511,15 @@ class DeltaCheckpointWriter:
             weight_map: dict[str, str] = {}
             for i, (shard, members) in enumerate(zip(names, shards), start=1):
                 prefix, data_len = shard_prefix((n, self._held[n].tag, self._held[n].shape) for n in members)
-                hasher = new_hasher()
-                hasher.update(prefix)
-                for n in members:
-                    _hash_held(self._held[n], hasher)
-                target[shard] = FileEntry(
-                    size=len(prefix) + data_len, digest=format_digest(hasher), tensors=len(members)
-                )
+                if hashed is not None:
+                    digest = hashed[i - 1]
+                else:
+                    hasher = new_hasher()
+                    hasher.update(prefix)
+                    for n in members:
+                        _hash_held(self._held[n], hasher)
+                    digest = format_digest(hasher)
+                target[shard] = FileEntry(size=len(prefix) + data_len, digest=digest, tensors=len(members))
                 changed = [n for n in members if n in absorbed.blobs]
                 delta_file = f"delta-{i:05d}-of-{len(shards):05d}.safetensors" if changed else None
                 if delta_file is not None:
@@ -557,6 +589,59 @@ class DeltaCheckpointWriter:
             fingerprint=manifest.fingerprint(),
             full_bytes=full,
         )
+
+
+def _plan_shards(order: list[str], held: dict[str, _Held], max_shard_bytes: int) -> list[list[str]]:
+    """The tensors of each shard a full publish of ``held`` (in ``order``) writes."""
+    planner = ShardPlanner(max_shard_bytes)
+    shards: list[list[str]] = []
+    for name in order:
+        if planner.starts_new_shard(held[name].nbytes):
+            shards.append([])
+        shards[-1].append(name)
+    return shards
+
+
+class _LayoutDigests:
+    """The digests a delta's manifest needs (each shard's and each tensor's, of the bytes a full
+    publish would write), taken part by part from the held copy as the encode threads update
+    it, while those bytes are still in cache: the write then reads nothing back (0.15-0.2 s
+    per GB on one thread, ``docs/benchmarks.md`` §4h). The shards are the last version's: a
+    delta keeps its layout (names, shapes, dtypes, order); when it does not, the version is
+    full and these digests are dropped."""
+
+    def __init__(self, order: list[str], held: dict[str, _Held], max_shard_bytes: int):
+        self.shards = _plan_shards(order, held, max_shard_bytes)
+        self._slots: dict[str, tuple[OrderedDigests, int]] = {}
+        """Per tensor: its shard's digests and the index of its first part there."""
+        self._digests: list[OrderedDigests] = []
+        for members in self.shards:
+            prefix, _ = shard_prefix((n, held[n].tag, held[n].shape) for n in members)
+            part_tensors: list[int] = []
+            firsts: list[tuple[str, int]] = []
+            for i, name in enumerate(members):
+                firsts.append((name, len(part_tensors)))
+                part_tensors += [i] * -(-held[name].nbytes // delta_codec.CHUNK_BYTES)
+            digests = OrderedDigests(prefix, part_tensors, len(members))
+            self._digests.append(digests)
+            self._slots.update((name, (digests, first)) for name, first in firsts)
+
+    def offer(self, name: str, part: int, data: memoryview) -> None:
+        """Part ``part`` of tensor ``name`` is final in the held copy (never waits)."""
+        digests, first = self._slots[name]
+        digests.offer(first + part, data)
+
+    def finish(self, held: dict[str, _Held]) -> list[str] | None:
+        """Each shard's digest once every part was offered, and each tensor's set on ``held``
+        (None when a part never was: :meth:`DeltaCheckpointWriter.write` hashes the copy)."""
+        try:
+            results = [digests.result() for digests in self._digests]
+        except RuntimeError:
+            return None
+        for members, (_, tensor_digests) in zip(self.shards, results):
+            for name, digest in zip(members, tensor_digests):
+                held[name].digest = digest
+        return [file_digest for file_digest, _ in results]
 
 
 def _tag_after_prepare(tensor: torch.Tensor, target: str | None) -> str:

@@ -272,7 +272,9 @@ class CheckpointPublisher:
         )
         if self.delta is not None:
             delta = self.delta
-            delta.absorb(cast_on_device(timed, self._torch_dtype), dtype=self.dtype)
+            delta.absorb(
+                cast_on_device(timed, self._torch_dtype), dtype=self.dtype, max_shard_bytes=self.max_shard_bytes
+            )
             return (lambda version: delta.write(self.root, version, **common)), False
         if background:
             snapshot = self._snapshot(iter(timed))
