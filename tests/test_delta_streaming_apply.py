@@ -70,6 +70,50 @@ def test_digests_fed_from_threads_in_any_order_equal_one_serial_pass() -> None:
     assert tensor_digests[1] == f"xxh3_128:{xxhash.xxh3_128(b'').hexdigest()}"  # no parts: the digest of nothing
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_parts_offered_from_threads_in_any_order_equal_one_serial_pass_and_never_wait(seed: int) -> None:
+    """offer() returns at once whatever the order; whoever finds the next part ready hashes the
+    run, and result() finishes what a caller may still be hashing."""
+    rng = random.Random(seed)
+    tensors = [[rng.randbytes(rng.randint(1, 200_000)) for _ in range(n)] for n in (7, 0, 1, 30, 2)]
+    prefix = rng.randbytes(40)
+    part_tensors = [i for i, parts in enumerate(tensors) for _ in parts]
+    flat = [p for parts in tensors for p in parts]
+    digests = OrderedDigests(prefix, part_tensors, len(tensors))
+    order = list(range(len(flat)))
+    rng.shuffle(order)
+    queue = list(order)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    i = queue.pop()
+                digests.offer(i, memoryview(flat[i]))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert digests.result() == _serial(prefix, tensors)
+
+
+def test_a_part_never_offered_leaves_the_digests_unfinished() -> None:
+    digests = OrderedDigests(b"p", [0, 0, 1], 2)
+    digests.offer(0, memoryview(b"a"))
+    digests.offer(2, memoryview(b"c"))  # part 1 never comes (its encode failed)
+    with pytest.raises(RuntimeError, match="only 1 of 3 parts"):
+        digests.result()
+
+
 def test_a_failed_part_wakes_the_parts_waiting_behind_it() -> None:
     digests = OrderedDigests(b"", [0, 0, 0], 1)
     outcome: list[BaseException] = []
