@@ -455,10 +455,9 @@ def run_case(
                 1, args.warmup + args.repeats + 2 if kind == "ours_delta" else args.warmup + args.repeats + 1
             ):
                 if stepper is not None and step > 1:
-                    for p in trainer_state.values():
+                    for p in trainer_state.values():  # one gradient in memory at a time (see delta_bench)
                         p.grad = torch.randn_like(p)
-                    stepper.step()
-                    for p in trainer_state.values():
+                        stepper.step()
                         p.grad = None
                 with probe if probe is not None and step > 1 else contextlib.nullcontext():
                     run = our_sync(

@@ -4,8 +4,9 @@
 (in the checkpoint dtype: for a bf16 7B model, 14 GB of host RAM) and never a second one:
 each new tensor is XORed with its copy part by part (16 MiB, one zstd frame each: a big
 tensor runs on several threads), the XOR is compressed with zstd on a thread pool while the
-next tensor is gathered, and the copy is updated in place. A publish is then
-either
+next tensor is gathered, the copy is updated in place, and each updated part is hashed into
+the digests a delta's manifest needs while it is still in cache (:class:`_LayoutDigests`).
+A publish is then either
 
 - a **delta** (``kind: delta``, see :mod:`~rollout_service.checkpoint_format`): the
   compressed XORs of the changed tensors plus, for every tensor and every shard of the full
