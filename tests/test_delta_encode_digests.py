@@ -5,9 +5,9 @@ A delta's manifest carries the digest of every tensor and every shard a full pub
 same weights would write. The encode threads hand each part of the held copy to the hashers as
 soon as it is updated, and the parts are hashed in file order, so the write reads nothing back;
 these tests hold those digests to what a full publish writes, across parts and shards, and
-check that a failing part neither hangs the other threads nor hides its own error. An unchanged part is found without a scan of every
-changed part's XOR (only a frame small enough to be all zeros is checked); the last test holds
-that to "no frame exactly when nothing changed".
+check that a failing part neither hangs the other threads nor hides its own error. An unchanged
+part is found without a scan of every changed part's XOR (only a frame small enough to be all
+zeros is checked); the last test holds that to "no frame exactly when nothing changed".
 """
 
 from __future__ import annotations
