@@ -20,6 +20,10 @@ same for both kinds (it reads the same full files); ``sync_bench.py`` measures i
 
 ``--auto-versions N`` instead syncs N versions three ways side by side (always delta, always
 full, and ``auto``: the writer's measured choice, ``rollout_service/delta_choice.py``).
+
+``--device cuda`` keeps the master weights and AdamW on the GPU: the encode then copies each
+part from GPU memory (cast to bf16 there first, as the trainer does); ``gpu_delta_check.sh``
+runs it at 7B size on a GPU machine.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -53,16 +58,20 @@ STORAGE_ALIASES = {"local": Path("~/.cache/rollout-service/delta-bench"), "shm":
 CONFIG = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
 
 
-def qwen2_state(gb: float, seed: int = 0) -> dict[str, torch.nn.Parameter]:
-    """fp32 parameters with the tensor names and shapes of a Qwen2 model of about ``gb`` GB in bf16."""
+def qwen2_state(gb: float, seed: int = 0, device: str = "cpu") -> dict[str, torch.nn.Parameter]:
+    """fp32 parameters with the tensor names and shapes of a Qwen2 model of about ``gb`` GB in
+    bf16, made on ``device`` (a GPU's trainer holds its master weights there)."""
     spec = plan_bench_model(gb, vocab_size=151936 if gb >= 0.5 else 32000, seed=seed)
     s = spec.shape
     head_dim = s.hidden // s.heads
     kv = s.kv_heads * head_dim
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def p(*shape: int) -> torch.nn.Parameter:
-        return torch.nn.Parameter(torch.randn(*shape, generator=g) * 0.02)
+        return torch.nn.Parameter(torch.randn(*shape, generator=g, device=device) * 0.02)
+
+    def ones(n: int) -> torch.nn.Parameter:
+        return torch.nn.Parameter(torch.ones(n, device=device))
 
     state = {"model.embed_tokens.weight": p(spec.vocab_size, s.hidden)}
     for i in range(spec.num_layers):
@@ -79,11 +88,11 @@ def qwen2_state(gb: float, seed: int = 0) -> dict[str, torch.nn.Parameter]:
                 pre + "mlp.gate_proj.weight": p(s.intermediate, s.hidden),
                 pre + "mlp.up_proj.weight": p(s.intermediate, s.hidden),
                 pre + "mlp.down_proj.weight": p(s.hidden, s.intermediate),
-                pre + "input_layernorm.weight": torch.nn.Parameter(torch.ones(s.hidden)),
-                pre + "post_attention_layernorm.weight": torch.nn.Parameter(torch.ones(s.hidden)),
+                pre + "input_layernorm.weight": ones(s.hidden),
+                pre + "post_attention_layernorm.weight": ones(s.hidden),
             }
         )
-    state["model.norm.weight"] = torch.nn.Parameter(torch.ones(s.hidden))
+    state["model.norm.weight"] = ones(s.hidden)
     state["lm_head.weight"] = p(spec.vocab_size, s.hidden)
     return state
 
@@ -93,9 +102,18 @@ def adam_step(opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter],
     without a gradient; each one's state is its own, so this is the same step): one tensor's
     gradient in memory at a time, not a model's (2 GB models fit in 24 GB with it)."""
     for t in params.values():
-        t.grad = torch.randn(t.shape, generator=g)
+        t.grad = torch.randn(t.shape, generator=g, device=t.device)
         opt.step()
         t.grad = None
+    if next(iter(params.values())).is_cuda:
+        torch.cuda.synchronize()  # the step is done before any timer starts
+
+
+def published(params: dict[str, torch.nn.Parameter]) -> Iterator[tuple[str, torch.Tensor]]:
+    """What the trainer hands the writer: GPU weights cast to bf16 where they are, one tensor at
+    a time, before any copy to the host (``trainer_hooks.checkpoint_publisher.cast_on_device``;
+    not imported: that package needs TRL, which a bare GPU image lacks); CPU ones as they are."""
+    return ((k, t.detach().to(torch.bfloat16) if t.is_cuda else t) for k, t in params.items())
 
 
 def changed_fraction(before: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter]) -> float:
@@ -119,35 +137,37 @@ def limit_write(path: Path, nbytes: int) -> float:
     return time.perf_counter() - t0
 
 
-def run(gb: float, lr: float, storages: list[tuple[str, Path]], stage_root: Path, warmup_steps: int) -> list[dict]:
-    params = qwen2_state(gb)
+def run(
+    gb: float, lr: float, storages: list[tuple[str, Path]], stage_root: Path, warmup_steps: int, device: str = "cpu"
+) -> list[dict]:
+    params = qwen2_state(gb, device=device)
     opt = torch.optim.AdamW(params.values(), lr=lr)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(device=device).manual_seed(1)
     for _ in range(warmup_steps):  # Adam's first steps move every weight by lr: not the steady state
         adam_step(opt, params, g)
     rows = []
     for label, base in storages:
-        work = Path(tempfile.mkdtemp(prefix=f"delta-bench-{label}-", dir=base))
+        work = Path(tempfile.mkdtemp(prefix=f"delta-bench-{Path(label).name}-", dir=base))
         stage_dir = Path(tempfile.mkdtemp(prefix="delta-bench-stage-", dir=stage_root))
         try:
             writer = DeltaCheckpointWriter(full_every=1000)
             stage = Stage(stage_dir)
             root, full_root = work / "delta", work / "full"
             # Version 1 (full) and one step, so that version 2 is a delta on it.
-            writer.publish(root, 1, params.items(), config=CONFIG, dtype="bfloat16", run_id="bench")
+            writer.publish(root, 1, published(params), config=CONFIG, dtype="bfloat16", run_id="bench")
             stage.build(root, root / step_dir_name(1), Manifest.load(root / step_dir_name(1)), Deadline(None))
             before = {k: t.detach().to(torch.bfloat16) for k, t in params.items()}
             adam_step(opt, params, g)
             fraction = changed_fraction(before, params)
             del before
             t0 = time.perf_counter()
-            writer.absorb(params.items(), dtype="bfloat16")
+            writer.absorb(published(params), dtype="bfloat16")
             encode_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             delta = writer.write(root, 2, config=CONFIG, run_id="bench")
             delta_write_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            full = publish_checkpoint(full_root, 2, params.items(), config=CONFIG, dtype="bfloat16", run_id="bench")
+            full = publish_checkpoint(full_root, 2, published(params), config=CONFIG, dtype="bfloat16", run_id="bench")
             full_publish_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             applied = stage.build(root, root / step_dir_name(2), Manifest.load(root / step_dir_name(2)), Deadline(None))
@@ -166,6 +186,7 @@ def run(gb: float, lr: float, storages: list[tuple[str, Path]], stage_root: Path
                     "size_gb": gb,
                     "lr": lr,
                     "storage": label,
+                    "device": device,
                     "changed_fraction": fraction,
                     "kind": delta.kind,
                     "full_bytes": full.total_bytes,
@@ -324,10 +345,21 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: sync this many versions three ways (always delta, always full, auto: the kind"
         " measured faster) and compare mean sync times",
     )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the fp32 master weights and AdamW live (cuda: the encode copies each part from GPU"
+        " memory, cast to bf16 there first, as the trainer does; default cpu)",
+    )
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     if args.auto_versions == 1 or args.auto_versions < 0:
         ap.error("--auto-versions needs at least 2 versions (version 1 is always full)")
+    if args.auto_versions and args.device != "cpu":
+        ap.error("--auto-versions runs on the CPU only")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no GPU here")
     with contextlib.ExitStack() as mounts:
         storages = []
         for label in args.storage.split(","):
@@ -346,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.auto_versions:
                     rows += run_auto(gb, lr, storages, Path(args.stage_root), args.auto_versions)
                 else:
-                    rows += run(gb, lr, storages, Path(args.stage_root), args.warmup_steps)
+                    rows += run(gb, lr, storages, Path(args.stage_root), args.warmup_steps, args.device)
     (print_auto_table if args.auto_versions else print_table)(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -85,6 +85,28 @@ def test_gpu_check_dry_runs_on_the_cpu_with_its_fallback(tmp_path: Path) -> None
     assert "done in" in done.stdout
 
 
+def test_gpu_delta_check_dry_runs_on_the_cpu_and_reports_a_delta_beside_full(tmp_path: Path) -> None:
+    # GPU_DELTA_DEVICE=cpu is the script's dry-run switch (delta_bench.py --device cpu).
+    results = tmp_path / "results"
+    done = _run(
+        ["bash", str(BENCH / "gpu_delta_check.sh")],
+        timeout=600,
+        OUT=str(results),
+        GPU_DELTA_DEVICE="cpu",
+        GPU_DELTA_SIZES="0.05",
+        ROLLOUT_GPU_PYTHON=sys.executable,
+    )
+    rows = json.loads((results / "delta-0.05.json").read_text())
+    assert len(rows) == 1, rows
+    row = rows[0]
+    assert row["kind"] == "delta" and row["device"] == "cpu"
+    assert 0 < row["changed_fraction"] < 0.2 and 0 < row["bytes_ratio"] < 0.2, row
+    for key in ("encode_s", "delta_write_s", "apply_s", "full_publish_s", "full_stage_s"):
+        assert row[key] > 0, key
+    assert row["delta_sync_s"] == row["encode_s"] + row["delta_write_s"] + row["apply_s"]
+    assert "torch" in (results / "env.txt").read_text() and "done" in done.stdout
+
+
 def test_rollout_bench_reports_live_and_replayed_overhead(tmp_path: Path) -> None:
     out = tmp_path / "rollout.json"
     done = _run(
