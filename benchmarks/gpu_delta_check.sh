@@ -54,18 +54,28 @@ fi
 } > "$RESULTS/env.txt" 2>&1
 cat "$RESULTS/env.txt"
 
+# Room, in KiB, for N copies of a model of GB gigabytes (the checkpoint root holds version 1 in
+# full, version 2 in full and the raw write limit's file; the stage holds the base, the rebuilt
+# version and a spare).
+copies_kb() { awk -v gb="$1" -v n="$2" 'BEGIN { printf "%d", gb * n * 1.07 * 1024 * 1024 }'; }
+avail_kb() { df -k --output=avail "$1" | tail -1; }
 for size in $SIZES; do
-    need_kb=$(awk -v gb="$size" 'BEGIN { printf "%d", gb * 3.2 * 1024 * 1024 }')
-    stage=/dev/shm
-    if [ "$(df -k --output=avail /dev/shm | tail -1)" -lt "$need_kb" ]; then stage="$WORK/stage"; mkdir -p "$stage"; fi
+    stage=/dev/shm disk_copies=3
+    if [ "$(avail_kb /dev/shm)" -lt "$(copies_kb "$size" 3)" ]; then stage="$WORK/stage" disk_copies=6; fi
+    if [ "$(avail_kb "$WORK")" -lt "$(copies_kb "$size" "$disk_copies")" ]; then
+        say "size $size skipped: $disk_copies copies do not fit on the disk of $WORK (stage in $stage)"; continue
+    fi
     t=$(( $(left) - 10 ))
     if [ "$t" -lt 60 ]; then say "size $size skipped: ${t}s left"; continue; fi
     say "size $size GB, stage in $stage, ${t}s left"
-    mkdir -p "$WORK/ckpt"
+    mkdir -p "$WORK/ckpt" "$stage"
     timeout "$t" "$PY" benchmarks/delta_bench.py --device "$DEVICE" --sizes "$size" --lrs 1e-6 \
         --storage "$WORK/ckpt" --stage-root "$stage" --json "$RESULTS/delta-$size.json" \
         || say "size $size failed or timed out (exit $?)"
-    rm -rf "$WORK/ckpt" "$WORK/stage"
+    # A run stopped by timeout skips its own clean-up: its stage would hold tmpfs memory.
+    rm -rf "$WORK/ckpt" "$WORK/stage" "$stage"/delta-bench-stage-*
 done
 rm -rf "$WORK"
 say "done"
+exec >&- 2>&-
+wait  # for tee to write the log's last lines

@@ -88,7 +88,8 @@ class _Held:
     shape: tuple[int, ...]
     data: np.ndarray
     digest: str
-    """Of ``data``; empty until a delta needs it (see ``_fill_digest``)."""
+    """Of ``data``; empty until a delta needs it (taken while encoding, see :class:`_LayoutDigests`,
+    or by ``_hash_held`` when the write hashes the copy)."""
 
     @property
     def nbytes(self) -> int:
