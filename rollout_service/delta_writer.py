@@ -114,8 +114,8 @@ class Absorbed:
     probe: bool = False
     """A delta candidate only to measure deltas again (``costs``)."""
     shard_digests: list[str] | None = None
-    """Each shard's digest (of the bytes a full publish writes), hashed by the encode threads
-    for ``max_shard_bytes``; None: :meth:`DeltaCheckpointWriter.write` hashes the held copy."""
+    """For a delta, each shard's digest (of the bytes a full publish writes), hashed by the
+    encode threads for ``max_shard_bytes`` (a write with other shards hashes the held copy)."""
     max_shard_bytes: int = 0
 
 
@@ -277,7 +277,7 @@ class DeltaCheckpointWriter:
                     held[name] = prev
                     pending.append((name, self._submit_encode(pool, name, tensor, prev, hashing)))
                 else:
-                    reuse = prev.data if prev is not None and prev.nbytes == nbytes > 0 else None
+                    reuse = prev.data if prev is not None and prev.nbytes == nbytes else None
                     entry = _Held(tag, shape, _NO_BYTES, "")
                     held[name] = entry
                     pending.append((name, [pool.submit(self._copy_into, tensor, target, entry, reuse)]))
@@ -300,7 +300,10 @@ class DeltaCheckpointWriter:
         self._held, self._order = held, order
         if not delta:
             blobs, frames, changed = {}, {}, 0
-        shard_digests = hashing.finish(held) if delta and hashing is not None else None
+        shard_digests = None
+        if delta:  # still a delta: hashing was made at the start and never dropped
+            assert hashing is not None
+            shard_digests = hashing.finish(held)
         floats = {h.tag for h in held.values() if h.tag in FLOAT_DTYPES}
         self._pending_base = base
         self._absorbed = Absorbed(
@@ -346,7 +349,7 @@ class DeltaCheckpointWriter:
         or None when the part did not change."""
         cast_bytes, scratch, compressor = self._thread_state()
         itemsize = DTYPE_SIZES[prev.tag]
-        cast = torch.from_numpy(cast_bytes).view(_TAG_TO_TORCH[prev.tag])
+        cast = _typed(cast_bytes, prev.tag)
         cast[:count].copy_(flat[first : first + count])  # the cast (and a GPU's copy to host)
         new, lo = cast_bytes[: count * itemsize], first * itemsize
         old = prev.data[lo : lo + count * itemsize]
@@ -371,7 +374,7 @@ class DeltaCheckpointWriter:
     @staticmethod
     def _copy_into(tensor: torch.Tensor, target: str | None, entry: _Held, reuse: np.ndarray | None) -> None:
         if reuse is not None:  # cast straight into the last version's buffer: no allocation
-            torch.from_numpy(reuse).view(_TAG_TO_TORCH[entry.tag]).copy_(tensor.detach().reshape(-1))
+            _typed(reuse, entry.tag).copy_(tensor.detach().reshape(-1))
             entry.data = reuse
         else:
             t = _prepare(tensor, target)
@@ -480,10 +483,7 @@ class DeltaCheckpointWriter:
     def _held_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self._order:
             h = self._held[name]
-            if not h.nbytes:  # an empty array's stride cannot be viewed as another dtype
-                yield name, torch.empty(h.shape, dtype=_TAG_TO_TORCH[h.tag])
-                continue
-            yield name, torch.from_numpy(h.data).view(_TAG_TO_TORCH[h.tag]).reshape(h.shape)
+            yield name, _typed(h.data, h.tag).reshape(h.shape)
 
     def _full_data_bytes(self) -> int:
         return sum(h.nbytes for h in self._held.values())
@@ -633,13 +633,10 @@ class _LayoutDigests:
         digests, first = self._slots[name]
         digests.offer(first + part, data)
 
-    def finish(self, held: dict[str, _Held]) -> list[str] | None:
-        """Each shard's digest once every part was offered, and each tensor's set on ``held``
-        (None when a part never was: :meth:`DeltaCheckpointWriter.write` hashes the copy)."""
-        try:
-            results = [digests.result() for digests in self._digests]
-        except RuntimeError:
-            return None
+    def finish(self, held: dict[str, _Held]) -> list[str]:
+        """Each shard's digest once every part was offered (every encode job returned), and each
+        tensor's set on ``held``."""
+        results = [digests.result() for digests in self._digests]
         for members, (_, tensor_digests) in zip(self.shards, results):
             for name, digest in zip(members, tensor_digests):
                 held[name].digest = digest
@@ -655,6 +652,15 @@ def _tag_after_prepare(tensor: torch.Tensor, target: str | None) -> str:
 
 
 _NO_BYTES = np.empty(0, dtype=np.uint8)
+
+
+def _typed(data: np.ndarray, tag: str) -> torch.Tensor:
+    """Flat ``uint8`` bytes as a flat tensor of safetensors dtype ``tag``, sharing their memory
+    (an empty array gets an empty tensor: its stride cannot be viewed as another dtype)."""
+    dtype = _TAG_TO_TORCH[tag]
+    if not data.shape[0]:
+        return torch.empty(0, dtype=dtype)
+    return torch.from_numpy(data).view(dtype)
 
 
 def _keep(source: torch.Tensor, prepared: torch.Tensor, raw: np.ndarray, old: np.ndarray | None) -> np.ndarray:

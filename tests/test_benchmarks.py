@@ -62,19 +62,16 @@ def test_sync_bench_reports_every_phase_and_both_baselines(tmp_path: Path) -> No
     assert "What verified staging costs" in done.stdout
 
 
+def _dry_run(script: str, results: Path, **env: str) -> subprocess.CompletedProcess:
+    """A GPU script run on the CPU with this Python, its results under ``results``."""
+    return _run(["bash", str(BENCH / script)], timeout=600, OUT=str(results), ROLLOUT_GPU_PYTHON=sys.executable, **env)
+
+
 def test_gpu_check_dry_runs_on_the_cpu_with_its_fallback(tmp_path: Path) -> None:
     # GPU_CHECK_DEVICE=cpu is the script's dry-run switch; without SGLang's CUDA kernels it takes
     # its trainer-side fallback, as on a GPU machine without SGLang.
     results = tmp_path / "results"
-    done = _run(
-        ["bash", str(BENCH / "gpu_check.sh")],
-        timeout=600,
-        OUT=str(results),
-        GPU_CHECK_DEVICE="cpu",
-        GPU_CHECK_SIZES="tiny",
-        GPU_CHECK_REPEATS="1",
-        ROLLOUT_GPU_PYTHON=sys.executable,
-    )
+    done = _dry_run("gpu_check.sh", results, GPU_CHECK_DEVICE="cpu", GPU_CHECK_SIZES="tiny", GPU_CHECK_REPEATS="1")
     log = (results / "gpu-check.log").read_text()
     assert "trainer side only (--no-sglang)" in log and "size tiny finished with exit code 0" in log, log[-3000:]
     measured = json.loads((results / "sync-tiny.json").read_text())["results"]
@@ -88,14 +85,7 @@ def test_gpu_check_dry_runs_on_the_cpu_with_its_fallback(tmp_path: Path) -> None
 def test_gpu_delta_check_dry_runs_on_the_cpu_and_reports_a_delta_beside_full(tmp_path: Path) -> None:
     # GPU_DELTA_DEVICE=cpu is the script's dry-run switch (delta_bench.py --device cpu).
     results = tmp_path / "results"
-    done = _run(
-        ["bash", str(BENCH / "gpu_delta_check.sh")],
-        timeout=600,
-        OUT=str(results),
-        GPU_DELTA_DEVICE="cpu",
-        GPU_DELTA_SIZES="0.05",
-        ROLLOUT_GPU_PYTHON=sys.executable,
-    )
+    done = _dry_run("gpu_delta_check.sh", results, GPU_DELTA_DEVICE="cpu", GPU_DELTA_SIZES="0.05")
     rows = json.loads((results / "delta-0.05.json").read_text())
     assert len(rows) == 1, rows
     row = rows[0]

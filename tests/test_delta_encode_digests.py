@@ -20,6 +20,7 @@ import pytest
 from delta_helpers import CONFIG, RUN, Model, assert_same_files, publish_both, stage_through
 from rollout_service import delta_codec, delta_writer
 from rollout_service.checkpoint_format import Manifest, step_dir_name
+from rollout_service.checkpoint_writer import publish_checkpoint
 from rollout_service.delta_writer import DeltaCheckpointWriter
 from rollout_service.sidecar.staging import Stage
 
@@ -69,8 +70,6 @@ def test_a_write_with_other_shards_than_the_encode_hashed_hashes_the_copy(tmp_pa
     writer.absorb(model.tensors(), dtype="bfloat16", max_shard_bytes=1 << 30)  # hashed for one shard
     result = writer.write(root, 2, config=CONFIG, max_shard_bytes=SHARD, run_id=RUN)  # written as two
     assert result.kind == "delta"
-    from rollout_service.checkpoint_writer import publish_checkpoint
-
     publish_checkpoint(
         full_root, 2, model.tensors(), config=CONFIG, dtype="bfloat16", max_shard_bytes=SHARD, run_id=RUN
     )
