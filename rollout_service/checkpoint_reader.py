@@ -201,12 +201,12 @@ def validate_checkpoint(
     ``timeout_s`` bounds the whole validation (``validation_timeout``). Any failure, of
     whatever kind, raises ``CheckpointError``.
     """
-    checkpoint_dir = Path(checkpoint_dir)
+    checkpoint_dir = Path(checkpoint_dir).absolute()  # a relative root would double (resolve_inside)
     deadline = Deadline(timeout_s) if timeout_s is not None else NO_DEADLINE
     try:
         return _validate(
             checkpoint_dir,
-            Path(root) if root is not None else checkpoint_dir.parent,
+            Path(root).absolute() if root is not None else checkpoint_dir.parent,
             reference,
             allow_float_cast,
             check_digests,

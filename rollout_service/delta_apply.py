@@ -568,7 +568,8 @@ def materialize(
     check_finite: bool = False,
 ) -> Manifest:
     """Rebuild step ``step`` under ``root`` as a plain HF model directory ``out`` (must not exist)."""
-    root, out = Path(root), Path(out)
+    # Absolute: resolve_inside reads a relative path as relative to its root (it would double).
+    root, out = Path(root).absolute(), Path(out).absolute()
     if out.exists():
         raise FileExistsError(f"{out} exists; name a new directory for the materialized checkpoint")
     deadline = Deadline(timeout_s, what="materializing")

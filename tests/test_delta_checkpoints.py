@@ -452,3 +452,20 @@ def test_the_trainers_default_measures_and_true_forces_deltas() -> None:
     assert forced is not None and forced.costs is None and forced.full_every == 7
     assert writer(None, "float32") is None and writer(False, "bfloat16") is None
     assert writer(True, "float32") is not None
+
+
+def test_a_relative_root_is_not_joined_to_itself(tmp_path: Path, monkeypatch) -> None:
+    """`rollout-service validate ck/step-N`, `materialize ck` and a sidecar started on
+    `--checkpoint-path ck` (as the README's demo does with a relative --output-dir) work from
+    the root's parent: paths built from a relative root were joined to it a second time."""
+    from rollout_service.checkpoint_reader import validate_checkpoint
+    from rollout_service.delta_apply import materialize
+    from rollout_service.sidecar.settings import SidecarSettings
+
+    _chain(tmp_path, versions=3)  # root: tmp_path / "root", steps 1-3 (2 and 3 deltas)
+    monkeypatch.chdir(tmp_path)
+    assert validate_checkpoint("root/step-00000001").manifest.step == 1
+    assert validate_checkpoint("root/step-00000001", root="root").manifest.step == 1
+    assert materialize("root", 3, "out").step == 3
+    settings = SidecarSettings(checkpoint_path=Path("root"), sglang_url="http://127.0.0.1:1", stage_dir=Path("st"))
+    assert settings.checkpoint_path == tmp_path / "root" and settings.stage_dir == tmp_path / "st"

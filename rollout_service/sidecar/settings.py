@@ -119,7 +119,9 @@ class SidecarSettings:
     )
 
     def __post_init__(self) -> None:
-        self.checkpoint_path = Path(self.checkpoint_path)
+        # Absolute from here on: paths built from the root are confined to it by resolve_inside,
+        # which reads a relative path as relative to the root (a relative root would double).
+        self.checkpoint_path = Path(self.checkpoint_path).expanduser().absolute()
         if not self.replica_id:
             self.replica_id = f"{socket.gethostname()}-{self.port}"
         if not _REPLICA_RE.match(self.replica_id):
@@ -146,7 +148,7 @@ class SidecarSettings:
 
             self.stage_dir = default_stage_dir(self.replica_id)
         else:
-            self.stage_dir = Path(self.stage_dir)
+            self.stage_dir = Path(self.stage_dir).expanduser().absolute()
         if self.stage_dir is not None and is_inside(self.stage_dir, self.checkpoint_path):
             raise ValueError(
                 f"--stage-dir {self.stage_dir} is inside the checkpoint root; it must be"
