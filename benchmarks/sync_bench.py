@@ -25,7 +25,9 @@ it measures three ways of getting the trainer's weights into SGLang:
 * ``ours_delta`` (``--delta``): the trainer's fp32 master copy stepped by AdamW with random
   gradients at ``--delta-lr`` between versions (realistic update sizes), published in bf16 as
   deltas (``DeltaCheckpointWriter``), rebuilt and verified in the sidecar's stage, loaded from
-  there. ``ours`` then is today's full path on the same storage and server.
+  there. ``ours`` then is today's full path on the same storage and server, publishing the same
+  trainer's weights: both cast the fp32 master copy to bf16 inside the timed sync
+  (``--delta-from master``), or both get bf16 copies cast before it (``--delta-from bf16``).
 
 During every sidecar sync a probe thread sends ``/generate`` (one token) back to back; the
 longest probe that overlapped the sync, less the median idle probe, is SGLang's ``pause``.
@@ -325,8 +327,10 @@ def our_sync(
     timeout_s: float,
     delta: Any | None = None,
     probe: Probe | None = None,
+    dtype: str | None = None,
 ) -> dict[str, float]:
-    """Publish (in full, or as a delta with ``delta``), then wait until the sidecar serves it."""
+    """Publish (in full, or as a delta with ``delta``), then wait until the sidecar serves it;
+    ``dtype`` casts a full publish's tensors (a delta is always published in bf16)."""
     t0 = time.time()
     if delta is not None:
         result = delta.publish(
@@ -342,7 +346,7 @@ def our_sync(
             "delta": result.kind == "delta",
         }
     else:
-        result = publish_checkpoint(root, step, state.items(), config=config, run_id="bench")
+        result = publish_checkpoint(root, step, state.items(), config=config, dtype=dtype, run_id="bench")
         out = {
             "publish_s": result.total_seconds,
             "publish_write_s": result.write_seconds,
@@ -443,11 +447,15 @@ def run_case(
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"the sidecar never saw SGLang healthy:\n{sidecar.log_tail()}")
                     time.sleep(0.2)
-            trainer_state, writer, stepper = state, None, None
+            trainer_state, writer, stepper, dtype = state, None, None, None
+            if args.delta:
+                # Both kinds publish the same trainer's weights (see --delta-from): fp32 master
+                # weights, cast to bf16 by the publisher, or bf16 copies the trainer cast itself.
+                trainer_state = {k: torch.nn.Parameter(v.detach().float()) for k, v in state.items()}
+                dtype = "bfloat16"
             if kind == "ours_delta":
                 from rollout_service.delta_writer import DeltaCheckpointWriter
 
-                trainer_state = {k: torch.nn.Parameter(v.detach().float()) for k, v in state.items()}
                 writer = DeltaCheckpointWriter(full_every=1000)
                 stepper = torch.optim.AdamW(trainer_state.values(), lr=args.delta_lr)
             probe = Probe(server.url) if server is not None and not args.no_probe else None
@@ -459,17 +467,22 @@ def run_case(
                         p.grad = torch.randn_like(p)
                         stepper.step()
                         p.grad = None
+                handed = trainer_state
+                if args.delta and args.delta_from == "bf16":  # the trainer's own cast, before the sync
+                    handed = {k: p.detach().to(torch.bfloat16) for k, p in trainer_state.items()}
                 with probe if probe is not None and step > 1 else contextlib.nullcontext():
                     run = our_sync(
                         root,
                         step,
-                        trainer_state,
+                        handed,
                         config,
                         sidecar,
                         args.sync_timeout,
                         delta=writer,
                         probe=probe if step > 1 else None,
+                        dtype=dtype,
                     )
+                del handed
                 if probe is not None:
                     probe = Probe(server.url)  # a thread runs once
                 if kind == "ours_delta" and step == 1:
@@ -726,6 +739,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--delta-lr", type=float, default=1e-6, help="AdamW learning rate of the delta runs' updates (default 1e-6)"
+    )
+    parser.add_argument(
+        "--delta-from",
+        choices=("master", "bf16"),
+        default="master",
+        help=(
+            "with --delta, what both kinds publish: 'master' (default) the trainer's fp32 master weights,"
+            " cast to bf16 by the publisher inside the timed sync; 'bf16' bf16 copies the trainer cast"
+            " before the sync (as a GPU trainer hands them over after casting on the device)"
+        ),
     )
     parser.add_argument(
         "--no-probe",

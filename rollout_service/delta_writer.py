@@ -346,12 +346,17 @@ class DeltaCheckpointWriter:
         bytes, compress it into one frame, update the held bytes in place when they changed (a
         version allocates no model-sized memory: no page faults, and the held bytes stay the one
         copy), and offer them to ``hashing`` while they are still in cache. Returns the frame,
-        or None when the part did not change."""
+        or None when the part did not change. A CPU tensor already in the checkpoint dtype is
+        read where it is, not copied into the buffer first (0.1-0.2 s per GB on one thread)."""
         cast_bytes, scratch, compressor = self._thread_state()
         itemsize = DTYPE_SIZES[prev.tag]
-        cast = _typed(cast_bytes, prev.tag)
-        cast[:count].copy_(flat[first : first + count])  # the cast (and a GPU's copy to host)
-        new, lo = cast_bytes[: count * itemsize], first * itemsize
+        if flat.device.type == "cpu" and flat.dtype == _TAG_TO_TORCH[prev.tag]:
+            new = _bytes_of(flat[first : first + count])
+        else:
+            cast = _typed(cast_bytes, prev.tag)
+            cast[:count].copy_(flat[first : first + count])  # the cast (and a GPU's copy to host)
+            new = cast_bytes[: count * itemsize]
+        lo = first * itemsize
         old = prev.data[lo : lo + count * itemsize]
         frame = delta_codec.encode_frame(new, old, scratch, compressor)
         if frame is not None:
