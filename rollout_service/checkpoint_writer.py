@@ -334,9 +334,13 @@ def writer_identity() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid(), "tool": "rollout-service"}
 
 
-def new_step_work_dir(root: Path | str, step: int) -> Path:
-    """A new hidden work folder for ``<root>/step-<step>`` (see :func:`atomic_step_dir`). Raises
-    ``FileExistsError`` when the step is already published (steps are immutable)."""
+@contextlib.contextmanager
+def atomic_step_dir(root: Path | str, step: int) -> Iterator[Path]:
+    """A hidden work folder that becomes ``<root>/step-<step>`` by one rename when the block ends.
+
+    Everything written in it is fsynced first; on any error the folder is removed. Raises
+    ``FileExistsError`` when the step is already published (steps are immutable).
+    """
     root = Path(root)
     name = step_dir_name(step)
     root.mkdir(parents=True, exist_ok=True)
@@ -345,21 +349,6 @@ def new_step_work_dir(root: Path | str, step: int) -> Path:
         raise FileExistsError(f"{final} is already published; steps are immutable, publish a new step instead")
     tmp = root / f"{TEMP_PREFIX}{name}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
-    return tmp
-
-
-@contextlib.contextmanager
-def atomic_step_dir(root: Path | str, step: int, work: Path | None = None) -> Iterator[Path]:
-    """A hidden work folder that becomes ``<root>/step-<step>`` by one rename when the block ends.
-
-    Everything written in it is fsynced first; on any error the folder is removed. ``work``: a
-    folder made for this step by :func:`new_step_work_dir` earlier, already holding files (a
-    delta's, written while it was encoded); by default a new one. Raises ``FileExistsError``
-    when the step is already published (steps are immutable).
-    """
-    root = Path(root)
-    final = root / step_dir_name(step)
-    tmp = work if work is not None else new_step_work_dir(root, step)
     try:
         yield tmp
         fsync_dir(tmp)

@@ -74,7 +74,6 @@ from .checkpoint_writer import (
     write_small,
 )
 from .delta_choice import PublishCosts
-from .delta_spool import DeltaSpool
 from .digest import format_digest, new_hasher
 from .ordered_digests import OrderedDigests
 
@@ -172,8 +171,6 @@ class DeltaCheckpointWriter:
         self._base: _Base | None = None
         """The last version this writer published (what a delta applies to); None: write full."""
         self._absorbed: Absorbed | None = None
-        self._spool: DeltaSpool | None = None
-        """The absorbed delta's files, being written while it was encoded (``publish_to``)."""
         self._pending_base: _Base | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._scratch = threading.local()
@@ -184,9 +181,7 @@ class DeltaCheckpointWriter:
         self.last = DeltaStats()
 
     def close(self) -> None:
-        """Stop the encode threads (the held copy stays: a later publish may still use it) and
-        drop the files of a version taken in but not written."""
-        self._drop_spool()
+        """Stop the encode threads (the held copy stays: a later publish may still use it)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -209,7 +204,7 @@ class DeltaCheckpointWriter:
         run_id: str | None = None,
     ) -> PublishResult:
         """:meth:`absorb` then :meth:`write`."""
-        self.absorb(tensors, dtype=dtype, max_shard_bytes=max_shard_bytes, publish_to=(root, step))
+        self.absorb(tensors, dtype=dtype, max_shard_bytes=max_shard_bytes)
         return self.write(
             root, step, config=config, max_shard_bytes=max_shard_bytes, base_model=base_model, run_id=run_id
         )
@@ -221,19 +216,13 @@ class DeltaCheckpointWriter:
         *,
         dtype: str | None = None,
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-        publish_to: tuple[Path | str, int] | None = None,
     ) -> Absorbed:
         """Consume every tensor (always to the end), update the held copy, encode the XORs and
         (for a delta, whose shards are the last version's) hash the shards a full publish with
-        ``max_shard_bytes`` would write, each part as soon as its held bytes are updated.
-
-        ``publish_to=(root, step)``: the :meth:`write` to come; a delta's files are then written
-        there (hidden until the write renames them into place) while the rest is encoded
-        (:mod:`~rollout_service.delta_spool`)."""
+        ``max_shard_bytes`` would write, each part as soon as its held bytes are updated."""
         t0 = time.perf_counter()
         target = normalize_dtype(dtype)
         self._absorbed = None
-        self._drop_spool()
         base = self._base
         why_full = ""
         if base is None:
@@ -255,7 +244,6 @@ class DeltaCheckpointWriter:
         changed = 0
         pending: deque[tuple[str, list[Future[bytes | None]]]] = deque()
         hashing = _LayoutDigests(old_order, old, max_shard_bytes) if delta else None
-        spool = self._new_spool(publish_to, hashing, max_shard_bytes)
 
         def settle(name: str, jobs: list[Future[bytes | None]]) -> None:
             nonlocal changed
@@ -265,8 +253,6 @@ class DeltaCheckpointWriter:
                 frames[name] = [0 if part is None else len(part) for part in parts]
                 changed += held[name].nbytes
                 held[name].digest = ""  # its held bytes changed: hashed again when written
-                if spool is not None:
-                    spool.add(name, blobs[name])
 
         source = iter(tensors)
         if self._pool is None:
@@ -285,9 +271,6 @@ class DeltaCheckpointWriter:
                 if delta and not (same and len(order) < len(old_order) and old_order[len(order)] == name):
                     delta, hashing = False, None  # the parts submitted so far are still hashed: no one waits
                     why_full = f"the tensor layout changed at {name!r} (names, shapes, dtypes or order)"
-                    if spool is not None:
-                        spool.abort()
-                        spool = None
                 order.append(name)
                 if delta:
                     assert prev is not None
@@ -309,19 +292,11 @@ class DeltaCheckpointWriter:
                 for job in jobs:
                     job.cancel()
             self._held, self._order = {}, []
-            if spool is not None:
-                spool.abort()
             raise
-        if delta and len(order) != len(old_order):
-            delta, why_full = False, "the tensor layout changed (fewer tensors than the last version)"
-        if spool is not None:
-            if delta:
-                spool.end()
-                self._spool = spool
-            else:
-                spool.abort()
         if not order:
             raise ValueError("no tensors to publish: the iterable was empty")
+        if delta and len(order) != len(old_order):
+            delta, why_full = False, "the tensor layout changed (fewer tensors than the last version)"
         self._held, self._order = held, order
         if not delta:
             blobs, frames, changed = {}, {}, 0
@@ -345,25 +320,6 @@ class DeltaCheckpointWriter:
             max_shard_bytes=max_shard_bytes,
         )
         return self._absorbed
-
-    def _new_spool(
-        self, publish_to: tuple[Path | str, int] | None, hashing: _LayoutDigests | None, max_shard_bytes: int
-    ) -> DeltaSpool | None:
-        """A spool for a delta candidate's files at ``publish_to``; None when there is none to
-        write, or when it cannot be made (the write will then say why: a step already there)."""
-        if publish_to is None or hashing is None:
-            return None
-        root, step = publish_to
-        try:
-            return DeltaSpool(Path(os.path.abspath(root)), step, hashing.shards, max_shard_bytes)
-        except OSError as exc:
-            log.debug("delta files of step %d not written while encoding: %s", step, exc)
-            return None
-
-    def _drop_spool(self) -> None:
-        if self._spool is not None:
-            self._spool.abort()
-            self._spool = None
 
     def _submit_encode(
         self, pool: ThreadPoolExecutor, name: str, tensor: torch.Tensor, prev: _Held, hashing: _LayoutDigests | None
@@ -447,7 +403,6 @@ class DeltaCheckpointWriter:
         if absorbed is None:
             raise RuntimeError("write() needs a version taken in by absorb() first")
         self._absorbed = None
-        spool, self._spool = self._spool, None
         base = self._pending_base
         run_id = check_run_id(run_id)
         full_bytes = self._full_data_bytes()
@@ -466,12 +421,6 @@ class DeltaCheckpointWriter:
                 )
             elif not _still_published(Path(root), base):
                 kind, why_full = "full", f"step {base.step} (the delta's base) is no longer published as it was"
-        if spool is not None and (
-            kind != "delta"
-            or (spool.root, spool.step, spool.max_shard_bytes) != (Path(os.path.abspath(root)), step, max_shard_bytes)
-        ):
-            spool.abort()  # full after all, or written elsewhere than announced
-            spool = None
         t0 = time.perf_counter()
         try:
             if kind == "full":
@@ -496,13 +445,10 @@ class DeltaCheckpointWriter:
                     max_shard_bytes=max_shard_bytes,
                     base_model=base_model,
                     run_id=run_id,
-                    spool=spool,
                 )
                 new_base = _Base(step, result.fingerprint, base.chain_start, base.deltas_since_full + 1)
         except BaseException:
             self._base = None  # the held bytes are of a version that was not published
-            if spool is not None:
-                spool.abort()
             raise
         self._base = new_base
         seconds = absorbed.seconds + (time.perf_counter() - t0)
@@ -558,20 +504,14 @@ class DeltaCheckpointWriter:
         max_shard_bytes: int,
         base_model: str | None,
         run_id: str,
-        spool: DeltaSpool | None = None,
     ) -> PublishResult:
-        """``spool``: the delta files, written while the version was encoded (into the folder
-        that becomes the step); else they are written here."""
         t0 = time.perf_counter()
         if config is None:
             raise ValueError("a delta checkpoint needs the model's config (config.json)")
         shards = _plan_shards(self._order, self._held, max_shard_bytes)
         hashed = absorbed.shard_digests if absorbed.max_shard_bytes == max_shard_bytes else None
         names = shard_file_names(len(shards))
-        with atomic_step_dir(root, step, work=None if spool is None else spool.work) as tmp:
-            spooled, file_of = spool.finish() if spool is not None else ({}, {})
-            if spool is not None and set(file_of) != set(absorbed.blobs):
-                raise RuntimeError("the delta files written while encoding do not hold every changed tensor")
+        with atomic_step_dir(root, step) as tmp:
             files: dict[str, FileEntry] = {}
             target: dict[str, FileEntry] = {}
             tensors: dict[str, DeltaTensor] = {}
@@ -588,15 +528,12 @@ class DeltaCheckpointWriter:
                     digest = format_digest(hasher)
                 target[shard] = FileEntry(size=len(prefix) + data_len, digest=digest, tensors=len(members))
                 changed = [n for n in members if n in absorbed.blobs]
-                if spool is None and changed:
-                    delta_file = f"delta-{i:05d}-of-{len(shards):05d}.safetensors"
+                delta_file = f"delta-{i:05d}-of-{len(shards):05d}.safetensors" if changed else None
+                if delta_file is not None:
                     files[delta_file] = _write_shard(
                         tmp / delta_file,
                         [(n, torch.frombuffer(bytearray(absorbed.blobs[n]), dtype=torch.uint8)) for n in changed],
                     )
-                    file_of.update((n, delta_file) for n in changed)
-                for fname in sorted({file_of[n] for n in changed} & set(spooled)):
-                    files[fname] = spooled[fname]
                 for n in members:
                     h = self._held[n]
                     weight_map[n] = shard
@@ -605,7 +542,7 @@ class DeltaCheckpointWriter:
                         dtype=h.tag,
                         shape=list(h.shape),
                         digest=h.digest,
-                        delta_file=file_of.get(n),
+                        delta_file=delta_file if n in absorbed.blobs else None,
                         frames=absorbed.frames.get(n),
                     )
             if len(shards) > 1:

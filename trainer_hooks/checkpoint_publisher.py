@@ -177,7 +177,7 @@ class CheckpointPublisher:
         timed = _TimedIterator(tensors)
         t0 = time.perf_counter()
         try:
-            write, streams = self._take_in(timed, background, version)
+            write, streams = self._take_in(timed, background)
         except BaseException:
             timed.drain()
             raise
@@ -265,21 +265,15 @@ class CheckpointPublisher:
         self.publish(version, tensors, background=True)
         return time.perf_counter() - t0
 
-    def _take_in(
-        self, timed: _TimedIterator, background: bool, version: int
-    ) -> tuple[Callable[[int], PublishResult], bool]:
-        """What the job needs, taken from the weights now: (write(version), whether it streams).
-        A delta's files are written while it is encoded, into the folder that becomes ``version``."""
+    def _take_in(self, timed: _TimedIterator, background: bool) -> tuple[Callable[[int], PublishResult], bool]:
+        """What the job needs, taken from the weights now: (write(version), whether it streams)."""
         common: dict[str, Any] = dict(
             config=self.config, max_shard_bytes=self.max_shard_bytes, base_model=self.base_model, run_id=self.run_id
         )
         if self.delta is not None:
             delta = self.delta
             delta.absorb(
-                cast_on_device(timed, self._torch_dtype),
-                dtype=self.dtype,
-                max_shard_bytes=self.max_shard_bytes,
-                publish_to=(self.root, version),
+                cast_on_device(timed, self._torch_dtype), dtype=self.dtype, max_shard_bytes=self.max_shard_bytes
             )
             return (lambda version: delta.write(self.root, version, **common)), False
         if background:
