@@ -62,6 +62,41 @@ def test_sync_bench_reports_every_phase_and_both_baselines(tmp_path: Path) -> No
     assert "What verified staging costs" in done.stdout
 
 
+def test_sync_bench_delta_times_both_paths_on_the_same_weights(tmp_path: Path) -> None:
+    """--delta: today's full path and the delta path publish the same trainer's weights (the
+    tiny model's fp32 master copy, cast to bf16 by each publisher inside its timed sync), so a
+    full checkpoint has the same bytes on both; the full path once got the model as it was."""
+    out = tmp_path / "sync.json"
+    done = _run(
+        [
+            sys.executable,
+            str(BENCH / "sync_bench.py"),
+            "--delta",
+            "--sizes",
+            "tiny",
+            "--storage",
+            str(tmp_path / "storage"),
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--skip-naive",
+            "--no-probe",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--json",
+            str(out),
+        ],
+        timeout=900,
+    )
+    [result] = json.loads(out.read_text())["results"]
+    assert result["error"] is None, result["error"]
+    [full], [delta] = result["runs"]["ours"], result["runs"]["ours_delta"]
+    assert delta["delta"] and delta["bytes_written"] < delta["full_bytes"]
+    assert full["full_bytes"] == full["bytes_written"] == delta["full_bytes"]  # bf16 on both paths
+    assert "Delta sync" in done.stdout
+
+
 def _dry_run(script: str, results: Path, **env: str) -> subprocess.CompletedProcess:
     """A GPU script run on the CPU with this Python, its results under ``results``."""
     return _run(["bash", str(BENCH / script)], timeout=600, OUT=str(results), ROLLOUT_GPU_PYTHON=sys.executable, **env)
