@@ -61,6 +61,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,20 +208,24 @@ def read_all(path: Path) -> int:
     return total
 
 
-def physical_limit(work: Path, cpu_state: dict[str, torch.Tensor], cold_read: str) -> dict[str, float]:
-    """Raw write + fsync of the state's bytes, then a hot and a cold read of them."""
+def physical_limit(work: Path, tensors: Iterable[torch.Tensor], cold_read: str) -> dict[str, float]:
+    """Raw write + fsync of the tensors' bytes, then a hot and a cold read of them (only the
+    writes and the fsync are timed: ``tensors`` may be made one by one as they are written)."""
     path = work / "raw.bin"
     read_buffer()
     try:
-        t0 = time.perf_counter()
+        write_s = 0.0
         with open(path, "wb", buffering=0) as f:
-            for t in cpu_state.values():
+            for t in tensors:
                 view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                t0 = time.perf_counter()
                 written = 0
                 while written < len(view):
                     written += f.write(view[written:])
+                write_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
             os.fsync(f.fileno())
-        write_s = time.perf_counter() - t0
+            write_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         read_all(path)
         read_hot_s = time.perf_counter() - t0
@@ -389,12 +394,15 @@ def run_case(
     work: Path,
     args: argparse.Namespace,
     trainer: Any,
-    state: dict[str, torch.Tensor],
-    cpu_state: dict[str, torch.Tensor],
+    state: dict[str, torch.Tensor] | None,
+    cpu_state: dict[str, torch.Tensor] | None,
     config: Path,
     server: SGLangServer | None,
     log_dir: Path,
+    master: dict[str, torch.nn.Parameter] | None = None,
 ) -> None:
+    """``master``: with ``--delta``, the trainer's fp32 weights in place of ``state`` (which is
+    then None, with ``trainer`` and ``cpu_state``: see :func:`_run_all`)."""
     from sidecar_helpers import Sidecar
 
     url = server.url if server is not None else None
@@ -406,7 +414,12 @@ def run_case(
         order = ["physical", "naive"] if rep % 2 == 0 else ["naive", "physical"]
         for kind in order:
             if kind == "physical":
-                case.physical.append(physical_limit(work, cpu_state, case.cold_read))
+                tensors = (
+                    cpu_state.values()
+                    if cpu_state is not None
+                    else (p.detach().to(torch.bfloat16) for p in (master or {}).values())
+                )
+                case.physical.append(physical_limit(work, tensors, case.cold_read))
             elif not args.skip_naive:
                 case.naive.append(naive_sync(trainer, fixed, url, f"naive-{rep}", args.sync_timeout))
         progress(
@@ -451,7 +464,11 @@ def run_case(
             if args.delta:
                 # Both kinds publish the same trainer's weights (see --delta-from): fp32 master
                 # weights, cast to bf16 by the publisher, or bf16 copies the trainer cast itself.
-                trainer_state = {k: torch.nn.Parameter(v.detach().float()) for k, v in state.items()}
+                trainer_state = (
+                    master
+                    if master is not None
+                    else {k: torch.nn.Parameter(v.detach().float()) for k, v in state.items()}
+                )
                 dtype = "bfloat16"
             if kind == "ours_delta":
                 from rollout_service.delta_writer import DeltaCheckpointWriter
@@ -820,15 +837,25 @@ def _run_all(args: argparse.Namespace, storages: list[tuple[str, Path]]) -> int:
             cpu_state = state if args.device == "cpu" else {k: v.cpu() for k, v in state.items()}
             nbytes = sum(t.numel() * t.element_size() for t in cpu_state.values())
             progress(f"   model {model_dir} ({nbytes / 1e9:.3f} GB, {len(state)} tensors, {dtype})")
+            tensor_count, master = len(state), None
+            if args.delta and args.skip_naive and args.device == "cpu":
+                # The trainer's fp32 weights stand for the model from here on, and the bf16 model
+                # goes: at 2 GB, the fp32 weights, AdamW's two states, the writer's held copy and
+                # SGLang then leave room in 24 GB for the stage's pages.
+                master = {k: torch.nn.Parameter(v.detach().float()) for k, v in state.items()}
+                trainer = state = cpu_state = None
+                gc.collect()
             if not args.no_sglang:
                 server = start_server(model_dir, dtype, args, log_dir, size)
             for case, (_, storage) in zip(size_cases, storages):
-                case.model_bytes, case.tensors = nbytes, len(state)
+                case.model_bytes, case.tensors = nbytes, tensor_count
                 work = Path(tempfile.mkdtemp(prefix=f"sync-bench-{size}-", dir=storage))
                 progress(f"-- size {size}, storage {storage} ({case.fs_type}), work {work}")
                 try:
                     case.cold_read = choose_cold_read(work, args.cold_read)
-                    run_case(case, work, args, trainer, state, cpu_state, model_dir / "config.json", server, log_dir)
+                    run_case(
+                        case, work, args, trainer, state, cpu_state, model_dir / "config.json", server, log_dir, master
+                    )
                 except Exception:
                     case.error = traceback.format_exc()
                     progress(case.error)
