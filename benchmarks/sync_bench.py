@@ -401,8 +401,9 @@ def run_case(
     log_dir: Path,
     master: dict[str, torch.nn.Parameter] | None = None,
 ) -> None:
-    """``master``: with ``--delta``, the trainer's fp32 weights in place of ``state`` (which is
-    then None, with ``trainer`` and ``cpu_state``: see :func:`_run_all`)."""
+    """``master``: with ``--delta``, the trainer's fp32 weights, which both kinds publish (with
+    ``--skip-naive`` on the CPU, ``trainer``, ``state`` and ``cpu_state`` are then None: see
+    :func:`_run_all`)."""
     from sidecar_helpers import Sidecar
 
     url = server.url if server is not None else None
@@ -414,11 +415,11 @@ def run_case(
         order = ["physical", "naive"] if rep % 2 == 0 else ["naive", "physical"]
         for kind in order:
             if kind == "physical":
-                tensors = (
-                    cpu_state.values()
-                    if cpu_state is not None
-                    else (p.detach().to(torch.bfloat16) for p in (master or {}).values())
-                )
+                if cpu_state is not None:
+                    tensors: Iterable[torch.Tensor] = cpu_state.values()
+                else:  # dropped for the master weights (see _run_all): cast one by one
+                    assert master is not None
+                    tensors = (p.detach().to(torch.bfloat16) for p in master.values())
                 case.physical.append(physical_limit(work, tensors, case.cold_read))
             elif not args.skip_naive:
                 case.naive.append(naive_sync(trainer, fixed, url, f"naive-{rep}", args.sync_timeout))
@@ -461,15 +462,10 @@ def run_case(
                         raise RuntimeError(f"the sidecar never saw SGLang healthy:\n{sidecar.log_tail()}")
                     time.sleep(0.2)
             trainer_state, writer, stepper, dtype = state, None, None, None
-            if args.delta:
+            if master is not None:
                 # Both kinds publish the same trainer's weights (see --delta-from): fp32 master
                 # weights, cast to bf16 by the publisher, or bf16 copies the trainer cast itself.
-                trainer_state = (
-                    master
-                    if master is not None
-                    else {k: torch.nn.Parameter(v.detach().float()) for k, v in state.items()}
-                )
-                dtype = "bfloat16"
+                trainer_state, dtype = master, "bfloat16"
             if kind == "ours_delta":
                 from rollout_service.delta_writer import DeltaCheckpointWriter
 
@@ -829,7 +825,7 @@ def _run_all(args: argparse.Namespace, storages: list[tuple[str, Path]]) -> int:
         ]
         cases += size_cases
         server = None
-        trainer = None
+        trainer = master = None
         try:
             model_dir, dtype = resolve_model(size)
             trainer = load_trainer(model_dir, dtype, args.device)
@@ -837,12 +833,13 @@ def _run_all(args: argparse.Namespace, storages: list[tuple[str, Path]]) -> int:
             cpu_state = state if args.device == "cpu" else {k: v.cpu() for k, v in state.items()}
             nbytes = sum(t.numel() * t.element_size() for t in cpu_state.values())
             progress(f"   model {model_dir} ({nbytes / 1e9:.3f} GB, {len(state)} tensors, {dtype})")
-            tensor_count, master = len(state), None
+            tensor_count = len(state)
+            if args.delta:  # the trainer's fp32 master weights, which both kinds publish
+                master = {k: torch.nn.Parameter(v.detach().float()) for k, v in state.items()}
             if args.delta and args.skip_naive and args.device == "cpu":
                 # The trainer's fp32 weights stand for the model from here on, and the bf16 model
                 # goes: at 2 GB, the fp32 weights, AdamW's two states, the writer's held copy and
                 # SGLang then leave room in 24 GB for the stage's pages.
-                master = {k: torch.nn.Parameter(v.detach().float()) for k, v in state.items()}
                 trainer = state = cpu_state = None
                 gc.collect()
             if not args.no_sglang:
@@ -873,7 +870,7 @@ def _run_all(args: argparse.Namespace, storages: list[tuple[str, Path]]) -> int:
         finally:
             if server is not None:
                 server.stop()
-            trainer = state = cpu_state = None
+            trainer = state = cpu_state = master = None
             gc.collect()
             if args.device == "cuda":
                 torch.cuda.empty_cache()

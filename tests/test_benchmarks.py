@@ -23,28 +23,20 @@ def _run(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProc
     return done
 
 
-def test_sync_bench_reports_every_phase_and_both_baselines(tmp_path: Path) -> None:
+def _tiny_sync_bench(tmp_path: Path, storage: Path, *flags: str) -> tuple[dict, subprocess.CompletedProcess]:
+    """One repeat of ``sync_bench.py`` on the tiny model with real SGLang: (its one result, the run)."""
     out = tmp_path / "sync.json"
     done = _run(
-        [
-            sys.executable,
-            str(BENCH / "sync_bench.py"),
-            "--sizes",
-            "tiny",
-            "--storage",
-            str(tmp_path),
-            "--repeats",
-            "1",
-            "--warmup",
-            "0",
-            "--log-dir",
-            str(tmp_path / "logs"),
-            "--json",
-            str(out),
-        ],
+        [sys.executable, str(BENCH / "sync_bench.py"), "--sizes", "tiny", "--storage", str(storage)]
+        + ["--repeats", "1", "--warmup", "0", *flags, "--log-dir", str(tmp_path / "logs"), "--json", str(out)],
         timeout=900,
     )
     [result] = json.loads(out.read_text())["results"]
+    return result, done
+
+
+def test_sync_bench_reports_every_phase_and_both_baselines(tmp_path: Path) -> None:
+    result, done = _tiny_sync_bench(tmp_path, tmp_path)
     assert result["error"] is None and result["sglang"] and result["tensors"] > 0
     med = result["median_s"]
     phases = ["publish_s", "detect_s", "validate_s", "load_s", "ack_s", "end_to_end_s"]
@@ -66,30 +58,7 @@ def test_sync_bench_delta_times_both_paths_on_the_same_weights(tmp_path: Path) -
     """--delta: today's full path and the delta path publish the same trainer's weights (the
     tiny model's fp32 master copy, cast to bf16 by each publisher inside its timed sync), so a
     full checkpoint has the same bytes on both; the full path once got the model as it was."""
-    out = tmp_path / "sync.json"
-    done = _run(
-        [
-            sys.executable,
-            str(BENCH / "sync_bench.py"),
-            "--delta",
-            "--sizes",
-            "tiny",
-            "--storage",
-            str(tmp_path / "storage"),
-            "--repeats",
-            "1",
-            "--warmup",
-            "0",
-            "--skip-naive",
-            "--no-probe",
-            "--log-dir",
-            str(tmp_path / "logs"),
-            "--json",
-            str(out),
-        ],
-        timeout=900,
-    )
-    [result] = json.loads(out.read_text())["results"]
+    result, done = _tiny_sync_bench(tmp_path, tmp_path / "storage", "--delta", "--skip-naive", "--no-probe")
     assert result["error"] is None, result["error"]
     [full], [delta] = result["runs"]["ours"], result["runs"]["ours_delta"]
     assert delta["delta"] and delta["bytes_written"] < delta["full_bytes"]
