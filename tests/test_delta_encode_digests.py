@@ -153,11 +153,15 @@ def test_a_frame_is_none_exactly_when_the_part_did_not_change(n: int) -> None:
         assert np.array_equal(rebuilt, new)
 
 
-def test_tensors_in_the_checkpoint_dtype_are_read_in_place_and_never_held(tmp_path: Path, monkeypatch) -> None:
-    """A CPU tensor already in bf16 is encoded from its own bytes (no copy into the thread's
-    buffer first): its deltas are byte for byte those made from the fp32 weights, and the held
-    copy never shares its memory, so a trainer that reuses the buffer after a publish (here: fills
-    it with NaN) changes nothing that was published or that the next delta is taken against."""
+@pytest.mark.parametrize("dtype,lr", [("bfloat16", 1e-3), ("float16", 1e-5)])
+def test_tensors_in_the_checkpoint_dtype_are_read_in_place_and_never_held(
+    tmp_path: Path, monkeypatch, dtype: str, lr: float
+) -> None:
+    """A CPU tensor already in the checkpoint dtype (bf16 or fp16; one of them not contiguous) is
+    encoded from its own bytes (no copy into the thread's buffer first): its deltas are byte for
+    byte those made from the fp32 weights, and the held copy never shares its memory, so a
+    trainer that reuses the buffer after a publish (here: fills it with NaN) changes nothing
+    that was published or that the next delta is taken against."""
     in_place: list[int] = []
     read_where_it_is = delta_writer._bytes_of
 
@@ -167,22 +171,27 @@ def test_tensors_in_the_checkpoint_dtype_are_read_in_place_and_never_held(tmp_pa
         return read_where_it_is(t)
 
     monkeypatch.setattr(delta_writer, "_bytes_of", spy)
-    model = Model(lr=1e-3, shapes=SHAPES)
-    roots = {"bf16": tmp_path / "bf16", "fp32": tmp_path / "fp32"}
+    model = Model(lr=lr, shapes=SHAPES)
+
+    def laid_out(name: str, t: torch.Tensor) -> torch.Tensor:
+        return t.t() if name == "layer.q" else t  # a transposed view: not contiguous
+
+    fp32 = lambda: [(k, laid_out(k, p.detach())) for k, p in model.params.items()]  # noqa: E731
+    roots = {"in_dtype": tmp_path / "in_dtype", "fp32": tmp_path / "fp32"}
     writers = {k: DeltaCheckpointWriter(full_every=100, threads=3) for k in roots}
     for step in (1, 2, 3):
         if step > 1:
             model.step()
-        handed = [(k, p.detach().to(torch.bfloat16)) for k, p in model.params.items()]
+        handed = [(k, t.to(getattr(torch, dtype))) for k, t in fp32()]
         in_place.clear()
         kinds = {
             k: writers[k]
             .publish(
                 roots[k],
                 step,
-                handed if k == "bf16" else model.tensors(),
+                handed if k == "in_dtype" else fp32(),
                 config=CONFIG,
-                dtype="bfloat16",
+                dtype=dtype,
                 max_shard_bytes=SHARD,
                 run_id=RUN,
             )
@@ -190,21 +199,21 @@ def test_tensors_in_the_checkpoint_dtype_are_read_in_place_and_never_held(tmp_pa
             for k in roots
         }
         publish_checkpoint(
-            tmp_path / "full", step, model.tensors(), config=CONFIG, dtype="bfloat16", max_shard_bytes=SHARD, run_id=RUN
+            tmp_path / "full", step, fp32(), config=CONFIG, dtype=dtype, max_shard_bytes=SHARD, run_id=RUN
         )
         for _, t in handed:
             t.fill_(float("nan"))
         if step == 1:
             continue
-        assert kinds == {"bf16": "delta", "fp32": "delta"}
+        assert kinds == {"in_dtype": "delta", "fp32": "delta"}
         assert sum(in_place) == sum(int(np.prod(s)) for s in SHAPES.values())  # every part read in place
         made = {k: Manifest.load(roots[k] / step_dir_name(step)) for k in roots}
-        assert {n: e.digest for n, e in made["bf16"].files.items() if n.startswith("delta-")} == {
+        assert {n: e.digest for n, e in made["in_dtype"].files.items() if n.startswith("delta-")} == {
             n: e.digest for n, e in made["fp32"].files.items() if n.startswith("delta-")
         }
     stage = Stage(tmp_path / "stage")
     try:
-        built = stage_through(stage, roots["bf16"], 3)
+        built = stage_through(stage, roots["in_dtype"], 3)
         assert built is not None
         assert_same_files(built.path, tmp_path / "full" / step_dir_name(3))
     finally:
