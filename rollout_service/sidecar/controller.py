@@ -32,9 +32,7 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ..checkpoint_format import (
     CheckpointError,
@@ -42,23 +40,24 @@ from ..checkpoint_format import (
     parse_step_dir_name,
     step_dir_name,
 )
-from ..checkpoint_paths import is_inside, resolve_inside
+from ..checkpoint_paths import resolve_inside
 from ..checkpoint_reader import (
     PublishedCheckpoint,
     TensorSpecs,
     ValidationReport,
     list_checkpoints,
-    read_model_specs,
     validate_checkpoint,
 )
-from ..protocol import ReplicaReport, step_for_version, version_for_step
+from ..protocol import version_for_step
 from ..untrusted_files import Deadline
 from .acks import AckWriter
 from .adapter_sync import AdapterSync, is_adapter_step
 from .metrics import SidecarMetrics
+from .served_model import adoptable, find_reference
 from .settings import SidecarSettings
 from .sglang_client import ServerView, SGLangClient, SGLangLoadRejected, SGLangUnavailable
 from .staging import Stage, StagedBuild, StageError
+from .state import SidecarState
 from .sync_record import SyncRecord, published_at
 
 log = logging.getLogger(__name__)
@@ -66,70 +65,6 @@ log = logging.getLogger(__name__)
 # Loads of one step during which SGLang died, before that step is given up on.
 MAX_CRASHES_PER_STEP = 2
 MAX_BACKOFF_S = 30.0
-
-
-@dataclass
-class SidecarState:
-    """Everything ``/status`` reports."""
-
-    replica_id: str
-    checkpoint_path: str
-    sglang_url: str
-    watch_mode: str = "inotify"
-    loaded_step: int | None = None
-    loaded_run_id: str | None = None
-    loaded_fingerprint: str | None = None
-    loaded_current: bool = True
-    """False once the served checkpoint's directory is gone or was republished."""
-    loading_step: int | None = None
-    newest_known_step: int | None = None
-    sglang_healthy: bool = False
-    sglang_weight_version: str | None = None
-    sglang_seen_at: float | None = None
-    ready: bool = False
-    last_sync: SyncRecord | None = None
-    last_error: dict[str, Any] | None = None
-    rejected: dict[int, str] = field(default_factory=dict)
-    ack_error: str | None = None
-    reference: str | None = None
-    """Where the served model's tensor reference came from."""
-    stage_dir: str | None = None
-    stage_bytes: int | None = None
-    """Bytes held in the stage directory after the last sync."""
-    loop_heartbeat: float | None = None
-    loop_errors: int = 0
-    fatal: dict[str, Any] | None = None
-    """Set when the replica cannot recover by itself (e.g. its restart budget is spent)."""
-    started_at: float = field(default_factory=time.time)
-
-    def report(self) -> ReplicaReport:
-        """The part of the state the trainer reads (the replica protocol)."""
-        return ReplicaReport(
-            replica_id=self.replica_id,
-            loaded_step=self.loaded_step,
-            weight_version=None if self.loaded_step is None else version_for_step(self.loaded_step),
-            run_id=self.loaded_run_id,
-            fingerprint=self.loaded_fingerprint,
-            loaded_current=self.loaded_current,
-            loading_step=self.loading_step,
-            ready=self.ready,
-            sglang_healthy=self.sglang_healthy,
-            sglang_url=self.sglang_url,
-            last_error=self.last_error,
-            rejected={str(k): v for k, v in self.rejected.items()},
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """``/status``: the replica report and everything else the sidecar knows."""
-        data = asdict(self)
-        data["loaded_version"] = None if self.loaded_step is None else version_for_step(self.loaded_step)
-        data["pending_step"] = (
-            self.newest_known_step
-            if self.newest_known_step is not None and self.newest_known_step != self.loaded_step
-            else None
-        )
-        data.update(self.report().to_dict())
-        return data
 
 
 class SyncController:
@@ -401,7 +336,7 @@ class SyncController:
             self.state.loaded_step = None
             self.state.loaded_fingerprint = self.state.loaded_run_id = None
         if self.state.loaded_step is None and view.weight_version is not None:
-            adopted = await asyncio.to_thread(self._adoptable, view)
+            adopted = await asyncio.to_thread(adoptable, view, self.root, self.stage)
             if adopted is not None and self.state.loaded_step is None:  # on the loop: /status sees all or nothing
                 step, manifest, served = adopted
                 self._set_loaded(step, manifest, str(served))
@@ -409,52 +344,11 @@ class SyncController:
                 log.info("SGLang already serves step %d (%s); adopting it without a reload", step, served)
         await asyncio.to_thread(self._ensure_reference, view)
 
-    def _adoptable(self, view: ServerView) -> tuple[int, Manifest, Path] | None:
-        """(In a thread.) For a restarted sidecar beside a server that already serves a published
-        step: that step, its manifest and the served path, or None.
-
-        Adoptable when SGLang's ``model_path`` holds a manifest of that step whose fingerprint is
-        the published one (a staged copy, ours or another sidecar's, or the step directory
-        itself), or is a copy in this sidecar's own stage.
-        """
-        step = step_for_version(view.weight_version)
-        if step is None or not view.model_path or not os.path.isdir(view.model_path):
-            return None
-        served = Path(view.model_path)
-        try:
-            manifest = Manifest.load(served, root=served.parent)
-        except CheckpointError:
-            return None
-        if manifest.step != step:
-            return None
-        ours = self.stage is not None and self.stage.owns(served)
-        if not ours:
-            try:
-                published = Manifest.load(self.root / step_dir_name(step), root=self.root)
-            except CheckpointError:
-                return None
-            if published.fingerprint() != manifest.source_fingerprint():
-                return None
-        return step, manifest, served
-
     def _ensure_reference(self, view: ServerView) -> None:
         """Learn the served model's tensor specs once (every checkpoint is checked against them)."""
         if self._reference is not None:
             return
-        found: tuple[TensorSpecs, str] | None = None
-        if self.settings.reference_dir is not None:
-            found = read_model_specs(self.settings.reference_dir), str(self.settings.reference_dir)
-        else:
-            model_path = view.model_path
-            persisted = self.stage.load_reference() if self.stage is not None else None
-            ours = self.stage is not None and self.stage.owns(model_path)
-            in_root = model_path is not None and is_inside(model_path, self.root)
-            if persisted is not None and (ours or in_root):
-                found = persisted
-            elif model_path and not ours:
-                local = _local_model_dir(model_path)
-                if local is not None:
-                    found = read_model_specs(local), str(local)
+        found = find_reference(view, self.root, self.stage, self.settings.reference_dir)
         if found is None:
             self._error(
                 "no_reference",
@@ -746,21 +640,6 @@ class SyncController:
             if s.ack_error is None:
                 log.error("cannot write the ack file under %s: %s (HTTP acks still work)", self.root, exc)
             s.ack_error = str(exc)
-
-
-def _local_model_dir(model_path: str) -> Path | None:
-    """The local folder of SGLang's model: a directory, or a Hub id found in the local HF cache."""
-    if os.path.isdir(model_path):
-        return Path(model_path) if any(Path(model_path).glob("*.safetensors")) else None
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        return None
-    try:
-        local = Path(snapshot_download(model_path, local_files_only=True, allow_patterns=["*.safetensors", "*.json"]))
-    except Exception:  # not cached, not a repo id: no reference from it
-        return None
-    return local if any(local.glob("*.safetensors")) else None
 
 
 def _dir_identity(path: Path) -> tuple[int, int, int] | None:

@@ -1,0 +1,87 @@
+"""What SGLang serves: a published step it already holds, and the tensor reference of its model.
+
+Both are read from SGLang's own report (its ``model_path`` and weight version), never from a
+request: a restarted sidecar adopts the step SGLang already serves instead of reloading it, and
+every checkpoint is checked against the served model's tensor names, shapes and dtypes, because
+a checkpoint that does not fit makes SGLang's load raise and kills the server.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..checkpoint_format import CheckpointError, Manifest, step_dir_name
+from ..checkpoint_paths import is_inside
+from ..checkpoint_reader import TensorSpecs, read_model_specs
+from ..protocol import step_for_version
+from .sglang_client import ServerView
+from .staging import Stage
+
+
+def adoptable(view: ServerView, root: Path, stage: Stage | None) -> tuple[int, Manifest, Path] | None:
+    """(Blocking: call it in a thread.) For a restarted sidecar beside a server that already
+    serves a published step: that step, its manifest and the served path, or None.
+
+    Adoptable when SGLang's ``model_path`` holds a manifest of that step whose fingerprint is
+    the published one (a staged copy, ours or another sidecar's, or the step directory
+    itself), or is a copy in this sidecar's own stage.
+    """
+    step = step_for_version(view.weight_version)
+    if step is None or not view.model_path or not os.path.isdir(view.model_path):
+        return None
+    served = Path(view.model_path)
+    try:
+        manifest = Manifest.load(served, root=served.parent)
+    except CheckpointError:
+        return None
+    if manifest.step != step:
+        return None
+    if stage is None or not stage.owns(served):
+        try:
+            published = Manifest.load(root / step_dir_name(step), root=root)
+        except CheckpointError:
+            return None
+        if published.fingerprint() != manifest.source_fingerprint():
+            return None
+    return step, manifest, served
+
+
+def find_reference(
+    view: ServerView, root: Path, stage: Stage | None, reference_dir: Path | None
+) -> tuple[TensorSpecs, str] | None:
+    """(Blocking.) The served model's tensor specs and where they came from, or None when they
+    cannot be learnt (the caller reports it and loads nothing until then).
+
+    In order: ``--reference-dir``; the reference kept in the stage, when SGLang serves a staged
+    copy or a step of the root (a checkpoint, not the base model); the local model directory
+    SGLang was started from.
+    """
+    if reference_dir is not None:
+        return read_model_specs(reference_dir), str(reference_dir)
+    model_path = view.model_path
+    persisted = stage.load_reference() if stage is not None else None
+    ours = stage is not None and stage.owns(model_path)
+    in_root = model_path is not None and is_inside(model_path, root)
+    if persisted is not None and (ours or in_root):
+        return persisted
+    if model_path and not ours:
+        local = local_model_dir(model_path)
+        if local is not None:
+            return read_model_specs(local), str(local)
+    return None
+
+
+def local_model_dir(model_path: str) -> Path | None:
+    """The local folder of SGLang's model: a directory, or a Hub id found in the local HF cache."""
+    if os.path.isdir(model_path):
+        return Path(model_path) if any(Path(model_path).glob("*.safetensors")) else None
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None
+    try:
+        local = Path(snapshot_download(model_path, local_files_only=True, allow_patterns=["*.safetensors", "*.json"]))
+    except Exception:  # not cached, not a repo id: no reference from it
+        return None
+    return local if any(local.glob("*.safetensors")) else None

@@ -1,0 +1,77 @@
+"""What a sidecar knows about its replica: the one record ``/status`` and the replica acks report.
+
+Only the sync loop (``controller.py``) changes it; the HTTP API and the ack writer read it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..protocol import ReplicaReport, version_for_step
+from .sync_record import SyncRecord
+
+
+@dataclass
+class SidecarState:
+    """Everything ``/status`` reports."""
+
+    replica_id: str
+    checkpoint_path: str
+    sglang_url: str
+    watch_mode: str = "inotify"
+    loaded_step: int | None = None
+    loaded_run_id: str | None = None
+    loaded_fingerprint: str | None = None
+    loaded_current: bool = True
+    """False once the served checkpoint's directory is gone or was republished."""
+    loading_step: int | None = None
+    newest_known_step: int | None = None
+    sglang_healthy: bool = False
+    sglang_weight_version: str | None = None
+    sglang_seen_at: float | None = None
+    ready: bool = False
+    last_sync: SyncRecord | None = None
+    last_error: dict[str, Any] | None = None
+    rejected: dict[int, str] = field(default_factory=dict)
+    ack_error: str | None = None
+    reference: str | None = None
+    """Where the served model's tensor reference came from."""
+    stage_dir: str | None = None
+    stage_bytes: int | None = None
+    """Bytes held in the stage directory after the last sync."""
+    loop_heartbeat: float | None = None
+    loop_errors: int = 0
+    fatal: dict[str, Any] | None = None
+    """Set when the replica cannot recover by itself (e.g. its restart budget is spent)."""
+    started_at: float = field(default_factory=time.time)
+
+    def report(self) -> ReplicaReport:
+        """The part of the state the trainer reads (the replica protocol)."""
+        return ReplicaReport(
+            replica_id=self.replica_id,
+            loaded_step=self.loaded_step,
+            weight_version=None if self.loaded_step is None else version_for_step(self.loaded_step),
+            run_id=self.loaded_run_id,
+            fingerprint=self.loaded_fingerprint,
+            loaded_current=self.loaded_current,
+            loading_step=self.loading_step,
+            ready=self.ready,
+            sglang_healthy=self.sglang_healthy,
+            sglang_url=self.sglang_url,
+            last_error=self.last_error,
+            rejected={str(k): v for k, v in self.rejected.items()},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """``/status``: the replica report and everything else the sidecar knows."""
+        data = asdict(self)
+        data["loaded_version"] = None if self.loaded_step is None else version_for_step(self.loaded_step)
+        data["pending_step"] = (
+            self.newest_known_step
+            if self.newest_known_step is not None and self.newest_known_step != self.loaded_step
+            else None
+        )
+        data.update(self.report().to_dict())
+        return data
