@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout_demo.demo import make_prompts, word_start_reward
 from rollout_unit import ready_unit
-from trainer_hooks import GRPOConfig, GRPOTrainer
+from trainer_helpers import learning_config
+from trainer_hooks import GRPOTrainer
 
 REGEX = "[0-9]+( [0-9]+)*"
 """Numbers: the tiny random model puts little mass on digits, so the constrained logprobs are far from
@@ -48,26 +49,13 @@ def _run(
         texts.extend(completions)
         return base_reward(completions=completions, completion_ids=completion_ids)
 
-    args = GRPOConfig(
-        output_dir=str(out),
-        checkpoint_path=str(unit.checkpoint_root),
-        sglang_urls=[unit.sglang_url],
-        sidecar_urls=[unit.sidecar_url],
-        per_device_train_batch_size=32,
-        num_generations=8,
-        max_completion_length=16,
-        max_steps=steps,
+    args = learning_config(
+        out,
+        unit.checkpoint_root,
+        unit.sglang_url,
+        unit.sidecar_url,
+        steps=steps,
         learning_rate=learning_rate,
-        lr_scheduler_type="constant",
-        beta=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        use_cpu=True,
-        bf16=False,
-        disable_tqdm=True,
-        sync_timeout=300.0,
         keep_checkpoints=3,
         generation_kwargs={"regex": REGEX},
     )

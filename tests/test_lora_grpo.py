@@ -15,7 +15,6 @@ merged full checkpoints instead.
 from __future__ import annotations
 
 import logging
-import random
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +22,11 @@ import pytest
 import torch
 
 from helpers import free_port
+from rollout_demo.demo import make_prompts, word_start_reward
 from rollout_service.checkpoint_format import Manifest
 from rollout_service.checkpoint_reader import list_checkpoints
 from sidecar_helpers import CLIProcess, serve_argv, wait_http
+from trainer_helpers import learning_config
 
 MAX_RANK = 16
 FALLBACK = "LoRA adapter sync is not possible"
@@ -64,27 +65,6 @@ def lora_unit(tiny_model_dir, tmp_path_factory):
     unit.proc.stop()
 
 
-WORDS = "the data file import class return value list self path name error test string module open".split()
-
-
-def prompts(n: int) -> list[str]:
-    """Short prompts in the tiny tokenizer's domain (it was trained on Python sources)."""
-    rng = random.Random(0)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 7))) for _ in range(n)]
-
-
-def word_start_reward(tokenizer: Any):
-    """The share of completion tokens that start a new word (byte-level 'Ġ' prefix): learnable
-    in a few steps by the tiny model, as in the project's demo."""
-    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    starts = {i for i, t in enumerate(tokens) if t and t.startswith("Ġ")}
-
-    def new_words(completions: list[Any], completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
-        return [sum(int(t) in starts for t in ids) / max(len(ids), 1) for ids in completion_ids]
-
-    return new_words
-
-
 def run_grpo(
     unit: Unit,
     model_dir: Path,
@@ -98,39 +78,26 @@ def run_grpo(
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer_hooks import GRPOConfig, GRPOTrainer
+    from trainer_hooks import GRPOTrainer
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    args = GRPOConfig(
-        output_dir=str(out),
-        checkpoint_path=str(unit.root),
-        sglang_urls=[unit.sglang_url],
-        sidecar_urls=[unit.sidecar_url],
-        per_device_train_batch_size=32,
-        num_generations=8,
-        max_completion_length=16,
-        max_steps=steps,
+    args = learning_config(
+        out,
+        unit.root,
+        unit.sglang_url,
+        unit.sidecar_url,
+        steps=steps,
         learning_rate=learning_rate,
-        lr_scheduler_type="constant",
-        beta=0.0,
         temperature=temperature,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=0,
-        use_cpu=True,
-        bf16=False,
-        disable_tqdm=True,
-        sync_timeout=300.0,
         keep_checkpoints=None,
     )
     trainer = GRPOTrainer(
         model=policy,
         reward_funcs=word_start_reward(tokenizer),
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": prompts(max(64, steps * 4))}),
+        train_dataset=Dataset.from_dict({"prompt": make_prompts(max(64, steps * 4))}),
         processing_class=tokenizer,
         peft_config=peft_config,
     )

@@ -59,6 +59,29 @@ def make_config(
     return config_class(**settings)
 
 
+def learning_config(
+    out: Path, root: Path, sglang_url: str, sidecar_url: str, *, steps: int, learning_rate: float, **overrides: Any
+) -> Any:
+    """The settings of the tests that check a run *learns* (its reward rises against a learning-rate-0
+    control, with the demo's word-start reward): 32 completions per step (8 per prompt) of 16 tokens,
+    a constant learning rate and no KL term, so a few steps move the reward well past the noise."""
+    settings: dict[str, Any] = dict(
+        output_dir=str(out),
+        sidecar_urls=[sidecar_url],
+        per_device_train_batch_size=32,
+        num_generations=8,
+        max_completion_length=16,
+        max_steps=steps,
+        learning_rate=learning_rate,
+        lr_scheduler_type="constant",
+        beta=0.0,
+        report_to=[],
+        sync_timeout=300.0,
+    )
+    settings.update(overrides)
+    return make_config(out, root, [sglang_url], **settings)
+
+
 def make_trainer(model_dir: Path, config: Any, trainer_class: type = GRPOTrainer) -> Any:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
