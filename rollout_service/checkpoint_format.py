@@ -56,6 +56,12 @@ DELTA_FRAME_BYTES = 16 << 20
 MIN_FRAME_BYTES, MAX_FRAME_BYTES = 1 << 12, 1 << 26
 """Frame sizes a reader accepts: it holds two buffers of one frame per apply thread."""
 DEFAULT_FULL_EVERY = 20
+MAX_SHARD_HEADER_BYTES = 100 << 20
+"""The largest safetensors header of a shard a reader accepts (names, dtypes, shapes, offsets:
+~30 KB for a 7B model)."""
+MAX_CHAIN_LENGTH = 1000
+"""The most deltas one chain may hold (so the largest ``checkpoint_full_every`` is 1001): a
+replica that joins late replays a chain from its full step, and a reader walks it under a deadline."""
 """A full checkpoint every 20 versions: see docs/benchmarks.md (delta sync) for the measured
 trade-off between bytes per sync and a late joiner's replay."""
 DEFAULT_DELTA_MAX_RATIO = 0.5
@@ -298,7 +304,7 @@ class Manifest:
         elif data.get("adapter") is not None:
             raise CheckpointError("bad_manifest", f"{where}: a {kind} checkpoint has no adapter field")
         dtype = data["dtype"]
-        if dtype is not None and dtype not in FLOAT_DTYPES:
+        if dtype is not None and not (isinstance(dtype, str) and dtype in FLOAT_DTYPES):
             raise CheckpointError(
                 "bad_manifest", f"{where}: dtype {str(dtype)[:40]!r} is not one of {sorted(FLOAT_DTYPES)}"
             )
@@ -312,13 +318,13 @@ class Manifest:
         if digest_algorithm != DIGEST_ALGORITHM:
             raise CheckpointError("bad_manifest", f"{where}: digest_algorithm must be {DIGEST_ALGORITHM!r}")
         created_at = data["created_at"]
-        if isinstance(created_at, bool) or not isinstance(created_at, (int, float)):
-            raise CheckpointError("bad_manifest", f"{where}: created_at must be a number")
+        if isinstance(created_at, bool) or not isinstance(created_at, (int, float)) or not math.isfinite(created_at):
+            raise CheckpointError("bad_manifest", f"{where}: created_at must be a finite number")
         return cls(
             step=field_of.integer(data["step"], "step", MAX_STEP),
             weight_version=field_of.text(data["weight_version"], "weight_version"),
             created_at=float(created_at),
-            writer=field_of.obj(data["writer"], "writer"),
+            writer=field_of.tree(data["writer"], "writer"),
             base_model=base_model,
             dtype=dtype,
             total_bytes=field_of.integer(data["total_bytes"], "total_bytes", MAX_FILE_BYTES * MAX_MANIFEST_FILES),
@@ -326,7 +332,7 @@ class Manifest:
             files=files,
             digest_algorithm=digest_algorithm,
             format_version=version,
-            extra=field_of.obj(data.get("extra") or {}, "extra"),
+            extra=field_of.tree(data.get("extra") or {}, "extra"),
             run_id=run_id,
             kind=kind,
             delta=delta,
@@ -358,6 +364,10 @@ class Manifest:
 
 
 MAX_MANIFEST_FILES = 10_000
+MAX_TREE_DEPTH, MAX_TREE_NODES = 32, 10_000
+"""Nesting and size allowed in a manifest's free-form ``writer`` and ``extra`` objects: deeper
+JSON parses but cannot be serialized again (Python's recursion limit), and a reader holds every
+manifest of a delta chain."""
 MAX_FILE_BYTES = 1 << 44
 """16 TiB: larger than any real shard, small enough that sizes cannot overflow sums."""
 RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
@@ -367,8 +377,9 @@ _MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}", re.ASCII)
 
 
 def parse_json_object(text: str | bytes, *, where: str, reason: str) -> dict[str, Any]:
-    """Parse untrusted JSON into a dict: strict UTF-8, no NaN/Infinity, bounded nesting
-    (the json module's own recursion guard: deep nesting raises RecursionError, not a crash)."""
+    """Parse untrusted JSON into a dict: strict UTF-8, no NaN/Infinity, no key twice in one
+    object (which of the two counts would depend on the reader), bounded nesting (the json
+    module's own recursion guard: deep nesting raises RecursionError, not a crash)."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
@@ -378,8 +389,16 @@ def parse_json_object(text: str | bytes, *, where: str, reason: str) -> dict[str
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not a number JSON allows")
 
+    def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            seen: set[str] = set()
+            twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+            raise ValueError(f"the key {twice[:80]!r} appears twice in one object")
+        return obj
+
     try:
-        data = json.loads(text, parse_constant=no_constants)
+        data = json.loads(text, parse_constant=no_constants, object_pairs_hook=unique_keys)
     except RecursionError:
         raise CheckpointError(reason, f"{where} nests JSON too deeply to be a manifest") from None
     except ValueError as exc:
@@ -423,15 +442,34 @@ class _FieldReader:
         return value
 
     def file_name(self, value: Any, name: str) -> str:
+        """A bare file name of the step directory (``path_escape`` otherwise): every name a
+        manifest gives is joined to a directory by some reader, a stage copy or ``materialize``."""
         from .checkpoint_paths import check_plain_file_name
 
         if not isinstance(value, str):
             raise self._bad(name, "a file name", value)
-        try:
-            check_plain_file_name(value, where=self.where)
-        except CheckpointError as exc:
-            raise CheckpointError("bad_manifest", str(exc)) from None
+        check_plain_file_name(value, where=f"{self.where}: {name}")
         return value
+
+    def tree(self, value: Any, name: str) -> dict[str, Any]:
+        """A free-form JSON object (``writer``, ``extra``): at most ``MAX_TREE_DEPTH`` levels and
+        ``MAX_TREE_NODES`` values, finite numbers only, so that the manifest can be written back
+        (fingerprints, stage copies)."""
+        top = self.obj(value, name)
+        todo: list[tuple[Any, int]] = [(top, 1)]
+        nodes = 0
+        while todo:
+            node, depth = todo.pop()
+            nodes += 1
+            if nodes > MAX_TREE_NODES:
+                raise self._bad(name, f"JSON of at most {MAX_TREE_NODES} values", "...")
+            if isinstance(node, float) and not math.isfinite(node):
+                raise self._bad(name, "JSON with finite numbers only", node)
+            if isinstance(node, (dict, list)):
+                if depth > MAX_TREE_DEPTH:
+                    raise self._bad(name, f"JSON nested at most {MAX_TREE_DEPTH} levels deep", "...")
+                todo.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+        return top
 
     def files(self, raw: dict[str, Any], name: str) -> dict[str, FileEntry]:
         if len(raw) > MAX_MANIFEST_FILES:
@@ -440,6 +478,7 @@ class _FieldReader:
             )
         files = {}
         for fname, e in raw.items():
+            self.file_name(fname, name)
             at = f"{name}[{fname[:80]!r}]"
             e = self.obj(e, at)
             files[fname] = FileEntry(
@@ -504,8 +543,6 @@ class _FieldReader:
         if not isinstance(fp, str) or not _FINGERPRINT_RE.fullmatch(fp):
             raise self._bad("delta.base_fingerprint", "32 hex digits", fp)
         target = self.files(self.obj(d.get("target_files"), "delta.target_files"), "delta.target_files")
-        for fname in target:
-            self.file_name(fname, "delta.target_files")
         raw_tensors = self.obj(d.get("tensors"), "delta.tensors")
         if len(raw_tensors) > 10**7:
             raise self._bad("delta.tensors", "at most 10**7 entries", len(raw_tensors))
@@ -517,7 +554,7 @@ class _FieldReader:
             if shard not in target:
                 raise self._bad(f"{at}.shard", "one of delta.target_files", shard)
             dtype = e.get("dtype")
-            if dtype not in DTYPE_SIZES:
+            if not (isinstance(dtype, str) and dtype in DTYPE_SIZES):
                 raise self._bad(f"{at}.dtype", f"one of {sorted(DTYPE_SIZES)}", dtype)
             shape = e.get("shape")
             if (

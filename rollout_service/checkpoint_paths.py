@@ -38,6 +38,13 @@ def is_inside(path: Path | str, root: Path | str) -> bool:
 
 
 def check_plain_file_name(name: str, where: str) -> None:
-    """A manifest file name must be a bare name: no directories, no '..', no hidden names."""
-    if not name or name != os.path.basename(name) or name in (".", "..") or name.startswith("."):
+    """A manifest file name must be a bare name: no directories, no '..', no hidden names,
+    no NUL byte, at most 255 bytes (what one directory entry can hold)."""
+    if (
+        not name
+        or name != os.path.basename(name)
+        or name.startswith(".")
+        or "\x00" in name
+        or len(name.encode("utf-8", "surrogatepass")) > 255
+    ):
         raise CheckpointError("path_escape", f"{where} lists the file name {name!r}; only bare file names are allowed")

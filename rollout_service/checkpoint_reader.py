@@ -12,6 +12,7 @@ and a message that names the file and what was wrong.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -21,14 +22,16 @@ from safetensors import safe_open
 
 from .checkpoint_format import (
     CONFIG_NAME,
+    DTYPE_SIZES,
     FLOAT_DTYPES,
     INDEX_NAME,
+    MAX_SHARD_HEADER_BYTES,
     CheckpointError,
     Manifest,
     parse_json_object,
     parse_step_dir_name,
 )
-from .checkpoint_paths import check_plain_file_name, resolve_inside
+from .checkpoint_paths import resolve_inside
 from .digest import format_digest, new_hasher
 from .finite import first_non_finite
 from .untrusted_files import NO_DEADLINE, Deadline, fd_path, open_regular, read_small
@@ -247,8 +250,6 @@ def _validate(
         raise CheckpointError(
             "bad_manifest", f"{name}/manifest.json says step {manifest.step}, the directory says {step}"
         )
-    for fname in manifest.files:
-        check_plain_file_name(fname, f"{name}/manifest.json")
     # Files SGLang would load but the manifest does not vouch for.
     with os.scandir(real_dir) as listing:
         for i, found in enumerate(listing):
@@ -379,8 +380,9 @@ def _delta_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, dead
     """The specs of the checkpoint a delta rebuilds, after checking its files against them.
 
     Every ``delta-*.safetensors`` must hold exactly the ``U8`` blobs the manifest assigns to
-    it (one per changed tensor), every target shard must be described, and the sizes of the
-    target shards must follow from the tensors' shapes.
+    it (one per changed tensor), every target shard must be described, and each target shard's
+    size must be its tensors' bytes (from their dtypes and shapes) and a header of at most
+    ``MAX_SHARD_HEADER_BYTES``.
     """
     delta = manifest.delta
     assert delta is not None
@@ -391,10 +393,12 @@ def _delta_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, dead
         )
     expected: dict[str, set[str]] = {}
     per_shard: dict[str, int] = {}
+    shard_bytes: dict[str, int] = {}
     specs: TensorSpecs = {}
     for tname, t in delta.tensors.items():
         specs[tname] = (t.dtype, tuple(t.shape))
         per_shard[t.shard] = per_shard.get(t.shard, 0) + 1
+        shard_bytes[t.shard] = shard_bytes.get(t.shard, 0) + DTYPE_SIZES[t.dtype] * math.prod(t.shape)
         if t.delta_file is not None:
             if t.delta_file not in manifest.files:
                 raise CheckpointError(
@@ -408,6 +412,13 @@ def _delta_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, dead
                 "bad_manifest",
                 f"{name}: target shard {shard} holds {count}"
                 f" tensors, its entry says {delta.target_files[shard].tensors}",
+            )
+        size, data = delta.target_files[shard].size, shard_bytes[shard]
+        if not data + 8 < size <= data + 8 + MAX_SHARD_HEADER_BYTES:
+            raise CheckpointError(
+                "bad_manifest",
+                f"{name}: target shard {shard} is {size} bytes by its entry; its tensors hold {data}"
+                f" bytes, so it must be a little larger (a header of at most {MAX_SHARD_HEADER_BYTES} bytes)",
             )
     for fname in sorted(f for f in manifest.files if f.endswith(".safetensors")):
         deadline.check(f"{name}/{fname}")

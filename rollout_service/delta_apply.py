@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import shutil
 import struct
@@ -32,22 +33,27 @@ import numpy as np
 
 from . import delta_codec
 from .checkpoint_format import (
+    DTYPE_SIZES,
     MANIFEST_NAME,
+    MAX_CHAIN_LENGTH,
+    MAX_SHARD_HEADER_BYTES,
     TEMP_PREFIX,
     CheckpointError,
+    DeltaInfo,
     DeltaTensor,
     FileEntry,
     Manifest,
     parse_json_object,
     step_dir_name,
 )
+from .checkpoint_paths import is_inside
 from .digest import format_digest, new_hasher
 from .finite import count_non_finite
 from .ordered_digests import Abandoned, OrderedDigests
 from .untrusted_files import Deadline, VerifiedRead, copy_verified, open_regular
 
-MAX_CHAIN_LENGTH = 10_000
-MAX_HEADER_BYTES = 100 << 20
+MAX_DELTA_HEADER_BYTES = 16 << 20
+"""A delta file's header: one short entry per changed tensor of the file."""
 
 FindStaged = Callable[[int, str], "tuple[Path, Manifest] | None"]
 """(step, published fingerprint) -> an already reconstructed full copy of it, if any."""
@@ -71,17 +77,33 @@ class Chain:
     deltas: list[ChainLink]
 
 
-def resolve_chain(root: Path, link: ChainLink, find_staged: FindStaged | None = None) -> Chain:
+def resolve_chain(
+    root: Path, link: ChainLink, find_staged: FindStaged | None = None, deadline: Deadline | None = None
+) -> Chain:
     """Walk ``link`` back to a staged copy or to its chain's full step.
 
-    A base that is gone, unreadable or republished (another fingerprint) raises
+    Every step on the way is untrusted as much as ``link``: a base that is gone, unreadable,
+    republished (another fingerprint), of another run, of another tensor layout, or in another
+    chain (``chain_start``), and a walk longer than ``MAX_CHAIN_LENGTH`` steps, raise
     ``CheckpointError('broken_chain')``: the step cannot be rebuilt until the next full one.
+    The walk checks ``deadline`` at every step and holds only manifests of ``link``'s layout.
     """
     deltas: list[ChainLink] = []
     cur = link
+    top = link.manifest.delta
     while cur.manifest.kind == "delta":
         delta = cur.manifest.delta
-        assert delta is not None
+        assert delta is not None and top is not None
+        if deadline is not None:
+            deadline.check(f"the delta chain of {link.path.name}")
+        if delta.chain_start != top.chain_start or _layout(delta) != _layout(top):
+            raise CheckpointError(
+                "broken_chain",
+                f"{cur.path.name} is in the delta chain of {link.path.name} but"
+                f" {'starts at another full step' if delta.chain_start != top.chain_start else 'has other tensors'}"
+                f" ({delta.chain_start} vs {top.chain_start}): the chain cannot be rebuilt; the replica keeps"
+                " its weights until the next full step",
+            )
         deltas.insert(0, cur)
         if len(deltas) > MAX_CHAIN_LENGTH:
             raise CheckpointError(
@@ -111,7 +133,18 @@ def resolve_chain(root: Path, link: ChainLink, find_staged: FindStaged | None = 
                 "broken_chain", f"{cur.path.name} and its base {base_path.name} belong to different runs"
             )
         cur = ChainLink(base_path, base)
+    if top is not None and cur.manifest.step != top.chain_start:
+        raise CheckpointError(
+            "broken_chain",
+            f"{link.path.name}'s delta chain reaches the full step {cur.manifest.step}, its manifest"
+            f" says it starts at {top.chain_start}: the chain cannot be rebuilt",
+        )
     return Chain(cur, False, deltas)
+
+
+def _layout(delta: DeltaInfo) -> list[tuple[str, str, str, list[int]]]:
+    """The tensors a delta reconstructs, in order: one chain keeps them unchanged."""
+    return [(name, t.shard, t.dtype, t.shape) for name, t in delta.tensors.items()]
 
 
 def reconstruct(
@@ -465,29 +498,38 @@ def _read_header(fd: int, size: int, where: str) -> tuple[bytes, dict[str, tuple
         raise CheckpointError("header_invalid", f"{where} is too short for a safetensors file")
     head = _read_exact(fd, 8, where)
     (length,) = struct.unpack("<Q", head)
-    if length > min(size - 8, MAX_HEADER_BYTES):
+    if length > min(size - 8, MAX_SHARD_HEADER_BYTES):
         raise CheckpointError("header_invalid", f"{where}: header length {length} does not fit")
     raw = _read_exact(fd, length, where)
     header = parse_json_object(raw, where=where, reason="header_invalid")
     header.pop("__metadata__", None)
     entries = []
     for tname, e in header.items():
+        offsets = e.get("data_offsets") if isinstance(e, dict) else None
+        dtype = e.get("dtype") if isinstance(e, dict) else None
+        shape = e.get("shape") if isinstance(e, dict) else None
         if (
-            not isinstance(e, dict)
-            or not isinstance(e.get("data_offsets"), list)
-            or len(e["data_offsets"]) != 2
-            or not all(isinstance(x, int) for x in e["data_offsets"])
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in offsets)
+            or not (isinstance(dtype, str) and dtype in DTYPE_SIZES)
+            or not isinstance(shape, list)
+            or len(shape) > 8
+            or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 40 for x in shape)
+            or offsets[1] - offsets[0] != DTYPE_SIZES[dtype] * math.prod(shape)
         ):
-            raise CheckpointError("header_invalid", f"{where}: bad entry for {tname[:80]!r}")
-        start, end = e["data_offsets"]
-        entries.append((start, end, tname, e.get("dtype"), e.get("shape")))
+            raise CheckpointError(
+                "header_invalid",
+                f"{where}: the entry for {tname[:80]!r} is not a dtype, a shape and offsets that span its bytes",
+            )
+        entries.append((offsets[0], offsets[1], tname, dtype, shape))
     entries.sort()
     offset = 0
     order: dict[str, tuple[str, list[int], int]] = {}
     for start, end, tname, dtype, shape in entries:
-        if start != offset or end < start:
+        if start != offset:
             raise CheckpointError("header_invalid", f"{where}: tensors do not tile the data section")
-        order[tname] = (str(dtype), shape if isinstance(shape, list) else [], end - start)
+        order[tname] = (dtype, shape, end - start)
         offset = end
     if 8 + length + offset != size:
         raise CheckpointError("header_invalid", f"{where}: the header does not cover the file")
@@ -504,6 +546,14 @@ class _DeltaFile:
         if entry is None:
             raise CheckpointError("bad_manifest", f"{link.path.name}: {fname} is not in its files")
         self.where = f"{link.path.name}/{fname}"
+        assert link.manifest.delta is not None
+        blobs = sum(sum(t.frames or ()) for t in link.manifest.delta.tensors.values() if t.delta_file == fname)
+        if entry.size > 8 + MAX_DELTA_HEADER_BYTES + blobs:
+            raise CheckpointError(
+                "delta_corrupt",
+                f"{self.where} is {entry.size} bytes by its manifest entry, more than a header and the"
+                f" {blobs} bytes of frames its tensors name",
+            )
         self._read = VerifiedRead(
             root, link.path / fname, where=self.where, size=entry.size, digest=entry.digest, deadline=deadline
         )
@@ -523,7 +573,7 @@ class _DeltaFile:
     def _parse_header(self, size: int) -> None:
         self._read.upto(8)
         (length,) = struct.unpack("<Q", self._read.data[:8]) if size >= 8 else (size,)
-        if length > size - 8:
+        if length > min(size - 8, MAX_DELTA_HEADER_BYTES):
             raise CheckpointError("delta_corrupt", f"{self.where}: header length {length} does not fit")
         self._read.upto(8 + length)
         header = parse_json_object(bytes(self._read.data[8 : 8 + length]), where=self.where, reason="delta_corrupt")
@@ -567,14 +617,23 @@ def materialize(
     progress: Callable[[str], None] | None = None,
     check_finite: bool = False,
 ) -> Manifest:
-    """Rebuild step ``step`` under ``root`` as a plain HF model directory ``out`` (must not exist)."""
+    """Rebuild step ``step`` under ``root`` as a plain HF model directory ``out``: a new
+    directory outside the root (inside it, a step-named ``out`` would be read as a publication).
+
+    The step's manifest must be of that step; every step of its chain is checked as it is walked
+    and every byte written against the digests a full publish would have written."""
     # Absolute: resolve_inside reads a relative path as relative to its root (it would double).
     root, out = Path(root).absolute(), Path(out).absolute()
-    if out.exists():
+    if os.path.lexists(out):
         raise FileExistsError(f"{out} exists; name a new directory for the materialized checkpoint")
+    if is_inside(out, root):
+        raise ValueError(f"{out} is inside the checkpoint root {root}; write the model directory outside it")
     deadline = Deadline(timeout_s, what="materializing")
-    link = ChainLink(root / step_dir_name(step), Manifest.load(root / step_dir_name(step), root=root))
-    chain = resolve_chain(root, link)
+    path = root / step_dir_name(step)
+    manifest = Manifest.load(path, root=root)
+    if manifest.step != step:
+        raise CheckpointError("bad_manifest", f"{path.name}/manifest.json says step {manifest.step}, not {step}")
+    chain = resolve_chain(root, ChainLink(path, manifest), None, deadline)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = out.parent / f"{TEMP_PREFIX}materialize-{out.name}-{uuid.uuid4().hex[:8]}"
     work.mkdir()

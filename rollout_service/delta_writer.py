@@ -47,6 +47,7 @@ from .checkpoint_format import (
     DTYPE_SIZES,
     FLOAT_DTYPES,
     INDEX_NAME,
+    MAX_CHAIN_LENGTH,
     CheckpointError,
     DeltaInfo,
     DeltaTensor,
@@ -158,8 +159,11 @@ class DeltaCheckpointWriter:
     ):
         """``costs``: choose between delta and full by measured publish times (None: a delta
         whenever one is possible)."""
-        if full_every < 1:
-            raise ValueError(f"full_every must be at least 1 (1: every checkpoint is full), got {full_every}")
+        if not 1 <= full_every <= MAX_CHAIN_LENGTH + 1:
+            raise ValueError(
+                f"full_every must be between 1 (every checkpoint is full) and {MAX_CHAIN_LENGTH + 1} (the longest"
+                f" delta chain a reader replays), got {full_every}"
+            )
         if not 0 < max_ratio <= 1:
             raise ValueError(f"max_ratio must be in (0, 1], got {max_ratio}")
         self.full_every = full_every

@@ -157,10 +157,19 @@ class VerifiedRead:
 
     def __init__(self, root: Path, src: Path, *, where: str, size: int, digest: str, deadline: Deadline):
         self.where, self.size, self.digest, self.deadline = where, size, digest, deadline
-        self._buf = bytearray(size)  # before the file is opened: a failed allocation leaks nothing
-        self.data = memoryview(self._buf)
         self._opened = open_regular(root, src, where=where)
-        self._fd, _ = self._opened.__enter__()
+        self._fd, st = self._opened.__enter__()
+        try:
+            if st.st_size != size:  # before a buffer is sized by a number from the manifest
+                raise CheckpointError(
+                    "size_mismatch" if st.st_size > size else "truncated",
+                    f"{where} has {st.st_size} bytes on disk, the manifest says {size}",
+                )
+            self._buf = bytearray(size)
+        except BaseException:
+            self.close()
+            raise
+        self.data = memoryview(self._buf)
         self._hasher = new_hasher()
         self._got = 0
 

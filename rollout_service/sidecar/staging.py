@@ -234,8 +234,19 @@ class Stage:
         return self.path / f"{step_dir_name(step)}-{fingerprint[:12]}"
 
     def _check_room(self, manifest_step: int, nbytes: int) -> None:
+        """Room for ``nbytes`` more: a step larger than the whole stage is rejected
+        (``too_large_for_stage``: its manifest lists more than this host can hold); one that
+        only needs room freed is a ``StageError`` (the sync is tried again)."""
         need = nbytes + SPACE_MARGIN_BYTES
-        free = shutil.disk_usage(self.path).free
+        usage = shutil.disk_usage(self.path)
+        if need > usage.total:
+            raise CheckpointError(
+                "too_large_for_stage",
+                f"step {manifest_step} needs {need >> 20} MiB in the stage, more than the"
+                f" {usage.total >> 20} MiB its file system holds: its manifest lists files larger than"
+                " the model (or give --stage-dir a file system with room for two copies of the model)",
+            )
+        free = usage.free
         if free < need:
             raise StageError(
                 f"the stage directory {self.path} has {free >> 20} MiB free, step"
@@ -255,7 +266,7 @@ class Stage:
             path = self.copy_in(root, source_dir, manifest, deadline)
             return StagedBuild(path, manifest.kind, manifest.total_bytes, time.perf_counter() - t0, 0)
         link = ChainLink(source_dir, manifest)
-        chain = resolve_chain(root, link, self.find)
+        chain = resolve_chain(root, link, self.find, deadline)
         try:
             return self._apply_chain(root, chain, deadline, t0, check_finite)
         except CheckpointError as exc:
@@ -265,7 +276,7 @@ class Stage:
                 "the staged copy %s is damaged (%s); replaying the chain from its full step", chain.start.path.name, exc
             )
             _remove(chain.start.path)
-            return self._apply_chain(root, resolve_chain(root, link, None), deadline, t0, check_finite)
+            return self._apply_chain(root, resolve_chain(root, link, None, deadline), deadline, t0, check_finite)
 
     def _apply_chain(self, root: Path, chain: Chain, deadline: Deadline, t0: float, check_finite: bool) -> StagedBuild:
         bytes_read = 0

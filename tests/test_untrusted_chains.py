@@ -1,0 +1,376 @@
+"""Every step of a delta chain is untrusted input, not only the step being loaded.
+
+A sidecar rebuilding step N (and ``rollout-service materialize``) reads N's base, the base's
+base, down to the chain's full step: each of those manifests and files was written by whoever
+can write under the root. These tests spoil one step of a valid chain (full 1, deltas 2 and 3)
+the way a consistent attacker would (sizes, digests and the chain's fingerprints all updated),
+and check that the stage build and ``materialize`` of step 3 refuse it with a named reason,
+write nothing outside their own folders, and keep to their deadline. No SGLang here: the
+sidecar-level cases are in ``test_sidecar_untrusted.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from delta_helpers import CONFIG, RUN, Model
+from rollout_service import checkpoint_paths
+from rollout_service.checkpoint_format import (
+    MANIFEST_NAME,
+    MAX_CHAIN_LENGTH,
+    MAX_TREE_DEPTH,
+    MAX_TREE_NODES,
+    CheckpointError,
+    Manifest,
+    step_dir_name,
+)
+from rollout_service.delta_apply import ChainLink, materialize, resolve_chain
+from rollout_service.delta_writer import DeltaCheckpointWriter
+from rollout_service.digest import format_digest, new_hasher
+from rollout_service.sidecar.staging import Stage, StageError
+from rollout_service.untrusted_files import Deadline
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """Steps 1 (full), 2 and 3 (deltas on 1 and 2) of a small model in several shards."""
+    root = tmp_path / "root"
+    model, writer = Model(lr=1e-3), DeltaCheckpointWriter(full_every=100)
+    for step in (1, 2, 3):
+        model.step()
+        writer.publish(root, step, model.tensors(), config=CONFIG, dtype="bfloat16", max_shard_bytes=40_000, run_id=RUN)
+    writer.close()
+    assert [Manifest.load(root / step_dir_name(s)).kind for s in (1, 2, 3)] == ["full", "delta", "delta"]
+    return root
+
+
+def _dir(root: Path, step: int) -> Path:
+    return root / step_dir_name(step)
+
+
+def _digest(data: bytes) -> str:
+    h = new_hasher()
+    h.update(data)
+    return format_digest(h)
+
+
+def _fingerprint(step_dir: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The fingerprint an attacker writes into the next step, however odd the manifest's names."""
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint_paths, "check_plain_file_name", lambda *a, **k: None)
+        return Manifest.load(step_dir).fingerprint()
+
+
+def spoil(root: Path, step: int, edit: Callable[[dict], Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Edit step ``step``'s manifest, then point every later delta at the edited publication."""
+    path = _dir(root, step) / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    for later in range(step + 1, 4):
+        manifest = _dir(root, later) / MANIFEST_NAME
+        data = json.loads(manifest.read_text())
+        data["delta"]["base_fingerprint"] = _fingerprint(_dir(root, later - 1), monkeypatch)
+        manifest.write_text(json.dumps(data))
+
+
+def build_and_materialize(root: Path, tmp_path: Path, step: int = 3) -> list[CheckpointError]:
+    """Step ``step`` staged and materialized: the error each raised (both must raise one)."""
+    errors = []
+    stage = Stage(tmp_path / "stage")
+    try:
+        with pytest.raises(CheckpointError) as staged:
+            stage.build(root, _dir(root, step), Manifest.load(_dir(root, step)), Deadline(60))
+        errors.append(staged.value)
+    finally:
+        stage.close()
+    with pytest.raises(CheckpointError) as made:
+        materialize(root, step, tmp_path / "made" / "model", timeout_s=60)
+    errors.append(made.value)
+    assert not (tmp_path / "made" / "model").exists()
+    return errors
+
+
+def _files_outside(tmp_path: Path, inside: tuple[str, ...]) -> dict[str, int]:
+    """Every file under ``tmp_path`` but those in the folders named ``inside``: path -> mtime."""
+    found = {}
+    for dirpath, _, names in os.walk(tmp_path):
+        rel = Path(dirpath).relative_to(tmp_path)
+        if rel.parts and rel.parts[0] in inside:
+            continue
+        for n in names:
+            found[str(rel / n)] = os.stat(Path(dirpath) / n).st_mtime_ns
+    return found
+
+
+# --- names -----------------------------------------------------------------------------
+BAD_NAMES = ["../escaped", "../../escaped", "sub/model.safetensors", "/tmp/escaped", ".hidden", "a\x00b", "x" * 256]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+@pytest.mark.parametrize(
+    "step,field",
+    [(1, "files"), (2, "files"), (3, "delta.target_files"), (3, "delta.tensors.delta_file")],
+)
+def test_every_file_name_a_manifest_gives_must_be_a_bare_name(root: Path, step: int, field: str, name: str) -> None:
+    data = json.loads((_dir(root, step) / MANIFEST_NAME).read_text())
+    if field == "files":
+        data["files"][name] = data["files"].pop("config.json")
+    elif field == "delta.target_files":
+        data["delta"]["target_files"][name] = data["delta"]["target_files"].pop("config.json")
+    else:
+        changed = next(t for t in data["delta"]["tensors"].values() if t.get("delta_file"))
+        changed["delta_file"] = name
+    with pytest.raises(CheckpointError) as err:
+        Manifest.from_json(json.dumps(data))
+    assert err.value.reason == "path_escape" and "only bare file names" in str(err.value)
+
+
+@pytest.mark.parametrize("target", ["../escaped", "../../escaped"])
+def test_a_base_step_naming_files_outside_its_folder_writes_nothing_outside(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str
+) -> None:
+    # A consistent attacker: the full step lists config.json under a name that leads out of
+    # the folder a copy is made in, and a file of that name and those bytes exists there.
+    base = _dir(root, 1)
+    (base / target).write_bytes((base / "config.json").read_bytes())
+    spoil(root, 1, lambda d: d["files"].__setitem__(target, d["files"].pop("config.json")), monkeypatch)
+    before = _files_outside(tmp_path, ("stage", "made"))
+    errors = build_and_materialize(root, tmp_path)
+    assert [e.reason for e in errors] == ["broken_chain", "broken_chain"], errors
+    assert all("bad_manifest" in str(e) or "path_escape" in str(e) for e in errors), errors
+    assert _files_outside(tmp_path, ("stage", "made")) == before
+    for folder in (tmp_path / "stage", tmp_path / "made"):  # nothing landed beside the copies either
+        assert not [p for p in folder.rglob("*") if p.name.endswith("escaped")], list(folder.rglob("*"))
+
+
+# --- free-form fields ------------------------------------------------------------------
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = {"k": value}
+    return value
+
+
+TEXT_EDITS: dict[str, Callable[[str], str]] = {
+    # Each parses as JSON; none could be written back (fingerprint, stage copy) or read one way.
+    "extra nested 600 deep": lambda t: t.replace('"extra": {}', '"extra": ' + json.dumps(_nested(600)), 1),
+    "writer nested past the limit": lambda t: t.replace(
+        '"writer": {', '"writer": {"deep": ' + json.dumps(_nested(MAX_TREE_DEPTH)) + ", ", 1
+    ),
+    "extra with too many values": lambda t: t.replace(
+        '"extra": {}', '"extra": ' + json.dumps({"x": [0] * MAX_TREE_NODES}), 1
+    ),
+    "an infinite number in extra": lambda t: t.replace('"extra": {}', '"extra": {"x": 1e400}', 1),
+    "created_at infinite": lambda t: t.replace('"created_at": ', '"created_at": 1e400, "_": ', 1),
+    "a key twice": lambda t: t.replace('"step": ', '"step": 1, "step": ', 1),
+    "dtype a list": lambda t: t.replace('"dtype": "BF16"', '"dtype": ["BF16"]', 1),
+    "dtype an object": lambda t: t.replace('"dtype": "BF16"', '"dtype": {"BF16": 1}', 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TEXT_EDITS))
+@pytest.mark.parametrize("step", [1, 3])
+def test_manifest_fields_that_cannot_be_written_back_or_compared_are_refused(root: Path, step: int, name: str) -> None:
+    text = json.dumps(json.loads((_dir(root, step) / MANIFEST_NAME).read_text()))
+    spoiled = TEXT_EDITS[name](text)
+    assert spoiled != text, "the edit must apply"
+    json.loads(spoiled)  # still JSON: the reader, not the parser, must refuse it
+    with pytest.raises(CheckpointError) as err:
+        Manifest.from_json(spoiled)
+    assert err.value.reason == "bad_manifest"
+
+
+@pytest.mark.parametrize("where", ["tensor", "top"])
+def test_a_dtype_that_is_not_a_string_is_refused_in_a_delta_s_tensors(root: Path, where: str) -> None:
+    data = json.loads((_dir(root, 3) / MANIFEST_NAME).read_text())
+    if where == "tensor":
+        next(iter(data["delta"]["tensors"].values()))["dtype"] = ["BF16"]
+    else:
+        data["dtype"] = {"BF16": 1}
+    with pytest.raises(CheckpointError) as err:
+        Manifest.from_json(json.dumps(data))
+    assert err.value.reason == "bad_manifest" and "dtype" in str(err.value)
+
+
+def test_free_form_fields_within_the_limits_round_trip(root: Path) -> None:
+    text = json.dumps(json.loads((_dir(root, 3) / MANIFEST_NAME).read_text()))
+    nested = _nested(MAX_TREE_DEPTH - 2)  # inside "extra", inside the manifest
+    manifest = Manifest.from_json(text.replace('"extra": {}', '"extra": ' + json.dumps({"n": nested, "f": 0.5}), 1))
+    again = Manifest.from_json(manifest.to_json())
+    assert again.extra["n"] == nested and again.fingerprint() == manifest.fingerprint()
+
+
+# --- the chain's shape -----------------------------------------------------------------
+def _rename_a_tensor(d: dict) -> None:
+    tensors = d["delta"]["tensors"]
+    first = next(iter(tensors))
+    tensors["renamed." + first] = tensors.pop(first)
+
+
+CHAIN_EDITS: dict[str, tuple[int, Callable[[dict], Any], str]] = {
+    "a middle step of another chain": (2, lambda d: d["delta"].update(chain_start=0), "another full step"),
+    "a middle step with other tensors": (2, _rename_a_tensor, "other tensors"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHAIN_EDITS))
+def test_every_step_of_a_chain_must_belong_to_it(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    step, edit, says = CHAIN_EDITS[name]
+    spoil(root, step, edit, monkeypatch)
+    Manifest.load(_dir(root, step))  # each step parses on its own: only the chain is wrong
+    for err in build_and_materialize(root, tmp_path):
+        assert err.reason == "broken_chain" and says in str(err), err
+
+
+def test_a_chain_must_end_at_the_full_step_it_names(root: Path, tmp_path: Path, monkeypatch) -> None:
+    spoil(root, 2, lambda d: d["delta"].update(chain_start=0), monkeypatch)
+    spoil(root, 3, lambda d: d["delta"].update(chain_start=0), monkeypatch)
+    for err in build_and_materialize(root, tmp_path):
+        assert err.reason == "broken_chain" and "reaches the full step 1" in str(err), err
+
+
+def test_the_chain_walk_keeps_to_its_deadline(root: Path) -> None:
+    deadline = Deadline(0.001)
+    time.sleep(0.01)
+    link = ChainLink(_dir(root, 3), Manifest.load(_dir(root, 3)))
+    with pytest.raises(CheckpointError) as err:
+        resolve_chain(root, link, None, deadline)
+    assert err.value.reason == "validation_timeout"
+    assert len(resolve_chain(root, link, None, Deadline(60)).deltas) == 2
+
+
+# --- bytes that lie --------------------------------------------------------------------
+def test_a_base_shard_header_whose_shape_does_not_span_its_bytes_is_refused(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = _dir(root, 1)
+    manifest = json.loads((base / MANIFEST_NAME).read_text())
+    for fname in sorted(f for f in manifest["files"] if f.endswith(".safetensors")):
+        data = (base / fname).read_bytes()
+        (length,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + length])
+        name = next((k for k, v in header.items() if k != "__metadata__" and v["shape"] == [64]), None)
+        if name is not None:
+            break
+    else:
+        pytest.fail("no 64-element tensor in the base")
+    header[name]["shape"] = [32]  # same header length; the offsets still span 64 elements
+    raw = json.dumps(header, separators=(",", ":")).encode().ljust(length)
+    assert len(raw) == length
+    spoiled = data[:8] + raw + data[8 + length :]
+    (base / fname).write_bytes(spoiled)
+    spoil(root, 1, lambda d: d["files"][fname].update(digest=_digest(spoiled)), monkeypatch)
+    for err in build_and_materialize(root, tmp_path):
+        assert err.reason == "header_invalid" and name in str(err), err
+
+
+@pytest.mark.parametrize("size,reason", [(1 << 44, "delta_corrupt"), ("+1", "truncated"), ("-1", "size_mismatch")])
+def test_a_delta_file_size_is_checked_before_a_buffer_is_sized_by_it(
+    root: Path, tmp_path: Path, size: Any, reason: str
+) -> None:
+    top = _dir(root, 3)
+    data = json.loads((top / MANIFEST_NAME).read_text())
+    fname = next(f for f in data["files"] if f.startswith("delta-"))
+    real = data["files"][fname]["size"]
+    data["files"][fname]["size"] = size if isinstance(size, int) else real + int(size)
+    data["total_bytes"] += data["files"][fname]["size"] - real
+    (top / MANIFEST_NAME).write_text(json.dumps(data))
+    for err in build_and_materialize(root, tmp_path):
+        assert err.reason == reason and fname in str(err), err
+
+
+def test_a_delta_file_header_larger_than_its_bound_is_refused_unread(root: Path, tmp_path: Path) -> None:
+    top = _dir(root, 3)
+    data = json.loads((top / MANIFEST_NAME).read_text())
+    fname = next(f for f in data["files"] if f.startswith("delta-"))
+    blob = (top / fname).read_bytes()
+    (length,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + length])
+    header["__metadata__"] = {"pad": "x" * (17 << 20)}
+    raw = json.dumps(header).encode()
+    spoiled = struct.pack("<Q", len(raw)) + raw + blob[8 + length :]
+    (top / fname).write_bytes(spoiled)
+    data["total_bytes"] += len(spoiled) - data["files"][fname]["size"]
+    data["files"][fname].update(size=len(spoiled), digest=_digest(spoiled))
+    (top / MANIFEST_NAME).write_text(json.dumps(data))
+    for err in build_and_materialize(root, tmp_path):
+        assert err.reason == "delta_corrupt" and fname in str(err), err
+
+
+# --- materialize's output and the stage's room -----------------------------------------
+def test_materialize_checks_its_output_and_the_step_before_any_work(root: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="inside the checkpoint root"):
+        materialize(root, 3, root / step_dir_name(9))
+    with pytest.raises(ValueError, match="inside the checkpoint root"):
+        materialize(root, 3, root / "models" / "m")
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(FileExistsError):
+        materialize(root, 3, dangling)
+    shutil.copytree(_dir(root, 1), root / step_dir_name(7))  # step 1's manifest under step 7's name
+    with pytest.raises(CheckpointError) as err:
+        materialize(root, 7, tmp_path / "seven")
+    assert err.value.reason == "bad_manifest" and "says step 1" in str(err.value)
+    assert sorted(p.name for p in root.iterdir()) == [
+        "step-00000001",
+        "step-00000002",
+        "step-00000003",
+        "step-00000007",
+    ]
+    assert not (tmp_path / "seven").exists() and not list(tmp_path.glob(".tmp-*"))
+    assert not (tmp_path / "nowhere").exists()
+    made = materialize(root, 3, tmp_path / "three")
+    assert made.step == 3 and (tmp_path / "three" / "config.json").exists()
+
+
+def test_a_step_larger_than_the_stage_is_rejected_and_one_that_needs_room_is_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stage = Stage(tmp_path / "stage")
+    try:
+        total = shutil.disk_usage(stage.path).total
+        with pytest.raises(CheckpointError) as err:
+            stage._check_room(5, total)
+        assert err.value.reason == "too_large_for_stage" and "step 5" in str(err.value)
+        real = shutil.disk_usage
+
+        def full(path: Any) -> Any:
+            usage = real(path)
+            return usage._replace(free=1 << 20)
+
+        monkeypatch.setattr(shutil, "disk_usage", full)
+        with pytest.raises(StageError, match="MiB free"):
+            stage._check_room(5, 100 << 20)
+    finally:
+        stage.close()
+
+
+def test_full_every_is_bounded_by_the_longest_chain_a_reader_walks(tmp_path: Path) -> None:
+    from trainer_hooks import GRPOConfig
+
+    DeltaCheckpointWriter(full_every=MAX_CHAIN_LENGTH + 1).close()
+    with pytest.raises(ValueError, match=str(MAX_CHAIN_LENGTH + 1)):
+        DeltaCheckpointWriter(full_every=MAX_CHAIN_LENGTH + 2)
+    with pytest.raises(ValueError, match="checkpoint_full_every"):
+        GRPOConfig(
+            output_dir=str(tmp_path),
+            checkpoint_path=str(tmp_path),
+            sglang_urls=["http://127.0.0.1:30000"],
+            expected_replicas=1,
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            checkpoint_full_every=MAX_CHAIN_LENGTH + 2,
+        )
