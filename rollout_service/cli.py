@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint_format import CheckpointError
-from .cli_env import EnvArgumentParser, SettingFlags, add_env_argument
+from .cli_env import EnvArgumentParser, SettingFlags, add_env_argument, number_type
 from .lora_serving import add_lora_flags, lora_from_args
 from .serve import RestartPolicy, run_serve
 from .sglang_launcher import SGLangServer, SGLangServerConfig
@@ -37,6 +37,13 @@ SERVE_RESTART_SETTINGS = SettingFlags(RestartPolicy)
 """`serve`'s restart budget and startup timeout."""
 SERVE_SGLANG_SETTINGS = SettingFlags(SGLangServerConfig, defaults={"port": 30000})
 """`serve`'s SGLang flags (`--model`, `--port`, ...): SGLang's usual port, where the library picks a free one."""
+
+SECONDS = number_type(float, 0.001, 7 * 86400.0)
+"""The type of the one-shot commands' ``--timeout`` flags: finite, positive, at most a week."""
+SHARD_MB = number_type(float, 0.001, 1 << 20)
+"""The type of ``publish --max-shard-mb``: from about 1 KiB to 1 TiB."""
+SEED = number_type(int, 0, 2**32 - 1)
+"""The type of ``make-tiny-model --seed``."""
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
@@ -157,7 +164,13 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    Path(args.checkpoint_path).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(args.checkpoint_path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"cannot create --checkpoint-path {args.checkpoint_path}: {exc.strerror or exc}; point it at a"
+            " directory (or where one can be created) on the shared checkpoint volume"
+        ) from None
     server = SGLangServer(
         **SERVE_SGLANG_SETTINGS.values(args),
         extra_args=list(args.sglang_args or []),
@@ -178,7 +191,13 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         prog="rollout-service",
         description="SGLang rollouts for TRL GRPO, synced through safetensors checkpoints on shared storage.",
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+        help="logging level (default INFO)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=EnvArgumentParser)
 
     p = sub.add_parser(
@@ -192,7 +211,7 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
     p.add_argument("--checkpoint-path", required=True, help="checkpoint root directory")
     p.add_argument("--step", required=True, type=int, help="step number (0..99999999)")
     p.add_argument("--dtype", default=None, help="convert floating tensors to this dtype (bfloat16, float16, float32)")
-    p.add_argument("--max-shard-mb", type=float, default=2048, help="max shard size in MiB")
+    p.add_argument("--max-shard-mb", type=SHARD_MB, default=2048, help="max shard size in MiB (default 2048)")
     p.set_defaults(func=_cmd_publish)
 
     p = sub.add_parser(
@@ -211,7 +230,7 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
     p.add_argument("--check-finite", action="store_true", help="also read every weight and refuse NaN/Inf values")
     p.add_argument(
         "--timeout",
-        type=float,
+        type=SECONDS,
         default=600.0,
         help="give up (INVALID, validation_timeout) after this many seconds (default 600)",
     )
@@ -230,7 +249,7 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
     p.add_argument("root", help="checkpoint root (the trainer's checkpoint_path)")
     p.add_argument("--step", required=True, type=int, help="the step (version) to rebuild")
     p.add_argument("--out", required=True, help="new directory to write the model into")
-    p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds (default: no limit)")
+    p.add_argument("--timeout", type=SECONDS, default=None, help="give up after this many seconds (default: no limit)")
     p.set_defaults(func=_cmd_materialize)
 
     p = sub.add_parser(
@@ -240,7 +259,7 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
     )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tied", action="store_true", help="tie input and output embeddings")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=SEED, default=0, help="seed of the random weights (default 0)")
     p.set_defaults(func=_cmd_make_tiny_model)
 
     p = sub.add_parser(
@@ -253,7 +272,7 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
     )
     p.add_argument("--sglang-url", default="http://127.0.0.1:30000", help="SGLang server")
     p.add_argument("--sidecar-url", default="http://127.0.0.1:8100", help="its sidecar")
-    p.add_argument("--timeout", type=float, default=8.0, help="seconds for each HTTP call")
+    p.add_argument("--timeout", type=SECONDS, default=8.0, help="seconds for each HTTP call (default 8)")
     p.set_defaults(func=_cmd_liveness)
 
     p = sub.add_parser(
@@ -301,12 +320,12 @@ def main(argv: list[str] | None = None, extra_commands: Sequence[Registrar] = ()
             parser.error("arguments after '--' are only accepted by `serve`")
         args.sglang_args = passthrough
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
         return int(args.func(args) or 0)
-    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # bad paths and values: a message, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -19,6 +19,10 @@ How values are read (the same for every setting):
   variable counts as unset; an optional (``X | None``) non-text field given ``""`` on the command
   line is None. Other types declare ``parse=``.
 - A value that does not convert is refused (exit 2) with a message naming the variable.
+- A number setting declares its range (``setting(..., bounds=(low, high))``; a knob without a flag
+  :func:`bounds_metadata`): a value that is not a finite number in it is refused by the flag (exit 2, naming
+  the flag or the variable) and by the dataclass (:func:`check_bounds`, a ValueError naming the
+  flag), and ``--help`` shows the range. :func:`number_type` is the same check for plain flags.
 
 Environment defaults are read only for the command being run, after its command line is parsed:
 a variable meant for another command never breaks this one. That matters in Kubernetes, where
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -58,6 +63,9 @@ _FALSE = ("0", "false", "no", "off")
 
 _SETTING = "rollout_service.setting"
 """The key of a field's :class:`Setting` in its metadata."""
+
+_BOUNDS = "rollout_service.bounds"
+"""The key of a number field's ``(low, high)`` range in its metadata."""
 
 _TEXT_TYPES: tuple[type, ...] = (str, int, float, Path)
 """Field types converted from text by calling the type."""
@@ -82,14 +90,26 @@ class Setting:
     """Text -> value, for a type outside ``str``/``int``/``float``/``Path``/``bool``."""
 
 
-def setting(flag: str, help: str, *, parse: Callable[[str], Any] | None = None) -> dict[str, Setting]:
+def setting(
+    flag: str,
+    help: str,
+    *,
+    parse: Callable[[str], Any] | None = None,
+    bounds: tuple[float, float] | None = None,
+) -> dict[str, Any]:
     """The metadata of a dataclass field that is also a CLI flag and a ``ROLLOUT_*`` variable.
 
-    ``port: int = field(default=8100, metadata=setting("--port", "..."))``; a field without a
-    default is a required flag. (``dataclasses.field`` itself, so that mypy still checks the
-    constructor's required arguments and each default's type.)
+    ``port: int = field(default=8100, metadata=setting("--port", "...", bounds=(1, 65535)))``; a
+    field without a default is a required flag. ``bounds``: the inclusive range of a number
+    setting (None, for an optional one, is always allowed). (``dataclasses.field`` itself, so that
+    mypy still checks the constructor's required arguments and each default's type.)
     """
-    return {_SETTING: Setting(flag, help, parse)}
+    return {_SETTING: Setting(flag, help, parse), **(bounds_metadata(*bounds) if bounds else {})}
+
+
+def bounds_metadata(low: float, high: float) -> dict[str, tuple[float, float]]:
+    """The metadata of a number field without a flag whose value must lie in ``[low, high]``."""
+    return {_BOUNDS: (low, high)}
 
 
 def declared_settings(cls: type) -> Iterator[tuple[dataclasses.Field[Any], Setting]]:
@@ -98,6 +118,60 @@ def declared_settings(cls: type) -> Iterator[tuple[dataclasses.Field[Any], Setti
         declaration = f.metadata.get(_SETTING)
         if declaration is not None:
             yield f, declaration
+
+
+def range_problem(value: Any, low: float, high: float) -> str | None:
+    """Why ``value`` is not a finite number from ``low`` to ``high`` (None when it is)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if number and (isinstance(value, int) or math.isfinite(value)) and low <= value <= high:
+        return None
+    return f"must be a finite number from {_number(low)} to {_number(high)}, got {value!r}"
+
+
+def _number(value: float) -> str:
+    """``604800`` for 604800.0, ``0.01`` for 0.01: a bound as a person writes it."""
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else f"{value:g}"
+
+
+def check_range(name: str, value: Any, low: float, high: float) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is a finite number from ``low`` to ``high``."""
+    problem = range_problem(value, low, high)
+    if problem:
+        raise ValueError(f"{name} {problem}")
+
+
+def declared_bounds(f: dataclasses.Field[Any]) -> tuple[float, float] | None:
+    """The ``(low, high)`` range field ``f`` declares (``setting(bounds=...)``, :func:`bounds_metadata`)."""
+    return f.metadata.get(_BOUNDS)
+
+
+def check_bounds(obj: Any) -> None:
+    """Check every field of dataclass ``obj`` that declares a range; a ValueError names its flag."""
+    for f in dataclasses.fields(obj):
+        span = declared_bounds(f)
+        value = getattr(obj, f.name)
+        if span is not None and value is not None:
+            declaration = f.metadata.get(_SETTING)
+            check_range(declaration.flag if declaration else f.name, value, *span)
+
+
+def number_type(kind: Callable[[str], Any], low: float, high: float) -> Callable[[str], Any]:
+    """An argparse ``type``: the text as a ``kind`` number, refused unless finite and in ``[low, high]``.
+
+    argparse then reports ``argument --flag: must be a finite number from ...``; a ``kind`` that
+    does not convert the text keeps argparse's ``invalid float value: 'x'``. None (an optional
+    setting's empty text) passes.
+    """
+
+    def convert(text: str) -> Any:
+        value = kind(text)
+        problem = None if value is None else range_problem(value, low, high)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    convert.__name__ = getattr(kind, "__name__", "number")  # argparse's "invalid <name> value"
+    return convert
 
 
 # ---------------------------------------------------------------------------- derivation
@@ -167,8 +241,13 @@ class SettingFlags:
                 spec = SettingFlag(f.name, flag, declaration.help, False, False, None, invert=bool(field_default))
             else:
                 parse = declaration.parse or _text_converter(hints[f.name], where)
+                help_text = declaration.help
+                span = declared_bounds(f)
+                if span is not None:
+                    parse = number_type(parse, *span)
+                    help_text += f" ({_number(span[0])} to {_number(span[1])})"
                 default = None if required else field_default
-                spec = SettingFlag(f.name, flag, declaration.help, default, required, parse, invert=False)
+                spec = SettingFlag(f.name, flag, help_text, default, required, parse, invert=False)
             self.flags.append(spec)
 
     def add_to(self, parser: argparse.ArgumentParser) -> None:
@@ -243,7 +322,7 @@ class EnvFlag:
             )
         try:
             return self.type(raw)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
             hint = ""
             if raw.startswith(("tcp://", "udp://")):
                 hint = (

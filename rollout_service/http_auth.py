@@ -7,10 +7,37 @@ from urllib.parse import urlparse
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 """Hosts that only this machine can reach."""
 
+MAX_TOKEN_CHARS = 4096
+"""Longest accepted token: HTTP servers refuse much larger headers."""
+
+
+def check_token(token: str | None, name: str) -> str | None:
+    """``token`` when an HTTP header can carry it; else ValueError naming the setting ``name``.
+
+    A header is latin-1 on the wire and a bearer token a single word: a token must be printable
+    ASCII without spaces, at most :data:`MAX_TOKEN_CHARS` characters. None or "" (no token) passes.
+    """
+    if not token:
+        return token
+    if not isinstance(token, str):
+        raise ValueError(f"{name} must be a string, got {type(token).__name__}")
+    if len(token) > MAX_TOKEN_CHARS:
+        raise ValueError(f"{name} is {len(token)} characters long; use a token of at most {MAX_TOKEN_CHARS}")
+    bad = next((c for c in token if not "!" <= c <= "~"), None)
+    if bad is not None:
+        raise ValueError(
+            f"{name} contains {bad!r}, which an HTTP header cannot carry in a bearer token: use printable"
+            " ASCII without spaces (e.g. the output of `openssl rand -hex 32`)"
+        )
+    return token
+
 
 def bearer_headers(token: str | None) -> dict[str, str]:
-    """``{"Authorization": "Bearer <token>"}``, or no header when there is no token."""
-    return {"Authorization": f"Bearer {token}"} if token else {}
+    """``{"Authorization": "Bearer <token>"}``, or no header when there is no token.
+
+    A token :func:`check_token` refuses raises ValueError here (not a UnicodeEncodeError later).
+    """
+    return {"Authorization": f"Bearer {check_token(token, 'the bearer token')}"} if token else {}
 
 
 def is_loopback_url(url: str | None) -> bool:

@@ -13,6 +13,7 @@ a small file atomically (write a hidden temporary file, fsync, rename).
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import uuid
@@ -25,6 +26,9 @@ from .untrusted_files import read_small
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 MAX_ACK_BYTES = 64 << 10
+MAX_CLOCK_SKEW_S = 30.0
+"""How far in the future an ack's heartbeat may lie (the sidecar's clock ahead of the reader's);
+further, the ack is a stray or forged file and counts as dead, or it would count as live forever."""
 
 
 def version_for_step(step: int) -> str:
@@ -113,12 +117,52 @@ class ReplicaReport:
             sglang_url=typed("sglang_url", (str,)),
             last_error=error,
             rejected={str(k): str(v) for k, v in rejected.items()} if isinstance(rejected, dict) else {},
-            heartbeat=typed("heartbeat", (int, float)),
+            heartbeat=_seconds(data.get("heartbeat")),
         )
 
 
 def _step(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_STEP else None
+
+
+def _seconds(value: Any) -> float | None:
+    """``value`` as a finite float (a time in seconds), or None (not a number, NaN, Inf, too large)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        return None
+    return seconds if math.isfinite(seconds) else None
+
+
+def _describe(value: Any) -> str:
+    """A short description of an untrusted JSON value, for a message."""
+    if value is None:
+        return "missing"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"an integer of {value.bit_length()} bits"
+    return f"{type(value).__name__} {str(value)[:40]!r}"
+
+
+def heartbeat_problem(value: Any, *, now: float, max_age_s: float | None = None) -> str | None:
+    """Why an ack whose ``heartbeat`` is ``value`` does not show a live replica; None when it does.
+
+    A heartbeat must be a finite time (seconds since the epoch), at most :data:`MAX_CLOCK_SKEW_S`
+    ahead of ``now``, and, with ``max_age_s``, at most that old. Never raises (acks are untrusted).
+    """
+    seconds = _seconds(value)
+    if seconds is None:
+        return f"heartbeat is {_describe(value)}, not a finite time in seconds"
+    age = now - seconds
+    if age < -MAX_CLOCK_SKEW_S:
+        return (
+            f"heartbeat {-age:.0f} s in the future (more than the {MAX_CLOCK_SKEW_S:g} s of clock skew"
+            " allowed: a stray file, or a clock to fix)"
+        )
+    if max_age_s is not None and age > max_age_s:
+        return f"last heartbeat {age:.0f} s ago"
+    return None
 
 
 def atomic_replace(dir_fd: int, name: str, data: bytes, *, owner: str = "") -> None:
@@ -150,7 +194,8 @@ def atomic_replace(dir_fd: int, name: str, data: bytes, *, owner: str = "") -> N
 def read_acks(root: Path, *, max_age_s: float | None = None) -> dict[str, dict[str, Any]]:
     """Ack payloads by replica id; with ``max_age_s``, only replicas whose heartbeat is that fresh.
 
-    Files that are not small regular JSON objects are skipped (the root is untrusted).
+    Files that are not small regular JSON objects are skipped (the root is untrusted), and with
+    ``max_age_s`` so are acks whose heartbeat :func:`heartbeat_problem` refuses.
     """
     acks: dict[str, dict[str, Any]] = {}
     directory = Path(root) / ACKS_DIR
@@ -164,8 +209,7 @@ def read_acks(root: Path, *, max_age_s: float | None = None) -> dict[str, dict[s
             continue
         if not isinstance(data, dict):
             continue
-        heartbeat = data.get("heartbeat", 0)
-        if max_age_s is not None and (not isinstance(heartbeat, (int, float)) or now - float(heartbeat) > max_age_s):
+        if max_age_s is not None and heartbeat_problem(data.get("heartbeat"), now=now, max_age_s=max_age_s):
             continue
         acks[path.stem] = data
     return acks

@@ -3,6 +3,8 @@ SGLang, nothing wedges the loop, and /wait answers only for what SGLang serves."
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import signal
@@ -111,6 +113,17 @@ def _nested_manifest(path: Path) -> None:
     (path / "manifest.json").write_text("[" * 50_000 + "]" * 50_000)
 
 
+def _huge_listed_file(path: Path) -> None:
+    """A consistent manifest that lists a sparse 1 TiB file: every size matches, only staging
+    it would need more room than the stage's file system has."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    with open(path / "extra.bin", "wb") as f:
+        f.truncate(1 << 40)
+    manifest["files"]["extra.bin"] = {"size": 1 << 40, "digest": "xxh3_128:" + "0" * 32, "tensors": 0}
+    manifest["total_bytes"] += 1 << 40
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
 def _zero_manifest(path: Path) -> None:
     (path / "manifest.json").unlink()
     (path / "manifest.json").symlink_to("/dev/zero")
@@ -146,6 +159,7 @@ def test_poison_entries_are_each_rejected_and_the_loop_keeps_serving(
         5: (_bad_index_types, None),
         6: (_flip_a_weight_byte, None),
         7: (lambda p: None, nan_state),
+        8: (_huge_listed_file, None),
     }
     expected = {
         "2": "not_a_regular_file",
@@ -154,12 +168,13 @@ def test_poison_entries_are_each_rejected_and_the_loop_keeps_serving(
         "5": "bad_manifest",
         "6": "digest_mismatch",
         "7": "non_finite",
+        "8": "too_large_for_stage",
     }
     t0 = time.monotonic()
     for step, (spoil, state) in spoilers.items():
         publish_crafted(checkpoint_root, staging, tiny_model_dir, step, spoil, state)
     wait_until(lambda: len(sidecar.status()["rejected"]) == len(expected), 90, "every rejection")
-    print(f"six poisoned steps rejected in {time.monotonic() - t0:.2f} s")
+    print(f"{len(expected)} poisoned steps rejected in {time.monotonic() - t0:.2f} s")
     status = sidecar.status()
     assert status["rejected"] == expected, status["rejected"]
     assert status["loaded_step"] == 1 and status["ready"] is True
@@ -178,9 +193,20 @@ def test_poison_entries_are_each_rejected_and_the_loop_keeps_serving(
     assert time.monotonic() - t0 < 15
     log = sidecar.log_path.read_text()
     assert log.count("Traceback") == 0, "rejections are log lines, not tracebacks"
-    publish_step(checkpoint_root, tiny_model_dir, 8)
-    sidecar.wait_step(8)
-    assert sidecar.status()["last_error"] is None or sidecar.status()["last_error"]["step"] != 8
+    # A step copied in file by file, seen while its manifest was half written, is rejected; once
+    # the manifest is complete (rewritten in place: the directory itself does not change) it loads.
+    whole = {}
+
+    def half_written_manifest(path: Path) -> None:
+        whole["text"] = (path / "manifest.json").read_text()
+        (path / "manifest.json").write_text(whole["text"][: len(whole["text"]) // 2])
+
+    copied = publish_crafted(checkpoint_root, staging, tiny_model_dir, 9, half_written_manifest)
+    wait_until(lambda: sidecar.status()["rejected"].get("9") == "bad_manifest", 60, "the half-written step rejected")
+    (copied / "manifest.json").write_text(whole["text"])
+    sidecar.wait_step(9)
+    assert "9" not in sidecar.status()["rejected"]
+    assert sidecar.status()["last_error"] is None or sidecar.status()["last_error"]["step"] != 9
 
 
 def test_wait_answers_only_for_the_run_and_bytes_sglang_serves(
@@ -379,3 +405,69 @@ def test_a_writer_changing_files_during_the_sync_never_reaches_sglang(
         assert status["rejected"].get("2") in ("digest_mismatch", "header_invalid", "changed_while_staging")
     served = httpx.get(f"{sglang_server.url}/model_info", timeout=30).json()["model_path"]
     assert not served.startswith(str(checkpoint_root))
+
+
+def test_a_validation_blocked_past_its_deadline_holds_off_the_next_until_it_ends(
+    sglang_server, checkpoint_root, tiny_model_dir, tmp_path
+):
+    # The sidecar's own loop, in this process, against the real SGLang; what is simulated is
+    # storage that hangs: reading step 2 blocks until the test lets it go. Its validation is
+    # given up on at its deadline (step 2 rejected), but its thread still works in the stage,
+    # so no other validation may start there until it ends.
+    import asyncio
+
+    from rollout_service.sidecar.controller import SyncController
+    from rollout_service.sidecar.settings import SidecarSettings
+
+    settings = SidecarSettings(
+        checkpoint_path=checkpoint_root,
+        sglang_url=sglang_server.url,
+        replica_id="straggler",
+        stage_dir=tmp_path / "stage",
+        health_interval_s=0.2,
+        rescan_interval_s=0.2,
+        validate_timeout_s=1.0,
+    )
+    controller = SyncController(settings)
+    release, started = threading.Event(), []
+    real_prepare = controller._prepare
+
+    def prepare(path: Path):
+        started.append(path.name)
+        if path.name == "step-00000002":
+            release.wait(120)
+        return real_prepare(path)
+
+    controller._prepare = prepare  # type: ignore[method-assign]
+
+    async def until(predicate, timeout_s: float, what: str):
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            assert time.monotonic() < deadline, f"{what}: {controller.state.to_dict()}"
+            await asyncio.sleep(0.1)
+
+    async def scenario() -> None:
+        loop = asyncio.create_task(controller.run())
+        try:
+            publish_step(checkpoint_root, tiny_model_dir, 1)
+            await until(lambda: controller.state.loaded_step == 1, 120, "step 1 loaded")
+            publish_step(checkpoint_root, tiny_model_dir, 2)
+            await until(lambda: controller.state.rejected.get(2) == "validation_timeout", 60, "step 2 given up on")
+            publish_step(checkpoint_root, tiny_model_dir, 3)
+            await until(
+                lambda: (controller.state.last_error or {}).get("reason") == "validation_stuck", 30, "step 3 held off"
+            )
+            await asyncio.sleep(1.0)
+            assert "step-00000003" not in started and controller.state.loaded_step == 1
+            release.set()
+            await until(lambda: controller.state.loaded_step == 3, 120, "step 3 loaded once step 2's read ended")
+            assert started.count("step-00000002") == 1
+        finally:
+            release.set()
+            await controller.stop()
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+
+    asyncio.run(scenario())
+    assert generate(sglang_server.url, PROMPT, max_new_tokens=2)["meta_info"]["weight_version"] == "3"

@@ -374,3 +374,43 @@ def test_full_every_is_bounded_by_the_longest_chain_a_reader_walks(tmp_path: Pat
             report_to="none",
             checkpoint_full_every=MAX_CHAIN_LENGTH + 2,
         )
+
+
+# --- every field, every wrong type -----------------------------------------------------
+ODD_VALUES: list[Any] = [None, True, -1, 2**70, 0.5, 1e308, "", "x" * 300, [], [1, "a"], {}, {"a": [{}]}]
+
+
+def _leaves(value: Any, path: tuple = ()) -> list[tuple]:
+    """The path to every value of a JSON document, containers included."""
+    out = [path] if path else []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out += _leaves(v, (*path, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += _leaves(v, (*path, i))
+    return out
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_any_value_of_any_field_either_parses_or_is_refused_with_a_reason(root: Path, step: int) -> None:
+    data = json.loads((_dir(root, step) / MANIFEST_NAME).read_text())
+    paths = _leaves(data)
+    assert len(paths) > 40
+    tried = refused = 0
+    for path in paths:
+        for odd in ODD_VALUES:
+            spoiled = json.loads(json.dumps(data))
+            node = spoiled
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = odd
+            tried += 1
+            try:
+                manifest = Manifest.from_json(json.dumps(spoiled))
+            except CheckpointError:
+                refused += 1
+                continue
+            again = Manifest.from_json(manifest.to_json())  # what parses can be written back
+            assert again.fingerprint() == manifest.fingerprint(), (path, odd)
+    assert refused > tried // 2, (refused, tried)

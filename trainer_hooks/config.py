@@ -26,7 +26,13 @@ from typing import Any
 
 import trl
 
-from rollout_service.checkpoint_format import DEFAULT_DELTA_MAX_RATIO, DEFAULT_FULL_EVERY, normalize_dtype
+from rollout_service.checkpoint_format import (
+    DEFAULT_DELTA_MAX_RATIO,
+    DEFAULT_FULL_EVERY,
+    MAX_CHAIN_LENGTH,
+    normalize_dtype,
+)
+from rollout_service.http_auth import check_token
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +232,8 @@ class SGLangRolloutArguments:
                 "one log path per URL, in the same order, or a single one for all"
             )
         self.sidecar_urls = _normalize_urls(self.sidecar_urls, "sidecar_urls")
+        check_token(self.sidecar_token, "sidecar_token")
+        check_token(self.sglang_api_token, "sglang_api_token")
         if not self.sglang_urls:
             raise ValueError(
                 "no SGLang endpoint: set sglang_urls to one server, several servers or a router URL, "
@@ -263,11 +271,12 @@ class SGLangRolloutArguments:
         if (
             isinstance(self.checkpoint_full_every, bool)
             or not isinstance(self.checkpoint_full_every, int)
-            or self.checkpoint_full_every < 1
+            or not 1 <= self.checkpoint_full_every <= MAX_CHAIN_LENGTH + 1
         ):
             raise ValueError(
-                f"checkpoint_full_every must be an integer >= 1 (1: every checkpoint is full), got "
-                f"{self.checkpoint_full_every!r}"
+                f"checkpoint_full_every must be an integer from 1 (every checkpoint is full) to"
+                f" {MAX_CHAIN_LENGTH + 1} (the longest delta chain a sidecar replays), got"
+                f" {self.checkpoint_full_every!r}"
             )
         if not 0 < self.checkpoint_delta_max_ratio <= 1:
             raise ValueError(f"checkpoint_delta_max_ratio must be in (0, 1], got {self.checkpoint_delta_max_ratio!r}")

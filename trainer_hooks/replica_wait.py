@@ -25,7 +25,7 @@ import httpx
 
 from rollout_service.checkpoint_format import step_dir_name
 from rollout_service.http_auth import bearer_headers
-from rollout_service.protocol import ReplicaReport, read_acks
+from rollout_service.protocol import ReplicaReport, heartbeat_problem, read_acks
 
 log = logging.getLogger(__name__)
 
@@ -262,13 +262,7 @@ class AckFileWaiter:
 
     def _situation(self, live: list[ReplicaView], version: int) -> str:
         lagging = [v.describe() for v in live if v.loaded_step is None or v.loaded_step < version]
-        names = {v.name for v in live}
-        now = time.time()
-        dead = [
-            f"{name} (last heartbeat {now - float(ack.get('heartbeat', 0)):.0f} s ago)"
-            for name, ack in sorted(read_acks(self.root).items())
-            if name not in names
-        ]
+        dead = self._dead({v.name for v in live})
         text = f"Live replicas: {len(live)}."
         if lagging:
             text += f" Lagging: {'; '.join(lagging)}."
@@ -277,6 +271,16 @@ class AckFileWaiter:
         if not live and not dead:
             text += f" No ack files exist under {self.root / 'acks'}: are the sidecars watching {self.root}?"
         return text
+
+    def _dead(self, live: set[str]) -> list[str]:
+        """The replicas with an ack file but no live heartbeat, each with why (a bad ack never raises)."""
+        now = time.time()
+        dead = []
+        for name, ack in sorted(read_acks(self.root).items()):
+            if name not in live:
+                why = heartbeat_problem(ack.get("heartbeat"), now=now, max_age_s=self.max_age_s)
+                dead.append(f"{name} ({why or 'its heartbeat is fresh again'})")
+        return dead
 
 
 def _json_or_none(response: httpx.Response) -> dict[str, Any] | None:

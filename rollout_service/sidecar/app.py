@@ -11,6 +11,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +19,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..checkpoint_format import MAX_STEP, RUN_ID_RE, CheckpointError
 from ..http_auth import LOOPBACK_HOSTS
@@ -28,9 +30,29 @@ from .watcher import CheckpointWatcher
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 3600.0
+ROOT_LOOKUP_TIMEOUT_S = 10.0
+"""How long ``POST /sync`` waits for the checkpoint root to show the step it names (a hung
+network file system answers 503 instead of holding the request, and the event loop, forever)."""
 MAX_SYNC_BODY_BYTES = 4096
 """``POST /sync`` takes at most a small object such as ``{"checkpoint": "step-00000042"}``;
 larger bodies are refused before they are read."""
+SYNC_BODY_KEYS = ("checkpoint",)
+"""The keys a ``POST /sync`` body may have; any other (a typo) is refused."""
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class SafeJSONResponse(JSONResponse):
+    """The app's JSON responses: any text renders, also text that is not valid Unicode.
+
+    A file name that is not UTF-8 reaches messages as lone surrogates (``os.fsdecode``), which
+    UTF-8 cannot encode (Starlette's JSONResponse would answer 500) and strict JSON parsers refuse
+    as escapes; each is rendered as the visible text ``\\udcff`` instead.
+    """
+
+    def render(self, content: Any) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+        return _SURROGATE.sub(lambda m: f"\\\\u{ord(m.group()):04x}", text).encode("utf-8")
 
 
 def create_app(settings: SidecarSettings) -> FastAPI:
@@ -55,13 +77,18 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         title="rollout-service sidecar",
         lifespan=lifespan,
         description="Loads each new checkpoint from shared storage into SGLang.",
+        default_response_class=SafeJSONResponse,
     )
     app.state.controller = controller
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:5])
-        return JSONResponse({"error": "bad_request", "detail": problems[:1000]}, status_code=400)
+        return SafeJSONResponse({"error": "bad_request", "detail": problems[:1000]}, status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return SafeJSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
     def require_token(request: Request) -> None:
         if not settings.token:
@@ -89,7 +116,7 @@ def create_app(settings: SidecarSettings) -> FastAPI:
             "sglang_healthy": s.sglang_healthy,
             "fatal": s.fatal,
         }
-        return JSONResponse(body, status_code=200 if ready else 503)
+        return SafeJSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/status")
     async def status() -> dict[str, Any]:
@@ -110,45 +137,65 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         body = controller.state.to_dict()
         body["waited_for"] = version
         body["waited_for_run"] = run
-        return JSONResponse(body, status_code=200 if ok else 504)
+        return SafeJSONResponse(body, status_code=200 if ok else 504)
 
     @app.post("/sync", dependencies=[Depends(require_token)])
     async def sync(request: Request) -> JSONResponse:
-        checkpoint = None
-        raw = await _bounded_body(request, MAX_SYNC_BODY_BYTES)
-        if raw.strip():
-            try:
-                data = json.loads(raw.decode("utf-8"))
-            except (ValueError, RecursionError):
-                raise HTTPException(
-                    status_code=400, detail='body must be JSON, e.g. {"checkpoint": "step-00000003"}'
-                ) from None
-            if not isinstance(data, dict):
-                raise HTTPException(
-                    status_code=400, detail='body must be a JSON object, e.g. {"checkpoint": "step-00000003"}'
-                )
-            checkpoint = data.get("checkpoint")
-            if checkpoint is not None and not isinstance(checkpoint, str):
-                raise HTTPException(status_code=400, detail="'checkpoint' must be a string")
+        checkpoint = _requested_checkpoint(await _bounded_body(request, MAX_SYNC_BODY_BYTES))
         if checkpoint is None:
             controller.notify("api")
-            return JSONResponse({"triggered": True}, status_code=202)
+            return SafeJSONResponse({"triggered": True}, status_code=202)
         try:
-            path = controller.request_checkpoint(checkpoint)
+            path = await asyncio.wait_for(
+                asyncio.to_thread(controller.request_checkpoint, checkpoint), timeout=ROOT_LOOKUP_TIMEOUT_S
+            )
+        except asyncio.TimeoutError:
+            return SafeJSONResponse(
+                {
+                    "error": "root_unresponsive",
+                    "detail": f"the checkpoint root did not answer within {ROOT_LOOKUP_TIMEOUT_S:g} s;"
+                    " check its file system (the sidecar keeps serving its other endpoints)",
+                },
+                status_code=503,
+            )
         except CheckpointError as exc:
-            return JSONResponse({"error": exc.reason, "detail": str(exc)}, status_code=400)
+            return SafeJSONResponse({"error": exc.reason, "detail": str(exc)}, status_code=400)
         except (OSError, ValueError) as exc:
-            return JSONResponse(
+            return SafeJSONResponse(
                 {"error": "bad_request", "detail": f"cannot use that checkpoint name: {type(exc).__name__}"},
                 status_code=400,
             )
-        return JSONResponse({"triggered": True, "checkpoint": str(path)}, status_code=202)
+        return SafeJSONResponse({"triggered": True, "checkpoint": str(path)}, status_code=202)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(controller.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _requested_checkpoint(raw: bytes) -> str | None:
+    """The checkpoint a ``POST /sync`` body names (None: the newest); HTTPException 400 for a bad body."""
+    if not raw.strip():
+        return None
+    example = 'e.g. {"checkpoint": "step-00000003"}'
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
+        raise HTTPException(status_code=400, detail=f"body must be JSON, {example}") from None
+    if not isinstance(data, dict):
+        raise HTTPException(status_code=400, detail=f"body must be a JSON object, {example}")
+    unknown = sorted(set(data) - set(SYNC_BODY_KEYS))
+    if unknown:
+        named = ", ".join(repr(key[:64]) for key in unknown[:5])
+        raise HTTPException(
+            status_code=400,
+            detail=f"unknown key(s) in the body: {named}; accepted keys: {', '.join(SYNC_BODY_KEYS)}, {example}",
+        )
+    checkpoint = data.get("checkpoint")
+    if checkpoint is not None and not isinstance(checkpoint, str):
+        raise HTTPException(status_code=400, detail="'checkpoint' must be a string")
+    return checkpoint
 
 
 async def _bounded_body(request: Request, limit: int) -> bytes:

@@ -33,8 +33,10 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from ..checkpoint_format import (
+    MANIFEST_NAME,
     CheckpointError,
     Manifest,
     parse_step_dir_name,
@@ -100,7 +102,10 @@ class SyncController:
         self._detected_at: dict[int, float] = {}
         self._crashes: dict[int, int] = {}
         self._loaded_before: set[int] = set()
-        self._rejected_at: dict[int, tuple[int, int, int] | None] = {}
+        self._rejected_at: dict[int, tuple[int, ...] | None] = {}
+        self._straggler: asyncio.Future[Any] | None = None
+        """A validation that outlived its deadline (blocked in storage): until it ends, no other
+        starts, so two never work in the stage at once."""
         self._named: dict[int, Path] = {}
         """Steps named by POST /sync: found by a direct lookup even when a shared file system's
         cached listing does not show them yet (NFS, sshfs)."""
@@ -187,7 +192,9 @@ class SyncController:
         return True, "serving the newest valid checkpoint"
 
     def request_checkpoint(self, checkpoint: str) -> Path:
-        """Confine a client-named checkpoint to the root, check it names a step, and wake the loop."""
+        """Confine a client-named checkpoint to the root, check it names a step, and wake the loop.
+
+        Blocking (it looks at the root): the API calls it in a thread, under a timeout."""
         path = resolve_inside(self.root, checkpoint)
         step = parse_step_dir_name(path.name)
         if step is None or path.parent != Path(os.path.realpath(self.root)):
@@ -197,7 +204,8 @@ class SyncController:
                 f" ('step-' and 8 digits, e.g. step-00000042) directly under {self.root}",
             )
         if not path.is_dir():
-            raise CheckpointError("missing_checkpoint", f"{path.name} does not exist under {self.root}")
+            what = "is not a directory" if os.path.lexists(path) else "does not exist"
+            raise CheckpointError("missing_checkpoint", f"{path.name} {what} under {self.root}")
         if len(self._named) < 64:
             self._named[step] = self.root / path.name
         self.notify(f"api:{path.name}")
@@ -433,7 +441,7 @@ class SyncController:
         """Rejected, and not replaced since (a republished step directory is looked at anew)."""
         if ckpt.step not in self.state.rejected:
             return False
-        if _dir_identity(ckpt.path) == self._rejected_at.get(ckpt.step):
+        if _publication_identity(ckpt.path) == self._rejected_at.get(ckpt.step):
             return True
         self.state.rejected.pop(ckpt.step, None)
         self._rejected_at.pop(ckpt.step, None)
@@ -451,9 +459,20 @@ class SyncController:
         try:
             t0 = time.perf_counter()
             budget = self.settings.validate_timeout_s
+            if self._straggler is not None and not self._straggler.done():
+                self._error(
+                    "validation_stuck",
+                    f"an earlier validation is still blocked in the storage; {path.name} waits for it"
+                    " (check the checkpoint root's file system)",
+                    step=step,
+                )
+                return False
+            prepare = asyncio.ensure_future(asyncio.to_thread(self._prepare, path))
             try:
-                report, built = await asyncio.wait_for(asyncio.to_thread(self._prepare, path), timeout=budget + 5.0)
+                report, built = await asyncio.wait_for(asyncio.shield(prepare), timeout=budget + 5.0)
             except asyncio.TimeoutError:
+                self._straggler = prepare
+                prepare.add_done_callback(_drop_result)
                 self._reject(
                     ckpt,
                     "validation_timeout",
@@ -620,7 +639,7 @@ class SyncController:
     def _reject(self, ckpt: PublishedCheckpoint, reason: str, message: str) -> None:
         log.error("rejected checkpoint step %d (%s): %s", ckpt.step, reason, message)
         self.state.rejected[ckpt.step] = reason
-        self._rejected_at[ckpt.step] = _dir_identity(ckpt.path)
+        self._rejected_at[ckpt.step] = _publication_identity(ckpt.path)
         self.metrics.syncs.labels("rejected", reason).inc()
         self._error(reason, message, step=ckpt.step)
 
@@ -642,9 +661,19 @@ class SyncController:
             s.ack_error = str(exc)
 
 
-def _dir_identity(path: Path) -> tuple[int, int, int] | None:
+def _publication_identity(path: Path) -> tuple[int, ...] | None:
+    """What changes when a step directory is republished, or its manifest written anew in place
+    (a checkpoint copied in file by file): a rejection stands until then."""
     try:
         st = os.stat(path)
+        m = os.lstat(path / MANIFEST_NAME)
     except OSError:
         return None
-    return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+    return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, m.st_ino, m.st_size, m.st_mtime_ns, m.st_ctime_ns)
+
+
+def _drop_result(future: asyncio.Future[Any]) -> None:
+    """A straggling validation's outcome: already reported as a timeout, read so that asyncio
+    does not log it as never retrieved."""
+    if not future.cancelled():
+        future.exception()

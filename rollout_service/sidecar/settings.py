@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint_paths import is_inside
-from ..cli_env import setting
+from ..cli_env import bounds_metadata, check_bounds, setting
+from ..http_auth import check_token
 
 _REPLICA_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*$")
+
+INTERVAL_S = (0.01, 3600.0)
+"""Range of the sidecar's periods (health checks, polling, rescans, acks), in seconds."""
+TIMEOUT_S = (0.01, 7 * 86400.0)
+"""Range of its timeouts, in seconds (up to a week)."""
 
 
 @dataclass
@@ -32,11 +40,15 @@ class SidecarSettings:
     )
     poll_interval_s: float | None = field(
         default=None,
-        metadata=setting("--poll", "poll the checkpoint root every N seconds instead of inotify (NFS, CephFS, Lustre)"),
+        metadata=setting(
+            "--poll",
+            "poll the checkpoint root every N seconds instead of inotify (NFS, CephFS, Lustre)",
+            bounds=INTERVAL_S,
+        ),
     )
     """None: inotify; a number: the polling observer's period."""
     host: str = field(default="127.0.0.1", metadata=setting("--host", "address the sidecar binds to"))
-    port: int = field(default=8100, metadata=setting("--port", "port of the sidecar's HTTP API"))
+    port: int = field(default=8100, metadata=setting("--port", "port of the sidecar's HTTP API", bounds=(1, 65535)))
     token: str | None = field(
         default=None,
         metadata=setting("--token", "token required by POST endpoints ('Authorization: Bearer TOKEN')"),
@@ -59,21 +71,24 @@ class SidecarSettings:
         ),
     )
     health_interval_s: float = field(
-        default=2.0, metadata=setting("--health-interval", "seconds between SGLang health checks")
+        default=2.0,
+        metadata=setting("--health-interval", "seconds between SGLang health checks", bounds=INTERVAL_S),
     )
     deep_health_interval_s: float = field(
         default=30.0,
         metadata=setting(
-            "--deep-health-interval", "seconds between SGLang /health calls (each runs a one-token generation)"
+            "--deep-health-interval",
+            "seconds between SGLang /health calls (each runs a one-token generation)",
+            bounds=(INTERVAL_S[0], 86400.0),
         ),
     )
-    rescan_interval_s: float = 30.0
-    ack_interval_s: float = 5.0
+    rescan_interval_s: float = field(default=30.0, metadata=bounds_metadata(*INTERVAL_S))
+    ack_interval_s: float = field(default=5.0, metadata=bounds_metadata(*INTERVAL_S))
     load_timeout_s: float = field(
         default=1800.0,
-        metadata=setting("--load-timeout", "seconds to allow one /update_weights_from_disk call"),
+        metadata=setting("--load-timeout", "seconds to allow one /update_weights_from_disk call", bounds=TIMEOUT_S),
     )
-    request_timeout_s: float = 10.0
+    request_timeout_s: float = field(default=10.0, metadata=bounds_metadata(*TIMEOUT_S))
     stage: bool = field(
         default=True,
         metadata=setting(
@@ -107,6 +122,7 @@ class SidecarSettings:
         metadata=setting(
             "--validate-timeout",
             "seconds one checkpoint's validation (and staging copy) may take before the step is rejected",
+            bounds=TIMEOUT_S,
         ),
     )
     lora_keep: int = field(
@@ -115,6 +131,7 @@ class SidecarSettings:
             "--lora-keep",
             "LoRA adapter versions kept loaded in SGLang (adapter sync); older ones are unloaded"
             " once no request uses them. At least the trainer's max_staleness + 1",
+            bounds=(1, 1000),
         ),
     )
 
@@ -122,6 +139,10 @@ class SidecarSettings:
         # Absolute from here on: paths built from the root are confined to it by resolve_inside,
         # which reads a relative path as relative to the root (a relative root would double).
         self.checkpoint_path = Path(self.checkpoint_path).expanduser().absolute()
+        check_bounds(self)  # every number: finite and in its declared range, or a ValueError naming its flag
+        _check_host(self.host)
+        check_token(self.token, "--token")
+        check_token(self.sglang_api_key, "--sglang-api-key")
         if not self.replica_id:
             self.replica_id = f"{socket.gethostname()}-{self.port}"
         if not _REPLICA_RE.match(self.replica_id):
@@ -132,8 +153,6 @@ class SidecarSettings:
         self.sglang_url = self.sglang_url.rstrip("/")
         if not self.sglang_url.startswith(("http://", "https://")):
             raise ValueError(f"--sglang-url must start with http:// or https://, got {self.sglang_url!r}")
-        if self.poll_interval_s is not None and self.poll_interval_s <= 0:
-            raise ValueError(f"--poll must be a positive number of seconds, got {self.poll_interval_s}")
         if not self.checkpoint_path.is_dir():
             raise ValueError(
                 f"checkpoint path {self.checkpoint_path} is not a directory; create it or mount"
@@ -154,7 +173,17 @@ class SidecarSettings:
                 f"--stage-dir {self.stage_dir} is inside the checkpoint root; it must be"
                 " node-local and private to this sidecar"
             )
-        if self.lora_keep < 1:
-            raise ValueError(f"--lora-keep must be at least 1, got {self.lora_keep}")
-        if not self.validate_timeout_s > 0:
-            raise ValueError(f"--validate-timeout must be positive, got {self.validate_timeout_s}")
+
+
+def _check_host(host: str) -> None:
+    """Raise ValueError unless ``host`` is an IP address or a host name the sidecar can bind to."""
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    if not _HOSTNAME_RE.match(host) or host.replace(".", "").isdigit():
+        raise ValueError(
+            f"--host {host!r} is neither an IP address nor a host name: use e.g. 127.0.0.1 (this machine"
+            " only) or 0.0.0.0 (every interface)"
+        )

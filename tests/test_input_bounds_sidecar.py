@@ -1,0 +1,203 @@
+"""Untrusted input at the sidecar's edges: its HTTP answers render any text, ``POST /sync`` refuses
+keys it does not know, and every number, host and token setting is checked where it is given."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from rollout_service.cli import SERVE_SIDECAR_SETTINGS, SIDECAR_SETTINGS, build_parser
+from rollout_service.cli_env import declared_bounds, declared_settings
+from rollout_service.http_auth import MAX_TOKEN_CHARS, bearer_headers
+from rollout_service.sidecar.app import SYNC_BODY_KEYS, SafeJSONResponse, create_app
+from rollout_service.sidecar.settings import SidecarSettings
+
+NOT_UTF8 = os.fsdecode(b"\xff.safetensors")
+"""A file name that is not UTF-8, as Python reads it: with a lone surrogate."""
+
+BOUNDED = {f.name: declared_bounds(f) for f in dataclasses.fields(SidecarSettings) if declared_bounds(f)}
+FLAGS = {f.name: s.flag for f, s in declared_settings(SidecarSettings)}
+
+
+def settings(root: Path, **overrides: Any) -> SidecarSettings:
+    return SidecarSettings(
+        checkpoint_path=root, sglang_url="http://127.0.0.1:1", replica_id="r", stage=False, **overrides
+    )
+
+
+def strict_json(content: bytes) -> Any:
+    """Parse as a strict client does: UTF-8, and no lone surrogate escapes."""
+    text = content.decode("utf-8")
+    assert "\\ud" not in text.replace("\\\\", ""), text
+    return json.loads(text)
+
+
+# ------------------------------------------------------------------------ answers render any text
+
+
+def test_status_renders_error_text_that_is_not_unicode(tmp_path: Path) -> None:
+    app = create_app(settings(tmp_path))
+    state = app.state.controller.state
+    state.last_error = {"reason": "unlisted_file", "message": f"step-00000003/{NOT_UTF8} is not in the manifest"}
+    state.rejected = {3: f"unlisted_file: {NOT_UTF8}"}
+    response = TestClient(app).get("/status")
+    assert response.status_code == 200
+    body = strict_json(response.content)
+    assert body["last_error"]["message"] == "step-00000003/\\udcff.safetensors is not in the manifest"
+    assert body["rejected"] == {"3": "unlisted_file: \\udcff.safetensors"}
+
+
+def test_readyz_renders_a_reason_that_is_not_unicode(tmp_path: Path) -> None:
+    app = create_app(settings(tmp_path))
+    app.state.controller.state.fatal = {"reason": "stage_failed", "message": f"cannot stage {NOT_UTF8}"}
+    response = TestClient(app).get("/readyz")
+    assert response.status_code == 503
+    assert strict_json(response.content)["reason"] == "stage_failed: cannot stage \\udcff.safetensors"
+
+
+def test_the_response_class_keeps_valid_text_and_escapes_only_surrogates() -> None:
+    body = SafeJSONResponse({NOT_UTF8: ["é€😀", "a\\b"]}).body
+    assert strict_json(body) == {"\\udcff.safetensors": ["é€😀", "a\\b"]}
+
+
+# ------------------------------------------------------------------------------ POST /sync bodies
+
+
+def test_sync_refuses_an_unknown_key_naming_it_and_the_accepted_ones(tmp_path: Path) -> None:
+    (tmp_path / "step-00000001").mkdir()
+    client = TestClient(create_app(settings(tmp_path)))
+    refused = client.post("/sync", json={"checkpont": "step-00000001"})
+    assert refused.status_code == 400
+    detail = refused.json()["detail"]
+    assert "'checkpont'" in detail and all(key in detail for key in SYNC_BODY_KEYS)
+    extra = client.post("/sync", json={"checkpoint": "step-00000001", "force": True})
+    assert extra.status_code == 400 and "'force'" in extra.json()["detail"]
+    accepted = client.post("/sync", json={"checkpoint": "step-00000001"})
+    assert accepted.status_code == 202, accepted.text
+
+
+def test_sync_names_what_a_step_name_is_when_it_is_no_directory(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "step-00000002")
+    (tmp_path / "step-00000003").write_text("not a checkpoint")
+    (tmp_path / "step-00000004").symlink_to(tmp_path / "step-00000004")  # a loop
+    client = TestClient(create_app(settings(tmp_path)))
+    for step in (2, 3):
+        r = client.post("/sync", json={"checkpoint": f"step-0000000{step}"})
+        assert r.status_code == 400 and "is not a directory" in r.json()["detail"], r.text
+    r = client.post("/sync", json={"checkpoint": "step-00000004"})
+    assert r.status_code == 400 and r.json()["error"] in ("missing_checkpoint", "path_escape", "bad_request"), r.text
+    r = client.post("/sync", json={"checkpoint": "step-00000005"})
+    assert r.status_code == 400 and "does not exist" in r.json()["detail"], r.text
+
+
+def test_sync_answers_503_when_the_root_does_not_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from rollout_service.sidecar import app as app_module
+
+    app = create_app(settings(tmp_path))
+    hung = threading.Event()
+    monkeypatch.setattr(app_module, "ROOT_LOOKUP_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(app.state.controller, "request_checkpoint", lambda checkpoint: hung.wait(30))
+    try:
+        client = TestClient(app)
+        r = client.post("/sync", json={"checkpoint": "step-00000001"})
+        assert r.status_code == 503 and r.json()["error"] == "root_unresponsive", r.text
+        assert client.get("/healthz").status_code == 200
+    finally:
+        hung.set()
+
+
+# ------------------------------------------------------------------------------- number settings
+
+
+def test_every_number_setting_declares_a_range() -> None:
+    hints = typing.get_type_hints(SidecarSettings)
+    numbers = {
+        name
+        for name, hint in hints.items()
+        if {int, float} & set(typing.get_args(hint) or (hint,)) and hint is not bool
+    }
+    assert numbers == set(BOUNDED)
+
+
+def _outside(name: str) -> list[Any]:
+    low, high = BOUNDED[name]
+    kind = int if typing.get_type_hints(SidecarSettings)[name] is int else float
+    bad = [kind(low - 1), kind(high + 1), kind(high * 10)]
+    return bad + ([math.nan, math.inf, -math.inf, low / 2] if kind is float else [])
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDED))
+def test_a_number_setting_outside_its_range_is_refused_naming_its_flag(tmp_path: Path, name: str) -> None:
+    label = FLAGS.get(name, name)
+    for value in _outside(name):
+        with pytest.raises(ValueError, match=f"^{label} must be a finite number from "):
+            settings(tmp_path, **{name: value})
+    for value in BOUNDED[name]:  # the range is inclusive
+        assert getattr(settings(tmp_path, **{name: value}), name) == value
+
+
+@pytest.mark.parametrize("name", sorted(set(BOUNDED) & set(FLAGS)))
+def test_a_flag_or_variable_outside_its_range_exits_2_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    (spec,) = [s for s in SIDECAR_SETTINGS.flags if s.field == name]
+    argv = ["sidecar", "--checkpoint-path", str(tmp_path), "--sglang-url", "http://127.0.0.1:1"]
+    text = str(_outside(name)[1])
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([*argv, spec.flag, text])
+    assert exc.value.code == 2
+    assert f"argument {spec.flag}: must be a finite number from" in capsys.readouterr().err
+    monkeypatch.setenv(spec.env, text)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert f"environment variable {spec.env}={text!r} is not valid for {spec.flag}: must be" in capsys.readouterr().err
+
+
+def test_serve_names_its_own_flag_for_the_sidecar_port(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert [s.flag for s in SERVE_SIDECAR_SETTINGS.flags if s.field == "port"] == ["--sidecar-port"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "m", "--checkpoint-path", str(tmp_path), "--sidecar-port", "0"])
+    assert "argument --sidecar-port: must be a finite number from 1 to 65535, got 0" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- host and tokens
+
+
+@pytest.mark.parametrize("host", ["999.1.1.1", "bad host", "", "-x", "a..b", "host:80"])
+def test_a_host_that_is_no_address_or_name_is_refused(tmp_path: Path, host: str) -> None:
+    with pytest.raises(ValueError, match=r"^--host .* is neither an IP address nor a host name"):
+        settings(tmp_path, host=host)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::", "::1", "localhost", "node-3.cluster.local"])
+def test_addresses_and_host_names_are_accepted(tmp_path: Path, host: str) -> None:
+    assert settings(tmp_path, host=host).host == host
+
+
+BAD_TOKENS = ["pässwort", "s3cret\n", " s3cret", "two words", "x" * (MAX_TOKEN_CHARS + 1)]
+
+
+@pytest.mark.parametrize("token", BAD_TOKENS)
+@pytest.mark.parametrize("field,flag", [("token", "--token"), ("sglang_api_key", "--sglang-api-key")])
+def test_a_token_no_header_can_carry_is_refused(tmp_path: Path, field: str, flag: str, token: str) -> None:
+    with pytest.raises(ValueError, match=f"^{flag} "):
+        settings(tmp_path, **{field: token})
+    with pytest.raises(ValueError, match="bearer token"):
+        bearer_headers(token)
+
+
+def test_a_printable_token_authenticates(tmp_path: Path) -> None:
+    token = "A-z_0.9~+/=!#$%&'*^`|" + "x" * 100
+    client = TestClient(create_app(settings(tmp_path, token=token)))
+    assert client.post("/sync", headers=bearer_headers("wrong")).status_code == 401
+    assert client.post("/sync", headers=bearer_headers(token)).status_code == 202
