@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint_format import CheckpointError
-from .checkpoint_paths import resolve_inside
+from .checkpoint_paths import is_inside, resolve_inside
 from .digest import format_digest, new_hasher
 
 MAX_SMALL_FILE_BYTES = 16 << 20
@@ -55,7 +55,10 @@ def open_regular(
     """Yield ``(fd, fstat)`` of ``path``: inside ``root``, a regular file, at most ``max_bytes``.
 
     Raises ``CheckpointError`` with ``path_escape``, ``missing_file``, ``not_a_regular_file``,
-    ``too_large`` or ``unreadable``. The descriptor is closed on exit.
+    ``too_large`` or ``unreadable``. The descriptor is closed on exit. ``O_NOFOLLOW`` guards only
+    the last component, so where the file opened really lies is checked again on the open
+    descriptor: a folder swapped for a link out of the root between the check and the open
+    is refused too.
     """
     real = resolve_inside(root, path)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
@@ -66,6 +69,7 @@ def open_regular(
     except OSError as exc:
         raise CheckpointError("unreadable", f"{where} cannot be opened: {exc.strerror}") from None
     try:
+        _check_opened_inside(fd, root, where)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(
@@ -205,6 +209,21 @@ def _open_for_overwrite(path: Path) -> io.FileIO:
     """``path`` for writing from its start, created if missing, not truncated (see copy_verified)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     return io.FileIO(fd, "wb", closefd=True)
+
+
+def _check_opened_inside(fd: int, root: Path, where: str) -> None:
+    """Where ``fd`` really is must lie inside ``root`` (Linux names it in ``/proc/self/fd``;
+    elsewhere the check before the open stands alone)."""
+    try:
+        opened = os.readlink(fd_path(fd))
+    except OSError:
+        return
+    if not is_inside(opened, root):
+        raise CheckpointError(
+            "path_escape",
+            f"{where} was opened outside the checkpoint root (a folder on its path was replaced by a"
+            " link while it was opened); only files inside the root are read",
+        )
 
 
 def fd_path(fd: int) -> str:

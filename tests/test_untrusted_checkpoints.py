@@ -107,6 +107,26 @@ def test_device_file_inside_the_root_is_refused(tmp_path):
     assert err.reason == "not_a_regular_file" and "character device" in str(err)
 
 
+def test_a_folder_swapped_for_a_link_out_of_the_root_after_the_check_is_refused(tmp_path, monkeypatch):
+    # The race O_NOFOLLOW cannot close: the path was checked inside the root, then a folder on it
+    # became a link to elsewhere before the open. Simulated by skipping the check before the
+    # open: what is opened is checked again, on its descriptor.
+    from rollout_service import untrusted_files
+
+    root = tmp_path / "root"
+    path = publish(root, 1)
+    outside = tmp_path / "elsewhere"
+    os.rename(path, outside)
+    path.symlink_to(outside)
+    monkeypatch.setattr(untrusted_files, "resolve_inside", lambda root, candidate: Path(candidate))
+    with pytest.raises(CheckpointError) as err:
+        untrusted_files.read_small(root, path / "manifest.json", where="step-00000001/manifest.json")
+    assert err.value.reason == "path_escape" and "elsewhere" not in str(err.value)
+    os.unlink(path)
+    os.rename(outside, path)  # the same file, inside the root: read
+    assert json.loads(untrusted_files.read_small(root, path / "manifest.json", where="m"))["step"] == 1
+
+
 def test_manifest_symlinked_out_of_the_root_is_refused_and_not_disclosed(tmp_path):
     root = tmp_path / "root"
     path = publish(root, 1)
