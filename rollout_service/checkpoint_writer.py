@@ -13,9 +13,11 @@ which :func:`cleanup_stale_temp_dirs` removes.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import struct
@@ -338,27 +340,36 @@ def writer_identity() -> dict[str, Any]:
 def atomic_step_dir(root: Path | str, step: int) -> Iterator[Path]:
     """A hidden work folder that becomes ``<root>/step-<step>`` by one rename when the block ends.
 
-    Everything written in it is fsynced first; on any error the folder is removed. Raises
-    ``FileExistsError`` when the step is already published (steps are immutable).
+    Everything written in it is fsynced first; on any error before the rename the folder is
+    removed (nothing of the step is visible). Raises ``FileExistsError`` when the step is already
+    published (steps are immutable), or when anything else holds its name (a stray file or link).
+    Once renamed, the step is published: a failure to fsync the root then is logged, not raised
+    (the step is visible and complete; only its durability across a power loss is in doubt).
     """
     root = Path(root)
     name = step_dir_name(step)
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
-    if final.exists():
-        raise FileExistsError(f"{final} is already published; steps are immutable, publish a new step instead")
-    tmp = root / f"{TEMP_PREFIX}{name}-{uuid.uuid4().hex[:12]}"
+    if os.path.lexists(final):
+        what = "already published" if final.is_dir() else "taken by something that is not a checkpoint (remove it)"
+        raise FileExistsError(f"{final} is {what}; steps are immutable, publish a new step instead")
+    tmp = root / f"{TEMP_PREFIX}{name}-{_owner_tag()}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
         yield tmp
         fsync_dir(tmp)
-        if final.exists():
+        if os.path.lexists(final):
             raise FileExistsError(f"{final} was published by another writer meanwhile")
         os.rename(tmp, final)
-        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    try:
+        fsync_dir(root)
+    except OSError as exc:
+        log.warning(
+            "published %s, but syncing %s to disk failed (%s): it may not survive a power loss", final, root, exc
+        )
 
 
 def config_text(config: dict[str, Any] | Path | str) -> str | bytes:
@@ -381,7 +392,9 @@ def write_small(path: Path, data: str | bytes) -> FileEntry:
 
 
 def cleanup_stale_temp_dirs(root: Path | str, older_than_s: float = 3600.0) -> list[Path]:
-    """Remove hidden ``.tmp-*`` entries older than ``older_than_s`` (left by killed writers)."""
+    """Remove hidden ``.tmp-*`` entries left by killed writers: older than ``older_than_s``, or
+    a step work folder of a writer on this host whose process is gone (a trainer that crashed
+    and restarted within the hour does not pile up model-sized folders)."""
     root = Path(root)
     removed: list[Path] = []
     now = time.time()
@@ -391,7 +404,7 @@ def cleanup_stale_temp_dirs(root: Path | str, older_than_s: float = 3600.0) -> l
         if not entry.name.startswith(TEMP_PREFIX):
             continue
         try:
-            if now - entry.lstat().st_mtime < older_than_s:
+            if now - entry.lstat().st_mtime < older_than_s and not _left_by_dead_writer(entry.name):
                 continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
@@ -401,6 +414,36 @@ def cleanup_stale_temp_dirs(root: Path | str, older_than_s: float = 3600.0) -> l
         except FileNotFoundError:
             continue
     return removed
+
+
+_TAG_RE = re.compile(r"-h([0-9a-f]{8})p([0-9]+)-[0-9a-f]{12}$", re.ASCII)
+
+
+def _owner_tag() -> str:
+    """``h<host hash>p<pid>``: which process writes a work folder, so that one left by a writer
+    that died on this host is removed at the next start, however young it is."""
+    return f"h{_host_hash()}p{os.getpid()}"
+
+
+def _host_hash() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _left_by_dead_writer(name: str) -> bool:
+    """A step work folder of a writer on this host whose process no longer runs."""
+    match = _TAG_RE.search(name)
+    if match is None or match.group(1) != _host_hash():
+        return False
+    pid = int(match.group(2))
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False
+    return False
 
 
 def iter_unique_tensors(state: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -126,6 +126,10 @@ class _Base:
     fingerprint: str
     chain_start: int
     deltas_since_full: int
+    chain_fingerprint: str = ""
+    """The fingerprint of the chain's full step (``step``'s own when it is full)."""
+    between: tuple[int, ...] = ()
+    """The deltas published between the full step and ``step``: a delta on ``step`` needs them all."""
 
 
 @dataclass
@@ -424,7 +428,10 @@ class DeltaCheckpointWriter:
                     ),
                 )
             elif not _still_published(Path(root), base):
-                kind, why_full = "full", f"step {base.step} (the delta's base) is no longer published as it was"
+                kind, why_full = (
+                    "full",
+                    f"the chain of step {base.step} (the delta's base) is no longer published as it was",
+                )
         t0 = time.perf_counter()
         try:
             if kind == "full":
@@ -437,7 +444,7 @@ class DeltaCheckpointWriter:
                     base_model=base_model,
                     run_id=run_id,
                 )
-                new_base = _Base(step, result.fingerprint, step, 0)
+                new_base = _Base(step, result.fingerprint, step, 0, result.fingerprint)
             else:
                 assert base is not None
                 result = self._write_delta(
@@ -450,7 +457,14 @@ class DeltaCheckpointWriter:
                     base_model=base_model,
                     run_id=run_id,
                 )
-                new_base = _Base(step, result.fingerprint, base.chain_start, base.deltas_since_full + 1)
+                new_base = _Base(
+                    step,
+                    result.fingerprint,
+                    base.chain_start,
+                    base.deltas_since_full + 1,
+                    base.chain_fingerprint,
+                    base.between + ((base.step,) if base.step != base.chain_start else ()),
+                )
         except BaseException:
             self._base = None  # the held bytes are of a version that was not published
             raise
@@ -707,8 +721,16 @@ def _hash_held(h: _Held, shard_hasher: Any) -> None:
 
 
 def _still_published(root: Path, base: _Base) -> bool:
-    """The base step is under the root with the manifest this writer wrote (not pruned, not replaced)."""
+    """The base step and its chain's full step are under the root with the manifests this writer
+    wrote (not pruned, not replaced), and the deltas between them are there: a delta on ``base``
+    could be rebuilt (two manifest reads and a look per delta between)."""
     try:
-        return Manifest.load(root / step_dir_name(base.step), root=root).fingerprint() == base.fingerprint
+        if Manifest.load(root / step_dir_name(base.step), root=root).fingerprint() != base.fingerprint:
+            return False
+        if base.chain_start != base.step and (
+            Manifest.load(root / step_dir_name(base.chain_start), root=root).fingerprint() != base.chain_fingerprint
+        ):
+            return False
     except CheckpointError:
         return False
+    return all(os.path.isdir(root / step_dir_name(s)) for s in base.between)

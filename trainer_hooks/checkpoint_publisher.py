@@ -30,6 +30,7 @@ CPU (:func:`cast_on_device`).
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -226,7 +227,7 @@ class CheckpointPublisher:
 
         def job() -> SyncRecord:
             t1 = time.perf_counter()
-            result = write(version)
+            result = self._write_under_root(write, version)
             spent = time.perf_counter() - t1
             gather_s = streamed.seconds if streamed is not None else taken_s
             write_s = max(0.0, spent - streamed.seconds) if streamed is not None else spent
@@ -252,6 +253,35 @@ class CheckpointPublisher:
         except BaseException as exc:
             future.set_exception(exc)
         return future
+
+    def _write_under_root(self, write: Callable[[int], PublishResult], version: int) -> PublishResult:
+        """``write(version)``, into the root this publisher started with: a root that vanished
+        (deleted, unmounted) is not made again on the local disk under its mount point, and a
+        storage error says where, which version, and what to do."""
+        if not self.root.is_dir():
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"the checkpoint root {self.root} is gone (deleted, or its volume unmounted); version"
+                f" {version} was not published. Mount or restore it and restart the run (replicas watch"
+                " that volume, not a folder made again on this disk)",
+            )
+        try:
+            return write(version)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            hint = {
+                errno.ENOSPC: "free space there, or keep fewer checkpoints (keep_checkpoints)",
+                errno.EDQUOT: "the disk quota is spent: free space there or keep fewer checkpoints",
+                errno.EROFS: "the root is read-only: mount it writable",
+                errno.EACCES: "the trainer may not write there: fix the root's permissions",
+                errno.EIO: "the storage reported an I/O error: check it",
+            }.get(exc.errno or 0, "check the storage")
+            raise type(exc)(
+                exc.errno or errno.EIO,
+                f"publishing version {version} under {self.root} failed: {exc.strerror or exc}; nothing of it"
+                f" was published ({hint})",
+            ) from exc
 
     def publish_and_wait(self, version: int, tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncRecord:
         """Publish ``version`` and wait for the replicas, on this thread; raise what failed."""

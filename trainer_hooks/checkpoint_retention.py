@@ -33,7 +33,16 @@ def prune_checkpoints(root: Path | str, keep: int, protected: set[int] | frozens
     root = Path(root)
     found = list_checkpoints(root)
     kept = {c.step for c in found[-keep:]} | set(protected)
-    needed = kept | chain_dependencies(root, kept)
+    try:
+        needed = kept | chain_dependencies(root, kept)
+    except CheckpointError as exc:
+        log.warning(
+            "not deleting old checkpoints under %s this time: %s (retention deletes nothing it cannot"
+            " prove unneeded; it tries again at the next publish)",
+            root,
+            exc,
+        )
+        return []
     doomed = [c for c in found[:-keep] if c.step not in needed]
     removed: list[int] = []
     for ckpt in doomed:
@@ -61,7 +70,10 @@ def prune_checkpoints(root: Path | str, keep: int, protected: set[int] | frozens
 def chain_dependencies(root: Path, steps: set[int]) -> set[int]:
     """Every step the delta steps among ``steps`` are built on, back to their full steps.
 
-    A manifest that cannot be read protects nothing more (it is not a delta anyone can apply).
+    A step that is gone, or whose manifest is not a manifest (no one can apply it), protects
+    nothing more. A manifest that cannot be read now (EIO, EACCES, a stale NFS handle) might be
+    a delta: that raises ``CheckpointError('unreadable')``, so that nothing its chain needs is
+    deleted on a guess.
     """
     needed: set[int] = set()
     todo = sorted(steps)
@@ -73,7 +85,11 @@ def chain_dependencies(root: Path, steps: set[int]) -> set[int]:
         seen.add(step)
         try:
             manifest = Manifest.load(root / step_dir_name(step), root=root)
-        except (CheckpointError, ValueError):
+        except CheckpointError as exc:
+            if exc.reason in ("unreadable", "validation_timeout"):
+                raise
+            continue
+        except ValueError:
             continue
         if manifest.kind == "delta" and manifest.delta is not None:
             needed.add(manifest.delta.base_step)
