@@ -177,6 +177,7 @@ class DeltaCheckpointWriter:
         self._held: dict[str, _Held] = {}
         self._order: list[str] = []
         self._base: _Base | None = None
+        self._why_no_base = "no previous version in memory (first publish or restart)"
         """The last version this writer published (what a delta applies to); None: write full."""
         self._absorbed: Absorbed | None = None
         self._pending_base: _Base | None = None
@@ -234,7 +235,7 @@ class DeltaCheckpointWriter:
         base = self._base
         why_full = ""
         if base is None:
-            why_full = "no previous version in memory (first publish or restart)"
+            why_full = self._why_no_base
         elif base.deltas_since_full + 1 >= self.full_every:
             why_full = f"a full checkpoint every {self.full_every} versions"
         probe = False
@@ -244,6 +245,7 @@ class DeltaCheckpointWriter:
         auto_full = bool(why_full) and base is not None and base.deltas_since_full + 1 < self.full_every
         delta = not why_full
         self._base = None  # until this version is written, nothing is a valid base
+        self._why_no_base = "the previous publish did not complete (its version is no base)"
         old, old_order = self._held, self._order
         held: dict[str, _Held] = {}
         order: list[str] = []

@@ -167,6 +167,8 @@ def test_a_storage_error_names_the_root_the_version_and_what_to_do(
     # The next publish is right (for deltas: not encoded against the version that failed).
     model.step()
     publisher.publish_and_wait(3, model.tensors())
+    if publisher.delta is not None:
+        assert publisher.delta.last.why_full == "the previous publish did not complete (its version is no base)"
     _same_as_full(root, 3, model, tmp_path)
     publisher.close()
 
