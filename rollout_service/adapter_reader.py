@@ -32,11 +32,17 @@ from .checkpoint_format import (
     parse_step_dir_name,
 )
 from .checkpoint_paths import resolve_inside
-from .checkpoint_reader import TensorSpecs, read_safetensors_specs
+from .checkpoint_reader import TensorSpecs, read_every_byte, read_safetensors_specs
 from .untrusted_files import NO_DEADLINE, Deadline, open_regular, read_small
 
 PEFT_PREFIX = "base_model.model."
 LORA_PARTS = ("lora_A", "lora_B")
+UNSERVED_MODULES = frozenset({"embed_tokens", "lm_head"})
+"""Modules whose LoRA weights SGLang 0.5.23 lays out otherwise than a linear layer's (an
+embedding's ``lora_embedding_A``) or does not serve: such adapters sync merged instead."""
+MODEL_CHANGING_KEYS = ("layer_replication", "target_parameters", "use_qalora", "lora_bias", "trainable_token_indices")
+"""PEFT options that, when set, make the trained model differ from base + ``alpha/r * B @ A`` on
+the target modules, which is all SGLang serves."""
 
 
 @dataclass(frozen=True)
@@ -86,9 +92,12 @@ def adapter_support_problem(config: Mapping[str, Any], limits: LoraLimits) -> st
         return "the adapter uses DoRA (use_dora=True), which SGLang does not serve"
     if config.get("modules_to_save"):
         return (
-            f"modules_to_save={sorted(config['modules_to_save'])} trains whole modules, which SGLang's"
+            f"modules_to_save={_shown(config['modules_to_save'])} trains whole modules, which SGLang's"
             " LoRA adapters cannot carry"
         )
+    for key in MODEL_CHANGING_KEYS:
+        if config.get(key):
+            return f"{key}={_shown(config[key])} changes the model beyond what SGLang's LoRA serving applies"
     if config.get("use_rslora"):
         return "use_rslora=True scales by alpha/sqrt(r); SGLang scales every adapter by alpha/r"
     if config.get("rank_pattern") or config.get("alpha_pattern"):
@@ -100,13 +109,25 @@ def adapter_support_problem(config: Mapping[str, Any], limits: LoraLimits) -> st
         return f"r={rank!r} is not a positive integer"
     if limits.max_rank is not None and rank > limits.max_rank:
         return f"rank {rank} is above the server's --max-lora-rank {limits.max_rank}"
+    alpha = config.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1e6:
+        return f"lora_alpha={_shown(alpha)} is not a positive number"
     modules = config.get("target_modules")
     if isinstance(modules, str):
         return (
             f"target_modules={modules!r} is a pattern; give the module names (e.g. ['q_proj', 'v_proj'])"
             " so the server's --lora-target-modules can be checked"
         )
-    names = module_names(modules or [])
+    if (
+        not isinstance(modules, (list, tuple, set, frozenset))  # PEFT's LoraConfig holds a set
+        or not modules
+        or not all(isinstance(m, str) and m for m in modules)
+    ):
+        return f"target_modules={_shown(modules)} is not a list of module names"
+    names = module_names(modules)
+    unserved_here = sorted(names & UNSERVED_MODULES)
+    if unserved_here:
+        return f"target modules {unserved_here}: SGLang's LoRA serves linear layers inside the model only"
     unserved = sorted(m for m in names if not limits.serves_module(m))
     if unserved:
         return (
@@ -114,6 +135,11 @@ def adapter_support_problem(config: Mapping[str, Any], limits: LoraLimits) -> st
             f" {sorted(limits.target_modules)}"
         )
     return stacking_problem(names)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def module_names(modules: Any) -> set[str]:
@@ -147,9 +173,13 @@ def validate_adapter(
     reference: TensorSpecs,
     limits: LoraLimits,
     check_finite: bool = False,
+    check_digests: bool = False,
     timeout_s: float | None = None,
 ) -> AdapterReport:
-    """Validate an ``adapter`` step; raise ``CheckpointError`` naming the first problem."""
+    """Validate an ``adapter`` step; raise ``CheckpointError`` naming the first problem.
+
+    ``check_digests`` re-reads every byte against the manifest's digests (a stage copy is
+    checked while it is copied; without a stage, this is the only byte check)."""
     deadline = Deadline(timeout_s) if timeout_s is not None else NO_DEADLINE
     checkpoint_dir = Path(checkpoint_dir)
     real_dir = resolve_inside(root, checkpoint_dir)
@@ -188,6 +218,12 @@ def validate_adapter(
                     "truncated" if st.st_size < entry.size else "size_mismatch",
                     f"{name}/{fname} has {st.st_size} bytes, the manifest says {entry.size}",
                 )
+    if manifest.total_bytes != sum(e.size for e in manifest.files.values()):
+        raise CheckpointError(
+            "size_mismatch",
+            f"{name}: files add up to {sum(e.size for e in manifest.files.values())} bytes,"
+            f" manifest total_bytes says {manifest.total_bytes}",
+        )
     checks.append("files and sizes match the manifest")
     deadline.check(name)
     info = manifest.adapter
@@ -198,6 +234,8 @@ def validate_adapter(
     )
     if (
         config.get("r") != info.rank
+        or isinstance(config.get("r"), bool)
+        or isinstance(config.get("lora_alpha"), bool)
         or not isinstance(config.get("lora_alpha"), (int, float))
         or float(config["lora_alpha"]) != info.alpha
     ):
@@ -218,11 +256,26 @@ def validate_adapter(
         raise CheckpointError("adapter_unservable", f"{name}: {problem}")
     checks.append("config servable")
     specs = read_safetensors_specs(real_dir / ADAPTER_WEIGHTS_NAME, root=root)
-    _check_tensors(specs, reference, info.rank, set(info.target_modules), where=f"{name}/{ADAPTER_WEIGHTS_NAME}")
+    weights = f"{name}/{ADAPTER_WEIGHTS_NAME}"
+    if manifest.tensor_count != len(specs) or manifest.files[ADAPTER_WEIGHTS_NAME].tensors != len(specs):
+        raise CheckpointError(
+            "bad_manifest",
+            f"{weights} holds {len(specs)} tensors; the manifest says {manifest.tensor_count}"
+            f" (tensor_count) and {manifest.files[ADAPTER_WEIGHTS_NAME].tensors} (its file entry)",
+        )
+    odd_dtype = sorted(t for t, (dtype, _) in specs.items() if manifest.dtype is not None and dtype != manifest.dtype)
+    if odd_dtype:
+        raise CheckpointError(
+            "dtype_mismatch",
+            f"{weights}: {odd_dtype[0][:120]!r} is {specs[odd_dtype[0]][0]}, the manifest says {manifest.dtype}",
+        )
+    _check_tensors(specs, reference, info.rank, set(info.target_modules), where=weights)
     checks.append("tensors fit the served model")
-    if check_finite:
-        _check_finite(root, real_dir / ADAPTER_WEIGHTS_NAME, f"{name}/{ADAPTER_WEIGHTS_NAME}", deadline)
-        checks.append("finite")
+    if check_digests or check_finite:
+        for fname, entry in sorted(manifest.files.items()):
+            finite = check_finite and fname == ADAPTER_WEIGHTS_NAME
+            read_every_byte(root, real_dir / fname, f"{name}/{fname}", entry.digest, check_digests, finite, deadline)
+        checks += ["digests match"] * check_digests + ["finite"] * check_finite
     return AdapterReport(path=real_dir, manifest=manifest, modules=sorted(info.target_modules), checks=checks)
 
 
@@ -253,7 +306,13 @@ def _check_tensors(specs: TensorSpecs, reference: TensorSpecs, rank: int, module
                 f"{where}: {tname[:120]!r} adapts {served!r}, which the"
                 " served model does not have (an adapter for another model?)",
             )
-        out_dim, in_dim = (tuple(reference[served][1]) + (0, 0))[:2]
+        if len(reference[served][1]) != 2 or not all(reference[served][1]):
+            raise CheckpointError(
+                "adapter_mismatch",
+                f"{where}: {tname[:120]!r} adapts {served!r} {list(reference[served][1])}, which is not a"
+                " linear layer's weight (LoRA serves 2-D weights)",
+            )
+        out_dim, in_dim = reference[served][1]
         want = (rank, in_dim) if part == "lora_A" else (out_dim, rank)
         if dtype not in FLOAT_DTYPES or tuple(shape) != want:
             raise CheckpointError(
@@ -268,21 +327,24 @@ def _check_tensors(specs: TensorSpecs, reference: TensorSpecs, rank: int, module
     )
     if unpaired:
         raise CheckpointError("bad_adapter", f"{where}: {unpaired[0][:120]!r} has no matching lora_A/lora_B")
+    _check_every_target_adapted(seen, reference, modules, where)
 
 
-def _check_finite(root: Path, path: Path, where: str, deadline: Deadline) -> None:
-    from .finite import first_non_finite
-
-    with open_regular(root, path, where=where) as (fd, st):
-        data = bytearray(st.st_size)
-        view = memoryview(data)
-        got = 0
-        while got < st.st_size:
-            deadline.check(where)
-            n = os.readv(fd, [view[got:]])
-            if not n:
-                raise CheckpointError("truncated", f"{where} ended after {got} of {st.st_size} bytes")
-            got += n
-    found = first_non_finite(memoryview(data), deadline=deadline)
-    if found is not None:
-        raise CheckpointError("non_finite", f"{where}: tensor {found[0]!r} holds {found[1]} NaN/Inf values")
+def _check_every_target_adapted(seen: set[str], reference: TensorSpecs, modules: set[str], where: str) -> None:
+    """Wherever the adapter changes a block (``...layers.3.self_attn``), it holds every target
+    module the served model has there: SGLang stacks q/k/v and gate/up per layer from what the
+    adapter holds, and one missing makes its scheduler die at the first request."""
+    adapted: dict[str, set[str]] = {}
+    for part in seen:
+        block, _, module = part.rsplit(".", 1)[0].rpartition(".")
+        adapted.setdefault(block, set()).add(module)
+    for block, present in sorted(adapted.items()):
+        served_block = block[len(PEFT_PREFIX) :]
+        expected = {m for m in modules if f"{served_block}.{m}.weight" in reference}
+        if present != expected:
+            missing = sorted(expected - present)
+            raise CheckpointError(
+                "bad_adapter",
+                f"{where}: {served_block} is adapted in {sorted(present)} but not in {missing}, which the"
+                " adapter's config targets: SGLang would fail on it at the first request",
+            )

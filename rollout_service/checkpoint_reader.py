@@ -318,7 +318,7 @@ def _validate(
         checks.append("every tensor has a loadable floating dtype")
     if check_digests or check_finite:
         for fname, entry in sorted(manifest.files.items()):
-            _read_every_byte(
+            read_every_byte(
                 root,
                 real_dir / fname,
                 f"{name}/{fname}",
@@ -443,9 +443,12 @@ def _delta_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, dead
     return specs
 
 
-def _read_every_byte(
+def read_every_byte(
     root: Path, path: Path, where: str, want_digest: str, digest: bool, finite: bool, deadline: Deadline
 ) -> None:
+    """Read a file under ``root`` whole (mapped): with ``digest`` its xxh3-128 must be
+    ``want_digest`` (``digest_mismatch``), with ``finite`` its safetensors floats must hold no
+    NaN/Inf (``non_finite``)."""
     with open_regular(root, path, where=where) as (fd, st):
         mapped = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ) if st.st_size else None
         try:

@@ -172,6 +172,7 @@ def test_nan_weights_and_a_config_that_disagrees_with_the_manifest_are_rejected(
     text = json.dumps(config)
     (path / "adapter_config.json").write_text(text)
     manifest = json.loads((path / "manifest.json").read_text())
+    manifest["total_bytes"] += len(text) - manifest["files"]["adapter_config.json"]["size"]
     manifest["files"]["adapter_config.json"]["size"] = len(text)
     (path / "manifest.json").write_text(json.dumps(manifest))
     assert rejected(tmp_path, 2).reason == "bad_adapter_config"
@@ -296,3 +297,130 @@ def test_the_cpu_stand_in_lets_sglangs_lora_modules_create_pinned_buffers():
         timeout=120,
     )
     assert bare.returncode != 0 or not torch.version.cuda
+
+
+# --- what a load would trip over, found in the tensors and the manifest (review findings) -----
+TWO_LAYERS = {
+    "model.embed_tokens.weight": ("F32", (64, HIDDEN)),
+    **{
+        f"model.layers.{i}.{name}": spec
+        for i in (0, 1)
+        for name, spec in {
+            "input_layernorm.weight": ("F32", (HIDDEN,)),
+            "self_attn.q_proj.weight": ("F32", (HIDDEN, HIDDEN)),
+            "self_attn.k_proj.weight": ("F32", (KV, HIDDEN)),
+            "self_attn.v_proj.weight": ("F32", (KV, HIDDEN)),
+            "mlp.gate_proj.weight": ("F32", (INTER, HIDDEN)),
+            "mlp.up_proj.weight": ("F32", (INTER, HIDDEN)),
+        }.items()
+    },
+}
+ALL = LoraLimits(True, 16, frozenset({"all"}))
+
+
+def two_layer_tensors(per_layer: dict[int, tuple[str, ...]], r: int = 4) -> dict[str, torch.Tensor]:
+    """LoRA weights for ``per_layer[i]``'s modules in layer i of :data:`TWO_LAYERS`."""
+    out = {}
+    for layer, modules in per_layer.items():
+        for m in modules:
+            name = next(k for k in TWO_LAYERS if k.startswith(f"model.layers.{layer}.") and f".{m}." in k)
+            shape = TWO_LAYERS[name][1]
+            rows, cols = (tuple(shape) + (0,))[:2]
+            prefix = "base_model.model." + name.removesuffix(".weight")
+            out[f"{prefix}.lora_A.weight"] = torch.ones(r, cols)
+            out[f"{prefix}.lora_B.weight"] = torch.ones(rows, r)
+    return out
+
+
+def two_layer_rejected(root: Path, config_modules, per_layer, limits: LoraLimits = ALL) -> CheckpointError:
+    path = publish_adapter(root, 1, two_layer_tensors(per_layer), lora_config(4, config_modules), run_id="run1").path
+    manifest = json.loads((path / "manifest.json").read_text())  # a writer whose manifest agrees with its config
+    manifest["adapter"]["target_modules"] = sorted(config_modules)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as info:
+        validate_adapter(root / "step-00000001", root=root, reference=TWO_LAYERS, limits=limits)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("config_modules", "per_layer", "missing"),
+    [
+        # SGLang stacks q/k/v and gate/up per layer from the tensors it finds: one missing makes
+        # its scheduler die at the first request, whatever the config says.
+        (("q_proj", "k_proj", "v_proj"), {0: ("k_proj",), 1: ("k_proj",)}, "['q_proj', 'v_proj']"),
+        (("gate_proj", "up_proj"), {0: ("up_proj",), 1: ("up_proj",)}, "['gate_proj']"),
+        (("q_proj", "v_proj"), {0: ("q_proj", "v_proj"), 1: ("q_proj",)}, "['v_proj']"),
+        (("q_proj", "k_proj", "v_proj"), {0: ("q_proj", "v_proj"), 1: ("k_proj",)}, "['k_proj']"),
+    ],
+)
+def test_every_adapted_block_holds_every_target_module_the_model_has_there(
+    tmp_path, config_modules, per_layer, missing
+):
+    error = two_layer_rejected(tmp_path, config_modules, per_layer)
+    assert error.reason == "bad_adapter" and missing in str(error), error
+
+
+def test_an_adapter_on_some_layers_only_holds_all_targets_in_those(tmp_path):
+    publish_adapter(
+        tmp_path, 1, two_layer_tensors({1: ("q_proj", "v_proj")}), lora_config(4, ("q_proj", "v_proj")), run_id="r"
+    )
+    report = validate_adapter(tmp_path / "step-00000001", root=tmp_path, reference=TWO_LAYERS, limits=ALL)
+    assert report.modules == ["q_proj", "v_proj"]
+
+
+def test_a_module_that_is_not_a_linear_layer_is_refused_even_when_the_server_takes_all(tmp_path):
+    error = two_layer_rejected(tmp_path, ("input_layernorm",), {0: ("input_layernorm",), 1: ("input_layernorm",)})
+    assert error.reason == "adapter_mismatch" and "not a linear layer" in str(error), error
+
+
+@pytest.mark.parametrize(
+    ("config", "reason"),
+    [
+        (lora_config(modules_to_save=1), "modules_to_save=1"),
+        (lora_config(modules_to_save=[1, "a"]), "modules_to_save=[1, 'a']"),
+        (lora_config(layer_replication=[[0, 1]]), "layer_replication"),
+        (lora_config(use_qalora=True), "use_qalora"),
+        (lora_config(lora_bias=True), "lora_bias"),
+        (lora_config(target_parameters=["mlp.experts.gate_up_proj"]), "target_parameters"),
+        (lora_config(trainable_token_indices=[3]), "trainable_token_indices"),
+        ({**lora_config(), "target_modules": [None, "q_proj", "v_proj"]}, "not a list of module names"),
+        ({**lora_config(), "target_modules": []}, "not a list of module names"),
+        ({**lora_config(), "lora_alpha": True}, "lora_alpha"),
+        ({**lora_config(), "lora_alpha": float("inf")}, "lora_alpha"),
+        (lora_config(modules=("embed_tokens", "q_proj", "v_proj")), "linear layers inside the model"),
+        (lora_config(modules=("lm_head",)), "linear layers inside the model"),
+    ],
+)
+def test_configs_sglang_would_serve_as_another_model_have_a_reason_not_an_error(config, reason):
+    problem = adapter_support_problem(config, ALL)
+    assert problem is not None and reason in problem, problem
+
+
+@pytest.mark.parametrize(
+    ("edit", "reason"),
+    [
+        (lambda m: m.update(total_bytes=m["total_bytes"] + 1), "size_mismatch"),
+        (lambda m: m.update(tensor_count=m["tensor_count"] + 2), "bad_manifest"),
+        (lambda m: m["files"]["adapter_model.safetensors"].update(tensors=1), "bad_manifest"),
+        (lambda m: m.update(dtype="F16"), "dtype_mismatch"),
+    ],
+)
+def test_manifest_fields_that_disagree_with_the_files_are_refused(tmp_path, edit, reason):
+    path = publish(tmp_path).path
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["dtype"] == "F32"
+    edit(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert rejected(tmp_path).reason == reason
+
+
+def test_digests_are_checked_without_a_stage_when_asked(tmp_path):
+    path = publish(tmp_path).path
+    weights = path / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # same size, header intact: only the digest can tell
+    weights.write_bytes(bytes(data))
+    assert validate_adapter(path, root=tmp_path, reference=REFERENCE, limits=LIMITS).path == path
+    with pytest.raises(CheckpointError) as info:
+        validate_adapter(path, root=tmp_path, reference=REFERENCE, limits=LIMITS, check_digests=True)
+    assert info.value.reason == "digest_mismatch"

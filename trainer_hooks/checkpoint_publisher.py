@@ -155,6 +155,7 @@ class CheckpointPublisher:
         self._torch_dtype = target_dtype(dtype)
         self._pinned: dict[str, torch.Tensor] = {}
         """Pinned host buffers of the last background snapshot, reused by the next one."""
+        self.root.mkdir(parents=True, exist_ok=True)  # made once; if it vanishes later, publishing stops
         removed = cleanup_stale_temp_dirs(self.root)
         if removed:
             log.info("removed %d stale temporary entries under %s left by killed writers", len(removed), self.root)
@@ -270,6 +271,8 @@ class CheckpointPublisher:
         except FileExistsError:
             raise
         except OSError as exc:
+            if exc.errno is None:  # not from the storage: nothing to add
+                raise
             hint = {
                 errno.ENOSPC: "free space there, or keep fewer checkpoints (keep_checkpoints)",
                 errno.EDQUOT: "the disk quota is spent: free space there or keep fewer checkpoints",

@@ -109,7 +109,9 @@ class AdapterSync:
             limits = LoraLimits.from_server_info(info)
             budget = c.settings.validate_timeout_s
             try:
-                report = await asyncio.wait_for(asyncio.to_thread(self._prepare, path, limits), timeout=budget + 5.0)
+                report = await c.bounded(self._prepare, path, limits, name=path.name, step=step)
+                if report is None:
+                    return False
             except asyncio.TimeoutError:
                 c._reject(
                     ckpt, "validation_timeout", f"validating adapter {path.name} did not finish within {budget:g} s"
@@ -200,6 +202,7 @@ class AdapterSync:
             reference=c._reference,
             limits=limits,
             check_finite=s.check_finite and c.stage is None,
+            check_digests=s.check_digests and c.stage is None,
             timeout_s=s.validate_timeout_s,
         )
         if c.stage is None:

@@ -32,8 +32,9 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..checkpoint_format import (
     MANIFEST_NAME,
@@ -63,6 +64,7 @@ from .state import SidecarState
 from .sync_record import SyncRecord, published_at
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Loads of one step during which SGLang died, before that step is given up on.
 MAX_CRASHES_PER_STEP = 2
@@ -459,20 +461,12 @@ class SyncController:
         try:
             t0 = time.perf_counter()
             budget = self.settings.validate_timeout_s
-            if self._straggler is not None and not self._straggler.done():
-                self._error(
-                    "validation_stuck",
-                    f"an earlier validation is still blocked in the storage; {path.name} waits for it"
-                    " (check the checkpoint root's file system)",
-                    step=step,
-                )
-                return False
-            prepare = asyncio.ensure_future(asyncio.to_thread(self._prepare, path))
             try:
-                report, built = await asyncio.wait_for(asyncio.shield(prepare), timeout=budget + 5.0)
+                prepared = await self.bounded(self._prepare, path, name=path.name, step=step)
+                if prepared is None:
+                    return False
+                report, built = prepared
             except asyncio.TimeoutError:
-                self._straggler = prepare
-                prepare.add_done_callback(_drop_result)
                 self._reject(
                     ckpt,
                     "validation_timeout",
@@ -567,6 +561,27 @@ class SyncController:
             return True
         finally:
             self.state.loading_step = None
+
+    async def bounded(self, fn: Callable[..., T], *args: Any, name: str, step: int) -> T | None:
+        """``fn(*args)`` (a validation: blocking) in a thread, given up on at the validation
+        deadline plus 5 s (``asyncio.TimeoutError``). A thread given up on may still be blocked in
+        the storage: until it ends no other starts, so two never work in the stage at once; the
+        step ``name`` then waits (None, with ``validation_stuck`` in ``last_error``)."""
+        if self._straggler is not None and not self._straggler.done():
+            self._error(
+                "validation_stuck",
+                f"an earlier validation is still blocked in the storage; {name} waits for it"
+                " (check the checkpoint root's file system)",
+                step=step,
+            )
+            return None
+        task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), timeout=self.settings.validate_timeout_s + 5.0)
+        except asyncio.TimeoutError:
+            self._straggler = task
+            task.add_done_callback(_drop_result)
+            raise
 
     def _record_sync(self, manifest: Manifest, record: SyncRecord) -> None:
         """Mark ``record``'s step served, with its record and metrics.
