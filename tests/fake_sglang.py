@@ -4,15 +4,19 @@
 with knobs for what real servers do only rarely (float token ids, stale or aborted answers, hung
 requests, a sidecar that reports a rejection or a down SGLang), so those tests are fast and exact.
 `FakeRoutes` answers fixed JSON per path, or hangs first (a `/health` stuck behind a weight load),
-for the liveness probe. `dead_url` names an address nothing listens on.
+for the liveness probe. `CannedServer` answers from a raw socket with scripted bytes, for what no
+HTTP framework writes on purpose (a body dripped byte by byte, a lying Content-Length, a broken
+gzip). `dead_url` names an address nothing listens on.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -181,3 +185,96 @@ class FakeRoutes:
 
     def close(self) -> None:
         self.server.shutdown()
+
+
+Answer = Callable[[socket.socket, threading.Event], None]
+"""Writes one scripted answer to the connection; may wait on the event (set when the server stops)."""
+
+
+class CannedServer:
+    """A raw-socket HTTP/1.1 server: each request is answered by ``handler(path, body, count)``,
+    which returns an :data:`Answer` (``canned_reply`` for an ordinary one). ``GET`` requests get
+    ``{}`` with 200 (``/health``) unless the handler says otherwise; one request per connection.
+    ``requests`` records ``(method, path, body)``."""
+
+    def __init__(self, handler: Callable[[str, Any, int], Answer | None]) -> None:
+        self.handler = handler
+        self.requests: list[tuple[str, str, Any]] = []
+        self.stopped = threading.Event()
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def generate_requests(self) -> list[Any]:
+        return [body for method, path, body in self.requests if path == "/generate"]
+
+    def _accept(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    data += chunk
+                head, rest = data.split(b"\r\n\r\n", 1)
+                lines = head.decode().split("\r\n")
+                method, path, _ = lines[0].split(" ")
+                headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+                while len(rest) < int(headers.get("content-length", 0)):
+                    rest += conn.recv(65536)
+                body = json.loads(rest) if rest else None
+                self.requests.append((method, path, body))
+                answer = self.handler(path, body, len(self.requests))
+                (answer or canned_reply(200, {}))(conn, self.stopped)
+            except OSError:
+                pass  # the client gave up first
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.sock.close()
+
+
+def canned_reply(status: int, body: Any, *, headers: str = "", content_type: str = "application/json") -> Answer:
+    """An ordinary answer: ``body`` (JSON unless bytes or str) with its Content-Length, then close."""
+    raw = body if isinstance(body, bytes) else body.encode() if isinstance(body, str) else json.dumps(body).encode()
+
+    def write(conn: socket.socket, stopped: threading.Event) -> None:
+        conn.sendall(
+            f"HTTP/1.1 {status} X\r\nContent-Type: {content_type}\r\nContent-Length: {len(raw)}\r\n"
+            f"Connection: close\r\n{headers}\r\n".encode()
+            + raw
+        )
+
+    return write
+
+
+def canned_answer(body: dict[str, Any], *, version: Any = "5", prompt_tokens: bool = True) -> list[dict[str, Any]]:
+    """What SGLang answers to a ``/generate`` body: per prompt and sample, two tokens (the prompt's
+    first, then 7) with logprobs -0.5, ``version`` as ``weight_version`` and ``prompt_tokens``."""
+    n = int(body["sampling_params"].get("n", 1))
+    out = []
+    for prompt in body["input_ids"]:
+        for _ in range(n):
+            ids = [prompt[0], 7]
+            meta: dict[str, Any] = {
+                "output_token_logprobs": [[-0.5, t, None] for t in ids],
+                "weight_version": version,
+                "finish_reason": {"type": "length"},
+            }
+            if prompt_tokens:
+                meta["prompt_tokens"] = len(prompt)
+            out.append({"text": "", "output_ids": ids, "meta_info": meta})
+    return out

@@ -3,17 +3,28 @@
 :class:`SGLangEndpoints` splits a batch of unique prompts into contiguous chunks, one per
 live endpoint, posts them concurrently (one ``POST /generate`` per chunk, ``n`` samples per
 prompt) and puts the answers back in prompt order. An endpoint that refuses the connection,
-times out or answers 5xx is marked dead for a while (with a warning) and its chunk goes to
-the endpoints that remain; when none remains the call keeps retrying until its deadline and
-then raises :class:`SGLangUnavailableError` naming every endpoint and its last error. A 4xx
-answer (bad sampling parameters, prompt too long) is the request's fault and raises at once.
-Every HTTP call has a timeout: nothing here can hang.
+times out, or answers 5xx or something that is not JSON is marked dead for a while (with a
+warning) and its chunk goes to the endpoints that remain; an overloaded one (HTTP 429 or 503)
+is asked again after its ``Retry-After`` (bounded by the deadline). When none remains the call
+keeps retrying until its deadline and then raises :class:`SGLangUnavailableError` naming every
+endpoint and its last error. A 4xx answer (bad sampling parameters, prompt too long) is the
+request's fault and raises at once, as does a redirect (``sglang_urls`` must name the server
+itself).
 
-A request that kills its server (the connection drops mid-request and ``/health`` then fails)
-is a *poison* candidate: the trainer waits for a server to come back (``rollout-service serve``
-restarts SGLang) and sends those prompts once more; when a server dies on them again the call
-raises :class:`SGLangPoisonRequestError` naming the sampling parameters and SGLang's own last
-error lines (from ``log_paths``, else the sidecars' ``/status``). It is never sent a third time.
+Nothing here can hang or swallow the memory: each request has one total time bound,
+``sglang_request_timeout`` from its start to the last byte of its answer (httpx's timeouts only
+bound each read; the body is read in a loop that checks the deadline, and :meth:`generate` stops
+waiting for a request past it, treating its endpoint as failed), and its answer is read up to
+a limit derived from the request (``BODY_LIMIT_BASE_BYTES`` plus ``BODY_BYTES_PER_TOKEN`` per
+token it may return).
+
+A request that kills its server (the connection drops mid-request and ``/health`` then fails,
+or a 5xx other than 503 comes back) is a *poison* candidate (an overloaded server, a timeout or
+an answer that cannot be decoded, such as a proxy's broken gzip, is not): the trainer waits for
+a server to come back (``rollout-service serve`` restarts SGLang) and sends those prompts once
+more; when a server dies on them again the call raises :class:`SGLangPoisonRequestError` naming
+the sampling parameters and SGLang's own last error lines (from ``log_paths``, else the sidecars'
+``/status``). It is never sent a third time.
 
 With ``rescore=True`` (sampling parameters that change SGLang's distribution: a grammar,
 ``logit_bias``, penalties) each answer's logprobs are replaced by the model's own logprobs of the
@@ -27,15 +38,17 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
 
 from rollout_service.http_auth import bearer_headers
 
-from .sglang_responses import Completion, SGLangResponseError, parse_generate_response
+from .sglang_responses import Completion, parse_generate_response, parse_rescore_response
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +58,18 @@ CONNECT_TIMEOUT_S = 10.0
 RETRY_PAUSE_S = 1.0
 SETTINGS_TIMEOUT_S = 5.0
 """How long a start-up question about a server's settings may take."""
+OVERLOAD_RETRY_S = 2.0
+"""How long an overloaded endpoint (HTTP 429/503) is left alone when it sends no ``Retry-After``."""
+WAIT_GRACE_S = 2.0
+"""How much longer than its own deadline :meth:`SGLangEndpoints.generate` waits for a request."""
+BODY_LIMIT_BASE_BYTES = 64 * 1024 * 1024
+BODY_BYTES_PER_TOKEN = 256
+"""An answer may have ``BODY_LIMIT_BASE_BYTES`` plus this per token it may carry (SGLang's are
+~50: the id, its logprob entry and its text); a larger one is refused unread."""
+UNKNOWN_MAX_NEW_TOKENS = 32768
+"""Tokens per completion assumed for the body limit when the request sets no ``max_new_tokens``."""
+ERROR_TEXT_BYTES = 4096
+"""How much of an error answer is read (to quote it)."""
 
 
 class SGLangUnavailableError(RuntimeError):
@@ -60,13 +85,16 @@ class SGLangPoisonRequestError(RuntimeError):
 
 
 class _EndpointFailed(Exception):
-    def __init__(self, url: str, reason: str, *, sent: bool = False):
+    def __init__(self, url: str, reason: str, *, sent: bool = False, retry_after: float | None = None):
         super().__init__(reason)
         self.url = url
         self.reason = reason
         self.sent = sent
-        """True when the request reached the server and the connection then broke (or it answered
-        5xx), as opposed to a refused connection or a timeout."""
+        """True when the server may have died on the request (a poison candidate): it reached the
+        server and the connection then broke, or a 5xx other than 503 came back; not for a refused
+        connection, a timeout, an overloaded server or an answer that could not be decoded."""
+        self.retry_after = retry_after
+        """Seconds to leave an overloaded endpoint (HTTP 429/503) alone; None for other failures."""
 
 
 HEALTH_PROBE_TIMEOUT_S = 5.0
@@ -159,7 +187,9 @@ class SGLangEndpoints:
                     limits=httpx.Limits(max_connections=max(4, 2 * len(self._endpoints))),
                     transport=self._transport,
                 )
-                pool = ThreadPoolExecutor(max_workers=len(self._endpoints), thread_name_prefix="sglang-generate")
+                # Room for one request per endpoint that generate() stopped waiting for (it ends
+                # by itself at its deadline) beside the current ones.
+                pool = ThreadPoolExecutor(max_workers=2 * len(self._endpoints), thread_name_prefix="sglang-generate")
                 self._client_and_pool = (client, pool)
             return self._client_and_pool
 
@@ -190,7 +220,8 @@ class SGLangEndpoints:
         """Generate ``sampling_params["n"]`` completions for each prompt; groups in prompt order.
 
         ``deadline`` (a ``time.monotonic()`` value) bounds how long the call keeps retrying
-        when every endpoint is down. ``rescore``: replace the logprobs by the model's own
+        when every endpoint is down; each request is bounded by ``request_timeout_s`` (twice with
+        ``rescore``: two requests) on top. ``rescore``: replace the logprobs by the model's own
         (temperature 1, no grammar or penalties), or by None where they cannot be read back.
         ``lora_path``: the name of the LoRA adapter every prompt is generated (and rescored) with.
         """
@@ -222,10 +253,24 @@ class SGLangEndpoints:
                 if chunk
             ]
             failed: list[int] = []
+            requests = 2 if rescore and want_logprobs else 1
+            wait_until = time.monotonic() + requests * self._request_timeout_s + WAIT_GRACE_S
             for endpoint, chunk, future in futures:
+                if not wait([future], timeout=max(0.0, wait_until - time.monotonic())).done:
+                    # Its own deadline checks end it soon; its answer, if any, is dropped.
+                    self._mark_dead(
+                        endpoint,
+                        f"no complete answer within the timeout (sglang_request_timeout={self._request_timeout_s:g} s)",
+                    )
+                    failed.extend(chunk)
+                    continue
                 try:
                     groups = future.result()
                 except _EndpointFailed as exc:
+                    if exc.retry_after is not None:
+                        self._mark_dead(endpoint, exc.reason, for_s=min(exc.retry_after, deadline - time.monotonic()))
+                        failed.extend(chunk)
+                        continue
                     # Sent, then the connection broke or a 5xx came back: the request may be what failed
                     # (a router in front of a dead server answers 5xx while its own /health is fine).
                     died = exc.sent and not self._answers_health(endpoint.url)
@@ -339,39 +384,11 @@ class SGLangEndpoints:
         payload = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": want_logprobs}
         if lora_path is not None:
             payload["lora_path"] = lora_path
-        try:
-            response = self._client.post(f"{url}/generate", json=payload, headers=self._headers)
-        except httpx.TimeoutException as exc:
-            raise _EndpointFailed(
-                url,
-                f"no answer within the timeout ({type(exc).__name__}; "
-                f"sglang_request_timeout={self._request_timeout_s:g} s)",
-            ) from exc
-        except httpx.ConnectError as exc:
-            raise _EndpointFailed(url, f"{type(exc).__name__}: {exc}") from exc
-        except httpx.HTTPError as exc:  # sent, then the connection broke
-            raise _EndpointFailed(url, f"{type(exc).__name__}: {exc}", sent=True) from exc
-        if response.status_code >= 500:
-            raise _EndpointFailed(url, f"HTTP {response.status_code}: {response.text[:300]}", sent=True)
-        if response.status_code in (401, 403):
-            raise SGLangRequestError(
-                f"SGLang at {url} refused POST /generate with HTTP {response.status_code}: it was started with "
-                "--api-key and the trainer sent "
-                + ("a different key" if self._headers else "none")
-                + "; set sglang_api_token in the config to that key"
-            )
-        if response.status_code != 200:
-            raise SGLangRequestError(
-                f"SGLang at {url} rejected POST /generate with HTTP {response.status_code}: "
-                f"{response.text[:1000]}. Check the sampling parameters (generation_kwargs use SGLang's "
-                "names, e.g. max_new_tokens, stop_token_ids) and that prompts fit the server's context length"
-            )
-        try:
-            data = response.json()
-        except ValueError as exc:
-            raise _EndpointFailed(
-                url, f"answered HTTP 200 with a body that is not JSON: {response.text[:200]!r}"
-            ) from exc
+        max_new_tokens = sampling_params.get("max_new_tokens")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            max_new_tokens = None
+        tokens = len(input_ids) * n * (UNKNOWN_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens)
+        data = self._request(url, payload, tokens=tokens)
         groups = parse_generate_response(
             data,
             num_prompts=len(input_ids),
@@ -379,17 +396,95 @@ class SGLangEndpoints:
             want_logprobs=want_logprobs,
             vocab_size=self._vocab_size,
             source=f"SGLang at {url}",
+            prompt_lengths=[len(p) for p in input_ids],
+            max_new_tokens=max_new_tokens,
         )
         if rescore and want_logprobs:
             self._rescore(url, input_ids, groups, lora_path)
         return groups
+
+    def _request(self, url: str, payload: dict[str, Any], *, tokens: int, rescoring: bool = False) -> Any:
+        """POST ``payload`` to ``url``/generate; its answer as JSON, read within ``request_timeout_s``
+        in all and refused beyond the body limit for ``tokens`` tokens. A failure the endpoint
+        may get over raises :class:`_EndpointFailed`; a refusal of the request itself
+        :class:`SGLangRequestError`."""
+        what = "rescoring: " if rescoring else ""
+        deadline = time.monotonic() + self._request_timeout_s
+        limit = BODY_LIMIT_BASE_BYTES + BODY_BYTES_PER_TOKEN * tokens
+        try:
+            with self._client.stream("POST", f"{url}/generate", json=payload, headers=self._headers) as response:
+                self._check_status(url, response, deadline, what)
+                body = _read_body(url, response, deadline, limit, what, self._request_timeout_s)
+        except httpx.TimeoutException as exc:
+            raise _EndpointFailed(
+                url,
+                f"{what}no answer within the timeout ({type(exc).__name__}; "
+                f"sglang_request_timeout={self._request_timeout_s:g} s)",
+            ) from exc
+        except httpx.ConnectError as exc:
+            raise _EndpointFailed(url, f"{what}{type(exc).__name__}: {exc}") from exc
+        except httpx.DecodingError as exc:  # the answer arrived, mangled (a proxy's broken gzip)
+            raise _EndpointFailed(
+                url,
+                f"{what}the answer could not be decoded ({type(exc).__name__}: {exc}); a proxy between the trainer "
+                "and SGLang may mangle compressed answers",
+            ) from exc
+        except httpx.HTTPError as exc:  # sent, then the connection broke
+            raise _EndpointFailed(url, f"{what}{type(exc).__name__}: {exc}", sent=True) from exc
+        try:
+            return json.loads(body)
+        except ValueError as exc:
+            raise _EndpointFailed(
+                url, f"{what}answered HTTP 200 with a body that is not JSON: {_text(body[:200])!r}"
+            ) from exc
+
+    def _check_status(self, url: str, response: httpx.Response, deadline: float, what: str) -> None:
+        """Raise for anything but HTTP 200, quoting the start of the answer."""
+        status = response.status_code
+        if status == 200:
+            return
+        text = _error_text(response, deadline)
+        if status in (429, 503):  # busy, not broken: ask again later, not a poison candidate
+            header = response.headers.get("retry-after")
+            retry_after = _retry_after_s(header)
+            raise _EndpointFailed(
+                url,
+                f"{what}overloaded: HTTP {status}"
+                + (f" (Retry-After: {header})" if header else "")
+                + f": {text[:300]}",
+                retry_after=max(RETRY_PAUSE_S, OVERLOAD_RETRY_S if retry_after is None else retry_after),
+            )
+        if status >= 500:
+            raise _EndpointFailed(url, f"{what}HTTP {status}: {text[:300]}", sent=True)
+        if what:  # rescoring what /generate just answered: a passing state (an adapter swapped), try again
+            raise _EndpointFailed(url, f"{what}HTTP {status}: {text[:300]}")
+        if 300 <= status < 400:
+            raise SGLangRequestError(
+                f"SGLang at {url} answered POST /generate with a redirect (HTTP {status} to "
+                f"{response.headers.get('location')!r}); the trainer does not follow redirects: point sglang_urls at "
+                "the SGLang server itself (the http://host:port it listens on), not at an address that forwards"
+            )
+        if status in (401, 403):
+            raise SGLangRequestError(
+                f"SGLang at {url} refused POST /generate with HTTP {status}: it was started with "
+                "--api-key and the trainer sent "
+                + ("a different key" if self._headers else "none")
+                + "; set sglang_api_token in the config to that key"
+            )
+        raise SGLangRequestError(
+            f"SGLang at {url} rejected POST /generate with HTTP {status}: "
+            f"{text[:1000]}. Check the sampling parameters (generation_kwargs use SGLang's "
+            "names, e.g. max_new_tokens, stop_token_ids) and that prompts fit the server's context length"
+        )
 
     def _rescore(
         self, url: str, input_ids: list[list[int]], groups: list[list[Completion]], lora_path: str | None = None
     ) -> None:
         """Replace each completion's logprobs by the model's own logprobs of its tokens (SGLang's
         prompt logprobs of prompt + completion: temperature 1, no grammar, penalties or bias);
-        None for a completion whose weight version changed in between (no IS correction there)."""
+        None for a completion whose weight version changed in between, or whose tokens the answer
+        does not score (no IS correction there). The request and its answer are checked as
+        ``/generate``'s are (:meth:`_request`, :func:`parse_rescore_response`)."""
         sequences, starts, owners = [], [], []
         for prompt, group in zip(input_ids, groups):
             for completion in group:
@@ -407,55 +502,37 @@ class SGLangEndpoints:
         }
         if lora_path is not None:
             payload["lora_path"] = lora_path
-        try:
-            response = self._client.post(f"{url}/generate", json=payload, headers=self._headers)
-        except httpx.TimeoutException as exc:
-            raise _EndpointFailed(url, f"rescoring got no answer within the timeout ({type(exc).__name__})") from exc
-        except httpx.ConnectError as exc:
-            raise _EndpointFailed(url, f"rescoring: {type(exc).__name__}: {exc}") from exc
-        except httpx.HTTPError as exc:
-            raise _EndpointFailed(url, f"rescoring: {type(exc).__name__}: {exc}", sent=True) from exc
-        if response.status_code != 200:
-            raise _EndpointFailed(
-                url,
-                f"rescoring answered HTTP {response.status_code}: {response.text[:300]}",
-                sent=response.status_code >= 500,
-            )
-        data = response.json()
-        if isinstance(data, dict):
-            data = [data]
-        if not isinstance(data, list) or len(data) != len(owners):
-            raise SGLangResponseError(
-                f"SGLang at {url} answered {len(data) if isinstance(data, list) else data!r} "
-                f"rescoring results for {len(owners)} completions"
-            )
-        for completion, item in zip(owners, data):
-            meta = item.get("meta_info", {}) if isinstance(item, dict) else {}
-            entries = meta.get("input_token_logprobs") or []
-            version = meta.get("weight_version")
-            tokens = [e[1] for e in entries[1:]] if isinstance(entries, list) else None
-            if str(version) != str(completion.raw_weight_version) or tokens != completion.token_ids:
+        data = self._request(url, payload, tokens=sum(len(seq) for seq in sequences), rescoring=True)
+        scored = parse_rescore_response(
+            data, count=len(owners), vocab_size=self._vocab_size, source=f"SGLang at {url} (rescoring)"
+        )
+        for completion, sequence, start, answer in zip(owners, sequences, starts, scored):
+            if not completion.same_weights(answer) or answer.token_ids != sequence[start:]:
                 completion.logprobs = [None] * len(completion.token_ids)
-                continue
-            completion.logprobs = [None if e[0] is None or e[0] != e[0] else float(e[0]) for e in entries[1:]]
+            else:
+                assert answer.logprobs is not None
+                completion.logprobs = answer.logprobs[1:]
 
     def _live_endpoints(self) -> list[_Endpoint]:
         now = time.monotonic()
         with self._lock:
             return [e for e in self._endpoints if e.dead_until <= now]
 
-    def _mark_dead(self, endpoint: _Endpoint, reason: str) -> None:
+    def _mark_dead(self, endpoint: _Endpoint, reason: str, *, for_s: float | None = None) -> None:
+        """Skip ``endpoint`` for ``for_s`` seconds (an overloaded one: its Retry-After), by default
+        ``DEAD_RETRY_S``."""
+        for_s = max(0.0, DEAD_RETRY_S if for_s is None else for_s)
         with self._lock:
             endpoint.failures += 1
             endpoint.last_error = reason
-            endpoint.dead_until = time.monotonic() + DEAD_RETRY_S
-            others = sum(1 for e in self._endpoints if e.dead_until <= time.monotonic())
+            endpoint.dead_until = time.monotonic() + for_s
+            others = sum(1 for e in self._endpoints if e is not endpoint and e.dead_until <= time.monotonic())
         if others:
             log.warning(
                 "SGLang endpoint %s failed (%s); skipping it for %.0f s, %d other endpoint(s) take its prompts",
                 endpoint.url,
                 reason,
-                DEAD_RETRY_S,
+                for_s,
                 others,
             )
         else:
@@ -494,6 +571,65 @@ class SGLangEndpoints:
             "Check that the servers run (`rollout-service serve`), are reachable from the trainer, and that "
             "sglang_urls is right"
         )
+
+
+def _read_body(url: str, response: httpx.Response, deadline: float, limit: int, what: str, timeout_s: float) -> bytes:
+    """The whole (decoded) answer, or :class:`_EndpointFailed` once it passes ``limit`` bytes or
+    ``deadline`` (a server dripping its answer byte by byte never trips httpx's read timeout)."""
+    too_large = (
+        f"{what}the answer is larger than the body limit of {limit / 2**20:.0f} MiB ({BODY_LIMIT_BASE_BYTES >> 20} "
+        f"MiB plus {BODY_BYTES_PER_TOKEN} bytes per token the request may return)"
+    )
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _EndpointFailed(url, f"{too_large}: Content-Length {declared}, refused unread")
+    chunks: list[bytes] = []
+    size = 0
+    for chunk in response.iter_bytes():
+        size += len(chunk)
+        if size > limit:
+            raise _EndpointFailed(url, f"{too_large}: reading stopped there")
+        chunks.append(chunk)
+        if time.monotonic() > deadline:
+            raise _EndpointFailed(
+                url,
+                f"{what}the answer did not arrive in full within the timeout (sglang_request_timeout={timeout_s:g} s; "
+                f"{size} bytes by then)",
+            )
+    return b"".join(chunks)
+
+
+def _error_text(response: httpx.Response, deadline: float) -> str:
+    """The start of an error answer (up to ``ERROR_TEXT_BYTES``), for the message."""
+    data = b""
+    try:
+        for chunk in response.iter_bytes():
+            data += chunk
+            if len(data) >= ERROR_TEXT_BYTES or time.monotonic() > deadline:
+                break
+    except httpx.HTTPError:
+        pass
+    return _text(data[:ERROR_TEXT_BYTES])
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
+
+
+def _retry_after_s(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date); None if absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isascii() and value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
 
 
 def _describe(params: dict[str, Any]) -> str:

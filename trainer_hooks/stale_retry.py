@@ -1,13 +1,17 @@
 """The staleness bound and the retries it takes: what the trainer accepts from SGLang, and how long it tries.
 
 Rollouts may come from weights at most ``max_staleness`` versions older than the newest version
-the trainer published (never older than its first one; before the first sync anything goes).
+the trainer published (never older than its first one, and never newer than the newest: such a
+version is another run's checkpoint; before the first sync anything goes). An answer without a
+version (SGLang's start-up ``"default"``, or a ``weight_version`` that is missing or not a version
+string) is not within the bound either.
 :class:`StaleRetryPolicy` holds that rule on the main process:
 
 - :meth:`~StaleRetryPolicy.generate` sends the unique prompt groups to SGLang and generates again
   every group that came back aborted (a restart or a weight update cut it off) or from weights
-  older than the bound, after waiting for the replicas to catch up, until ``sync_timeout`` runs
-  out; then it raises :class:`StaleWeightsError` (stale answers) or ``RuntimeError`` (aborts).
+  outside the bound, after waiting for the replicas to catch up, until ``sync_timeout`` runs
+  out; then it raises :class:`StaleWeightsError` (answers outside the bound, saying which kind)
+  or ``RuntimeError`` (aborts).
 - :meth:`~StaleRetryPolicy.publishes_in_background` says whether a sync may publish without
   waiting for the replicas (``max_staleness > 0``, after the first version).
 
@@ -33,10 +37,13 @@ STALE_RETRY_PAUSE_S = 1.0
 """Pause before the n-th retry: n times this, at most 5 s."""
 STALE_WAIT_SLICE_S = 10.0
 """Longest wait for the replicas to serve the required version before one retry."""
+SGLANG_START_VERSION = "default"
+"""SGLang's ``weight_version`` before any checkpoint was loaded into it."""
 
 
 class StaleWeightsError(RuntimeError):
-    """SGLang kept answering with weights older than the staleness bound allows."""
+    """SGLang kept answering with weights outside the staleness bound: older than it allows, newer
+    than this run published (another run's), or without a weight version."""
 
 
 @dataclass
@@ -119,30 +126,21 @@ class StaleRetryPolicy:
                 label_with_adapter(answers, *adapter)
             required = self.required_version()
             retry: list[int] = []
-            stale_versions: set[str] = set()
+            outside = _Outside()
             aborted = 0
             for i, group in zip(todo, answers):
                 groups[i] = group
                 if any(c.finish_reason == "abort" for c in group):
                     aborted += 1
                     retry.append(i)
-                elif required is not None and any(
-                    c.weight_version is None or c.weight_version < required for c in group
-                ):
-                    stale_versions.update(c.raw_weight_version or "none" for c in group)
+                elif required is not None and outside.add(group, required, self.publisher.latest_version):
                     retry.append(i)
+            stale_versions = outside.labels()
             if not retry:
                 break
             if time.monotonic() >= deadline:
                 if stale_versions:
-                    raise StaleWeightsError(
-                        f"SGLang kept answering {len(retry) - aborted} prompt(s) with weights of version(s) "
-                        f"{sorted(stale_versions)}, but the trainer published version {self.publisher.latest_version} "
-                        f"and max_staleness={self.max_staleness} requires version >= {required}; the replicas did "
-                        f"not catch up within sync_timeout={self.sync_timeout_s:g} s. A replica behind the endpoints "
-                        f"{self.endpoints.urls} is not loading checkpoints: check its sidecar (GET /status) and its "
-                        "--checkpoint-path"
-                    )
+                    raise StaleWeightsError(self._outside_message(len(retry) - aborted, outside, required))
                 raise RuntimeError(
                     f"SGLang kept aborting {aborted} prompt group(s) until sync_timeout={self.sync_timeout_s:g} s ran "
                     f"out; check the SGLang server logs behind {self.endpoints.urls}"
@@ -157,11 +155,12 @@ class StaleRetryPolicy:
                 )
             if stale_versions:
                 log.warning(
-                    "%d prompt(s) answered with stale weights (versions %s, need >= %s); waiting for the "
-                    "replicas and retrying (attempt %d)",
+                    "%d prompt(s) answered with weights outside the staleness bound (versions %s, need %s .. %s); "
+                    "waiting for the replicas and retrying (attempt %d)",
                     len(retry) - aborted,
-                    sorted(stale_versions),
+                    stale_versions,
                     required,
+                    self.publisher.latest_version,
                     retries,
                 )
             self._wait_for_replicas(
@@ -178,6 +177,42 @@ class StaleRetryPolicy:
         )
         return done, record
 
+    def _outside_message(self, prompts: int, outside: _Outside, required: int | None) -> str:
+        """Why the answers of ``prompts`` prompt(s) were still refused when ``sync_timeout`` ran out."""
+        urls = self.endpoints.urls
+        latest = self.publisher.latest_version
+        parts = []
+        if outside.older:
+            parts.append(
+                f"weights of version(s) {sorted(outside.older)}, but the trainer published version {latest} and "
+                f"max_staleness={self.max_staleness} requires version >= {required}; the replicas did not catch up. "
+                f"A replica behind the endpoints {urls} is not loading checkpoints: check its sidecar (GET /status) "
+                "and its --checkpoint-path"
+            )
+        if outside.newer:
+            parts.append(
+                f"weights of version(s) {sorted(outside.newer, key=int)}, newer than any version this run published "
+                f"(the newest is {latest}): another run's checkpoint, not this run's weights. A replica behind the "
+                f"endpoints {urls} loads another run's checkpoints (another trainer publishes under its "
+                "--checkpoint-path, or it watches another folder): point it at this run's checkpoint_path"
+            )
+        if outside.missing:
+            parts.append(
+                "no meta_info.weight_version at all: SGLang too old to report it (use the SGLang version "
+                f"rollout-service pins), or a server behind {urls} not started by `rollout-service serve`"
+            )
+        if outside.malformed:
+            parts.append(
+                "a meta_info.weight_version that is not a version string (up to 8 decimal digits): "
+                f"{sorted(outside.malformed)}; a server behind {urls} not started by `rollout-service serve` "
+                "(whose sidecar labels each checkpoint it loads with its version)"
+            )
+        return (
+            f"SGLang kept answering {prompts} prompt(s) with "
+            + "; and with ".join(parts)
+            + f" (retried until sync_timeout={self.sync_timeout_s:g} s ran out)"
+        )
+
     def _wait_for_replicas(self, version: int | None, deadline: float, pause: float) -> None:
         remaining = deadline - time.monotonic()
         if version is not None and remaining > 0:
@@ -186,3 +221,39 @@ class StaleRetryPolicy:
             except ReplicaSyncTimeout:
                 pass
         time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+
+
+class _Outside:
+    """The weight versions of one round's answers that the staleness bound refuses, by kind."""
+
+    def __init__(self) -> None:
+        self.older: set[str] = set()
+        """Versions older than required, and SGLang's start-up ``"default"`` (no checkpoint loaded)."""
+        self.newer: set[str] = set()
+        """Versions newer than this run published: another run's checkpoints."""
+        self.missing = False
+        """Some answer had no ``weight_version`` at all."""
+        self.malformed: set[str] = set()
+        """Labels that are no version string (``5.0``, ``"5.0"``, ``true``, ...)."""
+
+    def add(self, group: list[Completion], required: int, latest: int | None) -> bool:
+        """Record ``group``'s completions outside ``required .. latest``; whether there was one."""
+        found = False
+        for c in group:
+            version, raw = c.weight_version, c.raw_weight_version
+            if version is not None and required <= version and (latest is None or version <= latest):
+                continue
+            found = True
+            if version is not None:
+                (self.older if version < required else self.newer).add(str(version))
+            elif raw is None:
+                self.missing = True
+            elif raw == SGLANG_START_VERSION:
+                self.older.add(raw)
+            else:
+                self.malformed.add(raw)
+        return found
+
+    def labels(self) -> list[str]:
+        """Every refused label, for the log ("missing" for an answer without one)."""
+        return sorted(self.older | self.newer | self.malformed) + (["missing"] if self.missing else [])

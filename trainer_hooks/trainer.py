@@ -113,7 +113,7 @@ def _wire_main_process(
     endpoints = SGLangEndpoints(
         args.sglang_urls,
         request_timeout_s=args.sglang_request_timeout,
-        vocab_size=getattr(text_config, "vocab_size", None),
+        vocab_size=_vocab_size(base, text_config),
         api_key=args.sglang_api_token,
         log_paths=getattr(args, "sglang_log_paths", None) or (),
         status_urls=args.sidecar_urls or (),
@@ -302,3 +302,16 @@ class RLOOTrainer(_SGLangBackendMixin, trl.RLOOTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._init_with_sglang(trl.RLOOTrainer.__init__, *args, **kwargs)
+
+
+def _vocab_size(model: Any, text_config: Any) -> int | None:
+    """How many token ids the model embeds: its config's ``vocab_size``, else its input
+    embedding's size; None when neither says (token ids are then only bounded by 2**31)."""
+    size = getattr(text_config, "vocab_size", None)
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    try:
+        size = model.get_input_embeddings().num_embeddings
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    return size if isinstance(size, int) and size > 0 else None

@@ -1,0 +1,142 @@
+"""Weight versions the staleness bound cannot accept: newer than this run published (another run's
+checkpoint), missing, or not a version string; each retried until sync_timeout, then named for what
+it is rather than blamed on a replica that does not load checkpoints.
+
+These drive the real `StaleRetryPolicy` and `SGLangEndpoints` against `fake_sglang.CannedServer`: a
+real SGLang server started by rollout-service always labels its answers with this run's versions,
+so another run's label, a missing field or a float cannot be had from it on demand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import trainer_hooks.stale_retry as stale_retry
+from fake_sglang import CannedServer, canned_answer, canned_reply
+from trainer_hooks.sglang_endpoints import SGLangEndpoints
+from trainer_hooks.sglang_responses import parse_weight_version
+from trainer_hooks.stale_retry import StaleRetryPolicy, StaleWeightsError
+
+MISSING = object()
+
+
+class Published:
+    """The trainer published versions 1 .. 5 (max_staleness 0: version 5 is required)."""
+
+    latest_version = 5
+    first_version = 1
+
+    def raise_if_failed(self) -> None:
+        pass
+
+
+class NoWait:
+    def wait(self, version: int, timeout_s: float) -> None:
+        pass
+
+
+@pytest.fixture
+def labelled() -> Iterator[Any]:
+    """``labelled(version)``: a policy over a canned server whose answers carry ``version``
+    (``MISSING``: no weight_version at all)."""
+    made: list[tuple[CannedServer, SGLangEndpoints]] = []
+
+    def make(version: Any) -> tuple[StaleRetryPolicy, CannedServer]:
+        def handler(path: str, body: Any, count: int) -> Any:
+            if path != "/generate":
+                return None
+            answer = canned_answer(body, version=version)
+            if version is MISSING:
+                for item in answer:
+                    del item["meta_info"]["weight_version"]
+            return canned_reply(200, answer)
+
+        server = CannedServer(handler)
+        endpoints = SGLangEndpoints([server.url], request_timeout_s=10, vocab_size=100)
+        made.append((server, endpoints))
+        policy = StaleRetryPolicy(endpoints, Published(), NoWait(), max_staleness=0, sync_timeout_s=0.6)
+        return policy, server
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stale_retry, "STALE_RETRY_PAUSE_S", 0.05)
+        yield make
+    for server, endpoints in made:
+        endpoints.close()
+        server.stop()
+
+
+def run(policy: StaleRetryPolicy) -> Any:
+    return policy.generate([[1, 2]], {"n": 2, "max_new_tokens": 4}, want_logprobs=True, rescore=False)
+
+
+@pytest.mark.parametrize("version", ["5", 5])
+def test_the_published_version_is_accepted(labelled: Any, version: Any) -> None:
+    policy, server = labelled(version)
+    groups, record = run(policy)
+    assert record.versions == [5, 5] and record.stale_retries == 0
+    assert len(server.generate_requests) == 1
+
+
+@pytest.mark.parametrize("version", ["6", "99999999", 99999999])
+def test_a_version_newer_than_this_run_published_is_another_runs_and_refused(labelled: Any, version: Any) -> None:
+    policy, server = labelled(version)
+    with pytest.raises(StaleWeightsError) as caught:
+        run(policy)
+    message = str(caught.value)
+    assert (
+        f"weights of version(s) ['{version}'], newer than any version this run published (the newest is 5)" in message
+    )
+    assert "another run's checkpoint" in message and "not loading checkpoints" not in message
+    assert len(server.generate_requests) >= 2  # retried until sync_timeout
+
+
+def test_a_missing_weight_version_is_named_not_blamed_on_checkpoint_loading(labelled: Any) -> None:
+    policy, _ = labelled(MISSING)
+    with pytest.raises(StaleWeightsError) as caught:
+        run(policy)
+    message = str(caught.value)
+    assert "no meta_info.weight_version at all: SGLang too old to report it" in message
+    assert "not started by `rollout-service serve`" in message
+    assert "not loading checkpoints" not in message
+
+
+@pytest.mark.parametrize(
+    "version, shown",
+    [
+        (5.0, "5.0"),
+        ("5.0", "5.0"),
+        (True, "True"),
+        ([5], "[5]"),
+        ("\uff10\uff15", "\uff10\uff15"),
+        (10**8, "100000000"),
+    ],
+    ids=["float", "float-string", "bool", "list", "fullwidth-digits", "int-beyond-max-step"],
+)
+def test_a_weight_version_that_is_not_a_version_string_is_named(labelled: Any, version: Any, shown: str) -> None:
+    policy, _ = labelled(version)
+    with pytest.raises(StaleWeightsError) as caught:
+        run(policy)
+    message = str(caught.value)
+    assert f"a meta_info.weight_version that is not a version string (up to 8 decimal digits): ['{shown}']" in message
+    assert "not started by `rollout-service serve`" in message
+    assert "not loading checkpoints" not in message
+
+
+def test_sglangs_start_up_version_is_still_blamed_on_a_replica_not_loading_checkpoints(labelled: Any) -> None:
+    policy, _ = labelled("default")
+    with pytest.raises(StaleWeightsError) as caught:
+        run(policy)
+    message = str(caught.value)
+    assert "weights of version(s) ['default'], but the trainer published version 5" in message
+    assert "is not loading checkpoints" in message
+
+
+def test_one_parser_reads_a_version_the_same_as_int_or_string() -> None:
+    for a, b in [(99999999, "99999999"), (10**8, "100000000"), (7, "7"), (0, "0")]:
+        assert parse_weight_version(a) == parse_weight_version(b), (a, b)
+    assert parse_weight_version(10**8) is None and parse_weight_version("99999999") == 99999999
+    for junk in [" 5 ", "5.0", 5.0, True, [5], "\uff15", "default", None, -1]:
+        assert parse_weight_version(junk) is None, junk
