@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fake_sglang import FakeRollout
+from fake_sglang import CannedServer, FakeRollout
 from helpers import free_port as _free_port
 from rollout_service.sglang_launcher import SGLangServer
 from rollout_service.tiny_model import ensure_tiny_model
@@ -158,3 +158,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.sglang)
         if starts_server or item.get_closest_marker("sglang") or item.module.__name__ in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def servers() -> Iterator[list[CannedServer]]:
+    """Scripted servers (``fake_sglang.CannedServer``) a test starts; stopped after it."""
+    made: list[CannedServer] = []
+    yield made
+    for server in made:
+        server.stop()

@@ -5,26 +5,15 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from rollout_service.checkpoint_reader import list_checkpoints
 from rollout_service.checkpoint_writer import publish_checkpoint
 from rollout_service.sidecar.acks import write_ack
+from trainer_helpers import NoWaiter
 from trainer_hooks.checkpoint_publisher import CheckpointPublisher
 from trainer_hooks.checkpoint_retention import prune_checkpoints
-
-
-class _NoWaiter:
-    def notify(self, version: int) -> None:
-        pass
-
-    def wait(self, version: int, timeout_s: float) -> list[Any]:
-        return []
-
-    def protected_versions(self) -> set[int]:
-        return set()
 
 
 def test_retention_keeps_the_newest_and_what_a_live_replica_serves(tmp_path: Path) -> None:
@@ -34,7 +23,7 @@ def test_retention_keeps_the_newest_and_what_a_live_replica_serves(tmp_path: Pat
     dead_ack.write_text(json.dumps({**json.loads(dead_ack.read_text()), "heartbeat": time.time() - 3600}))
     publisher = CheckpointPublisher(
         tmp_path,
-        _NoWaiter(),
+        NoWaiter(),
         config={"model_type": "x"},
         dtype=None,
         max_shard_bytes=1 << 20,
@@ -54,7 +43,7 @@ def test_versions_continue_above_checkpoints_already_in_the_root(tmp_path: Path)
     publish_checkpoint(tmp_path, 41, [("w", torch.zeros(2))], config={"model_type": "x"})
     publisher = CheckpointPublisher(
         tmp_path,
-        _NoWaiter(),
+        NoWaiter(),
         config={"model_type": "x"},
         dtype=None,
         max_shard_bytes=1 << 20,

@@ -23,25 +23,15 @@ from rollout_service.checkpoint_reader import list_checkpoints
 from rollout_service.checkpoint_writer import cleanup_stale_temp_dirs, publish_checkpoint
 from rollout_service.delta_apply import materialize
 from rollout_service.delta_writer import DeltaCheckpointWriter
+from trainer_helpers import NoWaiter
 from trainer_hooks.checkpoint_publisher import CheckpointPublisher
 from trainer_hooks.checkpoint_retention import chain_dependencies, prune_checkpoints
-
-
-class _NoWaiter:
-    def notify(self, version: int) -> None:
-        pass
-
-    def wait(self, version: int, timeout_s: float) -> list[Any]:
-        return []
-
-    def protected_versions(self) -> set[int]:
-        return set()
 
 
 def _publisher(root: Path, delta: DeltaCheckpointWriter | None = None, keep: int | None = None) -> CheckpointPublisher:
     return CheckpointPublisher(
         root,
-        _NoWaiter(),
+        NoWaiter(),
         config=CONFIG,
         dtype="bfloat16",
         max_shard_bytes=40_000,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import re
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -70,14 +69,6 @@ def test_token_ids_are_bounded_when_the_vocabulary_size_is_unknown() -> None:
     item = copy.deepcopy(ITEM)
     item["output_ids"][0] = item["meta_info"]["output_token_logprobs"][0][1] = 2**31 - 1
     assert parse(item, vocab_size=None).token_ids == [2**31 - 1, 7]
-
-
-@pytest.fixture
-def servers() -> Iterator[list[CannedServer]]:
-    made: list[CannedServer] = []
-    yield made
-    for server in made:
-        server.stop()
 
 
 def ask(

@@ -12,7 +12,6 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,14 +27,6 @@ from trainer_hooks.sglang_responses import Completion
 
 PROMPTS = [[1, 2, 3]]
 PARAMS = {"n": 1, "max_new_tokens": 4}
-
-
-@pytest.fixture
-def servers() -> Iterator[list[CannedServer]]:
-    made: list[CannedServer] = []
-    yield made
-    for server in made:
-        server.stop()
 
 
 def serve(servers: list[CannedServer], answer: Any) -> CannedServer:

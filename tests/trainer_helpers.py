@@ -108,5 +108,18 @@ class EmbeddingInputs:
         self._handle.remove()
 
 
+class NoWaiter:
+    """A replica waiter with no replicas: a publisher's tests without sidecars."""
+
+    def notify(self, version: int) -> None:
+        pass
+
+    def wait(self, version: int, timeout_s: float) -> list[Any]:
+        return []
+
+    def protected_versions(self) -> set[int]:
+        return set()
+
+
 def logged(trainer: Any, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry]
