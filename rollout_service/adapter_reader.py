@@ -152,7 +152,9 @@ def stacking_problem(modules: set[str]) -> str | None:
     """Module sets SGLang 0.5.23 cannot stack into its fused layers (found on the CPU test bed: the
     scheduler dies at the first request with ``Cannot find target module name for ...up_proj...``,
     or a KeyError for the missing ``v_proj``): it builds ``qkv_proj`` from ``q_proj`` + ``v_proj``
-    (``k_proj`` optional) and ``gate_up_proj`` from ``gate_proj`` (``up_proj`` optional)."""
+    (``k_proj`` optional in the config) and ``gate_up_proj`` from ``gate_proj`` (``up_proj``
+    optional). Whatever the config targets, every adapted block must then hold all of it
+    (``_check_every_target_adapted``: SGLang stacks per layer from the tensors it finds)."""
     attention = modules & {"q_proj", "k_proj", "v_proj"}
     if attention and not {"q_proj", "v_proj"} <= attention:
         return (

@@ -56,14 +56,14 @@ DELTA_FRAME_BYTES = 16 << 20
 MIN_FRAME_BYTES, MAX_FRAME_BYTES = 1 << 12, 1 << 26
 """Frame sizes a reader accepts: it holds two buffers of one frame per apply thread."""
 DEFAULT_FULL_EVERY = 20
+"""A full checkpoint every 20 versions: see docs/benchmarks.md (delta sync) for the measured
+trade-off between bytes per sync and a late joiner's replay."""
 MAX_SHARD_HEADER_BYTES = 100 << 20
 """The largest safetensors header of a shard a reader accepts (names, dtypes, shapes, offsets:
 ~30 KB for a 7B model)."""
 MAX_CHAIN_LENGTH = 1000
 """The most deltas one chain may hold (so the largest ``checkpoint_full_every`` is 1001): a
 replica that joins late replays a chain from its full step, and a reader walks it under a deadline."""
-"""A full checkpoint every 20 versions: see docs/benchmarks.md (delta sync) for the measured
-trade-off between bytes per sync and a late joiner's replay."""
 DEFAULT_DELTA_MAX_RATIO = 0.5
 MANIFEST_NAME = "manifest.json"
 CONFIG_NAME = "config.json"
@@ -376,10 +376,12 @@ _FINGERPRINT_RE = re.compile(r"[0-9a-f]{32}", re.ASCII)
 _MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}", re.ASCII)
 
 
-def parse_json_object(text: str | bytes, *, where: str, reason: str) -> dict[str, Any]:
-    """Parse untrusted JSON into a dict: strict UTF-8, no NaN/Infinity, no key twice in one
-    object (which of the two counts would depend on the reader), bounded nesting (the json
-    module's own recursion guard: deep nesting raises RecursionError, not a crash)."""
+def parse_json_object(text: str | bytes, *, where: str, reason: str, unique_keys: bool = True) -> dict[str, Any]:
+    """Parse untrusted JSON into a dict: strict UTF-8, no NaN/Infinity, bounded nesting (the json
+    module's own recursion guard: deep nesting raises RecursionError, not a crash), and with
+    ``unique_keys`` no key twice in one object (which of the two counts would depend on the
+    reader: our manifests never repeat one; a model's ``config.json``, which transformers and
+    SGLang read alike, is checked without it)."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
@@ -389,7 +391,7 @@ def parse_json_object(text: str | bytes, *, where: str, reason: str) -> dict[str
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not a number JSON allows")
 
-    def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    def once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         obj = dict(pairs)
         if len(obj) != len(pairs):
             seen: set[str] = set()
@@ -398,7 +400,7 @@ def parse_json_object(text: str | bytes, *, where: str, reason: str) -> dict[str
         return obj
 
     try:
-        data = json.loads(text, parse_constant=no_constants, object_pairs_hook=unique_keys)
+        data = json.loads(text, parse_constant=no_constants, object_pairs_hook=once if unique_keys else None)
     except RecursionError:
         raise CheckpointError(reason, f"{where} nests JSON too deeply to be a manifest") from None
     except ValueError as exc:

@@ -292,6 +292,7 @@ def _validate(
         read_small(root, real_dir / CONFIG_NAME, where=f"{name}/{CONFIG_NAME}"),
         where=f"{name}/{CONFIG_NAME}",
         reason="bad_config",
+        unique_keys=False,
     )
     if manifest.kind == "delta":
         specs = _delta_specs(root, real_dir, name, manifest, deadline)

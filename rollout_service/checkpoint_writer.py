@@ -426,7 +426,15 @@ def _owner_tag() -> str:
 
 
 def _host_hash() -> str:
-    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    """This host, boot and PID namespace: where a PID names one process (containers sharing a
+    host name, or a host rebooted, get another hash, and their folders age out instead)."""
+    parts = [socket.gethostname()]
+    for where in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(os.readlink(where) if where.endswith("/pid") else Path(where).read_text().strip())
+        except OSError:
+            parts.append("")
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
 
 
 def _left_by_dead_writer(name: str) -> bool:

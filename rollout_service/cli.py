@@ -194,7 +194,7 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
     parser.add_argument(
         "--log-level",
         default="INFO",
-        type=str.upper,
+        type=lambda name: {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(name.upper(), name.upper()),
         choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
         help="logging level (default INFO)",
     )

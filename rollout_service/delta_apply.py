@@ -91,12 +91,13 @@ def resolve_chain(
     deltas: list[ChainLink] = []
     cur = link
     top = link.manifest.delta
+    top_layout = _layout(top) if top is not None else []
     while cur.manifest.kind == "delta":
         delta = cur.manifest.delta
         assert delta is not None and top is not None
         if deadline is not None:
             deadline.check(f"the delta chain of {link.path.name}")
-        if delta.chain_start != top.chain_start or _layout(delta) != _layout(top):
+        if delta.chain_start != top.chain_start or (cur is not link and _layout(delta) != top_layout):
             raise CheckpointError(
                 "broken_chain",
                 f"{cur.path.name} is in the delta chain of {link.path.name} but"

@@ -26,7 +26,7 @@ from .untrusted_files import read_small
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 MAX_ACK_BYTES = 64 << 10
-MAX_CLOCK_SKEW_S = 30.0
+MAX_CLOCK_SKEW_S = 300.0
 """How far in the future an ack's heartbeat may lie (the sidecar's clock ahead of the reader's);
 further, the ack is a stray or forged file and counts as dead, or it would count as live forever."""
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from .cli_env import setting
+from .cli_env import bounds_metadata, check_bounds, setting
 from .sglang_launcher import SGLangServer, SGLangStartError
 from .sidecar.settings import SidecarSettings
 
@@ -55,6 +55,7 @@ class RestartPolicy:
             "--max-restarts",
             "SGLang restarts allowed within --restart-window seconds; once spent, SGLang stays"
             " down and /readyz and /status report `restart_budget_spent` with its last log lines",
+            bounds=(0, 1000),
         ),
     )
     restart_window_s: float = field(
@@ -62,29 +63,28 @@ class RestartPolicy:
         metadata=setting(
             "--restart-window",
             "the window, in seconds, over which --max-restarts is counted (as systemd's StartLimitIntervalSec)",
+            bounds=(1.0, 7 * 86400.0),
         ),
     )
-    backoff_s: float = 2.0
-    max_backoff_s: float = 60.0
+    backoff_s: float = field(default=2.0, metadata=bounds_metadata(0.0, 3600.0))
+    max_backoff_s: float = field(default=60.0, metadata=bounds_metadata(0.0, 3600.0))
     startup_timeout_s: float = field(
         default=600.0,
         metadata=setting(
             "--startup-timeout",
             "seconds to wait for SGLang's /health at each start; the wait goes on while SGLang's"
             " log shows progress (a first download, kernel compilation, CUDA graphs)",
+            bounds=(1.0, 7 * 86400.0),
         ),
     )
-    progress_grace_s: float = 120.0
+    progress_grace_s: float = field(default=120.0, metadata=bounds_metadata(1.0, 86400.0))
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     restarts: int = field(default=0, init=False)
     """Restarts over the server's whole life (reported; the budget uses the window)."""
     _recent: collections.deque = field(default_factory=collections.deque, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.restart_window_s <= 0:
-            raise ValueError(f"--restart-window must be a positive number of seconds, got {self.restart_window_s}")
+        check_bounds(self)
 
     def restarts_in_window(self) -> int:
         """Restarts within the last ``restart_window_s`` seconds."""

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from .cli_env import setting
+from .cli_env import check_bounds, setting
 from .lora_serving import LoraServing
 from .process_group import LOG_TAIL_LINES, ProcessGroup, ProcessStartError, log_tail
 
@@ -293,11 +293,13 @@ class SGLangServerConfig:
         metadata=setting("--model", "HF model directory SGLang starts from (base weights)", parse=str)
     )
     host: str = field(default="127.0.0.1", metadata=setting("--sglang-host", "address SGLang binds to"))
-    port: int | None = field(default=None, metadata=setting("--port", "SGLang's port"))
+    port: int | None = field(default=None, metadata=setting("--port", "SGLang's port", bounds=(1, 65535)))
     device: str = field(default="auto", metadata=setting("--device", "auto, cpu or cuda"))
     max_total_tokens: int = field(
         default=16384,
-        metadata=setting("--max-total-tokens", "KV cache size on CPU (bounded, or SGLang reserves ~15 GB)"),
+        metadata=setting(
+            "--max-total-tokens", "KV cache size on CPU (bounded, or SGLang reserves ~15 GB)", bounds=(16, 1 << 31)
+        ),
     )
     python: str = sys.executable
     extra_args: Sequence[str] = field(default_factory=tuple)
@@ -310,6 +312,7 @@ class SGLangServerConfig:
     lora: LoraServing | None = None
 
     def __post_init__(self) -> None:
+        check_bounds(self)
         self.python = self.python or sys.executable
         self.extra_args = tuple(self.extra_args)
         self.env = dict(self.env or {})

@@ -58,6 +58,8 @@ def test_every_option_of_every_command_has_help() -> None:
 
 def test_an_unknown_log_level_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert build_parser().parse_args(["--log-level", "debug", "liveness"]).log_level == "DEBUG"
+    for alias, level in (("warn", "WARNING"), ("FATAL", "CRITICAL")):  # Python's own aliases
+        assert build_parser().parse_args(["--log-level", alias, "liveness"]).log_level == level
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--log-level", "bogus", "liveness"])
     assert "argument --log-level: invalid choice: 'BOGUS'" in capsys.readouterr().err
@@ -82,3 +84,23 @@ def test_the_trainer_refuses_a_token_no_header_can_carry(tmp_path: Path, field: 
         make_config(tmp_path, tmp_path, ["http://127.0.0.1:1"], ["http://127.0.0.1:2"], **{field: "pässwort"})
     config = make_config(tmp_path, tmp_path, ["http://127.0.0.1:1"], ["http://127.0.0.1:2"], **{field: "s3cret"})
     assert getattr(config, field) == "s3cret"
+
+
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--port", "70000"),
+        ("--restart-window", "nan"),
+        ("--startup-timeout", "-5"),
+        ("--max-total-tokens", "-1"),
+        ("--max-restarts", "-1"),
+        ("--sidecar-port", "0"),
+    ],
+)
+def test_serve_refuses_numbers_outside_their_range_naming_the_flag(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve", "--model", "m", "--checkpoint-path", "/tmp/r", flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: must be a finite number from" in capsys.readouterr().err

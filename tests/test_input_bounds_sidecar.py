@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import time
 import typing
 from pathlib import Path
 from typing import Any
@@ -104,14 +105,27 @@ def test_sync_answers_503_when_the_root_does_not_answer(tmp_path: Path, monkeypa
     from rollout_service.sidecar import app as app_module
 
     app = create_app(settings(tmp_path))
-    hung = threading.Event()
+    hung, calls = threading.Event(), []
+
+    def blocked(checkpoint: str) -> Path:
+        calls.append(checkpoint)
+        hung.wait(30)
+        return tmp_path / checkpoint
+
     monkeypatch.setattr(app_module, "ROOT_LOOKUP_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(app.state.controller, "request_checkpoint", lambda checkpoint: hung.wait(30))
+    monkeypatch.setattr(app.state.controller, "request_checkpoint", blocked)
     try:
-        client = TestClient(app)
-        r = client.post("/sync", json={"checkpoint": "step-00000001"})
-        assert r.status_code == 503 and r.json()["error"] == "root_unresponsive", r.text
-        assert client.get("/healthz").status_code == 200
+        with TestClient(app) as client:  # one event loop for all the requests, as uvicorn runs
+            r = client.post("/sync", json={"checkpoint": "step-00000001"})
+            assert r.status_code == 503 and r.json()["error"] == "root_unresponsive", r.text
+            assert client.get("/healthz").status_code == 200
+            # While that look is still blocked, another request starts no second thread.
+            r = client.post("/sync", json={"checkpoint": "step-00000002"})
+            assert r.status_code == 503 and "earlier look" in r.json()["detail"] and calls == ["step-00000001"]
+            hung.set()
+            time.sleep(0.2)
+            assert client.post("/sync", json={"checkpoint": "step-00000003"}).status_code == 202
+            assert calls == ["step-00000001", "step-00000003"]
     finally:
         hung.set()
 
@@ -179,7 +193,9 @@ def test_a_host_that_is_no_address_or_name_is_refused(tmp_path: Path, host: str)
         settings(tmp_path, host=host)
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::", "::1", "localhost", "node-3.cluster.local"])
+@pytest.mark.parametrize(
+    "host", ["127.0.0.1", "0.0.0.0", "::", "::1", "localhost", "node-3.cluster.local", "rollout_sglang"]
+)
 def test_addresses_and_host_names_are_accepted(tmp_path: Path, host: str) -> None:
     assert settings(tmp_path, host=host).host == host
 

@@ -414,3 +414,17 @@ def test_any_value_of_any_field_either_parses_or_is_refused_with_a_reason(root: 
             again = Manifest.from_json(manifest.to_json())  # what parses can be written back
             assert again.fingerprint() == manifest.fingerprint(), (path, odd)
     assert refused > tried // 2, (refused, tried)
+
+
+def test_a_model_config_with_a_key_twice_is_read_as_transformers_reads_it(tmp_path: Path) -> None:
+    # Manifests never repeat a key (refused above); a model's config.json is the model's own,
+    # and transformers and SGLang load one with a repeated key (the last counts): so does this.
+    from rollout_service.checkpoint_reader import validate_checkpoint
+    from rollout_service.checkpoint_writer import publish_checkpoint
+
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "qwen2", "hidden_size": 64, "hidden_size": 64}')
+    import torch
+
+    path = publish_checkpoint(tmp_path / "root", 1, [("w", torch.ones(4))], config=config).path
+    assert validate_checkpoint(path, root=tmp_path / "root").manifest.step == 1

@@ -30,7 +30,7 @@ from .watcher import CheckpointWatcher
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 3600.0
-ROOT_LOOKUP_TIMEOUT_S = 10.0
+ROOT_LOOKUP_TIMEOUT_S = 4.0
 """How long ``POST /sync`` waits for the checkpoint root to show the step it names (a hung
 network file system answers 503 instead of holding the request, and the event loop, forever)."""
 MAX_SYNC_BODY_BYTES = 4096
@@ -139,17 +139,31 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         body["waited_for_run"] = run
         return SafeJSONResponse(body, status_code=200 if ok else 504)
 
+    lookups: list[asyncio.Future[Any]] = []
+    """The last look at the root for ``POST /sync`` (a thread): while it is blocked, no other starts."""
+
     @app.post("/sync", dependencies=[Depends(require_token)])
     async def sync(request: Request) -> JSONResponse:
         checkpoint = _requested_checkpoint(await _bounded_body(request, MAX_SYNC_BODY_BYTES))
         if checkpoint is None:
             controller.notify("api")
             return SafeJSONResponse({"triggered": True}, status_code=202)
-        try:
-            path = await asyncio.wait_for(
-                asyncio.to_thread(controller.request_checkpoint, checkpoint), timeout=ROOT_LOOKUP_TIMEOUT_S
+        earlier = lookups[-1] if lookups else None
+        if earlier is not None and not earlier.done():  # one thread at most blocked on a hung root
+            return SafeJSONResponse(
+                {
+                    "error": "root_unresponsive",
+                    "detail": "an earlier look at the checkpoint root has not come back; check its file system"
+                    " (the sidecar keeps serving its other endpoints)",
+                },
+                status_code=503,
             )
+        lookup = asyncio.ensure_future(asyncio.to_thread(controller.request_checkpoint, checkpoint))
+        lookups[:] = [lookup]
+        try:
+            path = await asyncio.wait_for(asyncio.shield(lookup), timeout=ROOT_LOOKUP_TIMEOUT_S)
         except asyncio.TimeoutError:
+            lookup.add_done_callback(lambda f: f.cancelled() or f.exception())
             return SafeJSONResponse(
                 {
                     "error": "root_unresponsive",

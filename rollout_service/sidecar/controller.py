@@ -400,8 +400,8 @@ class SyncController:
                 continue
             if await self._try_load(ckpt):
                 return
-            if not self.state.sglang_healthy:
-                return
+            if not self.state.sglang_healthy or self._validation_stuck():
+                return  # an older step would wait on the same storage: end the pass
 
     def _candidates(self) -> list[PublishedCheckpoint]:
         """The root's listing plus steps named through the API that a direct lookup finds."""
@@ -562,12 +562,15 @@ class SyncController:
         finally:
             self.state.loading_step = None
 
+    def _validation_stuck(self) -> bool:
+        return self._straggler is not None and not self._straggler.done()
+
     async def bounded(self, fn: Callable[..., T], *args: Any, name: str, step: int) -> T | None:
         """``fn(*args)`` (a validation: blocking) in a thread, given up on at the validation
         deadline plus 5 s (``asyncio.TimeoutError``). A thread given up on may still be blocked in
         the storage: until it ends no other starts, so two never work in the stage at once; the
         step ``name`` then waits (None, with ``validation_stuck`` in ``last_error``)."""
-        if self._straggler is not None and not self._straggler.done():
+        if self._validation_stuck():
             self._error(
                 "validation_stuck",
                 f"an earlier validation is still blocked in the storage; {name} waits for it"

@@ -13,7 +13,8 @@ from ..cli_env import bounds_metadata, check_bounds, setting
 from ..http_auth import check_token
 
 _REPLICA_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-_HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*$")
+_HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9_-]{0,62}))*$")
+"""RFC 1123 host names, and ``_`` as Docker Compose service names have them."""
 
 INTERVAL_S = (0.01, 3600.0)
 """Range of the sidecar's periods (health checks, polling, rescans, acks), in seconds."""
