@@ -184,13 +184,17 @@ def parse_rescore_response(data: Any, *, count: int, vocab_size: int | None = No
                 f"{where}: meta_info.input_token_logprobs is {str(entries)[:200]}, expected a list although "
                 "return_logprob was requested"
             )
-        token_ids, logprobs = [], []
-        for i, entry in enumerate(entries):
-            at = f"{where} input_token_logprobs[{i}]"
-            if not isinstance(entry, (list, tuple)) or len(entry) < 2:
-                raise SGLangResponseError(f"{at} is {entry!r}, expected [logprob, token_id, ...]")
-            token_ids.append(coerce_token_id(entry[1], at, vocab_size))
-            logprobs.append(parse_logprob(entry[0], at))
+        fast = all(type(e) is list and len(e) >= 2 for e in entries)  # what SGLang sends: one pass each
+        token_ids = _token_ids([e[1] for e in entries], f"{where} input_token_logprobs", vocab_size) if fast else []
+        logprobs = _fast_logprobs(entries, token_ids) if fast else None
+        if logprobs is None:  # entry by entry, for a message naming the bad one
+            token_ids, logprobs = [], []
+            for i, entry in enumerate(entries):
+                at = f"{where} input_token_logprobs[{i}]"
+                if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+                    raise SGLangResponseError(f"{at} is {entry!r}, expected [logprob, token_id, ...]")
+                token_ids.append(coerce_token_id(entry[1], at, vocab_size))
+                logprobs.append(parse_logprob(entry[0], at))
         raw_version = meta.get("weight_version")
         out.append(
             Completion(
