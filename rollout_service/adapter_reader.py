@@ -277,7 +277,7 @@ def validate_adapter(
         for fname, entry in sorted(manifest.files.items()):
             finite = check_finite and fname == ADAPTER_WEIGHTS_NAME
             read_every_byte(root, real_dir / fname, f"{name}/{fname}", entry.digest, check_digests, finite, deadline)
-        checks += ["digests match"] * check_digests + ["finite"] * check_finite
+        checks += [c for c, done in (("digests match", check_digests), ("finite", check_finite)) if done]
     return AdapterReport(path=real_dir, manifest=manifest, modules=sorted(info.target_modules), checks=checks)
 
 

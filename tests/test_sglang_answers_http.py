@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+from contextlib import closing
 from typing import Any
 
 import pytest
@@ -73,11 +74,8 @@ def test_a_body_dripped_byte_by_byte_ends_at_the_request_deadline(servers: list[
         return write
 
     server = serve(servers, drip)
-    endpoints = SGLangEndpoints([server.url], request_timeout_s=1.0)
-    try:
+    with closing(SGLangEndpoints([server.url], request_timeout_s=1.0)) as endpoints:
         result, elapsed = generate_in_thread(endpoints, deadline_s=0.5)
-    finally:
-        endpoints.close()
     assert isinstance(result, SGLangUnavailableError), result
     assert "did not arrive in full within the timeout (sglang_request_timeout=1 s" in str(result)
     assert elapsed < 6
@@ -98,11 +96,8 @@ def test_generate_stops_waiting_for_a_request_past_its_deadline(
         return write
 
     server = serve(servers, drip_headers)
-    endpoints = SGLangEndpoints([server.url], request_timeout_s=1.0)
-    try:
+    with closing(SGLangEndpoints([server.url], request_timeout_s=1.0)) as endpoints:
         result, elapsed = generate_in_thread(endpoints, deadline_s=0.5)
-    finally:
-        endpoints.close()
     assert isinstance(result, SGLangUnavailableError), result
     assert "no complete answer within the timeout (sglang_request_timeout=1 s)" in str(result)
     assert elapsed < 5
@@ -131,11 +126,8 @@ def test_an_answer_beyond_the_body_limit_is_refused(
         return write
 
     server = serve(servers, huge)
-    endpoints = SGLangEndpoints([server.url], request_timeout_s=10)
-    try:
+    with closing(SGLangEndpoints([server.url], request_timeout_s=10)) as endpoints:
         result, _ = generate_in_thread(endpoints, deadline_s=0.5)
-    finally:
-        endpoints.close()
     assert isinstance(result, SGLangUnavailableError), result
     assert "larger than the body limit of 1 MiB (1 MiB plus 256 bytes per token" in str(result)
 
@@ -149,11 +141,10 @@ def test_the_body_limit_grows_with_what_the_request_may_return(
         return canned_reply(200, json.dumps(canned_answer(body)) + " " * (3 << 20))
 
     server = serve(servers, padded)
-    endpoints = SGLangEndpoints([server.url], request_timeout_s=10)
-    try:  # 16384 tokens x 256 bytes: 4 MiB more than the base
+    with closing(
+        SGLangEndpoints([server.url], request_timeout_s=10)
+    ) as endpoints:  # 16384 tokens x 256 bytes: 4 MiB more than the base
         result, _ = generate_in_thread(endpoints, deadline_s=5, params={"n": 1, "max_new_tokens": 16384})
-    finally:
-        endpoints.close()
     assert isinstance(result, list) and result[0][0].token_ids == [1, 7], result
 
 
@@ -165,11 +156,8 @@ def test_an_overloaded_server_is_asked_again_after_its_retry_after(servers: list
         return canned_reply(200, canned_answer(body))
 
     server = serve(servers, busy_once)
-    endpoints = SGLangEndpoints([server.url], request_timeout_s=10)
-    try:
+    with closing(SGLangEndpoints([server.url], request_timeout_s=10)) as endpoints:
         result, elapsed = generate_in_thread(endpoints, deadline_s=20)
-    finally:
-        endpoints.close()
     assert isinstance(result, list) and result[0][0].token_ids == [1, 7], result
     assert len(server.generate_requests) == 2
     assert 1.8 <= elapsed < 10  # waited for the Retry-After, not the 10 s a failed endpoint is skipped
@@ -177,11 +165,8 @@ def test_an_overloaded_server_is_asked_again_after_its_retry_after(servers: list
 
 def test_retry_after_is_bounded_by_the_deadline(servers: list[CannedServer]) -> None:
     server = serve(servers, lambda body, count: canned_reply(429, {}, headers="Retry-After: 3600\r\n"))
-    endpoints = SGLangEndpoints([server.url], request_timeout_s=10)
-    try:
+    with closing(SGLangEndpoints([server.url], request_timeout_s=10)) as endpoints:
         result, elapsed = generate_in_thread(endpoints, deadline_s=1.5)
-    finally:
-        endpoints.close()
     assert isinstance(result, SGLangUnavailableError), result
     assert "overloaded: HTTP 429 (Retry-After: 3600)" in str(result)
     assert elapsed < 6
@@ -206,11 +191,8 @@ def test_passing_failures_are_retried_until_the_deadline_not_taken_for_a_poison_
     monkeypatch.setattr(module, "DEAD_RETRY_S", 0.3)
     monkeypatch.setattr(module, "OVERLOAD_RETRY_S", 0.3)
     server = serve(servers, answer)
-    endpoints = SGLangEndpoints([server.url], request_timeout_s=10)
-    try:
+    with closing(SGLangEndpoints([server.url], request_timeout_s=10)) as endpoints:
         result, _ = generate_in_thread(endpoints, deadline_s=3.5)
-    finally:
-        endpoints.close()
     assert type(result) is SGLangUnavailableError, result  # not SGLangPoisonRequestError after two
     assert reason in str(result)
     assert len(server.generate_requests) >= 3
@@ -218,11 +200,8 @@ def test_passing_failures_are_retried_until_the_deadline_not_taken_for_a_poison_
 
 def test_a_redirect_says_to_point_sglang_urls_at_the_server_itself(servers: list[CannedServer]) -> None:
     server = serve(servers, lambda body, count: canned_reply(307, "", headers="Location: /v2/generate\r\n"))
-    endpoints = SGLangEndpoints([server.url], request_timeout_s=10)
-    try:
+    with closing(SGLangEndpoints([server.url], request_timeout_s=10)) as endpoints:
         result, _ = generate_in_thread(endpoints, deadline_s=5)
-    finally:
-        endpoints.close()
     assert isinstance(result, SGLangRequestError), result
     assert "redirect (HTTP 307 to '/v2/generate')" in str(result)
     assert "point sglang_urls at the SGLang server itself" in str(result)
