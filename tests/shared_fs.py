@@ -70,3 +70,31 @@ def sshfs_mount(base: Path, *options: str) -> Iterator[tuple[Path, Path]]:
             os.kill(int((base / "sshd.pid").read_text()), signal.SIGTERM)
         except (OSError, ValueError):
             pass
+
+
+@contextmanager
+def server_frozen(base: Path) -> Iterator[None]:
+    """Freeze (SIGSTOP) the sshd processes serving the mount made under ``base``, resumed after:
+    every look at the mount blocks in the kernel, as on an NFS mount whose server hangs."""
+    master = int((base / "sshd.pid").read_text())
+    frozen: list[int] = []
+
+    def children(pid: int) -> list[int]:
+        found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+        return [int(p) for p in found]
+
+    todo = children(master)
+    while todo:
+        pid = todo.pop()
+        todo.extend(children(pid))
+        os.kill(pid, signal.SIGSTOP)
+        frozen.append(pid)
+    assert frozen, "no sshd session serves the mount"
+    try:
+        yield
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except OSError:
+                pass

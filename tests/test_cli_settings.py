@@ -84,6 +84,7 @@ def values(dirs: dict[str, Path]) -> dict[str, tuple[str, Any, str, Any]]:
         "stage_dir": (str(dirs["stage"]), dirs["stage"], str(dirs["stage2"]), dirs["stage2"]),
         "check_finite": ("1", False, "", False),
         "validate_timeout_s": ("12", 12.0, "13", 13.0),
+        "root_timeout_s": ("3", 3.0, "4.5", 4.5),
         "lora_keep": ("5", 5, "6", 6),
     }
 

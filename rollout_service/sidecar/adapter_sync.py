@@ -35,7 +35,7 @@ from ..checkpoint_reader import PublishedCheckpoint
 from ..protocol import adapter_name_for, step_for_version
 from ..untrusted_files import Deadline
 from .sglang_client import SGLangLoadRejected, SGLangUnavailable
-from .sync_record import SyncRecord, published_at
+from .sync_record import SyncRecord
 
 if TYPE_CHECKING:
     from .controller import SyncController
@@ -82,12 +82,12 @@ class AdapterSync:
         """A full checkpoint is served now."""
         self.serving = None
 
-    async def try_load(self, ckpt: PublishedCheckpoint) -> bool:
-        """Validate, stage, load and confirm one adapter step; False when it was not loaded."""
+    async def try_load(self, ckpt: PublishedCheckpoint, published: float | None) -> bool:
+        """Validate, stage, load and confirm one adapter step (``published``: when, if this is
+        its first load); False when it was not loaded."""
         c = self.c
         step, path = ckpt.step, ckpt.path
         detected = c._detected_at.pop(step, time.time())
-        published = None if step in c._loaded_before else await asyncio.to_thread(published_at, path)
         c.state.loading_step = step
         try:
             t0 = time.perf_counter()

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..checkpoint_format import MAX_STEP, RUN_ID_RE, CheckpointError
 from ..http_auth import LOOPBACK_HOSTS
 from .controller import SyncController
+from .root_gate import RootUnresponsive
 from .settings import SidecarSettings
 from .watcher import CheckpointWatcher
 
@@ -139,39 +140,21 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         body["waited_for_run"] = run
         return SafeJSONResponse(body, status_code=200 if ok else 504)
 
-    lookups: list[asyncio.Future[Any]] = []
-    """The last look at the root for ``POST /sync`` (a thread): while it is blocked, no other starts."""
-
     @app.post("/sync", dependencies=[Depends(require_token)])
     async def sync(request: Request) -> JSONResponse:
         checkpoint = _requested_checkpoint(await _bounded_body(request, MAX_SYNC_BODY_BYTES))
         if checkpoint is None:
             controller.notify("api")
             return SafeJSONResponse({"triggered": True}, status_code=202)
-        earlier = lookups[-1] if lookups else None
-        if earlier is not None and not earlier.done():  # one thread at most blocked on a hung root
-            return SafeJSONResponse(
-                {
-                    "error": "root_unresponsive",
-                    "detail": "an earlier look at the checkpoint root has not come back; check its file system"
-                    " (the sidecar keeps serving its other endpoints)",
-                },
-                status_code=503,
-            )
-        lookup = asyncio.ensure_future(asyncio.to_thread(controller.request_checkpoint, checkpoint))
-        lookups[:] = [lookup]
         try:
-            path = await asyncio.wait_for(asyncio.shield(lookup), timeout=ROOT_LOOKUP_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            lookup.add_done_callback(lambda f: f.cancelled() or f.exception())
-            return SafeJSONResponse(
-                {
-                    "error": "root_unresponsive",
-                    "detail": f"the checkpoint root did not answer within {ROOT_LOOKUP_TIMEOUT_S:g} s;"
-                    " check its file system (the sidecar keeps serving its other endpoints)",
-                },
-                status_code=503,
+            path = await controller.root_gate.call(
+                controller.request_checkpoint,
+                checkpoint,
+                what="POST /sync's lookup",
+                timeout_s=min(ROOT_LOOKUP_TIMEOUT_S, settings.root_timeout_s),
             )
+        except RootUnresponsive as exc:
+            return SafeJSONResponse({"error": RootUnresponsive.reason, "detail": str(exc)}, status_code=503)
         except CheckpointError as exc:
             return SafeJSONResponse({"error": exc.reason, "detail": str(exc)}, status_code=400)
         except (OSError, ValueError) as exc:

@@ -24,6 +24,9 @@ Everything under the root is untrusted (see ``docs/threat-model.md``):
   the checkpoint SGLang serves.
 - Every loop pass, whatever failed, publishes state and heartbeats the ack file; a pass
   that failed backs off.
+- Every other look at the root (listings, manifests, the ack file) goes through the root gate
+  (``root_gate.py``): a hung network file system makes the replica unready with a reason
+  (``root_unresponsive``), never blocks the event loop, the HTTP API or SGLang's health checks.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from ..untrusted_files import Deadline
 from .acks import AckWriter
 from .adapter_sync import AdapterSync, is_adapter_step
 from .metrics import SidecarMetrics
+from .root_gate import RootGate, RootUnresponsive, in_daemon_thread
 from .served_model import adoptable, find_reference
 from .settings import SidecarSettings
 from .sglang_client import ServerView, SGLangClient, SGLangLoadRejected, SGLangUnavailable
@@ -98,6 +102,8 @@ class SyncController:
             watch_mode="inotify" if settings.poll_interval_s is None else "polling",
             stage_dir=None if settings.stage_dir is None else str(settings.stage_dir),
         )
+        self.root_gate = RootGate(self.root, settings.root_timeout_s, on_change=self._root_problem)
+        """Every look at the root outside a validation passes through it, under a time bound."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._changed: asyncio.Condition | None = None
@@ -105,6 +111,9 @@ class SyncController:
         self._crashes: dict[int, int] = {}
         self._loaded_before: set[int] = set()
         self._rejected_at: dict[int, tuple[int, ...] | None] = {}
+        self._identity_seen: dict[int, tuple[int, ...] | None] = {}
+        """Each step's publication identity as seen before its last validation started: a
+        rejection stands until it changes (taken before, so a change during validation counts)."""
         self._straggler: asyncio.Future[Any] | None = None
         """A validation that outlived its deadline (blocked in storage): until it ends, no other
         starts, so two never work in the stage at once."""
@@ -158,16 +167,22 @@ class SyncController:
             async with self._changed:
                 try:
                     await asyncio.wait_for(
-                        self._changed.wait_for(lambda: self.serves(step, run_id) or self._still_rejected(step)),
+                        self._changed.wait_for(lambda: self.serves(step, run_id) or step in self.state.rejected),
                         timeout=max(0.0, deadline - time.monotonic()),
                     )
                 except asyncio.TimeoutError:
                     return False
-            if not self.serves(step, run_id):
-                return False
-            # Confirm against the root now, not the last pass: the served step may be gone.
-            checked = (self.state.loaded_step, self._served_path)
-            presence = await asyncio.to_thread(self._loaded_presence)
+            try:
+                if not self.serves(step, run_id):
+                    # Rejected: unless its directory was replaced since (then wait on for it).
+                    if await self.root_gate.call(self._still_rejected, step, what=f"/wait's look at step {step}"):
+                        return False
+                    continue
+                # Confirm against the root now, not the last pass: the served step may be gone.
+                checked = (self.state.loaded_step, self._served_path)
+                presence = await self.root_gate.call(self._loaded_presence, what="/wait's look at the served step")
+            except RootUnresponsive:
+                return False  # /status says why
             if presence == "same":
                 return True
             if (self.state.loaded_step, self._served_path) == checked:  # not a step loaded meanwhile
@@ -181,6 +196,8 @@ class SyncController:
         fresh = max(3 * self.settings.health_interval_s, 3.0)
         if s.fatal is not None:
             return False, f"{s.fatal['reason']}: {s.fatal['message']}"
+        if self.root_gate.problem is not None:
+            return False, f"{RootUnresponsive.reason}: {self.root_gate.problem}"
         if s.loop_heartbeat is None or (
             s.loading_step is None and now - s.loop_heartbeat > max(5 * self.settings.health_interval_s, 15.0)
         ):
@@ -226,7 +243,10 @@ class SyncController:
             self.state.watch_mode,
             self.state.stage_dir or "off (SGLang reads shared storage directly)",
         )
-        await asyncio.to_thread(self.acks.clean_up_leftovers)
+        try:
+            await self.root_gate.call(self.acks.clean_up_leftovers, what="removing this replica's leftover ack files")
+        except (RootUnresponsive, OSError) as exc:
+            log.warning("could not clean up leftover ack files: %s", exc)
         if self.settings.stage_dir is not None:
             try:
                 self.stage = await asyncio.to_thread(Stage, self.settings.stage_dir)
@@ -278,6 +298,9 @@ class SyncController:
 
     def _loop_error(self, where: str, exc: Exception) -> None:
         self.state.loop_errors += 1
+        if isinstance(exc, RootUnresponsive):  # the gate logged it; no traceback to show
+            self._error(RootUnresponsive.reason, str(exc))
+            return
         message = f"{where}: {type(exc).__name__}: {exc}"
         if message not in self._logged_errors and len(self._logged_errors) < 32:
             log.exception("sync loop error in %s (backing off)", where)  # once per distinct error
@@ -287,14 +310,28 @@ class SyncController:
         self._error("loop_error", message)
 
     async def _publish_state(self) -> None:
-        await self._wake_waiters(await asyncio.to_thread(self._newest_candidate_step))
+        try:
+            newest = await self.root_gate.call(self._newest_candidate_step, what="listing the root")
+        except RootUnresponsive:
+            await self._wake_waiters(self.state.newest_known_step, ready=False)
+            raise
+        await self._wake_waiters(newest)
 
-    async def _wake_waiters(self, newest: int | None) -> None:
-        """Set the state derived from the newest known step and wake every ``/wait``."""
+    def _root_problem(self, problem: str | None) -> None:
+        """(From the root gate.) The root stopped answering (a reason) or answers again (None)."""
+        self.state.root_problem = problem
+        self.metrics.root_responsive.set(0 if problem else 1)
+
+    async def _wake_waiters(self, newest: int | None, ready: bool = True) -> None:
+        """Set the state derived from the newest known step and wake every ``/wait``
+        (``ready=False``: not ready whatever is served, e.g. while the root does not answer)."""
         s = self.state
         s.newest_known_step = newest
         s.ready = bool(
-            s.sglang_healthy and s.fatal is None and (newest is None or (s.loaded_step == newest and s.loaded_current))
+            ready
+            and s.sglang_healthy
+            and s.fatal is None
+            and (newest is None or (s.loaded_step == newest and s.loaded_current))
         )
         self.metrics.ready.set(1 if s.ready else 0)
         self.metrics.sglang_up.set(1 if s.sglang_healthy else 0)
@@ -346,13 +383,16 @@ class SyncController:
             self.state.loaded_step = None
             self.state.loaded_fingerprint = self.state.loaded_run_id = None
         if self.state.loaded_step is None and view.weight_version is not None:
-            adopted = await asyncio.to_thread(adoptable, view, self.root, self.stage)
+            adopted = await self.root_gate.call(
+                adoptable, view, self.root, self.stage, what="looking for the step SGLang already serves"
+            )
             if adopted is not None and self.state.loaded_step is None:  # on the loop: /status sees all or nothing
                 step, manifest, served = adopted
                 self._set_loaded(step, manifest, str(served))
                 self._crashes.pop(step, None)
                 log.info("SGLang already serves step %d (%s); adopting it without a reload", step, served)
-        await asyncio.to_thread(self._ensure_reference, view)
+        if self._reference is None:
+            await self.root_gate.call(self._ensure_reference, view, what="reading the served model's tensor list")
 
     def _ensure_reference(self, view: ServerView) -> None:
         """Learn the served model's tensor specs once (every checkpoint is checked against them)."""
@@ -387,21 +427,26 @@ class SyncController:
 
     async def _sync_newest(self) -> None:
         """Serve the newest valid checkpoint in the root (if SGLang does not already)."""
-        checkpoints = await asyncio.to_thread(self._candidates)
-        presence = await asyncio.to_thread(self._loaded_presence)
+        checkpoints, presence = await self.root_gate.call(self._scan, what="listing the root")
         self.state.loaded_current = presence == "same"
         loaded = self.state.loaded_step
-        for ckpt in reversed(checkpoints):
+        for ckpt, rejected in reversed(checkpoints):
             if loaded is not None and ckpt.step == loaded and presence == "same":
                 return
             if loaded is not None and ckpt.step < loaded and presence != "gone":
                 return  # never go back while the served step is still published
-            if self._is_rejected(ckpt):
+            if rejected:
                 continue
             if await self._try_load(ckpt):
                 return
             if not self.state.sglang_healthy or self._validation_stuck():
                 return  # an older step would wait on the same storage: end the pass
+
+    def _scan(self) -> tuple[list[tuple[PublishedCheckpoint, bool]], str]:
+        """(Blocking: on the root.) Every candidate with whether it stands rejected, and the
+        served step's presence."""
+        checkpoints = [(c, self._is_rejected(c)) for c in self._candidates()]
+        return checkpoints, self._loaded_presence()
 
     def _candidates(self) -> list[PublishedCheckpoint]:
         """The root's listing plus steps named through the API that a direct lookup finds."""
@@ -451,12 +496,13 @@ class SyncController:
         return False
 
     async def _try_load(self, ckpt: PublishedCheckpoint) -> bool:
-        if await asyncio.to_thread(is_adapter_step, ckpt.path, self.root):
-            return await self.adapters.try_load(ckpt)
         step, path = ckpt.step, ckpt.path
+        adapter, published, self._identity_seen[step] = await self.root_gate.call(
+            self._look_before_load, ckpt, what=f"reading {path.name}'s manifest"
+        )
+        if adapter:
+            return await self.adapters.try_load(ckpt, published)
         detected = self._detected_at.pop(step, time.time())
-        # Publish-time latencies only mean something the first time a step is loaded.
-        published = None if step in self._loaded_before else await asyncio.to_thread(published_at, path)
         self.state.loading_step = step
         try:
             t0 = time.perf_counter()
@@ -562,6 +608,13 @@ class SyncController:
         finally:
             self.state.loading_step = None
 
+    def _look_before_load(self, ckpt: PublishedCheckpoint) -> tuple[bool, float | None, tuple[int, ...] | None]:
+        """(Blocking: on the root.) Whether ``ckpt`` is an adapter step, when it was published
+        (only the first time it loads: latencies mean nothing after), and its publication identity."""
+        identity = _publication_identity(ckpt.path)
+        published = None if ckpt.step in self._loaded_before else published_at(ckpt.path)
+        return is_adapter_step(ckpt.path, self.root), published, identity
+
     def _validation_stuck(self) -> bool:
         return self._straggler is not None and not self._straggler.done()
 
@@ -578,7 +631,7 @@ class SyncController:
                 step=step,
             )
             return None
-        task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        task = in_daemon_thread(fn, *args, name=f"validating {name}")
         try:
             return await asyncio.wait_for(asyncio.shield(task), timeout=self.settings.validate_timeout_s + 5.0)
         except asyncio.TimeoutError:
@@ -597,6 +650,7 @@ class SyncController:
         self.state.last_sync = record
         self._loaded_before.add(step)
         self._crashes.pop(step, None)
+        self._identity_seen.pop(step, None)
         if self.state.last_error is not None and self.state.last_error.get("step") == step:
             self.state.last_error = None
         self.metrics.syncs.labels("loaded", "ok").inc()
@@ -657,7 +711,7 @@ class SyncController:
     def _reject(self, ckpt: PublishedCheckpoint, reason: str, message: str) -> None:
         log.error("rejected checkpoint step %d (%s): %s", ckpt.step, reason, message)
         self.state.rejected[ckpt.step] = reason
-        self._rejected_at[ckpt.step] = _publication_identity(ckpt.path)
+        self._rejected_at[ckpt.step] = self._identity_seen.get(ckpt.step)
         self.metrics.syncs.labels("rejected", reason).inc()
         self._error(reason, message, step=ckpt.step)
 
@@ -671,9 +725,9 @@ class SyncController:
         self._last_ack = now
         s = self.state
         try:
-            await asyncio.to_thread(self.acks.write, s.report())
+            await self.root_gate.call(self.acks.write, s.report(), what="writing the ack file")
             s.ack_error = None
-        except OSError as exc:
+        except (OSError, RootUnresponsive) as exc:
             if s.ack_error is None:
                 log.error("cannot write the ack file under %s: %s (HTTP acks still work)", self.root, exc)
             s.ack_error = str(exc)

@@ -76,7 +76,14 @@ class SidecarMetrics:
         self.stage_bytes = Gauge(
             "stage_bytes", "Bytes held in the node-local stage directory", namespace=NAMESPACE, registry=r
         )
+        self.root_responsive = Gauge(
+            "root_responsive",
+            "0 while the checkpoint root does not answer within --root-timeout (a hung network file system)",
+            namespace=NAMESPACE,
+            registry=r,
+        )
         self.loaded_version.set(-1)
+        self.root_responsive.set(1)
 
     def record_sync(self, kind: str, bytes_read: int | None, chain_length: int) -> None:
         for k in ("full", "delta", "adapter"):

@@ -126,6 +126,16 @@ class SidecarSettings:
             bounds=TIMEOUT_S,
         ),
     )
+    root_timeout_s: float = field(
+        default=10.0,
+        metadata=setting(
+            "--root-timeout",
+            "seconds one look at the checkpoint root (a listing, a manifest, the ack file) may take"
+            " before the root counts as not answering: /readyz turns 503 with root_unresponsive, the"
+            " replica keeps serving what it loaded, and checks again at each pass",
+            bounds=TIMEOUT_S,
+        ),
+    )
     lora_keep: int = field(
         default=3,
         metadata=setting(

@@ -36,6 +36,8 @@ class SidecarState:
     last_error: dict[str, Any] | None = None
     rejected: dict[int, str] = field(default_factory=dict)
     ack_error: str | None = None
+    root_problem: str | None = None
+    """Why the checkpoint root counts as not answering (None: it answered at the last pass)."""
     reference: str | None = None
     """Where the served model's tensor reference came from."""
     stage_dir: str | None = None

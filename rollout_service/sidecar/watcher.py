@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +22,9 @@ from watchdog.observers.polling import PollingObserver
 from ..checkpoint_format import parse_step_dir_name
 
 log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 5.0
+"""How long stopping the watcher may take before the sidecar exits without it."""
 
 
 def is_completion_event(event: FileSystemEvent) -> bool:
@@ -57,6 +61,21 @@ class CheckpointWatcher:
         self._observer.start()
         log.info("watching %s with %s", self.root, self.mode)
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Stop watching, giving up after ``timeout_s``: watchdog's stop joins its polling thread
+        without a bound, and that thread never returns from a listing of a hung network file
+        system. It is a daemon, so it does not hold up the process's exit."""
+        stopper = threading.Thread(target=self._stop_and_join, name="watcher-stop", daemon=True)
+        stopper.start()
+        stopper.join(timeout_s)
+        if stopper.is_alive():
+            log.warning(
+                "the %s watcher of %s did not stop within %g s (its file system does not answer); leaving it",
+                self.mode,
+                self.root,
+                timeout_s,
+            )
+
+    def _stop_and_join(self) -> None:
         self._observer.stop()
-        self._observer.join(timeout=10)
+        self._observer.join()

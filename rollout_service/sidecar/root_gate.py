@@ -1,0 +1,172 @@
+"""Bounded looks at the checkpoint root: a hung file system costs answers, never the sidecar.
+
+The root is usually network storage (NFS, sshfs, CephFS). When its server stops answering, a
+call that touches it (a listing, a ``stat``, a manifest read, the ack file's write) blocks in
+the kernel, and nothing in Python can cancel it. So each such call runs on a thread of its own
+and is awaited for at most a bound; past it the caller gets :class:`RootUnresponsive` while the
+thread stays blocked. While any call is blocked past its bound, new calls fail at once instead
+of piling up threads behind it, and at most :data:`MAX_THREADS` run at any time. The event loop,
+SGLang's health checks and the HTTP API go on meanwhile; ``/readyz`` says why the replica is not
+ready. The threads are daemons: a blocked one never holds up the process's exit (a
+``to_thread`` worker would: asyncio joins its executor at shutdown). The first call that comes
+back again (with an answer or an error: the storage answered) ends the condition.
+
+Validations and staging copies are bounded separately (``SyncController.bounded``): they may
+rightly read for minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MAX_THREADS = 8
+"""Looks at the root in flight at once (the sync loop, ``/wait``s, ``POST /sync``); more wait."""
+
+
+class RootUnresponsive(Exception):
+    """The checkpoint root did not answer in time (or an earlier look is still blocked in it)."""
+
+    reason = "root_unresponsive"
+
+
+class RootGate:
+    """Runs blocking calls on the checkpoint root under a time bound (one instance per root)."""
+
+    def __init__(self, root: Path, timeout_s: float, on_change: Callable[[str | None], None] | None = None):
+        self.root = root
+        self.timeout_s = timeout_s
+        self._on_change = on_change
+        """Told each new :attr:`problem` (None once the root answers again), on the event loop."""
+        self.problem: str | None = None
+        """Why the root counts as unresponsive now (None: it answered last time)."""
+        self.unresponsive_since: float | None = None
+        """Wall-clock time the root stopped answering, for ``/status``."""
+        self._lock = threading.Lock()
+        self._inflight: dict[int, tuple[float, float, str]] = {}
+        """Calls whose threads have not returned: id -> (monotonic start, bound, what)."""
+        self._ids = itertools.count()
+        self._slots: asyncio.Semaphore | None = None
+
+    def blocked(self) -> str | None:
+        """What an in-flight call that outlived its bound is doing, and for how long; else None."""
+        now = time.monotonic()
+        with self._lock:
+            late = [(now - started, what) for started, bound, what in self._inflight.values() if now - started > bound]
+        if not late:
+            return None
+        age, what = max(late)
+        return f"{what} has been blocked for {age:.0f} s"
+
+    async def call(self, fn: Callable[..., T], *args: Any, what: str, timeout_s: float | None = None) -> T:
+        """``fn(*args)`` on a daemon thread, awaited for at most ``timeout_s`` (default: the
+        gate's). Raises :class:`RootUnresponsive` past it, or at once while another call is
+        blocked; ``fn``'s own exceptions pass through (the root answered)."""
+        bound = self.timeout_s if timeout_s is None else timeout_s
+        blocked = self.blocked()
+        if blocked is not None:
+            raise self._unresponsive(f"an earlier look at the root ({blocked}) has not come back")
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(MAX_THREADS)
+        slots = self._slots
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(slots.acquire(), timeout=bound)
+        except asyncio.TimeoutError:
+            raise self._unresponsive(f"{MAX_THREADS} looks at the root are in flight and none came back") from None
+        key = next(self._ids)
+        with self._lock:
+            self._inflight[key] = (started, bound, what)
+
+        def tracked() -> T:
+            try:
+                return fn(*args)
+            finally:
+                with self._lock:
+                    self._inflight.pop(key, None)
+
+        result = in_daemon_thread(tracked, name=f"root: {what}")
+        result.add_done_callback(lambda _: slots.release())
+        try:
+            value = await asyncio.wait_for(
+                asyncio.shield(result), timeout=max(0.0, bound - (time.monotonic() - started))
+            )
+        except asyncio.TimeoutError:
+            result.add_done_callback(_retrieve)
+            raise self._unresponsive(f"{what} did not come back within {bound:g} s") from None
+        except asyncio.CancelledError:  # the caller went away; the thread's outcome is dropped
+            result.add_done_callback(_retrieve)
+            raise
+        except BaseException:  # fn's own error: the storage answered
+            self._answered()
+            raise
+        self._answered()
+        return value
+
+    def _unresponsive(self, why: str) -> RootUnresponsive:
+        message = (
+            f"the checkpoint root {self.root} is not answering: {why}. Check its file system (NFS server,"
+            " mount); the replica keeps serving what it loaded and picks up new checkpoints once the root answers"
+        )
+        if self.problem is None:
+            log.warning("%s", message)
+            self.unresponsive_since = time.time()
+        self.problem = message
+        if self._on_change is not None:
+            self._on_change(message)
+        return RootUnresponsive(message)
+
+    def _answered(self) -> None:
+        if self.problem is None:
+            return
+        log.warning("the checkpoint root %s answers again", self.root)
+        self.problem = None
+        self.unresponsive_since = None
+        if self._on_change is not None:
+            self._on_change(None)
+
+
+def in_daemon_thread(fn: Callable[..., T], *args: Any, name: str) -> asyncio.Future[T]:
+    """``fn(*args)`` on a new daemon thread; its outcome as a future of the running loop.
+
+    Unlike ``asyncio.to_thread`` a call blocked for good (in a hung file system) holds up
+    neither the default executor's few workers nor the process's exit."""
+    loop = asyncio.get_running_loop()
+    result: asyncio.Future[T] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if result.done():
+            return
+        if ok:
+            result.set_result(value)
+        else:
+            result.set_exception(value)
+
+    def work() -> None:
+        try:
+            value: Any = fn(*args)
+            ok = True
+        except BaseException as exc:  # handed to the awaiting caller
+            value, ok = exc, False
+        try:
+            loop.call_soon_threadsafe(settle, ok, value)
+        except RuntimeError:  # the loop is closed: the sidecar is exiting
+            pass
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return result
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """The outcome of a call its caller gave up on: read so asyncio does not log it as lost."""
+    if not future.cancelled():
+        future.exception()

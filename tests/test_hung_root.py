@@ -1,0 +1,110 @@
+"""A checkpoint root whose network file system stops answering (a real one: the sshd serving an
+sshfs mount is frozen with SIGSTOP, so every look at the mount blocks in the kernel, as on a hung
+NFS server). The sidecar must keep answering its API and checking SGLang, say why it is not
+ready, answer ``/wait`` and ``POST /sync`` within their bounds, exit when told to, and pick up
+new checkpoints once the root answers again."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from rollout_service.checkpoint_writer import publish_checkpoint
+from shared_fs import server_frozen, sshfs_mount
+from sidecar_helpers import perturbed_state
+
+pytestmark = pytest.mark.sglang
+
+ROOT_TIMEOUT_S = 2.0
+QUICK_S = 5.0
+"""Every answer of the sidecar while the root hangs comes within this (none waits on the root)."""
+
+
+def publish_on_server(srv, model_dir, step):
+    state = perturbed_state(model_dir, step)
+    return publish_checkpoint(srv, step, state.items(), config=model_dir / "config.json", run_id="hung-run")
+
+
+def quick_get(sidecar, path: str) -> httpx.Response:
+    t0 = time.monotonic()
+    r = httpx.get(sidecar.url + path, timeout=QUICK_S + 5)
+    assert time.monotonic() - t0 < QUICK_S, f"{path} took {time.monotonic() - t0:.1f} s while the root hangs"
+    return r
+
+
+def test_a_hung_root_makes_the_replica_unready_with_a_reason_and_it_recovers(
+    sglang_server, sidecar_factory, tiny_model_dir, tmp_path
+):
+    fs = tmp_path / "fs"
+    with sshfs_mount(fs, "dcache_timeout=1", "attr_timeout=1") as (srv, mnt):
+        sidecar = sidecar_factory("--poll", "0.5", "--root-timeout", str(ROOT_TIMEOUT_S), root=mnt, replica_id="hung")
+        publish_on_server(srv, tiny_model_dir, 1)
+        sidecar.wait_step(1, timeout_s=60)
+        assert sidecar.get("/readyz").status_code == 200
+        with server_frozen(fs):
+            deadline = time.monotonic() + 30
+            while True:
+                ready = quick_get(sidecar, "/readyz")
+                if ready.status_code == 503:
+                    break
+                assert time.monotonic() < deadline, f"still ready with a hung root: {ready.text}"
+                time.sleep(0.3)
+            assert ready.json()["reason"].startswith("root_unresponsive"), ready.json()
+            assert str(mnt) in ready.json()["reason"]
+            quick_get(sidecar, "/healthz").raise_for_status()
+            seen = quick_get(sidecar, "/status").json()
+            assert seen["root_problem"] and seen["loaded_step"] == 1
+            assert seen["last_error"]["reason"] == "root_unresponsive"
+            assert sidecar.metric("rollout_sidecar_root_responsive") == 0.0
+            # SGLang is still checked: the health loop is not stuck behind the root.
+            time.sleep(2.0)
+            later = quick_get(sidecar, "/status").json()
+            assert later["sglang_healthy"] and later["sglang_seen_at"] > seen["sglang_seen_at"]
+            assert later["loop_heartbeat"] > seen["loop_heartbeat"]
+            # /wait answers within the root's bound, not the 60 s asked for.
+            waited = quick_get(sidecar, "/wait?version=1&timeout=60")
+            assert waited.status_code == 504 and waited.json()["root_problem"]
+            t0 = time.monotonic()
+            named = httpx.post(f"{sidecar.url}/sync", json={"checkpoint": "step-00000002"}, timeout=QUICK_S + 5)
+            assert time.monotonic() - t0 < QUICK_S
+            assert named.status_code == 503 and named.json()["error"] == "root_unresponsive", named.text
+            # The trainer goes on publishing on the server's side meanwhile.
+            publish_on_server(srv, tiny_model_dir, 2)
+            time.sleep(1.0)
+            assert quick_get(sidecar, "/status").json()["loaded_step"] == 1
+            # Threads stay bounded: the blocked look is not joined by one per pass.
+            threads = int(
+                subprocess.run(
+                    ["ps", "-o", "nlwp=", "-p", str(sidecar.proc.pid)], capture_output=True, text=True
+                ).stdout.split()[0]
+            )
+            assert threads < 40, f"{threads} threads in the sidecar while the root hangs"
+        status = sidecar.wait_step(2, timeout_s=60)
+        assert status["loaded_step"] == 2 and status["root_problem"] is None
+        assert sidecar.metric("rollout_sidecar_root_responsive") == 1.0
+        assert sidecar.get("/readyz").status_code == 200
+        sidecar.stop()
+
+
+def test_the_sidecar_shuts_down_promptly_while_its_root_hangs(sglang_server, sidecar_factory, tiny_model_dir, tmp_path):
+    """Its own shutdown does not wait on the root. (The kernel reaps the process only once the
+    threads blocked in the mount come back: a FUSE or hard NFS request cannot be abandoned.)"""
+    fs = tmp_path / "fs"
+    with sshfs_mount(fs, "dcache_timeout=1", "attr_timeout=1") as (srv, mnt):
+        sidecar = sidecar_factory("--poll", "0.5", "--root-timeout", str(ROOT_TIMEOUT_S), root=mnt, replica_id="bye")
+        publish_on_server(srv, tiny_model_dir, 1)
+        sidecar.wait_step(1, timeout_s=60)
+        with server_frozen(fs):
+            time.sleep(3 * ROOT_TIMEOUT_S)  # the watcher's and the loop's looks are blocked by now
+            assert "is not answering" in sidecar.log_tail(200)
+            sidecar.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            while "Finished server process" not in sidecar.log_tail(200):
+                assert time.monotonic() < deadline, f"the sidecar's shutdown waits on the root:\n{sidecar.log_tail()}"
+                time.sleep(0.2)
+        assert sidecar.proc.wait(timeout=20) is not None  # the blocked looks came back: the process is gone
+        assert "did not stop within" in sidecar.log_tail(200)

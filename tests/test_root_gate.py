@@ -1,0 +1,102 @@
+"""The root gate's bounds, with calls that block on an event instead of a hung file system
+(tests/test_hung_root.py freezes a real one): a blocked call costs its caller the bound, the
+calls after it fail at once, threads stay bounded, and the first call that comes back ends it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rollout_service.sidecar.root_gate import MAX_THREADS, RootGate, RootUnresponsive
+
+
+def test_a_blocked_call_times_out_then_later_calls_fail_at_once_until_it_returns():
+    changes: list[str | None] = []
+    release = threading.Event()
+
+    async def scenario() -> None:
+        gate = RootGate(Path("/ckpt"), timeout_s=0.3, on_change=changes.append)
+        assert await gate.call(lambda: 7, what="a quick look") == 7
+        t0 = time.monotonic()
+        with pytest.raises(RootUnresponsive, match="listing did not come back within 0.3 s"):
+            await gate.call(release.wait, what="listing")
+        assert 0.25 < time.monotonic() - t0 < 2.0
+        assert gate.problem is not None and "/ckpt" in gate.problem
+        t0 = time.monotonic()
+        ran = []
+        with pytest.raises(RootUnresponsive, match="listing has been blocked"):
+            await gate.call(ran.append, 1, what="another look")
+        assert time.monotonic() - t0 < 0.1 and not ran, "no second thread starts behind a blocked one"
+        release.set()
+        await asyncio.sleep(0.1)  # the blocked thread comes back
+        assert await gate.call(lambda: "ok", what="a look after") == "ok"
+        assert gate.problem is None
+
+    asyncio.run(scenario())
+    assert changes[-1] is None and len(changes) >= 2 and all(c is not None for c in changes[:-1])
+
+
+def test_the_calls_own_errors_pass_through_and_count_as_answers():
+    async def scenario() -> None:
+        gate = RootGate(Path("/ckpt"), timeout_s=0.2)
+        gate.problem = "left over"
+
+        def fails() -> None:
+            raise FileNotFoundError("step-00000001")
+
+        with pytest.raises(FileNotFoundError):
+            await gate.call(fails, what="a stat")
+        assert gate.problem is None, "an error is an answer: the storage responds"
+
+    asyncio.run(scenario())
+
+
+def test_at_most_max_threads_run_at_once():
+    release = threading.Event()
+    running = []
+    lock = threading.Lock()
+    peak = [0]
+
+    def slow() -> None:
+        with lock:
+            running.append(1)
+            peak[0] = max(peak[0], len(running))
+        release.wait(5)
+        with lock:
+            running.pop()
+
+    async def scenario() -> list[object]:
+        gate = RootGate(Path("/ckpt"), timeout_s=1.0)
+        calls = [asyncio.ensure_future(gate.call(slow, what=f"look {i}")) for i in range(3 * MAX_THREADS)]
+        await asyncio.sleep(0.3)
+        assert peak[0] == MAX_THREADS
+        release.set()
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    outcomes = asyncio.run(scenario())
+    assert peak[0] == MAX_THREADS
+    assert all(o is None for o in outcomes), outcomes  # the queued ones ran once slots freed
+
+
+def test_a_call_blocked_for_good_does_not_hold_up_the_exit(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import asyncio, threading\n"
+        "from pathlib import Path\n"
+        "from rollout_service.sidecar.root_gate import RootGate, RootUnresponsive\n"
+        "async def main():\n"
+        "    gate = RootGate(Path('/x'), timeout_s=0.2)\n"
+        "    try:\n"
+        "        await gate.call(threading.Event().wait, what='forever')\n"
+        "    except RootUnresponsive:\n"
+        "        print('gave up')\n"
+        "asyncio.run(main())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and "gave up" in done.stdout, done.stderr
