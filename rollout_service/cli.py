@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint_format import CheckpointError
-from .cli_env import EnvArgumentParser, SettingFlags, add_env_argument, number_type
+from .cli_env import TIMEOUT_S, EnvArgumentParser, SettingFlags, add_env_argument, number_type
 from .lora_serving import add_lora_flags, lora_from_args
 from .serve import RestartPolicy, run_serve
 from .sglang_launcher import SGLangServer, SGLangServerConfig
+from .sidecar.root_gate import answered_within
 from .sidecar.settings import SidecarSettings
 
 SIDECAR_SETTINGS = SettingFlags(SidecarSettings)
@@ -38,7 +39,7 @@ SERVE_RESTART_SETTINGS = SettingFlags(RestartPolicy)
 SERVE_SGLANG_SETTINGS = SettingFlags(SGLangServerConfig, defaults={"port": 30000})
 """`serve`'s SGLang flags (`--model`, `--port`, ...): SGLang's usual port, where the library picks a free one."""
 
-SECONDS = number_type(float, 0.001, 7 * 86400.0)
+SECONDS = number_type(float, *TIMEOUT_S)
 """The type of the one-shot commands' ``--timeout`` flags: finite, positive, at most a week."""
 SHARD_MB = number_type(float, 0.001, 1 << 20)
 """The type of ``publish --max-shard-mb``: from about 1 KiB to 1 TiB."""
@@ -164,8 +165,10 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        Path(args.checkpoint_path).mkdir(parents=True, exist_ok=True)
+    root = Path(args.checkpoint_path)
+    try:  # bounded: a hung network file system must not keep SGLang from starting (the sidecar reports it)
+        bound = SERVE_SIDECAR_SETTINGS.values(args)["root_timeout_s"]
+        answered_within(lambda: root.mkdir(parents=True, exist_ok=True), bound, "making the root")
     except OSError as exc:
         raise ValueError(
             f"cannot create --checkpoint-path {args.checkpoint_path}: {exc.strerror or exc}; point it at a"

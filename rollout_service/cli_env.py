@@ -55,6 +55,9 @@ from typing import Any
 
 ENV_PREFIX = "ROLLOUT_"
 
+TIMEOUT_S = (0.01, 7 * 86400.0)
+"""The range of every timeout setting and flag, in seconds (10 ms up to a week)."""
+
 _FROM_ENV_OR_DEFAULT = object()
 """The argparse default of an env-backed flag: 'not given on the command line'."""
 

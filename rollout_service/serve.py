@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from .cli_env import bounds_metadata, check_bounds, setting
+from .cli_env import TIMEOUT_S, bounds_metadata, check_bounds, setting
 from .sglang_launcher import SGLangServer, SGLangStartError
 from .sidecar.settings import SidecarSettings
 
@@ -63,7 +63,7 @@ class RestartPolicy:
         metadata=setting(
             "--restart-window",
             "the window, in seconds, over which --max-restarts is counted (as systemd's StartLimitIntervalSec)",
-            bounds=(1.0, 7 * 86400.0),
+            bounds=(1.0, TIMEOUT_S[1]),
         ),
     )
     backoff_s: float = field(default=2.0, metadata=bounds_metadata(0.0, 3600.0))
@@ -74,7 +74,7 @@ class RestartPolicy:
             "--startup-timeout",
             "seconds to wait for SGLang's /health at each start; the wait goes on while SGLang's"
             " log shows progress (a first download, kernel compilation, CUDA graphs)",
-            bounds=(1.0, 7 * 86400.0),
+            bounds=(1.0, TIMEOUT_S[1]),
         ),
     )
     progress_grace_s: float = field(default=120.0, metadata=bounds_metadata(1.0, 86400.0))

@@ -108,3 +108,28 @@ def test_the_sidecar_shuts_down_promptly_while_its_root_hangs(sglang_server, sid
                 time.sleep(0.2)
         assert sidecar.proc.wait(timeout=20) is not None  # the blocked looks came back: the process is gone
         assert "did not stop within" in sidecar.log_tail(200)
+
+
+def test_a_sidecar_started_while_its_root_hangs_answers_and_loads_once_the_root_is_back(
+    sglang_server, sidecar_factory, tiny_model_dir, tmp_path
+):
+    fs = tmp_path / "fs"
+    with sshfs_mount(fs, "dcache_timeout=1", "attr_timeout=1") as (srv, mnt):
+        publish_on_server(srv, tiny_model_dir, 1)
+        with server_frozen(fs):
+            # Its start-up checks of the root and its watcher's first listing are bounded too:
+            # the API comes up (the factory waits for /healthz) instead of hanging at start.
+            sidecar = sidecar_factory(
+                "--poll", "0.5", "--root-timeout", str(ROOT_TIMEOUT_S), root=mnt, replica_id="late"
+            )
+            deadline = time.monotonic() + 30
+            while not (ready := quick_get(sidecar, "/readyz").json())["reason"].startswith("root_unresponsive"):
+                assert time.monotonic() < deadline, ready
+                time.sleep(0.3)
+            assert ready["loaded_step"] is None
+        status = sidecar.wait_step(1, timeout_s=60)
+        assert status["loaded_run_id"] == "hung-run" and status["root_problem"] is None
+        assert sidecar.get("/readyz").status_code == 200
+        # (Its check that the root is a directory may be answered from sshfs's attribute cache.)
+        assert "has not started within" in sidecar.log_tail(300)
+        sidecar.stop()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_service.sidecar.root_gate import MAX_THREADS, RootGate, RootUnresponsive
+from rollout_service.sidecar.root_gate import MAX_THREADS, RootGate, RootUnresponsive, answered_within
 
 
 def test_a_blocked_call_times_out_then_later_calls_fail_at_once_until_it_returns():
@@ -100,3 +100,16 @@ def test_a_call_blocked_for_good_does_not_hold_up_the_exit(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0 and "gave up" in done.stdout, done.stderr
+
+
+def test_start_up_checks_give_up_after_their_bound_and_pass_answers_and_errors_through():
+    t0 = time.monotonic()
+    assert answered_within(threading.Event().wait, 0.2, "blocked") == (False, None)
+    assert time.monotonic() - t0 < 2.0
+    assert answered_within(lambda: 42, 5.0, "quick") == (True, 42)
+
+    def fails() -> None:
+        raise NotADirectoryError("/ckpt")
+
+    with pytest.raises(NotADirectoryError):
+        answered_within(fails, 5.0, "fails")

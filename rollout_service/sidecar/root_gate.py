@@ -135,6 +135,29 @@ class RootGate:
             self._on_change(None)
 
 
+def answered_within(fn: Callable[[], T], timeout_s: float, name: str) -> tuple[bool, T | None]:
+    """``(True, fn())`` when ``fn`` (blocking, on the root) returns within ``timeout_s``, else
+    ``(False, None)``, leaving it on a daemon thread (for start-up checks, before any event loop).
+    ``fn``'s own exceptions pass through."""
+    outcome: list[tuple[bool, Any]] = []
+
+    def work() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:  # re-raised on the caller's thread
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=work, name=name, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        return False, None
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return True, value
+
+
 def in_daemon_thread(fn: Callable[..., T], *args: Any, name: str) -> asyncio.Future[T]:
     """``fn(*args)`` on a new daemon thread; its outcome as a future of the running loop.
 

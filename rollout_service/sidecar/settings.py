@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint_paths import is_inside
-from ..cli_env import bounds_metadata, check_bounds, setting
+from ..cli_env import TIMEOUT_S, bounds_metadata, check_bounds, setting
 from ..http_auth import check_token
+from .root_gate import answered_within
+
+log = logging.getLogger(__name__)
 
 _REPLICA_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9_-]{0,62}))*$")
@@ -18,8 +22,6 @@ _HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9_-]{0,62})(\.[A-
 
 INTERVAL_S = (0.01, 3600.0)
 """Range of the sidecar's periods (health checks, polling, rescans, acks), in seconds."""
-TIMEOUT_S = (0.01, 7 * 86400.0)
-"""Range of its timeouts, in seconds (up to a week)."""
 
 
 @dataclass
@@ -132,7 +134,8 @@ class SidecarSettings:
             "--root-timeout",
             "seconds one look at the checkpoint root (a listing, a manifest, the ack file) may take"
             " before the root counts as not answering: /readyz turns 503 with root_unresponsive, the"
-            " replica keeps serving what it loaded, and checks again at each pass",
+            " replica keeps serving what it loaded, and checks again at each pass (raise it if listing"
+            " the root legitimately takes longer)",
             bounds=TIMEOUT_S,
         ),
     )
@@ -164,7 +167,14 @@ class SidecarSettings:
         self.sglang_url = self.sglang_url.rstrip("/")
         if not self.sglang_url.startswith(("http://", "https://")):
             raise ValueError(f"--sglang-url must start with http:// or https://, got {self.sglang_url!r}")
-        if not self.checkpoint_path.is_dir():
+        answered, is_dir = answered_within(self.checkpoint_path.is_dir, self.root_timeout_s, "checking the root")
+        if not answered:  # a hung network file system: start anyway, /readyz tells why nothing loads
+            log.warning(
+                "checkpoint path %s did not answer within --root-timeout %g s; starting anyway",
+                self.checkpoint_path,
+                self.root_timeout_s,
+            )
+        elif not is_dir:
             raise ValueError(
                 f"checkpoint path {self.checkpoint_path} is not a directory; create it or mount"
                 " the shared checkpoint volume there"

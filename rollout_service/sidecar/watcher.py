@@ -57,9 +57,23 @@ class CheckpointWatcher:
         self._observer = Observer() if poll_interval_s is None else PollingObserver(timeout=poll_interval_s)
         self._observer.schedule(_Handler(on_change), str(self.root), recursive=False)
 
-    def start(self) -> None:
-        self._observer.start()
-        log.info("watching %s with %s", self.root, self.mode)
+    def start(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Start watching, waiting at most ``timeout_s``: the polling observer lists the root
+        before it starts, which a hung network file system never answers. It goes on starting in
+        the background meanwhile; the sync loop looks at the root at every pass anyway."""
+        starter = threading.Thread(target=self._observer.start, name="watcher-start", daemon=True)
+        starter.start()
+        starter.join(timeout_s)
+        if starter.is_alive():
+            log.warning(
+                "the %s watcher of %s has not started within %g s (its file system does not answer);"
+                " new checkpoints are found by the sync loop's own look at every pass meanwhile",
+                self.mode,
+                self.root,
+                timeout_s,
+            )
+        else:
+            log.info("watching %s with %s", self.root, self.mode)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Stop watching, giving up after ``timeout_s``: watchdog's stop joins its polling thread
@@ -78,4 +92,7 @@ class CheckpointWatcher:
 
     def _stop_and_join(self) -> None:
         self._observer.stop()
-        self._observer.join()
+        try:
+            self._observer.join()
+        except RuntimeError:  # it never started (its first listing is still blocked)
+            pass
