@@ -113,3 +113,58 @@ def test_start_up_checks_give_up_after_their_bound_and_pass_answers_and_errors_t
 
     with pytest.raises(NotADirectoryError):
         answered_within(fails, 5.0, "fails")
+
+
+def test_a_look_that_comes_back_after_its_caller_gave_up_ends_the_condition():
+    changes: list[str | None] = []
+    release = threading.Event()
+
+    async def scenario() -> None:
+        gate = RootGate(Path("/ckpt"), timeout_s=0.2, on_change=changes.append)
+        with pytest.raises(RootUnresponsive):
+            await gate.call(release.wait, what="a slow listing")
+        assert gate.problem is not None
+        release.set()
+        for _ in range(50):  # no other call needed: the late answer itself counts
+            if gate.problem is None:
+                break
+            await asyncio.sleep(0.02)
+        assert gate.problem is None and changes[-1] is None
+
+    asyncio.run(scenario())
+
+
+def test_an_answer_does_not_end_the_condition_while_another_look_is_still_blocked():
+    hung = threading.Event()
+
+    async def scenario() -> None:
+        gate = RootGate(Path("/ckpt"), timeout_s=0.3)
+        listing = asyncio.ensure_future(gate.call(hung.wait, what="a hung listing"))
+        await asyncio.sleep(0.1)
+        # A look with a longer bound of its own, answering (from a cache, say) after the listing
+        # passed its bound: the listing is still blocked, so the condition stands.
+        await gate.call(time.sleep, 0.4, what="a cached stat", timeout_s=5.0)
+        with pytest.raises(RootUnresponsive):
+            await listing
+        assert gate.problem is not None and gate.blocked() is not None
+        hung.set()
+        await asyncio.sleep(0.1)
+        assert gate.problem is None
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        hung.set()
+
+
+def test_waiting_for_a_slot_does_not_count_as_the_root_being_slow():
+    async def scenario() -> None:
+        gate = RootGate(Path("/ckpt"), timeout_s=1.0)
+        # Twice as many looks as threads, each within the bound once it runs: all answer, none
+        # marks the root (the second half waits 0.6 s for a thread, then runs 0.6 s).
+        calls = [gate.call(time.sleep, 0.6, what=f"look {i}") for i in range(2 * MAX_THREADS)]
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        assert gate.problem is None and gate.blocked() is None
+        assert outcomes == [None] * (2 * MAX_THREADS)
+
+    asyncio.run(scenario())

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..checkpoint_format import MAX_STEP, RUN_ID_RE, CheckpointError
 from ..http_auth import LOOPBACK_HOSTS
 from .controller import SyncController
-from .root_gate import RootUnresponsive
+from .root_gate import RootGate, RootUnresponsive
 from .settings import SidecarSettings
 from .watcher import CheckpointWatcher
 
@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 MAX_WAIT_S = 3600.0
 ROOT_LOOKUP_TIMEOUT_S = 4.0
 """How long ``POST /sync`` waits for the checkpoint root to show the step it names (a hung
-network file system answers 503 instead of holding the request, and the event loop, forever)."""
+network file system answers 503 instead of holding the request, and the event loop, forever).
+Its looks have a gate of their own: a client naming a path on some other, hung file system
+makes only its own requests fail, not the replica's readiness."""
 MAX_SYNC_BODY_BYTES = 4096
 """``POST /sync`` takes at most a small object such as ``{"checkpoint": "step-00000042"}``;
 larger bodies are refused before they are read."""
@@ -59,6 +61,7 @@ class SafeJSONResponse(JSONResponse):
 def create_app(settings: SidecarSettings) -> FastAPI:
     """Build the app; the sync loop and the watcher run for the app's lifetime."""
     controller = SyncController(settings)
+    lookups = RootGate(settings.checkpoint_path, min(ROOT_LOOKUP_TIMEOUT_S, settings.root_timeout_s))
     watcher = CheckpointWatcher(settings.checkpoint_path, controller.notify, settings.poll_interval_s)
 
     @contextlib.asynccontextmanager
@@ -147,12 +150,7 @@ def create_app(settings: SidecarSettings) -> FastAPI:
             controller.notify("api")
             return SafeJSONResponse({"triggered": True}, status_code=202)
         try:
-            path = await controller.root_gate.call(
-                controller.request_checkpoint,
-                checkpoint,
-                what="POST /sync's lookup",
-                timeout_s=min(ROOT_LOOKUP_TIMEOUT_S, settings.root_timeout_s),
-            )
+            path = await lookups.call(controller.request_checkpoint, checkpoint, what="POST /sync's lookup")
         except RootUnresponsive as exc:
             return SafeJSONResponse({"error": RootUnresponsive.reason, "detail": str(exc)}, status_code=503)
         except CheckpointError as exc:

@@ -172,16 +172,24 @@ class SyncController:
                     )
                 except asyncio.TimeoutError:
                     return False
+            # A look at the root below stops when the wait does (at least 1 s to answer).
+            budget = max(1.0, deadline - time.monotonic())
             try:
                 if not self.serves(step, run_id):
                     # Rejected: unless its directory was replaced since (then wait on for it).
-                    if await self.root_gate.call(self._still_rejected, step, what=f"/wait's look at step {step}"):
+                    path = self.root / step_dir_name(step)
+                    identity = await asyncio.wait_for(
+                        self.root_gate.call(_publication_identity, path, what=f"/wait's look at step {step}"), budget
+                    )
+                    if self._still_rejected(step, identity):
                         return False
                     continue
                 # Confirm against the root now, not the last pass: the served step may be gone.
                 checked = (self.state.loaded_step, self._served_path)
-                presence = await self.root_gate.call(self._loaded_presence, what="/wait's look at the served step")
-            except RootUnresponsive:
+                presence = await asyncio.wait_for(
+                    self.root_gate.call(self._loaded_presence, what="/wait's look at the served step"), budget
+                )
+            except (RootUnresponsive, asyncio.TimeoutError):
                 return False  # /status says why
             if presence == "same":
                 return True
@@ -311,16 +319,20 @@ class SyncController:
 
     async def _publish_state(self) -> None:
         try:
-            newest = await self.root_gate.call(self._newest_candidate_step, what="listing the root")
+            candidates, identities = await self.root_gate.call(self._listing, what="listing the root")
         except RootUnresponsive:
             await self._wake_waiters(self.state.newest_known_step, ready=False)
             raise
-        await self._wake_waiters(newest)
+        steps = [c.step for c in candidates if not self._still_rejected(c.step, identities.get(c.step))]
+        await self._wake_waiters(steps[-1] if steps else None)
 
     def _root_problem(self, problem: str | None) -> None:
-        """(From the root gate.) The root stopped answering (a reason) or answers again (None)."""
+        """(From the root gate, on the loop.) The root stopped answering (a reason) or answers
+        again (None: a pass starts at once)."""
         self.state.root_problem = problem
         self.metrics.root_responsive.set(0 if problem else 1)
+        if problem is None:
+            self.notify("root answers")
 
     async def _wake_waiters(self, newest: int | None, ready: bool = True) -> None:
         """Set the state derived from the newest known step and wake every ``/wait``
@@ -345,10 +357,6 @@ class SyncController:
         housekeeping that follows a load (pruning the stage, the ack file, the root's listing
         on shared storage: 0.1-0.2 s measured); the newest step known is at least ``step``."""
         await self._wake_waiters(max(step, self.state.newest_known_step or step))
-
-    def _newest_candidate_step(self) -> int | None:
-        steps = [c.step for c in self._candidates() if not self._is_rejected(c)]
-        return steps[-1] if steps else None
 
     async def _check_server(self) -> None:
         now = time.monotonic()
@@ -427,26 +435,31 @@ class SyncController:
 
     async def _sync_newest(self) -> None:
         """Serve the newest valid checkpoint in the root (if SGLang does not already)."""
-        checkpoints, presence = await self.root_gate.call(self._scan, what="listing the root")
+        checkpoints, identities, presence = await self.root_gate.call(self._scan, what="listing the root")
         self.state.loaded_current = presence == "same"
         loaded = self.state.loaded_step
-        for ckpt, rejected in reversed(checkpoints):
+        for ckpt in reversed(checkpoints):
             if loaded is not None and ckpt.step == loaded and presence == "same":
                 return
             if loaded is not None and ckpt.step < loaded and presence != "gone":
                 return  # never go back while the served step is still published
-            if rejected:
+            if self._still_rejected(ckpt.step, identities.get(ckpt.step)):
                 continue
             if await self._try_load(ckpt):
                 return
             if not self.state.sglang_healthy or self._validation_stuck():
                 return  # an older step would wait on the same storage: end the pass
 
-    def _scan(self) -> tuple[list[tuple[PublishedCheckpoint, bool]], str]:
-        """(Blocking: on the root.) Every candidate with whether it stands rejected, and the
-        served step's presence."""
-        checkpoints = [(c, self._is_rejected(c)) for c in self._candidates()]
-        return checkpoints, self._loaded_presence()
+    def _scan(self) -> tuple[list[PublishedCheckpoint], dict[int, tuple[int, ...] | None], str]:
+        """(Blocking: on the root.) :meth:`_listing` and the served step's presence."""
+        return *self._listing(), self._loaded_presence()
+
+    def _listing(self) -> tuple[list[PublishedCheckpoint], dict[int, tuple[int, ...] | None]]:
+        """(Blocking: on the root.) The candidates, and the publication identity of each one that
+        was rejected (the loop decides from it whether the rejection still stands)."""
+        candidates = self._candidates()
+        rejected = set(self.state.rejected)
+        return candidates, {c.step: _publication_identity(c.path) for c in candidates if c.step in rejected}
 
     def _candidates(self) -> list[PublishedCheckpoint]:
         """The root's listing plus steps named through the API that a direct lookup finds."""
@@ -478,21 +491,16 @@ class SyncController:
             return "gone" if exc.reason == "missing_manifest" else "changed"
         return "same" if manifest.fingerprint() == self.state.loaded_fingerprint else "changed"
 
-    def _still_rejected(self, step: int) -> bool:
-        """``step`` was rejected and its directory was not replaced since (one stat)."""
-        return step in self.state.rejected and self._is_rejected(
-            PublishedCheckpoint(step=step, path=self.root / step_dir_name(step))
-        )
-
-    def _is_rejected(self, ckpt: PublishedCheckpoint) -> bool:
-        """Rejected, and not replaced since (a republished step directory is looked at anew)."""
-        if ckpt.step not in self.state.rejected:
+    def _still_rejected(self, step: int, identity: tuple[int, ...] | None) -> bool:
+        """(On the loop.) ``step`` was rejected and ``identity`` (its publication identity, just
+        read) shows it was not replaced since; a replaced one is looked at anew."""
+        if step not in self.state.rejected:
             return False
-        if _publication_identity(ckpt.path) == self._rejected_at.get(ckpt.step):
+        if identity == self._rejected_at.get(step):
             return True
-        self.state.rejected.pop(ckpt.step, None)
-        self._rejected_at.pop(ckpt.step, None)
-        self._crashes.pop(ckpt.step, None)
+        self.state.rejected.pop(step, None)
+        self._rejected_at.pop(step, None)
+        self._crashes.pop(step, None)
         return False
 
     async def _try_load(self, ckpt: PublishedCheckpoint) -> bool:

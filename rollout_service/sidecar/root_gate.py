@@ -69,8 +69,10 @@ class RootGate:
 
     async def call(self, fn: Callable[..., T], *args: Any, what: str, timeout_s: float | None = None) -> T:
         """``fn(*args)`` on a daemon thread, awaited for at most ``timeout_s`` (default: the
-        gate's). Raises :class:`RootUnresponsive` past it, or at once while another call is
-        blocked; ``fn``'s own exceptions pass through (the root answered)."""
+        gate's) once it runs, after at most as long for a free thread. Raises
+        :class:`RootUnresponsive` past either, or at once while another call is blocked; ``fn``'s
+        own exceptions pass through (the root answered). A call that comes back after its caller
+        gave up still counts as an answer."""
         bound = self.timeout_s if timeout_s is None else timeout_s
         blocked = self.blocked()
         if blocked is not None:
@@ -78,14 +80,10 @@ class RootGate:
         if self._slots is None:
             self._slots = asyncio.Semaphore(MAX_THREADS)
         slots = self._slots
-        started = time.monotonic()
-        try:
-            await asyncio.wait_for(slots.acquire(), timeout=bound)
-        except asyncio.TimeoutError:
-            raise self._unresponsive(f"{MAX_THREADS} looks at the root are in flight and none came back") from None
+        await _acquire(slots, bound, what)
         key = next(self._ids)
-        with self._lock:
-            self._inflight[key] = (started, bound, what)
+        with self._lock:  # its bound counts from now: waiting for a slot is not the root's delay
+            self._inflight[key] = (time.monotonic(), bound, what)
 
         def tracked() -> T:
             try:
@@ -97,11 +95,9 @@ class RootGate:
         result = in_daemon_thread(tracked, name=f"root: {what}")
         result.add_done_callback(lambda _: slots.release())
         try:
-            value = await asyncio.wait_for(
-                asyncio.shield(result), timeout=max(0.0, bound - (time.monotonic() - started))
-            )
+            value = await asyncio.wait_for(asyncio.shield(result), timeout=bound)
         except asyncio.TimeoutError:
-            result.add_done_callback(_retrieve)
+            result.add_done_callback(self._late_answer)
             raise self._unresponsive(f"{what} did not come back within {bound:g} s") from None
         except asyncio.CancelledError:  # the caller went away; the thread's outcome is dropped
             result.add_done_callback(_retrieve)
@@ -115,7 +111,8 @@ class RootGate:
     def _unresponsive(self, why: str) -> RootUnresponsive:
         message = (
             f"the checkpoint root {self.root} is not answering: {why}. Check its file system (NFS server,"
-            " mount); the replica keeps serving what it loaded and picks up new checkpoints once the root answers"
+            " mount; raise --root-timeout if it is only slow); the replica keeps serving what it loaded"
+            " and picks up new checkpoints once the root answers"
         )
         if self.problem is None:
             log.warning("%s", message)
@@ -125,14 +122,38 @@ class RootGate:
             self._on_change(message)
         return RootUnresponsive(message)
 
+    def _late_answer(self, result: asyncio.Future[Any]) -> None:
+        """(On the loop.) A call its caller gave up on came back: the root answers again."""
+        _retrieve(result)
+        self._answered()
+
     def _answered(self) -> None:
-        if self.problem is None:
+        """An answer came: the condition ends, unless another call is still blocked past its bound."""
+        if self.problem is None or self.blocked() is not None:
             return
         log.warning("the checkpoint root %s answers again", self.root)
         self.problem = None
         self.unresponsive_since = None
         if self._on_change is not None:
             self._on_change(None)
+
+
+async def _acquire(slots: asyncio.Semaphore, bound: float, what: str) -> None:
+    """Take a slot within ``bound`` seconds (RootUnresponsive, without marking the root, when all
+    are taken that long); a cancelled caller never keeps one."""
+    acquire = asyncio.ensure_future(slots.acquire())
+    try:
+        await asyncio.wait_for(asyncio.shield(acquire), timeout=bound)
+    except BaseException as exc:
+        if acquire.done() and not acquire.cancelled():
+            slots.release()
+        else:
+            acquire.cancel()
+        if isinstance(exc, asyncio.TimeoutError):
+            raise RootUnresponsive(
+                f"{what} waited {bound:g} s for one of the {MAX_THREADS} looks at the root in flight to end"
+            ) from None
+        raise
 
 
 def answered_within(fn: Callable[[], T], timeout_s: float, name: str) -> tuple[bool, T | None]:

@@ -167,18 +167,6 @@ class SidecarSettings:
         self.sglang_url = self.sglang_url.rstrip("/")
         if not self.sglang_url.startswith(("http://", "https://")):
             raise ValueError(f"--sglang-url must start with http:// or https://, got {self.sglang_url!r}")
-        answered, is_dir = answered_within(self.checkpoint_path.is_dir, self.root_timeout_s, "checking the root")
-        if not answered:  # a hung network file system: start anyway, /readyz tells why nothing loads
-            log.warning(
-                "checkpoint path %s did not answer within --root-timeout %g s; starting anyway",
-                self.checkpoint_path,
-                self.root_timeout_s,
-            )
-        elif not is_dir:
-            raise ValueError(
-                f"checkpoint path {self.checkpoint_path} is not a directory; create it or mount"
-                " the shared checkpoint volume there"
-            )
         if self.reference_dir is not None:
             self.reference_dir = Path(self.reference_dir)
         if not self.stage:
@@ -189,10 +177,33 @@ class SidecarSettings:
             self.stage_dir = default_stage_dir(self.replica_id)
         else:
             self.stage_dir = Path(self.stage_dir).expanduser().absolute()
-        if self.stage_dir is not None and is_inside(self.stage_dir, self.checkpoint_path):
+        self._check_root()
+
+    def _check_root(self) -> None:
+        """The root is a directory and the stage is not inside it; looked at for at most
+        ``root_timeout_s`` (a hung network file system: start anyway, ``/readyz`` says why nothing
+        loads, and the stage is checked on the paths as written)."""
+        root, stage = self.checkpoint_path, self.stage_dir
+
+        def look() -> tuple[bool, bool]:
+            return root.is_dir(), stage is not None and is_inside(stage, root)
+
+        answered, found = answered_within(look, self.root_timeout_s, "checking the root")
+        if not answered or found is None:
+            log.warning(
+                "checkpoint path %s did not answer within --root-timeout %g s; starting anyway",
+                root,
+                self.root_timeout_s,
+            )
+            found = (True, stage is not None and stage.is_relative_to(root))
+        is_dir, stage_inside = found
+        if not is_dir:
             raise ValueError(
-                f"--stage-dir {self.stage_dir} is inside the checkpoint root; it must be"
-                " node-local and private to this sidecar"
+                f"checkpoint path {root} is not a directory; create it or mount the shared checkpoint volume there"
+            )
+        if stage_inside:
+            raise ValueError(
+                f"--stage-dir {stage} is inside the checkpoint root; it must be node-local and private to this sidecar"
             )
 
 

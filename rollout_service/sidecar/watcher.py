@@ -17,6 +17,7 @@ from pathlib import Path
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
 from ..checkpoint_format import parse_step_dir_name
@@ -54,16 +55,21 @@ class CheckpointWatcher:
     def __init__(self, root: Path, on_change: Callable[[str], None], poll_interval_s: float | None = None):
         self.root = Path(root)
         self.mode = "inotify" if poll_interval_s is None else "polling"
-        self._observer = Observer() if poll_interval_s is None else PollingObserver(timeout=poll_interval_s)
-        self._observer.schedule(_Handler(on_change), str(self.root), recursive=False)
+        self._on_change = on_change
+        self._poll_interval_s = poll_interval_s
+        self._observer: BaseObserver | None = None
+        self._start_error: BaseException | None = None
 
     def start(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
-        """Start watching, waiting at most ``timeout_s``: the polling observer lists the root
-        before it starts, which a hung network file system never answers. It goes on starting in
-        the background meanwhile; the sync loop looks at the root at every pass anyway."""
-        starter = threading.Thread(target=self._observer.start, name="watcher-start", daemon=True)
+        """Start watching, waiting at most ``timeout_s``: watchdog looks at the root when a watch
+        is scheduled, and the polling observer lists it before it starts, which a hung network
+        file system never answers. It goes on starting in the background meanwhile; the sync loop
+        looks at the root at every pass anyway."""
+        starter = threading.Thread(target=self._start, name="watcher-start", daemon=True)
         starter.start()
         starter.join(timeout_s)
+        if self._start_error is not None:
+            raise self._start_error
         if starter.is_alive():
             log.warning(
                 "the %s watcher of %s has not started within %g s (its file system does not answer);"
@@ -74,6 +80,16 @@ class CheckpointWatcher:
             )
         else:
             log.info("watching %s with %s", self.root, self.mode)
+
+    def _start(self) -> None:
+        try:
+            observer = Observer() if self._poll_interval_s is None else PollingObserver(timeout=self._poll_interval_s)
+            observer.schedule(_Handler(self._on_change), str(self.root), recursive=False)
+            self._observer = observer
+            observer.start()
+        except Exception as exc:  # raised by start() when it comes in time, else logged here
+            self._start_error = exc
+            log.error("cannot watch %s: %s (the sync loop still looks at every pass)", self.root, exc)
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Stop watching, giving up after ``timeout_s``: watchdog's stop joins its polling thread
@@ -91,8 +107,11 @@ class CheckpointWatcher:
             )
 
     def _stop_and_join(self) -> None:
-        self._observer.stop()
+        observer = self._observer
+        if observer is None:  # never scheduled (the root did not answer)
+            return
+        observer.stop()
         try:
-            self._observer.join()
+            observer.join()
         except RuntimeError:  # it never started (its first listing is still blocked)
             pass
