@@ -135,3 +135,52 @@ def test_a_sidecar_started_while_its_root_hangs_answers_and_loads_once_the_root_
         log = sidecar.log_tail(300)
         assert "did not answer within --root-timeout" in log and "has not started within" in log
         sidecar.stop()
+
+
+def test_a_client_naming_a_path_on_another_hung_file_system_is_refused_without_a_look(
+    sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path
+):
+    """POST /sync refuses a name that leaves the root as written, before looking anywhere: a
+    path on some other, hung mount neither holds the request nor touches the replica's state."""
+    fs = tmp_path / "fs"
+    sidecar = sidecar_factory("--token", "t0k", "--root-timeout", str(ROOT_TIMEOUT_S))
+    auth = {"Authorization": "Bearer t0k"}
+    with sshfs_mount(fs) as (srv, mnt):
+        publish_on_server(srv, tiny_model_dir, 1)
+        with server_frozen(fs):
+            time.sleep(2.5)  # past the mount's caches
+            for name in (str(mnt / "step-00000001"), f"{checkpoint_root}/../fs/mnt/step-00000001"):
+                t0 = time.monotonic()
+                r = httpx.post(f"{sidecar.url}/sync", json={"checkpoint": name}, headers=auth, timeout=QUICK_S + 5)
+                assert time.monotonic() - t0 < 2.0, f"{name}: {time.monotonic() - t0:.1f} s"
+                assert r.status_code == 400 and r.json()["error"] == "path_escape", r.text
+            local = publish_checkpoint(
+                checkpoint_root,
+                1,
+                perturbed_state(tiny_model_dir, 1).items(),
+                config=tiny_model_dir / "config.json",
+                run_id="local-run",
+            )
+            r = httpx.post(f"{sidecar.url}/sync", json={"checkpoint": local.path.name}, headers=auth, timeout=10)
+            assert r.status_code == 202, r.text
+            assert sidecar.wait_step(1, timeout_s=60)["root_problem"] is None
+    sidecar.stop()
+
+
+def test_a_watcher_stopped_while_its_start_waits_on_a_hung_root_never_starts(tmp_path):
+    from rollout_service.sidecar.watcher import CheckpointWatcher
+
+    fs = tmp_path / "fs"
+    seen: list[str] = []
+    with sshfs_mount(fs, "dcache_timeout=1", "attr_timeout=1") as (srv, mnt):
+        watcher = CheckpointWatcher(mnt, seen.append, poll_interval_s=0.2)
+        with server_frozen(fs):
+            time.sleep(2.5)  # past the mount's caches
+            t0 = time.monotonic()
+            watcher.start(timeout_s=0.5)
+            watcher.stop(timeout_s=0.5)
+            assert time.monotonic() - t0 < 3.0
+        time.sleep(2.0)  # the blocked start comes back now: it must not start watching
+        (srv / "step-00000001").mkdir()
+        time.sleep(1.5)
+        assert seen == [] and watcher._observer is None

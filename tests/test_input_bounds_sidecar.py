@@ -104,6 +104,7 @@ def test_sync_answers_503_when_the_root_does_not_answer(tmp_path: Path, monkeypa
 
     from rollout_service.sidecar import app as app_module
 
+    monkeypatch.setattr(app_module, "ROOT_LOOKUP_TIMEOUT_S", 0.5)
     app = create_app(settings(tmp_path))
     hung, calls = threading.Event(), []
 
@@ -112,7 +113,6 @@ def test_sync_answers_503_when_the_root_does_not_answer(tmp_path: Path, monkeypa
         hung.wait(30)
         return tmp_path / checkpoint
 
-    monkeypatch.setattr(app_module, "ROOT_LOOKUP_TIMEOUT_S", 0.5)
     monkeypatch.setattr(app.state.controller, "request_checkpoint", blocked)
     try:
         with TestClient(app) as client:  # one event loop for all the requests, as uvicorn runs

@@ -168,3 +168,46 @@ def test_waiting_for_a_slot_does_not_count_as_the_root_being_slow():
         assert outcomes == [None] * (2 * MAX_THREADS)
 
     asyncio.run(scenario())
+
+
+def test_a_look_whose_caller_was_cancelled_still_ends_the_condition_when_it_comes_back():
+    release = threading.Event()
+
+    async def scenario() -> None:
+        gate = RootGate(Path("/ckpt"), timeout_s=0.2)
+        # A /wait gives up on its look (its own deadline) before the gate's bound ...
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(gate.call(release.wait, what="/wait's look"), 0.1)
+        await asyncio.sleep(0.2)
+        with pytest.raises(RootUnresponsive, match="has not come back"):  # ... which it then outlives
+            await gate.call(lambda: None, what="the loop's listing")
+        assert gate.problem is not None
+        release.set()
+        for _ in range(50):
+            if gate.problem is None:
+                break
+            await asyncio.sleep(0.02)
+        assert gate.problem is None
+
+    asyncio.run(scenario())
+
+
+def test_a_thread_that_cannot_start_leaves_nothing_in_flight(monkeypatch):
+    from rollout_service.sidecar import root_gate
+
+    async def scenario() -> None:
+        gate = RootGate(Path("/ckpt"), timeout_s=0.2)
+
+        def no_thread(*args, **kwargs):
+            raise RuntimeError("can't start new thread")
+
+        with monkeypatch.context() as m:
+            m.setattr(root_gate, "in_daemon_thread", no_thread)
+            for _ in range(MAX_THREADS + 1):
+                with pytest.raises(RuntimeError):
+                    await gate.call(lambda: None, what="a look")
+        await asyncio.sleep(0.3)
+        assert gate.blocked() is None
+        assert await gate.call(lambda: 5, what="a look with threads again") == 5
+
+    asyncio.run(scenario())

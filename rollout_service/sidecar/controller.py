@@ -181,7 +181,7 @@ class SyncController:
                     identity = await asyncio.wait_for(
                         self.root_gate.call(_publication_identity, path, what=f"/wait's look at step {step}"), budget
                     )
-                    if self._still_rejected(step, identity):
+                    if self._still_rejected(step, {step: identity}):
                         return False
                     continue
                 # Confirm against the root now, not the last pass: the served step may be gone.
@@ -221,8 +221,18 @@ class SyncController:
     def request_checkpoint(self, checkpoint: str) -> Path:
         """Confine a client-named checkpoint to the root, check it names a step, and wake the loop.
 
-        Blocking (it looks at the root): the API calls it in a thread, under a timeout."""
-        path = resolve_inside(self.root, checkpoint)
+        Blocking (it looks at the root): the API calls it in a thread, under a timeout. A name
+        whose path, as written, leaves the root is refused before any look, so a client cannot
+        make the lookup wait on some other (hung) file system."""
+        root = os.path.normpath(self.root)
+        written = os.path.normpath(os.path.join(root, checkpoint))
+        if written != root and not written.startswith(root.rstrip("/") + "/"):
+            raise CheckpointError(
+                "path_escape",
+                f"{checkpoint[:200]!r} is outside the checkpoint root {self.root}; name a step directory"
+                " of the root (e.g. step-00000042)",
+            )
+        path = resolve_inside(self.root, written)
         step = parse_step_dir_name(path.name)
         if step is None or path.parent != Path(os.path.realpath(self.root)):
             raise CheckpointError(
@@ -321,9 +331,10 @@ class SyncController:
         try:
             candidates, identities = await self.root_gate.call(self._listing, what="listing the root")
         except RootUnresponsive:
-            await self._wake_waiters(self.state.newest_known_step, ready=False)
+            if self.root_gate.problem is not None:  # not when all threads were only busy
+                await self._wake_waiters(self.state.newest_known_step, ready=False)
             raise
-        steps = [c.step for c in candidates if not self._still_rejected(c.step, identities.get(c.step))]
+        steps = [c.step for c in candidates if not self._still_rejected(c.step, identities)]
         await self._wake_waiters(steps[-1] if steps else None)
 
     def _root_problem(self, problem: str | None) -> None:
@@ -443,7 +454,7 @@ class SyncController:
                 return
             if loaded is not None and ckpt.step < loaded and presence != "gone":
                 return  # never go back while the served step is still published
-            if self._still_rejected(ckpt.step, identities.get(ckpt.step)):
+            if self._still_rejected(ckpt.step, identities):
                 continue
             if await self._try_load(ckpt):
                 return
@@ -491,12 +502,13 @@ class SyncController:
             return "gone" if exc.reason == "missing_manifest" else "changed"
         return "same" if manifest.fingerprint() == self.state.loaded_fingerprint else "changed"
 
-    def _still_rejected(self, step: int, identity: tuple[int, ...] | None) -> bool:
-        """(On the loop.) ``step`` was rejected and ``identity`` (its publication identity, just
-        read) shows it was not replaced since; a replaced one is looked at anew."""
+    def _still_rejected(self, step: int, identities: dict[int, tuple[int, ...] | None]) -> bool:
+        """(On the loop.) ``step`` was rejected and its publication identity, just read (in
+        ``identities``; a step not there was not read: it stays rejected), shows it was not
+        replaced since; a replaced one is looked at anew."""
         if step not in self.state.rejected:
             return False
-        if identity == self._rejected_at.get(step):
+        if step not in identities or identities[step] == self._rejected_at.get(step):
             return True
         self.state.rejected.pop(step, None)
         self._rejected_at.pop(step, None)

@@ -81,6 +81,10 @@ class RootGate:
             self._slots = asyncio.Semaphore(MAX_THREADS)
         slots = self._slots
         await _acquire(slots, bound, what)
+        blocked = self.blocked()  # again: a look may have become blocked while this one waited
+        if blocked is not None:
+            slots.release()
+            raise self._unresponsive(f"an earlier look at the root ({blocked}) has not come back")
         key = next(self._ids)
         with self._lock:  # its bound counts from now: waiting for a slot is not the root's delay
             self._inflight[key] = (time.monotonic(), bound, what)
@@ -92,15 +96,21 @@ class RootGate:
                 with self._lock:
                     self._inflight.pop(key, None)
 
-        result = in_daemon_thread(tracked, name=f"root: {what}")
+        try:
+            result = in_daemon_thread(tracked, name=f"root: {what}")
+        except BaseException:  # no thread (e.g. the process's limit): nothing is in flight
+            with self._lock:
+                self._inflight.pop(key, None)
+            slots.release()
+            raise
         result.add_done_callback(lambda _: slots.release())
         try:
             value = await asyncio.wait_for(asyncio.shield(result), timeout=bound)
         except asyncio.TimeoutError:
             result.add_done_callback(self._late_answer)
             raise self._unresponsive(f"{what} did not come back within {bound:g} s") from None
-        except asyncio.CancelledError:  # the caller went away; the thread's outcome is dropped
-            result.add_done_callback(_retrieve)
+        except asyncio.CancelledError:  # the caller went away; when the thread comes back, that is an answer
+            result.add_done_callback(self._late_answer)
             raise
         except BaseException:  # fn's own error: the storage answered
             self._answered()

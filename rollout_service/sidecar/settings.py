@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import re
 import socket
 from dataclasses import dataclass, field
@@ -195,7 +196,7 @@ class SidecarSettings:
                 root,
                 self.root_timeout_s,
             )
-            found = (True, stage is not None and stage.is_relative_to(root))
+            found = (True, stage is not None and Path(os.path.abspath(stage)).is_relative_to(os.path.abspath(root)))
         is_dir, stage_inside = found
         if not is_dir:
             raise ValueError(

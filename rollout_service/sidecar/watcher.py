@@ -59,6 +59,9 @@ class CheckpointWatcher:
         self._poll_interval_s = poll_interval_s
         self._observer: BaseObserver | None = None
         self._start_error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._stopped = False
+        """Set by :meth:`stop`: an observer whose start was still blocked then never starts."""
 
     def start(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Start watching, waiting at most ``timeout_s``: watchdog looks at the root when a watch
@@ -85,8 +88,11 @@ class CheckpointWatcher:
         try:
             observer = Observer() if self._poll_interval_s is None else PollingObserver(timeout=self._poll_interval_s)
             observer.schedule(_Handler(self._on_change), str(self.root), recursive=False)
-            self._observer = observer
-            observer.start()
+            with self._lock:
+                if self._stopped:  # stopped while the root kept this start waiting
+                    return
+                self._observer = observer
+                observer.start()
         except Exception as exc:  # raised by start() when it comes in time, else logged here
             self._start_error = exc
             log.error("cannot watch %s: %s (the sync loop still looks at every pass)", self.root, exc)
@@ -107,8 +113,10 @@ class CheckpointWatcher:
             )
 
     def _stop_and_join(self) -> None:
-        observer = self._observer
-        if observer is None:  # never scheduled (the root did not answer)
+        with self._lock:
+            self._stopped = True
+            observer = self._observer
+        if observer is None:  # never started (the root did not answer)
             return
         observer.stop()
         try:
