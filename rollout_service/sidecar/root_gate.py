@@ -49,8 +49,6 @@ class RootGate:
         """Told each new :attr:`problem` (None once the root answers again), on the event loop."""
         self.problem: str | None = None
         """Why the root counts as unresponsive now (None: it answered last time)."""
-        self.unresponsive_since: float | None = None
-        """Wall-clock time the root stopped answering, for ``/status``."""
         self._lock = threading.Lock()
         self._inflight: dict[int, tuple[float, float, str]] = {}
         """Calls whose threads have not returned: id -> (monotonic start, bound, what)."""
@@ -126,7 +124,6 @@ class RootGate:
         )
         if self.problem is None:
             log.warning("%s", message)
-            self.unresponsive_since = time.time()
         self.problem = message
         if self._on_change is not None:
             self._on_change(message)
@@ -143,7 +140,6 @@ class RootGate:
             return
         log.warning("the checkpoint root %s answers again", self.root)
         self.problem = None
-        self.unresponsive_since = None
         if self._on_change is not None:
             self._on_change(None)
 
