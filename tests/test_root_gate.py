@@ -141,9 +141,9 @@ def test_an_answer_does_not_end_the_condition_while_another_look_is_still_blocke
         gate = RootGate(Path("/ckpt"), timeout_s=0.3)
         listing = asyncio.ensure_future(gate.call(hung.wait, what="a hung listing"))
         await asyncio.sleep(0.1)
-        # A look with a longer bound of its own, answering (from a cache, say) after the listing
-        # passed its bound: the listing is still blocked, so the condition stands.
-        await gate.call(time.sleep, 0.4, what="a cached stat", timeout_s=5.0)
+        # A look started later, answering within its own bound (from a cache, say) but after the
+        # listing passed its bound: the listing is still blocked, so the condition stands.
+        await gate.call(time.sleep, 0.25, what="a cached stat")
         with pytest.raises(RootUnresponsive):
             await listing
         assert gate.problem is not None and gate.blocked() is not None

@@ -53,7 +53,7 @@ class RootGate:
         self._inflight: dict[int, tuple[float, float, str]] = {}
         """Calls whose threads have not returned: id -> (monotonic start, bound, what)."""
         self._ids = itertools.count()
-        self._slots: asyncio.Semaphore | None = None
+        self._slots = asyncio.Semaphore(MAX_THREADS)  # bound to a loop at its first use, not here
 
     def blocked(self) -> str | None:
         """What an in-flight call that outlived its bound is doing, and for how long; else None."""
@@ -65,18 +65,16 @@ class RootGate:
         age, what = max(late)
         return f"{what} has been blocked for {age:.0f} s"
 
-    async def call(self, fn: Callable[..., T], *args: Any, what: str, timeout_s: float | None = None) -> T:
-        """``fn(*args)`` on a daemon thread, awaited for at most ``timeout_s`` (default: the
-        gate's) once it runs, after at most as long for a free thread. Raises
+    async def call(self, fn: Callable[..., T], *args: Any, what: str) -> T:
+        """``fn(*args)`` on a daemon thread, awaited for at most the gate's ``timeout_s`` once
+        it runs, after at most as long for a free thread. Raises
         :class:`RootUnresponsive` past either, or at once while another call is blocked; ``fn``'s
         own exceptions pass through (the root answered). A call that comes back after its caller
         gave up still counts as an answer."""
-        bound = self.timeout_s if timeout_s is None else timeout_s
+        bound = self.timeout_s
         blocked = self.blocked()
         if blocked is not None:
             raise self._unresponsive(f"an earlier look at the root ({blocked}) has not come back")
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(MAX_THREADS)
         slots = self._slots
         await _acquire(slots, bound, what)
         blocked = self.blocked()  # again: a look may have become blocked while this one waited
