@@ -184,3 +184,62 @@ def test_a_watcher_stopped_while_its_start_waits_on_a_hung_root_never_starts(tmp
         (srv / "step-00000001").mkdir()
         time.sleep(1.5)
         assert seen == [] and watcher._observer is None
+
+
+def catch_validation(sidecar, step: int, timeout_s: float = 30.0) -> bool:
+    """Wait until the sidecar validates ``step`` (True) or has loaded it already (False)."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=10) as http:
+        while True:
+            seen = http.get(sidecar.url + "/status").json()
+            if seen["loading_step"] == step:
+                return True
+            if seen["loaded_step"] == step:
+                return False
+            assert time.monotonic() < deadline, f"step {step} was never validated: {seen}"
+            time.sleep(0.002)
+
+
+def test_a_root_that_hangs_during_a_validation_does_not_cost_the_step(
+    sglang_server, sidecar_factory, tiny_model_dir, tmp_path
+):
+    """A validation cut short by the root's file system (it stops answering while the step's
+    files are read) ends in neither a rejection nor a lost step: the step is validated again and
+    loaded once the root answers. Each try freezes the server as soon as the validation starts;
+    one whose reads were already done loads at once, and the next step is tried."""
+    validate_s = 3.0
+    fs = tmp_path / "fs"
+    with sshfs_mount(fs, "dcache_timeout=1", "attr_timeout=1") as (srv, mnt):
+        sidecar = sidecar_factory(
+            "--poll",
+            "0.5",
+            "--root-timeout",
+            str(ROOT_TIMEOUT_S),
+            "--validate-timeout",
+            str(validate_s),
+            root=mnt,
+            replica_id="cut",
+        )
+        publish_on_server(srv, tiny_model_dir, 1)
+        sidecar.wait_step(1, timeout_s=60)
+        for step in range(2, 10):
+            publish_on_server(srv, tiny_model_dir, step)
+            if not catch_validation(sidecar, step):
+                continue
+            with server_frozen(fs):
+                # Past the validation's own bound (+5 s) and a look at the root (its bound).
+                time.sleep(validate_s + 5.0 + 2 * ROOT_TIMEOUT_S + 1.0)
+                during = quick_get(sidecar, "/status").json()
+            if during["loaded_step"] == step:
+                continue  # the freeze came after the step's reads
+            assert during["rejected"] == {}, during
+            assert during["last_error"]["reason"] == "root_unresponsive", during["last_error"]
+            assert f"not rejecting step {step} (validation_timeout" in sidecar.log_tail(300)
+            break
+        else:
+            pytest.fail("no freeze landed inside a validation in 8 tries")
+        status = sidecar.wait_step(step, timeout_s=60)
+        assert status["loaded_step"] == step and status["rejected"] == {}, status
+        assert sidecar.metric("rollout_sidecar_syncs_total", outcome="failed", reason="root_unresponsive") >= 1
+        assert sidecar.metric("rollout_sidecar_syncs_total", outcome="rejected", reason="validation_timeout") == 0
+        sidecar.stop()

@@ -38,8 +38,13 @@ def test_steps_load_in_order_and_serve_exactly_those_weights(
     status = sidecar.status()
     assert status["last_sync"]["step"] == 3 and status["last_error"] is None
     assert sidecar.metric("rollout_sidecar_syncs_total", outcome="loaded", reason="ok") == 3
-    ack = json.loads((checkpoint_root / "acks" / "r0.json").read_text())
-    assert ack["loaded_step"] == 3 and ack["weight_version"] == "3"
+    # The ack file is written on a thread of its own just after /wait is answered (a slow root
+    # never delays the answer): it follows within moments.
+    deadline = time.monotonic() + 10
+    while (ack := json.loads((checkpoint_root / "acks" / "r0.json").read_text()))["loaded_step"] != 3:
+        assert time.monotonic() < deadline, ack
+        time.sleep(0.05)
+    assert ack["weight_version"] == "3"
 
 
 @pytest.mark.parametrize("mode", ["inotify", "polling"])

@@ -471,3 +471,47 @@ def test_a_validation_blocked_past_its_deadline_holds_off_the_next_until_it_ends
 
     asyncio.run(scenario())
     assert generate(sglang_server.url, PROMPT, max_new_tokens=2)["meta_info"]["weight_version"] == "3"
+
+
+def test_a_rejection_stands_while_its_step_cannot_be_looked_at(checkpoint_root, tiny_model_dir, monkeypatch):
+    """A rejection lifts when its step is republished or gone, not when a look at it fails (EIO,
+    ESTALE on a network file system: simulated, as no real one fails on demand): a step that
+    crashed SGLang is not loaded again, nor its crash count reset, by a passing storage error."""
+    import errno
+
+    from rollout_service.sidecar import controller as controller_module
+    from rollout_service.sidecar.controller import SyncController
+    from rollout_service.sidecar.settings import SidecarSettings
+
+    controller = SyncController(
+        SidecarSettings(checkpoint_path=checkpoint_root, sglang_url="http://127.0.0.1:9", replica_id="eio")
+    )
+    path = publish_step(checkpoint_root, tiny_model_dir, 2).path
+    controller.state.rejected[2] = "sglang_crashed_on_load"
+    controller._rejected_at[2] = controller_module._read_identity(path)
+    controller._crashes[2] = 2
+    real_stat = os.stat
+    failing: dict[str, OSError] = {}
+
+    def stat(p, *args, **kw):
+        if str(p) in failing:
+            raise failing[str(p)]
+        return real_stat(p, *args, **kw)
+
+    monkeypatch.setattr(controller_module.os, "stat", stat)
+
+    def still_rejected() -> bool:
+        candidates, identities = controller._listing()
+        assert [c.step for c in candidates] == [2]
+        return controller._still_rejected(2, identities)
+
+    assert still_rejected()  # unchanged
+    failing[str(path)] = OSError(errno.EIO, "Input/output error")
+    assert still_rejected() and controller._crashes[2] == 2
+    failing[str(path)] = OSError(errno.ESTALE, "Stale file handle")
+    assert still_rejected() and controller._crashes[2] == 2
+    failing.clear()
+    assert still_rejected()
+    shutil.rmtree(path)
+    publish_step(checkpoint_root, tiny_model_dir, 2)  # republished: looked at anew
+    assert not still_rejected() and 2 not in controller.state.rejected and 2 not in controller._crashes

@@ -113,15 +113,15 @@ class AdapterSync:
                 if report is None:
                     return False
             except asyncio.TimeoutError:
-                c._reject(
+                await c.reject_unless_root(
                     ckpt, "validation_timeout", f"validating adapter {path.name} did not finish within {budget:g} s"
                 )
                 return False
             except CheckpointError as exc:
-                c._reject(ckpt, exc.reason, str(exc))
+                await c.reject_unless_root(ckpt, exc.reason, str(exc))
                 return False
             except Exception as exc:  # whatever broke while reading step N rejects step N
-                c._reject(
+                await c.reject_unless_root(
                     ckpt,
                     "unreadable",
                     f"adapter {path.name} could not be validated: {type(exc).__name__}: {str(exc)[:300]}",

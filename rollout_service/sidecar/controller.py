@@ -114,6 +114,8 @@ class SyncController:
         self._identity_seen: dict[int, tuple[int, ...] | None] = {}
         """Each step's publication identity as seen before its last validation started: a
         rejection stands until it changes (taken before, so a change during validation counts)."""
+        self._root_hung_in_validation = False
+        """A look at the root during the running validation did not come back in time."""
         self._straggler: asyncio.Future[Any] | None = None
         """A validation that outlived its deadline (blocked in storage): until it ends, no other
         starts, so two never work in the stage at once."""
@@ -458,7 +460,7 @@ class SyncController:
                 continue
             if await self._try_load(ckpt):
                 return
-            if not self.state.sglang_healthy or self._validation_stuck():
+            if not self.state.sglang_healthy or self._validation_stuck() or self.root_gate.problem is not None:
                 return  # an older step would wait on the same storage: end the pass
 
     def _scan(self) -> tuple[list[PublishedCheckpoint], dict[int, tuple[int, ...] | None], str]:
@@ -470,7 +472,16 @@ class SyncController:
         was rejected (the loop decides from it whether the rejection still stands)."""
         candidates = self._candidates()
         rejected = set(self.state.rejected)
-        return candidates, {c.step: _publication_identity(c.path) for c in candidates if c.step in rejected}
+        identities: dict[int, tuple[int, ...] | None] = {}
+        for c in candidates:
+            if c.step in rejected:
+                try:
+                    identities[c.step] = _read_identity(c.path)
+                except FileNotFoundError:
+                    identities[c.step] = None  # gone, or half replaced: looked at anew
+                except OSError:
+                    pass  # not read (EIO, ESTALE...): the rejection stands, its crash count too
+        return candidates, identities
 
     def _candidates(self) -> list[PublishedCheckpoint]:
         """The root's listing plus steps named through the API that a direct lookup finds."""
@@ -533,7 +544,7 @@ class SyncController:
                     return False
                 report, built = prepared
             except asyncio.TimeoutError:
-                self._reject(
+                await self.reject_unless_root(
                     ckpt,
                     "validation_timeout",
                     f"validating {path.name} did not finish within {budget:g} s (a file"
@@ -542,14 +553,14 @@ class SyncController:
                 )
                 return False
             except CheckpointError as exc:
-                self._reject(ckpt, exc.reason, str(exc))
+                await self.reject_unless_root(ckpt, exc.reason, str(exc))
                 return False
             except StageError as exc:
                 self.metrics.syncs.labels("failed", "stage_failed").inc()
                 self._error("stage_failed", str(exc), step=step)
                 raise
             except Exception as exc:  # whatever broke while reading step N rejects step N
-                self._reject(
+                await self.reject_unless_root(
                     ckpt, "unreadable", f"{path.name} could not be validated: {type(exc).__name__}: {str(exc)[:300]}"
                 )
                 return False
@@ -652,12 +663,59 @@ class SyncController:
             )
             return None
         task = in_daemon_thread(fn, *args, name=f"validating {name}")
+        self._root_hung_in_validation = False
+        watch = asyncio.create_task(self._watch_root(task))
         try:
             return await asyncio.wait_for(asyncio.shield(task), timeout=self.settings.validate_timeout_s + 5.0)
         except asyncio.TimeoutError:
             self._straggler = task
             task.add_done_callback(_drop_result)
             raise
+        finally:
+            watch.cancel()
+
+    async def _watch_root(self, validation: asyncio.Future[Any]) -> None:
+        """While ``validation`` runs, look at the root every ``--root-timeout``: a look that
+        does not come back marks the validation as cut short by the root (see
+        :meth:`reject_unless_root`), even when the root answers again before it ends."""
+        while not validation.done():
+            await asyncio.sleep(self.settings.root_timeout_s)
+            if validation.done():
+                return
+            try:
+                await self.root_gate.call(_look_at, self.root, what="looking at the root during a validation")
+            except RootUnresponsive:
+                self._root_hung_in_validation = True
+            except OSError:
+                pass  # it answered: what the error says is the validation's to find
+
+    async def reject_unless_root(self, ckpt: PublishedCheckpoint, reason: str, message: str) -> None:
+        """Reject ``ckpt`` for a failed validation, unless the checkpoint root stopped answering
+        during it (a look at the root then, or one now, that did not come back): a hung or
+        failing file system (an NFS server down, a soft mount's EIO) would otherwise cost a good
+        step for good. Such a step is not rejected; it is validated again once the root answers."""
+        hung = self._root_hung_in_validation
+        if not hung:
+            try:
+                await self.root_gate.call(
+                    _look_at, self.root, what=f"looking at the root after {ckpt.path.name} failed"
+                )
+            except RootUnresponsive:
+                hung = True
+            except OSError:
+                pass
+        if not hung:
+            self._reject(ckpt, reason, message)
+            return
+        log.warning("not rejecting step %d (%s: %s): the checkpoint root stopped answering", ckpt.step, reason, message)
+        self.metrics.syncs.labels("failed", "root_unresponsive").inc()
+        self._error(
+            "root_unresponsive",
+            f"validating {ckpt.path.name} was cut short while the checkpoint root {self.root} did not"
+            f" answer ({reason}: {message[:300]}); {ckpt.path.name} is not rejected and is validated"
+            " again once the root answers",
+            step=ckpt.step,
+        )
 
     def _record_sync(self, manifest: Manifest, record: SyncRecord) -> None:
         """Mark ``record``'s step served, with its record and metrics.
@@ -753,15 +811,27 @@ class SyncController:
             s.ack_error = str(exc)
 
 
-def _publication_identity(path: Path) -> tuple[int, ...] | None:
+def _read_identity(path: Path) -> tuple[int, ...]:
     """What changes when a step directory is republished, or its manifest written anew in place
-    (a checkpoint copied in file by file): a rejection stands until then."""
+    (a checkpoint copied in file by file): a rejection stands until then. Raises ``OSError``."""
+    st = os.stat(path)
+    m = os.lstat(path / MANIFEST_NAME)
+    return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, m.st_ino, m.st_size, m.st_mtime_ns, m.st_ctime_ns)
+
+
+def _publication_identity(path: Path) -> tuple[int, ...] | None:
+    """:func:`_read_identity`, or None when it cannot be read."""
     try:
-        st = os.stat(path)
-        m = os.lstat(path / MANIFEST_NAME)
+        return _read_identity(path)
     except OSError:
         return None
-    return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, m.st_ino, m.st_size, m.st_mtime_ns, m.st_ctime_ns)
+
+
+def _look_at(root: Path) -> None:
+    """(Blocking: on the root.) Open the root and read its first entry: a look that goes to the
+    file system's server (a cached ``stat`` may not)."""
+    with os.scandir(root) as entries:
+        next(entries, None)
 
 
 def _drop_result(future: asyncio.Future[Any]) -> None:
