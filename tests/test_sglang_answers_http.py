@@ -181,7 +181,7 @@ def broken_gzip(body: Any, count: int) -> Answer:
     [
         (lambda body, count: canned_reply(503, {"error": "overloaded"}), "overloaded: HTTP 503"),
         (lambda body, count: canned_reply(429, {"error": "slow down"}), "overloaded: HTTP 429"),
-        (broken_gzip, "could not be decoded (DecodingError"),
+        (broken_gzip, "Content-Encoding: gzip though the trainer asks for none"),
     ],
     ids=["503", "429", "broken-gzip"],
 )
@@ -206,3 +206,64 @@ def test_a_redirect_says_to_point_sglang_urls_at_the_server_itself(servers: list
     assert "redirect (HTTP 307 to '/v2/generate')" in str(result)
     assert "point sglang_urls at the SGLang server itself" in str(result)
     assert "sampling parameters" not in str(result)
+
+
+def test_a_compressed_answer_is_refused_unread_not_inflated(servers: list[CannedServer]) -> None:
+    """32 KB of zstd that would inflate to 1 GiB: the trainer asks for no compression, and an
+    answer compressed anyway is refused before anything is decompressed."""
+    import resource
+
+    import zstandard
+
+    compressor = zstandard.ZstdCompressor(level=19).compressobj(size=1 << 30)
+    bomb = b"".join(compressor.compress(bytes(1 << 20)) for _ in range(1024)) + compressor.flush()
+    server = serve(servers, lambda body, count: canned_reply(200, bomb, headers="Content-Encoding: zstd\r\n"))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with closing(SGLangEndpoints([server.url], request_timeout_s=5)) as endpoints:
+        result, _ = generate_in_thread(endpoints, deadline_s=1.5)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert type(result) is SGLangUnavailableError and "Content-Encoding: zstd" in str(result), result
+    assert grown_mib < 200, f"the trainer's memory grew by {grown_mib:.0f} MiB"
+    assert all(body is not None for body in server.generate_requests)
+
+
+def test_a_health_probe_that_drips_does_not_hold_generate_past_its_deadline(servers: list[CannedServer]) -> None:
+    """After a failed /generate the trainer asks /health whether the server died; a /health that
+    drips its answer is given up on at its own bound, so generate() ends by its deadline."""
+
+    def answer(path: str, body: Any, count: int) -> Answer:
+        if path == "/generate":
+            return canned_reply(500, {"error": "boom"})
+
+        def drip(conn: socket.socket, stopped: threading.Event) -> None:
+            conn.sendall(headers(100_000))
+            while not stopped.wait(0.5):
+                conn.sendall(b" ")
+
+        return drip
+
+    server = CannedServer(answer)
+    servers.append(server)
+    with closing(SGLangEndpoints([server.url], request_timeout_s=2)) as endpoints:
+        result, elapsed = generate_in_thread(endpoints, deadline_s=3.0, join_s=30)
+    assert isinstance(result, SGLangUnavailableError), result
+    assert elapsed < 15
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda body, count: canned_reply(200, "[" * 100_000 + "]" * 100_000),
+        lambda body, count: canned_reply(
+            503, {"error": "busy"}, headers="Retry-After: Fri, 01 Jan 99999999999 00:00:00 GMT\r\n"
+        ),
+    ],
+    ids=["json-nested-past-the-recursion-limit", "retry-after-past-year-9999"],
+)
+def test_a_malformed_answer_fails_that_endpoint_over_to_a_healthy_one(servers: list[CannedServer], bad: Any) -> None:
+    broken = serve(servers, bad)
+    healthy = serve(servers, lambda body, count: canned_reply(200, canned_answer(body)))
+    with closing(SGLangEndpoints([broken.url, healthy.url], request_timeout_s=5)) as endpoints:
+        result, _ = generate_in_thread(endpoints, deadline_s=10)
+    assert isinstance(result, list) and len(result) == len(PROMPTS), result
+    assert broken.generate_requests, "the broken endpoint was never tried"

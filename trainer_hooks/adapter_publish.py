@@ -28,6 +28,7 @@ from accelerate.utils import is_peft_model
 
 from rollout_service.adapter_reader import LoraLimits, adapter_support_problem
 from rollout_service.adapter_writer import publish_adapter
+from rollout_service.bounded_http import request
 from rollout_service.checkpoint_writer import PublishResult
 from rollout_service.http_auth import bearer_headers
 from rollout_service.protocol import adapter_name_for
@@ -59,8 +60,9 @@ def server_lora_limits(
     with httpx.Client(timeout=timeout_s, headers=bearer_headers(api_key), trust_env=False) as client:
         for url in urls:
             try:
-                r = client.get(f"{url.rstrip('/')}/server_info")
-                r.raise_for_status()
+                r = request(client, "GET", f"{url.rstrip('/')}/server_info", timeout_s=timeout_s)
+                if r.status_code != 200:
+                    raise ValueError(f"HTTP {r.status_code}")
                 found.append((url, LoraLimits.from_server_info(r.json())))
             except (httpx.HTTPError, ValueError, AttributeError) as exc:
                 found.append((url, f"cannot read {url}/server_info ({type(exc).__name__}: {str(exc)[:120]})"))

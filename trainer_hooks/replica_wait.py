@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from rollout_service.bounded_http import Answer, request
 from rollout_service.checkpoint_format import step_dir_name
 from rollout_service.http_auth import bearer_headers
 from rollout_service.protocol import ReplicaReport, heartbeat_problem, read_acks
@@ -32,7 +33,6 @@ log = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 10.0
 WAIT_SLICE_S = 10.0
 """Longest single ``/wait`` call; the loop re-asks until the overall deadline."""
-CONNECT_TIMEOUT_S = 5.0
 POLL_INTERVAL_S = 0.5
 
 
@@ -100,12 +100,8 @@ class SidecarWaiter:
         body = {"checkpoint": step_dir_name(version)}
         for url in self.urls:
             try:
-                r = httpx.post(
-                    f"{url}/sync",
-                    json=body,
-                    headers=self._headers,
-                    timeout=httpx.Timeout(5.0, connect=CONNECT_TIMEOUT_S),
-                )
+                with httpx.Client(headers=self._headers) as client:
+                    r = request(client, "POST", f"{url}/sync", json=body, timeout_s=5.0)
                 if r.status_code == 401:
                     log.warning(
                         "sidecar %s refused POST /sync (401): set sidecar_token to its --token; it "
@@ -161,9 +157,7 @@ class SidecarWaiter:
             params: dict[str, Any] = {"version": version, "timeout": wait_s}
             if self.run_id is not None:
                 params["run"] = self.run_id
-            r = client.get(
-                f"{url}/wait", params=params, timeout=httpx.Timeout(wait_s + 10.0, connect=CONNECT_TIMEOUT_S)
-            )
+            r = request(client, "GET", f"{url}/wait", params=params, timeout_s=wait_s + 10.0)
         except httpx.HTTPError as exc:
             view.unreachable = f"{type(exc).__name__}: {exc}"
             time.sleep(min(1.0, slice_s))
@@ -178,7 +172,7 @@ class SidecarWaiter:
             view.unreachable = f"GET /wait answered HTTP {r.status_code}: {r.text[:200]}"
             time.sleep(min(1.0, slice_s))
             return False
-        rejected = (body or {}).get("rejected") or {}
+        rejected = ReplicaReport.from_dict(body, replica_id=view.name).rejected if body is not None else {}
         reason = rejected.get(str(version))
         if reason is not None:
             raise CheckpointRejected(
@@ -283,7 +277,7 @@ class AckFileWaiter:
         return dead
 
 
-def _json_or_none(response: httpx.Response) -> dict[str, Any] | None:
+def _json_or_none(response: Answer) -> dict[str, Any] | None:
     try:
         body = response.json()
     except ValueError:

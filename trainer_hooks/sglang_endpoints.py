@@ -46,6 +46,7 @@ from typing import Any
 
 import httpx
 
+from rollout_service.bounded_http import NO_COMPRESSION, request
 from rollout_service.http_auth import bearer_headers
 
 from .sglang_responses import Completion, parse_generate_response, parse_rescore_response
@@ -161,8 +162,12 @@ class SGLangEndpoints:
     def sleeps_on_idle(self, url: str) -> bool | None:
         """SGLang's ``sleep_on_idle`` setting from ``GET /server_info``; None when it cannot be read."""
         try:
-            info = self._client.get(
-                f"{url.rstrip('/')}/server_info", headers=self._headers, timeout=SETTINGS_TIMEOUT_S
+            info = request(
+                self._client,
+                "GET",
+                f"{url.rstrip('/')}/server_info",
+                headers=self._headers,
+                timeout_s=SETTINGS_TIMEOUT_S,
             ).json()
         except (httpx.HTTPError, ValueError):
             return None
@@ -183,6 +188,7 @@ class SGLangEndpoints:
             if self._client_and_pool is None:
                 timeout = self._request_timeout_s
                 client = httpx.Client(
+                    headers=NO_COMPRESSION,
                     timeout=httpx.Timeout(timeout, connect=min(CONNECT_TIMEOUT_S, timeout)),
                     limits=httpx.Limits(max_connections=max(4, 2 * len(self._endpoints))),
                     transport=self._transport,
@@ -291,10 +297,10 @@ class SGLangEndpoints:
 
     def _answers_health(self, url: str) -> bool:
         try:
-            return (
-                self._client.get(f"{url}/health", headers=self._headers, timeout=HEALTH_PROBE_TIMEOUT_S).status_code
-                == 200
+            answer = request(
+                self._client, "GET", f"{url}/health", headers=self._headers, timeout_s=HEALTH_PROBE_TIMEOUT_S
             )
+            return answer.status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -353,7 +359,7 @@ class SGLangEndpoints:
             statuses = [statuses[index]]
         for status_url in statuses:
             try:
-                status = self._client.get(f"{status_url}/status", timeout=HEALTH_PROBE_TIMEOUT_S).json()
+                status = request(self._client, "GET", f"{status_url}/status", timeout_s=HEALTH_PROBE_TIMEOUT_S).json()
             except (httpx.HTTPError, ValueError):
                 continue
             if isinstance(status, dict):
@@ -433,7 +439,7 @@ class SGLangEndpoints:
             raise _EndpointFailed(url, f"{what}{type(exc).__name__}: {exc}", sent=True) from exc
         try:
             return json.loads(body)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested past Python's limit
             raise _EndpointFailed(
                 url, f"{what}answered HTTP 200 with a body that is not JSON: {_text(body[:200])!r}"
             ) from exc
@@ -574,18 +580,26 @@ class SGLangEndpoints:
 
 
 def _read_body(url: str, response: httpx.Response, deadline: float, limit: int, what: str, timeout_s: float) -> bytes:
-    """The whole (decoded) answer, or :class:`_EndpointFailed` once it passes ``limit`` bytes or
-    ``deadline`` (a server dripping its answer byte by byte never trips httpx's read timeout)."""
+    """The whole answer, or :class:`_EndpointFailed` once it passes ``limit`` bytes or ``deadline``
+    (a server dripping its answer byte by byte never trips httpx's read timeout). It is never
+    decompressed (the trainer asks for none): a compressed answer is refused unread."""
     too_large = (
         f"{what}the answer is larger than the body limit of {limit / 2**20:.0f} MiB ({BODY_LIMIT_BASE_BYTES >> 20} "
         f"MiB plus {BODY_BYTES_PER_TOKEN} bytes per token the request may return)"
     )
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):  # asked for none: decoding could grow it past any limit
+        raise _EndpointFailed(
+            url,
+            f"{what}the answer came with Content-Encoding: {encoding[:40]} though the trainer asks for none (a"
+            " proxy between the trainer and SGLang that compresses answers?); it is not decompressed",
+        )
     declared = response.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise _EndpointFailed(url, f"{too_large}: Content-Length {declared}, refused unread")
     chunks: list[bytes] = []
     size = 0
-    for chunk in response.iter_bytes():
+    for chunk in response.iter_raw():
         size += len(chunk)
         if size > limit:
             raise _EndpointFailed(url, f"{too_large}: reading stopped there")
@@ -603,7 +617,7 @@ def _error_text(response: httpx.Response, deadline: float) -> str:
     """The start of an error answer (up to ``ERROR_TEXT_BYTES``), for the message."""
     data = b""
     try:
-        for chunk in response.iter_bytes():
+        for chunk in response.iter_raw():
             data += chunk
             if len(data) >= ERROR_TEXT_BYTES or time.monotonic() > deadline:
                 break
@@ -625,7 +639,7 @@ def _retry_after_s(value: str | None) -> float | None:
         return float(value)
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: a year past what datetime holds
         return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=timezone.utc)

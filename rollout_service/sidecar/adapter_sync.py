@@ -98,12 +98,14 @@ class AdapterSync:
                 return False
             view_version = c.state.sglang_weight_version
             if step_for_version(view_version) is not None:
-                c._reject(
-                    ckpt,
+                # SGLang's state, not the step's: not a rejection (it loads once SGLang serves its base again).
+                c.metrics.syncs.labels("failed", "adapter_base_replaced").inc()
+                c._error(
                     "adapter_base_replaced",
                     f"{path.name} is a LoRA adapter for the base model, but SGLang serves the full"
                     f" checkpoint version {view_version}; restart SGLang on its base model to serve"
                     " adapters again",
+                    step=step,
                 )
                 return False
             limits = LoraLimits.from_server_info(info)

@@ -67,6 +67,7 @@ def create_app(settings: SidecarSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(controller.run(), name="sidecar-sync-loop")
+        task.add_done_callback(controller.loop_ended)
         watcher.start()
         try:
             yield

@@ -147,6 +147,19 @@ class SyncController:
         log.error("replica cannot recover (%s): %s", reason, message)
         self.notify("fatal")
 
+    def loop_ended(self, task: asyncio.Future[None]) -> None:
+        """(The loop task's done callback.) A loop that ends other than by :meth:`stop` is a
+        bug or a failure it could not survive: say so (log and /readyz) instead of going quiet."""
+        if task.cancelled() or self._stopping:
+            return
+        exc = task.exception()
+        log.error("the sync loop ended unexpectedly", exc_info=exc)
+        self.report_fatal(
+            "sync_loop_ended",
+            f"the sync loop ended ({type(exc).__name__}: {str(exc)[:300]}); no checkpoint loads until"
+            " the sidecar restarts (see its log)",
+        )
+
     def serves(self, step: int, run_id: str | None = None) -> bool:
         """True when SGLang serves, right now, a checkpoint at least ``step`` of run ``run_id``."""
         s = self.state
@@ -336,6 +349,7 @@ class SyncController:
             if self.root_gate.problem is not None:  # not when all threads were only busy
                 await self._wake_waiters(self.state.newest_known_step, ready=False)
             raise
+        self._forget_unlisted(candidates)
         steps = [c.step for c in candidates if not self._still_rejected(c.step, identities)]
         await self._wake_waiters(steps[-1] if steps else None)
 
@@ -449,6 +463,7 @@ class SyncController:
     async def _sync_newest(self) -> None:
         """Serve the newest valid checkpoint in the root (if SGLang does not already)."""
         checkpoints, identities, presence = await self.root_gate.call(self._scan, what="listing the root")
+        self._forget_unlisted(checkpoints)
         self.state.loaded_current = presence == "same"
         loaded = self.state.loaded_step
         for ckpt in reversed(checkpoints):
@@ -512,6 +527,16 @@ class SyncController:
         except CheckpointError as exc:
             return "gone" if exc.reason == "missing_manifest" else "changed"
         return "same" if manifest.fingerprint() == self.state.loaded_fingerprint else "changed"
+
+    def _forget_unlisted(self, listed: list[PublishedCheckpoint]) -> None:
+        """(On the loop.) Rejections of steps the root no longer holds end: junk that was
+        dropped there and removed leaves nothing behind (a step that comes back is looked at
+        anew)."""
+        steps = {c.step for c in listed}
+        for step in [s for s in self.state.rejected if s not in steps]:
+            self.state.rejected.pop(step, None)
+            self._rejected_at.pop(step, None)
+            self._crashes.pop(step, None)
 
     def _still_rejected(self, step: int, identities: dict[int, tuple[int, ...] | None]) -> bool:
         """(On the loop.) ``step`` was rejected and its publication identity, just read (in

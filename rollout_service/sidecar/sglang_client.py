@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
+from ..bounded_http import Answer, arequest
 from ..http_auth import bearer_headers
 
 
@@ -33,8 +35,8 @@ class SGLangClient:
         self, base_url: str, *, api_key: str | None = None, timeout_s: float = 10.0, load_timeout_s: float = 1800.0
     ):
         self.base_url = base_url.rstrip("/")
-        self._timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
-        self._load_timeout = httpx.Timeout(load_timeout_s, connect=min(timeout_s, 3.0))
+        self._timeout = timeout_s
+        self._load_timeout = load_timeout_s
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=bearer_headers(api_key), trust_env=False)
 
     async def aclose(self) -> None:
@@ -49,18 +51,27 @@ class SGLangClient:
         """
         try:
             if deep:
-                health = await self._http.get("/health", timeout=self._timeout)
+                health = await self._get("/health", self._timeout)
                 if health.status_code != 200:
                     return ServerView(healthy=False)
-            info = await self._http.get("/model_info", timeout=self._timeout)
-            info.raise_for_status()
-            data = info.json()
+            info = await self._get("/model_info", self._timeout)
+            data = info.json() if info.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return ServerView(healthy=False)
-        version = data.get("weight_version")
+        if not isinstance(data, dict):  # an answer that is not SGLang's: not a server to load into
+            return ServerView(healthy=False)
+        version, path = data.get("weight_version"), data.get("model_path")
         return ServerView(
-            healthy=True, weight_version=None if version is None else str(version), model_path=data.get("model_path")
+            healthy=True,
+            weight_version=None if version is None else str(version)[:200],
+            model_path=path if isinstance(path, str) and "\0" not in path else None,
         )
+
+    async def _get(self, route: str, timeout_s: float) -> Answer:
+        return await arequest(self._http, "GET", route, timeout_s=timeout_s)
+
+    async def _post(self, route: str, body: dict[str, Any], timeout_s: float) -> Answer:
+        return await arequest(self._http, "POST", route, json=body, timeout_s=timeout_s)
 
     async def load_from_disk(self, model_path: str, weight_version: str) -> dict:
         """``/update_weights_from_disk``; in-flight requests finish on the old weights first."""
@@ -71,23 +82,23 @@ class SGLangClient:
             "flush_cache": True,
         }
         try:
-            resp = await self._http.post("/update_weights_from_disk", json=body, timeout=self._load_timeout)
+            resp = await self._post("/update_weights_from_disk", body, self._load_timeout)
         except httpx.HTTPError as exc:
             raise SGLangUnavailable(f"SGLang at {self.base_url} failed during the weight update: {exc!r}") from exc
-        try:
-            data = resp.json()
-        except ValueError:
-            data = {"success": False, "message": resp.text[:500]}
-        if resp.status_code != 200 or not data.get("success", False):
-            raise SGLangLoadRejected(f"SGLang refused {model_path} (HTTP {resp.status_code}): {data.get('message')}")
+        data = _answer_object(resp, "message")
+        if resp.status_code != 200 or data.get("success") is not True:
+            raise SGLangLoadRejected(
+                f"SGLang refused {model_path} (HTTP {resp.status_code}): {str(data.get('message'))[:500]}"
+            )
         return data
 
     # --- LoRA adapters (adapter sync; see ``sidecar/adapter_sync.py``) ------------------------
     async def server_info(self) -> dict:
         """``/server_info``: SGLang's start-up arguments (``enable_lora``, ``max_lora_rank``, ...)."""
         try:
-            resp = await self._http.get("/server_info", timeout=self._timeout)
-            resp.raise_for_status()
+            resp = await self._get("/server_info", self._timeout)
+            if resp.status_code != 200:
+                raise SGLangUnavailable(f"SGLang at {self.base_url} answered /server_info with HTTP {resp.status_code}")
             data = resp.json()
         except (httpx.HTTPError, ValueError) as exc:
             raise SGLangUnavailable(f"SGLang at {self.base_url} did not answer /server_info: {exc!r}") from exc
@@ -96,9 +107,11 @@ class SGLangClient:
     async def loaded_adapters(self) -> set[str]:
         """Names of the LoRA adapters SGLang has loaded (from ``/v1/models``)."""
         try:
-            resp = await self._http.get("/v1/models", timeout=self._timeout)
-            resp.raise_for_status()
+            resp = await self._get("/v1/models", self._timeout)
+            if resp.status_code != 200:
+                raise SGLangUnavailable(f"SGLang at {self.base_url} answered /v1/models with HTTP {resp.status_code}")
             cards = resp.json().get("data") or []
+            cards = cards if isinstance(cards, list) else []
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             raise SGLangUnavailable(f"SGLang at {self.base_url} did not answer /v1/models: {exc!r}") from exc
         return {str(c.get("id")) for c in cards if isinstance(c, dict) and c.get("parent")}
@@ -114,16 +127,22 @@ class SGLangClient:
 
     async def _adapter_call(self, route: str, body: dict) -> dict:
         try:
-            resp = await self._http.post(route, json=body, timeout=self._load_timeout)
+            resp = await self._post(route, body, self._load_timeout)
         except httpx.HTTPError as exc:
             raise SGLangUnavailable(f"SGLang at {self.base_url} failed during {route}: {exc!r}") from exc
-        try:
-            data = resp.json()
-        except ValueError:
-            data = {"success": False, "error_message": resp.text[:500]}
-        if resp.status_code != 200 or not data.get("success", False):
+        data = _answer_object(resp, "error_message")
+        if resp.status_code != 200 or data.get("success") is not True:
             raise SGLangLoadRejected(
                 f"SGLang refused {route} {body} (HTTP {resp.status_code}):"
                 f" {str(data.get('error_message') or data.get('message'))[:500]}"
             )
         return data
+
+
+def _answer_object(resp: Answer, message_key: str) -> dict[str, Any]:
+    """A weight update's answer as a JSON object; anything else stands for a failure, quoted."""
+    try:
+        data = resp.json()
+    except ValueError:
+        data = None
+    return data if isinstance(data, dict) else {"success": False, message_key: resp.text[:500]}

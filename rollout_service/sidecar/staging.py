@@ -105,7 +105,13 @@ class Stage:
             raise StageError(
                 f"cannot create the stage directory {self.path}: {exc.strerror}; pass a writable node-local --stage-dir"
             ) from None
-        self._lock = open(self.path / LOCK_NAME, "a")
+        try:
+            self._lock = open(self.path / LOCK_NAME, "a")
+        except OSError as exc:
+            raise StageError(
+                f"cannot open {self.path / LOCK_NAME}: {exc.strerror} (left by a sidecar run as another user?);"
+                " pass a node-local --stage-dir this sidecar owns, or remove that one"
+            ) from None
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -114,9 +120,16 @@ class Stage:
                 f"another sidecar uses the stage directory {self.path}: give each"
                 " replica its own --stage-dir (or --replica-id)"
             ) from None
-        for entry in self.path.iterdir():
-            if entry.name.startswith(TEMP_PREFIX):
-                _remove(entry)
+        try:
+            for entry in self.path.iterdir():
+                if entry.name.startswith(TEMP_PREFIX):
+                    _remove(entry)
+        except (OSError, RecursionError) as exc:
+            self._lock.close()
+            raise StageError(
+                f"cannot clear what a killed sidecar left in the stage directory {self.path}"
+                f" ({type(exc).__name__}: {exc}); remove its {TEMP_PREFIX}* entries, or pass another --stage-dir"
+            ) from None
         self._spare: Path | None = None
         """A copy nobody serves any more, whose files the next copy or rebuild writes over."""
 

@@ -12,6 +12,10 @@ from typing import Any
 from ..protocol import ReplicaReport, version_for_step
 from .sync_record import SyncRecord
 
+MAX_REPORTED_REJECTIONS = 64
+"""Rejections a report names (the newest steps): junk dropped under the root by the thousand
+must not grow the ack file past what the trainer reads (``protocol.MAX_ACK_BYTES``)."""
+
 
 @dataclass
 class SidecarState:
@@ -63,7 +67,7 @@ class SidecarState:
             sglang_healthy=self.sglang_healthy,
             sglang_url=self.sglang_url,
             last_error=self.last_error,
-            rejected={str(k): v for k, v in self.rejected.items()},
+            rejected={str(k): self.rejected[k] for k in sorted(self.rejected)[-MAX_REPORTED_REJECTIONS:]},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -76,4 +80,5 @@ class SidecarState:
             else None
         )
         data.update(self.report().to_dict())
+        data["rejected_count"] = len(self.rejected)
         return data

@@ -1,0 +1,95 @@
+"""What strays and earlier runs leave behind cannot silence a sidecar: a stage directory it cannot
+take over is a fatal error with a reason, a sync loop that dies says so, and junk dropped under
+the root by the thousand neither grows the ack file past what the trainer reads nor outlives its
+removal."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from rollout_service.protocol import MAX_ACK_BYTES, read_acks
+from rollout_service.sidecar.controller import SyncController
+from rollout_service.sidecar.settings import SidecarSettings
+from rollout_service.sidecar.staging import Stage, StageError
+from rollout_service.sidecar.state import MAX_REPORTED_REJECTIONS
+
+
+def controller_for(root, **kw) -> SyncController:
+    root.mkdir(exist_ok=True)
+    return SyncController(SidecarSettings(checkpoint_path=root, sglang_url="http://127.0.0.1:9", replica_id="r0", **kw))
+
+
+def test_a_stage_whose_lock_cannot_be_opened_is_a_stage_error_naming_it(tmp_path):
+    stage = tmp_path / "stage"
+    (stage / ".lock").mkdir(parents=True)  # a stray directory where the lock file goes
+    with pytest.raises(StageError, match=r"cannot open .*\.lock: Is a directory"):
+        Stage(stage)
+
+
+def test_a_sidecar_whose_stage_cannot_be_taken_over_reports_it_as_fatal(tmp_path):
+    stage = tmp_path / "stage"
+    (stage / ".lock").mkdir(parents=True)
+    controller = controller_for(tmp_path / "root", stage_dir=stage, health_interval_s=0.2)
+
+    async def scenario() -> None:
+        loop = asyncio.create_task(controller.run())
+        loop.add_done_callback(controller.loop_ended)
+        try:
+            for _ in range(100):
+                if controller.state.fatal is not None:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await controller.stop()
+            loop.cancel()
+
+    asyncio.run(scenario())
+    ready, why = controller.readiness()
+    assert not ready and why.startswith("stage_failed: cannot open") and ".lock" in why, why
+
+
+def test_a_sync_loop_that_dies_says_so(tmp_path):
+    controller = controller_for(tmp_path / "root")
+
+    async def scenario() -> None:
+        async def broken() -> None:
+            raise RuntimeError("a bug")
+
+        task = asyncio.create_task(broken())
+        task.add_done_callback(controller.loop_ended)
+        with pytest.raises(RuntimeError):
+            await task
+        await asyncio.sleep(0)  # done callbacks run on the next turn
+
+    asyncio.run(scenario())
+    ready, why = controller.readiness()
+    assert not ready and why.startswith("sync_loop_ended: the sync loop ended (RuntimeError: a bug)"), why
+
+
+def test_junk_rejected_by_the_thousand_keeps_the_ack_readable_and_goes_with_the_junk(tmp_path):
+    root = tmp_path / "root"
+    controller = controller_for(root)
+    junk = [90_000_000 + i for i in range(2500)]
+    for step in junk:
+        (root / f"step-{step:08d}").write_bytes(b"")  # empty files named like steps
+    for step in junk:  # what the loop records when it rejects each of them
+        controller.state.rejected[step] = "not_a_directory"
+    controller.acks.write(controller.state.report())
+    assert os.path.getsize(root / "acks" / "r0.json") < MAX_ACK_BYTES
+    assert list(read_acks(root)) == ["r0"], "the trainer no longer sees this replica"
+    reported = controller.state.report().rejected
+    assert len(reported) == MAX_REPORTED_REJECTIONS and str(junk[-1]) in reported
+    assert controller.state.to_dict()["rejected_count"] == 2500
+
+    def a_pass() -> None:  # what each pass of the loop does with its listing of the root
+        controller._forget_unlisted(controller._listing()[0])
+
+    a_pass()
+    assert len(controller.state.rejected) == 2500, "listed junk stays rejected"
+    for step in junk[:-1]:
+        os.remove(root / f"step-{step:08d}")
+    a_pass()
+    assert controller.state.rejected == {junk[-1]: "not_a_directory"}

@@ -1,0 +1,181 @@
+"""Answers from servers the code does not trust: the trainer's sidecar waits and the sidecar's
+SGLang client read them within a time and size bound, never decompress them, and take a
+malformed one for a failed exchange, not a crash.
+
+Driven against `fake_sglang.CannedServer` (a raw socket writing scripted bytes): neither a real
+sidecar nor a real SGLang can be made to drip an answer, send a zstd bomb, or nest JSON 100,000
+levels deep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import resource
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+import zstandard
+
+from fake_sglang import Answer, CannedServer, canned_reply
+from rollout_service.bounded_http import AnswerRefused, parse_json, request
+from rollout_service.sidecar.sglang_client import SGLangClient, SGLangLoadRejected
+from trainer_hooks.replica_wait import CheckpointRejected, ReplicaSyncTimeout, SidecarWaiter
+
+DEEP_JSON = "[" * 100_000 + "]" * 100_000
+
+
+def canned(servers: list[CannedServer], answer: Any) -> CannedServer:
+    server = CannedServer(lambda path, body, count: answer(path, body, count))
+    servers.append(server)
+    return server
+
+
+def dripping(length: int = 100_000) -> Answer:
+    def write(conn: socket.socket, stopped: threading.Event) -> None:
+        conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n".encode())
+        while not stopped.wait(0.3):  # each byte well within any read timeout
+            conn.sendall(b" ")
+
+    return write
+
+
+@functools.cache
+def zstd_bomb_bytes() -> bytes:
+    """About 32 KB of zstd that inflates to 1 GiB of zeros (made in 1 MiB pieces)."""
+    compressor = zstandard.ZstdCompressor(level=19).compressobj(size=1 << 30)
+    zeros = bytes(1 << 20)
+    return b"".join(compressor.compress(zeros) for _ in range(1024)) + compressor.flush()
+
+
+def zstd_bomb() -> Answer:
+    return canned_reply(200, zstd_bomb_bytes(), headers="Content-Encoding: zstd\r\n")
+
+
+def test_an_exchange_is_bounded_in_time_size_and_encoding(servers: list[CannedServer]) -> None:
+    drip = canned(servers, lambda path, body, count: dripping())
+    with httpx.Client() as client:
+        t0 = time.monotonic()
+        with pytest.raises(AnswerRefused, match="did not finish its answer in time"):
+            request(client, "GET", drip.url + "/status", timeout_s=1.0)
+        assert time.monotonic() - t0 < 4
+        bomb = canned(servers, lambda path, body, count: zstd_bomb())
+        zstd_bomb_bytes()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with pytest.raises(AnswerRefused, match="Content-Encoding: zstd"):
+            request(client, "GET", bomb.url + "/status", timeout_s=5.0)
+        assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024 < 200
+        big = canned(servers, lambda path, body, count: canned_reply(200, b"x" * (2 << 20)))
+        with pytest.raises(AnswerRefused, match="over the limit of 1048576"):
+            request(client, "GET", big.url + "/status", timeout_s=5.0, limit=1 << 20)
+        plain = canned(servers, lambda path, body, count: canned_reply(200, {"ok": True}))
+        answer = request(client, "GET", plain.url + "/status", timeout_s=5.0)
+        assert answer.status_code == 200 and answer.json() == {"ok": True}
+        assert plain.requests[0][1] == "/status"
+    with pytest.raises(ValueError, match="nested too deeply"):
+        parse_json(DEEP_JSON)
+
+
+def wait_in_thread(waiter: SidecarWaiter, version: int, timeout_s: float) -> tuple[Any, float]:
+    out: list[Any] = [None]
+    t0 = time.monotonic()
+
+    def run() -> None:
+        try:
+            out[0] = waiter.wait(version, timeout_s=timeout_s)
+        except BaseException as exc:
+            out[0] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s + 30)
+    assert not thread.is_alive(), f"SidecarWaiter.wait still running {timeout_s + 30:.0f} s later"
+    return out[0], time.monotonic() - t0
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        lambda path, body, count: dripping(),
+        lambda path, body, count: canned_reply(504, DEEP_JSON),
+        lambda path, body, count: canned_reply(504, {"rejected": ["step-00000005"], "loaded_step": 4}),
+        lambda path, body, count: canned_reply(504, {"rejected": {"5": ["not", "a", "reason"]}}),
+        lambda path, body, count: zstd_bomb(),
+    ],
+    ids=["dripped", "json-nested-past-the-recursion-limit", "rejected-as-a-list", "reason-not-a-string", "zstd-bomb"],
+)
+def test_a_sidecar_wait_with_a_malformed_answer_times_out_with_the_trainers_error(
+    servers: list[CannedServer], answer: Any
+) -> None:
+    sidecar = canned(servers, answer)
+    result, elapsed = wait_in_thread(SidecarWaiter([sidecar.url]), 5, timeout_s=2.0)
+    assert isinstance(result, (ReplicaSyncTimeout, CheckpointRejected)), repr(result)
+    assert elapsed < 20
+
+
+def test_a_sidecar_wait_still_reports_a_rejection(servers: list[CannedServer]) -> None:
+    sidecar = canned(
+        servers, lambda path, body, count: canned_reply(504, {"rejected": {"5": "non_finite"}, "loaded_step": 4})
+    )
+    result, _ = wait_in_thread(SidecarWaiter([sidecar.url]), 5, timeout_s=5.0)
+    assert isinstance(result, CheckpointRejected) and "non_finite" in str(result), repr(result)
+
+
+def test_a_notify_to_a_dripping_sidecar_ends_within_its_bound(servers: list[CannedServer]) -> None:
+    sidecar = canned(servers, lambda path, body, count: dripping())
+    t0 = time.monotonic()
+    SidecarWaiter([sidecar.url]).notify(5)
+    assert time.monotonic() - t0 < 12
+    assert sidecar.requests[0][:2] == ("POST", "/sync")
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [[], "null", {"model_path": 7, "weight_version": "3"}, {"model_path": "/m\u0000x"}, DEEP_JSON],
+    ids=["a-list", "null", "path-not-a-string", "path-with-nul", "nested-past-the-recursion-limit"],
+)
+def test_the_sidecar_takes_a_malformed_model_info_for_what_it_is(servers: list[CannedServer], body: Any) -> None:
+    raw = body if isinstance(body, str) else json.dumps(body)
+    server = canned(servers, lambda path, b, count: canned_reply(200, raw))
+
+    async def view() -> Any:
+        client = SGLangClient(server.url, timeout_s=3.0)
+        try:
+            return await client.view()
+        finally:
+            await client.aclose()
+
+    seen = run(view())
+    if isinstance(body, dict):  # an object: SGLang's, with the odd field dropped
+        assert seen.healthy and seen.model_path is None
+    else:
+        assert not seen.healthy
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"success": "false", "message": "no"}, ["success"], {"message": "no success field"}, DEEP_JSON],
+    ids=["success-as-a-string", "a-list", "no-success", "nested-past-the-recursion-limit"],
+)
+def test_a_weight_update_counts_only_an_answer_that_says_success_true(servers: list[CannedServer], body: Any) -> None:
+    raw = body if isinstance(body, str) else json.dumps(body)
+    server = canned(servers, lambda path, b, count: canned_reply(200, raw))
+
+    async def load() -> None:
+        client = SGLangClient(server.url, timeout_s=3.0)
+        try:
+            await client.load_from_disk("/stage/step-00000001", "1")
+        finally:
+            await client.aclose()
+
+    with pytest.raises(SGLangLoadRejected, match="SGLang refused /stage/step-00000001"):
+        run(load())
