@@ -71,6 +71,10 @@ def test_environment_variables_set_flags_and_bad_values_are_named(checkpoint_roo
         "sidecar", "--sglang-url", "http://127.0.0.1:1", "--checkpoint-path", str(checkpoint_root / "missing")
     )
     assert out.returncode == 2 and "is not a directory" in out.stderr
+    # An address that would only fail once the sidecar runs is refused at start, without a traceback.
+    for url, why in [("http://::1:30000", "IPv6 host in brackets"), ("http://u:pw@127.0.0.1:1", "user name or")]:
+        out = run_cli("sidecar", "--sglang-url", url, "--checkpoint-path", str(checkpoint_root))
+        assert out.returncode == 2 and why in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 _SLIM = r"""

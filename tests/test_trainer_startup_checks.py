@@ -81,3 +81,35 @@ def test_a_trainer_on_every_core_beside_a_local_cpu_sglang_is_warned(caplog: pyt
             assert warn_if_sharing_the_cpu(endpoints_at(dead_url())) is False
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"sync_timeout": float("inf")}, "sync_timeout must be a positive, finite number"),
+        ({"sglang_request_timeout": float("nan")}, "sglang_request_timeout must be a positive, finite number"),
+        ({"checkpoint_max_shard_mb": float("inf")}, "checkpoint_max_shard_mb must be a positive, finite number"),
+        ({"keep_checkpoints": 2.0}, r"keep_checkpoints must be an integer >= 1 \(or None"),
+        ({"max_staleness": True}, "max_staleness must be an integer >= 0, got True"),
+        ({"sglang_urls": ["http://::1:30000"]}, r"IPv6 host in brackets \(http://\[::1\]:30000\)"),
+        ({"sglang_urls": ["http://127.0.0.1:99999"]}, "port 99999, outside 1-65535"),
+        ({"sidecar_urls": ["http://u:secret@127.0.0.1:8100"]}, "carries a user name or password"),
+    ],
+    ids=["inf-timeout", "nan-timeout", "inf-shard", "float-keep", "bool-staleness", "ipv6", "port", "password"],
+)
+def test_a_setting_that_would_fail_later_is_refused_at_startup_naming_it(
+    tmp_path: Path, overrides: dict, message: str
+) -> None:
+    settings = {"sglang_urls": ["http://127.0.0.1:1"], "sidecar_urls": ["http://127.0.0.1:2"], **overrides}
+    urls, sidecars = settings.pop("sglang_urls"), settings.pop("sidecar_urls")
+    with pytest.raises(ValueError, match=message) as failed:
+        make_config(tmp_path, tmp_path, urls, sidecars, **settings)
+    assert "secret" not in str(failed.value)
+
+
+def test_expected_replicas_must_be_a_whole_number(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="expected_replicas must be an integer >= 1, got 1.5"):
+        make_config(tmp_path, tmp_path, ["http://127.0.0.1:1"], [], expected_replicas=1.5)
+    assert make_config(tmp_path, tmp_path, ["http://[::1]:1/"], [], expected_replicas=2).sglang_urls == [
+        "http://[::1]:1"
+    ]

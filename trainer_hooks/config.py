@@ -33,6 +33,7 @@ from rollout_service.checkpoint_format import (
     normalize_dtype,
 )
 from rollout_service.http_auth import check_token
+from rollout_service.http_urls import check_http_url
 
 log = logging.getLogger(__name__)
 
@@ -251,14 +252,15 @@ class SGLangRolloutArguments:
                 "['http://127.0.0.1:8100']) or expected_replicas (the number of replicas whose ack files "
                 "appear under <checkpoint_path>/acks)"
             )
-        if self.expected_replicas is not None and self.expected_replicas < 1:
-            raise ValueError(f"expected_replicas must be at least 1, got {self.expected_replicas}")
+        if self.expected_replicas is not None:
+            _require_int(self.expected_replicas, "expected_replicas", 1)
         _require_positive(self.sync_timeout, "sync_timeout")
         _require_positive(self.sglang_request_timeout, "sglang_request_timeout")
         _require_positive(self.checkpoint_max_shard_mb, "checkpoint_max_shard_mb")
         _require_positive(self.replica_heartbeat_max_age, "replica_heartbeat_max_age")
-        if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be an integer >= 0, got {self.max_staleness!r}")
+        _require_int(self.max_staleness, "max_staleness", 0)
+        if self.keep_checkpoints is not None:
+            _require_int(self.keep_checkpoints, "keep_checkpoints", 1, " (or None to keep everything)")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(
                 f"keep_checkpoints must be at least 1 (the newest checkpoint is what replicas load) or None "
@@ -321,17 +323,21 @@ def _normalize_urls(urls: list[str] | str | None, name: str) -> list[str]:
         urls = [u for u in urls.replace(",", " ").split()]
     out: list[str] = []
     for url in urls:
-        url = str(url).strip().rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"{name} entries must start with http:// or https://, got {url!r}")
+        url = check_http_url(url, f"{name} entry")
         if url not in out:
             out.append(url)
     return out
 
 
 def _require_positive(value: float, name: str) -> None:
-    if not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds or MB, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive, finite number of seconds or MB, got {value!r}")
+
+
+def _require_int(value: object, name: str, minimum: int, hint: str = "") -> None:
+    """An integer (not a bool, nor a float that happens to be whole) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}{hint}, got {value!r}")
 
 
 @dataclass

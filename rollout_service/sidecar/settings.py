@@ -13,6 +13,7 @@ from pathlib import Path
 from ..checkpoint_paths import is_inside
 from ..cli_env import TIMEOUT_S, bounds_metadata, check_bounds, setting
 from ..http_auth import check_token
+from ..http_urls import check_http_url
 from .root_gate import answered_within
 
 log = logging.getLogger(__name__)
@@ -165,9 +166,7 @@ class SidecarSettings:
                 f"replica id {self.replica_id!r} is not usable as a file name: use letters, digits,"
                 " '.', '_' and '-' (at most 128 characters)"
             )
-        self.sglang_url = self.sglang_url.rstrip("/")
-        if not self.sglang_url.startswith(("http://", "https://")):
-            raise ValueError(f"--sglang-url must start with http:// or https://, got {self.sglang_url!r}")
+        self.sglang_url = check_http_url(self.sglang_url, "--sglang-url")
         if self.reference_dir is not None:
             self.reference_dir = Path(self.reference_dir)
         if not self.stage:

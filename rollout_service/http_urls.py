@@ -1,0 +1,37 @@
+"""Checking a server address given in a setting (``--sglang-url``, ``sglang_urls``, ``sidecar_urls``).
+
+A prefix check alone let through addresses that fail later, far from the setting that named
+them: ``http://::1:30000`` (an IPv6 host needs brackets), a port past 65535, a URL with a
+password in it (which ``/status`` would then show to anyone). :func:`check_http_url` parses the
+address once, at start-up, and says what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+
+def check_http_url(url: str, name: str) -> str:
+    """``url`` without its trailing ``/``, if it is an ``http(s)://host[:port][/path]`` address;
+    else a ``ValueError`` naming the setting ``name`` and what to write instead."""
+    url = str(url).strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"{name} must start with http:// or https://, got {url!r}")
+    try:
+        parsed = httpx.URL(url)
+        port = parsed.port
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise ValueError(
+            f"{name} is not a valid URL ({exc}): {url!r}; write http://HOST:PORT, an IPv6 host in"
+            " brackets (http://[::1]:30000)"
+        ) from None
+    if not parsed.host:
+        raise ValueError(f"{name} names no host: {url!r}; write http://HOST:PORT")
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"{name} has port {port}, outside 1-65535: {url!r}")
+    if parsed.userinfo:
+        raise ValueError(
+            f"{name} carries a user name or password ({parsed.host}); it would show in logs and /status:"
+            " pass credentials as an API key or token setting instead"
+        )
+    return url
