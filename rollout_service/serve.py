@@ -212,7 +212,7 @@ def run_serve(server: SGLangServer, settings: SidecarSettings, policy: RestartPo
     """
     import uvicorn
 
-    from .sidecar.app import create_app
+    from .sidecar.app import create_app, uvicorn_config
 
     exit_code = 0
     controller: Any = None
@@ -231,7 +231,7 @@ def run_serve(server: SGLangServer, settings: SidecarSettings, policy: RestartPo
         supervisor.startup()
         app = create_app(settings)
         controller = app.state.controller
-        http = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info"))
+        http = uvicorn.Server(uvicorn_config(app, settings))
         supervisor.start()
         log.info("sidecar on http://%s:%d (readiness: /readyz)", settings.host, settings.port)
         # uvicorn re-raises the signal that stopped it once it has shut down; with these

@@ -93,3 +93,33 @@ def test_junk_rejected_by_the_thousand_keeps_the_ack_readable_and_goes_with_the_
         os.remove(root / f"step-{step:08d}")
     a_pass()
     assert controller.state.rejected == {junk[-1]: "not_a_directory"}
+
+
+def test_a_wait_whose_client_left_holds_nothing_and_a_stop_does_not_wait_on_open_waits(tmp_path):
+    """An idle long-poll that its client abandoned ends with it, and SIGTERM stops the sidecar
+    within its grace period even while another client still holds a /wait of ten minutes."""
+    import signal
+    import threading
+    import time
+
+    import httpx
+
+    from fake_sglang import dead_url
+    from rollout_service.sidecar.app import SHUTDOWN_GRACE_S
+    from sidecar_helpers import Sidecar
+
+    (tmp_path / "root").mkdir()
+    sidecar = Sidecar(tmp_path / "root", dead_url(), tmp_path / "sidecar.log")
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s and goes
+            httpx.get(f"{sidecar.url}/wait?version=5&timeout=600", timeout=1.0)
+        threading.Thread(
+            target=lambda: httpx.get(f"{sidecar.url}/wait?version=5&timeout=600", timeout=700), daemon=True
+        ).start()
+        time.sleep(1.5)
+        t0 = time.monotonic()
+        sidecar.proc.send_signal(signal.SIGTERM)
+        sidecar.proc.wait(timeout=SHUTDOWN_GRACE_S + 15)
+        assert time.monotonic() - t0 < SHUTDOWN_GRACE_S + 10
+    finally:
+        sidecar.stop()

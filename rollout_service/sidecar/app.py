@@ -31,6 +31,11 @@ from .watcher import CheckpointWatcher
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 3600.0
+MAX_WAITERS = 256
+"""``/wait`` requests held at once; more are answered 503 at once (idle long-polls must not use
+up the process's file descriptors, which the health probes and the ack file need too)."""
+SHUTDOWN_GRACE_S = 5
+"""How long a stopping sidecar lets open requests (a /wait of up to an hour) finish."""
 ROOT_LOOKUP_TIMEOUT_S = 4.0
 """How long ``POST /sync`` waits for the checkpoint root to show the step it names (a hung
 network file system answers 503 instead of holding the request, and the event loop, forever).
@@ -127,8 +132,11 @@ def create_app(settings: SidecarSettings) -> FastAPI:
     async def status() -> dict[str, Any]:
         return controller.state.to_dict()
 
+    waiting: set[asyncio.Future[bool]] = set()
+
     @app.get("/wait")
     async def wait(
+        request: Request,
         version: int = Query(..., ge=0, le=MAX_STEP, description="checkpoint step to wait for"),
         timeout: float = Query(60.0, gt=0, le=MAX_WAIT_S),
         run: str | None = Query(
@@ -137,8 +145,28 @@ def create_app(settings: SidecarSettings) -> FastAPI:
             pattern=f"^{RUN_ID_RE.pattern}$",
             description="the publishing run's id (manifest run_id): only a checkpoint of that run counts",
         ),
-    ) -> JSONResponse:
-        ok = await controller.wait_for_step(version, timeout, run_id=run)
+    ) -> Response:
+        if len(waiting) >= MAX_WAITERS:
+            return SafeJSONResponse(
+                {
+                    "error": "too_many_waits",
+                    "detail": f"{MAX_WAITERS} /wait requests are held already; retry shortly, or wait"
+                    " with fewer clients (one per trainer is enough)",
+                },
+                status_code=503,
+            )
+        task = asyncio.ensure_future(controller.wait_for_step(version, timeout, run_id=run))
+        waiting.add(task)
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=1.0)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()  # the client left: hold nothing for it
+                    return Response(status_code=499)
+            ok = task.result()
+        finally:
+            waiting.discard(task)
+            task.cancel()
         body = controller.state.to_dict()
         body["waited_for"] = version
         body["waited_for_run"] = run
@@ -225,4 +253,14 @@ def run_sidecar(settings: SidecarSettings) -> None:
             " syncs. Set --token (or ROLLOUT_TOKEN).",
             settings.host,
         )
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    uvicorn.Server(uvicorn_config(create_app(settings), settings)).run()
+
+
+def uvicorn_config(app: FastAPI, settings: SidecarSettings) -> Any:
+    """The HTTP server's settings (``sidecar`` and ``serve``): a stop waits at most
+    :data:`SHUTDOWN_GRACE_S` for open requests."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+    )
