@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import os
 import re
 import shutil
 import socket
+import stat
 import struct
 import time
 import uuid
@@ -394,7 +396,12 @@ def write_small(path: Path, data: str | bytes) -> FileEntry:
 def cleanup_stale_temp_dirs(root: Path | str, older_than_s: float = 3600.0) -> list[Path]:
     """Remove hidden ``.tmp-*`` entries left by killed writers: older than ``older_than_s``, or
     a step work folder of a writer on this host whose process is gone (a trainer that crashed
-    and restarted within the hour does not pile up model-sized folders)."""
+    and restarted within the hour does not pile up model-sized folders).
+
+    Returns what was removed. An entry that cannot be removed (a folder someone made read-only,
+    a tree too deep for ``shutil.rmtree``) is logged with its path and what to do, and the others
+    are still removed: a clean-up never stops the trainer that runs it.
+    """
     root = Path(root)
     removed: list[Path] = []
     now = time.time()
@@ -406,14 +413,95 @@ def cleanup_stale_temp_dirs(root: Path | str, older_than_s: float = 3600.0) -> l
         try:
             if now - entry.lstat().st_mtime < older_than_s and not _left_by_dead_writer(entry.name):
                 continue
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
+            remove_tree(entry)
             removed.append(entry)
         except FileNotFoundError:
             continue
+        except Exception as exc:  # whatever a stray tree makes removal raise, the others go on
+            log.warning(
+                "could not remove the stale temporary entry %s: %s: %s; it takes space until removed:"
+                " remove it by hand (give yourself write permission inside it first if needed)",
+                entry,
+                type(exc).__name__,
+                exc,
+            )
     return removed
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def remove_tree(path: Path | str) -> None:
+    """Remove ``path`` and everything in it, never following a link, never recursing.
+
+    ``shutil.rmtree`` recurses once per level (a tree 1000 levels deep, which any process
+    writing under the root can make, raises ``RecursionError``) and stops at the first entry
+    it cannot remove. Here every folder found inside is first moved up into ``path`` itself by
+    one rename, so the walk stays one level deep and holds two descriptors whatever the depth;
+    everything that can be removed is, and what cannot is reported at the end in one
+    ``OSError`` naming ``path``, how many entries failed and the first failure. A link or a
+    file at ``path`` is unlinked (never what it points to).
+    """
+    path = Path(path)
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        os.unlink(path)
+        return
+    failures: list[tuple[str, OSError]] = []
+    moved_prefix = f".rm-{uuid.uuid4().hex[:12]}-"
+    counter = itertools.count()
+    top = os.open(path, _DIR_FLAGS)
+    try:
+        pending = _empty_folder(top, None, moved_prefix, counter, failures)
+        while pending:
+            name, was = pending.pop()
+            try:
+                pending.extend(_empty_folder(top, name, moved_prefix, counter, failures))
+                os.rmdir(name, dir_fd=top)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                failures.append((was, exc))
+    finally:
+        os.close(top)
+    if failures:
+        where, first = failures[0]
+        raise OSError(
+            first.errno,
+            f"{len(failures)} entr{'y' if len(failures) == 1 else 'ies'} under {path} could not be removed"
+            f" (first: {where!r}: {first.strerror or first})",
+        )
+    os.rmdir(path)
+
+
+def _empty_folder(
+    top: int, name: str | None, moved_prefix: str, counter: Iterator[int], failures: list[tuple[str, OSError]]
+) -> list[tuple[str, str]]:
+    """Unlink the non-folders in ``name`` (a folder in ``top``; None: ``top`` itself) and move its
+    folders up into ``top`` under fresh names; return the folders left to empty, as (their name in
+    ``top``, the name they had, for messages)."""
+    fd = top if name is None else os.open(name, _DIR_FLAGS, dir_fd=top)
+    folders: list[tuple[str, str]] = []
+    try:
+        with os.scandir(fd) as entries:
+            children = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        for child, is_dir in children:
+            try:
+                if not is_dir:
+                    os.unlink(child, dir_fd=fd)
+                elif name is None:
+                    folders.append((child, child))
+                else:
+                    moved = f"{moved_prefix}{next(counter)}"
+                    os.rename(child, moved, src_dir_fd=fd, dst_dir_fd=top)
+                    folders.append((moved, child))
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                failures.append((child, exc))
+    finally:
+        if fd != top:
+            os.close(fd)
+    return folders
 
 
 _TAG_RE = re.compile(r"-h([0-9a-f]{8})p([0-9]+)-[0-9a-f]{12}$", re.ASCII)

@@ -1,9 +1,9 @@
 """Publishing the policy as a checkpoint version and waiting until the replicas serve it.
 
 :class:`CheckpointPublisher` owns the trainer's side of a sync on the main process: it picks
-the next version (one above anything already under the root, so versions only grow, also
-across restarts), streams the weights into ``publish_checkpoint`` (one shard in memory at a
-time), wakes the sidecars, waits for every expected replica through a
+the next version (one above any checkpoint already published under the root, so versions only
+grow, also across restarts), streams the weights into ``publish_checkpoint`` (one shard in memory
+at a time), wakes the sidecars, waits for every expected replica through a
 :class:`~trainer_hooks.replica_wait.ReplicaWaiter`, prunes old checkpoints, and records how long
 each phase took (:class:`SyncRecord`).
 
@@ -42,14 +42,14 @@ from typing import Any
 
 import torch
 
-from rollout_service.checkpoint_format import new_run_id
-from rollout_service.checkpoint_reader import latest_checkpoint
+from rollout_service.checkpoint_format import MAX_STEP, new_run_id, step_dir_name
+from rollout_service.checkpoint_reader import PublishedCheckpoint
 from rollout_service.checkpoint_writer import PublishResult, cleanup_stale_temp_dirs, publish_checkpoint
 from rollout_service.delta_writer import DeltaCheckpointWriter
 from rollout_service.protocol import read_acks
 
 from .checkpoint_dtype import target_dtype
-from .checkpoint_retention import prune_checkpoints
+from .checkpoint_retention import list_step_entries, newest_checkpoints, prune_checkpoints
 from .replica_wait import ReplicaWaiter
 
 log = logging.getLogger(__name__)
@@ -161,10 +161,36 @@ class CheckpointPublisher:
             log.info("removed %d stale temporary entries under %s left by killed writers", len(removed), self.root)
 
     def next_version(self) -> int:
-        """One above both the last version used and the newest step under the root."""
-        newest = latest_checkpoint(self.root)
-        candidates = [0, self.latest_version or 0, newest.step if newest else 0]
-        return max(candidates) + 1
+        """One above both the last version used and the newest checkpoint published under the root.
+
+        Checkpoints of any run count (a restarted trainer is a new run, and versions only grow),
+        but only published ones (:func:`newest_checkpoints`): a stray entry named like a step does
+        not move the numbering, and its name is skipped rather than published over. Raises
+        ``RuntimeError``, saying what to do, when no step number is left.
+        """
+        entries = list_step_entries(self.root)
+        newest = next(iter(newest_checkpoints(self.root, entries.published, 1)), None)
+        version = max(0, self.latest_version or 0, newest.step if newest else 0) + 1
+        taken = {c.step for c in entries.published + entries.odd}
+        while version in taken:
+            version += 1
+        if version > MAX_STEP:
+            raise RuntimeError(self._no_step_left(newest))
+        return version
+
+    def _no_step_left(self, newest: PublishedCheckpoint | None) -> str:
+        """Why no version is left to publish, and what to do."""
+        if newest is not None and newest.step == MAX_STEP:
+            why = f"{newest.path} is a published checkpoint with the largest step the format can name"
+        elif self.latest_version == MAX_STEP:
+            why = f"this run published {step_dir_name(MAX_STEP)}, the largest step the format can name"
+        else:
+            why = f"every step name up to {step_dir_name(MAX_STEP)} is taken under {self.root}"
+        return (
+            f"no checkpoint version is left to publish: {why}. Publish into a fresh checkpoint root"
+            " (or move the old checkpoints out of this one, and any entry named like a step that is"
+            " not a checkpoint) and restart the run"
+        )
 
     def publish(
         self, version: int, tensors: Iterable[tuple[str, torch.Tensor]], *, background: bool
@@ -457,6 +483,12 @@ class CheckpointPublisher:
             protected.update(s for s in (ack.get("loaded_step"), ack.get("loading_step")) if isinstance(s, int))
         try:
             return prune_checkpoints(self.root, self.keep, protected)
-        except OSError as exc:
-            log.warning("could not prune old checkpoints under %s: %s", self.root, exc)
+        except Exception as exc:  # retention is best effort: it never ends training
+            log.warning(
+                "could not prune old checkpoints under %s: %s: %s (tried again at the next publish;"
+                " if this repeats, the root fills: check it)",
+                self.root,
+                type(exc).__name__,
+                exc,
+            )
             return []

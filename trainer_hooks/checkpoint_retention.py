@@ -1,26 +1,119 @@
 """Deleting old checkpoints from the shared root without pulling one out from under a replica.
 
-:func:`prune_checkpoints` keeps the newest ``keep`` ``step-*`` directories plus every step in
+:func:`prune_checkpoints` keeps the newest ``keep`` published checkpoints plus every step in
 ``protected`` (what live replicas serve or are loading). A deleted step first disappears by an
 atomic rename into a hidden ``.tmp-`` name, so a sidecar never sees a half-deleted checkpoint;
 the hidden copy is then removed (or, if that fails, left to ``cleanup_stale_temp_dirs``).
 
 A ``delta`` step needs every step of its chain back to its full step (a late joiner replays
 them): those are kept as long as a kept step needs them (:func:`chain_dependencies`).
+
+Anything may appear under the root, so only *published* checkpoints count
+(:func:`list_step_entries`): a real folder named ``step-XXXXXXXX`` that holds a
+``manifest.json`` file. A file, a link or a folder without a manifest under such a name is
+logged once and otherwise ignored: it takes no ``keep`` slot, steers no version number, and is
+never deleted (it is not ours to delete). A folder whose manifest is not its step's
+(:func:`newest_checkpoints`) takes no slot and steers no number either.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
+import stat
+import threading
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
-from rollout_service.checkpoint_format import TEMP_PREFIX, CheckpointError, Manifest, step_dir_name
-from rollout_service.checkpoint_reader import list_checkpoints
+from rollout_service.checkpoint_format import (
+    MANIFEST_NAME,
+    TEMP_PREFIX,
+    CheckpointError,
+    Manifest,
+    step_dir_name,
+)
+from rollout_service.checkpoint_reader import PublishedCheckpoint, list_checkpoints
+from rollout_service.checkpoint_writer import remove_tree
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepEntries:
+    """The ``step-*`` names under a root, sorted into checkpoints and the rest (step order)."""
+
+    published: list[PublishedCheckpoint]
+    """Real folders (not links) holding a ``manifest.json`` file: what retention and numbering count."""
+    odd: list[PublishedCheckpoint]
+    """Files, links and folders without a manifest that only carry a step's name."""
+
+
+def list_step_entries(root: Path | str) -> StepEntries:
+    """The ``step-*`` entries under ``root``, published checkpoints apart from odd entries.
+
+    Looked at with ``lstat`` only (a link is never followed out of the root). Odd entries are
+    logged once per root while they stay the same, not at every publish.
+    """
+    root = Path(root)
+    published: list[PublishedCheckpoint] = []
+    odd: list[PublishedCheckpoint] = []
+    for ckpt in list_checkpoints(root):
+        is_published = is_published_dir(ckpt.path)
+        if is_published is not None:
+            (published if is_published else odd).append(ckpt)
+    warn_once(
+        root,
+        "odd",
+        [c.path.name for c in odd],
+        "entries named like checkpoints under %s are not published checkpoints (a file, a link, or a"
+        " folder without manifest.json): %s; retention and version numbering ignore them and never"
+        " delete them: remove them if nothing needs them",
+    )
+    return StepEntries(published=published, odd=odd)
+
+
+def is_published_dir(path: Path) -> bool | None:
+    """Whether ``path`` is a real folder holding a ``manifest.json`` file; None when it is gone.
+
+    Publishing renames a complete folder, manifest written last, into place, so a folder without
+    one was never published. Any other error (EIO, EACCES) counts as published: retention then
+    meets a checkpoint it cannot read, and deletes nothing that checkpoint might need.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return True
+    if not stat.S_ISDIR(mode):
+        return False
+    try:
+        return stat.S_ISREG(os.lstat(path / MANIFEST_NAME).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+
+
+_warned: dict[tuple[str, str], frozenset[str]] = {}
+_warned_lock = threading.Lock()
+MAX_NAMED = 5
+"""Odd entries named in one warning (the rest are counted)."""
+
+
+def warn_once(root: Path, what: str, names: list[str], message: str) -> None:
+    """Log ``message % (root, names)`` when the ``what`` names under ``root`` differ from those last
+    logged (a stray entry is reported once, not at every publish); nothing when there are none."""
+    key, now = (str(root), what), frozenset(names)
+    with _warned_lock:
+        if _warned.get(key, frozenset()) == now:
+            return
+        _warned[key] = now
+    if names:
+        shown = ", ".join(sorted(names)[:MAX_NAMED])
+        more = f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else ""
+        log.warning(message, root, shown + more)
 
 
 def prune_checkpoints(root: Path | str, keep: int, protected: set[int] | frozenset[int] = frozenset()) -> list[int]:
@@ -31,8 +124,11 @@ def prune_checkpoints(root: Path | str, keep: int, protected: set[int] | frozens
     if keep < 1:
         raise ValueError(f"keep must be at least 1 (the newest checkpoint is what replicas load), got {keep}")
     root = Path(root)
-    found = list_checkpoints(root)
-    kept = {c.step for c in found[-keep:]} | set(protected)
+    found = list_step_entries(root).published
+    newest = newest_checkpoints(root, found, keep)
+    if len(newest) < keep:
+        return []  # not more than ``keep`` checkpoints yet
+    kept = {c.step for c in newest} | set(protected)
     try:
         needed = kept | chain_dependencies(root, kept)
     except CheckpointError as exc:
@@ -43,7 +139,7 @@ def prune_checkpoints(root: Path | str, keep: int, protected: set[int] | frozens
             exc,
         )
         return []
-    doomed = [c for c in found[:-keep] if c.step not in needed]
+    doomed = [c for c in found if c.step < newest[-1].step and c.step not in needed]
     removed: list[int] = []
     for ckpt in doomed:
         hidden = root / f"{TEMP_PREFIX}deleting-{ckpt.path.name}-{uuid.uuid4().hex[:8]}"
@@ -54,26 +150,77 @@ def prune_checkpoints(root: Path | str, keep: int, protected: set[int] | frozens
         except OSError as exc:
             log.warning("could not delete old checkpoint %s: %s", ckpt.path, exc)
             continue
-        shutil.rmtree(hidden, ignore_errors=True)
-        removed.append(ckpt.step)
+        removed.append(ckpt.step)  # gone from the root's view, whatever happens to its files
+        _remove_hidden(hidden, ckpt.path.name)
     if removed:
         log.info(
             "deleted old checkpoint step(s) %s under %s (keeping %d, protected %s)",
             removed,
             root,
             keep,
-            sorted(needed - {c.step for c in found[-keep:]}),
+            sorted(needed - {c.step for c in newest}),
         )
     return removed
+
+
+def newest_checkpoints(root: Path, published: list[PublishedCheckpoint], count: int) -> list[PublishedCheckpoint]:
+    """The ``count`` newest of ``published`` whose manifest is their step's (of any run), newest first.
+
+    One whose manifest cannot be read now (EIO, a stale NFS handle) counts too: it may be a real
+    checkpoint. A manifest that is no manifest, or names another step, was never published
+    there: passed over (logged once), so that it takes no ``keep`` slot and steers no numbering.
+    """
+    newest: list[PublishedCheckpoint] = []
+    passed: list[str] = []
+    for ckpt in reversed(published):
+        if len(newest) >= count:
+            break
+        try:
+            names_its_step = Manifest.load(ckpt.path, root=root).step == ckpt.step
+        except CheckpointError as exc:
+            names_its_step = exc.reason in ("unreadable", "validation_timeout")
+        except ValueError:
+            names_its_step = False
+        if names_its_step:
+            newest.append(ckpt)
+        else:
+            passed.append(ckpt.path.name)
+    warn_once(
+        root,
+        "not a manifest of its step",
+        passed,
+        "folders under %s hold a manifest.json that is not the manifest of their step: %s; retention"
+        " and version numbering pass over them (remove them if nothing needs them)",
+    )
+    return newest
+
+
+def _remove_hidden(hidden: Path, name: str) -> None:
+    """Remove the hidden copy of a deleted step; a failure (a folder someone made read-only, a
+    tree too deep to walk) is logged with what to do, and retention goes on with the next step."""
+    try:
+        remove_tree(hidden)
+    except FileNotFoundError:
+        pass
+    except Exception as exc:  # any error from a tree a stray process shaped: never the trainer's end
+        log.warning(
+            "deleted old checkpoint %s from the root's view, but removing its files failed: %s: %s;"
+            " %s takes space until removed: remove it by hand (give yourself write permission inside"
+            " it first if needed); a trainer started after it is an hour old removes it too",
+            name,
+            type(exc).__name__,
+            exc,
+            hidden,
+        )
 
 
 def chain_dependencies(root: Path, steps: set[int]) -> set[int]:
     """Every step the delta steps among ``steps`` are built on, back to their full steps.
 
-    A step that is gone, or whose manifest is not a manifest (no one can apply it), protects
-    nothing more. A manifest that cannot be read now (EIO, EACCES, a stale NFS handle) might be
-    a delta: that raises ``CheckpointError('unreadable')``, so that nothing its chain needs is
-    deleted on a guess.
+    A step that is gone, that is not a published checkpoint (a file, a link, a folder without
+    manifest), or whose manifest is not a manifest (no one can apply it), protects nothing more.
+    A manifest that cannot be read now (EIO, EACCES, a stale NFS handle) might be a delta: that
+    raises ``CheckpointError('unreadable')``, so that nothing its chain needs is deleted on a guess.
     """
     needed: set[int] = set()
     todo = sorted(steps)
@@ -84,7 +231,10 @@ def chain_dependencies(root: Path, steps: set[int]) -> set[int]:
             continue
         seen.add(step)
         try:
-            manifest = Manifest.load(root / step_dir_name(step), root=root)
+            path = root / step_dir_name(step)
+            if not is_published_dir(path):
+                continue
+            manifest = Manifest.load(path, root=root)
         except CheckpointError as exc:
             if exc.reason in ("unreadable", "validation_timeout"):
                 raise
