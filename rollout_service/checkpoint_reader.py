@@ -12,12 +12,16 @@ and a message that names the file and what was wrong.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
-import mmap
 import os
+import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from safetensors import safe_open
 
 from .checkpoint_format import (
@@ -33,7 +37,7 @@ from .checkpoint_format import (
 )
 from .checkpoint_paths import resolve_inside
 from .digest import format_digest, new_hasher
-from .finite import first_non_finite
+from .finite import count_non_finite
 from .untrusted_files import NO_DEADLINE, Deadline, fd_path, open_regular, read_small
 
 TensorSpecs = dict[str, tuple[str, tuple[int, ...]]]
@@ -111,14 +115,52 @@ def read_safetensors_specs(path: Path, *, root: Path | None = None) -> TensorSpe
 
 def _specs_of_fd(fd: int, where: str) -> TensorSpecs:
     try:
-        with safe_open(fd_path(fd), framework="numpy") as f:
+        with _header_copy(fd, where) as path, safe_open(path, framework="numpy") as f:
             return {k: (str(f.get_slice(k).get_dtype()), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+    except CheckpointError:
+        raise
     except Exception as exc:  # safetensors raises its own error types from Rust
         raise CheckpointError(
             "header_invalid",
             f"{where}: the safetensors header does not describe the file ({str(exc)[:200]});"
             " the file is corrupt or was modified after publishing",
         ) from None
+
+
+@contextlib.contextmanager
+def _header_copy(fd: int, where: str) -> Iterator[str]:
+    """A path to a private copy of the safetensors file behind ``fd``: its first 8 bytes and
+    header, then a hole up to the file's size (no memory, no disk).
+
+    safetensors maps the file it opens and parses the header from the map: a root file
+    truncated by someone else meanwhile (a large header takes a while) would kill this
+    process with SIGBUS. Nobody else can truncate the copy, and safetensors still checks the
+    header against the file's size. Without ``memfd_create`` the file itself is opened.
+    """
+    if not hasattr(os, "memfd_create"):
+        yield fd_path(fd)
+        return
+    size = os.fstat(fd).st_size
+    head = memoryview(bytearray(min(8, size)))
+    _pread_exactly(fd, head, 0, where, size)
+    if size >= 8:
+        (header_len,) = struct.unpack("<Q", head)
+        # a header over the cap is refused by safetensors from its length alone: nothing more to copy
+        keep = min(size, 8 + (header_len if header_len <= MAX_SHARD_HEADER_BYTES else 0))
+    else:
+        keep = size
+    copy = os.memfd_create("safetensors-header", getattr(os, "MFD_CLOEXEC", 0))
+    try:
+        with open(copy, "wb", buffering=0, closefd=False) as out:
+            buf = memoryview(bytearray(min(_READ_CHUNK, keep)))
+            for offset in range(0, keep, len(buf) or 1):
+                piece = buf[: min(len(buf), keep - offset)]
+                _pread_exactly(fd, piece, offset, where, size)
+                out.write(piece)
+        os.ftruncate(copy, size)
+        yield fd_path(copy)
+    finally:
+        os.close(copy)
 
 
 def read_model_specs(model_dir: Path | str) -> TensorSpecs:
@@ -444,57 +486,182 @@ def _delta_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, dead
     return specs
 
 
+_READ_CHUNK = 4 << 20
+"""Bytes read per ``pread`` by :func:`read_every_byte` (into one reused buffer)."""
+
+
 def read_every_byte(
     root: Path, path: Path, where: str, want_digest: str, digest: bool, finite: bool, deadline: Deadline
 ) -> None:
-    """Read a file under ``root`` whole (mapped): with ``digest`` its xxh3-128 must be
-    ``want_digest`` (``digest_mismatch``), with ``finite`` its safetensors floats must hold no
-    NaN/Inf (``non_finite``)."""
+    """Read a file under ``root`` whole: with ``digest`` its xxh3-128 must be ``want_digest``
+    (``digest_mismatch``), with ``finite`` its safetensors floats must hold no NaN/Inf
+    (``non_finite``).
+
+    The file is read with ``pread`` into one reused buffer, a chunk at a time, never mapped: a
+    mapped file that someone truncates while it is read kills the reader with SIGBUS. A file
+    that shrinks while it is read raises ``truncated``, one that grows ``size_mismatch``.
+    """
+    if not (digest or finite):
+        return
     with open_regular(root, path, where=where) as (fd, st):
-        mapped = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ) if st.st_size else None
-        try:
-            error = _scan_bytes(
-                memoryview(mapped if mapped is not None else b""), where, want_digest, digest, finite, deadline
+        _scan_fd(fd, st.st_size, where, want_digest, digest, finite, deadline)
+
+
+def _scan_fd(fd: int, size: int, where: str, want_digest: str, digest: bool, finite: bool, deadline: Deadline) -> None:
+    hasher = new_hasher() if digest else None
+    scanner = _FiniteScanner(fd, size, where, min(_READ_CHUNK, size)) if finite else None
+    view = memoryview(bytearray(min(_READ_CHUNK, size)))
+    offset = 0
+    while offset < size:
+        deadline.check(where)
+        chunk = view[: min(len(view), size - offset)]
+        _pread_exactly(fd, chunk, offset, where, size)
+        if hasher is not None:
+            hasher.update(chunk)
+        if scanner is not None:
+            scanner.feed(offset, chunk)
+        offset += len(chunk)
+    if _pread(fd, memoryview(bytearray(1)), size, where):
+        raise CheckpointError(
+            "size_mismatch",
+            f"{where} grew while it was being read: it had {size} bytes when opened, now more;"
+            " the writer modified a published file",
+        )
+    if hasher is not None:
+        found = format_digest(hasher)
+        if found != want_digest:
+            raise CheckpointError(
+                "digest_mismatch",
+                f"{where} has digest {found}, the manifest says {want_digest}:"
+                " the file's bytes changed after publishing",
             )
-        finally:
-            if mapped is not None:
-                try:
-                    mapped.close()
-                except BufferError:  # a view is still referenced; the GC unmaps it
-                    pass
-    if error is not None:
-        raise error
+    if scanner is not None:
+        bad = scanner.first_bad()
+        if bad is not None:
+            raise CheckpointError(
+                "non_finite",
+                f"{where}: tensor {bad[0]} holds {bad[1]} NaN/Inf value(s); SGLang would"
+                " load it and generate garbage. Check the training run for divergence",
+            )
 
 
-def _scan_bytes(
-    view: memoryview, where: str, want_digest: str, digest: bool, finite: bool, deadline: Deadline
-) -> CheckpointError | None:
-    """The first problem in a file's bytes, returned (not raised: no frame keeps the map alive)."""
+def _pread(fd: int, into: memoryview, offset: int, where: str) -> int:
     try:
-        if digest:
-            hasher = new_hasher()
-            for start in range(0, len(view), 64 << 20):
-                deadline.check(where)
-                hasher.update(view[start : start + (64 << 20)])
-            found = format_digest(hasher)
-            if found != want_digest:
-                return CheckpointError(
-                    "digest_mismatch",
-                    f"{where} has digest {found}, the manifest says {want_digest}:"
-                    " the file's bytes changed after publishing",
-                )
-        if finite:
-            bad = first_non_finite(view, deadline=deadline)
-            if bad is not None:
-                return CheckpointError(
-                    "non_finite",
-                    f"{where}: tensor {bad[0]} holds {bad[1]} NaN/Inf value(s); SGLang would"
-                    " load it and generate garbage. Check the training run for divergence",
-                )
-    except CheckpointError as exc:
-        exc.__traceback__ = None
-        return exc
-    return None
+        return os.preadv(fd, [into], offset)
+    except OSError as exc:
+        raise CheckpointError("unreadable", f"{where}: reading at byte {offset} failed: {exc.strerror}") from None
+
+
+def _pread_exactly(fd: int, into: memoryview, offset: int, where: str, size: int) -> None:
+    """Fill ``into`` from ``offset``; a file that ends first was cut while it was read."""
+    got = 0
+    while got < len(into):
+        n = _pread(fd, into[got:], offset + got, where)
+        if not n:
+            raise CheckpointError(
+                "truncated",
+                f"{where} was truncated while it was being read: it ends at byte {offset + got},"
+                f" it had {size} bytes when opened; the writer modified a published file",
+            )
+        got += n
+
+
+class _FiniteScanner:
+    """Counts NaN/Inf in a safetensors file's floating tensors as its bytes stream past.
+
+    The header is read first (its own ``pread``); then :meth:`feed` takes consecutive chunks of
+    the file and counts each tensor's elements in them. An element cut by a chunk boundary is
+    carried over (at most 7 bytes) and counted whole with the next chunk.
+    """
+
+    def __init__(self, fd: int, size: int, where: str, chunk: int):
+        self.segments = self._read_header(fd, size, where)  # (start, end, dtype, element size, name)
+        self.counts: dict[str, int] = {}
+        self.scratch = np.empty(chunk, dtype=np.uint8)
+        self.i = 0
+        self.carry = b""
+
+    @staticmethod
+    def _read_header(fd: int, size: int, where: str) -> list[tuple[int, int, str, int, str]]:
+        def invalid(what: str) -> CheckpointError:
+            return CheckpointError(
+                "header_invalid",
+                f"{where}: the safetensors header {what}; the file is corrupt or was modified after publishing",
+            )
+
+        if size < 8:
+            raise invalid(f"needs 8 bytes, the file has {size}")
+        head = memoryview(bytearray(8))
+        _pread_exactly(fd, head, 0, where, size)
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > min(MAX_SHARD_HEADER_BYTES, size - 8):
+            raise invalid(f"says it has {header_len} bytes, the file has {size}")
+        raw = memoryview(bytearray(header_len))
+        _pread_exactly(fd, raw, 8, where, size)
+        try:
+            header = json.loads(bytes(raw))
+        except ValueError:
+            raise invalid("is not JSON") from None
+        if not isinstance(header, dict):
+            raise invalid("is not a JSON object")
+        base = 8 + header_len
+        segments = []
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = info.get("dtype") if isinstance(info, dict) else None
+            offsets = info.get("data_offsets") if isinstance(info, dict) else None
+            if not (
+                isinstance(offsets, list)
+                and len(offsets) == 2
+                and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= size - base
+            ):
+                raise invalid(f"gives tensor {str(name)[:80]!r} no data_offsets inside the file")
+            if dtype in FLOAT_DTYPES and offsets[0] < offsets[1]:
+                segments.append((base + offsets[0], base + offsets[1], dtype, DTYPE_SIZES[dtype], name))
+        segments.sort()
+        for before, after in zip(segments, segments[1:]):
+            if after[0] < before[1]:
+                raise invalid(f"has tensors {before[4][:80]!r} and {after[4][:80]!r} that overlap")
+        return segments
+
+    def feed(self, offset: int, chunk: memoryview) -> None:
+        """Count the NaN/Inf values in ``chunk``, the file's bytes from ``offset`` on."""
+        end = offset + len(chunk)
+        while self.i < len(self.segments):
+            start, stop, dtype, elsize, name = self.segments[self.i]
+            if start >= end:
+                return
+            lo, hi = max(start, offset), min(stop, end)
+            if lo < hi:
+                self._count(chunk[lo - offset : hi - offset], dtype, elsize, name)
+            if stop > end:
+                return
+            self.i += 1
+            self.carry = b""  # a tensor's bytes that are no whole element (not from safetensors' writer)
+
+    def _count(self, piece: memoryview, dtype: str, elsize: int, name: str) -> None:
+        found = 0
+        if self.carry:
+            need = elsize - len(self.carry)
+            element = self.carry + bytes(piece[:need])
+            piece = piece[need:]
+            if len(element) < elsize:
+                self.carry = element
+                return
+            self.carry = b""
+            found += count_non_finite(element, dtype)
+        whole = len(piece) - len(piece) % elsize
+        found += count_non_finite(piece[:whole], dtype, self.scratch)
+        self.carry = bytes(piece[whole:])
+        if found:
+            self.counts[name] = self.counts.get(name, 0) + found
+
+    def first_bad(self) -> tuple[str, int] | None:
+        """``(tensor name, count of NaN/Inf values)`` of the first tensor by name that has any."""
+        bad = sorted(self.counts.items())
+        return bad[0] if bad else None
 
 
 def _check_index(root: Path, real_dir: Path, name: str, owner: dict[str, str]) -> None:
