@@ -65,7 +65,8 @@ class ValidationReport:
 
 
 MAX_ROOT_ENTRIES = 1_000_000
-"""A listing is read at most this far (a root flooded with entries cannot stall a reader)."""
+"""A listing is read at most this far (a root flooded with entries cannot stall a reader);
+past it, :func:`list_checkpoints` refuses (``too_many_entries``) rather than miss steps."""
 MAX_CHECKPOINT_ENTRIES = 10_000
 
 
@@ -73,7 +74,9 @@ def list_checkpoints(root: Path | str) -> list[PublishedCheckpoint]:
     """Published checkpoints under ``root`` in step order. Hidden and other entries are ignored.
 
     Step directories are recognised by name only (``step-`` and 8 ASCII digits); whether one
-    is a real directory inside the root is for validation to decide.
+    is a real directory inside the root is for validation to decide. A root holding more than
+    :data:`MAX_ROOT_ENTRIES` entries raises ``CheckpointError('too_many_entries')``: a listing
+    cut short could miss the newest step without a word.
     """
     root = Path(root)
     found = []
@@ -81,7 +84,11 @@ def list_checkpoints(root: Path | str) -> list[PublishedCheckpoint]:
         with os.scandir(root) as entries:
             for i, entry in enumerate(entries):
                 if i >= MAX_ROOT_ENTRIES:
-                    break
+                    raise CheckpointError(
+                        "too_many_entries",
+                        f"the checkpoint root {root} holds more than {MAX_ROOT_ENTRIES} entries, past which"
+                        " it is not read: remove what is not a checkpoint from it (no new step loads until then)",
+                    )
                 step = parse_step_dir_name(entry.name)
                 if step is not None:
                     found.append(PublishedCheckpoint(step=step, path=root / entry.name))

@@ -76,7 +76,7 @@ def test_sync_refuses_an_unknown_key_naming_it_and_the_accepted_ones(tmp_path: P
     (tmp_path / "step-00000001").mkdir()
     client = TestClient(create_app(settings(tmp_path)))
     refused = client.post("/sync", json={"checkpont": "step-00000001"})
-    assert refused.status_code == 400
+    assert refused.status_code == 400 and refused.json()["error"] == "bad_request"  # every error names its kind
     detail = refused.json()["detail"]
     assert "'checkpont'" in detail and all(key in detail for key in SYNC_BODY_KEYS)
     extra = client.post("/sync", json={"checkpoint": "step-00000001", "force": True})
@@ -215,5 +215,6 @@ def test_a_token_no_header_can_carry_is_refused(tmp_path: Path, field: str, flag
 def test_a_printable_token_authenticates(tmp_path: Path) -> None:
     token = "A-z_0.9~+/=!#$%&'*^`|" + "x" * 100
     client = TestClient(create_app(settings(tmp_path, token=token)))
-    assert client.post("/sync", headers=bearer_headers("wrong")).status_code == 401
+    wrong = client.post("/sync", headers=bearer_headers("wrong"))
+    assert wrong.status_code == 401 and wrong.json()["error"] == "unauthorized"
     assert client.post("/sync", headers=bearer_headers(token)).status_code == 202

@@ -123,3 +123,40 @@ def test_a_wait_whose_client_left_holds_nothing_and_a_stop_does_not_wait_on_open
         assert time.monotonic() - t0 < SHUTDOWN_GRACE_S + 10
     finally:
         sidecar.stop()
+
+
+def test_a_root_with_more_entries_than_are_read_makes_the_replica_unready_with_the_reason(tmp_path, monkeypatch):
+    """Past the listing's cap the newest step could go unseen: the replica says so instead of
+    reporting that it serves the newest checkpoint."""
+    from rollout_service import checkpoint_reader
+    from rollout_service.checkpoint_format import CheckpointError
+    from rollout_service.checkpoint_reader import list_checkpoints
+
+    monkeypatch.setattr(checkpoint_reader, "MAX_ROOT_ENTRIES", 50)  # a million real files: too slow here
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "step-00000007").mkdir()
+    for i in range(50):
+        (root / f"junk-{i}").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="holds more than 50 entries") as failed:
+        list_checkpoints(root)
+    assert failed.value.reason == "too_many_entries"
+    controller = controller_for(root, health_interval_s=0.2)
+
+    async def scenario() -> None:
+        loop = asyncio.create_task(controller.run())
+        try:
+            for _ in range(100):
+                if controller.state.loop_heartbeat is not None:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await controller.stop()
+            loop.cancel()
+
+    asyncio.run(scenario())
+    ready, why = controller.readiness()
+    assert not ready and why.startswith("too_many_entries: the checkpoint root"), why
+    for i in range(50):
+        os.remove(root / f"junk-{i}")
+    assert [c.step for c in list_checkpoints(root)] == [7]

@@ -515,3 +515,40 @@ def test_a_rejection_stands_while_its_step_cannot_be_looked_at(checkpoint_root, 
     shutil.rmtree(path)
     publish_step(checkpoint_root, tiny_model_dir, 2)  # republished: looked at anew
     assert not still_rejected() and 2 not in controller.state.rejected and 2 not in controller._crashes
+
+
+def test_a_rejection_about_a_files_contents_ends_when_that_file_is_completed(checkpoint_root, tiny_model_dir):
+    """A checkpoint copied in file by file with its manifest first is seen with a shard cut short
+    (``truncated``); once the copy completes the shard in place, the step is looked at anew.
+    A rejection about something else (the step's shapes) stands whatever its files do."""
+    from rollout_service.sidecar import controller as controller_module
+    from rollout_service.sidecar.controller import SyncController
+    from rollout_service.sidecar.settings import SidecarSettings
+
+    controller = SyncController(
+        SidecarSettings(checkpoint_path=checkpoint_root, sglang_url="http://127.0.0.1:9", replica_id="copy")
+    )
+    path = publish_step(checkpoint_root, tiny_model_dir, 2).path
+    shard = next(path.glob("*.safetensors"))
+    whole = shard.read_bytes()
+    with open(shard, "r+b") as f:  # the copy so far: the manifest and half the shard
+        f.truncate(len(whole) // 2)
+
+    def rejected_now(reason: str) -> None:
+        controller.state.rejected[2] = reason
+        controller._rejected_at[2] = controller_module._publication_identity(path)  # as _try_load records it
+
+    def still_rejected() -> bool:
+        return controller._still_rejected(2, controller._listing()[1])
+
+    rejected_now("truncated")
+    assert still_rejected()
+    time.sleep(0.01)
+    with open(shard, "r+b") as f:  # the copy goes on, in place
+        f.write(whole)
+    assert not still_rejected() and 2 not in controller.state.rejected
+    rejected_now("shape_mismatch")
+    with open(shard, "r+b") as f:
+        f.write(whole[:16])
+    os.utime(shard)
+    assert still_rejected()

@@ -31,6 +31,14 @@ from .watcher import CheckpointWatcher
 log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 3600.0
+HTTP_ERRORS = {
+    400: "bad_request",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+}
+"""Every error answer names its kind under ``error`` (the others: ``path_escape``, ``root_unresponsive``...)."""
 MAX_WAITERS = 256
 """``/wait`` requests held at once; more are answered 503 at once (idle long-polls must not use
 up the process's file descriptors, which the health probes and the ack file need too)."""
@@ -98,7 +106,10 @@ def create_app(settings: SidecarSettings) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return SafeJSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+        error = HTTP_ERRORS.get(exc.status_code, f"http_{exc.status_code}")
+        return SafeJSONResponse(
+            {"error": error, "detail": exc.detail}, status_code=exc.status_code, headers=exc.headers
+        )
 
     def require_token(request: Request) -> None:
         if not settings.token:

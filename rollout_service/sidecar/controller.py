@@ -48,6 +48,7 @@ from ..checkpoint_format import (
 )
 from ..checkpoint_paths import resolve_inside
 from ..checkpoint_reader import (
+    MAX_CHECKPOINT_ENTRIES,
     PublishedCheckpoint,
     TensorSpecs,
     ValidationReport,
@@ -114,6 +115,8 @@ class SyncController:
         self._identity_seen: dict[int, tuple[int, ...] | None] = {}
         """Each step's publication identity as seen before its last validation started: a
         rejection stands until it changes (taken before, so a change during validation counts)."""
+        self._listing_problem: str | None = None
+        """Why the root's last listing failed although the root answered (too_many_entries)."""
         self._root_hung_in_validation = False
         """A look at the root during the running validation did not come back in time."""
         self._straggler: asyncio.Future[Any] | None = None
@@ -193,9 +196,14 @@ class SyncController:
                 if not self.serves(step, run_id):
                     # Rejected: unless its directory was replaced since (then wait on for it).
                     path = self.root / step_dir_name(step)
-                    identity = await asyncio.wait_for(
-                        self.root_gate.call(_publication_identity, path, what=f"/wait's look at step {step}"), budget
-                    )
+                    reason = self.state.rejected.get(step)
+                    try:
+                        identity = await asyncio.wait_for(
+                            self.root_gate.call(_rejection_identity, path, reason, what=f"/wait's look at step {step}"),
+                            budget,
+                        )
+                    except OSError:
+                        return False  # not read: the rejection stands
                     if self._still_rejected(step, {step: identity}):
                         return False
                     continue
@@ -221,6 +229,8 @@ class SyncController:
             return False, f"{s.fatal['reason']}: {s.fatal['message']}"
         if self.root_gate.problem is not None:
             return False, f"{RootUnresponsive.reason}: {self.root_gate.problem}"
+        if self._listing_problem is not None:
+            return False, self._listing_problem
         if s.loop_heartbeat is None or (
             s.loading_step is None and now - s.loop_heartbeat > max(5 * self.settings.health_interval_s, 15.0)
         ):
@@ -349,6 +359,12 @@ class SyncController:
             if self.root_gate.problem is not None:  # not when all threads were only busy
                 await self._wake_waiters(self.state.newest_known_step, ready=False)
             raise
+        except CheckpointError as exc:  # the root cannot be listed whole (too_many_entries)
+            self._listing_problem = f"{exc.reason}: {exc}"
+            self._error(exc.reason, str(exc))
+            await self._wake_waiters(self.state.newest_known_step, ready=False)
+            return
+        self._listing_problem = None
         self._forget_unlisted(candidates)
         steps = [c.step for c in candidates if not self._still_rejected(c.step, identities)]
         await self._wake_waiters(steps[-1] if steps else None)
@@ -462,7 +478,11 @@ class SyncController:
 
     async def _sync_newest(self) -> None:
         """Serve the newest valid checkpoint in the root (if SGLang does not already)."""
-        checkpoints, identities, presence = await self.root_gate.call(self._scan, what="listing the root")
+        try:
+            checkpoints, identities, presence = await self.root_gate.call(self._scan, what="listing the root")
+        except CheckpointError as exc:
+            self._error(exc.reason, str(exc))
+            return  # unready with the reason: see _publish_state
         self._forget_unlisted(checkpoints)
         self.state.loaded_current = presence == "same"
         loaded = self.state.loaded_step
@@ -491,9 +511,7 @@ class SyncController:
         for c in candidates:
             if c.step in rejected:
                 try:
-                    identities[c.step] = _read_identity(c.path)
-                except FileNotFoundError:
-                    identities[c.step] = None  # gone, or half replaced: looked at anew
+                    identities[c.step] = _rejection_identity(c.path, self.state.rejected.get(c.step))
                 except OSError:
                     pass  # not read (EIO, ESTALE...): the rejection stands, its crash count too
         return candidates, identities
@@ -544,8 +562,11 @@ class SyncController:
         replaced since; a replaced one is looked at anew."""
         if step not in self.state.rejected:
             return False
-        if step not in identities or identities[step] == self._rejected_at.get(step):
+        if step not in identities:
             return True
+        seen, then = identities[step], self._rejected_at.get(step)
+        if seen == then or (seen is not None and then is not None and len(seen) == SHALLOW and seen == then[:SHALLOW]):
+            return True  # unchanged (a shallow look compares the directory and manifest only)
         self.state.rejected.pop(step, None)
         self._rejected_at.pop(step, None)
         self._crashes.pop(step, None)
@@ -836,12 +857,43 @@ class SyncController:
             s.ack_error = str(exc)
 
 
-def _read_identity(path: Path) -> tuple[int, ...]:
-    """What changes when a step directory is republished, or its manifest written anew in place
-    (a checkpoint copied in file by file): a rejection stands until then. Raises ``OSError``."""
+CONTENT_REASONS = frozenset(
+    {
+        "missing_file",
+        "truncated",
+        "size_mismatch",
+        "digest_mismatch",
+        "header_invalid",
+        "unreadable",
+        "not_a_regular_file",
+        "too_large",
+        "non_finite",
+        "validation_timeout",
+    }
+)
+"""Rejections about a file's contents: they end when any file of the step changes too (a shard
+copied in after its manifest), not only when the directory or its manifest does."""
+SHALLOW = 7
+"""The length of an identity without its files' part (directory and manifest only)."""
+
+
+def _read_identity(path: Path, files: bool = True) -> tuple[int, ...]:
+    """What changes when a step directory is republished, or its manifest written anew in place,
+    and (``files``) when any of its files changes (a checkpoint copied in file by file, in any
+    order): a rejection stands until then. Raises ``OSError``."""
     st = os.stat(path)
     m = os.lstat(path / MANIFEST_NAME)
-    return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, m.st_ino, m.st_size, m.st_mtime_ns, m.st_ctime_ns)
+    shallow = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, m.st_ino, m.st_size, m.st_mtime_ns, m.st_ctime_ns)
+    if not files:
+        return shallow
+    seen = []
+    with os.scandir(path) as entries:
+        for i, entry in enumerate(entries):
+            if i >= MAX_CHECKPOINT_ENTRIES:
+                break
+            f = entry.stat(follow_symlinks=False)
+            seen.append((entry.name, f.st_ino, f.st_size, f.st_mtime_ns, f.st_ctime_ns))
+    return (*shallow, hash(tuple(sorted(seen))))
 
 
 def _publication_identity(path: Path) -> tuple[int, ...] | None:
@@ -850,6 +902,16 @@ def _publication_identity(path: Path) -> tuple[int, ...] | None:
         return _read_identity(path)
     except OSError:
         return None
+
+
+def _rejection_identity(path: Path, reason: str | None) -> tuple[int, ...] | None:
+    """(Blocking: on the root.) A rejected step's identity as :meth:`SyncController._still_rejected`
+    compares it: with its files' part only for rejections about contents (a scan of the folder);
+    None when the step is gone. Raises ``OSError`` when it cannot be read (the rejection stands)."""
+    try:
+        return _read_identity(path, files=reason in CONTENT_REASONS)
+    except FileNotFoundError:
+        return None  # gone, or half replaced: looked at anew
 
 
 def _look_at(root: Path) -> None:
