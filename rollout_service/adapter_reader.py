@@ -281,6 +281,81 @@ def validate_adapter(
     return AdapterReport(path=real_dir, manifest=manifest, modules=sorted(info.target_modules), checks=checks)
 
 
+SELF_CHECKED = "tensors are lora_A/lora_B pairs of the manifest's rank (no reference: not checked against a model)"
+"""The check :func:`validate_adapter_step` reports in place of "tensors fit the served model"."""
+
+
+def validate_adapter_step(
+    checkpoint_dir: Path | str,
+    *,
+    root: Path | str | None = None,
+    reference: TensorSpecs | None = None,
+    limits: LoraLimits,
+    check_finite: bool = False,
+    check_digests: bool = False,
+    timeout_s: float | None = None,
+) -> AdapterReport:
+    """:func:`validate_adapter` for a step someone names (``rollout-service validate``).
+
+    Like :func:`~rollout_service.checkpoint_reader.validate_checkpoint`: ``root`` defaults to
+    the step's parent, and every failure, whatever raised it, is a ``CheckpointError``. Without
+    ``reference`` (no base model at hand) the tensors are checked against the base weights their
+    own lora_A/lora_B pairs imply: names, pairing, the manifest's rank and float dtypes, but not
+    that the model has those layers; a tensor that fails it is ``bad_adapter``."""
+    checkpoint_dir = Path(checkpoint_dir).absolute()  # a relative root would double (resolve_inside)
+    real_root = Path(root).absolute() if root is not None else checkpoint_dir.parent
+    try:
+        report = validate_adapter(
+            checkpoint_dir,
+            root=real_root,
+            reference=reference if reference is not None else _implied_reference(checkpoint_dir, real_root),
+            limits=limits,
+            check_finite=check_finite,
+            check_digests=check_digests,
+            timeout_s=timeout_s,
+        )
+    except CheckpointError as exc:
+        if reference is None and exc.reason == "adapter_mismatch":
+            raise CheckpointError(
+                "bad_adapter", f"{exc} (checked without a reference model, against its own lora_A/lora_B shapes)"
+            ) from None
+        raise
+    except MemoryError:
+        raise CheckpointError(
+            "unreadable",
+            f"{checkpoint_dir.name}: out of memory while reading it; the adapter is not what its manifest describes",
+        ) from None
+    except Exception as exc:  # untrusted input: whatever broke, it is this step's fault
+        raise CheckpointError(
+            "unreadable", f"{checkpoint_dir.name} cannot be read: {type(exc).__name__}: {str(exc)[:200]}"
+        ) from None
+    if reference is None:
+        report.checks = [SELF_CHECKED if c == "tensors fit the served model" else c for c in report.checks]
+    return report
+
+
+def _implied_reference(checkpoint_dir: Path, root: Path) -> TensorSpecs:
+    """The base weights an adapter's tensors imply, from its header: ``[out, in]`` from lora_B's
+    rows and lora_A's columns (1 where the partner is missing, which ``_check_tensors`` then
+    reports as unpaired). Empty when the header cannot be read: :func:`validate_adapter` reads
+    it again and reports why, in its own order."""
+    try:
+        specs = read_safetensors_specs(resolve_inside(root, checkpoint_dir) / ADAPTER_WEIGHTS_NAME, root=root)
+    except Exception:  # whatever it is, validate_adapter meets it too and names it
+        return {}
+    dims: dict[str, list[int]] = {}
+    for tname, (_, shape) in specs.items():
+        base, _, tail = tname.rpartition(".")
+        module_path, _, part = base.rpartition(".")
+        if tname.startswith(PEFT_PREFIX) and tail == "weight" and part in LORA_PARTS and len(shape) == 2:
+            served = dims.setdefault(module_path[len(PEFT_PREFIX) :] + ".weight", [1, 1])
+            if part == "lora_A":
+                served[1] = shape[1]
+            else:
+                served[0] = shape[0]
+    return {served: ("F32", (out_dim, in_dim)) for served, (out_dim, in_dim) in dims.items()}
+
+
 def _check_tensors(specs: TensorSpecs, reference: TensorSpecs, rank: int, modules: set[str], where: str) -> None:
     if not specs:
         raise CheckpointError("bad_adapter", f"{where} holds no tensors")

@@ -391,6 +391,20 @@ def _validate(
     )
 
 
+def published_step_specs(
+    checkpoint_dir: Path | str, *, root: Path | str, timeout_s: float | None = None
+) -> TensorSpecs:
+    """The tensor specs a published full step's shards declare, read from the shards its manifest
+    lists (their headers only): what SGLang holds once it loaded that step. Anything else in the
+    (untrusted) folder is never read. Raises ``CheckpointError``."""
+    checkpoint_dir, root = Path(checkpoint_dir).absolute(), Path(root).absolute()
+    real_dir = resolve_inside(root, checkpoint_dir)
+    manifest = Manifest.load(real_dir, root=root)
+    if manifest.kind != "full":
+        raise CheckpointError("bad_manifest", f"{checkpoint_dir.name} is a {manifest.kind} step, not a full one")
+    return _full_specs(root, real_dir, checkpoint_dir.name, manifest, Deadline(timeout_s))[1]
+
+
 def _full_specs(
     root: Path, real_dir: Path, name: str, manifest: Manifest, deadline: Deadline
 ) -> tuple[list[str], TensorSpecs]:

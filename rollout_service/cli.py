@@ -20,15 +20,18 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .checkpoint_format import CheckpointError
+from .checkpoint_format import MAX_ADAPTER_RANK, CheckpointError
 from .cli_env import TIMEOUT_S, EnvArgumentParser, SettingFlags, add_env_argument, number_type
-from .lora_serving import add_lora_flags, lora_from_args
+from .lora_serving import DEFAULT_MAX_RANK, DEFAULT_TARGET_MODULES, add_lora_flags, lora_from_args, module_list
 from .serve import RestartPolicy, run_serve
 from .sglang_launcher import SGLangServer, SGLangServerConfig
 from .sidecar.root_gate import answered_within
 from .sidecar.settings import SidecarSettings
+
+if TYPE_CHECKING:  # checkpoint_reader imports safetensors: only the commands that read checkpoints do
+    from .checkpoint_reader import TensorSpecs
 
 SIDECAR_SETTINGS = SettingFlags(SidecarSettings)
 """`sidecar`'s flags: one per SidecarSettings setting."""
@@ -45,6 +48,8 @@ SHARD_MB = number_type(float, 0.001, 1 << 20)
 """The type of ``publish --max-shard-mb``: from about 1 KiB to 1 TiB."""
 SEED = number_type(int, 0, 2**32 - 1)
 """The type of ``make-tiny-model --seed``."""
+LORA_RANK = number_type(int, 1, MAX_ADAPTER_RANK)
+"""The type of ``validate --max-lora-rank``."""
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
@@ -74,7 +79,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from .checkpoint_reader import read_model_specs, validate_checkpoint
+    from .checkpoint_reader import read_model_specs
 
     try:
         reference = read_model_specs(args.reference) if args.reference else None
@@ -82,32 +87,83 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         print(f"error: cannot read --reference {args.reference}: {exc}", file=sys.stderr)
         return 2
     try:
-        report = validate_checkpoint(
-            args.dir,
-            root=args.root,
-            reference=reference,
-            allow_float_cast=args.allow_float_cast,
-            check_digests=args.digests,
-            check_finite=args.check_finite,
-            timeout_s=args.timeout,
-        )
-    except CheckpointError as exc:  # every bad input arrives as one (see checkpoint_reader)
+        summary = _validate_step(args, reference)
+    except CheckpointError as exc:  # every bad input arrives as one (see checkpoint_reader, adapter_reader)
         print(f"INVALID ({exc.reason}): {exc}", file=sys.stderr)
         return 1
-    print(
-        json.dumps(
-            {
-                "valid": str(report.path),
-                "step": report.manifest.step,
-                "kind": report.manifest.kind,
-                "run_id": report.manifest.run_id,
-                "tensors": len(report.specs),
-                "bytes": report.manifest.total_bytes,
-                "checks": report.checks,
-            }
-        )
-    )
+    print(json.dumps(summary))
     return 0
+
+
+def _validate_step(args: argparse.Namespace, reference: TensorSpecs | None) -> dict[str, Any]:
+    """Validate ``args.dir`` by the rules of its manifest's kind; what passed, as printed.
+
+    Full and delta steps are checkpoint_reader's (a delta's files and the model it rebuilds);
+    an adapter step is adapter_reader's, against ``--reference`` (else its own tensor shapes)
+    and the LoRA limits of ``--max-lora-rank``/``--lora-target-modules``, as the sidecar checks
+    it against the served model and ``/server_info``. Raises ``CheckpointError``."""
+    from .checkpoint_reader import validate_checkpoint
+
+    if _manifest_kind(args.dir, args.root) == "adapter":
+        return _validate_adapter_step(args, reference)
+    report = validate_checkpoint(
+        args.dir,
+        root=args.root,
+        reference=reference,
+        allow_float_cast=args.allow_float_cast,
+        check_digests=args.digests,
+        check_finite=args.check_finite,
+        timeout_s=args.timeout,
+    )
+    return {
+        "valid": str(report.path),
+        "step": report.manifest.step,
+        "kind": report.manifest.kind,
+        "run_id": report.manifest.run_id,
+        "tensors": len(report.specs),
+        "bytes": report.manifest.total_bytes,
+        "checks": report.checks,
+    }
+
+
+def _manifest_kind(step_dir: str, root: str | None) -> str | None:
+    """The kind ``step_dir``'s manifest says; None when it cannot be read (the full validator
+    then rejects the step with its own reason, in its own order)."""
+    from .checkpoint_format import Manifest
+
+    path = Path(step_dir).absolute()
+    try:
+        return Manifest.load(path, root=Path(root).absolute() if root is not None else path.parent).kind
+    except Exception:  # untrusted input: validation names what is wrong
+        return None
+
+
+def _validate_adapter_step(args: argparse.Namespace, reference: TensorSpecs | None) -> dict[str, Any]:
+    from .adapter_reader import LoraLimits, validate_adapter_step
+
+    limits = LoraLimits(enabled=True, max_rank=args.max_lora_rank, target_modules=frozenset(args.lora_target_modules))
+    report = validate_adapter_step(
+        args.dir,
+        root=args.root,
+        reference=reference,
+        limits=limits,
+        check_digests=args.digests,
+        check_finite=args.check_finite,
+        timeout_s=args.timeout,
+    )
+    info = report.manifest.adapter
+    assert info is not None  # validate_adapter refuses an adapter step without it
+    return {
+        "valid": str(report.path),
+        "step": report.manifest.step,
+        "kind": report.manifest.kind,
+        "run_id": report.manifest.run_id,
+        "tensors": report.manifest.tensor_count,
+        "bytes": report.manifest.total_bytes,
+        "checks": report.checks,
+        "rank": info.rank,
+        "modules": report.modules,
+    }
 
 
 def _cmd_materialize(args: argparse.Namespace) -> int:
@@ -220,7 +276,10 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
     p = sub.add_parser(
         "validate",
         help="validate one published checkpoint",
-        description="Validate a checkpoint directory; exits 1 with the reason when it is not loadable.",
+        description="Validate a checkpoint directory by the rules of its kind (a full step, a delta"
+        " step, or a LoRA adapter step: checked against --reference, else its own tensor shapes, and"
+        " the LoRA limits of --max-lora-rank and --lora-target-modules); exits 1 with the reason"
+        " when it is not loadable.",
     )
     p.add_argument("dir", help="checkpoint directory (e.g. ROOT/step-00000003)")
     p.add_argument(
@@ -238,6 +297,19 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         help="give up (INVALID, validation_timeout) after this many seconds (default 600)",
     )
     p.add_argument("--root", default=None, help="checkpoint root that paths must stay inside (default: DIR's parent)")
+    p.add_argument(
+        "--max-lora-rank",
+        type=LORA_RANK,
+        default=DEFAULT_MAX_RANK,
+        help=f"adapter steps: the largest rank the server serves (default {DEFAULT_MAX_RANK}, as `serve --lora`)",
+    )
+    p.add_argument(
+        "--lora-target-modules",
+        type=module_list,
+        default=DEFAULT_TARGET_MODULES,
+        help="adapter steps: comma-separated modules the server serves adapters on, or 'all'"
+        f" (default {','.join(DEFAULT_TARGET_MODULES)}, as `serve --lora`)",
+    )
     p.set_defaults(func=_cmd_validate)
 
     p = sub.add_parser(

@@ -23,6 +23,7 @@ import os
 import shutil
 import struct
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -622,7 +623,13 @@ def materialize(
     directory outside the root (inside it, a step-named ``out`` would be read as a publication).
 
     The step's manifest must be of that step; every step of its chain is checked as it is walked
-    and every byte written against the digests a full publish would have written."""
+    and every byte written against the digests a full publish would have written. Before it gets
+    its name, the model is validated by the rules ``rollout-service validate`` applies to a full
+    step (headers, sizes, index, config, loadable dtypes): a shard whose digest matches a manifest
+    that lies is no model, and is refused with validate's reason. An adapter step is no model to
+    rebuild (``adapter_step``)."""
+    from .checkpoint_reader import validate_checkpoint  # safetensors: imported when materializing only
+
     # Absolute: resolve_inside reads a relative path as relative to its root (it would double).
     root, out = Path(root).absolute(), Path(out).absolute()
     if os.path.lexists(out):
@@ -634,12 +641,21 @@ def materialize(
     manifest = Manifest.load(path, root=root)
     if manifest.step != step:
         raise CheckpointError("bad_manifest", f"{path.name}/manifest.json says step {manifest.step}, not {step}")
+    if manifest.kind == "adapter":
+        raise CheckpointError(
+            "adapter_step",
+            f"{path.name} is a LoRA adapter step, not a model: there is nothing to rebuild. Its folder"
+            f" already is a PEFT adapter directory for the base model (adapter_config.json,"
+            f" adapter_model.safetensors): check it with `rollout-service validate {path} --reference"
+            " BASE_MODEL_DIR` and load it with PEFT on that base model, or materialize a full step",
+        )
     chain = resolve_chain(root, ChainLink(path, manifest), None, deadline)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = out.parent / f"{TEMP_PREFIX}materialize-{out.name}-{uuid.uuid4().hex[:8]}"
     work.mkdir()
     try:
-        current = work / "0"
+        # Each copy is named as its published step: the checks name its files as validate would.
+        current = work / step_dir_name(chain.start.manifest.step)
         current.mkdir()
         if progress:
             progress(f"copying full step {chain.start.manifest.step}")
@@ -647,13 +663,23 @@ def materialize(
         for i, d in enumerate(chain.deltas, start=1):
             if progress:
                 progress(f"applying delta step {d.manifest.step} ({i}/{len(chain.deltas)})")
-            nxt = work / str(i)
+            nxt = work / step_dir_name(d.manifest.step)
             nxt.mkdir()
             base_manifest = reconstruct(
                 root, d, ChainLink(current, base_manifest), work, nxt, deadline, check_finite=check_finite
             )
             shutil.rmtree(current)
             current = nxt
+        if progress:
+            progress(f"validating step {step}")
+        # As `rollout-service validate` checks a full step (no reference: every tensor of a dtype
+        # SGLang loads), on this private copy: the root's files could be swapped after a check.
+        validate_checkpoint(
+            current,
+            root=work,
+            check_finite=check_finite,  # the deltas checked what they changed; this reads it all
+            timeout_s=None if timeout_s is None else max(0.001, timeout_s - (time.monotonic() - deadline.started)),
+        )
         os.rename(current, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -661,9 +687,16 @@ def materialize(
 
 
 def copy_in(root: Path, link: ChainLink, out_dir: Path, deadline: Deadline) -> Manifest:
-    """Copy a published full step's files into ``out_dir``, checking every byte against its digest."""
+    """Copy a published full step's files into ``out_dir``, checking every byte against its digest.
+
+    Only the bytes: what they hold (headers, dtypes, config) is for ``validate_checkpoint`` on
+    the copy (as :func:`materialize` does)."""
     if link.manifest.kind != "full":
-        raise CheckpointError("broken_chain", f"{link.path.name} is a {link.manifest.kind} step, not full")
+        raise CheckpointError(
+            "broken_chain",
+            f"{link.path.name} is {'an' if link.manifest.kind == 'adapter' else 'a'} {link.manifest.kind} step,"
+            " not a full one: a delta chain must start at a full step",
+        )
     for fname, entry in sorted(link.manifest.files.items()):
         copy_verified(
             root,

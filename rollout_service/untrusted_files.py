@@ -67,6 +67,16 @@ def open_regular(
     except FileNotFoundError:
         raise CheckpointError("missing_file", f"{where} does not exist") from None
     except OSError as exc:
+        try:  # a socket (ENXIO) or a link (ELOOP) cannot be opened: name what it is
+            mode = os.lstat(real).st_mode
+        except OSError:
+            mode = stat.S_IFREG
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(
+                "not_a_regular_file",
+                f"{where} is not a regular file ({_kind(mode)}); checkpoints hold only regular files:"
+                " remove it and republish",
+            ) from None
         raise CheckpointError("unreadable", f"{where} cannot be opened: {exc.strerror}") from None
     try:
         _check_opened_inside(fd, root, where)

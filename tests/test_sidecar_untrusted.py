@@ -552,3 +552,24 @@ def test_a_rejection_about_a_files_contents_ends_when_that_file_is_completed(che
         f.write(whole[:16])
     os.utime(shard)
     assert still_rejected()
+
+
+def test_a_restarted_sidecar_without_a_stage_learns_the_served_steps_tensors_from_its_manifest_only(
+    sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir
+):
+    """Without a stage SGLang serves a step of the root itself; a sidecar restarted beside it
+    learns the served tensors from that step's manifest-listed shards, never from a stray
+    ``.safetensors`` file dropped in the folder meanwhile (whose shapes would then reject every
+    good step, or let a bad one through)."""
+    from safetensors.torch import save_file
+
+    sidecar = sidecar_factory("--no-stage", replica_id="nostage")
+    publish_step(checkpoint_root, tiny_model_dir, 1)
+    sidecar.wait_step(1)
+    sidecar.stop()
+    stray = {name: torch.zeros(3, 3) for name in perturbed_state(tiny_model_dir, 1)}
+    save_file(stray, str(checkpoint_root / "step-00000001" / "zz-stray.safetensors"))
+    again = sidecar_factory("--no-stage", replica_id="nostage")
+    publish_step(checkpoint_root, tiny_model_dir, 2)
+    status = again.wait_step(2)
+    assert status["rejected"] == {} and "manifest's shards" in status["reference"], status

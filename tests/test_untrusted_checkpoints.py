@@ -107,6 +107,18 @@ def test_device_file_inside_the_root_is_refused(tmp_path):
     assert err.reason == "not_a_regular_file" and "character device" in str(err)
 
 
+@pytest.mark.parametrize("victim", ["manifest.json", "model.safetensors"])
+def test_a_socket_in_place_of_a_file_is_named_as_such(tmp_path, victim):
+    import socket
+
+    path = publish(tmp_path, 1)
+    (path / victim).unlink()
+    with socket.socket(socket.AF_UNIX) as listener:  # a stray process's socket (open() gives ENXIO)
+        listener.bind(str(path / victim))
+        err = validate_in_thread(path)
+    assert err.reason == "not_a_regular_file" and "a socket" in str(err), err
+
+
 def test_a_folder_swapped_for_a_link_out_of_the_root_after_the_check_is_refused(tmp_path, monkeypatch):
     # The race O_NOFOLLOW cannot close: the path was checked inside the root, then a folder on it
     # became a link to elsewhere before the open. Simulated by skipping the check before the

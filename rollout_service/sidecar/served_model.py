@@ -13,10 +13,13 @@ from pathlib import Path
 
 from ..checkpoint_format import CheckpointError, Manifest, step_dir_name
 from ..checkpoint_paths import is_inside
-from ..checkpoint_reader import TensorSpecs, read_model_specs
+from ..checkpoint_reader import TensorSpecs, published_step_specs, read_model_specs
 from ..protocol import step_for_version
 from .sglang_client import ServerView
 from .staging import Stage
+
+STEP_REFERENCE_TIMEOUT_S = 60.0
+"""Reading a served step's headers for its tensor list (its bytes are not read)."""
 
 
 def adoptable(view: ServerView, root: Path, stage: Stage | None) -> tuple[int, Manifest, Path] | None:
@@ -54,7 +57,9 @@ def find_reference(
     cannot be learnt (the caller reports it and loads nothing until then).
 
     In order: ``--reference-dir``; the reference kept in the stage, when SGLang serves a staged
-    copy or a step of the root (a checkpoint, not the base model); the local model directory
+    copy or a step of the root (a checkpoint, not the base model); for a step of the root served
+    without a stage (``--no-stage``), that step read as a checkpoint (its manifest's files, their
+    headers checked: never whatever else lies in the untrusted folder); the local model directory
     SGLang was started from.
     """
     if reference_dir is not None:
@@ -65,6 +70,12 @@ def find_reference(
     in_root = model_path is not None and is_inside(model_path, root)
     if persisted is not None and (ours or in_root):
         return persisted
+    if model_path and in_root and not ours:
+        try:
+            specs = published_step_specs(model_path, root=root, timeout_s=STEP_REFERENCE_TIMEOUT_S)
+        except CheckpointError:
+            return None
+        return specs, f"{model_path} (the published step SGLang serves: its manifest's shards)"
     if model_path and not ours:
         local = local_model_dir(model_path)
         if local is not None:
