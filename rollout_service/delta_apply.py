@@ -636,7 +636,7 @@ def materialize(
         raise FileExistsError(f"{out} exists; name a new directory for the materialized checkpoint")
     if is_inside(out, root):
         raise ValueError(f"{out} is inside the checkpoint root {root}; write the model directory outside it")
-    deadline = Deadline(timeout_s, what="materializing")
+    deadline = Deadline(timeout_s, what="materializing", flag="materialize's --timeout")
     path = root / step_dir_name(step)
     manifest = Manifest.load(path, root=root)
     if manifest.step != step:

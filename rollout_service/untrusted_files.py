@@ -27,12 +27,17 @@ MAX_SMALL_FILE_BYTES = 16 << 20
 """Cap on manifest.json, the shard index and config.json (real ones are kilobytes)."""
 
 
+DEFAULT_TIMEOUT_FLAG = "the sidecar's --validate-timeout (validate's --timeout)"
+
+
 class Deadline:
     """A wall-clock budget; :meth:`check` raises ``CheckpointError('validation_timeout')``."""
 
-    def __init__(self, seconds: float | None, what: str = "validation"):
+    def __init__(self, seconds: float | None, what: str = "validation", flag: str = DEFAULT_TIMEOUT_FLAG):
         self.seconds = seconds
         self.what = what
+        self.flag = flag
+        """The setting that gives this budget, named in the error."""
         self.started = time.monotonic()
         self._end = None if seconds is None else self.started + seconds
 
@@ -41,7 +46,7 @@ class Deadline:
             raise CheckpointError(
                 "validation_timeout",
                 f"{self.what} took longer than {self.seconds:g} s{f' ({where})' if where else ''};"
-                " the storage is too slow or the checkpoint too large: raise --validate-timeout",
+                f" the storage is too slow or the checkpoint too large: raise {self.flag}",
             )
 
 
