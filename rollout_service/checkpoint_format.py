@@ -38,7 +38,7 @@ import json
 import math
 import re
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -245,6 +245,16 @@ class Manifest:
             if isinstance(fp, str) and _FINGERPRINT_RE.fullmatch(fp):
                 return fp
         return self.fingerprint()
+
+    def as_copy(self) -> Manifest:
+        """The manifest a verified copy of this published step carries (in a stage, in
+        ``materialize``): it stands for this manifest. Only a manifest that names a source itself
+        (a materialized step published again) changes: its copy names this one instead, so that
+        the copy's :meth:`source_fingerprint` is this publication's fingerprint."""
+        if "reconstructed_from" not in self.extra:
+            return self
+        source = {"fingerprint": self.fingerprint(), "kind": self.kind}
+        return replace(self, extra={**self.extra, "reconstructed_from": source})
 
     @classmethod
     def from_json(cls, text: str | bytes, *, where: str = "manifest.json") -> Manifest:

@@ -707,5 +707,6 @@ def copy_in(root: Path, link: ChainLink, out_dir: Path, deadline: Deadline) -> M
             digest=entry.digest,
             deadline=deadline,
         )
-    (out_dir / MANIFEST_NAME).write_text(link.manifest.to_json())
-    return link.manifest
+    copy = link.manifest.as_copy()
+    (out_dir / MANIFEST_NAME).write_text(copy.to_json())
+    return copy

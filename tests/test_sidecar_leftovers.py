@@ -160,3 +160,32 @@ def test_a_root_with_more_entries_than_are_read_makes_the_replica_unready_with_t
     for i in range(50):
         os.remove(root / f"junk-{i}")
     assert [c.step for c in list_checkpoints(root)] == [7]
+
+
+def test_a_materialized_step_published_again_stages_and_materializes_as_itself(tmp_path, tiny_model_dir):
+    """A pruned step restored from ``materialize``'s output carries ``extra.reconstructed_from``
+    (the delta it was rebuilt from). Published again, it stands for itself: the stage's copy of
+    it is not taken for a copy of that delta (``changed_while_staging``), and it materializes."""
+    import json
+
+    from rollout_service.checkpoint_format import Manifest
+    from rollout_service.checkpoint_reader import read_model_specs
+    from rollout_service.delta_apply import materialize
+    from sidecar_helpers import publish_step
+
+    root = tmp_path / "root"
+    root.mkdir()
+    path = publish_step(root, tiny_model_dir, 3).path
+    data = json.loads((path / "manifest.json").read_text())
+    data.setdefault("extra", {})["reconstructed_from"] = {"fingerprint": "ab" * 16, "kind": "delta", "chain_start": 1}
+    (path / "manifest.json").write_text(json.dumps(data))
+    published = Manifest.load(path, root=root)
+    controller = controller_for(root, stage_dir=tmp_path / "stage")
+    controller.stage = Stage(tmp_path / "stage")
+    controller._reference = read_model_specs(tiny_model_dir)
+    report, built = controller._prepare(path)
+    assert built is not None and report.manifest.source_fingerprint() == published.fingerprint()
+    assert controller.stage.find(3, published.fingerprint()) is not None
+    out = materialize(root, 3, tmp_path / "out")
+    assert out.source_fingerprint() == published.fingerprint()
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (path / "model.safetensors").read_bytes()

@@ -345,7 +345,7 @@ class Stage:
                     digest=entry.digest,
                     deadline=deadline,
                 )
-            (tmp / MANIFEST_NAME).write_text(manifest.to_json())
+            (tmp / MANIFEST_NAME).write_text(manifest.as_copy().to_json())
             os.rename(tmp, final)
         except BaseException:
             _remove(tmp)
