@@ -60,14 +60,19 @@ from .checkpoint_writer import (
     _TAG_TO_TORCH,
     _TORCH_TO_TAG,
     DEFAULT_MAX_SHARD_BYTES,
+    PublishRefused,
     PublishResult,
     ShardPlanner,
     _prepare,
     _write_shard,
     atomic_step_dir,
     check_run_id,
+    check_tensor_name,
     config_text,
+    count_non_finite_bytes,
+    duplicate_refusal,
     index_json,
+    non_finite_refusal,
     publish_checkpoint,
     shard_file_names,
     shard_prefix,
@@ -76,6 +81,7 @@ from .checkpoint_writer import (
 )
 from .delta_choice import PublishCosts
 from .digest import format_digest, new_hasher
+from .finite import count_non_finite
 from .ordered_digests import OrderedDigests
 
 log = logging.getLogger(__name__)
@@ -160,9 +166,12 @@ class DeltaCheckpointWriter:
         threads: int | None = None,
         level: int = delta_codec.ZSTD_LEVEL,
         costs: PublishCosts | None = None,
+        check_finite: bool = True,
     ):
         """``costs``: choose between delta and full by measured publish times (None: a delta
-        whenever one is possible)."""
+        whenever one is possible). ``check_finite``: refuse a version whose floating tensors
+        hold NaN/Inf (:class:`~rollout_service.checkpoint_writer.PublishRefused` from
+        :meth:`absorb`); False only to make checkpoints that readers must reject, in tests."""
         if not 1 <= full_every <= MAX_CHAIN_LENGTH + 1:
             raise ValueError(
                 f"full_every must be between 1 (every checkpoint is full) and {MAX_CHAIN_LENGTH + 1} (the longest"
@@ -173,6 +182,7 @@ class DeltaCheckpointWriter:
         self.full_every = full_every
         self.max_ratio = max_ratio
         self.level = level
+        self.check_finite = check_finite
         self.threads = threads or min(8, os.cpu_count() or 1)
         self._held: dict[str, _Held] = {}
         self._order: list[str] = []
@@ -228,7 +238,16 @@ class DeltaCheckpointWriter:
     ) -> Absorbed:
         """Consume every tensor (always to the end), update the held copy, encode the XORs and
         (for a delta, whose shards are the last version's) hash the shards a full publish with
-        ``max_shard_bytes`` would write, each part as soon as its held bytes are updated."""
+        ``max_shard_bytes`` would write, each part as soon as its held bytes are updated.
+
+        A version that readers would reject (a tensor name they cannot parse, see
+        :func:`~rollout_service.checkpoint_writer.check_tensor_name`; with ``check_finite``, a
+        floating tensor holding NaN/Inf, counted in each changed part while it is in cache) is
+        refused here with :class:`~rollout_service.checkpoint_writer.PublishRefused`, before
+        anything is written, after taking part in the rest of the gathers. A delta candidate's
+        held copy is then put back to the last published version (the changed parts XORed with
+        their frames again), so the next version is still a delta on what replicas hold; a
+        version that was going to be full has overwritten the copy, and the next one is full."""
         t0 = time.perf_counter()
         target = normalize_dtype(dtype)
         self._absorbed = None
@@ -244,6 +263,7 @@ class DeltaCheckpointWriter:
             why_full, probe = choice.reason, choice.probe
         auto_full = bool(why_full) and base is not None and base.deltas_since_full + 1 < self.full_every
         delta = not why_full
+        why_no_base = self._why_no_base
         self._base = None  # until this version is written, nothing is a valid base
         self._why_no_base = "the previous publish did not complete (its version is no base)"
         old, old_order = self._held, self._order
@@ -252,17 +272,23 @@ class DeltaCheckpointWriter:
         blobs: dict[str, bytes] = {}
         frames: dict[str, list[int]] = {}
         changed = 0
-        pending: deque[tuple[str, list[Future[bytes | None]]]] = deque()
+        pending: deque[tuple[str, list[Future[_Part]]]] = deque()
         hashing = _LayoutDigests(old_order, old, max_shard_bytes) if delta else None
+        refusal: PublishRefused | None = None
 
-        def settle(name: str, jobs: list[Future[bytes | None]]) -> None:
-            nonlocal changed
-            parts = [job.result() for job in jobs]
+        def settle(name: str, jobs: list[Future[_Part]]) -> None:
+            nonlocal changed, refusal
+            results = [job.result() for job in jobs]
+            parts = [part for part, _ in results]
             if any(part is not None for part in parts):
                 blobs[name] = b"".join(part for part in parts if part is not None)
                 frames[name] = [0 if part is None else len(part) for part in parts]
                 changed += held[name].nbytes
                 held[name].digest = ""  # its held bytes changed: hashed again when written
+            bad = sum(count for _, count in results)
+            if bad and refusal is None:
+                h = held[name]
+                refusal = non_finite_refusal(name, h.tag, h.nbytes // DTYPE_SIZES[h.tag], bad)
 
         source = iter(tensors)
         if self._pool is None:
@@ -270,10 +296,14 @@ class DeltaCheckpointWriter:
         pool = self._pool
         try:
             for name, tensor in source:
-                if not isinstance(name, str) or not name:
-                    raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
-                if name in held:
-                    raise ValueError(f"tensor {name!r} appears twice in the published state")
+                if refusal is not None:
+                    continue  # refused: only take part in the rest of the gathers (collective)
+                try:
+                    if check_tensor_name(name) in held:
+                        raise duplicate_refusal(name)
+                except PublishRefused as exc:
+                    refusal = exc
+                    continue
                 tag, shape = _tag_after_prepare(tensor, target), tuple(tensor.shape)
                 nbytes = DTYPE_SIZES[tag] * tensor.numel()
                 prev = old.get(name)
@@ -303,6 +333,15 @@ class DeltaCheckpointWriter:
                     job.cancel()
             self._held, self._order = {}, []
             raise
+        if refusal is not None:
+            self._held, self._order = {}, []
+            self._why_no_base = "the previous version was refused, and the copy held of its base was overwritten"
+            if delta:  # every held entry is the last version's, changed in place: change it back
+                for name, blob in blobs.items():
+                    _undo_frames(held[name], blob, frames[name])
+                self._held, self._order = old, old_order
+                self._base, self._why_no_base = base, why_no_base
+            raise refusal
         if not order:
             raise ValueError("no tensors to publish: the iterable was empty")
         if delta and len(order) != len(old_order):
@@ -333,7 +372,7 @@ class DeltaCheckpointWriter:
 
     def _submit_encode(
         self, pool: ThreadPoolExecutor, name: str, tensor: torch.Tensor, prev: _Held, hashing: _LayoutDigests | None
-    ) -> list[Future[bytes | None]]:
+    ) -> list[Future[_Part]]:
         """One encode job per :data:`~rollout_service.delta_codec.CHUNK_BYTES` part of the tensor."""
         flat = tensor.detach().reshape(-1)
         per_part = delta_codec.CHUNK_BYTES // DTYPE_SIZES[prev.tag]
@@ -351,13 +390,15 @@ class DeltaCheckpointWriter:
         hashing: _LayoutDigests | None,
         name: str,
         part: int,
-    ) -> bytes | None:
+    ) -> _Part:
         """(On an encode thread.) Cast one part into this thread's buffer, XOR it with the held
         bytes, compress it into one frame, update the held bytes in place when they changed (a
         version allocates no model-sized memory: no page faults, and the held bytes stay the one
         copy), and offer them to ``hashing`` while they are still in cache. Returns the frame,
-        or None when the part did not change. A CPU tensor already in the checkpoint dtype is
-        read where it is, not copied into the buffer first (0.1-0.2 s per GB on one thread)."""
+        or None when the part did not change, and (with ``check_finite``) the NaN/Inf values of
+        a changed part (an unchanged one is the last version's: checked then). A CPU tensor
+        already in the checkpoint dtype is read where it is, not copied into the buffer first
+        (0.1-0.2 s per GB on one thread)."""
         cast_bytes, scratch, compressor = self._thread_state()
         itemsize = DTYPE_SIZES[prev.tag]
         if flat.device.type == "cpu" and flat.dtype == _TAG_TO_TORCH[prev.tag]:
@@ -369,11 +410,14 @@ class DeltaCheckpointWriter:
         lo = first * itemsize
         old = prev.data[lo : lo + count * itemsize]
         frame = delta_codec.encode_frame(new, old, scratch, compressor)
+        bad = 0
         if frame is not None:
-            np.copyto(old, new)
+            if self.check_finite and prev.tag in FLOAT_DTYPES:
+                bad = count_non_finite(new, prev.tag, scratch)  # the XOR is compressed: scratch is free
+            np.copyto(old, new)  # also when refused: the frame takes it back (_undo_frames)
         if hashing is not None:
             hashing.offer(name, part, old.data)
-        return frame
+        return frame, bad
 
     def _thread_state(self) -> tuple[np.ndarray, np.ndarray, Any]:
         """This encode thread's cast and XOR buffers and its compressor, kept across versions."""
@@ -386,8 +430,9 @@ class DeltaCheckpointWriter:
             )
         return state
 
-    @staticmethod
-    def _copy_into(tensor: torch.Tensor, target: str | None, entry: _Held, reuse: np.ndarray | None) -> None:
+    def _copy_into(self, tensor: torch.Tensor, target: str | None, entry: _Held, reuse: np.ndarray | None) -> _Part:
+        """(On an encode thread.) Hold a tensor of a full version; return (None, its NaN/Inf values
+        when ``check_finite``): the write then need not count them again."""
         if reuse is not None:  # cast straight into the last version's buffer: no allocation
             _typed(reuse, entry.tag).copy_(tensor.detach().reshape(-1))
             entry.data = reuse
@@ -395,7 +440,10 @@ class DeltaCheckpointWriter:
             t = _prepare(tensor, target)
             entry.data = _keep(tensor, t, _bytes_of(t), None)
         entry.digest = ""  # computed when a delta needs it: a full publish hashes its files itself
-        return None
+        bad = 0
+        if self.check_finite and entry.tag in FLOAT_DTYPES:
+            bad = count_non_finite_bytes(entry.data, entry.tag, self._thread_state()[1])
+        return None, bad
 
     # --- writing it ---------------------------------------------------------------------------
     def write(
@@ -445,6 +493,7 @@ class DeltaCheckpointWriter:
                     max_shard_bytes=max_shard_bytes,
                     base_model=base_model,
                     run_id=run_id,
+                    check_finite=False,  # absorb counted every held byte that changed (check_finite)
                 )
                 new_base = _Base(step, result.fingerprint, step, 0, result.fingerprint)
             else:
@@ -677,6 +726,26 @@ def _tag_after_prepare(tensor: torch.Tensor, target: str | None) -> str:
 
 
 _NO_BYTES = np.empty(0, dtype=np.uint8)
+
+_Part = tuple[bytes | None, int]
+"""What an encode job returns: a part's frame (None: unchanged) and its NaN/Inf values."""
+
+
+def _undo_frames(h: _Held, blob: bytes, sizes: list[int]) -> None:
+    """Put a tensor's held bytes back to the version before: XOR each changed part with its
+    frame (``zstd(new XOR old)``) again. Only after a refused version (rare): one thread."""
+    scratch = delta_codec.new_scratch()
+    at = 0
+    for i, size in enumerate(sizes):
+        if not size:
+            continue
+        lo = i * delta_codec.CHUNK_BYTES
+        piece = h.data[lo : min(lo + delta_codec.CHUNK_BYTES, h.nbytes)]
+        with delta_codec.FrameReader(memoryview(blob)[at : at + size], piece.shape[0], where="undo") as reader:
+            reader.xor_into(piece, scratch[: piece.shape[0]])
+            reader.finish()
+        at += size
+    h.digest = ""
 
 
 def _typed(data: np.ndarray, tag: str) -> torch.Tensor:
