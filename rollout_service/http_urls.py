@@ -1,4 +1,5 @@
-"""Checking a server address given in a setting (``--sglang-url``, ``sglang_urls``, ``sidecar_urls``).
+"""Checking the server addresses settings give: URLs (``--sglang-url``, ``sglang_urls``,
+``sidecar_urls``) and the hosts a server binds to (``--host``, ``--sglang-host``).
 
 A prefix check alone let through addresses that fail later, far from the setting that named
 them: ``http://::1:30000`` (an IPv6 host needs brackets), a port past 65535, a URL with a
@@ -8,7 +9,12 @@ address once, at start-up, and says what is wrong with it.
 
 from __future__ import annotations
 
+import ipaddress
+import re
+
 import httpx
+
+_HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9_-]{0,62}))*$")
 
 
 def check_http_url(url: str, name: str) -> str:
@@ -35,3 +41,23 @@ def check_http_url(url: str, name: str) -> str:
             " pass credentials as an API key or token setting instead"
         )
     return url
+
+
+def check_bind_host(host: str, flag: str) -> None:
+    """Raise ValueError unless ``host`` (the setting ``flag``) is an IP address or a host name
+    a server can bind to."""
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    if not _HOSTNAME_RE.match(host) or host.replace(".", "").isdigit():
+        raise ValueError(
+            f"{flag} {host!r} is neither an IP address nor a host name: use e.g. 127.0.0.1 (this machine"
+            " only) or 0.0.0.0 (every interface)"
+        )
+
+
+def url_host(host: str) -> str:
+    """``host`` as it goes into a URL: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

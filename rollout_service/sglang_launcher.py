@@ -25,6 +25,7 @@ from types import TracebackType
 from typing import Any
 
 from .cli_env import check_bounds, setting
+from .http_urls import check_bind_host, url_host
 from .lora_serving import LoraServing
 from .process_group import LOG_TAIL_LINES, ProcessGroup, ProcessStartError, log_tail
 
@@ -313,6 +314,7 @@ class SGLangServerConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self)
+        check_bind_host(self.host, "--sglang-host")
         self.python = self.python or sys.executable
         self.extra_args = tuple(self.extra_args)
         self.env = dict(self.env or {})
@@ -355,7 +357,7 @@ class SGLangServer:
     @property
     def url(self) -> str:
         """Base URL of the server, e.g. "http://127.0.0.1:30000"."""
-        return f"http://{self.config.host}:{self.port}"
+        return f"http://{url_host(self.config.host)}:{self.port}"
 
     @property
     def pid(self) -> int | None:

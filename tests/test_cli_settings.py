@@ -325,3 +325,20 @@ def test_a_type_without_a_text_conversion_needs_parse_and_unknown_fields_are_ref
     assert flags.build(parser.parse_args(["--names", "b,c"])).names == ("b", "c")
     with pytest.raises(TypeError, match="no fields"):
         SettingFlags(Parsed, exclude={"nope"})
+
+
+@pytest.mark.parametrize("host", ["not a host", "1.2.3", "a..b", ""])
+def test_a_bind_host_that_is_no_address_is_refused_naming_its_flag(tmp_path: Path, host: str) -> None:
+    from rollout_service.sglang_launcher import SGLangServerConfig
+
+    with pytest.raises(ValueError, match=r"--sglang-host .* is neither an IP address nor a host name"):
+        SGLangServerConfig(tmp_path, host=host)
+
+
+def test_an_ipv6_sglang_host_gets_a_url_with_brackets(tmp_path: Path) -> None:
+    from rollout_service.http_urls import check_http_url
+    from rollout_service.sglang_launcher import SGLangServer
+
+    server = SGLangServer(tmp_path, host="::1", port=30000)
+    assert server.url == "http://[::1]:30000"
+    assert check_http_url(server.url, "--sglang-url") == server.url

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import re
@@ -13,13 +12,12 @@ from pathlib import Path
 from ..checkpoint_paths import is_inside
 from ..cli_env import TIMEOUT_S, bounds_metadata, check_bounds, setting
 from ..http_auth import check_token
-from ..http_urls import check_http_url
+from ..http_urls import check_bind_host, check_http_url
 from .root_gate import answered_within
 
 log = logging.getLogger(__name__)
 
 _REPLICA_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-_HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9_-]{0,62}))*$")
 """RFC 1123 host names, and ``_`` as Docker Compose service names have them."""
 
 INTERVAL_S = (0.01, 3600.0)
@@ -156,7 +154,7 @@ class SidecarSettings:
         # which reads a relative path as relative to the root (a relative root would double).
         self.checkpoint_path = Path(self.checkpoint_path).expanduser().absolute()
         check_bounds(self)  # every number: finite and in its declared range, or a ValueError naming its flag
-        _check_host(self.host)
+        check_bind_host(self.host, "--host")
         check_token(self.token, "--token")
         check_token(self.sglang_api_key, "--sglang-api-key")
         if not self.replica_id:
@@ -205,17 +203,3 @@ class SidecarSettings:
             raise ValueError(
                 f"--stage-dir {stage} is inside the checkpoint root; it must be node-local and private to this sidecar"
             )
-
-
-def _check_host(host: str) -> None:
-    """Raise ValueError unless ``host`` is an IP address or a host name the sidecar can bind to."""
-    try:
-        ipaddress.ip_address(host)
-        return
-    except ValueError:
-        pass
-    if not _HOSTNAME_RE.match(host) or host.replace(".", "").isdigit():
-        raise ValueError(
-            f"--host {host!r} is neither an IP address nor a host name: use e.g. 127.0.0.1 (this machine"
-            " only) or 0.0.0.0 (every interface)"
-        )
