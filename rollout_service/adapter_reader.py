@@ -33,7 +33,7 @@ from .checkpoint_format import (
 )
 from .checkpoint_paths import resolve_inside
 from .checkpoint_reader import TensorSpecs, read_every_byte, read_safetensors_specs
-from .untrusted_files import NO_DEADLINE, Deadline, open_regular, read_small
+from .untrusted_files import NO_DEADLINE, Deadline, any_failure_is_the_steps, open_regular, read_small
 
 PEFT_PREFIX = "base_model.model."
 LORA_PARTS = ("lora_A", "lora_B")
@@ -305,30 +305,22 @@ def validate_adapter_step(
     checkpoint_dir = Path(checkpoint_dir).absolute()  # a relative root would double (resolve_inside)
     real_root = Path(root).absolute() if root is not None else checkpoint_dir.parent
     try:
-        report = validate_adapter(
-            checkpoint_dir,
-            root=real_root,
-            reference=reference if reference is not None else _implied_reference(checkpoint_dir, real_root),
-            limits=limits,
-            check_finite=check_finite,
-            check_digests=check_digests,
-            timeout_s=timeout_s,
-        )
+        with any_failure_is_the_steps(checkpoint_dir.name, "adapter"):
+            report = validate_adapter(
+                checkpoint_dir,
+                root=real_root,
+                reference=reference if reference is not None else _implied_reference(checkpoint_dir, real_root),
+                limits=limits,
+                check_finite=check_finite,
+                check_digests=check_digests,
+                timeout_s=timeout_s,
+            )
     except CheckpointError as exc:
         if reference is None and exc.reason == "adapter_mismatch":
             raise CheckpointError(
                 "bad_adapter", f"{exc} (checked without a reference model, against its own lora_A/lora_B shapes)"
             ) from None
         raise
-    except MemoryError:
-        raise CheckpointError(
-            "unreadable",
-            f"{checkpoint_dir.name}: out of memory while reading it; the adapter is not what its manifest describes",
-        ) from None
-    except Exception as exc:  # untrusted input: whatever broke, it is this step's fault
-        raise CheckpointError(
-            "unreadable", f"{checkpoint_dir.name} cannot be read: {type(exc).__name__}: {str(exc)[:200]}"
-        ) from None
     if reference is None:
         report.checks = [SELF_CHECKED if c == "tensors fit the served model" else c for c in report.checks]
     return report

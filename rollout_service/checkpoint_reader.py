@@ -38,7 +38,7 @@ from .checkpoint_format import (
 from .checkpoint_paths import resolve_inside
 from .digest import format_digest, new_hasher
 from .finite import count_non_finite
-from .untrusted_files import NO_DEADLINE, Deadline, fd_path, open_regular, read_small
+from .untrusted_files import NO_DEADLINE, Deadline, any_failure_is_the_steps, fd_path, open_regular, read_small
 
 TensorSpecs = dict[str, tuple[str, tuple[int, ...]]]
 """tensor name -> (safetensors dtype tag, shape)"""
@@ -255,7 +255,7 @@ def validate_checkpoint(
     """
     checkpoint_dir = Path(checkpoint_dir).absolute()  # a relative root would double (resolve_inside)
     deadline = Deadline(timeout_s) if timeout_s is not None else NO_DEADLINE
-    try:
+    with any_failure_is_the_steps(checkpoint_dir.name):
         return _validate(
             checkpoint_dir,
             Path(root).absolute() if root is not None else checkpoint_dir.parent,
@@ -265,17 +265,6 @@ def validate_checkpoint(
             check_finite,
             deadline,
         )
-    except CheckpointError:
-        raise
-    except MemoryError:
-        raise CheckpointError(
-            "unreadable",
-            f"{checkpoint_dir.name}: out of memory while reading it; the checkpoint is not what its manifest describes",
-        ) from None
-    except Exception as exc:  # untrusted input: whatever broke, it is this checkpoint's fault
-        raise CheckpointError(
-            "unreadable", f"{checkpoint_dir.name} cannot be read: {type(exc).__name__}: {str(exc)[:200]}"
-        ) from None
 
 
 def _validate(

@@ -100,6 +100,23 @@ def open_regular(
         os.close(fd)
 
 
+@contextlib.contextmanager
+def any_failure_is_the_steps(name: str, what: str = "checkpoint") -> Iterator[None]:
+    """Whatever breaks while reading untrusted step ``name`` is that step's fault: a
+    ``CheckpointError`` passes, anything else becomes one (``unreadable``), so callers have
+    one error to handle and a reason to report."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except MemoryError:
+        raise CheckpointError(
+            "unreadable", f"{name}: out of memory while reading it; the {what} is not what its manifest describes"
+        ) from None
+    except Exception as exc:
+        raise CheckpointError("unreadable", f"{name} cannot be read: {type(exc).__name__}: {str(exc)[:200]}") from None
+
+
 def read_small(root: Path, path: Path, *, where: str, max_bytes: int = MAX_SMALL_FILE_BYTES) -> bytes:
     """The bytes of a small regular file under ``root``, never more than ``max_bytes``."""
     with open_regular(root, path, where=where, max_bytes=max_bytes) as (fd, _):

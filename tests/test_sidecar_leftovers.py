@@ -22,6 +22,24 @@ def controller_for(root, **kw) -> SyncController:
     return SyncController(SidecarSettings(checkpoint_path=root, sglang_url="http://127.0.0.1:9", replica_id="r0", **kw))
 
 
+def run_loop_until(controller: SyncController, done, timeout_s: float = 5.0) -> None:
+    """Run the sidecar's loop in this process (as the app does) until ``done()``, then stop it."""
+
+    async def scenario() -> None:
+        loop = asyncio.create_task(controller.run())
+        loop.add_done_callback(controller.loop_ended)
+        try:
+            for _ in range(int(timeout_s / 0.05)):
+                if done():
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await controller.stop()
+            loop.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_a_stage_whose_lock_cannot_be_opened_is_a_stage_error_naming_it(tmp_path):
     stage = tmp_path / "stage"
     (stage / ".lock").mkdir(parents=True)  # a stray directory where the lock file goes
@@ -33,20 +51,7 @@ def test_a_sidecar_whose_stage_cannot_be_taken_over_reports_it_as_fatal(tmp_path
     stage = tmp_path / "stage"
     (stage / ".lock").mkdir(parents=True)
     controller = controller_for(tmp_path / "root", stage_dir=stage, health_interval_s=0.2)
-
-    async def scenario() -> None:
-        loop = asyncio.create_task(controller.run())
-        loop.add_done_callback(controller.loop_ended)
-        try:
-            for _ in range(100):
-                if controller.state.fatal is not None:
-                    break
-                await asyncio.sleep(0.05)
-        finally:
-            await controller.stop()
-            loop.cancel()
-
-    asyncio.run(scenario())
+    run_loop_until(controller, lambda: controller.state.fatal is not None)
     ready, why = controller.readiness()
     assert not ready and why.startswith("stage_failed: cannot open") and ".lock" in why, why
 
@@ -142,19 +147,7 @@ def test_a_root_with_more_entries_than_are_read_makes_the_replica_unready_with_t
         list_checkpoints(root)
     assert failed.value.reason == "too_many_entries"
     controller = controller_for(root, health_interval_s=0.2)
-
-    async def scenario() -> None:
-        loop = asyncio.create_task(controller.run())
-        try:
-            for _ in range(100):
-                if controller.state.loop_heartbeat is not None:
-                    break
-                await asyncio.sleep(0.05)
-        finally:
-            await controller.stop()
-            loop.cancel()
-
-    asyncio.run(scenario())
+    run_loop_until(controller, lambda: controller.state.loop_heartbeat is not None)
     ready, why = controller.readiness()
     assert not ready and why.startswith("too_many_entries: the checkpoint root"), why
     for i in range(50):

@@ -134,8 +134,22 @@ def test_a_notify_to_a_dripping_sidecar_ends_within_its_bound(servers: list[Cann
     assert sidecar.requests[0][:2] == ("POST", "/sync")
 
 
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
+def with_client(server: CannedServer, call: Any) -> Any:
+    """``call(client)`` with the sidecar's SGLang client on ``server``, closed after."""
+
+    async def go() -> Any:
+        client = SGLangClient(server.url, timeout_s=3.0)
+        try:
+            return await call(client)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+def answering(servers: list[CannedServer], body: Any) -> CannedServer:
+    raw = body if isinstance(body, str) else json.dumps(body)
+    return canned(servers, lambda path, b, count: canned_reply(200, raw))
 
 
 @pytest.mark.parametrize(
@@ -144,17 +158,7 @@ def run(coro: Any) -> Any:
     ids=["a-list", "null", "path-not-a-string", "path-with-nul", "nested-past-the-recursion-limit"],
 )
 def test_the_sidecar_takes_a_malformed_model_info_for_what_it_is(servers: list[CannedServer], body: Any) -> None:
-    raw = body if isinstance(body, str) else json.dumps(body)
-    server = canned(servers, lambda path, b, count: canned_reply(200, raw))
-
-    async def view() -> Any:
-        client = SGLangClient(server.url, timeout_s=3.0)
-        try:
-            return await client.view()
-        finally:
-            await client.aclose()
-
-    seen = run(view())
+    seen = with_client(answering(servers, body), lambda client: client.view())
     if isinstance(body, dict):  # an object: SGLang's, with the odd field dropped
         assert seen.healthy and seen.model_path is None
     else:
@@ -167,15 +171,6 @@ def test_the_sidecar_takes_a_malformed_model_info_for_what_it_is(servers: list[C
     ids=["success-as-a-string", "a-list", "no-success", "nested-past-the-recursion-limit"],
 )
 def test_a_weight_update_counts_only_an_answer_that_says_success_true(servers: list[CannedServer], body: Any) -> None:
-    raw = body if isinstance(body, str) else json.dumps(body)
-    server = canned(servers, lambda path, b, count: canned_reply(200, raw))
-
-    async def load() -> None:
-        client = SGLangClient(server.url, timeout_s=3.0)
-        try:
-            await client.load_from_disk("/stage/step-00000001", "1")
-        finally:
-            await client.aclose()
-
+    server = answering(servers, body)
     with pytest.raises(SGLangLoadRejected, match="SGLang refused /stage/step-00000001"):
-        run(load())
+        with_client(server, lambda client: client.load_from_disk("/stage/step-00000001", "1"))
