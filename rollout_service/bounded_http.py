@@ -64,7 +64,7 @@ def request(
     headers = {**NO_COMPRESSION, **kw.pop("headers", {})}
     with client.stream(method, url, headers=headers, timeout=_timeout(timeout_s), **kw) as response:
         chunks = _Chunks(response, deadline, limit)
-        for chunk in response.iter_raw():
+        for chunk in response.iter_bytes():  # not decoded: an encoded answer was refused
             chunks.add(chunk)
         return Answer(response.status_code, response.headers, chunks.joined())
 
@@ -77,7 +77,7 @@ async def arequest(
     headers = {**NO_COMPRESSION, **kw.pop("headers", {})}
     async with client.stream(method, url, headers=headers, timeout=_timeout(timeout_s), **kw) as response:
         chunks = _Chunks(response, deadline, limit)
-        async for chunk in response.aiter_raw():
+        async for chunk in response.aiter_bytes():  # not decoded: an encoded answer was refused
             chunks.add(chunk)
         return Answer(response.status_code, response.headers, chunks.joined())
 

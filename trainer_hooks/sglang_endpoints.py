@@ -599,7 +599,7 @@ def _read_body(url: str, response: httpx.Response, deadline: float, limit: int, 
         raise _EndpointFailed(url, f"{too_large}: Content-Length {declared}, refused unread")
     chunks: list[bytes] = []
     size = 0
-    for chunk in response.iter_raw():
+    for chunk in response.iter_bytes():  # not decoded: an encoded answer was refused above
         size += len(chunk)
         if size > limit:
             raise _EndpointFailed(url, f"{too_large}: reading stopped there")
@@ -615,9 +615,11 @@ def _read_body(url: str, response: httpx.Response, deadline: float, limit: int, 
 
 def _error_text(response: httpx.Response, deadline: float) -> str:
     """The start of an error answer (up to ``ERROR_TEXT_BYTES``), for the message."""
+    if response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
+        return "(a compressed answer, not read)"
     data = b""
     try:
-        for chunk in response.iter_raw():
+        for chunk in response.iter_bytes():
             data += chunk
             if len(data) >= ERROR_TEXT_BYTES or time.monotonic() > deadline:
                 break
