@@ -242,6 +242,7 @@ def validate_checkpoint(
     check_digests: bool = False,
     check_finite: bool = False,
     timeout_s: float | None = None,
+    timeout_flag: str | None = None,
 ) -> ValidationReport:
     """Check that ``checkpoint_dir`` is a complete, self-consistent published checkpoint.
 
@@ -250,11 +251,13 @@ def validate_checkpoint(
     and dtypes; ``allow_float_cast`` accepts a different floating dtype (SGLang
     casts on load). ``check_digests`` re-reads every byte and compares digests;
     ``check_finite`` refuses NaN/Inf in floating tensors (it reads every byte too).
-    ``timeout_s`` bounds the whole validation (``validation_timeout``). Any failure, of
-    whatever kind, raises ``CheckpointError``.
+    ``timeout_s`` bounds the whole validation (``validation_timeout``, naming ``timeout_flag``,
+    the setting that gives it). Any failure, of whatever kind, raises ``CheckpointError``.
     """
     checkpoint_dir = Path(checkpoint_dir).absolute()  # a relative root would double (resolve_inside)
-    deadline = Deadline(timeout_s) if timeout_s is not None else NO_DEADLINE
+    deadline = NO_DEADLINE
+    if timeout_s is not None:
+        deadline = Deadline(timeout_s) if timeout_flag is None else Deadline(timeout_s, flag=timeout_flag)
     with any_failure_is_the_steps(checkpoint_dir.name):
         return _validate(
             checkpoint_dir,

@@ -628,7 +628,10 @@ def materialize(
     step (headers, sizes, index, config, loadable dtypes): a shard whose digest matches a manifest
     that lies is no model, and is refused with validate's reason. An adapter step is no model to
     rebuild (``adapter_step``)."""
-    from .checkpoint_reader import validate_checkpoint  # safetensors: imported when materializing only
+    from .checkpoint_reader import (
+        read_model_specs,
+        validate_checkpoint,
+    )  # safetensors: imported when materializing only
 
     # Absolute: resolve_inside reads a relative path as relative to its root (it would double).
     root, out = Path(root).absolute(), Path(out).absolute()
@@ -674,11 +677,17 @@ def materialize(
             progress(f"validating step {step}")
         # As `rollout-service validate` checks a full step (no reference: every tensor of a dtype
         # SGLang loads), on this private copy: the root's files could be swapped after a check.
+        try:  # compared with its own tensors: no model at hand, and any dtype it was published in is its own
+            own = read_model_specs(current)
+        except (FileNotFoundError, CheckpointError):
+            own = None  # the validation says what is wrong
         validate_checkpoint(
             current,
             root=work,
+            reference=own,
             check_finite=check_finite,  # the deltas checked what they changed; this reads it all
             timeout_s=None if timeout_s is None else max(0.001, timeout_s - (time.monotonic() - deadline.started)),
+            timeout_flag=deadline.flag,
         )
         os.rename(current, out)
     finally:

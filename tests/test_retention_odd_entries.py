@@ -283,3 +283,20 @@ def test_folders_that_cannot_be_emptied_are_logged_and_the_rest_goes_on(tmp_path
     log = done.stderr
     assert "could not remove the stale temporary entry" in log and ".tmp-step-00000003" in log
     assert "deleted old checkpoint step-00000001" in log and "remove it by hand" in log
+
+
+def test_a_root_too_full_to_list_does_not_end_a_run_that_has_published(tmp_path: Path, monkeypatch) -> None:
+    """Past the listing's cap (a million entries; 20 here) a run numbers on from its own last
+    version; a run that has published nothing yet cannot, and says why."""
+    from rollout_service import checkpoint_reader
+
+    _publish(tmp_path, range(1, 3))
+    publisher = _publisher(tmp_path)
+    assert publisher.next_version() == 3
+    monkeypatch.setattr(checkpoint_reader, "MAX_ROOT_ENTRIES", 20)
+    for i in range(20):
+        (tmp_path / f"junk-{i}").write_bytes(b"")
+    with pytest.raises(RuntimeError, match="cannot number the first checkpoint of this run: .*more than 20 entries"):
+        publisher.next_version()
+    publisher.latest_version = 7
+    assert publisher.next_version() == 8

@@ -116,12 +116,21 @@ def test_a_wait_whose_client_left_holds_nothing_and_a_stop_does_not_wait_on_open
     (tmp_path / "root").mkdir()
     sidecar = Sidecar(tmp_path / "root", dead_url(), tmp_path / "sidecar.log")
     try:
+
+        def open_waits() -> int:
+            return httpx.get(f"{sidecar.url}/status", timeout=10).json()["open_waits"]
+
         with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s and goes
             httpx.get(f"{sidecar.url}/wait?version=5&timeout=600", timeout=1.0)
+        deadline = time.monotonic() + 5
+        while open_waits() != 0:  # the sidecar lets go of it within about a second
+            assert time.monotonic() < deadline, "a /wait whose client left is still held"
+            time.sleep(0.2)
         threading.Thread(
             target=lambda: httpx.get(f"{sidecar.url}/wait?version=5&timeout=600", timeout=700), daemon=True
         ).start()
         time.sleep(1.5)
+        assert open_waits() == 1
         t0 = time.monotonic()
         sidecar.proc.send_signal(signal.SIGTERM)
         sidecar.proc.wait(timeout=SHUTDOWN_GRACE_S + 15)
@@ -182,3 +191,48 @@ def test_a_materialized_step_published_again_stages_and_materializes_as_itself(t
     out = materialize(root, 3, tmp_path / "out")
     assert out.source_fingerprint() == published.fingerprint()
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (path / "model.safetensors").read_bytes()
+
+
+def test_wait_names_the_rejection_of_the_step_waited_for_whatever_else_was_rejected(tmp_path, tiny_model_dir):
+    """Reports name the 64 newest rejections; a trainer waiting for an older rejected step still
+    learns at once that it was rejected (else it would wait out its whole sync_timeout)."""
+    from fastapi.testclient import TestClient
+
+    from rollout_service.sidecar import controller as controller_module
+    from rollout_service.sidecar.app import create_app
+    from sidecar_helpers import publish_step
+
+    root = tmp_path / "root"
+    root.mkdir()
+    path = publish_step(root, tiny_model_dir, 5).path
+    settings = SidecarSettings(
+        checkpoint_path=root, sglang_url="http://127.0.0.1:9", replica_id="r0", stage_dir=tmp_path / "stage"
+    )
+    app = create_app(settings)
+    controller = app.state.controller
+    for step in range(90_000_000, 90_000_100):
+        (root / f"step-{step:08d}").write_bytes(b"")
+        controller.state.rejected[step] = "missing_manifest"
+    controller.state.rejected[5] = "digest_mismatch"
+    controller._rejected_at[5] = controller_module._publication_identity(path)
+    with TestClient(app) as client:
+        answer = client.get("/wait?version=5&timeout=2")
+    assert answer.status_code == 504
+    assert answer.json()["rejected"]["5"] == "digest_mismatch"
+    assert len(answer.json()["rejected"]) == MAX_REPORTED_REJECTIONS + 1
+
+
+def test_a_base_model_kept_under_the_root_is_still_a_reference(tmp_path, tiny_model_dir):
+    """Only a step directory of the root is read as a published step; a base model SGLang was
+    started from that happens to sit under the root is read as a model directory, as before."""
+    import shutil
+
+    from rollout_service.checkpoint_reader import read_model_specs
+    from rollout_service.sidecar.served_model import find_reference
+    from rollout_service.sidecar.sglang_client import ServerView
+
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(tiny_model_dir, root / "base-model")
+    found = find_reference(ServerView(healthy=True, model_path=str(root / "base-model")), root, None, None)
+    assert found is not None and found[0] == read_model_specs(tiny_model_dir)

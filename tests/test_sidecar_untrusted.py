@@ -574,3 +574,21 @@ def test_a_restarted_sidecar_without_a_stage_learns_the_served_steps_tensors_fro
     publish_step(checkpoint_root, tiny_model_dir, 2)
     status = again.wait_step(2)
     assert status["rejected"] == {} and "manifest's shards" in status["reference"], status
+
+
+def test_without_a_stage_a_materialized_step_published_again_loads_once_and_stays_served(
+    sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir
+):
+    """A published manifest that carries ``extra.reconstructed_from`` (a materialized step copied
+    back into the root) stands for itself when SGLang reads it in place: it loads once, /wait
+    confirms it, and the loop does not take it for a changed step and reload it at every pass."""
+    path = publish_step(checkpoint_root, tiny_model_dir, 1).path
+    data = json.loads((path / "manifest.json").read_text())
+    data.setdefault("extra", {})["reconstructed_from"] = {"fingerprint": "cd" * 16, "kind": "delta", "chain_start": 1}
+    (path / "manifest.json").write_text(json.dumps(data))
+    sidecar = sidecar_factory("--no-stage", replica_id="restored")
+    status = sidecar.wait_step(1)
+    assert status["loaded_current"] and status["rejected"] == {}, status
+    time.sleep(3.0)  # several passes (--health-interval 0.5)
+    assert sidecar.metric("rollout_sidecar_syncs_total", outcome="loaded", reason="ok") == 1
+    assert sidecar.wait_step(1, timeout_s=10)["loaded_current"]

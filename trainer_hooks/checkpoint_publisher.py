@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from rollout_service.checkpoint_format import MAX_STEP, new_run_id, step_dir_name
+from rollout_service.checkpoint_format import MAX_STEP, CheckpointError, new_run_id, step_dir_name
 from rollout_service.checkpoint_reader import PublishedCheckpoint
 from rollout_service.checkpoint_writer import PublishResult, cleanup_stale_temp_dirs, publish_checkpoint
 from rollout_service.delta_writer import DeltaCheckpointWriter
@@ -168,7 +168,13 @@ class CheckpointPublisher:
         not move the numbering, and its name is skipped rather than published over. Raises
         ``RuntimeError``, saying what to do, when no step number is left.
         """
-        entries = list_step_entries(self.root)
+        try:
+            entries = list_step_entries(self.root)
+        except CheckpointError as exc:  # the root cannot be listed whole (too_many_entries)
+            if self.latest_version is None:
+                raise RuntimeError(f"cannot number the first checkpoint of this run: {exc}") from None
+            log.warning("numbering on from version %d without a listing of the root: %s", self.latest_version, exc)
+            return self.latest_version + 1  # a name already taken is refused by the publish itself
         newest = next(iter(newest_checkpoints(self.root, entries.published, 1)), None)
         version = max(0, self.latest_version or 0, newest.step if newest else 0) + 1
         taken = {c.step for c in entries.published + entries.odd}

@@ -157,6 +157,7 @@ class SidecarWaiter:
             params: dict[str, Any] = {"version": version, "timeout": wait_s}
             if self.run_id is not None:
                 params["run"] = self.run_id
+            asked = time.monotonic()
             r = request(client, "GET", f"{url}/wait", params=params, timeout_s=wait_s + 10.0)
         except httpx.HTTPError as exc:
             view.unreachable = f"{type(exc).__name__}: {exc}"
@@ -181,6 +182,8 @@ class SidecarWaiter:
                 "replica refuses to load: fix the cause (e.g. tensor names or dtype differ from what the "
                 "replica serves) and restart training"
             )
+        if time.monotonic() - asked < wait_s / 2:  # answered early (not ready, the root not answering...)
+            time.sleep(min(0.5, slice_s))  # ask again soon, not in a tight loop
         return False
 
     def protected_versions(self) -> set[int]:

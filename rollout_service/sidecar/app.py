@@ -139,11 +139,12 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         }
         return SafeJSONResponse(body, status_code=200 if ready else 503)
 
+    waiting: set[asyncio.Future[bool]] = set()
+    """The /wait requests held now (at most MAX_WAITERS)."""
+
     @app.get("/status")
     async def status() -> dict[str, Any]:
-        return controller.state.to_dict()
-
-    waiting: set[asyncio.Future[bool]] = set()
+        return {**controller.state.to_dict(), "open_waits": len(waiting)}
 
     @app.get("/wait")
     async def wait(
@@ -179,6 +180,9 @@ def create_app(settings: SidecarSettings) -> FastAPI:
             waiting.discard(task)
             task.cancel()
         body = controller.state.to_dict()
+        reason = controller.state.rejected.get(version)
+        if reason is not None:  # named whatever else was rejected (reports name the newest 64)
+            body["rejected"][str(version)] = reason
         body["waited_for"] = version
         body["waited_for_run"] = run
         return SafeJSONResponse(body, status_code=200 if ok else 504)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -157,6 +158,8 @@ class SyncController:
             return
         exc = task.exception()
         log.error("the sync loop ended unexpectedly", exc_info=exc)
+        if self._changed is not None:  # open /waits answer now (the condition sees fatal)
+            asyncio.ensure_future(self._wake_waiters(self.state.newest_known_step, ready=False))
         self.report_fatal(
             "sync_loop_ended",
             f"the sync loop ended ({type(exc).__name__}: {str(exc)[:300]}); no checkpoint loads until"
@@ -185,7 +188,11 @@ class SyncController:
             async with self._changed:
                 try:
                     await asyncio.wait_for(
-                        self._changed.wait_for(lambda: self.serves(step, run_id) or step in self.state.rejected),
+                        self._changed.wait_for(
+                            lambda: (
+                                self.serves(step, run_id) or step in self.state.rejected or self.state.fatal is not None
+                            )
+                        ),
                         timeout=max(0.0, deadline - time.monotonic()),
                     )
                 except asyncio.TimeoutError:
@@ -555,6 +562,8 @@ class SyncController:
             self.state.rejected.pop(step, None)
             self._rejected_at.pop(step, None)
             self._crashes.pop(step, None)
+            self._identity_seen.pop(step, None)
+            self._detected_at.pop(step, None)
 
     def _still_rejected(self, step: int, identities: dict[int, tuple[int, ...] | None]) -> bool:
         """(On the loop.) ``step`` was rejected and its publication identity, just read (in
@@ -731,7 +740,8 @@ class SyncController:
             try:
                 await self.root_gate.call(_look_at, self.root, what="looking at the root during a validation")
             except RootUnresponsive:
-                self._root_hung_in_validation = True
+                # Only a look that did not come back: all threads busy says nothing about the root.
+                self._root_hung_in_validation |= self.root_gate.problem is not None
             except OSError:
                 pass  # it answered: what the error says is the validation's to find
 
@@ -747,7 +757,7 @@ class SyncController:
                     _look_at, self.root, what=f"looking at the root after {ckpt.path.name} failed"
                 )
             except RootUnresponsive:
-                hung = True
+                hung = self.root_gate.problem is not None  # not when all threads were only busy
             except OSError:
                 pass
         if not hung:
@@ -814,6 +824,7 @@ class SyncController:
                     " directory: run the sidecar without --no-stage (or publish full checkpoints:"
                     " checkpoint_delta=False)",
                 )
+            report.manifest = report.manifest.as_copy()  # SGLang reads the published step itself
             return report, None
         built = self.stage.build(self.root, report.path, report.manifest, deadline, check_finite=s.check_finite)
         remaining = max(0.001, s.validate_timeout_s - (time.monotonic() - deadline.started))
@@ -881,10 +892,10 @@ def _read_identity(path: Path, files: bool = True) -> tuple[int, ...]:
     """What changes when a step directory is republished, or its manifest written anew in place,
     and (``files``) when any of its files changes (a checkpoint copied in file by file, in any
     order): a rejection stands until then. Raises ``OSError``."""
-    st = os.stat(path)
+    st = os.lstat(path)  # a link named like a step is not followed (nor scanned) out of the root
     m = os.lstat(path / MANIFEST_NAME)
     shallow = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, m.st_ino, m.st_size, m.st_mtime_ns, m.st_ctime_ns)
-    if not files:
+    if not files or not stat.S_ISDIR(st.st_mode):
         return shallow
     seen = []
     with os.scandir(path) as entries:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..checkpoint_format import CheckpointError, Manifest, step_dir_name
+from ..checkpoint_format import CheckpointError, Manifest, parse_step_dir_name, step_dir_name
 from ..checkpoint_paths import is_inside
 from ..checkpoint_reader import TensorSpecs, published_step_specs, read_model_specs
 from ..protocol import step_for_version
@@ -45,7 +45,9 @@ def adoptable(view: ServerView, root: Path, stage: Stage | None) -> tuple[int, M
             published = Manifest.load(root / step_dir_name(step), root=root)
         except CheckpointError:
             return None
-        if published.fingerprint() != manifest.source_fingerprint():
+        # The step directory itself (no stage) stands for itself; a copy names its source.
+        source = manifest.as_copy() if is_inside(served, root) else manifest
+        if published.fingerprint() != source.source_fingerprint():
             return None
     return step, manifest, served
 
@@ -70,7 +72,7 @@ def find_reference(
     in_root = model_path is not None and is_inside(model_path, root)
     if persisted is not None and (ours or in_root):
         return persisted
-    if model_path and in_root and not ours:
+    if model_path and in_root and not ours and _is_step_dir(model_path, root):
         try:
             specs = published_step_specs(model_path, root=root, timeout_s=STEP_REFERENCE_TIMEOUT_S)
         except CheckpointError:
@@ -96,3 +98,9 @@ def local_model_dir(model_path: str) -> Path | None:
     except Exception:  # not cached, not a repo id: no reference from it
         return None
     return local if any(local.glob("*.safetensors")) else None
+
+
+def _is_step_dir(path: str, root: Path) -> bool:
+    """``path`` names a step directory right under ``root`` (not, say, a base model kept there)."""
+    p = Path(path)
+    return parse_step_dir_name(p.name) is not None and os.path.abspath(p.parent) == os.path.abspath(root)
