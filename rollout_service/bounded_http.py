@@ -82,6 +82,18 @@ async def arequest(
         return Answer(response.status_code, response.headers, chunks.joined())
 
 
+def content_encoding(response: httpx.Response) -> str | None:
+    """The answer's ``Content-Encoding`` when it is compressed (None: identity, as asked)."""
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    return None if encoding in ("", "identity") else encoding
+
+
+def declared_length(response: httpx.Response) -> int | None:
+    """The ``Content-Length`` the answer declares (ASCII digits only), or None."""
+    declared = response.headers.get("content-length", "")
+    return int(declared) if declared.isascii() and declared.isdigit() else None
+
+
 def _timeout(timeout_s: float) -> httpx.Timeout:
     return httpx.Timeout(timeout_s, connect=min(timeout_s, 3.0))
 
@@ -94,14 +106,14 @@ class _Chunks:
         self.url, self.deadline, self.limit = response.request.url, deadline, limit
         self.parts: list[bytes] = []
         self.size = 0
-        encoding = response.headers.get("content-encoding", "identity").strip().lower()
-        if encoding not in ("", "identity"):
+        encoding = content_encoding(response)
+        if encoding is not None:
             raise AnswerRefused(
                 f"{self.url} answered with Content-Encoding: {encoding[:40]} though none was asked for (a"
                 " proxy in between that compresses answers?); it is not decompressed, to keep its size bounded"
             )
-        declared = response.headers.get("content-length", "")
-        if declared.isascii() and declared.isdigit() and int(declared) > limit:
+        declared = declared_length(response)
+        if declared is not None and declared > limit:
             raise AnswerRefused(f"{self.url} declared a {declared}-byte answer, over the limit of {limit}; not read")
 
     def add(self, chunk: bytes) -> None:

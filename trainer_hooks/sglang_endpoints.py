@@ -46,7 +46,7 @@ from typing import Any
 
 import httpx
 
-from rollout_service.bounded_http import NO_COMPRESSION, request
+from rollout_service.bounded_http import NO_COMPRESSION, content_encoding, declared_length, parse_json, request
 from rollout_service.http_auth import bearer_headers
 
 from .sglang_responses import Completion, parse_generate_response, parse_rescore_response
@@ -438,8 +438,8 @@ class SGLangEndpoints:
         except httpx.HTTPError as exc:  # sent, then the connection broke
             raise _EndpointFailed(url, f"{what}{type(exc).__name__}: {exc}", sent=True) from exc
         try:
-            return json.loads(body)
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested past Python's limit
+            return parse_json(body)
+        except ValueError as exc:
             raise _EndpointFailed(
                 url, f"{what}answered HTTP 200 with a body that is not JSON: {_text(body[:200])!r}"
             ) from exc
@@ -587,15 +587,15 @@ def _read_body(url: str, response: httpx.Response, deadline: float, limit: int, 
         f"{what}the answer is larger than the body limit of {limit / 2**20:.0f} MiB ({BODY_LIMIT_BASE_BYTES >> 20} "
         f"MiB plus {BODY_BYTES_PER_TOKEN} bytes per token the request may return)"
     )
-    encoding = response.headers.get("content-encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):  # asked for none: decoding could grow it past any limit
+    encoding = content_encoding(response)
+    if encoding is not None:  # asked for none: decoding could grow it past any limit
         raise _EndpointFailed(
             url,
             f"{what}the answer came with Content-Encoding: {encoding[:40]} though the trainer asks for none (a"
             " proxy between the trainer and SGLang that compresses answers?); it is not decompressed",
         )
-    declared = response.headers.get("content-length", "")
-    if declared.isascii() and declared.isdigit() and int(declared) > limit:
+    declared = declared_length(response)
+    if declared is not None and declared > limit:
         raise _EndpointFailed(url, f"{too_large}: Content-Length {declared}, refused unread")
     chunks: list[bytes] = []
     size = 0
@@ -615,7 +615,7 @@ def _read_body(url: str, response: httpx.Response, deadline: float, limit: int, 
 
 def _error_text(response: httpx.Response, deadline: float) -> str:
     """The start of an error answer (up to ``ERROR_TEXT_BYTES``), for the message."""
-    if response.headers.get("content-encoding", "identity").strip().lower() not in ("", "identity"):
+    if content_encoding(response) is not None:
         return "(a compressed answer, not read)"
     data = b""
     try:

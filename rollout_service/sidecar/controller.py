@@ -574,8 +574,8 @@ class SyncController:
         if step not in identities:
             return True
         seen, then = identities[step], self._rejected_at.get(step)
-        if seen == then or (seen is not None and then is not None and len(seen) == SHALLOW and seen == then[:SHALLOW]):
-            return True  # unchanged (a shallow look compares the directory and manifest only)
+        if seen == then or (seen and then and seen == then[: len(seen)]):
+            return True  # unchanged (a look without the files' part compares the folder and manifest only)
         self.state.rejected.pop(step, None)
         self._rejected_at.pop(step, None)
         self._crashes.pop(step, None)
@@ -884,8 +884,6 @@ CONTENT_REASONS = frozenset(
 )
 """Rejections about a file's contents: they end when any file of the step changes too (a shard
 copied in after its manifest), not only when the directory or its manifest does."""
-SHALLOW = 7
-"""The length of an identity without its files' part (directory and manifest only)."""
 
 
 def _read_identity(path: Path, files: bool = True) -> tuple[int, ...]:
