@@ -314,12 +314,14 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
 
     p = sub.add_parser(
         "materialize",
-        help="rebuild any retained step as a plain HF model directory",
+        help="rebuild any retained full or delta step as a plain HF model directory",
         description="Rebuild step N under ROOT (a full step, or a delta step and the"
         " chain it applies to) as a plain HF model directory OUT: safetensors shards,"
         " index, config.json, every byte checked against the digests of a full"
-        " publish. For evaluating a version with any tool. OUT must not exist; it"
-        " appears only when complete.",
+        " publish, and the model validated as `validate` checks a full step before OUT"
+        " appears (only when complete; it must not exist). For evaluating a version with"
+        " any tool. An adapter step is refused (adapter_step): its folder already is a"
+        " PEFT adapter directory for the base model.",
     )
     p.add_argument("root", help="checkpoint root (the trainer's checkpoint_path)")
     p.add_argument("--step", required=True, type=int, help="the step (version) to rebuild")
