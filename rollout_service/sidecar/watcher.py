@@ -5,6 +5,13 @@ writer's atomic rename, the one completion signal) or disappearing. Everything e
 does happens inside hidden ``.tmp-*`` directories and is ignored. inotify by
 default; a polling observer for NFS and other shared file systems whose changes
 made on another machine raise no inotify events.
+
+The polling observer keeps a snapshot of what it lists and stats every entry it keeps, at every
+poll. Watchdog's default lists the whole root, so a stray process that drops a million files
+there would cost the sidecar a stat per file per poll and a snapshot of them all (about 0.8 GB).
+It is given :func:`step_entries` instead: only ``step-*`` names, read no further than
+:data:`~rollout_service.checkpoint_reader.MAX_ROOT_ENTRIES` entries (past which the sync
+loop's own listing turns the replica unready, ``too_many_entries``).
 """
 
 from __future__ import annotations
@@ -12,15 +19,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
-from watchdog.observers.polling import PollingObserver
+from watchdog.observers.polling import PollingObserverVFS
 
 from ..checkpoint_format import parse_step_dir_name
+from ..checkpoint_reader import MAX_ROOT_ENTRIES
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +46,23 @@ def is_completion_event(event: FileSystemEvent) -> bool:
             # "deleted": a served step that disappears (a reused root) must be noticed too.
             return event.event_type in ("created", "moved", "modified", "deleted")
     return False
+
+
+def step_entries(path: str | None) -> Iterator[os.DirEntry[str]]:
+    """The ``step-*`` entries of a directory, for the polling observer's snapshot: the rest of
+    it is never stat'ed nor kept, and no more than ``MAX_ROOT_ENTRIES`` entries are read."""
+    with os.scandir(path) as entries:
+        for i, entry in enumerate(entries):
+            if i >= MAX_ROOT_ENTRIES:
+                return
+            if parse_step_dir_name(entry.name) is not None:
+                yield entry
+
+
+def _stat_root_or_entry(path: str) -> os.stat_result:
+    """The root as configured (it may be a link); an entry itself, never what a link named like
+    a step points to (which may be a file system that does not answer)."""
+    return os.lstat(path) if parse_step_dir_name(os.path.basename(path)) is not None else os.stat(path)
 
 
 class _Handler(FileSystemEventHandler):
@@ -86,7 +111,11 @@ class CheckpointWatcher:
 
     def _start(self) -> None:
         try:
-            observer = Observer() if self._poll_interval_s is None else PollingObserver(timeout=self._poll_interval_s)
+            observer = (
+                Observer()
+                if self._poll_interval_s is None
+                else PollingObserverVFS(_stat_root_or_entry, step_entries, polling_interval=self._poll_interval_s)
+            )
             observer.schedule(_Handler(self._on_change), str(self.root), recursive=False)
             with self._lock:
                 if self._stopped:  # stopped while the root kept this start waiting
