@@ -16,6 +16,7 @@ the trainer's ``/generate`` reads its large answers with the same rules in
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -72,14 +73,23 @@ def request(
 async def arequest(
     client: httpx.AsyncClient, method: str, url: str, *, timeout_s: float, limit: int = SMALL_ANSWER_BYTES, **kw: Any
 ) -> Answer:
-    """:func:`request` for an ``httpx.AsyncClient``."""
+    """:func:`request` for an ``httpx.AsyncClient``, whose deadline also cuts a wait for bytes
+    short (the blocking one checks it as each chunk comes, so it ends within one read timeout
+    past it)."""
     deadline = time.monotonic() + timeout_s
     headers = {**NO_COMPRESSION, **kw.pop("headers", {})}
-    async with client.stream(method, url, headers=headers, timeout=_timeout(timeout_s), **kw) as response:
-        chunks = _Chunks(response, deadline, limit)
-        async for chunk in response.aiter_bytes():  # not decoded: an encoded answer was refused
-            chunks.add(chunk)
-        return Answer(response.status_code, response.headers, chunks.joined())
+
+    async def exchange() -> Answer:
+        async with client.stream(method, url, headers=headers, timeout=_timeout(timeout_s), **kw) as response:
+            chunks = _Chunks(response, deadline, limit)
+            async for chunk in response.aiter_bytes():  # not decoded: an encoded answer was refused
+                chunks.add(chunk)
+            return Answer(response.status_code, response.headers, chunks.joined())
+
+    try:
+        return await asyncio.wait_for(exchange(), timeout_s)
+    except asyncio.TimeoutError:
+        raise AnswerRefused(f"{url} did not answer in full within {timeout_s:g} s") from None
 
 
 def content_encoding(response: httpx.Response) -> str | None:

@@ -23,7 +23,7 @@ import pytest
 import zstandard
 
 from fake_sglang import Answer, CannedServer, canned_reply
-from rollout_service.bounded_http import AnswerRefused, parse_json, request
+from rollout_service.bounded_http import AnswerRefused, arequest, parse_json, request
 from rollout_service.sidecar.sglang_client import SGLangClient, SGLangLoadRejected
 from trainer_hooks.replica_wait import CheckpointRejected, ReplicaSyncTimeout, SidecarWaiter
 
@@ -132,6 +132,37 @@ def test_a_notify_to_a_dripping_sidecar_ends_within_its_bound(servers: list[Cann
     SidecarWaiter([sidecar.url]).notify(5)
     assert time.monotonic() - t0 < 12
     assert sidecar.requests[0][:2] == ("POST", "/sync")
+
+
+def late_then_silent(after_s: float) -> Answer:
+    """Headers, one byte ``after_s`` later, then nothing: the next wait for bytes starts just
+    before the deadline."""
+
+    def write(conn: socket.socket, stopped: threading.Event) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+        if not stopped.wait(after_s):
+            conn.sendall(b" ")
+        stopped.wait(30)
+
+    return write
+
+
+def test_the_sidecars_exchanges_end_at_their_deadline_not_a_read_timeout_past_it(
+    servers: list[CannedServer],
+) -> None:
+    """A byte just before the deadline restarts httpx's read timeout: the whole exchange would
+    end near twice its bound, with httpx's own error instead of a refusal."""
+    server = canned(servers, lambda path, body, count: late_then_silent(0.8))
+
+    async def go() -> float:
+        async with httpx.AsyncClient() as client:
+            t0 = time.monotonic()
+            with pytest.raises(AnswerRefused, match="did not answer in full within 1 s"):
+                await arequest(client, "GET", server.url + "/health", timeout_s=1.0)
+            return time.monotonic() - t0
+
+    took = asyncio.run(go())
+    assert 0.9 < took < 1.5, f"the exchange took {took:.2f} s for a 1 s bound"
 
 
 def with_client(server: CannedServer, call: Any) -> Any:
