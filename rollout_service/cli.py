@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from .checkpoint_format import MAX_ADAPTER_RANK, CheckpointError
 from .cli_env import TIMEOUT_S, EnvArgumentParser, SettingFlags, add_env_argument, number_type
+from .http_urls import bindable_port
 from .lora_serving import DEFAULT_MAX_RANK, DEFAULT_TARGET_MODULES, add_lora_flags, lora_from_args, module_list
 from .serve import RestartPolicy, run_serve
 from .sglang_launcher import SGLangServer, SGLangServerConfig
@@ -216,7 +217,9 @@ def _cmd_liveness(args: argparse.Namespace) -> int:
 def _cmd_sidecar(args: argparse.Namespace) -> int:
     from .sidecar.app import run_sidecar
 
-    run_sidecar(SIDECAR_SETTINGS.build(args))
+    settings = SIDECAR_SETTINGS.build(args)
+    bindable_port(settings.host, settings.port, "--host/--port")
+    run_sidecar(settings)
     return 0
 
 
@@ -237,7 +240,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         lora=lora_from_args(args),
     )
     policy = SERVE_RESTART_SETTINGS.build(args)
-    return run_serve(server, SERVE_SIDECAR_SETTINGS.build(args, sglang_url=server.url), policy)
+    settings = SERVE_SIDECAR_SETTINGS.build(args, sglang_url=server.url)
+    _check_serve_ports(server.config.host, server.port, settings.host, settings.port)
+    return run_serve(server, settings, policy)
+
+
+def _check_serve_ports(sglang_host: str, sglang_port: int, host: str, port: int) -> None:
+    """Both servers of ``serve`` can listen where they are told to, before SGLang's minutes of
+    start-up: SGLang does not always exit when it cannot bind, and the sidecar would find out
+    only once SGLang is up."""
+    if sglang_port == port and (sglang_host == host or {sglang_host, host} & {"0.0.0.0", "::"}):
+        raise ValueError(f"--port and --sidecar-port are both {port}: SGLang and the sidecar each need their own")
+    bindable_port(sglang_host, sglang_port, "--sglang-host/--port")
+    bindable_port(host, port, "--host/--sidecar-port")
 
 
 Registrar = Callable[[Any, Any], None]

@@ -1,5 +1,6 @@
 """Checking the server addresses settings give: URLs (``--sglang-url``, ``sglang_urls``,
-``sidecar_urls``) and the hosts a server binds to (``--host``, ``--sglang-host``).
+``sidecar_urls``) and the hosts a server binds to (``--host``, ``--sglang-host``), and whether
+a server could listen there now (:func:`bindable_port`), before minutes of start-up are spent.
 
 A prefix check alone let through addresses that fail later, far from the setting that named
 them: ``http://::1:30000`` (an IPv6 host needs brackets), a port past 65535, a URL with a
@@ -9,8 +10,10 @@ address once, at start-up, and says what is wrong with it.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import re
+import socket
 
 import httpx
 
@@ -61,3 +64,22 @@ def check_bind_host(host: str, flag: str) -> None:
 def url_host(host: str) -> str:
     """``host`` as it goes into a URL: an IPv6 address in brackets."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def bindable_port(host: str, port: int, what: str) -> int:
+    """Bind ``host:port`` (port 0: one the OS picks) the way a server does, let it go, and return
+    the port; a ``ValueError`` naming ``what`` (the settings that gave them) when nothing can
+    listen there: a name that does not resolve, another machine's address, a port in use."""
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no conflict
+            sock.bind(address)
+            return int(sock.getsockname()[1])
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"{what}: port {port} on {host} is in use by another process; pick another port") from None
+        raise ValueError(
+            f"{what}: nothing can listen on {host!r} ({exc.strerror or exc}); give an address of this machine,"
+            " e.g. 127.0.0.1 (this machine only), 0.0.0.0 (every interface) or ::1"
+        ) from None

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from types import TracebackType
 from typing import Any
 
 from .cli_env import check_bounds, setting
-from .http_urls import check_bind_host, url_host
+from .http_urls import bindable_port, check_bind_host, url_host
 from .lora_serving import LoraServing
 from .process_group import LOG_TAIL_LINES, ProcessGroup, ProcessStartError, log_tail
 
@@ -42,10 +41,9 @@ class SGLangStartError(ProcessStartError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port on `host` that was free when asked (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """Return a TCP port on `host` that was free when asked (the OS picks it); a ValueError
+    when `host` is not an address of this machine."""
+    return bindable_port(host, 0, "the SGLang server's host")
 
 
 def listed_gpus() -> list[str]:
