@@ -282,3 +282,33 @@ def test_a_second_replica_catches_up_and_both_serve_each_new_adapter(
             assert max(abs(x - y) for x, y in zip(a[1], b[1])) <= LOGPROB_ATOL
     finally:
         second_server.stop()
+
+
+def test_an_adapter_waits_while_sglang_serves_a_full_checkpoint_and_loads_once_it_is_back_on_its_base(
+    lora_server, lora_sidecar, checkpoint_root, tiny_model_dir
+):
+    """An adapter is trained against the base model: once a full checkpoint replaced SGLang's
+    weights, it is not loaded (``adapter_base_replaced``, a failed sync, not a rejection: the
+    step is sound), and it is loaded as soon as SGLang runs on its base again. Last in the module:
+    it leaves the server restarted on its base model."""
+    from sidecar_helpers import publish_step
+
+    sidecar = lora_sidecar()
+    publish_step(checkpoint_root, tiny_model_dir, 1)
+    assert sidecar.wait_step(1)["loaded_step"] == 1
+    model = peft_model(tiny_model_dir, targets=["q_proj", "v_proj"])
+    train_steps(model, 2, seed=60)
+    publish(model, checkpoint_root, 2)
+    wait_until(
+        lambda: sidecar.metric("rollout_sidecar_syncs_total", outcome="failed", reason="adapter_base_replaced") >= 1,
+        60,
+        "the adapter was not refused while SGLang served a full checkpoint",
+    )
+    status = sidecar.status()
+    assert status["last_error"]["reason"] == "adapter_base_replaced" and status["last_error"]["step"] == 2, status
+    assert "2" not in status["rejected"] and status["loaded_step"] == 1
+    assert adapter_name_for(2, RUN_ID) not in served_adapters(lora_server.url)
+    lora_server.restart(300)
+    assert sidecar.wait_step(2, timeout_s=180)["loaded_step"] == 2
+    for prompt in PROMPTS:
+        assert sglang_greedy(lora_server.url, prompt, adapter_name_for(2, RUN_ID))[0] == peft_greedy(model, prompt)

@@ -236,3 +236,49 @@ def test_a_base_model_kept_under_the_root_is_still_a_reference(tmp_path, tiny_mo
     shutil.copytree(tiny_model_dir, root / "base-model")
     found = find_reference(ServerView(healthy=True, model_path=str(root / "base-model")), root, None, None)
     assert found is not None and found[0] == read_model_specs(tiny_model_dir)
+
+
+def test_past_the_cap_of_held_waits_a_wait_is_refused_with_the_reason_and_later_accepted(tmp_path):
+    """MAX_WAITERS long-polls are held; the next one gets 503 ``too_many_waits`` at once (not a
+    held connection nor a crash), and once they end a /wait is held again."""
+    import asyncio
+    import time
+
+    import httpx
+
+    from fake_sglang import dead_url
+    from rollout_service.sidecar.app import MAX_WAITERS
+    from sidecar_helpers import Sidecar
+
+    (tmp_path / "root").mkdir()
+    sidecar = Sidecar(tmp_path / "root", dead_url(), tmp_path / "sidecar.log")
+    try:
+
+        async def go() -> None:
+            limits = httpx.Limits(max_connections=MAX_WAITERS + 10, max_keepalive_connections=0)
+            async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+                held = [
+                    asyncio.ensure_future(client.get(f"{sidecar.url}/wait", params={"version": 5, "timeout": 600}))
+                    for _ in range(MAX_WAITERS)
+                ]
+                deadline = time.monotonic() + 60
+                while (await client.get(f"{sidecar.url}/status")).json()["open_waits"] < MAX_WAITERS:
+                    assert time.monotonic() < deadline, "the sidecar did not hold MAX_WAITERS waits"
+                    await asyncio.sleep(0.2)
+                t0 = time.monotonic()
+                refused = await client.get(f"{sidecar.url}/wait", params={"version": 5, "timeout": 600})
+                assert time.monotonic() - t0 < 10
+                assert refused.status_code == 503 and refused.json()["error"] == "too_many_waits", refused.text
+                for task in held:
+                    task.cancel()
+                await asyncio.gather(*held, return_exceptions=True)
+                while (await client.get(f"{sidecar.url}/status")).json()["open_waits"] != 0:
+                    assert time.monotonic() < deadline + 30, "waits whose clients left are still held"
+                    await asyncio.sleep(0.2)
+                again = await client.get(f"{sidecar.url}/wait", params={"version": 5, "timeout": 0.5})
+                assert again.status_code == 504 and again.json()["waited_for"] == 5, again.text
+
+        asyncio.run(go())
+        assert sidecar.proc.poll() is None, "the sidecar died"
+    finally:
+        sidecar.stop()
