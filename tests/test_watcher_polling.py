@@ -1,12 +1,17 @@
-"""The polling watcher (``--poll``) keeps to the root's ``step-*`` entries.
+"""The polling watcher (``--poll``) keeps to the root's ``step-*`` entries, and stands in for
+inotify when inotify has no instance left.
 
 A stray process that floods the checkpoint root with files must cost the polling watcher
 neither a snapshot of every file nor a stat of each at every poll: it still reports a new step
-within a few polls, in bounded memory, and reads no further than the root listing's cap.
+within a few polls, in bounded memory, and reads no further than the root listing's cap. A node
+whose inotify instances are all taken (128 per user by default, a busy Kubernetes node's usual
+state) made the sidecar fail to start; it polls instead and says so in ``/status``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import time
 import tracemalloc
@@ -89,3 +94,42 @@ def test_a_link_named_like_a_step_is_not_followed_by_the_polling_watcher(tmp_pat
         assert wait_for(seen, "created:step-00000001", timeout_s=2.0), seen
     finally:
         watcher.stop()
+
+
+@contextlib.contextmanager
+def inotify_exhausted():
+    """Take every inotify instance this user may have (released on exit)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fds = []
+    try:
+        while len(fds) < 100_000:
+            fd = libc.inotify_init1(os.O_CLOEXEC)
+            if fd < 0:
+                assert ctypes.get_errno() == 24, f"inotify_init1 failed with errno {ctypes.get_errno()}"
+                break
+            fds.append(fd)
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_with_no_inotify_instance_left_the_sidecar_polls_and_says_so(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from rollout_service.sidecar.app import create_app
+    from rollout_service.sidecar.settings import SidecarSettings
+
+    settings = SidecarSettings(checkpoint_path=tmp_path, sglang_url="http://127.0.0.1:1", replica_id="r", stage=False)
+    seen: list[str] = []
+    with inotify_exhausted():
+        watcher = CheckpointWatcher(tmp_path, seen.append)
+        watcher.start()
+        try:
+            assert watcher.mode == "polling (inotify: inotify instance limit reached)"
+            (tmp_path / "step-00000001").mkdir()
+            assert wait_for(seen, "created:step-00000001", timeout_s=5.0), seen
+        finally:
+            watcher.stop()
+        with TestClient(create_app(settings)) as client:  # starts the app's own watcher
+            assert client.get("/status").json()["watch_mode"].startswith("polling (inotify:")

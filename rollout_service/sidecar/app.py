@@ -82,6 +82,7 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         task = asyncio.create_task(controller.run(), name="sidecar-sync-loop")
         task.add_done_callback(controller.loop_ended)
         watcher.start()
+        controller.state.watch_mode = watcher.mode  # inotify may have been out of instances
         try:
             yield
         finally:

@@ -16,6 +16,7 @@ loop's own listing turns the replica unready, ``too_many_entries``).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -34,6 +35,11 @@ log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 5.0
 """How long stopping the watcher may take before the sidecar exits without it."""
+INOTIFY_EXHAUSTED = (errno.EMFILE, errno.ENOSPC)
+"""inotify's "instance limit reached" and "watch limit reached" (a busy Kubernetes node's usual
+state: 128 instances per user by default), after which the watcher polls instead."""
+INOTIFY_FALLBACK_POLL_S = 1.0
+"""The polling period when inotify is out of instances or watches."""
 
 
 def is_completion_event(event: FileSystemEvent) -> bool:
@@ -111,20 +117,36 @@ class CheckpointWatcher:
 
     def _start(self) -> None:
         try:
-            observer = (
-                Observer()
-                if self._poll_interval_s is None
-                else PollingObserverVFS(_stat_root_or_entry, step_entries, polling_interval=self._poll_interval_s)
-            )
-            observer.schedule(_Handler(self._on_change), str(self.root), recursive=False)
-            with self._lock:
-                if self._stopped:  # stopped while the root kept this start waiting
-                    return
-                self._observer = observer
-                observer.start()
+            try:
+                self._start_observer(self._poll_interval_s)
+            except OSError as exc:
+                if self._poll_interval_s is not None or exc.errno not in INOTIFY_EXHAUSTED:
+                    raise
+                log.warning(
+                    "inotify cannot watch %s (%s: raise the fs.inotify.max_user_instances or"
+                    " max_user_watches sysctl, or pass --poll); polling it every %g s instead",
+                    self.root,
+                    exc.strerror or exc,
+                    INOTIFY_FALLBACK_POLL_S,
+                )
+                self.mode = f"polling (inotify: {exc.strerror or exc})"
+                self._start_observer(INOTIFY_FALLBACK_POLL_S)
         except Exception as exc:  # raised by start() when it comes in time, else logged here
             self._start_error = exc
             log.error("cannot watch %s: %s (the sync loop still looks at every pass)", self.root, exc)
+
+    def _start_observer(self, poll_interval_s: float | None) -> None:
+        observer = (
+            Observer()
+            if poll_interval_s is None
+            else PollingObserverVFS(_stat_root_or_entry, step_entries, polling_interval=poll_interval_s)
+        )
+        observer.schedule(_Handler(self._on_change), str(self.root), recursive=False)
+        with self._lock:
+            if self._stopped:  # stopped while the root kept this start waiting
+                return
+            self._observer = observer
+            observer.start()
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Stop watching, giving up after ``timeout_s``: watchdog's stop joins its polling thread
