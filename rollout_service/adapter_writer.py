@@ -4,7 +4,9 @@
 with names like ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``, and
 ``adapter_config.json``) plus the manifest, through the same hidden work folder, fsyncs and
 single rename as a full checkpoint (:func:`~rollout_service.checkpoint_writer.atomic_step_dir`),
-so readers see an adapter step completely or not at all.
+so readers see an adapter step completely or not at all. An adapter every reader would reject
+(NaN/Inf weights, a tensor name no reader parses, a weight that is not floating point) is refused
+with :class:`~rollout_service.checkpoint_writer.PublishRefused` before anything of it is written.
 """
 
 from __future__ import annotations
@@ -12,36 +14,43 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .checkpoint_format import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
     AdapterInfo,
-    FileEntry,
     normalize_dtype,
     step_dir_name,
 )
 from .checkpoint_writer import (
+    FINITE_CHUNK_BYTES,
+    PublishRefused,
     PublishResult,
+    _byte_view,
+    _shown,
+    _write_shard,
     atomic_step_dir,
     check_run_id,
-    shard_prefix,
+    check_tensor_names,
+    count_non_finite_bytes,
+    non_finite_refusal,
     write_manifest,
     write_small,
 )
-from .digest import format_digest, new_hasher
 
 log = logging.getLogger(__name__)
 
 LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _TAGS = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+"""The dtypes adapters are published in (LoRA weights are floating point)."""
+_TORCH_OF = {tag: dtype for dtype, tag in _TAGS.items()}
 
 
 def lora_target_modules(names: list[str]) -> list[str]:
@@ -88,21 +97,30 @@ def adapter_config_json(config: Mapping[str, Any]) -> str:
     return json.dumps(_jsonable(dict(config)), indent=2, sort_keys=True) + "\n"
 
 
-def _write_tensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> FileEntry:
-    prefix, _ = shard_prefix((n, _TAGS[t.dtype], tuple(t.shape)) for n, t in tensors)
-    hasher = new_hasher()
-    hasher.update(prefix)
-    size = len(prefix)
-    with open(path, "wb") as f:
-        f.write(prefix)
-        for _, t in tensors:
-            raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-            hasher.update(raw)
-            f.write(raw)
-            size += len(raw)
-        f.flush()
-        os.fsync(f.fileno())
-    return FileEntry(size=size, digest=format_digest(hasher), tensors=len(tensors))
+def _dtype_refusal(name: str, dtype: torch.dtype, cast: str | None) -> PublishRefused:
+    """The error for an adapter weight that is not float32, float16 or bfloat16 (as it would be written)."""
+    hint = (
+        "pass dtype='bfloat16' (or float32, float16) to cast it"
+        if dtype.is_floating_point and cast is None
+        else "LoRA weights are floating point (dtype= casts floating tensors only)"
+    )
+    return PublishRefused(
+        f"tensor {_shown(name)} is {str(dtype).removeprefix('torch.')}: adapters are published as float32,"
+        f" float16 or bfloat16 tensors (every replica would reject it as adapter_mismatch); {hint}."
+        " Nothing was published",
+        tensor=name,
+        rule="dtype",
+    )
+
+
+def _refuse_non_finite(prepared: list[tuple[str, torch.Tensor]]) -> None:
+    """:class:`PublishRefused` for the first tensor (in file order) holding NaN/Inf as written."""
+    scratch = np.empty(FINITE_CHUNK_BYTES, dtype=np.uint8)
+    for name, t in prepared:
+        tag = _TAGS[t.dtype]
+        count = count_non_finite_bytes(_byte_view(t), tag, scratch)
+        if count:
+            raise non_finite_refusal(name, tag, t.numel(), count)
 
 
 def publish_adapter(
@@ -114,31 +132,47 @@ def publish_adapter(
     dtype: str | None = None,
     base_model: str | None = None,
     run_id: str | None = None,
+    check_finite: bool = True,
 ) -> PublishResult:
     """Publish a LoRA adapter as ``<root>/step-<step>`` (kind ``adapter``) atomically.
 
     ``tensors`` are PEFT's saved names (``get_peft_model_state_dict``), ``config`` the adapter's
-    ``LoraConfig.to_dict()``; ``dtype`` casts floating tensors. Raises ``FileExistsError`` if
-    the step is already published, ``ValueError`` when there are no LoRA tensors.
+    ``LoraConfig.to_dict()``; ``dtype`` casts floating tensors (adapters are float32, float16 or
+    bfloat16: another ``dtype`` is a ``ValueError``). Raises ``FileExistsError`` if the step is
+    already published, ``ValueError`` when there are no LoRA tensors.
+
+    As :func:`~rollout_service.checkpoint_writer.publish_checkpoint` does, an adapter every reader
+    would reject is refused with :class:`~rollout_service.checkpoint_writer.PublishRefused` (a
+    ``ValueError``) and nothing of the step becomes visible: a tensor name readers cannot parse
+    (:func:`~rollout_service.checkpoint_writer.check_tensor_name`, rule ``tensor_name``), a tensor
+    that is not float32/float16/bfloat16 as written (rule ``dtype``), and with ``check_finite``
+    (the default; False only to make adapters that readers must reject, in tests) a tensor holding
+    NaN/Inf as written, after the cast (rule ``non_finite``): all before the work folder is made.
+    A header larger than readers accept (``header_too_large``) is refused as the work folder's
+    file is written, and the folder removed.
     """
     t0 = time.perf_counter()
     target = normalize_dtype(dtype)
+    if target is not None and target not in _TORCH_OF:
+        raise ValueError(f"adapter dtype {dtype!r}: adapters are published as float32, float16 or bfloat16")
     run_id = check_run_id(run_id)
+    check_tensor_names(tensors)  # before the names are used (a non-string key), before any folder
     info = adapter_info(tensors, config)
-    want = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(target or "")
+    want = _TORCH_OF.get(target or "")
     prepared = []
     for name in sorted(tensors):
         t = tensors[name].detach()
         if want is not None and t.is_floating_point():
             t = t.to(want)
-        t = t.to("cpu").contiguous()
         if t.dtype not in _TAGS:
-            raise ValueError(f"adapter tensor {name} has dtype {t.dtype}; publish float32, float16 or bfloat16")
-        prepared.append((name, t))
+            raise _dtype_refusal(name, t.dtype, target)
+        prepared.append((name, t.to("cpu").contiguous()))
+    if check_finite:
+        _refuse_non_finite(prepared)  # an adapter is small: one pass before anything is made
     tags = {_TAGS[t.dtype] for _, t in prepared}
     with atomic_step_dir(root, step) as tmp:
         files = {
-            ADAPTER_WEIGHTS_NAME: _write_tensors(tmp / ADAPTER_WEIGHTS_NAME, prepared),
+            ADAPTER_WEIGHTS_NAME: _write_shard(tmp / ADAPTER_WEIGHTS_NAME, prepared),
             ADAPTER_CONFIG_NAME: write_small(tmp / ADAPTER_CONFIG_NAME, adapter_config_json(config)),
         }
         write_seconds = time.perf_counter() - t0

@@ -164,7 +164,7 @@ def test_an_adapter_for_another_model_or_with_wrong_shapes_is_rejected_naming_th
 def test_nan_weights_and_a_config_that_disagrees_with_the_manifest_are_rejected(tmp_path):
     tensors = lora_tensors()
     tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"][0, 0] = float("nan")
-    publish(tmp_path, 1, tensors=tensors)
+    publish_adapter(tmp_path, 1, tensors, lora_config(), run_id="run1", check_finite=False)
     assert rejected(tmp_path, 1).reason == "non_finite"
     path = publish(tmp_path, 2).path
     config = json.loads((path / "adapter_config.json").read_text())

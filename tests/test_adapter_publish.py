@@ -14,27 +14,12 @@ from transformers import AutoModelForCausalLM
 from rollout_service.checkpoint_format import Manifest, step_dir_name
 from rollout_service.checkpoint_writer import PublishResult
 from rollout_service.protocol import adapter_name_for
+from trainer_helpers import RecordingWaiter
 from trainer_hooks.adapter_publish import AdapterPublisher
 from trainer_hooks.checkpoint_publisher import CheckpointPublisher
 
 
-class _Waiter:
-    """Records what the publisher asks of the replicas; every version is served at once."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, int]] = []
-
-    def notify(self, version: int) -> None:
-        self.calls.append(("notify", version))
-
-    def wait(self, version: int, timeout_s: float) -> None:
-        self.calls.append(("wait", version))
-
-    def protected_versions(self) -> set[int]:
-        return set()
-
-
-def _publisher(root: Path, waiter: _Waiter) -> CheckpointPublisher:
+def _publisher(root: Path, waiter: RecordingWaiter) -> CheckpointPublisher:
     return CheckpointPublisher(
         root,
         waiter,
@@ -62,7 +47,7 @@ def _result(root: Path, version: int, nbytes: int = 123) -> PublishResult:
 
 
 def test_a_prepared_write_is_published_waited_for_and_recorded_in_the_foreground(tmp_path: Path) -> None:
-    waiter = _Waiter()
+    waiter = RecordingWaiter()
     publisher = _publisher(tmp_path, waiter)
     written: list[int] = []
 
@@ -84,7 +69,7 @@ def test_a_prepared_write_is_published_waited_for_and_recorded_in_the_foreground
 def test_a_prepared_write_runs_on_the_worker_thread_in_the_background_and_its_error_is_raised_next(
     tmp_path: Path,
 ) -> None:
-    publisher = _publisher(tmp_path, _Waiter())
+    publisher = _publisher(tmp_path, RecordingWaiter())
     threads: list[str] = []
 
     def write(version: int) -> PublishResult:
@@ -111,7 +96,7 @@ def test_the_adapter_is_published_through_the_publishers_public_path(tmp_path: P
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    waiter = _Waiter()
+    waiter = RecordingWaiter()
     publisher = _publisher(tmp_path / "ckpts", waiter)
     adapters = AdapterPublisher(publisher, model, "bfloat16")
     assert adapters.current() is None  # nothing served before the first version

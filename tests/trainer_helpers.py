@@ -123,3 +123,19 @@ class NoWaiter:
 
 def logged(trainer: Any, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+class RecordingWaiter:
+    """Records what the publisher asks of the replicas; every version is served at once."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def notify(self, version: int) -> None:
+        self.calls.append(("notify", version))
+
+    def wait(self, version: int, timeout_s: float) -> None:
+        self.calls.append(("wait", version))
+
+    def protected_versions(self) -> set[int]:
+        return set()

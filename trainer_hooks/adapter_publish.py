@@ -109,7 +109,12 @@ class AdapterPublisher:
         return None if version is None else (version, adapter_name_for(version, self.publisher.run_id))
 
     def publish_and_wait(self) -> SyncRecord:
-        """Publish the adapter as the next version, wait for every replica, record the sync."""
+        """Publish the adapter as the next version, wait for every replica, record the sync.
+
+        An adapter every replica would reject (NaN/Inf weights after the training diverged, as cast
+        to the checkpoint dtype) raises :class:`~rollout_service.checkpoint_writer.PublishRefused`
+        as a full publish does: nothing is published, no replica is woken or waited for, and the
+        last adapter served stays the newest."""
         from peft import get_peft_model_state_dict
 
         pub = self.publisher
