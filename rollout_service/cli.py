@@ -17,9 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint_format import MAX_ADAPTER_RANK, CheckpointError
@@ -333,8 +336,10 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         description="Rebuild step N under ROOT (a full step, or a delta step and the"
         " chain it applies to) as a plain HF model directory OUT: safetensors shards,"
         " index, config.json, every byte checked against the digests of a full"
-        " publish, and the model validated as `validate` checks a full step before OUT"
-        " appears (only when complete; it must not exist). For evaluating a version with"
+        " publish, and the model validated as `validate` checks a full step (compared with"
+        " its own tensors: any dtype it was published in) before OUT appears (only when"
+        " complete; it must not exist). A run that is killed leaves a hidden folder beside OUT,"
+        " which the next run into OUT removes. For evaluating a version with"
         " any tool. An adapter step is refused (adapter_step): its folder already is a"
         " PEFT adapter directory for the base model.",
     )
@@ -415,11 +420,34 @@ def main(argv: list[str] | None = None, extra_commands: Sequence[Registrar] = ()
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    interruptible = (
+        args.command not in SIGNAL_HANDLING_COMMANDS and threading.current_thread() is threading.main_thread()
+    )
+    previous = signal.signal(signal.SIGTERM, _interrupt) if interruptible else None
     try:
         return int(args.func(args) or 0)
     except (OSError, ValueError) as exc:  # bad paths and values: a message, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (timeout, Kubernetes, systemd): cleaned up on the way out
+        signum = _interrupted_by.pop() if _interrupted_by else signal.SIGINT
+        print(f"interrupted by {signal.Signals(signum).name}: stopped; nothing half-done was left", file=sys.stderr)
+        return 128 + signum
+    finally:
+        if interruptible:
+            signal.signal(signal.SIGTERM, previous)
+
+
+SIGNAL_HANDLING_COMMANDS = {"serve", "sidecar"}
+"""Commands that stop gracefully on SIGTERM themselves; for the others a SIGTERM interrupts like
+Ctrl-C does, so their clean-up (``finally``: a work folder removed, a server stopped) runs
+instead of the process dying on the spot with a full-size hidden folder left behind."""
+_interrupted_by: list[int] = []
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    _interrupted_by.append(signum)
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

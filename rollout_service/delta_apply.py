@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import math
 import os
 import shutil
+import socket
 import struct
 import threading
 import time
@@ -52,6 +54,8 @@ from .digest import format_digest, new_hasher
 from .finite import count_non_finite
 from .ordered_digests import Abandoned, OrderedDigests
 from .untrusted_files import Deadline, VerifiedRead, copy_verified, open_regular
+
+log = logging.getLogger(__name__)
 
 MAX_DELTA_HEADER_BYTES = 16 << 20
 """A delta file's header: one short entry per changed tensor of the file."""
@@ -625,9 +629,14 @@ def materialize(
     The step's manifest must be of that step; every step of its chain is checked as it is walked
     and every byte written against the digests a full publish would have written. Before it gets
     its name, the model is validated by the rules ``rollout-service validate`` applies to a full
-    step (headers, sizes, index, config, loadable dtypes): a shard whose digest matches a manifest
-    that lies is no model, and is refused with validate's reason. An adapter step is no model to
-    rebuild (``adapter_step``)."""
+    step (headers, sizes, index, config), compared with its own tensors (any dtype it was published
+    in: no model is at hand to compare with): a shard whose digest matches a manifest that lies is
+    no model, and is refused with validate's reason. An adapter step is no model to rebuild
+    (``adapter_step``).
+
+    The work happens in a hidden sibling of ``out`` named after this host and process; one left by
+    a run that was killed (SIGKILL, a power cut) is removed by the next run into the same folder.
+    A folder without room for the model (two copies while a delta is applied) is refused first."""
     from .checkpoint_reader import (
         read_model_specs,
         validate_checkpoint,
@@ -654,7 +663,9 @@ def materialize(
         )
     chain = resolve_chain(root, ChainLink(path, manifest), None, deadline)
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = out.parent / f"{TEMP_PREFIX}materialize-{out.name}-{uuid.uuid4().hex[:8]}"
+    _remove_dead_runs_work(out)
+    _check_room(out, manifest, copies=2 if chain.deltas else 1)
+    work = out.parent / f"{_work_prefix(out)}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     work.mkdir()
     try:
         # Each copy is named as its published step: the checks name its files as validate would.
@@ -693,6 +704,47 @@ def materialize(
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return base_manifest
+
+
+def _work_prefix(out: Path) -> str:
+    return f"{TEMP_PREFIX}materialize-{out.name}-"
+
+
+def _remove_dead_runs_work(out: Path) -> None:
+    """Remove the work folders of earlier runs into ``out`` on this host whose process is gone."""
+    prefix, host = _work_prefix(out), socket.gethostname()
+    with os.scandir(out.parent) as entries:
+        names = [e.name for e in entries if e.name.startswith(prefix)]
+    for name in names:
+        who, _, _ = name[len(prefix) :].rpartition("-")
+        run_host, _, pid = who.rpartition("-")
+        if run_host != host or not pid.isdigit() or _alive(int(pid)):
+            continue  # another host's (it may still run), or a live run's
+        log.info("removing %s, left by a materialize that was killed", out.parent / name)
+        shutil.rmtree(out.parent / name, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _check_room(out: Path, manifest: Manifest, copies: int) -> None:
+    """ValueError unless ``out``'s file system has room for ``copies`` copies of the model."""
+    size = sum(f.size for f in (manifest.delta.target_files if manifest.delta else manifest.files).values())
+    st = os.statvfs(out.parent)
+    free = st.f_bavail * st.f_frsize
+    if free < copies * size:
+        raise ValueError(
+            f"--out {out}: its file system has {free / 1e6:.1f} MB free, and rebuilding step {manifest.step}"
+            f" needs {copies * size / 1e6:.1f} MB ({copies} cop{'ies' if copies > 1 else 'y'} of a"
+            f" {size / 1e6:.1f} MB model); free some space or write elsewhere"
+        )
 
 
 def copy_in(root: Path, link: ChainLink, out_dir: Path, deadline: Deadline) -> Manifest:

@@ -1,0 +1,116 @@
+"""One-shot commands stopped midway leave nothing half-done: SIGTERM (what ``timeout``,
+Kubernetes and systemd send) interrupts them as Ctrl-C does, so their clean-up runs, and both end
+with one line and the signal's exit status instead of a traceback. A ``materialize`` killed
+outright leaves a hidden work folder that the next run into the same place removes, and one
+into a file system without room for the model is refused before anything is written."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollout_service import delta_apply
+from rollout_service.checkpoint_writer import publish_checkpoint
+from rollout_service.delta_apply import materialize
+
+MODEL_ELEMENTS = 96 << 20  # 384 MB of float32: a copy with every byte hashed takes a while
+
+
+@pytest.fixture(scope="module")
+def big_root(tmp_path_factory, tiny_model_dir) -> Path:
+    root = tmp_path_factory.mktemp("big") / "root"
+    g = torch.Generator().manual_seed(0)
+    tensors = {"model.embed_tokens.weight": torch.randn(MODEL_ELEMENTS // 1024, 1024, generator=g)}
+    publish_checkpoint(root, 1, tensors.items(), config=tiny_model_dir / "config.json", max_shard_bytes=64 << 20)
+    return root
+
+
+def work_folders(parent: Path) -> list[str]:
+    return sorted(n for n in os.listdir(parent) if n.startswith(".tmp-materialize-"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_an_interrupted_materialize_removes_its_work_and_says_so(big_root: Path, tmp_path: Path, sig) -> None:
+    out = tmp_path / "model"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout_service.cli", "materialize", str(big_root), "--step", "1", "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not work_folders(tmp_path):  # it is working: interrupt it there
+        assert proc.poll() is None, f"materialize ended before it was interrupted: {proc.communicate()}"
+        assert time.monotonic() < deadline, "materialize never started its work"
+        time.sleep(0.002)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err
+    assert f"interrupted by {signal.Signals(sig).name}" in err and "Traceback" not in err, err
+    assert work_folders(tmp_path) == [] and not out.exists()
+
+
+def test_the_work_of_a_killed_materialize_is_removed_by_the_next_run(big_root: Path, tmp_path: Path) -> None:
+    out = tmp_path / "model"
+    host = socket.gethostname()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = {
+        "killed": f".tmp-materialize-model-{host}-{dead.pid}-0000aaaa",
+        "live": f".tmp-materialize-model-{host}-{os.getpid()}-0000bbbb",  # this process: still running
+        "elsewhere": f".tmp-materialize-model-other-host-{dead.pid}-0000cccc",  # another host's: unknowable
+        "another-out": f".tmp-materialize-model2-{host}-{dead.pid}-0000dddd",
+    }
+    for name in left.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model-00001-of-00002.safetensors").write_bytes(b"x" * 1000)
+    materialize(big_root, 1, out)
+    assert (out / "config.json").exists()
+    assert work_folders(tmp_path) == sorted(left[k] for k in ("live", "elsewhere", "another-out"))
+
+
+def test_materialize_refuses_a_file_system_without_room_before_writing(
+    big_root: Path, tmp_path: Path, monkeypatch
+) -> None:
+    real = os.statvfs
+
+    class Small:
+        f_frsize = 4096
+        f_bavail = (100 << 20) // 4096  # 100 MB free for a 384 MB model
+
+    monkeypatch.setattr(delta_apply.os, "statvfs", lambda p: Small() if Path(p) == tmp_path else real(p))
+    with pytest.raises(ValueError, match=r"has 104\.9 MB free, and rebuilding step 1 needs 402\.7 MB"):
+        materialize(big_root, 1, tmp_path / "model")
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_interrupted_publish_leaves_no_work_folder_in_the_root(big_root: Path, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    materialize(big_root, 1, model)
+    root = tmp_path / "root"
+    root.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout_service.cli", "publish", "--model-dir", str(model)]
+        + ["--checkpoint-path", str(root), "--step", "7"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not any(n.startswith(".tmp-") for n in os.listdir(root)):
+        assert proc.poll() is None, f"publish ended before it was interrupted: {proc.communicate()}"
+        assert time.monotonic() < deadline, "publish never started its work"
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "interrupted by SIGTERM" in err and "Traceback" not in err, err
+    assert os.listdir(root) == []
