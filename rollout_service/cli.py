@@ -83,10 +83,8 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from .checkpoint_reader import read_model_specs
-
     try:
-        reference = read_model_specs(args.reference) if args.reference else None
+        reference = _reference_specs(Path(args.reference)) if args.reference else None
     except (OSError, CheckpointError) as exc:
         print(f"error: cannot read --reference {args.reference}: {exc}", file=sys.stderr)
         return 2
@@ -99,10 +97,31 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reference_specs(path: Path) -> TensorSpecs:
+    """The tensors ``--reference`` declares: a model directory's shards, or a published step's
+    by its manifest (a full step's listed shards; the model a delta step rebuilds, from its
+    manifest; an adapter step is no model). Raises ``CheckpointError``."""
+    from .checkpoint_format import MANIFEST_NAME, Manifest
+    from .checkpoint_reader import published_step_specs, read_model_specs
+
+    path = path.absolute()
+    if not (path / MANIFEST_NAME).exists():
+        return read_model_specs(path)
+    manifest = Manifest.load(path, root=path.parent)
+    if manifest.delta is not None:
+        return {name: (t.dtype, tuple(t.shape)) for name, t in manifest.delta.tensors.items()}
+    if manifest.kind == "adapter":
+        raise CheckpointError(
+            "adapter_step", f"{path} is a LoRA adapter step, not a model: give its base model as --reference"
+        )
+    return published_step_specs(path, root=path.parent)
+
+
 def _validate_step(args: argparse.Namespace, reference: TensorSpecs | None) -> dict[str, Any]:
     """Validate ``args.dir`` by the rules of its manifest's kind; what passed, as printed.
 
-    Full and delta steps are checkpoint_reader's (a delta's files and the model it rebuilds);
+    Full and delta steps are checkpoint_reader's (a delta's files), and a delta's chain and, with
+    ``--digests``/``--check-finite``, the model it rebuilds (:func:`_check_delta_chain`);
     an adapter step is adapter_reader's, against ``--reference`` (else its own tensor shapes)
     and the LoRA limits of ``--max-lora-rank``/``--lora-target-modules``, as the sidecar checks
     it against the served model and ``/server_info``. Raises ``CheckpointError``."""
@@ -119,6 +138,8 @@ def _validate_step(args: argparse.Namespace, reference: TensorSpecs | None) -> d
         check_finite=args.check_finite,
         timeout_s=args.timeout,
     )
+    if report.manifest.kind == "delta":
+        report.checks.extend(_check_delta_chain(args, report.manifest.step))
     return {
         "valid": str(report.path),
         "step": report.manifest.step,
@@ -128,6 +149,36 @@ def _validate_step(args: argparse.Namespace, reference: TensorSpecs | None) -> d
         "bytes": report.manifest.total_bytes,
         "checks": report.checks,
     }
+
+
+def _check_delta_chain(args: argparse.Namespace, step: int) -> list[str]:
+    """What a replica needs of a delta step beyond its own files: its chain, published and
+    consistent back to its full step; with ``--digests`` or ``--check-finite``, the model it
+    rebuilds (rebuilt in a temporary folder, every byte checked against the digests of a full
+    publish, NaN/Inf refused with ``--check-finite``). The checks that passed; raises
+    ``CheckpointError``."""
+    import tempfile
+
+    from .checkpoint_format import Manifest
+    from .delta_apply import ChainLink, materialize, resolve_chain
+    from .untrusted_files import Deadline
+
+    path = Path(args.dir).absolute()
+    root = Path(args.root).absolute() if args.root is not None else path.parent
+    chain = resolve_chain(root, ChainLink(path, Manifest.load(path, root=root)), None, Deadline(args.timeout))
+    checks = [f"its delta chain back to full step {chain.start.manifest.step} is published and consistent"]
+    if args.digests or args.check_finite:
+        with tempfile.TemporaryDirectory(prefix="rollout-validate-") as tmp:
+            try:
+                materialize(root, step, Path(tmp) / "model", timeout_s=args.timeout, check_finite=args.check_finite)
+            except CheckpointError:
+                raise
+            except ValueError as exc:  # no room: say where the rebuild goes
+                raise ValueError(f"{exc} (validate rebuilds a delta step under $TMPDIR: point it elsewhere)") from None
+        checks.append("the model it rebuilds matches the digests of a full publish, byte for byte")
+        if args.check_finite:
+            checks.append("every floating weight of the rebuilt model is finite")
+    return checks
 
 
 def _manifest_kind(step_dir: str, root: str | None) -> str | None:
@@ -294,10 +345,11 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
     p = sub.add_parser(
         "validate",
         help="validate one published checkpoint",
-        description="Validate a checkpoint directory by the rules of its kind (a full step, a delta"
-        " step, or a LoRA adapter step: checked against --reference, else its own tensor shapes, and"
-        " the LoRA limits of --max-lora-rank and --lora-target-modules); exits 1 with the reason"
-        " when it is not loadable.",
+        description="Validate a checkpoint directory by the rules of its kind (a full step; a delta"
+        " step: its files and its chain back to its full step, and with --digests or --check-finite"
+        " the model it rebuilds, rebuilt in a temporary folder ($TMPDIR); or a LoRA adapter step:"
+        " checked against --reference, else its own tensor shapes, and the LoRA limits of"
+        " --max-lora-rank and --lora-target-modules); exits 1 with the reason when it is not loadable.",
     )
     p.add_argument("dir", help="checkpoint directory (e.g. ROOT/step-00000003)")
     p.add_argument(

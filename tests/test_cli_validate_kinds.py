@@ -1,5 +1,7 @@
 """`rollout-service validate` and `materialize` on every kind of step: an adapter step is
-validated by the adapter rules (not reported as a full checkpoint without config.json), an
+validated by the adapter rules (not reported as a full checkpoint without config.json), a delta
+step with its chain (and the model it rebuilds, when its bytes are to be checked), a published
+step given as --reference by its manifest, an
 adapter step is not "materialized" into a broken chain, and materialize never writes a model
 that validate rejects (a shard whose manifest vouches for bytes that are no safetensors file)."""
 
@@ -205,3 +207,59 @@ def test_materialize_validates_the_model_a_delta_rebuilds(tmp_path: Path) -> Non
     assert made.value.reason == checked.value.reason == "bad_config", made.value
     assert "step-00000002/config.json" in str(made.value)
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".tmp-*"))
+
+
+# --- validate: what a replica needs of a delta step beyond its own files -------------------------
+def publish_longer_chain(root: Path, nan_at: int | None = None) -> None:
+    """Step 1 full, steps 2-3 deltas; with ``nan_at``, that step's weights hold a NaN (published
+    by a writer told not to check, as a writer without the check would)."""
+    model, writer = Model(lr=1e-6), DeltaCheckpointWriter(full_every=10, check_finite=False)
+    for step in (1, 2, 3):
+        params = dict(model.params)
+        if step == nan_at:
+            name = sorted(params)[0]
+            params[name] = params[name].clone()
+            params[name].view(-1)[3] = float("nan")
+        result = writer.publish(root, step, sorted(params.items()), config=CONFIG, dtype="bfloat16", run_id=RUN)
+        assert result.kind == ("full" if step == 1 else "delta")
+        model.step()
+
+
+def test_validate_refuses_a_delta_step_whose_chain_is_broken(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "root"
+    publish_longer_chain(root)
+    code, out = cli_reason(capsys, "validate", str(root / step_dir_name(3)))
+    assert code == 0 and "its delta chain back to full step 1 is published and consistent" in out, out
+    os.rename(root / step_dir_name(2), tmp_path / "gone")
+    code, err = cli_reason(capsys, "validate", str(root / step_dir_name(3)))
+    assert code == 1 and err.startswith("INVALID (broken_chain): step-00000003 is a delta on step-00000002"), err
+
+
+def test_validate_check_finite_rebuilds_a_delta_step_and_refuses_nan_in_it(tmp_path: Path, capsys, monkeypatch) -> None:
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    root = tmp_path / "root"
+    publish_longer_chain(root, nan_at=3)
+    code, out = cli_reason(capsys, "validate", str(root / step_dir_name(2)), "--check-finite", "--digests")
+    assert code == 0, out
+    checks = json.loads(out)["checks"]
+    assert "the model it rebuilds matches the digests of a full publish, byte for byte" in checks
+    assert "every floating weight of the rebuilt model is finite" in checks
+    code, err = cli_reason(capsys, "validate", str(root / step_dir_name(3)), "--check-finite")
+    assert code == 1 and err.startswith("INVALID (non_finite): "), err
+    assert os.listdir(scratch) == [], "the rebuild was left behind"
+
+
+def test_a_published_step_as_reference_is_read_by_its_manifest(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "root"
+    publish_longer_chain(root)
+    step1 = str(root / step_dir_name(1))
+    for ref in (step_dir_name(1), step_dir_name(3)):  # a full step, and the model a delta rebuilds
+        code, out = cli_reason(capsys, "validate", step1, "--reference", str(root / ref))
+        assert code == 0 and "tensor names, shapes and dtypes match the reference" in out, (ref, out)
+    (root / step_dir_name(1) / "stray.safetensors").write_bytes(b"junk")  # not listed: not the reference
+    code, out = cli_reason(capsys, "validate", str(root / step_dir_name(2)), "--reference", step1)
+    assert code == 0, out
