@@ -4,8 +4,10 @@ Tests, the CPU demo and benchmarks need a real model folder that both transforme
 and SGLang (the rollout server) load. `make_tiny_model` writes one: a byte-level BPE tokenizer
 trained with the `tokenizers` library on a fixed, sorted set of Python standard-library sources,
 wrapped as `PreTrainedTokenizerFast` with ChatML special tokens and chat template, plus a seeded
-`Qwen2ForCausalLM` (hidden 128, 2 layers by default) saved as safetensors. `ensure_tiny_model`
-caches the result on disk and builds it atomically, so concurrent test workers share one copy.
+`Qwen2ForCausalLM` (hidden 128, 2 layers by default) saved as safetensors, into a new folder,
+built beside it and renamed into place (`cached_build.build_once`), so the folder holds a whole
+model or nothing. `ensure_tiny_model` caches the result on disk the same way, so concurrent test
+workers share one copy.
 
 torch, transformers and tokenizers are imported inside the functions: importing this module is
 cheap and works in the slim sidecar environment.
@@ -13,15 +15,18 @@ cheap and works in the slim sidecar environment.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
+import stat
 import sys
 import sysconfig
 from pathlib import Path
 from typing import Any
 
+from .bounded_http import parse_json
 from .cached_build import build_once
 
 logger = logging.getLogger(__name__)
@@ -30,6 +35,9 @@ FORMAT_VERSION = 1
 """Bump when the output of `make_tiny_model` changes for the same arguments (invalidates caches)."""
 
 DEFAULT_CACHE_DIR = Path("~/.cache/rollout-service/tiny-models")
+
+PARAMS_FILE = "tiny_model_params.json"
+"""In each model folder: the arguments it was built with (`tiny_model_params`)."""
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -62,23 +70,73 @@ def make_tiny_model(
     vocab_size: int = 4096,
     dtype: str = "float32",
 ) -> Path:
-    """Write a tiny Qwen2ForCausalLM and its tokenizer into `out_dir`; return the folder.
+    """Write a tiny Qwen2ForCausalLM and its tokenizer into the new folder `out_dir`; return it.
 
     The same arguments on the same Python version give the same tokenizer and the same weights.
     `tied` shares the input embedding with `lm_head` (the checkpoint then has no
     `lm_head.weight`), which exercises engines' tied-weight reload paths.
+
+    `out_dir` must not exist yet, or be an empty folder (which keeps its mode). The model is built
+    in a hidden sibling folder and renamed into place, so `out_dir` holds a whole model or
+    nothing, even when the build fails or is killed. A folder that already holds the model of
+    these very arguments (its `tiny_model_params.json` says so) is returned as it is, so a rerun
+    on the same volume succeeds; anything else there is refused with a `FileExistsError` and never
+    touched. A folder made here is readable by all (0755, files 0644: a shared model volume).
     """
+    _torch_dtype(hidden_size, dtype)  # bad arguments fail before anything is touched
+    params = tiny_model_params(
+        tied=tied, seed=seed, hidden_size=hidden_size, num_layers=num_layers, vocab_size=vocab_size, dtype=dtype
+    )
+    out = Path(out_dir)
+    if _holds_model(out, params):
+        logger.info("%s already holds this tiny model; left as it is", out)
+        return out
+    kept_mode = _take_empty_folder(out)
+
+    def build(staging: Path) -> None:
+        _write_tiny_model(
+            staging,
+            tied=tied,
+            seed=seed,
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            vocab_size=vocab_size,
+            dtype=dtype,
+        )
+        if kept_mode is not None:
+            staging.chmod(kept_mode)
+
+    try:
+        build_once(out, build)
+    except BaseException:
+        if kept_mode is not None:
+            _restore_empty_folder(out, kept_mode)
+        raise
+    if not _holds_model(out, params):  # another process filled `out` first: its folder is kept
+        raise FileExistsError(
+            f"{out} was filled by another process while this one built the tiny model, with something other"
+            " than this model: left as it is; run again with an --out that does not exist yet"
+        )
+    logger.info("tiny Qwen2 model (%s, %s) ready in %s", "tied" if tied else "untied", dtype, out)
+    return out
+
+
+def _write_tiny_model(
+    folder: Path,
+    *,
+    tied: bool = False,
+    seed: int = 0,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    vocab_size: int = 4096,
+    dtype: str = "float32",
+) -> None:
+    """Write the model, its tokenizer and `tiny_model_params.json` into the (staging) `folder`,
+    which this process made and which nothing else sees yet."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    if hidden_size % 32 != 0:
-        raise ValueError(f"hidden_size must be a multiple of 32 (4 heads of even size), got {hidden_size}")
-    torch_dtype = getattr(torch, dtype, None)
-    if not isinstance(torch_dtype, torch.dtype):
-        raise ValueError(f"dtype must name a torch dtype such as 'float32' or 'bfloat16', got {dtype!r}")
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    torch_dtype = _torch_dtype(hidden_size, dtype)
     tokenizer = build_tokenizer(vocab_size)
     if len(tokenizer) > vocab_size:
         raise RuntimeError(f"tokenizer has {len(tokenizer)} tokens, more than vocab_size={vocab_size}")
@@ -108,16 +166,79 @@ def make_tiny_model(
         pad_token_id=ids[ENDOFTEXT],
         do_sample=False,
     )
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    _make_world_readable(out)
-    logger.info("wrote tiny Qwen2 model (%s, %s) to %s", "tied" if tied else "untied", dtype, out)
-    return out
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    params = tiny_model_params(
+        tied=tied, seed=seed, hidden_size=hidden_size, num_layers=num_layers, vocab_size=vocab_size, dtype=dtype
+    )
+    (folder / PARAMS_FILE).write_text(json.dumps(params, indent=2, sort_keys=True))
+    _make_world_readable(folder)
+
+
+def _torch_dtype(hidden_size: int, dtype: str) -> Any:
+    """The torch dtype named `dtype`; a ValueError for it or a `hidden_size` the model cannot have."""
+    import torch
+
+    if hidden_size % 32 != 0:
+        raise ValueError(f"hidden_size must be a multiple of 32 (4 heads of even size), got {hidden_size}")
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ValueError(f"dtype must name a torch dtype such as 'float32' or 'bfloat16', got {dtype!r}")
+    return torch_dtype
+
+
+def _holds_model(folder: Path, params: dict[str, Any]) -> bool:
+    """Whether `folder` is a tiny model folder built with `params` (its params file says so)."""
+    record = folder / PARAMS_FILE
+    try:
+        if not folder.is_dir() or not record.is_file() or record.stat().st_size > 64 << 10:
+            return False
+        return bool(parse_json(record.read_bytes()) == params)
+    except (OSError, ValueError):
+        return False
+
+
+def _take_empty_folder(out: Path) -> int | None:
+    """Make way for the model at `out`: nothing to do when it does not exist (None); an empty
+    folder is removed for the built one to be renamed into its place, and its mode returned
+    (the built folder takes it). Anything else there is refused and left alone."""
+    try:
+        st = out.lstat()
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        raise FileExistsError(
+            f"{out} already exists and is not a folder: give an --out that does not exist yet (or an empty folder)"
+        )
+    try:
+        os.rmdir(out)  # only ever removes an empty folder
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise FileExistsError(
+                f"{out} already exists and is not empty: make-tiny-model writes a new folder and never changes"
+                " what one holds; give an --out that does not exist yet (or an empty folder), or move"
+                f" {out} away first"
+            ) from None
+        raise OSError(
+            f"cannot use the empty folder {out} ({exc.strerror}): the model is built in a hidden folder beside it"
+            f" and renamed into its place, which needs {out.parent} writable and {out} no mount point; give an"
+            f" --out inside it instead, e.g. {out / 'tiny'}"
+        ) from None
+    return stat.S_IMODE(st.st_mode)
+
+
+def _restore_empty_folder(out: Path, mode: int) -> None:
+    """Put back the empty folder `_take_empty_folder` removed, after a failed build."""
+    try:
+        out.mkdir()
+        out.chmod(mode)
+    except OSError as exc:
+        logger.warning("could not put the empty folder %s back: %s", out, exc)
 
 
 def _make_world_readable(folder: Path) -> None:
-    """transformers writes weights 0600 and `ensure_tiny_model` stages in a 0700 folder; a shared
-    model cache must be readable by other users and containers."""
+    """transformers writes weights 0600 and the model is built in a 0700 staging folder (both made
+    by this process); a shared model cache must be readable by other users and containers."""
     folder.chmod(0o755)
     for path in folder.iterdir():
         if path.is_file():
@@ -231,8 +352,4 @@ def ensure_tiny_model(
     root = Path(cache_dir).expanduser() if cache_dir is not None else DEFAULT_CACHE_DIR.expanduser()
     final = root / f"qwen2-{'tied' if tied else 'untied'}-{digest}"
 
-    def build(staging: Path) -> None:
-        make_tiny_model(staging, tied=tied, **kwargs)
-        (staging / "tiny_model_params.json").write_text(json.dumps(params, indent=2, sort_keys=True))
-
-    return build_once(final, build)
+    return build_once(final, lambda staging: _write_tiny_model(staging, tied=tied, **kwargs))
