@@ -12,16 +12,27 @@ limit into a ``ValueError`` like any other bad JSON.
 Used for the small calls (health, status, ``/wait``, ``/sync``, model info, weight updates);
 the trainer's ``/generate`` reads its large answers with the same rules in
 ``trainer_hooks/sglang_endpoints.py``.
+
+The deadline also bounds each wait for bytes before the body, where no chunk loop can check it
+(a server that drips its status line and headers): :func:`arequest` by ``asyncio.wait_for``,
+:func:`request` through a client made by :func:`client`, whose connections cut every socket wait
+at the deadline of the :func:`call_deadline` in force on the calling thread (a network backend
+of httpcore's, the library under httpx). With a client made otherwise, :func:`request` checks its
+deadline as each chunk of the body comes, so it ends within one read timeout past it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import httpcore
 import httpx
 
 NO_COMPRESSION = {"Accept-Encoding": "identity"}
@@ -60,14 +71,21 @@ def parse_json(data: bytes | str) -> Any:
 def request(
     client: httpx.Client, method: str, url: str, *, timeout_s: float, limit: int = SMALL_ANSWER_BYTES, **kw: Any
 ) -> Answer:
-    """``method url`` through ``client``; the whole answer within ``timeout_s`` and ``limit`` bytes."""
+    """``method url`` through ``client`` (one made by :func:`client`: see the module's
+    docstring); the whole answer within ``timeout_s`` and ``limit`` bytes."""
     deadline = time.monotonic() + timeout_s
     headers = {**NO_COMPRESSION, **kw.pop("headers", {})}
-    with client.stream(method, url, headers=headers, timeout=_timeout(timeout_s), **kw) as response:
-        chunks = _Chunks(response, deadline, limit)
-        for chunk in response.iter_bytes():  # not decoded: an encoded answer was refused
-            chunks.add(chunk)
-        return Answer(response.status_code, response.headers, chunks.joined())
+    with call_deadline(deadline):
+        try:
+            with client.stream(method, url, headers=headers, timeout=_timeout(timeout_s), **kw) as response:
+                chunks = _Chunks(response, deadline, limit)
+                for chunk in response.iter_bytes():  # not decoded: an encoded answer was refused
+                    chunks.add(chunk)
+                return Answer(response.status_code, response.headers, chunks.joined())
+        except httpx.TimeoutException:
+            if time.monotonic() < deadline:
+                raise  # httpx's own timeout (connect, or a silence of timeout_s)
+            raise AnswerRefused(f"{url} did not answer in full within {timeout_s:g} s") from None
 
 
 async def arequest(
@@ -90,6 +108,86 @@ async def arequest(
         return await asyncio.wait_for(exchange(), timeout_s)
     except asyncio.TimeoutError:
         raise AnswerRefused(f"{url} did not answer in full within {timeout_s:g} s") from None
+
+
+_deadlines = threading.local()
+
+
+@contextlib.contextmanager
+def call_deadline(deadline: float) -> Iterator[None]:
+    """Within this block, every wait for bytes of a :func:`client` on this thread ends by
+    ``deadline`` (a ``time.monotonic()`` value); an outer, earlier deadline stays in force."""
+    outer = getattr(_deadlines, "at", None)
+    _deadlines.at = deadline if outer is None else min(outer, deadline)
+    try:
+        yield
+    finally:
+        _deadlines.at = outer
+
+
+def _cut(timeout: float | None) -> float | None:
+    """A socket wait's timeout, cut at the calling thread's deadline (if any)."""
+    at = getattr(_deadlines, "at", None)
+    if at is None:
+        return timeout
+    left = max(at - time.monotonic(), 0.001)  # past it: the wait times out at once
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    def __init__(self, inner: httpcore.NetworkStream):
+        self._inner = inner
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, _cut(timeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, _cut(timeout))
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None) -> Any:
+        return _DeadlineStream(self._inner.start_tls(ssl_context, server_hostname, _cut(timeout)))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    """httpcore's own blocking backend, each stream's waits cut at the thread's deadline."""
+
+    def __init__(self, inner: httpcore.NetworkBackend):
+        self._inner = inner
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._inner.connect_tcp(host, port, _cut(timeout), local_address, socket_options))
+
+    def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
+    ) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._inner.connect_unix_socket(path, _cut(timeout), socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+
+def client(**kw: Any) -> httpx.Client:
+    """An ``httpx.Client`` (``kw`` as for it) whose socket waits keep to :func:`call_deadline`."""
+    if kw.get("transport") is None:
+        transport = httpx.HTTPTransport(limits=kw.pop("limits", httpx.Limits()))
+        # httpx takes no network backend; its pool (httpcore's, pinned) holds the one it uses.
+        pool = transport._pool
+        pool._network_backend = _DeadlineBackend(pool._network_backend)
+        kw["transport"] = transport
+    return httpx.Client(**kw)
 
 
 def content_encoding(response: httpx.Response) -> str | None:

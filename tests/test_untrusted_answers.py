@@ -24,6 +24,7 @@ import zstandard
 
 from fake_sglang import Answer, CannedServer, canned_reply
 from rollout_service.bounded_http import AnswerRefused, arequest, parse_json, request
+from rollout_service.bounded_http import client as bounded_client
 from rollout_service.sidecar.sglang_client import SGLangClient, SGLangLoadRejected
 from trainer_hooks.replica_wait import CheckpointRejected, ReplicaSyncTimeout, SidecarWaiter
 
@@ -41,6 +42,17 @@ def dripping(length: int = 100_000) -> Answer:
         conn.sendall(f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n".encode())
         while not stopped.wait(0.3):  # each byte well within any read timeout
             conn.sendall(b" ")
+
+    return write
+
+
+def dripping_headers() -> Answer:
+    """A status line, then one byte of a header every 0.3 s: no chunk of a body ever comes."""
+
+    def write(conn: socket.socket, stopped: threading.Event) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+        while not stopped.wait(0.3):
+            conn.sendall(b"a")
 
     return write
 
@@ -102,12 +114,20 @@ def wait_in_thread(waiter: SidecarWaiter, version: int, timeout_s: float) -> tup
     "answer",
     [
         lambda path, body, count: dripping(),
+        lambda path, body, count: dripping_headers(),
         lambda path, body, count: canned_reply(504, DEEP_JSON),
         lambda path, body, count: canned_reply(504, {"rejected": ["step-00000005"], "loaded_step": 4}),
         lambda path, body, count: canned_reply(504, {"rejected": {"5": ["not", "a", "reason"]}}),
         lambda path, body, count: zstd_bomb(),
     ],
-    ids=["dripped", "json-nested-past-the-recursion-limit", "rejected-as-a-list", "reason-not-a-string", "zstd-bomb"],
+    ids=[
+        "dripped",
+        "headers-dripped",
+        "json-nested-past-the-recursion-limit",
+        "rejected-as-a-list",
+        "reason-not-a-string",
+        "zstd-bomb",
+    ],
 )
 def test_a_sidecar_wait_with_a_malformed_answer_times_out_with_the_trainers_error(
     servers: list[CannedServer], answer: Any
@@ -126,12 +146,38 @@ def test_a_sidecar_wait_still_reports_a_rejection(servers: list[CannedServer]) -
     assert isinstance(result, CheckpointRejected) and "non_finite" in str(result), repr(result)
 
 
-def test_a_notify_to_a_dripping_sidecar_ends_within_its_bound(servers: list[CannedServer]) -> None:
-    sidecar = canned(servers, lambda path, body, count: dripping())
+@pytest.mark.parametrize("drip", [dripping, dripping_headers], ids=["body", "headers"])
+def test_a_notify_to_a_dripping_sidecar_ends_within_its_bound(servers: list[CannedServer], drip: Any) -> None:
+    sidecar = canned(servers, lambda path, body, count: drip())
+    done = threading.Event()
     t0 = time.monotonic()
-    SidecarWaiter([sidecar.url]).notify(5)
+    threading.Thread(target=lambda: (SidecarWaiter([sidecar.url]).notify(5), done.set()), daemon=True).start()
+    assert done.wait(12), "a notify to a dripping sidecar did not end"
     assert time.monotonic() - t0 < 12
     assert sidecar.requests[0][:2] == ("POST", "/sync")
+
+
+def test_a_blocking_exchange_ends_at_its_deadline_while_the_headers_drip(servers: list[CannedServer]) -> None:
+    """No body chunk ever comes, so only the connection's own waits can keep to the deadline."""
+    server = canned(servers, lambda path, body, count: dripping_headers())
+    out: list[Any] = []
+
+    def go() -> None:
+        with bounded_client() as client:
+            t0 = time.monotonic()
+            try:
+                request(client, "GET", server.url + "/status", timeout_s=1.0)
+            except Exception as exc:  # recorded: the assertion below names it
+                out.append(exc)
+            out.append(time.monotonic() - t0)
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    thread.join(15)
+    assert not thread.is_alive(), "the exchange was still waiting on dripped headers after 15 s"
+    error, took = out
+    assert isinstance(error, AnswerRefused) and "did not answer in full within 1 s" in str(error), repr(error)
+    assert took < 1.6, f"the exchange took {took:.2f} s for a 1 s bound"
 
 
 def late_then_silent(after_s: float) -> Answer:

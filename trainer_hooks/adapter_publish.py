@@ -28,6 +28,7 @@ from accelerate.utils import is_peft_model
 
 from rollout_service.adapter_reader import LoraLimits, adapter_support_problem
 from rollout_service.adapter_writer import publish_adapter
+from rollout_service.bounded_http import client as bounded_client
 from rollout_service.bounded_http import request
 from rollout_service.checkpoint_writer import PublishResult
 from rollout_service.http_auth import bearer_headers
@@ -57,7 +58,7 @@ def server_lora_limits(
 ) -> list[tuple[str, LoraLimits | str]]:
     """Each endpoint's LoRA limits from ``/server_info``, or why they could not be read."""
     found: list[tuple[str, LoraLimits | str]] = []
-    with httpx.Client(timeout=timeout_s, headers=bearer_headers(api_key), trust_env=False) as client:
+    with bounded_client(timeout=timeout_s, headers=bearer_headers(api_key), trust_env=False) as client:
         for url in urls:
             try:
                 r = request(client, "GET", f"{url.rstrip('/')}/server_info", timeout_s=timeout_s)

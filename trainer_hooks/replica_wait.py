@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import httpx
 
 from rollout_service.bounded_http import Answer, request
+from rollout_service.bounded_http import client as bounded_client
 from rollout_service.checkpoint_format import step_dir_name
 from rollout_service.http_auth import bearer_headers
 from rollout_service.protocol import ReplicaReport, heartbeat_problem, read_acks
@@ -100,7 +101,7 @@ class SidecarWaiter:
         body = {"checkpoint": step_dir_name(version)}
         for url in self.urls:
             try:
-                with httpx.Client(headers=self._headers) as client:
+                with bounded_client(headers=self._headers) as client:
                     r = request(client, "POST", f"{url}/sync", json=body, timeout_s=5.0)
                 if r.status_code == 401:
                     log.warning(
@@ -119,7 +120,7 @@ class SidecarWaiter:
         deadline = started + timeout_s
         next_report = started + PROGRESS_EVERY_S
         pending = list(self.urls)
-        with httpx.Client(headers=self._headers) as client:
+        with bounded_client(headers=self._headers) as client:
             while pending:
                 for url in list(pending):
                     remaining = deadline - time.monotonic()

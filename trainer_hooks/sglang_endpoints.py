@@ -46,7 +46,15 @@ from typing import Any
 
 import httpx
 
-from rollout_service.bounded_http import NO_COMPRESSION, content_encoding, declared_length, parse_json, request
+from rollout_service.bounded_http import (
+    NO_COMPRESSION,
+    call_deadline,
+    content_encoding,
+    declared_length,
+    parse_json,
+    request,
+)
+from rollout_service.bounded_http import client as bounded_client
 from rollout_service.http_auth import bearer_headers
 
 from .sglang_responses import Completion, parse_generate_response, parse_rescore_response
@@ -187,7 +195,7 @@ class SGLangEndpoints:
         with self._open_lock:
             if self._client_and_pool is None:
                 timeout = self._request_timeout_s
-                client = httpx.Client(
+                client = bounded_client(
                     headers=NO_COMPRESSION,
                     timeout=httpx.Timeout(timeout, connect=min(CONNECT_TIMEOUT_S, timeout)),
                     limits=httpx.Limits(max_connections=max(4, 2 * len(self._endpoints))),
@@ -418,7 +426,10 @@ class SGLangEndpoints:
         deadline = time.monotonic() + self._request_timeout_s
         limit = BODY_LIMIT_BASE_BYTES + BODY_BYTES_PER_TOKEN * tokens
         try:
-            with self._client.stream("POST", f"{url}/generate", json=payload, headers=self._headers) as response:
+            with (
+                call_deadline(deadline),
+                self._client.stream("POST", f"{url}/generate", json=payload, headers=self._headers) as response,
+            ):
                 self._check_status(url, response, deadline, what)
                 body = _read_body(url, response, deadline, limit, what, self._request_timeout_s)
         except httpx.TimeoutException as exc:
