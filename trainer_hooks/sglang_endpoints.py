@@ -425,14 +425,21 @@ class SGLangEndpoints:
         what = "rescoring: " if rescoring else ""
         deadline = time.monotonic() + self._request_timeout_s
         limit = BODY_LIMIT_BASE_BYTES + BODY_BYTES_PER_TOKEN * tokens
+        headed = False
         try:
             with (
                 call_deadline(deadline),
                 self._client.stream("POST", f"{url}/generate", json=payload, headers=self._headers) as response,
             ):
+                headed = True
                 self._check_status(url, response, deadline, what)
                 body = _read_body(url, response, deadline, limit, what, self._request_timeout_s)
         except httpx.TimeoutException as exc:
+            if time.monotonic() >= deadline:  # cut at the deadline (a server that drips its answer)
+                part = "the answer did not arrive in full" if headed else "no complete answer"
+                raise _EndpointFailed(
+                    url, f"{what}{part} within the timeout (sglang_request_timeout={self._request_timeout_s:g} s)"
+                ) from exc
             raise _EndpointFailed(
                 url,
                 f"{what}no answer within the timeout ({type(exc).__name__}; "
