@@ -83,7 +83,8 @@ class PublishRefused(ValueError):
     Raised before the step's folder appears in the root (a work folder already made is removed),
     so the newest published checkpoint stays the last good one. ``tensor`` is the tensor at
     fault, ``rule`` what it breaks (``tensor_name``, ``duplicate``, ``header_too_large``,
-    ``non_finite``), ``count`` its NaN/Inf values (``non_finite`` only).
+    ``non_finite``; for a model folder, :func:`check_model_dir`'s rules), ``count`` its NaN/Inf
+    values (``non_finite`` only).
     """
 
     def __init__(self, message: str, *, tensor: str, rule: str, count: int = 0):
@@ -376,7 +377,7 @@ def publish_checkpoint(
     step: int,
     tensors: Iterable[tuple[str, torch.Tensor]],
     *,
-    config: dict[str, Any] | Path | str | None,
+    config: dict[str, Any] | Path | str | bytes | None,
     dtype: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     base_model: str | None = None,
@@ -388,7 +389,7 @@ def publish_checkpoint(
     Tensors are kept until the shard they fall in is written (at most ``max_shard_bytes``),
     so the iterable must not reuse or modify a yielded tensor's storage before it is
     exhausted: yield copies of transient buffers (gathered ZeRO-3 parameters, merged PEFT
-    weights). ``config`` is the model's ``config.json`` (a dict or a path to the file);
+    weights). ``config`` is the model's ``config.json`` (a dict, a path to the file, or its bytes);
     ``dtype`` converts floating tensors (``"bfloat16"``...). ``run_id`` names the
     publishing run (its lineage; default: a fresh id per call), so that readers can tell
     this run's step N from another run's step N in a reused root. Raises
@@ -537,10 +538,13 @@ def atomic_step_dir(root: Path | str, step: int) -> Iterator[Path]:
         )
 
 
-def config_text(config: dict[str, Any] | Path | str) -> str | bytes:
-    """The bytes of ``config.json``: a dict rendered canonically, or a file's bytes as they are."""
+def config_text(config: dict[str, Any] | Path | str | bytes) -> str | bytes:
+    """The bytes of ``config.json``: a dict rendered canonically, bytes as they are (a file read and
+    checked before, see :func:`publish_model_dir`), or a file's bytes as they are."""
     if isinstance(config, dict):
         return config_json(config)
+    if isinstance(config, bytes):
+        return config
     return Path(config).read_bytes()
 
 
@@ -719,40 +723,3 @@ def iter_unique_tensors(state: Iterable[tuple[str, torch.Tensor]]) -> Iterator[t
             continue
         seen.add(key)
         yield name, t
-
-
-def iter_model_dir_tensors(model_dir: Path | str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream the tensors of an HF model directory's safetensors files, one at a time."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir} holds no *.safetensors files to publish")
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
-
-
-def publish_model_dir(
-    model_dir: Path | str,
-    root: Path | str,
-    step: int,
-    *,
-    dtype: str | None = None,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-) -> PublishResult:
-    """Publish an existing HF model directory as ``step`` (seeding, rollback, tests)."""
-    model_dir = Path(model_dir)
-    config = model_dir / CONFIG_NAME
-    if not config.is_file():
-        raise FileNotFoundError(f"{model_dir} has no config.json; pass an HF model directory")
-    return publish_checkpoint(
-        root,
-        step,
-        iter_model_dir_tensors(model_dir),
-        config=config,
-        dtype=dtype,
-        max_shard_bytes=max_shard_bytes,
-        base_model=str(model_dir.resolve()),
-    )

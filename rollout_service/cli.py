@@ -57,7 +57,7 @@ LORA_RANK = number_type(int, 1, MAX_ADAPTER_RANK)
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
-    from .checkpoint_writer import publish_model_dir
+    from .model_dir_source import publish_model_dir
 
     result = publish_model_dir(
         args.model_dir,

@@ -97,7 +97,7 @@ print(validate_checkpoint(sys.argv[2], check_digests=True).manifest.step)
 
 
 def test_sidecar_and_validation_import_without_torch_or_sglang(tiny_model_dir, checkpoint_root):
-    from rollout_service.checkpoint_writer import publish_model_dir
+    from rollout_service.model_dir_source import publish_model_dir
 
     path = publish_model_dir(tiny_model_dir, checkpoint_root, 3, dtype="bfloat16").path
     out = subprocess.run(

@@ -346,7 +346,7 @@ def test_a_stage_directory_serves_one_sidecar_only(tmp_path):
 
 def test_removing_a_stage_deletes_its_copies_and_frees_the_directory(tmp_path, tiny_model_dir):
     from rollout_service.checkpoint_format import Manifest
-    from rollout_service.checkpoint_writer import iter_model_dir_tensors
+    from rollout_service.model_dir_source import iter_model_dir_tensors
     from rollout_service.sidecar.staging import Stage, StageError
     from rollout_service.untrusted_files import Deadline
 
