@@ -26,6 +26,8 @@ from .checkpoint_format import (
     ADAPTER_WEIGHTS_NAME,
     FLOAT_DTYPES,
     MANIFEST_NAME,
+    MAX_ADAPTER_RANK,
+    AdapterInfo,
     CheckpointError,
     Manifest,
     parse_json_object,
@@ -43,6 +45,17 @@ embedding's ``lora_embedding_A``) or does not serve: such adapters sync merged i
 MODEL_CHANGING_KEYS = ("layer_replication", "target_parameters", "use_qalora", "lora_bias", "trainable_token_indices")
 """PEFT options that, when set, make the trained model differ from base + ``alpha/r * B @ A`` on
 the target modules, which is all SGLang serves."""
+MAX_LORA_ALPHA = 1e6
+"""``lora_alpha`` is below it (and above 0), as the manifest's ``adapter.alpha`` is: PEFT's
+values are tens to hundreds; a config's number past it is junk, not a scale to serve."""
+MAX_ADAPTER_HEADER_BYTES = 4 << 20
+"""The largest safetensors header of an adapter's weights a reader accepts (4 MiB), checked
+from its length field before any of it is read. A LoRA adapter's header holds ~100 bytes per
+tensor (name, dtype, shape, offsets) and two tensors per adapted module: an 80-layer model with
+7 target modules has 1,120 tensors, ~112 KB. 4 MiB leaves ~35 times that for deeper models,
+more modules and longer names, while a header at the cap is parsed quickly (measured: 32k
+entries, 0.13 s, ~24 MB). The full-model cap (100 MB) let a crafted adapter's header of 820k
+entries take 5.4 s and ~860 MB before it was rejected."""
 
 
 @dataclass(frozen=True)
@@ -110,8 +123,8 @@ def adapter_support_problem(config: Mapping[str, Any], limits: LoraLimits) -> st
     if limits.max_rank is not None and rank > limits.max_rank:
         return f"rank {rank} is above the server's --max-lora-rank {limits.max_rank}"
     alpha = config.get("lora_alpha", 8)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1e6:
-        return f"lora_alpha={_shown(alpha)} is not a positive number"
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < MAX_LORA_ALPHA:
+        return f"lora_alpha={_shown(alpha)} is not a positive number below {MAX_LORA_ALPHA:g}"
     modules = config.get("target_modules")
     if isinstance(modules, str):
         return (
@@ -172,7 +185,7 @@ def validate_adapter(
     checkpoint_dir: Path,
     *,
     root: Path,
-    reference: TensorSpecs,
+    reference: TensorSpecs | None,
     limits: LoraLimits,
     check_finite: bool = False,
     check_digests: bool = False,
@@ -180,8 +193,11 @@ def validate_adapter(
 ) -> AdapterReport:
     """Validate an ``adapter`` step; raise ``CheckpointError`` naming the first problem.
 
-    ``check_digests`` re-reads every byte against the manifest's digests (a stage copy is
-    checked while it is copied; without a stage, this is the only byte check)."""
+    ``reference`` is the served model's tensors; None checks the tensors against the base
+    weights their own lora_A/lora_B pairs imply (:func:`implied_reference`, for
+    :func:`validate_adapter_step`). ``check_digests`` re-reads every byte against the
+    manifest's digests (a stage copy is checked while it is copied; without a stage, this is
+    the only byte check)."""
     deadline = Deadline(timeout_s) if timeout_s is not None else NO_DEADLINE
     checkpoint_dir = Path(checkpoint_dir)
     real_dir = resolve_inside(root, checkpoint_dir)
@@ -234,31 +250,17 @@ def validate_adapter(
         where=f"{name}/{ADAPTER_CONFIG_NAME}",
         reason="bad_adapter_config",
     )
-    if (
-        config.get("r") != info.rank
-        or isinstance(config.get("r"), bool)
-        or isinstance(config.get("lora_alpha"), bool)
-        or not isinstance(config.get("lora_alpha"), (int, float))
-        or float(config["lora_alpha"]) != info.alpha
-    ):
-        raise CheckpointError(
-            "bad_adapter_config",
-            f"{name}/{ADAPTER_CONFIG_NAME} has r={config.get('r')!r},"
-            f" lora_alpha={config.get('lora_alpha')!r}; the manifest says {info.rank},"
-            f" {info.alpha}",
-        )
-    modules = config.get("target_modules")
-    if not isinstance(modules, list) or module_names(modules) != set(info.target_modules):
-        raise CheckpointError(
-            "bad_adapter_config",
-            f"{name}/{ADAPTER_CONFIG_NAME} targets {modules!r:.200}; the manifest says {info.target_modules}",
-        )
+    _check_config_matches(config, info, where=f"{name}/{ADAPTER_CONFIG_NAME}")
     problem = adapter_support_problem(config, limits)
     if problem is not None:
         raise CheckpointError("adapter_unservable", f"{name}: {problem}")
     checks.append("config servable")
-    specs = read_safetensors_specs(real_dir / ADAPTER_WEIGHTS_NAME, root=root)
     weights = f"{name}/{ADAPTER_WEIGHTS_NAME}"
+    deadline.check(weights)
+    specs = read_safetensors_specs(
+        real_dir / ADAPTER_WEIGHTS_NAME, root=root, max_header_bytes=MAX_ADAPTER_HEADER_BYTES
+    )
+    deadline.check(weights)
     if manifest.tensor_count != len(specs) or manifest.files[ADAPTER_WEIGHTS_NAME].tensors != len(specs):
         raise CheckpointError(
             "bad_manifest",
@@ -271,7 +273,8 @@ def validate_adapter(
             "dtype_mismatch",
             f"{weights}: {odd_dtype[0][:120]!r} is {specs[odd_dtype[0]][0]}, the manifest says {manifest.dtype}",
         )
-    _check_tensors(specs, reference, info.rank, set(info.target_modules), where=weights)
+    served = reference if reference is not None else implied_reference(specs)
+    _check_tensors(specs, served, info.rank, set(info.target_modules), where=weights)
     checks.append("tensors fit the served model")
     if check_digests or check_finite:
         for fname, entry in sorted(manifest.files.items()):
@@ -309,7 +312,7 @@ def validate_adapter_step(
             report = validate_adapter(
                 checkpoint_dir,
                 root=real_root,
-                reference=reference if reference is not None else _implied_reference(checkpoint_dir, real_root),
+                reference=reference,
                 limits=limits,
                 check_finite=check_finite,
                 check_digests=check_digests,
@@ -326,15 +329,11 @@ def validate_adapter_step(
     return report
 
 
-def _implied_reference(checkpoint_dir: Path, root: Path) -> TensorSpecs:
-    """The base weights an adapter's tensors imply, from its header: ``[out, in]`` from lora_B's
-    rows and lora_A's columns (1 where the partner is missing, which ``_check_tensors`` then
-    reports as unpaired). Empty when the header cannot be read: :func:`validate_adapter` reads
-    it again and reports why, in its own order."""
-    try:
-        specs = read_safetensors_specs(resolve_inside(root, checkpoint_dir) / ADAPTER_WEIGHTS_NAME, root=root)
-    except Exception:  # whatever it is, validate_adapter meets it too and names it
-        return {}
+def implied_reference(specs: TensorSpecs) -> TensorSpecs:
+    """The base weights an adapter's tensors (``specs``, its header) imply: ``[out, in]`` from
+    lora_B's rows and lora_A's columns (1 where the partner is missing, which ``_check_tensors``
+    then reports as unpaired). Derived from the header :func:`validate_adapter` reads anyway,
+    so a step checked without a reference model has its header parsed once."""
     dims: dict[str, list[int]] = {}
     for tname, (_, shape) in specs.items():
         base, _, tail = tname.rpartition(".")
@@ -346,6 +345,40 @@ def _implied_reference(checkpoint_dir: Path, root: Path) -> TensorSpecs:
             else:
                 served[0] = shape[0]
     return {served: ("F32", (out_dim, in_dim)) for served, (out_dim, in_dim) in dims.items()}
+
+
+def _check_config_matches(config: Mapping[str, Any], info: AdapterInfo, where: str) -> None:
+    """The adapter's own config says what its manifest says: rank, alpha and target modules
+    (SGLang reads the config, the sidecar judged the manifest)."""
+    rank = _config_number(config, "r", where, below=MAX_ADAPTER_RANK + 1, integer=True)
+    alpha = _config_number(config, "lora_alpha", where, below=MAX_LORA_ALPHA)
+    if rank != info.rank or float(alpha) != info.alpha:
+        raise CheckpointError(
+            "bad_adapter_config",
+            f"{where} has r={rank}, lora_alpha={alpha}; the manifest says {info.rank}, {info.alpha}:"
+            " republish the adapter (its config and manifest are written together)",
+        )
+    modules = config.get("target_modules")
+    if not isinstance(modules, list) or module_names(modules) != set(info.target_modules):
+        raise CheckpointError(
+            "bad_adapter_config", f"{where} targets {_shown(modules)}; the manifest says {info.target_modules}"
+        )
+
+
+def _config_number(config: Mapping[str, Any], key: str, where: str, *, below: float, integer: bool = False) -> float:
+    """``config[key]``, when it is a number (an integer with ``integer``) above 0 and below
+    ``below``; otherwise ``CheckpointError('bad_adapter_config')`` naming the field. The range
+    is checked before any conversion: JSON numbers have no size limit (``1e999`` parses as
+    inf, and ``float()`` of the integer ``10**400`` raises ``OverflowError``)."""
+    value = config.get(key)
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value < below:
+        raise CheckpointError(
+            "bad_adapter_config",
+            f"{where} has {key}={_shown(value)}: it must be {'an integer' if integer else 'a number'} above 0"
+            f" and below {below:g}, as PEFT writes it; republish the adapter",
+        )
+    return value
 
 
 def _check_tensors(specs: TensorSpecs, reference: TensorSpecs, rank: int, modules: set[str], where: str) -> None:

@@ -108,21 +108,26 @@ CASTABLE_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 whose loading needs scales)."""
 
 
-def read_safetensors_specs(path: Path, *, root: Path | None = None) -> TensorSpecs:
+def read_safetensors_specs(
+    path: Path, *, root: Path | None = None, max_header_bytes: int = MAX_SHARD_HEADER_BYTES
+) -> TensorSpecs:
     """Tensor names, dtypes and shapes of one safetensors file, from its header only.
 
     safetensors rejects a header that does not cover the file exactly, which is the
     same check that makes SGLang crash on a truncated file. The file is opened through
     :func:`~rollout_service.untrusted_files.open_regular` (inside ``root``: default its folder).
+    A header longer than ``max_header_bytes`` is refused (``header_too_large``) from its length
+    field, before any of it is read: a kind of file with smaller headers (an adapter's) gives
+    its own cap, so a crafted one cannot make the parse take seconds and hundreds of MB.
     """
     path = Path(path)
     with open_regular(root if root is not None else path.parent, path, where=path.name) as (fd, _):
-        return _specs_of_fd(fd, path.name)
+        return _specs_of_fd(fd, path.name, max_header_bytes)
 
 
-def _specs_of_fd(fd: int, where: str) -> TensorSpecs:
+def _specs_of_fd(fd: int, where: str, max_header_bytes: int = MAX_SHARD_HEADER_BYTES) -> TensorSpecs:
     try:
-        with _header_copy(fd, where) as path, safe_open(path, framework="numpy") as f:
+        with _header_copy(fd, where, max_header_bytes) as path, safe_open(path, framework="numpy") as f:
             return {k: (str(f.get_slice(k).get_dtype()), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
     except CheckpointError:
         raise
@@ -135,7 +140,7 @@ def _specs_of_fd(fd: int, where: str) -> TensorSpecs:
 
 
 @contextlib.contextmanager
-def _header_copy(fd: int, where: str) -> Iterator[str]:
+def _header_copy(fd: int, where: str, max_header_bytes: int) -> Iterator[str]:
     """A path to a private copy of the safetensors file behind ``fd``: its first 8 bytes and
     header, then a hole up to the file's size (no memory, no disk).
 
@@ -144,18 +149,11 @@ def _header_copy(fd: int, where: str) -> Iterator[str]:
     process with SIGBUS. Nobody else can truncate the copy, and safetensors still checks the
     header against the file's size. Without ``memfd_create`` the file itself is opened.
     """
+    size = os.fstat(fd).st_size
+    keep = _header_end(fd, where, size, max_header_bytes)
     if not hasattr(os, "memfd_create"):
         yield fd_path(fd)
         return
-    size = os.fstat(fd).st_size
-    head = memoryview(bytearray(min(8, size)))
-    _pread_exactly(fd, head, 0, where, size)
-    if size >= 8:
-        (header_len,) = struct.unpack("<Q", head)
-        # a header over the cap is refused by safetensors from its length alone: nothing more to copy
-        keep = min(size, 8 + (header_len if header_len <= MAX_SHARD_HEADER_BYTES else 0))
-    else:
-        keep = size
     copy = os.memfd_create("safetensors-header", getattr(os, "MFD_CLOEXEC", 0))
     try:
         with open(copy, "wb", buffering=0, closefd=False) as out:
@@ -168,6 +166,27 @@ def _header_copy(fd: int, where: str) -> Iterator[str]:
         yield fd_path(copy)
     finally:
         os.close(copy)
+
+
+def _header_end(fd: int, where: str, size: int, max_header_bytes: int) -> int:
+    """Where the header of the safetensors file behind ``fd`` (``size`` bytes) ends, from its
+    8-byte length field: what a private copy needs. A header longer than ``max_header_bytes``
+    is refused here (``header_too_large``), before any of it is copied or parsed; one said to
+    run past the file keeps only the length field (safetensors refuses it from that alone)."""
+    if size < 8:
+        return size
+    head = memoryview(bytearray(8))
+    _pread_exactly(fd, head, 0, where, size)
+    (header_len,) = struct.unpack("<Q", head)
+    if header_len > size - 8:
+        return 8
+    if header_len > max_header_bytes:
+        raise CheckpointError(
+            "header_too_large",
+            f"{where}: its safetensors header has {header_len} bytes, more than the {max_header_bytes}"
+            " such a file may have (no writer of this project makes one): republish it",
+        )
+    return 8 + header_len
 
 
 def read_model_specs(model_dir: Path | str) -> TensorSpecs:

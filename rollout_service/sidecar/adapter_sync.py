@@ -8,7 +8,10 @@ The sync loop (``controller.py``) hands every step whose manifest says ``kind: "
    rank <= ``--max-lora-rank``, modules within ``--lora-target-modules``), and with a stage
    copies it node-locally checking every byte against the manifest and for NaN/Inf;
 2. loads it with ``POST /load_lora_adapter`` under the name ``adapter_name_for(N, run_id)``
-   (a fresh name per version: SGLang keys its prefix cache by adapter name);
+   (a fresh name per version: SGLang keys its prefix cache by adapter name). A name SGLang
+   already has (step N republished) is replaced only after the new files loaded under a trial
+   name, so files SGLang refuses leave the served adapter in place; a load during which SGLang
+   dies counts against the step as a full load does (rejected as ``sglang_crashed_on_load``);
 3. confirms that SGLang lists the adapter (``/v1/models``), then marks N as served and acks it,
    as a full load does (``/wait``, ack files);
 4. unloads adapters older than the newest ``--lora-keep`` loaded versions. SGLang's unload
@@ -41,6 +44,10 @@ if TYPE_CHECKING:
     from .controller import SyncController
 
 log = logging.getLogger(__name__)
+
+TRIAL_SUFFIX = ".trial"
+"""Appended to an adapter's name to load its new files once before they replace it
+(:meth:`AdapterSync._replace`); never a name the trainer asks for."""
 
 
 def is_adapter_step(path: Path, root: Path) -> bool:
@@ -132,28 +139,9 @@ class AdapterSync:
             validate_s = time.perf_counter() - t0
             name = adapter_name_for(step, report.manifest.run_id)
             t1 = time.perf_counter()
-            try:
-                if name in await c.client.loaded_adapters():  # a republished step, or a restarted sidecar
-                    await c.client.unload_lora_adapter(name)
-                await c.client.load_lora_adapter(name, str(report.path))
-                confirmed = name in await c.client.loaded_adapters()
-            except SGLangLoadRejected as exc:
-                c._reject(ckpt, "sglang_rejected", str(exc))
-                return False
-            except SGLangUnavailable as exc:
-                c.state.sglang_healthy = False
-                c.metrics.syncs.labels("failed", "sglang_unavailable").inc()
-                c._error("sglang_unavailable", str(exc), step=step)
+            if not await self._load(ckpt, name, str(report.path)):
                 return False
             load_s = time.perf_counter() - t1
-            if not confirmed:
-                c.metrics.syncs.labels("failed", "adapter_not_confirmed").inc()
-                c._error(
-                    "adapter_not_confirmed",
-                    f"after loading {path.name} SGLang does not list the adapter {name!r} in /v1/models",
-                    step=step,
-                )
-                return False
             self.loaded[step] = name
             self.serving = name
             c._record_sync(
@@ -192,6 +180,80 @@ class AdapterSync:
         finally:
             c.state.loading_step = None
 
+    async def _load(self, ckpt: PublishedCheckpoint, name: str, path: str) -> bool:
+        """Load ``path`` into SGLang as ``name`` and confirm that SGLang lists it; False, reported,
+        when it is not served. SGLang dying meanwhile counts against the step (the controller's
+        ``died_during_load``: rejected once it killed SGLang ``MAX_CRASHES_PER_STEP`` times)."""
+        c = self.c
+        try:
+            before = await c.client.loaded_adapters()
+        except SGLangUnavailable as exc:  # before any load: not the step's doing
+            c._error("sglang_unavailable", str(exc), step=ckpt.step)
+            return False
+        try:
+            if name in before:  # the served step republished, or a restarted sidecar
+                await self._replace(name, path, before)
+            else:
+                await c.client.load_lora_adapter(name, path)
+            confirmed = name in await c.client.loaded_adapters()
+        except SGLangLoadRejected as exc:
+            await self._forget_unless_listed(name)
+            c._reject(ckpt, "sglang_rejected", str(exc))
+            return False
+        except SGLangUnavailable as exc:
+            c.died_during_load(ckpt, exc)
+            return False
+        if not confirmed:
+            self._forget(name)
+            c.metrics.syncs.labels("failed", "adapter_not_confirmed").inc()
+            c._error(
+                "adapter_not_confirmed",
+                f"after loading {ckpt.path.name} SGLang does not list the adapter {name!r} in /v1/models",
+                step=ckpt.step,
+            )
+            return False
+        return True
+
+    async def _replace(self, name: str, path: str, loaded: set[str]) -> None:
+        """Load ``path`` as ``name``, which SGLang already has (``loaded``: its adapters).
+
+        SGLang 0.5.23 has no rename and refuses a second adapter under a name it has, and the
+        trainer's requests name this very adapter (``adapter_name_for``), so the old one must
+        go before the new one loads. The new files are first loaded under a trial name (and
+        unloaded again beside the loop): files SGLang refuses (``SGLangLoadRejected``) then
+        leave the adapter being served untouched. Only files SGLang just took replace it."""
+        client = self.c.client
+        trial = name + TRIAL_SUFFIX
+        if trial in loaded:  # left by a sidecar stopped in the middle of a replacement
+            await client.unload_lora_adapter(trial)
+        await client.load_lora_adapter(trial, path)
+        self._unload_beside(trial, "its files were only tried before they replaced the served ones")
+        await client.unload_lora_adapter(name)
+        await client.load_lora_adapter(name, path)
+
+    async def _forget_unless_listed(self, name: str) -> None:
+        """After a refused load: :meth:`_forget` ``name`` when SGLang no longer lists it (its
+        replacement was refused after the old one was unloaded). Left as it is when SGLang does
+        not answer: the health check decides then."""
+        try:
+            names = await self.c.client.loaded_adapters()
+        except SGLangUnavailable:
+            return
+        if name not in names:
+            self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        """SGLang no longer has ``name`` because this sidecar unloaded it: drop it from what is
+        loaded and, when it was the served adapter, mark nothing as served. Otherwise the health
+        check would take the missing adapter for an SGLang restart (and count one), and
+        ``/wait`` would go on confirming a step SGLang does not serve."""
+        self.loaded = {s: n for s, n in self.loaded.items() if n != name}
+        if self.serving == name:
+            self.serving = None
+            state = self.c.state
+            state.loaded_step = None
+            state.loaded_fingerprint = state.loaded_run_id = None
+
     def _prepare(self, path: Path, limits: LoraLimits) -> AdapterReport:
         """Validate ``path`` and, with a stage, copy and verify it there (runs in a thread)."""
         c = self.c
@@ -227,14 +289,18 @@ class AdapterSync:
         """Unload the adapters beyond the newest ``keep`` versions, beside the loop."""
         old = sorted(self.loaded)[: -self.keep] if len(self.loaded) > self.keep else []
         for step in old:
-            name = self.loaded.pop(step)
-            task = asyncio.get_running_loop().create_task(self._unload(step, name))
-            self._unloads.add(task)
-            task.add_done_callback(self._unloads.discard)
+            self._unload_beside(self.loaded.pop(step), f"step {step}, outside the newest {self.keep} versions")
 
-    async def _unload(self, step: int, name: str) -> None:
+    def _unload_beside(self, name: str, why: str) -> None:
+        """Unload ``name`` in a task of its own: SGLang's unload waits for the requests using the
+        adapter, which the loop must not wait for."""
+        task = asyncio.get_running_loop().create_task(self._unload(name, why))
+        self._unloads.add(task)
+        task.add_done_callback(self._unloads.discard)
+
+    async def _unload(self, name: str, why: str) -> None:
         try:
             await self.c.client.unload_lora_adapter(name)
-            log.info("unloaded adapter %r (step %d): outside the newest %d versions", name, step, self.keep)
+            log.info("unloaded adapter %r (%s)", name, why)
         except (SGLangLoadRejected, SGLangUnavailable) as exc:
-            log.warning("could not unload adapter %r (step %d): %s", name, step, exc)
+            log.warning("could not unload adapter %r (%s): %s", name, why, exc)

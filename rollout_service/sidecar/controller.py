@@ -631,17 +631,7 @@ class SyncController:
                 self._reject(ckpt, "sglang_rejected", str(exc))
                 return False
             except SGLangUnavailable as exc:
-                self._crashes[step] = self._crashes.get(step, 0) + 1
-                self.state.sglang_healthy = False
-                self.metrics.syncs.labels("failed", "sglang_unavailable").inc()
-                if self._crashes[step] >= MAX_CRASHES_PER_STEP:
-                    self._reject(
-                        ckpt,
-                        "sglang_crashed_on_load",
-                        f"SGLang died {self._crashes[step]} times while loading {path.name}",
-                    )
-                else:
-                    self._error("sglang_unavailable", str(exc), step=step)
+                self.died_during_load(ckpt, exc)
                 return False
             load_s = time.perf_counter() - t1
             view = await self.client.view()
@@ -693,6 +683,24 @@ class SyncController:
             return True
         finally:
             self.state.loading_step = None
+
+    def died_during_load(self, ckpt: PublishedCheckpoint, exc: SGLangUnavailable) -> None:
+        """SGLang stopped answering while it loaded ``ckpt`` (a full checkpoint or an adapter):
+        count it against the step and, at ``MAX_CRASHES_PER_STEP``, reject the step
+        (``sglang_crashed_on_load``). A step that kills SGLang at every load would otherwise be
+        loaded again after each restart, forever, and the replica would never serve anything."""
+        step = ckpt.step
+        self._crashes[step] = self._crashes.get(step, 0) + 1
+        self.state.sglang_healthy = False
+        self.metrics.syncs.labels("failed", "sglang_unavailable").inc()
+        if self._crashes[step] >= MAX_CRASHES_PER_STEP:
+            self._reject(
+                ckpt,
+                "sglang_crashed_on_load",
+                f"SGLang died {self._crashes[step]} times while loading {ckpt.path.name}",
+            )
+        else:
+            self._error("sglang_unavailable", str(exc), step=step)
 
     def _look_before_load(self, ckpt: PublishedCheckpoint) -> tuple[bool, float | None, tuple[int, ...] | None]:
         """(Blocking: on the root.) Whether ``ckpt`` is an adapter step, when it was published
