@@ -298,7 +298,12 @@ def test_an_adapter_waits_while_sglang_serves_a_full_checkpoint_and_loads_once_i
     assert sidecar.wait_step(1)["loaded_step"] == 1
     model = peft_model(tiny_model_dir, targets=["q_proj", "v_proj"])
     train_steps(model, 2, seed=60)
-    publish(model, checkpoint_root, 2)
+    from peft import get_peft_model_state_dict
+
+    run = "base-swap"  # its own adapter names: earlier tests left theirs in the shared server
+    publish_adapter(
+        checkpoint_root, 2, get_peft_model_state_dict(model), model.peft_config["default"].to_dict(), run_id=run
+    )
     wait_until(
         lambda: sidecar.metric("rollout_sidecar_syncs_total", outcome="failed", reason="adapter_base_replaced") >= 1,
         60,
@@ -307,8 +312,8 @@ def test_an_adapter_waits_while_sglang_serves_a_full_checkpoint_and_loads_once_i
     status = sidecar.status()
     assert status["last_error"]["reason"] == "adapter_base_replaced" and status["last_error"]["step"] == 2, status
     assert "2" not in status["rejected"] and status["loaded_step"] == 1
-    assert adapter_name_for(2, RUN_ID) not in served_adapters(lora_server.url)
+    assert adapter_name_for(2, run) not in served_adapters(lora_server.url)
     lora_server.restart(300)
     assert sidecar.wait_step(2, timeout_s=180)["loaded_step"] == 2
     for prompt in PROMPTS:
-        assert sglang_greedy(lora_server.url, prompt, adapter_name_for(2, RUN_ID))[0] == peft_greedy(model, prompt)
+        assert sglang_greedy(lora_server.url, prompt, adapter_name_for(2, run))[0] == peft_greedy(model, prompt)

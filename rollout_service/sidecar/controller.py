@@ -883,6 +883,7 @@ CONTENT_REASONS = frozenset(
         "size_mismatch",
         "digest_mismatch",
         "header_invalid",
+        "header_too_large",
         "unreadable",
         "not_a_regular_file",
         "too_large",
