@@ -83,7 +83,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from rollout_service.checkpoint_writer import iter_model_dir_tensors, publish_checkpoint
+from rollout_service.checkpoint_writer import publish_checkpoint
+from rollout_service.model_dir_source import iter_model_dir_tensors
 from rollout_service.sglang_launcher import SGLangServer
 from rollout_service.tiny_model import ensure_tiny_model
 

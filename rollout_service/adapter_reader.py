@@ -26,6 +26,7 @@ from .checkpoint_format import (
     ADAPTER_WEIGHTS_NAME,
     FLOAT_DTYPES,
     MANIFEST_NAME,
+    MAX_ADAPTER_HEADER_BYTES,
     MAX_ADAPTER_RANK,
     AdapterInfo,
     CheckpointError,
@@ -48,14 +49,6 @@ the target modules, which is all SGLang serves."""
 MAX_LORA_ALPHA = 1e6
 """``lora_alpha`` is below it (and above 0), as the manifest's ``adapter.alpha`` is: PEFT's
 values are tens to hundreds; a config's number past it is junk, not a scale to serve."""
-MAX_ADAPTER_HEADER_BYTES = 4 << 20
-"""The largest safetensors header of an adapter's weights a reader accepts (4 MiB), checked
-from its length field before any of it is read. A LoRA adapter's header holds ~100 bytes per
-tensor (name, dtype, shape, offsets) and two tensors per adapted module: an 80-layer model with
-7 target modules has 1,120 tensors, ~112 KB. 4 MiB leaves ~35 times that for deeper models,
-more modules and longer names, while a header at the cap is parsed quickly (measured: 32k
-entries, 0.13 s, ~24 MB). The full-model cap (100 MB) let a crafted adapter's header of 820k
-entries take 5.4 s and ~860 MB before it was rejected."""
 
 
 @dataclass(frozen=True)

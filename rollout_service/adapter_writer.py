@@ -25,6 +25,7 @@ import torch
 from .checkpoint_format import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
+    MAX_ADAPTER_HEADER_BYTES,
     AdapterInfo,
     normalize_dtype,
     step_dir_name,
@@ -41,6 +42,7 @@ from .checkpoint_writer import (
     check_tensor_names,
     count_non_finite_bytes,
     non_finite_refusal,
+    shard_prefix,
     write_manifest,
     write_small,
 )
@@ -123,6 +125,18 @@ def _refuse_non_finite(prepared: list[tuple[str, torch.Tensor]]) -> None:
             raise non_finite_refusal(name, tag, t.numel(), count)
 
 
+def _refuse_large_header(prepared: list[tuple[str, torch.Tensor]]) -> None:
+    """:class:`PublishRefused` for an adapter whose header readers refuse (``MAX_ADAPTER_HEADER_BYTES``)."""
+    prefix, _ = shard_prefix((n, _TAGS[t.dtype], tuple(t.shape)) for n, t in prepared)
+    if len(prefix) - 8 > MAX_ADAPTER_HEADER_BYTES:
+        raise PublishRefused(
+            f"the adapter's safetensors header would be {len(prefix) - 8} bytes ({len(prepared)} tensors), over"
+            f" the {MAX_ADAPTER_HEADER_BYTES} readers accept: adapt fewer modules or layers. Nothing was published",
+            tensor="",
+            rule="header_too_large",
+        )
+
+
 def publish_adapter(
     root: Path | str,
     step: int,
@@ -169,6 +183,7 @@ def publish_adapter(
         prepared.append((name, t.to("cpu").contiguous()))
     if check_finite:
         _refuse_non_finite(prepared)  # an adapter is small: one pass before anything is made
+    _refuse_large_header(prepared)
     tags = {_TAGS[t.dtype] for _, t in prepared}
     with atomic_step_dir(root, step) as tmp:
         files = {

@@ -180,14 +180,19 @@ class _DeadlineBackend(httpcore.NetworkBackend):
 
 
 def client(**kw: Any) -> httpx.Client:
-    """An ``httpx.Client`` (``kw`` as for it) whose socket waits keep to :func:`call_deadline`."""
-    if kw.get("transport") is None:
-        transport = httpx.HTTPTransport(limits=kw.pop("limits", httpx.Limits()))
-        # httpx takes no network backend; its pool (httpcore's, pinned) holds the one it uses.
-        pool = transport._pool
-        pool._network_backend = _DeadlineBackend(pool._network_backend)
-        kw["transport"] = transport
-    return httpx.Client(**kw)
+    """An ``httpx.Client`` (``kw`` as for it) whose socket waits keep to :func:`call_deadline`.
+
+    Its transports stay httpx's own, so the proxy settings of the environment apply as for any
+    client (``trust_env``); only the network backend of each transport's pool (httpcore's, whose
+    version is pinned) is wrapped. A transport given in ``kw`` is left as it is."""
+    given = kw.get("transport") is not None
+    made = httpx.Client(**kw)
+    if not given:
+        for transport in [made._transport, *made._mounts.values()]:
+            pool = getattr(transport, "_pool", None)
+            if pool is not None:
+                pool._network_backend = _DeadlineBackend(pool._network_backend)
+    return made
 
 
 def content_encoding(response: httpx.Response) -> str | None:

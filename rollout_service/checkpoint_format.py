@@ -61,6 +61,14 @@ trade-off between bytes per sync and a late joiner's replay."""
 MAX_SHARD_HEADER_BYTES = 100 << 20
 """The largest safetensors header of a shard a reader accepts (names, dtypes, shapes, offsets:
 ~30 KB for a 7B model)."""
+MAX_ADAPTER_HEADER_BYTES = 16 << 20
+"""The largest safetensors header of an adapter's weights a reader accepts (16 MiB), checked from
+its length field before any of it is read, and refused by the writer before anything is
+published. A LoRA adapter's header holds ~100 bytes per tensor (name, dtype, shape, offsets) and
+two tensors per adapted module: an 80-layer model with 7 target modules has 1,120 tensors,
+~112 KB; all-linear LoRA on every expert of a 48-layer, 128-expert MoE has ~37k, ~4-5 MB. A header
+at 4 MiB parses in 0.13 s (~24 MB); the full-model cap (100 MB) let a crafted adapter's header of
+820k entries take 5.4 s and ~860 MB before it was rejected."""
 MAX_CHAIN_LENGTH = 1000
 """The most deltas one chain may hold (so the largest ``checkpoint_full_every`` is 1001): a
 replica that joins late replays a chain from its full step, and a reader walks it under a deadline."""

@@ -83,8 +83,9 @@ class PublishRefused(ValueError):
     Raised before the step's folder appears in the root (a work folder already made is removed),
     so the newest published checkpoint stays the last good one. ``tensor`` is the tensor at
     fault, ``rule`` what it breaks (``tensor_name``, ``duplicate``, ``header_too_large``,
-    ``non_finite``; for a model folder, :func:`check_model_dir`'s rules), ``count`` its NaN/Inf
-    values (``non_finite`` only).
+    ``non_finite``; for a model folder, the rules of
+    :func:`~rollout_service.model_dir_source.check_model_dir`), ``count`` its NaN/Inf values
+    (``non_finite`` only).
     """
 
     def __init__(self, message: str, *, tensor: str, rule: str, count: int = 0):
@@ -540,7 +541,7 @@ def atomic_step_dir(root: Path | str, step: int) -> Iterator[Path]:
 
 def config_text(config: dict[str, Any] | Path | str | bytes) -> str | bytes:
     """The bytes of ``config.json``: a dict rendered canonically, bytes as they are (a file read and
-    checked before, see :func:`publish_model_dir`), or a file's bytes as they are."""
+    checked before, see :func:`~rollout_service.model_dir_source.publish_model_dir`), or a file's bytes as they are."""
     if isinstance(config, dict):
         return config_json(config)
     if isinstance(config, bytes):

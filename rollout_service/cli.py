@@ -168,6 +168,13 @@ def _check_delta_chain(args: argparse.Namespace, step: int) -> list[str]:
     chain = resolve_chain(root, ChainLink(path, Manifest.load(path, root=root)), None, Deadline(args.timeout))
     checks = [f"its delta chain back to full step {chain.start.manifest.step} is published and consistent"]
     if args.digests or args.check_finite:
+        from .checkpoint_format import step_dir_name
+
+        if path != root / step_dir_name(step):  # materialize rebuilds the step of that name
+            raise ValueError(
+                f"{path} holds delta step {step} under another name: --digests and --check-finite rebuild a"
+                f" delta step from its root, so give {root / step_dir_name(step)} (or validate without them)"
+            )
         with tempfile.TemporaryDirectory(prefix="rollout-validate-") as tmp:
             try:
                 materialize(root, step, Path(tmp) / "model", timeout_s=args.timeout, check_finite=args.check_finite)
@@ -299,11 +306,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(server, settings, policy)
 
 
+def _same_addresses(a: str, b: str) -> bool:
+    """Whether servers bound to hosts ``a`` and ``b`` on one port would clash: the same host, or
+    one the wildcard of the other's address family (IPv6 sockets bind IPv6 only, as uvicorn's)."""
+    family_a, family_b = (6 if ":" in h else 4 for h in (a, b))
+    return a == b or (family_a == family_b and bool({a, b} & {"0.0.0.0", "::"}))
+
+
 def _check_serve_ports(sglang_host: str, sglang_port: int, host: str, port: int) -> None:
     """Both servers of ``serve`` can listen where they are told to, before SGLang's minutes of
     start-up: SGLang does not always exit when it cannot bind, and the sidecar would find out
     only once SGLang is up."""
-    if sglang_port == port and (sglang_host == host or {sglang_host, host} & {"0.0.0.0", "::"}):
+    if sglang_port == port and _same_addresses(sglang_host, host):
         raise ValueError(f"--port and --sidecar-port are both {port}: SGLang and the sidecar each need their own")
     bindable_port(sglang_host, sglang_port, "--sglang-host/--port")
     bindable_port(host, port, "--host/--sidecar-port")

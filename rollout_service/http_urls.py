@@ -74,6 +74,8 @@ def bindable_port(host: str, port: int, what: str) -> int:
         family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no conflict
+            if family == socket.AF_INET6:  # as asyncio's servers (uvicorn) bind: IPv4 listeners are no conflict
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
             return int(sock.getsockname()[1])
     except OSError as exc:

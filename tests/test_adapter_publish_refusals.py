@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import rollout_service.adapter_writer as aw
-import rollout_service.checkpoint_writer as cw
 from rollout_service.adapter_reader import AdapterReport, LoraLimits, validate_adapter
 from rollout_service.adapter_writer import publish_adapter
 from rollout_service.checkpoint_format import CheckpointError, Manifest, step_dir_name
@@ -168,18 +167,20 @@ def test_names_readers_reject_are_refused_before_anything_is_made(
     assert listing(root) == [] and no_work_folder == []
 
 
-def test_a_header_larger_than_readers_accept_is_refused_and_its_work_folder_removed(
+def test_a_header_larger_than_readers_accept_is_refused_before_anything_is_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cw, "MAX_SHARD_HEADER_BYTES", 4096)  # real cap: 100 MB of names
+    """Readers refuse an adapter header past MAX_ADAPTER_HEADER_BYTES (far below the 100 MB of a
+    model shard's): so does the writer, or every replica would reject what it published."""
+    monkeypatch.setattr(aw, "MAX_ADAPTER_HEADER_BYTES", 4096)  # real cap: 16 MiB of names
     root = tmp_path / "root"
     state = tensors()
     for i in range(12):  # each name fits alone, together they do not
         state[f"base_model.model.model.layers.0.self_attn.q_proj{'x' * 300}{i}.lora_A.weight"] = torch.ones(4, HIDDEN)
-    with pytest.raises(PublishRefused, match="more than the 4096 readers accept") as info:
+    with pytest.raises(PublishRefused, match="over the 4096 readers accept") as info:
         publish(root, 1, state)
     assert info.value.rule == "header_too_large"
-    assert listing(root) == []  # the work folder is gone too
+    assert listing(root) == []
 
 
 # --- dtypes ----------------------------------------------------------------------------------

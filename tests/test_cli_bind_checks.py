@@ -105,3 +105,20 @@ def test_a_port_only_in_time_wait_counts_as_free() -> None:
         client.close()
     time.sleep(0.2)  # the closing handshake ends
     assert bindable_port("127.0.0.1", port, "--port") == port
+
+
+def test_an_ipv6_wildcard_is_no_conflict_with_an_ipv4_listener_as_for_uvicorn() -> None:
+    """uvicorn binds an IPv6 host IPv6-only: an IPv4 server on the same port does not stop it,
+    so the check must not refuse it either, nor take ``::`` and ``0.0.0.0`` for one address."""
+    from rollout_service.cli import _same_addresses
+
+    with socket.socket() as v4:
+        v4.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        v4.bind(("0.0.0.0", 0))
+        v4.listen()
+        port = v4.getsockname()[1]
+        assert bindable_port("::", port, "--host/--port") == port
+        with pytest.raises(ValueError, match="is in use"):
+            bindable_port("0.0.0.0", port, "--host/--port")
+    assert not _same_addresses("::", "0.0.0.0") and not _same_addresses("::1", "127.0.0.1")
+    assert _same_addresses("::", "::1") and _same_addresses("0.0.0.0", "127.0.0.1") and _same_addresses("a", "a")

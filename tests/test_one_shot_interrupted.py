@@ -33,6 +33,12 @@ def big_root(tmp_path_factory, tiny_model_dir) -> Path:
     return root
 
 
+def sigint_as_a_terminal_sends_it() -> None:
+    """In the child: SIGINT back to its default. A shell that starts the test run in the
+    background (CI) makes it ignored, and a process started ignoring it keeps ignoring it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def work_folders(parent: Path) -> list[str]:
     return sorted(n for n in os.listdir(parent) if n.startswith(".tmp-materialize-"))
 
@@ -45,6 +51,7 @@ def test_an_interrupted_materialize_removes_its_work_and_says_so(big_root: Path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=sigint_as_a_terminal_sends_it,
     )
     deadline = time.monotonic() + 60
     while not work_folders(tmp_path):  # it is working: interrupt it there

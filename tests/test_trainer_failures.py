@@ -80,7 +80,7 @@ def test_hung_sglang_times_out_instead_of_hanging(tiny_model_dir: Path, tmp_path
     config = make_config(tmp_path, tmp_path, [fake.url], [fake.url], sync_timeout=2, sglang_request_timeout=1)
     trainer = make_trainer(tiny_model_dir, config)
     started = time.monotonic()
-    with pytest.raises(SGLangUnavailableError, match="no answer within the timeout"):
+    with pytest.raises(SGLangUnavailableError, match="no (complete )?answer within the timeout"):
         trainer.train()
     assert time.monotonic() - started < 20
 

@@ -180,6 +180,36 @@ def test_a_blocking_exchange_ends_at_its_deadline_while_the_headers_drip(servers
     assert took < 1.6, f"the exchange took {took:.2f} s for a 1 s bound"
 
 
+def test_a_bounded_client_goes_through_the_environments_proxy_and_keeps_its_deadline_there(
+    servers: list[CannedServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline-keeping client is httpx's own as to proxies: a trainer that reaches its
+    sidecars through HTTP_PROXY still does, and a proxy that drips is cut at the deadline too."""
+    proxy = canned(servers, lambda path, body, count: dripping_headers())
+    for name in ("HTTP_PROXY", "http_proxy"):
+        monkeypatch.setenv(name, proxy.url)
+    for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    out: list[Any] = []
+
+    def go() -> None:
+        with bounded_client() as client:
+            t0 = time.monotonic()
+            try:
+                request(client, "GET", "http://sidecar-0.invalid:8100/status", timeout_s=1.0)
+            except Exception as exc:  # recorded: the assertion below names it
+                out.append(exc)
+            out.append(time.monotonic() - t0)
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    thread.join(15)
+    assert not thread.is_alive(), "the exchange through a dripping proxy was still waiting after 15 s"
+    error, took = out
+    assert proxy.requests and "sidecar-0.invalid" in proxy.requests[0][1], proxy.requests
+    assert isinstance(error, AnswerRefused) and took < 1.6, (repr(error), took)
+
+
 def late_then_silent(after_s: float) -> Answer:
     """Headers, one byte ``after_s`` later, then nothing: the next wait for bytes starts just
     before the deadline."""

@@ -133,3 +133,32 @@ def test_with_no_inotify_instance_left_the_sidecar_polls_and_says_so(tmp_path):
             watcher.stop()
         with TestClient(create_app(settings)) as client:  # starts the app's own watcher
             assert client.get("/status").json()["watch_mode"].startswith("polling (inotify:")
+
+
+def test_out_of_inotify_watches_the_failed_observer_is_stopped_before_polling(tmp_path, monkeypatch):
+    """Out of watches (ENOSPC), inotify fails only when the watch is added, after its reader
+    thread and descriptor were made: they are released, not kept for the sidecar's life. (The
+    limit is a system-wide setting a test must not lower: the failure is raised by a subclass.)"""
+    import errno as errno_codes
+
+    made = []
+
+    class OutOfWatches(watcher_module.Observer):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+        def schedule(self, *args, **kwargs):
+            raise OSError(errno_codes.ENOSPC, "inotify watch limit reached")
+
+    monkeypatch.setattr(watcher_module, "Observer", OutOfWatches)
+    seen: list[str] = []
+    watcher = CheckpointWatcher(tmp_path, seen.append)
+    watcher.start()
+    try:
+        assert watcher.mode == "polling (inotify: inotify watch limit reached)"
+        assert made and not made[0]._inotify_fd.is_alive(), "the failed inotify observer's thread still runs"
+        (tmp_path / "step-00000001").mkdir()
+        assert wait_for(seen, "created:step-00000001", timeout_s=5.0), seen
+    finally:
+        watcher.stop()

@@ -188,6 +188,8 @@ class AdapterSync:
         try:
             before = await c.client.loaded_adapters()
         except SGLangUnavailable as exc:  # before any load: not the step's doing
+            c.state.sglang_healthy = False
+            c.metrics.syncs.labels("failed", "sglang_unavailable").inc()
             c._error("sglang_unavailable", str(exc), step=ckpt.step)
             return False
         try:

@@ -16,6 +16,7 @@ loop's own listing turns the replica unready, ``too_many_entries``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -141,12 +142,20 @@ class CheckpointWatcher:
             if poll_interval_s is None
             else PollingObserverVFS(_stat_root_or_entry, step_entries, polling_interval=poll_interval_s)
         )
-        observer.schedule(_Handler(self._on_change), str(self.root), recursive=False)
-        with self._lock:
-            if self._stopped:  # stopped while the root kept this start waiting
-                return
-            self._observer = observer
-            observer.start()
+        try:
+            observer.schedule(_Handler(self._on_change), str(self.root), recursive=False)
+            with self._lock:
+                if self._stopped:  # stopped while the root kept this start waiting
+                    observer.stop()
+                    return
+                observer.start()
+                self._observer = observer
+        except BaseException:
+            # inotify's reader thread and descriptor come with the observer (out of watches, it
+            # fails only here): stopped, or the fallback would keep one of the scarce instances.
+            with contextlib.suppress(Exception):
+                observer.stop()
+            raise
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Stop watching, giving up after ``timeout_s``: watchdog's stop joins its polling thread
