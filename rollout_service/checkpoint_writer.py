@@ -13,12 +13,10 @@ which :func:`cleanup_stale_temp_dirs` removes.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import json
 import logging
 import os
-import re
 import socket
 import stat
 import struct
@@ -51,6 +49,7 @@ from .checkpoint_format import (
 from .digest import format_digest, new_hasher
 from .finite import count_non_finite
 from .protocol import version_for_step
+from .work_folders import left_by_dead_writer, owner_tag
 
 log = logging.getLogger(__name__)
 
@@ -517,7 +516,7 @@ def atomic_step_dir(root: Path | str, step: int) -> Iterator[Path]:
     if os.path.lexists(final):
         what = "already published" if final.is_dir() else "taken by something that is not a checkpoint (remove it)"
         raise FileExistsError(f"{final} is {what}; steps are immutable, publish a new step instead")
-    tmp = root / f"{TEMP_PREFIX}{name}-{_owner_tag()}-{uuid.uuid4().hex[:12]}"
+    tmp = root / f"{TEMP_PREFIX}{name}-{owner_tag()}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
         yield tmp
@@ -579,7 +578,7 @@ def cleanup_stale_temp_dirs(root: Path | str, older_than_s: float = 3600.0) -> l
         if not entry.name.startswith(TEMP_PREFIX):
             continue
         try:
-            if now - entry.lstat().st_mtime < older_than_s and not _left_by_dead_writer(entry.name):
+            if now - entry.lstat().st_mtime < older_than_s and not left_by_dead_writer(entry.name):
                 continue
             remove_tree(entry)
             removed.append(entry)
@@ -670,44 +669,6 @@ def _empty_folder(
         if fd != top:
             os.close(fd)
     return folders
-
-
-_TAG_RE = re.compile(r"-h([0-9a-f]{8})p([0-9]+)-[0-9a-f]{12}$", re.ASCII)
-
-
-def _owner_tag() -> str:
-    """``h<host hash>p<pid>``: which process writes a work folder, so that one left by a writer
-    that died on this host is removed at the next start, however young it is."""
-    return f"h{_host_hash()}p{os.getpid()}"
-
-
-def _host_hash() -> str:
-    """This host, boot and PID namespace: where a PID names one process (containers sharing a
-    host name, or a host rebooted, get another hash, and their folders age out instead)."""
-    parts = [socket.gethostname()]
-    for where in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
-        try:
-            parts.append(os.readlink(where) if where.endswith("/pid") else Path(where).read_text().strip())
-        except OSError:
-            parts.append("")
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
-
-
-def _left_by_dead_writer(name: str) -> bool:
-    """A step work folder of a writer on this host whose process no longer runs."""
-    match = _TAG_RE.search(name)
-    if match is None or match.group(1) != _host_hash():
-        return False
-    pid = int(match.group(2))
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, OverflowError):
-        return False
-    return False
 
 
 def iter_unique_tensors(state: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint_format import MAX_ADAPTER_RANK, CheckpointError
+from .checkpoint_format import MAX_ADAPTER_RANK, CheckpointError, Manifest
 from .cli_env import TIMEOUT_S, EnvArgumentParser, SettingFlags, add_env_argument, number_type
 from .http_urls import bindable_port
 from .lora_serving import DEFAULT_MAX_RANK, DEFAULT_TARGET_MODULES, add_lora_flags, lora_from_args, module_list
@@ -139,7 +139,7 @@ def _validate_step(args: argparse.Namespace, reference: TensorSpecs | None) -> d
         timeout_s=args.timeout,
     )
     if report.manifest.kind == "delta":
-        report.checks.extend(_check_delta_chain(args, report.manifest.step))
+        report.checks.extend(_check_delta_chain(args, report.manifest))
     return {
         "valid": str(report.path),
         "step": report.manifest.step,
@@ -151,21 +151,21 @@ def _validate_step(args: argparse.Namespace, reference: TensorSpecs | None) -> d
     }
 
 
-def _check_delta_chain(args: argparse.Namespace, step: int) -> list[str]:
-    """What a replica needs of a delta step beyond its own files: its chain, published and
+def _check_delta_chain(args: argparse.Namespace, manifest: Manifest) -> list[str]:
+    """What a replica needs of the delta step ``manifest`` (validated) beyond its own files: its chain, published and
     consistent back to its full step; with ``--digests`` or ``--check-finite``, the model it
     rebuilds (rebuilt in a temporary folder, every byte checked against the digests of a full
     publish, NaN/Inf refused with ``--check-finite``). The checks that passed; raises
     ``CheckpointError``."""
     import tempfile
 
-    from .checkpoint_format import Manifest
     from .delta_apply import ChainLink, materialize, resolve_chain
     from .untrusted_files import Deadline
 
+    step = manifest.step
     path = Path(args.dir).absolute()
     root = Path(args.root).absolute() if args.root is not None else path.parent
-    chain = resolve_chain(root, ChainLink(path, Manifest.load(path, root=root)), None, Deadline(args.timeout))
+    chain = resolve_chain(root, ChainLink(path, manifest), None, Deadline(args.timeout))
     checks = [f"its delta chain back to full step {chain.start.manifest.step} is published and consistent"]
     if args.digests or args.check_finite:
         from .checkpoint_format import step_dir_name

@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import shutil
-import socket
 import struct
 import threading
 import time
@@ -54,6 +53,7 @@ from .digest import format_digest, new_hasher
 from .finite import count_non_finite
 from .ordered_digests import Abandoned, OrderedDigests
 from .untrusted_files import Deadline, VerifiedRead, copy_verified, open_regular
+from .work_folders import left_by_dead_writer, owner_tag
 
 log = logging.getLogger(__name__)
 
@@ -634,8 +634,9 @@ def materialize(
     no model, and is refused with validate's reason. An adapter step is no model to rebuild
     (``adapter_step``).
 
-    The work happens in a hidden sibling of ``out`` named after this host and process; one left by
-    a run that was killed (SIGKILL, a power cut) is removed by the next run into the same folder.
+    The work happens in a hidden sibling of ``out`` named after its process
+    (:mod:`~rollout_service.work_folders`); one left by a run that was killed (SIGKILL, a power
+    cut) is removed by the next run into the same folder.
     A folder without room for the model (two copies while a delta is applied) is refused first."""
     from .checkpoint_reader import (
         read_model_specs,
@@ -665,7 +666,7 @@ def materialize(
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_dead_runs_work(out)
     _check_room(out, manifest, copies=2 if chain.deltas else 1)
-    work = out.parent / f"{_work_prefix(out)}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    work = out.parent / f"{_work_prefix(out)}{owner_tag()}-{uuid.uuid4().hex[:12]}"
     work.mkdir()
     try:
         # Each copy is named as its published step: the checks name its files as validate would.
@@ -711,27 +712,14 @@ def _work_prefix(out: Path) -> str:
 
 
 def _remove_dead_runs_work(out: Path) -> None:
-    """Remove the work folders of earlier runs into ``out`` on this host whose process is gone."""
-    prefix, host = _work_prefix(out), socket.gethostname()
+    """Remove the work folders of earlier runs into ``out`` whose process is gone (this host's)."""
+    prefix = _work_prefix(out)
     with os.scandir(out.parent) as entries:
         names = [e.name for e in entries if e.name.startswith(prefix)]
     for name in names:
-        who, _, _ = name[len(prefix) :].rpartition("-")
-        run_host, _, pid = who.rpartition("-")
-        if run_host != host or not pid.isdigit() or _alive(int(pid)):
-            continue  # another host's (it may still run), or a live run's
-        log.info("removing %s, left by a materialize that was killed", out.parent / name)
-        shutil.rmtree(out.parent / name, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        if left_by_dead_writer(name):
+            log.info("removing %s, left by a materialize that was killed", out.parent / name)
+            shutil.rmtree(out.parent / name, ignore_errors=True)
 
 
 def _check_room(out: Path, manifest: Manifest, copies: int) -> None:

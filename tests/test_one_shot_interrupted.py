@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import torch
 from rollout_service import delta_apply
 from rollout_service.checkpoint_writer import publish_checkpoint
 from rollout_service.delta_apply import materialize
+from rollout_service.work_folders import owner_tag
 
 MODEL_ELEMENTS = 96 << 20  # 384 MB of float32: a copy with every byte hashed takes a while
 
@@ -67,14 +67,13 @@ def test_an_interrupted_materialize_removes_its_work_and_says_so(big_root: Path,
 
 def test_the_work_of_a_killed_materialize_is_removed_by_the_next_run(big_root: Path, tmp_path: Path) -> None:
     out = tmp_path / "model"
-    host = socket.gethostname()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     left = {
-        "killed": f".tmp-materialize-model-{host}-{dead.pid}-0000aaaa",
-        "live": f".tmp-materialize-model-{host}-{os.getpid()}-0000bbbb",  # this process: still running
-        "elsewhere": f".tmp-materialize-model-other-host-{dead.pid}-0000cccc",  # another host's: unknowable
-        "another-out": f".tmp-materialize-model2-{host}-{dead.pid}-0000dddd",
+        "killed": f".tmp-materialize-model-{owner_tag(dead.pid)}-00000000aaaa",
+        "live": f".tmp-materialize-model-{owner_tag()}-00000000bbbb",  # this process: still running
+        "elsewhere": f".tmp-materialize-model-h00000000p{dead.pid}-00000000cccc",  # another host's: unknowable
+        "another-out": f".tmp-materialize-model2-{owner_tag(dead.pid)}-00000000dddd",
     }
     for name in left.values():
         (tmp_path / name).mkdir()

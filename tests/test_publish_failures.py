@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from delta_helpers import CONFIG, RUN, Model
-from rollout_service import checkpoint_writer
+from rollout_service import checkpoint_writer, work_folders
 from rollout_service.checkpoint_format import Manifest, step_dir_name
 from rollout_service.checkpoint_reader import list_checkpoints
 from rollout_service.checkpoint_writer import cleanup_stale_temp_dirs, publish_checkpoint
@@ -205,7 +205,7 @@ publish_checkpoint({str(root)!r}, 1, dying(), config={{"model_type": "x"}})
     assert died.returncode == 3, died.stderr
     left = [p for p in root.iterdir() if p.name.startswith(".tmp-")]
     assert len(left) == 1 and not list_checkpoints(root)
-    ours = root / f".tmp-{step_dir_name(9)}-{checkpoint_writer._owner_tag()}-0123456789ab"
+    ours = root / f".tmp-{step_dir_name(9)}-{work_folders.owner_tag()}-0123456789ab"
     ours.mkdir()  # this process's own work (alive): kept
     other_host = root / f".tmp-{step_dir_name(8)}-h00000000p1-0123456789ab"
     other_host.mkdir()  # another host's writer: this host cannot tell, kept until it is old

@@ -157,25 +157,32 @@ def test_a_notify_to_a_dripping_sidecar_ends_within_its_bound(servers: list[Cann
     assert sidecar.requests[0][:2] == ("POST", "/sync")
 
 
-def test_a_blocking_exchange_ends_at_its_deadline_while_the_headers_drip(servers: list[CannedServer]) -> None:
-    """No body chunk ever comes, so only the connection's own waits can keep to the deadline."""
-    server = canned(servers, lambda path, body, count: dripping_headers())
+def blocking_exchange(url: str, what: str) -> tuple[Exception | None, float]:
+    """``request(GET url)`` through a deadline-keeping client with a 1 s bound, in a thread (the
+    old code waited for good): the error it raised, if any, and how long it took."""
     out: list[Any] = []
 
     def go() -> None:
         with bounded_client() as client:
             t0 = time.monotonic()
             try:
-                request(client, "GET", server.url + "/status", timeout_s=1.0)
-            except Exception as exc:  # recorded: the assertion below names it
+                request(client, "GET", url, timeout_s=1.0)
+                out.append(None)
+            except Exception as exc:  # returned: the caller's assertion names it
                 out.append(exc)
             out.append(time.monotonic() - t0)
 
     thread = threading.Thread(target=go, daemon=True)
     thread.start()
     thread.join(15)
-    assert not thread.is_alive(), "the exchange was still waiting on dripped headers after 15 s"
-    error, took = out
+    assert not thread.is_alive(), f"the exchange was still waiting on {what} after 15 s"
+    return out[0], out[1]
+
+
+def test_a_blocking_exchange_ends_at_its_deadline_while_the_headers_drip(servers: list[CannedServer]) -> None:
+    """No body chunk ever comes, so only the connection's own waits can keep to the deadline."""
+    server = canned(servers, lambda path, body, count: dripping_headers())
+    error, took = blocking_exchange(server.url + "/status", "dripped headers")
     assert isinstance(error, AnswerRefused) and "did not answer in full within 1 s" in str(error), repr(error)
     assert took < 1.6, f"the exchange took {took:.2f} s for a 1 s bound"
 
@@ -190,22 +197,7 @@ def test_a_bounded_client_goes_through_the_environments_proxy_and_keeps_its_dead
         monkeypatch.setenv(name, proxy.url)
     for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
-    out: list[Any] = []
-
-    def go() -> None:
-        with bounded_client() as client:
-            t0 = time.monotonic()
-            try:
-                request(client, "GET", "http://sidecar-0.invalid:8100/status", timeout_s=1.0)
-            except Exception as exc:  # recorded: the assertion below names it
-                out.append(exc)
-            out.append(time.monotonic() - t0)
-
-    thread = threading.Thread(target=go, daemon=True)
-    thread.start()
-    thread.join(15)
-    assert not thread.is_alive(), "the exchange through a dripping proxy was still waiting after 15 s"
-    error, took = out
+    error, took = blocking_exchange("http://sidecar-0.invalid:8100/status", "a dripping proxy")
     assert proxy.requests and "sidecar-0.invalid" in proxy.requests[0][1], proxy.requests
     assert isinstance(error, AnswerRefused) and took < 1.6, (repr(error), took)
 
