@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -262,4 +263,17 @@ def test_a_published_step_as_reference_is_read_by_its_manifest(tmp_path: Path, c
         assert code == 0 and "tensor names, shapes and dtypes match the reference" in out, (ref, out)
     (root / step_dir_name(1) / "stray.safetensors").write_bytes(b"junk")  # not listed: not the reference
     code, out = cli_reason(capsys, "validate", str(root / step_dir_name(2)), "--reference", step1)
+    assert code == 0, out
+
+
+def test_validate_digests_refuses_a_delta_folder_not_named_as_its_step(tmp_path: Path, capsys) -> None:
+    """The rebuild reads the step of that number from the root: a copy under another name would
+    have the root's step checked in its place."""
+    root = tmp_path / "root"
+    publish_longer_chain(root)
+    copy = root / "step-00000003.copy"
+    shutil.copytree(root / step_dir_name(3), copy)
+    code, err = cli_reason(capsys, "validate", str(copy), "--digests")
+    assert code == 2 and "holds delta step 3 under another name" in err and step_dir_name(3) in err, err
+    code, out = cli_reason(capsys, "validate", str(copy))  # its files and chain: checked as they are
     assert code == 0, out
