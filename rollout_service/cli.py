@@ -20,6 +20,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
@@ -57,29 +58,72 @@ LORA_RANK = number_type(int, 1, MAX_ADAPTER_RANK)
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
+    from .checkpoint_format import step_dir_name
     from .model_dir_source import publish_model_dir
 
-    result = publish_model_dir(
-        args.model_dir,
-        args.checkpoint_path,
-        args.step,
-        dtype=args.dtype,
-        max_shard_bytes=int(args.max_shard_mb * (1 << 20)),
-    )
-    print(
-        json.dumps(
-            {
-                "published": str(result.path),
-                "step": result.step,
-                "weight_version": result.weight_version,
-                "bytes": result.total_bytes,
-                "tensors": result.tensor_count,
-                "files": result.files,
-                "seconds": round(result.total_seconds, 3),
-            }
+    step_dir = Path(args.checkpoint_path) / step_dir_name(args.step)
+    started = time.time()
+    try:
+        result = publish_model_dir(
+            args.model_dir,
+            args.checkpoint_path,
+            args.step,
+            dtype=args.dtype,
+            max_shard_bytes=int(args.max_shard_mb * (1 << 20)),
         )
+    except KeyboardInterrupt:
+        manifest = _published_here(step_dir, since=started)
+        if manifest is None:
+            raise  # nothing became visible: the work folder was removed on the way out
+        # The signal landed after the rename (syncing the root, the last log line): the step
+        # is published, and saying otherwise would have a retry refused as "already published".
+        signum = _interrupted_by.pop() if _interrupted_by else signal.SIGINT
+        print(
+            f"interrupted by {signal.Signals(signum).name} after {step_dir} was published: it stays published",
+            file=sys.stderr,
+        )
+        _print_published(
+            step_dir,
+            manifest.step,
+            manifest.weight_version,
+            manifest.total_bytes,
+            manifest.tensor_count,
+            len(manifest.files),
+        )
+        return 0
+    _print_published(
+        result.path,
+        result.step,
+        result.weight_version,
+        result.total_bytes,
+        result.tensor_count,
+        result.files,
+        seconds=round(result.total_seconds, 3),
     )
     return 0
+
+
+def _print_published(
+    path: Path, step: int, weight_version: str, total_bytes: int, tensors: int, files: int, **extra: Any
+) -> None:
+    """``publish``'s one line of JSON on stdout: what became visible."""
+    fields = {"published": str(path), "step": step, "weight_version": weight_version, "bytes": total_bytes}
+    print(json.dumps({**fields, "tensors": tensors, "files": files, **extra}))
+
+
+def _published_here(step_dir: Path, *, since: float) -> Manifest | None:
+    """``step_dir``'s manifest when this process wrote it after ``since`` (publish refuses a step
+    that exists, so such a step is the one this run renamed into place)."""
+    from .checkpoint_writer import writer_identity
+
+    try:
+        manifest = Manifest.load(step_dir.absolute(), root=step_dir.absolute().parent)
+    except Exception:  # not there (the interrupt came first), or not ours to vouch for
+        return None
+    writer = manifest.writer or {}
+    mine = writer_identity()
+    ours = (writer.get("host"), writer.get("pid")) == (mine["host"], mine["pid"]) and manifest.created_at >= since
+    return manifest if ours else None
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:

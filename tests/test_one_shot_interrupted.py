@@ -6,6 +6,7 @@ into a file system without room for the model is refused before anything is writ
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -119,4 +120,52 @@ def test_an_interrupted_publish_leaves_no_work_folder_in_the_root(big_root: Path
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "interrupted by SIGTERM" in err and "Traceback" not in err, err
+    assert os.listdir(root) == []
+
+
+def test_a_signal_after_the_rename_reports_the_step_published(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A SIGTERM that lands once the step is renamed into place (while the root is synced) must
+    not report a failure: the step is visible and complete, and a retry would be refused."""
+    from rollout_service import checkpoint_writer, cli
+
+    root = tmp_path / "root"
+    real_fsync_dir = checkpoint_writer.fsync_dir
+
+    def signal_after_the_rename(path: Path) -> None:
+        real_fsync_dir(path)
+        if Path(path) == root:  # synced last, after the rename
+            cli._interrupt(signal.SIGTERM, None)  # what the installed handler does when SIGTERM arrives
+
+    monkeypatch.setattr(checkpoint_writer, "fsync_dir", signal_after_the_rename)
+    argv = ["publish", "--model-dir", str(tiny_model_dir), "--checkpoint-path", str(root), "--step", "3"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "interrupted by SIGTERM after" in err and "it stays published" in err, err
+    printed = json.loads(out)
+    assert printed["published"] == str(root / "step-00000003") and printed["step"] == 3
+    assert sorted(os.listdir(root)) == ["step-00000003"]
+
+
+def test_a_signal_before_the_rename_still_reports_the_interruption(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """The other side of that line: interrupted while the work folder is synced, nothing is
+    published and the exit status says so."""
+    from rollout_service import checkpoint_writer, cli
+
+    root = tmp_path / "root"
+    real_fsync_dir = checkpoint_writer.fsync_dir
+
+    def signal_before_the_rename(path: Path) -> None:
+        real_fsync_dir(path)
+        if Path(path).name.startswith(".tmp-"):
+            cli._interrupt(signal.SIGTERM, None)
+
+    monkeypatch.setattr(checkpoint_writer, "fsync_dir", signal_before_the_rename)
+    argv = ["publish", "--model-dir", str(tiny_model_dir), "--checkpoint-path", str(root), "--step", "3"]
+    assert cli.main(argv) == 128 + signal.SIGTERM
+    out, err = capsys.readouterr()
+    assert out == "" and "interrupted by SIGTERM: stopped" in err, err
     assert os.listdir(root) == []
