@@ -201,10 +201,14 @@ def _check_delta_chain(args: argparse.Namespace, manifest: Manifest) -> list[str
     rebuilds (rebuilt in a temporary folder, every byte checked against the digests of a full
     publish, NaN/Inf refused with ``--check-finite``). The checks that passed; raises
     ``CheckpointError``."""
+    import shutil
     import tempfile
+    import uuid
 
+    from .checkpoint_format import TEMP_PREFIX
     from .delta_apply import ChainLink, materialize, resolve_chain
     from .untrusted_files import Deadline
+    from .work_folders import owner_tag, remove_left_by_dead_writers
 
     step = manifest.step
     path = Path(args.dir).absolute()
@@ -219,17 +223,27 @@ def _check_delta_chain(args: argparse.Namespace, manifest: Manifest) -> list[str
                 f"{path} holds delta step {step} under another name: --digests and --check-finite rebuild a"
                 f" delta step from its root, so give {root / step_dir_name(step)} (or validate without them)"
             )
-        with tempfile.TemporaryDirectory(prefix="rollout-validate-") as tmp:
-            try:
-                materialize(root, step, Path(tmp) / "model", timeout_s=args.timeout, check_finite=args.check_finite)
-            except CheckpointError:
-                raise
-            except ValueError as exc:  # no room: say where the rebuild goes
-                raise ValueError(f"{exc} (validate rebuilds a delta step under $TMPDIR: point it elsewhere)") from None
+        # Named after this process, so that the next validate removes what a killed one left.
+        scratch = Path(tempfile.gettempdir())
+        for prefix in (VALIDATE_REBUILD_PREFIX, f"{TEMP_PREFIX}materialize-{VALIDATE_REBUILD_PREFIX}"):
+            remove_left_by_dead_writers(scratch, prefix, "a validate --digests")
+        out = scratch / f"{VALIDATE_REBUILD_PREFIX}{owner_tag()}-{uuid.uuid4().hex[:12]}"
+        try:
+            materialize(root, step, out, timeout_s=args.timeout, check_finite=args.check_finite)
+        except CheckpointError:
+            raise
+        except ValueError as exc:  # no room: say where the rebuild goes
+            raise ValueError(f"{exc} (validate rebuilds a delta step under $TMPDIR: point it elsewhere)") from None
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
         checks.append("the model it rebuilds matches the digests of a full publish, byte for byte")
         if args.check_finite:
             checks.append("every floating weight of the rebuilt model is finite")
     return checks
+
+
+VALIDATE_REBUILD_PREFIX = "rollout-validate-"
+"""The model ``validate --digests`` rebuilds from a delta step: ``$TMPDIR/<this>-<owner tag>-<hex>``."""
 
 
 def _manifest_kind(step_dir: str, root: str | None) -> str | None:

@@ -53,7 +53,7 @@ from .digest import format_digest, new_hasher
 from .finite import count_non_finite
 from .ordered_digests import Abandoned, OrderedDigests
 from .untrusted_files import Deadline, VerifiedRead, copy_verified, open_regular
-from .work_folders import left_by_dead_writer, owner_tag
+from .work_folders import owner_tag, remove_left_by_dead_writers
 
 log = logging.getLogger(__name__)
 
@@ -338,31 +338,40 @@ def _rebuild_shard(
         digests = OrderedDigests(prefix, part_tensors, len(tensors))
         rebuilt: list[Future[None]] = []
         with ThreadPoolExecutor(APPLY_THREADS, thread_name_prefix="delta-apply") as pool:
-            # In file order: each part waits for the earlier ones to be hashed. A part starts as
-            # soon as its frame is read: the delta file streams in while the threads rebuild.
-            for index, ((off, n, frame, dtype, part_where), needs) in enumerate(zip(parts, part_needs)):
-                if needs is not None:
-                    needs[0].read_upto(needs[1])
-                rebuilt.append(
-                    pool.submit(
-                        _rebuild_part,
-                        fd,
-                        out.fileno(),
-                        off,
-                        n,
-                        frame,
-                        dtype,
-                        part_where,
-                        base_where,
-                        check_finite,
-                        deadline,
-                        digests,
-                        index,
+            try:
+                # In file order: each part waits for the earlier ones to be hashed. A part starts as
+                # soon as its frame is read: the delta file streams in while the threads rebuild.
+                for index, ((off, n, frame, dtype, part_where), needs) in enumerate(zip(parts, part_needs)):
+                    if needs is not None:
+                        needs[0].read_upto(needs[1])
+                    rebuilt.append(
+                        pool.submit(
+                            _rebuild_part,
+                            fd,
+                            out.fileno(),
+                            off,
+                            n,
+                            frame,
+                            dtype,
+                            part_where,
+                            base_where,
+                            check_finite,
+                            deadline,
+                            digests,
+                            index,
+                        )
                     )
-                )
-            for source in delta_files.values():
-                source.finish()  # the delta files' own size and digest, before any result counts
-            wait(rebuilt)
+                for source in delta_files.values():
+                    source.finish()  # the delta files' own size and digest, before any result counts
+                wait(rebuilt)
+            except BaseException:
+                # A bad delta file, or Ctrl-C/SIGTERM in a one-shot command: the parts not yet
+                # started never start, and those waiting for their turn to be hashed stop, so
+                # leaving the pool waits for a part or two per thread, not the rest of the shard.
+                for job in rebuilt:
+                    job.cancel()
+                digests.abandon()
+                raise
 
         def check_base() -> None:
             if _digest_of_fd(fd, st.st_size, base_where, deadline) != base_entry.digest:
@@ -664,7 +673,7 @@ def materialize(
         )
     chain = resolve_chain(root, ChainLink(path, manifest), None, deadline)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_runs_work(out)
+    remove_left_by_dead_writers(out.parent, _work_prefix(out), "a materialize")
     _check_room(out, manifest, copies=2 if chain.deltas else 1)
     work = out.parent / f"{_work_prefix(out)}{owner_tag()}-{uuid.uuid4().hex[:12]}"
     work.mkdir()
@@ -709,17 +718,6 @@ def materialize(
 
 def _work_prefix(out: Path) -> str:
     return f"{TEMP_PREFIX}materialize-{out.name}-"
-
-
-def _remove_dead_runs_work(out: Path) -> None:
-    """Remove the work folders of earlier runs into ``out`` whose process is gone (this host's)."""
-    prefix = _work_prefix(out)
-    with os.scandir(out.parent) as entries:
-        names = [e.name for e in entries if e.name.startswith(prefix)]
-    for name in names:
-        if left_by_dead_writer(name):
-            log.info("removing %s, left by a materialize that was killed", out.parent / name)
-            shutil.rmtree(out.parent / name, ignore_errors=True)
 
 
 def _check_room(out: Path, manifest: Manifest, copies: int) -> None:

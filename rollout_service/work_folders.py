@@ -10,10 +10,14 @@ however young it is, from one a live process is still filling.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
+import shutil
 import socket
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 _TAG_RE = re.compile(r"-h([0-9a-f]{8})p([0-9]+)-[0-9a-f]{12}$", re.ASCII)
 
@@ -53,3 +57,14 @@ def left_by_dead_writer(name: str) -> bool:
     except (PermissionError, OverflowError):
         return False
     return False
+
+
+def remove_left_by_dead_writers(parent: Path, prefix: str, what: str) -> None:
+    """Remove the folders of ``parent`` named ``<prefix>...-<owner_tag()>-<12 hex>`` whose writer
+    died on this host (SIGKILL, a power cut): ``what`` names them in the log."""
+    with os.scandir(parent) as entries:
+        names = [e.name for e in entries if e.name.startswith(prefix)]
+    for name in names:
+        if left_by_dead_writer(name):
+            log.info("removing %s, left by %s that was killed", parent / name, what)
+            shutil.rmtree(parent / name, ignore_errors=True)

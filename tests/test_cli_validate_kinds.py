@@ -277,3 +277,33 @@ def test_validate_digests_refuses_a_delta_folder_not_named_as_its_step(tmp_path:
     assert code == 2 and "holds delta step 3 under another name" in err and step_dir_name(3) in err, err
     code, out = cli_reason(capsys, "validate", str(copy))  # its files and chain: checked as they are
     assert code == 0, out
+
+
+def test_validate_digests_removes_the_rebuild_a_killed_validate_left(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A validate --digests killed outright (SIGKILL, OOM) leaves its rebuilt model, or the work
+    folder of one, in $TMPDIR; the next run on this host removes those of dead processes only."""
+    import tempfile
+
+    from rollout_service.work_folders import owner_tag
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    rebuilt = f"rollout-validate-{owner_tag(dead.pid)}-00000000aaaa"
+    left = {
+        "rebuilt": rebuilt,
+        "working": f".tmp-materialize-{rebuilt}-{owner_tag(dead.pid)}-00000000bbbb",
+        "live": f"rollout-validate-{owner_tag()}-00000000cccc",  # this process: still running
+        "another tool's": f"other-{owner_tag(dead.pid)}-00000000dddd",
+    }
+    for name in left.values():
+        (scratch / name).mkdir()
+        (scratch / name / "model.safetensors").write_bytes(b"x" * 1000)
+    root = tmp_path / "root"
+    publish_longer_chain(root)
+    code, out = cli_reason(capsys, "validate", str(root / step_dir_name(2)), "--digests")
+    assert code == 0, out
+    ours = sorted(n for n in os.listdir(scratch) if n.startswith(("rollout-validate-", ".tmp-", "other-")))
+    assert ours == sorted([left["live"], left["another tool's"]])  # and nothing of this run either

@@ -169,3 +169,33 @@ def test_a_signal_before_the_rename_still_reports_the_interruption(
     out, err = capsys.readouterr()
     assert out == "" and "interrupted by SIGTERM: stopped" in err, err
     assert os.listdir(root) == []
+
+
+def test_an_interrupted_rebuild_does_not_wait_for_the_rest_of_the_shard(tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C or SIGTERM while a delta shard is rebuilt: the parts not yet started never start,
+    so the command stops after the part or two per thread in flight, not after the whole shard."""
+    from delta_helpers import CONFIG, RUN, Model
+    from rollout_service.delta_writer import DeltaCheckpointWriter
+
+    model = Model(shapes={f"layer{i}.w": (64, 64) for i in range(48)})
+    writer, root = DeltaCheckpointWriter(full_every=10), tmp_path / "root"
+    for step in (1, 2):
+        model.step()
+        writer.publish(root, step, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN)
+    started: list[int] = []
+    real_part = delta_apply._rebuild_part
+
+    def slow_part(*args):
+        started.append(args[-1])
+        time.sleep(0.02)
+        return real_part(*args)
+
+    def interrupted_wait(jobs):
+        raise KeyboardInterrupt  # what the SIGTERM handler raises in the main thread, waiting here
+
+    monkeypatch.setattr(delta_apply, "_rebuild_part", slow_part)
+    monkeypatch.setattr(delta_apply, "wait", interrupted_wait)
+    with pytest.raises(KeyboardInterrupt):
+        materialize(root, 2, tmp_path / "model")
+    assert len(started) <= 2 * delta_apply.APPLY_THREADS, f"{len(started)} of 48 parts ran after the interrupt"
+    assert sorted(os.listdir(tmp_path)) == ["root"]
