@@ -491,8 +491,8 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         " a plain /health probe would restart SGLang in the middle of a large load)."
         " Exit 1 otherwise. For Kubernetes exec liveness probes.",
     )
-    p.add_argument("--sglang-url", default="http://127.0.0.1:30000", help="SGLang server")
-    p.add_argument("--sidecar-url", default="http://127.0.0.1:8100", help="its sidecar")
+    p.add_argument("--sglang-url", default="http://127.0.0.1:30000", help="SGLang server (default %(default)s)")
+    p.add_argument("--sidecar-url", default="http://127.0.0.1:8100", help="its sidecar (default %(default)s)")
     p.add_argument("--timeout", type=SECONDS, default=8.0, help="seconds for each HTTP call (default 8)")
     p.set_defaults(func=_cmd_liveness)
 

@@ -289,7 +289,7 @@ class SGLangServerConfig:
     """
 
     model_path: str | os.PathLike[str] = field(
-        metadata=setting("--model", "HF model directory SGLang starts from (base weights)", parse=str)
+        metadata=setting("--model", "HF model directory or Hub id SGLang starts from (base weights)", parse=str)
     )
     host: str = field(default="127.0.0.1", metadata=setting("--sglang-host", "address SGLang binds to"))
     port: int | None = field(default=None, metadata=setting("--port", "SGLang's port", bounds=(1, 65535)))
