@@ -212,3 +212,73 @@ publish_checkpoint({str(root)!r}, 1, dying(), config={{"model_type": "x"}})
     assert cleanup_stale_temp_dirs(root) == left
     assert sorted(p.name for p in root.iterdir()) == sorted([ours.name, other_host.name])
     assert cleanup_stale_temp_dirs(root) == []
+
+
+def test_unreadable_acks_skip_pruning_but_not_the_sync(tmp_path: Path, monkeypatch, caplog) -> None:
+    """Retention is best effort: when the acks that say what replicas still read cannot be listed
+    (EIO, ESTALE on NFS), nothing is pruned on a guess and the published, acknowledged sync stands."""
+    from trainer_hooks import checkpoint_publisher
+
+    root = tmp_path / "root"
+    pub = _publisher(root, keep=1)
+    pub.publish_and_wait(1, [("w", torch.ones(8))])
+
+    def acks_unreadable(*args: Any, **kwargs: Any) -> dict:
+        raise OSError(errno.EIO, "Input/output error", str(root / "acks"))
+
+    monkeypatch.setattr(checkpoint_publisher, "read_acks", acks_unreadable)
+    with caplog.at_level(logging.WARNING):
+        record = pub.publish_and_wait(2, [("w", torch.full((8,), 2.0))])
+    assert record.version == 2 and pub.confirmed_version == 2
+    assert [c.step for c in list_checkpoints(root)] == [1, 2], "pruned without knowing what replicas read"
+    assert "could not prune old checkpoints" in caplog.text
+
+
+def test_ctrl_c_while_waiting_for_the_background_job_is_not_swallowed(tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C while the next sync waits for the background one propagates, and the next version is
+    not taken in while that job still writes from the held copy (it would write the next
+    version's weights under this step's name, with valid digests)."""
+    import signal
+    import threading
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a background CI shell ignores it
+    try:
+        release = threading.Event()
+
+        class SlowWaiter(NoWaiter):
+            def wait(self, version: int, timeout_s: float) -> list[Any]:
+                release.wait(30)
+                return []
+
+        writer = DeltaCheckpointWriter(full_every=10)
+        pub = CheckpointPublisher(
+            tmp_path / "root",
+            SlowWaiter(),
+            config=CONFIG,
+            dtype="bfloat16",
+            max_shard_bytes=1 << 20,
+            keep=None,
+            sync_timeout_s=30,
+            heartbeat_max_age_s=60,
+            delta=writer,
+        )
+        w = torch.zeros(4096)
+        pub.publish(1, [("w", w.clone())], background=True)
+        taken_in_while_busy: list[bool] = []
+        real_absorb = writer.absorb
+
+        def absorb(*args: Any, **kwargs: Any) -> Any:
+            taken_in_while_busy.append(pub.busy)
+            return real_absorb(*args, **kwargs)
+
+        monkeypatch.setattr(writer, "absorb", absorb)
+        threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()  # the user presses Ctrl-C
+        with pytest.raises(KeyboardInterrupt):
+            pub.publish(2, [("w", w.clone() + 1)], background=True)
+        assert taken_in_while_busy == [], "version 2 was taken in while version 1 was still being synced"
+        assert pub.busy
+        release.set()
+        pub.close()  # the job finishes; nothing failed
+        assert [c.step for c in list_checkpoints(tmp_path / "root")] == [1]
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -30,12 +30,13 @@ CPU (:func:`cast_on_device`).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -394,13 +395,15 @@ class CheckpointPublisher:
         return snapshot
 
     def join(self) -> None:
-        """Wait for the background job (if any), then raise its error (if any)."""
+        """Wait for the background job (if any), then raise its error (if any).
+
+        Ctrl-C (or a SIGTERM turned into one) while waiting propagates, and the job is still the
+        pending one: the next :meth:`publish` waits for it again before it takes anything in, so a
+        version is never taken in while the job before it still reads the held copy."""
         future = self._future
         if future is not None:
-            try:
+            with contextlib.suppress(CancelledError):
                 future.exception()  # waits
-            except BaseException:
-                pass
         self.raise_if_failed()
 
     def close(self) -> None:
@@ -484,10 +487,10 @@ class CheckpointPublisher:
     def _prune(self, newest: int) -> list[int]:
         if self.keep is None:
             return []
-        protected = {newest} | self.waiter.protected_versions()
-        for ack in read_acks(self.root, max_age_s=self.heartbeat_max_age_s).values():
-            protected.update(s for s in (ack.get("loaded_step"), ack.get("loading_step")) if isinstance(s, int))
-        try:
+        try:  # what the replicas still need: unknown (the acks unreadable) means nothing is pruned
+            protected = {newest} | self.waiter.protected_versions()
+            for ack in read_acks(self.root, max_age_s=self.heartbeat_max_age_s).values():
+                protected.update(s for s in (ack.get("loaded_step"), ack.get("loading_step")) if isinstance(s, int))
             return prune_checkpoints(self.root, self.keep, protected)
         except Exception as exc:  # retention is best effort: it never ends training
             log.warning(
