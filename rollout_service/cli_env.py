@@ -401,7 +401,8 @@ def add_env_argument(
         )
     env = env_name(flag)
     is_switch = kwargs.get("action") == "store_true"
-    suffix = f" [env {env}" + (f"; default {default}" if default not in (None, False, "") else "") + "]"
+    shown = _default_text(default)
+    suffix = f" [env {env}" + (f"; default {shown}" if shown is not None else "") + "]"
     if required:
         suffix = f" (required) [env {env}]"
     if is_switch:
@@ -414,3 +415,16 @@ def add_env_argument(
         )
     )
     return action.dest
+
+
+def _default_text(default: Any) -> str | None:
+    """A flag's default as ``--help`` shows it: None (shown not at all) for None, False and "".
+
+    Identity checks, so that ``0`` and ``0.0`` are shown; a list or tuple is written as the flag
+    takes it, its items joined with commas (``q_proj,v_proj``, not a Python repr).
+    """
+    if default is None or default is False or (isinstance(default, str) and default == ""):
+        return None
+    if isinstance(default, (list, tuple)):
+        return ",".join(str(item) for item in default) or None
+    return str(default)

@@ -14,11 +14,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from .cli_env import SettingFlags, add_env_argument, setting
+from .checkpoint_format import MAX_ADAPTER_RANK
+from .cli_env import SettingFlags, add_env_argument, check_bounds, setting
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_MAX_RANK = 64
 DEFAULT_MAX_LORAS_PER_BATCH = 4
+MAX_LORAS_PER_BATCH = 1024
+"""The most adapters per batch ``serve`` passes on (SGLang sets no limit; each one reserves a slot
+in its LoRA memory pool, so far fewer fit in practice)."""
 CPU_BACKEND = "torch_native"
 
 
@@ -40,13 +44,13 @@ class LoraServing:
 
     max_rank: int = field(
         default=DEFAULT_MAX_RANK,
-        metadata=setting("--max-lora-rank", f"largest adapter rank SGLang can serve (default {DEFAULT_MAX_RANK})"),
+        metadata=setting("--max-lora-rank", "largest adapter rank SGLang can serve", bounds=(1, MAX_ADAPTER_RANK)),
     )
     target_modules: tuple[str, ...] = field(
         default=DEFAULT_TARGET_MODULES,
         metadata=setting(
             "--lora-target-modules",
-            f"comma-separated modules adapters may change, or 'all' (default: {','.join(DEFAULT_TARGET_MODULES)})",
+            "comma-separated modules adapters may change, or 'all'",
             parse=module_list,
         ),
     )
@@ -54,8 +58,8 @@ class LoraServing:
         default=DEFAULT_MAX_LORAS_PER_BATCH,
         metadata=setting(
             "--max-loras-per-batch",
-            f"adapters SGLang keeps in its batch pool, the base model included (default"
-            f" {DEFAULT_MAX_LORAS_PER_BATCH}; at least max_staleness + 2)",
+            "adapters SGLang keeps in its batch pool, the base model included; at least max_staleness + 2",
+            bounds=(2, MAX_LORAS_PER_BATCH),
         ),
     )
     backend: str | None = field(
@@ -67,15 +71,14 @@ class LoraServing:
     """None: ``torch_native`` on the CPU, SGLang's default on CUDA."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_rank <= 4096:
-            raise ValueError(f"--max-lora-rank must be between 1 and 4096, got {self.max_rank}")
         if not self.target_modules:
             raise ValueError("--lora-target-modules needs at least one module name (or 'all')")
-        if self.max_loras_per_batch < 2:
+        if isinstance(self.max_loras_per_batch, int) and self.max_loras_per_batch < 2:
             raise ValueError(
                 f"--max-loras-per-batch must be at least 2 (an adapter and the base model),"
                 f" got {self.max_loras_per_batch}"
             )
+        check_bounds(self)  # --max-lora-rank 1 to 4096, --max-loras-per-batch 2 to 1024
 
     def sglang_args(self, device: str) -> list[str]:
         """The ``sglang.launch_server`` flags for ``device`` ("cpu" or "cuda")."""

@@ -20,11 +20,13 @@ from rollout_service.cli_env import (
     ENV_PREFIX,
     EnvArgumentParser,
     SettingFlags,
+    add_env_argument,
+    declared_bounds,
     declared_settings,
     env_name,
     setting,
 )
-from rollout_service.lora_serving import LoraServing, lora_from_args
+from rollout_service.lora_serving import DEFAULT_TARGET_MODULES, LoraServing, lora_from_args, module_list
 from rollout_service.serve import RestartPolicy
 from rollout_service.sidecar.settings import SidecarSettings
 
@@ -342,3 +344,83 @@ def test_an_ipv6_sglang_host_gets_a_url_with_brackets(tmp_path: Path) -> None:
     server = SGLangServer(tmp_path, host="::1", port=30000)
     assert server.url == "http://[::1]:30000"
     assert check_http_url(server.url, "--sglang-url") == server.url
+
+
+# ------------------------------------------------------------------------------ what --help shows
+
+
+def test_help_shows_a_zero_default_and_a_list_default_as_the_flag_takes_it():
+    parser = _parser()
+    add_env_argument(parser, "--seed", type=int, default=0, help="random seed")
+    add_env_argument(parser, "--beta", type=float, default=0.0, help="beta")
+    add_env_argument(parser, "--names", type=module_list, default=("q_proj", "v_proj"), help="modules")
+    add_env_argument(parser, "--off", action="store_true", help="a switch")
+    add_env_argument(parser, "--label", default="", help="a label")
+    text = " ".join(parser.format_help().split())
+    assert "[env ROLLOUT_SEED; default 0]" in text and "[env ROLLOUT_BETA; default 0.0]" in text
+    assert "[env ROLLOUT_NAMES; default q_proj,v_proj]" in text
+    assert "[env ROLLOUT_OFF]" in text and "[env ROLLOUT_LABEL]" in text  # False and "" are not shown
+    assert "('" not in text
+    assert module_list("q_proj,v_proj") == ("q_proj", "v_proj")  # the shown default is valid input
+
+
+def test_serve_help_shows_the_lora_defaults_and_ranges_as_the_flags_take_them():
+    text = "".join(subparser("serve").format_help().split())  # argparse wraps anywhere in a long default
+    assert "[envROLLOUT_LORA_TARGET_MODULES;default" + ",".join(DEFAULT_TARGET_MODULES) + "]" in text
+    assert "(1to4096)[envROLLOUT_MAX_LORA_RANK;default64]" in text
+    assert "(2to1024)[envROLLOUT_MAX_LORAS_PER_BATCH;default4]" in text
+
+
+def test_demo_help_shows_its_zero_seed_default():
+    from rollout_demo.cli import register_demo
+
+    sub = _parser().add_subparsers(parser_class=EnvArgumentParser)
+    register_demo(sub, add_env_argument)
+    text = " ".join(sub.choices["demo"].format_help().split())
+    assert "--seed SEED random seed [env ROLLOUT_SEED; default 0]" in text
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--max-lora-rank", "0", "from 1 to 4096, got 0"),
+        ("--max-lora-rank", "4097", "from 1 to 4096, got 4097"),
+        ("--max-loras-per-batch", "1", "from 2 to 1024, got 1"),
+        ("--max-loras-per-batch", "1025", "from 2 to 1024, got 1025"),
+    ],
+)
+def test_lora_numbers_outside_their_range_exit_2_naming_the_flag_or_variable(
+    clean_env, dirs, capsys, flag, value, message
+):
+    argv = ["serve", "--model", "m", "--checkpoint-path", str(dirs["ckpt"]), "--lora"]
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([*argv, flag, value])
+    assert exc.value.code == 2 and f"argument {flag}: must be a finite number {message}" in capsys.readouterr().err
+    clean_env.setenv(env_name(flag), value)
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert (
+        exc.value.code == 2
+        and f"environment variable {env_name(flag)}={value!r} is not valid" in capsys.readouterr().err
+    )
+
+
+def test_lora_numbers_declare_their_ranges_and_the_dataclass_checks_them():
+    spans = {f.name: declared_bounds(f) for f in dataclasses.fields(LoraServing)}
+    assert spans["max_rank"] == (1, 4096) and spans["max_loras_per_batch"] == (2, 1024)
+    assert LoraServing(max_rank=4096, max_loras_per_batch=1024).max_loras_per_batch == 1024
+    with pytest.raises(ValueError, match="^--max-loras-per-batch must be a finite number from 2 to 1024"):
+        LoraServing(max_loras_per_batch=1025)
+    with pytest.raises(ValueError, match="^--max-lora-rank must be a finite number from 1 to 4096"):
+        LoraServing(max_rank=0)
+
+
+def test_every_number_setting_of_every_settings_class_declares_a_range():
+    from rollout_service.sglang_launcher import SGLangServerConfig
+
+    for cls in (SidecarSettings, RestartPolicy, LoraServing, SGLangServerConfig):
+        hints = typing.get_type_hints(cls)
+        for f, declaration in declared_settings(cls):
+            kinds = set(typing.get_args(hints[f.name]) or (hints[f.name],))
+            if kinds & {int, float}:
+                assert declared_bounds(f) is not None, f"{cls.__name__}.{f.name} ({declaration.flag}) has no range"

@@ -130,6 +130,22 @@ def test_sync_answers_503_when_the_root_does_not_answer(tmp_path: Path, monkeypa
         hung.set()
 
 
+# ------------------------------------------------------------------------------------ GET /wait
+
+
+def test_wait_that_times_out_names_its_kind_under_error_beside_the_status_body(tmp_path: Path) -> None:
+    from rollout_service.protocol import ReplicaReport
+
+    with TestClient(create_app(settings(tmp_path))) as client:
+        r = client.get("/wait?version=1&timeout=0.3")
+    assert r.status_code == 504, r.text
+    body = r.json()
+    assert body["error"] == "wait_timeout"  # every error answer names its kind
+    assert body["waited_for"] == 1 and body["waited_for_run"] is None and body["loaded_step"] is None
+    assert {"replica_id", "rejected", "rejected_count", "last_error", "root_problem"} <= set(body)  # still /status
+    assert ReplicaReport.from_dict(body).replica_id == "r"  # what the trainer's replica wait reads
+
+
 # ------------------------------------------------------------------------------- number settings
 
 

@@ -217,7 +217,7 @@ def test_wait_names_the_rejection_of_the_step_waited_for_whatever_else_was_rejec
     controller._rejected_at[5] = controller_module._publication_identity(path)
     with TestClient(app) as client:
         answer = client.get("/wait?version=5&timeout=2")
-    assert answer.status_code == 504
+    assert answer.status_code == 504 and answer.json()["error"] == "checkpoint_rejected"
     assert answer.json()["rejected"]["5"] == "digest_mismatch"
     assert len(answer.json()["rejected"]) == MAX_REPORTED_REJECTIONS + 1
 

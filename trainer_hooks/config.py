@@ -62,7 +62,7 @@ class SGLangRolloutArguments:
             while rollouts continue on weights at most k versions old.
         checkpoint_dtype: floating dtype of published checkpoints ("bfloat16", "float16",
             "float32"); default: the model's configured dtype (what SGLang serves).
-        checkpoint_max_shard_mb: largest safetensors shard written, in MB.
+        checkpoint_max_shard_mb: largest safetensors shard written, in MiB (times 2**20 bytes).
         checkpoint_delta: publish XOR+zstd deltas against the previous version instead of the
             whole model (the sidecars rebuild the full checkpoint in their node-local stage).
             None (default): for bfloat16/float16 checkpoints, a delta or a full checkpoint,
@@ -132,7 +132,7 @@ class SGLangRolloutArguments:
     )
     checkpoint_max_shard_mb: float = field(
         default=2048.0,
-        metadata={"help": "Largest safetensors shard written, in MB."},
+        metadata={"help": "Largest safetensors shard written, in MiB."},
     )
     checkpoint_delta: bool | None = field(
         default=None,

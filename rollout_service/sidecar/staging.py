@@ -81,7 +81,8 @@ is 64 MiB; two copies of a 7B bf16 model need ~30 GB)."""
 
 def default_stage_dir(replica_id: str, needed_bytes: int = SHM_MIN_FREE_BYTES // 2) -> Path:
     """``/dev/shm/rollout-stage-<replica>`` when /dev/shm has room for two copies of
-    ``needed_bytes``, else a folder under ``~/.cache/rollout-service/stage``."""
+    ``needed_bytes``, else ``$XDG_CACHE_HOME/rollout-service/stage/<replica>`` (``XDG_CACHE_HOME``
+    defaults to ``~/.cache``)."""
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
         try:
