@@ -282,3 +282,30 @@ def test_past_the_cap_of_held_waits_a_wait_is_refused_with_the_reason_and_later_
         assert sidecar.proc.poll() is None, "the sidecar died"
     finally:
         sidecar.stop()
+
+
+def test_a_wait_on_a_sidecar_with_a_fatal_error_ends_at_once(tmp_path):
+    """Once a fatal error stops all loading, a /wait for a step not served answers at once instead
+    of looking at the root again and again until its timeout."""
+    import time
+
+    controller = controller_for(tmp_path / "root")
+    looks: list[str] = []
+    real_call = controller.root_gate.call
+
+    async def counted(*args, what: str = "", **kw):
+        looks.append(what)
+        return await real_call(*args, what=what, **kw)
+
+    controller.root_gate.call = counted
+
+    async def scenario() -> tuple[bool, float]:
+        controller._changed = asyncio.Condition()
+        controller.report_fatal("stage_failed", "cannot stage")
+        t0 = time.monotonic()
+        ok = await controller.wait_for_step(1, 3.0)
+        return ok, time.monotonic() - t0
+
+    ok, took = asyncio.run(scenario())
+    assert ok is False and took < 1.0, took
+    assert len(looks) <= 1, f"{len(looks)} looks at the root"

@@ -197,6 +197,8 @@ class SyncController:
                     )
                 except asyncio.TimeoutError:
                     return False
+            if self.state.fatal is not None and not self.serves(step, run_id):
+                return False  # nothing loads any more: /status says why (looking again would spin)
             # A look at the root below stops when the wait does (at least 1 s to answer).
             budget = max(1.0, deadline - time.monotonic())
             try:

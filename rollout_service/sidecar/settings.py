@@ -108,10 +108,10 @@ class SidecarSettings:
             "--stage-dir",
             "node-local folder (one per replica) where each checkpoint is copied and every"
             " byte verified before SGLang reads it (default: /dev/shm/rollout-stage-REPLICA when"
-            " /dev/shm has 8 GiB free, else ~/.cache/rollout-service/stage/REPLICA)",
+            " /dev/shm has 8 GiB free, else $XDG_CACHE_HOME (default ~/.cache)/rollout-service/stage/REPLICA)",
         ),
     )
-    """None with stage=True: /dev/shm when it has room, else ~/.cache."""
+    """None with stage=True: /dev/shm when it has room, else $XDG_CACHE_HOME (default ~/.cache)."""
     check_finite: bool = field(
         default=True,
         metadata=setting(
