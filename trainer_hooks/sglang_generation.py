@@ -107,6 +107,7 @@ class SGLangGeneration:
         publisher: CheckpointPublisher | None = None,
         rollouts: StaleRetryPolicy | None = None,
         adapters: AdapterPublisher | None = None,
+        syncs_adapters: bool | None = None,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int | None = 0,
@@ -134,6 +135,11 @@ class SGLangGeneration:
         self.rollouts = rollouts
         self.adapters = adapters
         """Set on the main process when LoRA adapter sync applies (adapter_publish.py)."""
+        self.syncs_adapters = adapters is not None if syncs_adapters is None else syncs_adapters
+        """On every process: whether the main process syncs the adapter (then no process merges
+        the adapter into its base weights at a sync; see :func:`~trainer_hooks.trainer.build_sglang_generation`)."""
+        if self.syncs_adapters is False and adapters is not None:
+            raise ValueError("syncs_adapters=False contradicts the adapter publisher handed over")
         self.want_logprobs = logprobs is not None
         self.current_step = current_step
         self.sampling_params: dict[str, Any] = {
@@ -173,7 +179,7 @@ class SGLangGeneration:
         if step is not None and step == self._synced_step:
             return
         accelerator = self.accelerator
-        if self.adapters is not None:  # the main process publishes the adapter alone
+        if self.syncs_adapters:  # the main process publishes the adapter alone
             self._sync_adapter(step)
             return
         tensors = iter_full_weights(self.model, accelerator)
@@ -200,13 +206,16 @@ class SGLangGeneration:
         self._synced_step = step
 
     def _sync_adapter(self, step: int | None) -> None:
-        """Adapter sync: publish the LoRA adapter as the next version and wait (main process)."""
-        assert self.adapters is not None
+        """Adapter sync: the main process publishes the LoRA adapter as the next version and waits;
+        the others only learn how it went (their base weights are left alone: merging the adapter
+        in and out would round them away from the main process's, and DDP never syncs frozen ones)."""
         error: BaseException | None = None
-        try:
-            self.adapters.publish_and_wait()
-        except Exception as exc:  # reported to every process
-            error = exc
+        if self.accelerator.is_main_process:
+            assert self.adapters is not None
+            try:
+                self.adapters.publish_and_wait()
+            except Exception as exc:  # reported to every process
+                error = exc
         _raise_everywhere(self.accelerator, error, "sync_weights")
         self._synced_step = step
 

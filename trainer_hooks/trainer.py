@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import trl
-from accelerate.utils import is_peft_model
+from accelerate.utils import broadcast_object_list, is_peft_model
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from trl.trainer import grpo_trainer as _trl_grpo_module
@@ -97,9 +97,20 @@ def build_sglang_generation(
         publisher=publisher,
         rollouts=rollouts,
         adapters=adapters,
+        syncs_adapters=_as_the_main_process_says(accelerator, adapters is not None),
         current_step=current_step,
         **sampling,
     )
+
+
+def _as_the_main_process_says(accelerator: Any, value: bool) -> bool:
+    """``value`` as the main process found it, on every process (only the main process asks the
+    servers whether adapter sync applies, and every process must sync the same way)."""
+    if accelerator.num_processes <= 1:
+        return value
+    box = [value if accelerator.is_main_process else None]
+    broadcast_object_list(box, from_process=0)
+    return bool(box[0])
 
 
 def _wire_main_process(
