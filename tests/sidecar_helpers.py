@@ -56,9 +56,12 @@ class Sidecar(CLIProcess):
     ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.stage_dir: Path | None = None
+        """The stage this helper chose (None when the test chose one, or none)."""
         if "--stage-dir" not in extra and "--no-stage" not in extra:
             # Each test's own stage (the default, /dev/shm/rollout-stage-REPLICA, is per machine).
-            extra = ("--stage-dir", str(log_path.parent / f"stage-{replica_id}-{self.port}"), *extra)
+            self.stage_dir = log_path.parent / f"stage-{replica_id}-{self.port}"
+            extra = ("--stage-dir", str(self.stage_dir), *extra)
         super().__init__(
             [
                 "sidecar",

@@ -179,6 +179,11 @@ def test_poison_entries_are_each_rejected_and_the_loop_keeps_serving(
     status = sidecar.status()
     assert status["rejected"] == expected, status["rejected"]
     assert status["loaded_step"] == 1 and status["ready"] is True
+    # The copies of the steps rejected after they were staged (7: NaN found in the copy) are gone:
+    # each would hold a model's worth of the stage until a later load, and leave no room meanwhile.
+    assert sidecar.stage_dir is not None
+    copies = sorted(p.name for p in sidecar.stage_dir.iterdir() if p.name.startswith("step-"))
+    assert copies and all(n.startswith("step-00000001") for n in copies), copies
     assert generate(sglang_server.url, PROMPT, max_new_tokens=4)["meta_info"]["weight_version"] == "1"
     assert sidecar.get("/readyz").status_code == 200
     for reason in expected.values():

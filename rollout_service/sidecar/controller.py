@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import stat
 import time
 from collections.abc import Callable
@@ -631,8 +632,11 @@ class SyncController:
                 await self.client.load_from_disk(str(report.path), version)
             except SGLangLoadRejected as exc:
                 self._reject(ckpt, "sglang_rejected", str(exc))
+                await self._discard_copy(built)  # SGLang is done with it
                 return False
             except SGLangUnavailable as exc:
+                # Kept: SGLang may still be reading it (a load that outlived its timeout), and
+                # the next try of this step (after a restart) finds it staged.
                 self.died_during_load(ckpt, exc)
                 return False
             load_s = time.perf_counter() - t1
@@ -645,6 +649,7 @@ class SyncController:
                     f" version {view.weight_version!r}, expected {version!r}",
                     step=step,
                 )
+                await self._discard_copy(built)
                 return False
             record = SyncRecord.ended_now(
                 published=published,
@@ -838,20 +843,44 @@ class SyncController:
             return report, None
         built = self.stage.build(self.root, report.path, report.manifest, deadline, check_finite=s.check_finite)
         remaining = max(0.001, s.validate_timeout_s - (time.monotonic() - deadline.started))
-        # A rebuild checked the tensors its delta changed; the others are its base's, checked
-        # when the base was staged: no second read of the whole model.
-        staged_report = validate_checkpoint(
-            built.path,
-            root=self.stage.path,
-            reference=self._reference,
-            allow_float_cast=True,
-            check_finite=s.check_finite and built.kind != "delta",
-            timeout_s=remaining,
-        )
-        if staged_report.manifest.source_fingerprint() != report.manifest.fingerprint():
-            raise CheckpointError("changed_while_staging", f"{path.name}'s manifest changed while it was being staged")
+        try:
+            # A rebuild checked the tensors its delta changed; the others are its base's, checked
+            # when the base was staged: no second read of the whole model.
+            staged_report = validate_checkpoint(
+                built.path,
+                root=self.stage.path,
+                reference=self._reference,
+                allow_float_cast=True,
+                check_finite=s.check_finite and built.kind != "delta",
+                timeout_s=remaining,
+            )
+            if staged_report.manifest.source_fingerprint() != report.manifest.fingerprint():
+                raise CheckpointError(
+                    "changed_while_staging", f"{path.name}'s manifest changed while it was being staged"
+                )
+        except BaseException:
+            self._remove_copy(built)
+            raise
         staged_report.digests_checked = True
         return staged_report, built
+
+    async def _discard_copy(self, built: StagedBuild | None) -> None:
+        """Remove the staged copy of a step that was not loaded (beside the loop)."""
+        if built is not None:
+            await asyncio.to_thread(self._remove_copy, built)
+
+    def _remove_copy(self, built: StagedBuild) -> None:
+        """(Blocking.) Remove ``built``, a copy SGLang does not serve: a failed step's copy would
+        hold a model's worth of the stage (RAM, in /dev/shm) until some later load succeeded, and
+        leave no room to stage the next step meanwhile."""
+        assert self.stage is not None
+        served = self._served_path
+        if served is not None and os.path.realpath(served) == os.path.realpath(built.path):
+            return
+        if self.stage.owns(built.path):
+            shutil.rmtree(built.path, ignore_errors=True)
+            self.state.stage_bytes = self.stage.usage_bytes()
+            self.metrics.stage_bytes.set(self.state.stage_bytes)
 
     def _reject(self, ckpt: PublishedCheckpoint, reason: str, message: str) -> None:
         log.error("rejected checkpoint step %d (%s): %s", ckpt.step, reason, message)
