@@ -72,6 +72,12 @@ at 4 MiB parses in 0.13 s (~24 MB); the full-model cap (100 MB) let a crafted ad
 MAX_CHAIN_LENGTH = 1000
 """The most deltas one chain may hold (so the largest ``checkpoint_full_every`` is 1001): a
 replica that joins late replays a chain from its full step, and a reader walks it under a deadline."""
+MAX_CHAIN_FRAMES = 1 << 22
+"""The most frame sizes the manifests of one chain may list in all: a walk holds every link's
+manifest until it is applied. The writer's 16 MiB frames make ~900 per link for a 7B bf16 model
+(1000 links: 0.9M) and ~8,300 for 70B (a chain of up to ~500 links); a chain of 4 KiB frames
+(one manifest of a 1 GiB model lists 262k) is refused after 16 links instead of holding ~2 MiB of
+parsed manifest per link, up to 2 GB."""
 DEFAULT_DELTA_MAX_RATIO = 0.5
 MANIFEST_NAME = "manifest.json"
 CONFIG_NAME = "config.json"

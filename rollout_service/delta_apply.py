@@ -37,6 +37,7 @@ from . import delta_codec
 from .checkpoint_format import (
     DTYPE_SIZES,
     MANIFEST_NAME,
+    MAX_CHAIN_FRAMES,
     MAX_CHAIN_LENGTH,
     MAX_SHARD_HEADER_BYTES,
     TEMP_PREFIX,
@@ -89,7 +90,8 @@ def resolve_chain(
 
     Every step on the way is untrusted as much as ``link``: a base that is gone, unreadable,
     republished (another fingerprint), of another run, of another tensor layout, or in another
-    chain (``chain_start``), and a walk longer than ``MAX_CHAIN_LENGTH`` steps, raise
+    chain (``chain_start``), and a walk longer than ``MAX_CHAIN_LENGTH`` steps or holding more
+    than ``MAX_CHAIN_FRAMES`` frame sizes in its manifests, raise
     ``CheckpointError('broken_chain')``: the step cannot be rebuilt until the next full one.
     The walk checks ``deadline`` at every step and holds only manifests of ``link``'s layout.
     """
@@ -97,6 +99,7 @@ def resolve_chain(
     cur = link
     top = link.manifest.delta
     top_layout = _layout(top) if top is not None else []
+    frames_held = 0
     while cur.manifest.kind == "delta":
         delta = cur.manifest.delta
         assert delta is not None and top is not None
@@ -114,6 +117,14 @@ def resolve_chain(
         if len(deltas) > MAX_CHAIN_LENGTH:
             raise CheckpointError(
                 "broken_chain", f"{link.path.name}: the delta chain is longer than {MAX_CHAIN_LENGTH} steps"
+            )
+        frames_held += sum(len(t.frames or ()) for t in delta.tensors.values())
+        if frames_held > MAX_CHAIN_FRAMES:
+            raise CheckpointError(
+                "broken_chain",
+                f"{link.path.name}: the manifests of its delta chain list more than {MAX_CHAIN_FRAMES} frames"
+                f" ({len(deltas)} steps so far, {delta.frame_bytes}-byte frames): publish full steps more"
+                " often (checkpoint_full_every) or larger frames; the replica keeps its weights until the next full step",
             )
         if find_staged is not None:
             staged = find_staged(delta.base_step, delta.base_fingerprint)

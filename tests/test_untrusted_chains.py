@@ -357,6 +357,32 @@ def test_a_step_larger_than_the_stage_is_rejected_and_one_that_needs_room_is_ret
         stage.close()
 
 
+def test_a_chain_whose_manifests_list_too_many_frames_is_refused_before_it_is_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A walk holds every link's manifest, and each lists a frame size per ``frame_bytes`` of the
+    model (4 KiB frames: 262k per GiB): the frames a chain lists in all are bounded, as its length
+    is. Here the bound is lowered to what two links of the test model list."""
+    from rollout_service import delta_apply
+
+    root, model, writer = tmp_path / "root", Model(), DeltaCheckpointWriter(full_every=100)
+    for step in (1, 2, 3, 4):
+        model.step()
+        writer.publish(root, step, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN)
+    per_link = sum(len(t.frames or ()) for t in Manifest.load(root / step_dir_name(4)).delta.tensors.values())
+    assert per_link > 0
+    link = ChainLink(root / step_dir_name(4), Manifest.load(root / step_dir_name(4)))
+    monkeypatch.setattr(delta_apply, "MAX_CHAIN_FRAMES", 2 * per_link)
+    assert (
+        len(resolve_chain(root, ChainLink(root / step_dir_name(3), Manifest.load(root / step_dir_name(3)))).deltas) == 2
+    )
+    with pytest.raises(CheckpointError) as err:
+        resolve_chain(root, link)
+    assert (
+        err.value.reason == "broken_chain" and "frames" in str(err.value) and "checkpoint_full_every" in str(err.value)
+    )
+
+
 def test_full_every_is_bounded_by_the_longest_chain_a_reader_walks(tmp_path: Path) -> None:
     from trainer_hooks import GRPOConfig
 
