@@ -124,7 +124,8 @@ def resolve_chain(
                 "broken_chain",
                 f"{link.path.name}: the manifests of its delta chain list more than {MAX_CHAIN_FRAMES} frames"
                 f" ({len(deltas)} steps so far, {delta.frame_bytes}-byte frames): publish full steps more"
-                " often (checkpoint_full_every) or larger frames; the replica keeps its weights until the next full step",
+                " often (checkpoint_full_every) or larger frames; the replica keeps its weights until the"
+                " next full step",
             )
         if find_staged is not None:
             staged = find_staged(delta.base_step, delta.base_fingerprint)

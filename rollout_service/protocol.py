@@ -2,7 +2,7 @@
 
 A sidecar reports the same :class:`ReplicaReport` in two places: ``GET /status`` and
 ``GET /wait`` (with more fields beside it) and ``<root>/acks/<replica>.json`` (exactly it;
-:func:`read_acks` reads them).
+:func:`list_acks` and :func:`read_acks` read them, a bounded number of entries).
 The trainer parses both with :meth:`ReplicaReport.from_dict`, which accepts only values of
 the right types (ack files live in the untrusted root). SGLang labels loaded weights with a
 weight version string; :func:`version_for_step` and :func:`step_for_version` are the only
@@ -13,8 +13,11 @@ a small file atomically (write a hidden temporary file, fsync, rename).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import re
+import stat
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -24,8 +27,15 @@ from typing import Any
 from .checkpoint_format import ACKS_DIR, MAX_STEP, TEMP_PREFIX, CheckpointError
 from .untrusted_files import read_small
 
+log = logging.getLogger(__name__)
+
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 MAX_ACK_BYTES = 64 << 10
+MAX_ACK_ENTRIES = 10_000
+"""``<root>/acks`` is listed at most this far per read: it holds one file per replica (and a few
+temporary ones), so a folder flooded with stray files costs a bounded read and a warning, not a hang."""
+ACK_FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\.json", re.ASCII)
+"""An ack file's name (matched whole): a replica id as the sidecar accepts one, then ``.json``."""
 MAX_CLOCK_SKEW_S = 300.0
 """How far in the future an ack's heartbeat may lie (the sidecar's clock ahead of the reader's);
 further, the ack is a stray or forged file and counts as dead, or it would count as live forever."""
@@ -194,22 +204,88 @@ def atomic_replace(dir_fd: int, name: str, data: bytes, *, owner: str = "") -> N
 def read_acks(root: Path, *, max_age_s: float | None = None) -> dict[str, dict[str, Any]]:
     """Ack payloads by replica id; with ``max_age_s``, only replicas whose heartbeat is that fresh.
 
-    Files that are not small regular JSON objects are skipped (the root is untrusted), and with
-    ``max_age_s`` so are acks whose heartbeat :func:`heartbeat_problem` refuses.
+    Reads as :func:`list_acks` does (bounded; files that are not small regular JSON objects are
+    skipped, the root is untrusted), and with ``max_age_s`` also skips acks whose heartbeat
+    :func:`heartbeat_problem` refuses. A listing cut short is logged as a warning.
     """
-    acks: dict[str, dict[str, Any]] = {}
+    listing = list_acks(root)
+    if listing.cut_short is not None:
+        log.warning("%s", listing.cut_short)
+    if max_age_s is None:
+        return listing.acks
+    return fresh_acks(listing.acks, now=time.time(), max_age_s=max_age_s)
+
+
+def fresh_acks(acks: dict[str, dict[str, Any]], *, now: float, max_age_s: float) -> dict[str, dict[str, Any]]:
+    """The acks of live replicas: those whose heartbeat :func:`heartbeat_problem` accepts."""
+    return {
+        name: ack
+        for name, ack in acks.items()
+        if heartbeat_problem(ack.get("heartbeat"), now=now, max_age_s=max_age_s) is None
+    }
+
+
+@dataclass
+class AckListing:
+    """What one read of ``<root>/acks`` found (see :func:`list_acks`)."""
+
+    acks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Payloads by replica id, whatever their heartbeat."""
+    cut_short: str | None = None
+    """Why the folder was not read to its end, and what to do; None when it was."""
+
+
+def list_acks(root: Path, *, deadline: float | None = None) -> AckListing:
+    """Every readable ack file under ``<root>/acks``, read with bounds (the root is untrusted).
+
+    Only names matching :data:`ACK_FILE_RE` are opened (through :func:`read_small`), so temporary
+    and other stray files cost one directory entry each. At most :data:`MAX_ACK_ENTRIES` entries
+    are listed, and none once ``deadline`` (a ``time.monotonic()`` value) has passed; either way
+    :attr:`AckListing.cut_short` says so. An ack among stray files is thus found whenever the
+    folder holds at most :data:`MAX_ACK_ENTRIES` entries and there is time to read them; past
+    that, entries come in the file system's order and an ack may be missed. A missing folder, or
+    one that is not a directory (a symlink), holds no acks.
+    """
     directory = Path(root) / ACKS_DIR
-    if not directory.is_dir() or directory.is_symlink():
-        return acks
-    now = time.time()
-    for path in directory.glob("*.json"):
-        try:
-            data = json.loads(read_small(directory, path, where=path.name, max_bytes=MAX_ACK_BYTES))
-        except (CheckpointError, OSError, ValueError, RecursionError):
-            continue
-        if not isinstance(data, dict):
-            continue
-        if max_age_s is not None and heartbeat_problem(data.get("heartbeat"), now=now, max_age_s=max_age_s):
-            continue
-        acks[path.stem] = data
-    return acks
+    listing = AckListing()
+    try:
+        if not stat.S_ISDIR(os.lstat(directory).st_mode):
+            return listing
+        with os.scandir(directory) as entries:
+            for count, entry in enumerate(entries):
+                listing.cut_short = _ack_listing_stop(directory, count, deadline)
+                if listing.cut_short is not None:
+                    break
+                if ACK_FILE_RE.fullmatch(entry.name):
+                    ack = _read_ack(directory, entry.name)
+                    if ack is not None:
+                        listing.acks[entry.name[: -len(".json")]] = ack
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError as exc:
+        listing.cut_short = f"{directory} could not be listed ({exc}): check the checkpoint root's file system"
+    return listing
+
+
+def _ack_listing_stop(directory: Path, count: int, deadline: float | None) -> str | None:
+    """Why :func:`list_acks` stops before entry number ``count`` (from 0) of ``directory``; None: read on."""
+    if count >= MAX_ACK_ENTRIES:
+        return (
+            f"{directory} holds more than {MAX_ACK_ENTRIES} entries, past which it is not read (acks listed after"
+            f" them are missed): it should hold one <replica-id>.json per sidecar; remove the other files from it"
+        )
+    if deadline is not None and time.monotonic() >= deadline:
+        return (
+            f"reading {directory} ran out of time after {count} entries: a slow file system, or stray files"
+            f" there (it should hold one <replica-id>.json per sidecar; remove the other files from it)"
+        )
+    return None
+
+
+def _read_ack(directory: Path, name: str) -> dict[str, Any] | None:
+    """The JSON object in ack file ``name``, or None when it is not a small regular JSON object file."""
+    try:
+        data = json.loads(read_small(directory, directory / name, where=name, max_bytes=MAX_ACK_BYTES))
+    except (CheckpointError, OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -6,7 +6,8 @@ Two ways to know, one class each, both with ``wait(version, timeout_s)``:
   replica serves step N or newer, 504 with its status otherwise), and wakes the sidecars with
   ``POST /sync`` right after a publication so that polling watchers (NFS) do not add latency.
 - :class:`AckFileWaiter` reads ``<checkpoint_path>/acks/*.json`` until ``expected`` replicas
-  with a fresh heartbeat report ``loaded_step >= N``.
+  with a fresh heartbeat report ``loaded_step >= N``. Its reads run on a thread with a deadline
+  (:class:`RootLooks`): a hung network root ends the wait on time, with a reason.
 
 On timeout both raise :class:`ReplicaSyncTimeout` naming the lagging replicas and what they
 last reported. A sidecar that rejected the checkpoint fails the wait at once (it will never
@@ -16,25 +17,35 @@ load it). Progress is logged every few seconds; every HTTP call has a timeout.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 import httpx
 
 from rollout_service.bounded_http import Answer, request
 from rollout_service.bounded_http import client as bounded_client
-from rollout_service.checkpoint_format import step_dir_name
+from rollout_service.checkpoint_format import ACKS_DIR, step_dir_name
 from rollout_service.http_auth import bearer_headers
-from rollout_service.protocol import ReplicaReport, heartbeat_problem, read_acks
+from rollout_service.protocol import ReplicaReport, heartbeat_problem, list_acks
+from rollout_service.sidecar.root_gate import RootUnresponsive, answered_within
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PROGRESS_EVERY_S = 10.0
 WAIT_SLICE_S = 10.0
 """Longest single ``/wait`` call; the loop re-asks until the overall deadline."""
 POLL_INTERVAL_S = 0.5
+ROOT_LOOK_TIMEOUT_S = 10.0
+"""Longest read of ``<root>/acks`` outside a wait (:meth:`AckFileWaiter.protected_versions`)."""
+MIN_READ_S = 0.5
+"""The least time a wait's read of the acks gets, so that a wait with little time left reads them once."""
+ANSWER_GRACE_S = 0.5
+"""How long past its deadline a read that stops at it may take to come back (the file it was on)."""
 
 
 class ReplicaSyncTimeout(RuntimeError):
@@ -195,8 +206,86 @@ class SidecarWaiter:
         return steps
 
 
+class RootLooks:
+    """Reads of the checkpoint root on a daemon thread, each given up on after a bound.
+
+    On a network file system whose server stops answering (a hard NFS mount, a frozen sshfs) a
+    read blocks in the kernel, and nothing can cancel it; the caller gets
+    :class:`~rollout_service.sidecar.root_gate.RootUnresponsive` instead, as the sidecar's reads
+    do. While a read given up on is still blocked, no other starts (the next caller waits for it
+    within its own bound), so a hung root holds one thread, not one per poll.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._lock = threading.Lock()
+        self._blocked: tuple[threading.Event, float, str] | None = None
+        """The read given up on that has not come back: (set once it does, monotonic start, what)."""
+
+    def run(self, fn: Callable[[float], T], deadline: float, what: str) -> T:
+        """``fn(deadline)`` on a daemon thread, waited for until ``deadline`` (``time.monotonic()``)
+        and :data:`ANSWER_GRACE_S` more (``fn`` should stop at it). Raises ``RootUnresponsive``
+        past that; ``fn``'s own exceptions pass through."""
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise self._unresponsive("another read of it did not end in time")
+        try:
+            self._wait_for_blocked(deadline)
+            done = threading.Event()
+
+            def tracked() -> T:
+                try:
+                    return fn(deadline)
+                finally:
+                    done.set()
+
+            started = time.monotonic()
+            bound = max(0.0, deadline - started) + ANSWER_GRACE_S
+            answered, value = answered_within(tracked, bound, f"reading {self.root}: {what}")
+            if not answered:
+                self._blocked = (done, started, what)
+                raise self._unresponsive(f"{what} did not come back within {bound:.1f} s")
+            return cast(T, value)
+        finally:
+            self._lock.release()
+
+    def _wait_for_blocked(self, deadline: float) -> None:
+        """Wait until ``deadline`` for the read given up on earlier, if any (RootUnresponsive past it)."""
+        if self._blocked is None:
+            return
+        done, started, what = self._blocked
+        if not done.wait(max(0.0, deadline - time.monotonic())):
+            age = time.monotonic() - started
+            raise self._unresponsive(f"an earlier read ({what}) has been blocked in it for {age:.0f} s")
+        self._blocked = None
+
+    def _unresponsive(self, why: str) -> RootUnresponsive:
+        return RootUnresponsive(
+            f"the checkpoint root {self.root} is not answering: {why}. Check its file system on the trainer's"
+            f" machine (NFS server, mount: does `ls {self.root / ACKS_DIR}` return?); raise sync_timeout if it"
+            " is only slow"
+        )
+
+
+@dataclass
+class _AckSnapshot:
+    """What one read of the ack files showed."""
+
+    live: list[ReplicaView]
+    """Replicas with a fresh heartbeat, by name."""
+    dead: list[str]
+    """Replicas with an ack file but no fresh heartbeat, each with why."""
+    cut_short: str | None
+    """Why the read stopped before the end of the folder (see ``list_acks``); None if it did not."""
+
+
 class AckFileWaiter:
-    """Waits until ``expected`` live replicas' ack files report a version."""
+    """Waits until ``expected`` live replicas' ack files report a version.
+
+    Every read of ``<root>/acks`` is bounded (:class:`RootLooks`, ``list_acks``): a hung root or
+    a folder flooded with stray files ends the wait with :class:`ReplicaSyncTimeout` at its
+    deadline, saying why, and :meth:`protected_versions` raises ``RootUnresponsive`` after
+    :data:`ROOT_LOOK_TIMEOUT_S`.
+    """
 
     def __init__(self, root: Path, expected: int, *, max_age_s: float) -> None:
         self.root = Path(root)
@@ -204,16 +293,32 @@ class AckFileWaiter:
         self.max_age_s = max_age_s
         self.run_id: str | None = None
         """The publisher's run id: an ack of another run's checkpoint does not count."""
+        self._looks = RootLooks(self.root)
 
     def notify(self, version: int) -> None:
         """Nothing to wake: sidecars watch the directory."""
 
     def wait(self, version: int, timeout_s: float) -> list[ReplicaView]:
+        """Block until ``expected`` live replicas ack ``version`` (or newer); return the live views.
+
+        Raises :class:`ReplicaSyncTimeout` at the deadline (a read of the acks never outlasts it
+        by more than :data:`ANSWER_GRACE_S`, or :data:`MIN_READ_S` for the first one)."""
         started = time.monotonic()
         deadline = started + timeout_s
         next_report = started + PROGRESS_EVERY_S
+        warned = False
         while True:
-            views = self._views()
+            try:
+                snapshot = self._read(max(deadline, time.monotonic() + MIN_READ_S))
+            except RootUnresponsive as exc:
+                raise ReplicaSyncTimeout(
+                    f"could not learn whether replicas acknowledged checkpoint {step_dir_name(version)} within"
+                    f" sync_timeout={timeout_s:g} s: {exc}"
+                ) from None
+            if snapshot.cut_short is not None and not warned:
+                log.warning("%s", snapshot.cut_short)
+                warned = True
+            views = snapshot.live
             done = [
                 v
                 for v in views
@@ -228,8 +333,9 @@ class AckFileWaiter:
             if now >= deadline:
                 raise ReplicaSyncTimeout(
                     f"only {len(done)} of expected_replicas={self.expected} replica(s) acknowledged checkpoint "
-                    f"{step_dir_name(version)} within sync_timeout={timeout_s:g} s. {self._situation(views, version)}"
-                    " Check the sidecars' logs and their SGLang servers, or raise sync_timeout"
+                    f"{step_dir_name(version)} within sync_timeout={timeout_s:g} s. "
+                    f"{self._situation(snapshot, version)} Check the sidecars' logs and their SGLang servers, or"
+                    " raise sync_timeout"
                 )
             if now >= next_report:
                 log.info(
@@ -239,46 +345,45 @@ class AckFileWaiter:
                     timeout_s,
                     len(done),
                     self.expected,
-                    self._situation(views, version),
+                    self._situation(snapshot, version),
                 )
                 next_report = now + PROGRESS_EVERY_S
-            time.sleep(POLL_INTERVAL_S)
+            time.sleep(max(0.0, min(POLL_INTERVAL_S, deadline - time.monotonic())))
 
     def protected_versions(self) -> set[int]:
+        """Steps live replicas report as loaded or loading (``RootUnresponsive`` if the root hangs)."""
         steps: set[int] = set()
-        for view in self._views():
+        for view in self._read(time.monotonic() + ROOT_LOOK_TIMEOUT_S).live:
             steps.update(s for s in (view.loaded_step, view.loading_step) if s is not None)
         return steps
 
-    def _views(self) -> list[ReplicaView]:
-        views = []
-        for name, ack in sorted(read_acks(self.root, max_age_s=self.max_age_s).items()):
-            view = ReplicaView(name)
-            _update_view(view, ack)
-            views.append(view)
-        return views
+    def _read(self, deadline: float) -> _AckSnapshot:
+        """One bounded read of the ack files, until ``deadline`` (``time.monotonic()``)."""
+        listing = self._looks.run(lambda until: list_acks(self.root, deadline=until), deadline, "listing the acks")
+        now = time.time()
+        live, dead = [], []
+        for name, ack in sorted(listing.acks.items()):
+            why = heartbeat_problem(ack.get("heartbeat"), now=now, max_age_s=self.max_age_s)
+            if why is None:
+                view = ReplicaView(name)
+                _update_view(view, ack)
+                live.append(view)
+            else:
+                dead.append(f"{name} ({why})")
+        return _AckSnapshot(live, dead, listing.cut_short)
 
-    def _situation(self, live: list[ReplicaView], version: int) -> str:
-        lagging = [v.describe() for v in live if v.loaded_step is None or v.loaded_step < version]
-        dead = self._dead({v.name for v in live})
-        text = f"Live replicas: {len(live)}."
+    def _situation(self, snapshot: _AckSnapshot, version: int) -> str:
+        lagging = [v.describe() for v in snapshot.live if v.loaded_step is None or v.loaded_step < version]
+        text = f"Live replicas: {len(snapshot.live)}."
         if lagging:
             text += f" Lagging: {'; '.join(lagging)}."
-        if dead:
-            text += f" Replicas without a fresh heartbeat (dead?): {'; '.join(dead)}."
-        if not live and not dead:
-            text += f" No ack files exist under {self.root / 'acks'}: are the sidecars watching {self.root}?"
+        if snapshot.dead:
+            text += f" Replicas without a fresh heartbeat (dead?): {'; '.join(snapshot.dead)}."
+        if snapshot.cut_short is not None:
+            text += f" Not every ack was read: {snapshot.cut_short}."
+        elif not snapshot.live and not snapshot.dead:
+            text += f" No ack files exist under {self.root / ACKS_DIR}: are the sidecars watching {self.root}?"
         return text
-
-    def _dead(self, live: set[str]) -> list[str]:
-        """The replicas with an ack file but no live heartbeat, each with why (a bad ack never raises)."""
-        now = time.time()
-        dead = []
-        for name, ack in sorted(read_acks(self.root).items()):
-            if name not in live:
-                why = heartbeat_problem(ack.get("heartbeat"), now=now, max_age_s=self.max_age_s)
-                dead.append(f"{name} ({why or 'its heartbeat is fresh again'})")
-        return dead
 
 
 def _json_or_none(response: Answer) -> dict[str, Any] | None:
