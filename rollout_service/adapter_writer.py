@@ -26,6 +26,7 @@ from .checkpoint_format import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
     MAX_ADAPTER_HEADER_BYTES,
+    MAX_BASE_VALUES,
     AdapterInfo,
     normalize_dtype,
     step_dir_name,
@@ -147,6 +148,7 @@ def publish_adapter(
     base_model: str | None = None,
     run_id: str | None = None,
     check_finite: bool = True,
+    base_values: Mapping[str, str] | None = None,
 ) -> PublishResult:
     """Publish a LoRA adapter as ``<root>/step-<step>`` (kind ``adapter``) atomically.
 
@@ -163,7 +165,9 @@ def publish_adapter(
     (the default; False only to make adapters that readers must reject, in tests) a tensor holding
     NaN/Inf as written, after the cast (rule ``non_finite``): all before the work folder is made.
     A header larger than readers accept (``header_too_large``) is refused as the work folder's
-    file is written, and the folder removed.
+    file is written, and the folder removed. ``base_values`` (digests of the base model's
+    tensors, :mod:`~rollout_service.base_values`) go into the manifest, so that readers can
+    tell the base the adapter was trained on.
     """
     t0 = time.perf_counter()
     target = normalize_dtype(dtype)
@@ -172,6 +176,10 @@ def publish_adapter(
     run_id = check_run_id(run_id)
     check_tensor_names(tensors)  # before the names are used (a non-string key), before any folder
     info = adapter_info(tensors, config)
+    if base_values:
+        if len(base_values) > MAX_BASE_VALUES:
+            raise ValueError(f"at most {MAX_BASE_VALUES} base_values, got {len(base_values)}")
+        info.base_values = dict(base_values)
     want = _TORCH_OF.get(target or "")
     prepared = []
     for name in sorted(tensors):

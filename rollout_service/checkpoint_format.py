@@ -214,6 +214,14 @@ class AdapterInfo:
     target_modules: list[str]
     """Module names (``q_proj``, ...) the adapter changes, as in ``adapter_config.json``."""
     peft_type: str = "LORA"
+    base_values: dict[str, str] | None = None
+    """Digests of a few of the base model's tensors, by checkpoint name (at most
+    ``MAX_BASE_VALUES``; see :mod:`~rollout_service.base_values`): which base the adapter was
+    trained on. None: not recorded (nothing is compared)."""
+
+
+MAX_BASE_VALUES = 8
+"""The most base tensors an adapter step's manifest may name in ``adapter.base_values``."""
 
 
 @dataclass
@@ -244,6 +252,8 @@ class Manifest:
             data.pop("delta")
         if self.adapter is None:
             data.pop("adapter")
+        elif self.adapter.base_values is None:
+            data["adapter"].pop("base_values")
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     def fingerprint(self) -> str:
@@ -516,9 +526,9 @@ class _FieldReader:
 
     def adapter(self, value: Any) -> AdapterInfo:
         a = self.obj(value, "adapter")
-        unknown = sorted(set(a) - {"rank", "alpha", "target_modules", "peft_type"})
+        unknown = sorted(set(a) - {"rank", "alpha", "target_modules", "peft_type", "base_values"})
         if unknown:
-            raise self._bad("adapter", "rank, alpha, target_modules and peft_type only", unknown)
+            raise self._bad("adapter", "rank, alpha, target_modules, peft_type and base_values only", unknown)
         if a.get("peft_type") != "LORA":
             raise self._bad("adapter.peft_type", "'LORA'", a.get("peft_type"))
         rank = self.integer(a.get("rank"), "adapter.rank", MAX_ADAPTER_RANK)
@@ -534,7 +544,13 @@ class _FieldReader:
             or not all(isinstance(m, str) and _MODULE_RE.fullmatch(m) for m in modules)
         ):
             raise self._bad("adapter.target_modules", "a list of 1-64 module names", modules)
-        return AdapterInfo(rank=rank, alpha=float(alpha), target_modules=list(modules))
+        base_values = None
+        if "base_values" in a:
+            raw = self.obj(a["base_values"], "adapter.base_values")
+            if not 0 < len(raw) <= MAX_BASE_VALUES or not all(isinstance(k, str) and 0 < len(k) <= 256 for k in raw):
+                raise self._bad("adapter.base_values", f"1-{MAX_BASE_VALUES} tensor names and their digests", raw)
+            base_values = {k: self.digest(v, f"adapter.base_values[{k[:80]!r}]") for k, v in raw.items()}
+        return AdapterInfo(rank=rank, alpha=float(alpha), target_modules=list(modules), base_values=base_values)
 
     def frames(self, value: Any, name: str, dtype: str, shape: list[int], frame_bytes: int) -> list[int]:
         """A changed tensor's frame sizes: one per ``frame_bytes`` of it, each at most what zstd

@@ -273,6 +273,10 @@ def _validate_adapter_step(args: argparse.Namespace, reference: TensorSpecs | No
     )
     info = report.manifest.adapter
     assert info is not None  # validate_adapter refuses an adapter step without it
+    if info.base_values and args.reference and _manifest_kind(args.reference, None) in (None, "full"):
+        from .base_values import check_base_values  # a model folder, or a full step: its shards
+
+        report.checks.append(check_base_values(info.base_values, Path(args.reference), where=Path(args.dir).name))
     return {
         "valid": str(report.path),
         "step": report.manifest.step,

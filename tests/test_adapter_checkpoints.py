@@ -107,7 +107,7 @@ def test_a_published_adapter_is_peft_files_and_a_manifest_that_validates(tmp_pat
         (lambda a: a.update(alpha=1e9), "adapter.alpha"),
         (lambda a: a.update(target_modules=["q_proj;rm -rf"]), "adapter.target_modules"),
         (lambda a: a.update(target_modules=[]), "adapter.target_modules"),
-        (lambda a: a.update(extra=1), "rank, alpha, target_modules and peft_type only"),
+        (lambda a: a.update(extra=1), "rank, alpha, target_modules, peft_type and base_values only"),
     ],
 )
 def test_the_adapter_description_is_parsed_strictly(tmp_path, change, found):

@@ -19,6 +19,7 @@ from rollout_service.adapter_writer import publish_adapter
 from rollout_service.lora_serving import LoraServing
 from rollout_service.protocol import adapter_name_for
 from rollout_service.sglang_launcher import SGLangServer
+from rollout_service.tiny_model import make_tiny_model
 from sidecar_helpers import Sidecar
 
 PROMPTS = [[11, 42, 7, 99, 256, 3], [5, 17, 1200, 64, 9]]
@@ -94,10 +95,18 @@ def train_steps(model, steps: int, seed: int) -> None:
 
 
 def publish(model, root, step: int):
+    """As the trainer publishes: with the digests of base tensors that tell its base model."""
     from peft import get_peft_model_state_dict
 
+    from trainer_hooks.adapter_publish import base_values_of
+
     return publish_adapter(
-        root, step, get_peft_model_state_dict(model), model.peft_config["default"].to_dict(), run_id=RUN_ID
+        root,
+        step,
+        get_peft_model_state_dict(model),
+        model.peft_config["default"].to_dict(),
+        run_id=RUN_ID,
+        base_values=base_values_of(model),
     )
 
 
@@ -198,7 +207,7 @@ def test_adapter_versions_from_training_serve_what_peft_computes(
 
 
 def test_corrupt_adapter_is_rejected_and_the_last_good_one_keeps_serving(
-    lora_server, lora_sidecar, checkpoint_root, tiny_model_dir
+    lora_server, lora_sidecar, checkpoint_root, tiny_model_dir, tmp_path
 ):
     sidecar = lora_sidecar()
     model = peft_model(tiny_model_dir, targets=["q_proj", "v_proj"])
@@ -226,6 +235,15 @@ def test_corrupt_adapter_is_rejected_and_the_last_good_one_keeps_serving(
     status = sidecar.status()
     assert status["rejected"]["3"] == "adapter_unservable" and "max-lora-rank 16" in status["last_error"]["message"]
     assert status["loaded_step"] == 1
+    # An adapter trained on another base model of the same shapes would load and generate from
+    # weights the trainer never had: its recorded base values tell, and it never reaches SGLang.
+    other_base = make_tiny_model(tmp_path / "other-base", seed=1)
+    publish(peft_model(other_base, targets=["q_proj", "v_proj"]), checkpoint_root, 4)
+    wait_until(lambda: "4" in sidecar.status()["rejected"], 60, "the other base's adapter was not rejected")
+    status = sidecar.status()
+    assert status["rejected"]["4"] == "adapter_base_mismatch", status
+    assert "trained on another base model" in status["last_error"]["message"]
+    assert status["loaded_step"] == 1 and adapter_name_for(4, RUN_ID) not in served_adapters(lora_server.url)
 
 
 def test_restarted_sglang_gets_the_newest_adapter_again(lora_server, lora_sidecar, checkpoint_root, tiny_model_dir):

@@ -28,6 +28,7 @@ from accelerate.utils import is_peft_model
 
 from rollout_service.adapter_reader import LoraLimits, adapter_support_problem
 from rollout_service.adapter_writer import publish_adapter
+from rollout_service.base_values import SAMPLE_ELEMENTS, pick_base_tensors, values_digest
 from rollout_service.bounded_http import client as bounded_client
 from rollout_service.bounded_http import request
 from rollout_service.checkpoint_writer import PublishResult
@@ -36,7 +37,7 @@ from rollout_service.protocol import adapter_name_for
 
 from .checkpoint_dtype import target_dtype
 from .checkpoint_publisher import CheckpointPublisher, SyncRecord
-from .weight_gather import distributed_backend, is_fsdp1, unwrap_model
+from .weight_gather import clean_name, distributed_backend, is_fsdp1, unwrap_model
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,27 @@ def adapter_sync_problem(
     return None
 
 
+def base_values_of(model: torch.nn.Module) -> dict[str, str]:
+    """Digests of a few of a PEFT model's base weights, by checkpoint name
+    (:mod:`rollout_service.base_values`: the first and last weights the adapter changes and
+    one-dimensional ones). Read once, at start-up: the base weights are frozen."""
+    prefix = getattr(model, "prefix", "lora_")
+    params: dict[str, torch.Tensor] = {}
+    adapted: set[str] = set()
+    for name, param in model.named_parameters():
+        hf_name = clean_name(name, prefix)
+        if hf_name is None or not param.is_floating_point():
+            continue
+        params[hf_name] = param
+        if ".base_layer." in name:
+            adapted.add(hf_name)
+    picked = pick_base_tensors({n: tuple(p.shape) for n, p in params.items()}, adapted)
+    with torch.no_grad():
+        return {
+            n: values_digest(params[n].detach().reshape(-1)[:SAMPLE_ELEMENTS].float().cpu().numpy()) for n in picked
+        }
+
+
 class AdapterPublisher:
     """Publishes the trained LoRA adapter as the next version and waits for the replicas."""
 
@@ -103,6 +125,9 @@ class AdapterPublisher:
         if config is None:
             raise TypeError(f"AdapterPublisher needs a PEFT LoRA model, got {type(self.model).__name__}")
         self.config: dict[str, Any] = config
+        self.base_values = base_values_of(self.model)
+        """Digests of a few frozen base weights, in every adapter step's manifest: which base the
+        adapter belongs to (the sidecars compare them with the model SGLang serves)."""
 
     def current(self) -> tuple[int, str] | None:
         """(version, adapter name) of the newest version every replica serves; None before the first."""
@@ -130,7 +155,14 @@ class AdapterPublisher:
 
         def write(version: int) -> PublishResult:
             return publish_adapter(
-                pub.root, version, state, self.config, dtype=self.dtype, base_model=pub.base_model, run_id=pub.run_id
+                pub.root,
+                version,
+                state,
+                self.config,
+                dtype=self.dtype,
+                base_model=pub.base_model,
+                run_id=pub.run_id,
+                base_values=self.base_values,
             )
 
         return pub.publish_prepared(pub.next_version(), write, prepared_s=gather_s).result()

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..adapter_reader import AdapterReport, LoraLimits, validate_adapter
+from ..base_values import check_base_values
 from ..checkpoint_format import CheckpointError, Manifest
 from ..checkpoint_reader import PublishedCheckpoint
 from ..protocol import adapter_name_for, step_for_version
@@ -70,6 +71,7 @@ class AdapterSync:
         self.serving: str | None = None
         """The adapter the served step names (None when the served step is a full checkpoint)."""
         self._unloads: set[asyncio.Task] = set()
+        self._base_unknown_logged = False
 
     async def still_served(self) -> bool:
         """False when SGLang no longer has the served adapter (it restarted)."""
@@ -271,6 +273,7 @@ class AdapterSync:
             check_digests=s.check_digests and c.stage is None,
             timeout_s=s.validate_timeout_s,
         )
+        self._check_base(report, path)
         if c.stage is None:
             return report
         copy = c.stage.copy_in(c.root, report.path, report.manifest, deadline)
@@ -286,6 +289,23 @@ class AdapterSync:
         if staged.manifest.fingerprint() != report.manifest.fingerprint():
             raise CheckpointError("changed_while_staging", f"{path.name}'s manifest changed while it was being staged")
         return staged
+
+    def _check_base(self, report: AdapterReport, path: Path) -> None:
+        """(Blocking.) ``adapter_base_mismatch`` unless the adapter was trained on the base model
+        SGLang serves, by the digests of base tensors its manifest records; nothing is compared
+        when it records none or the base model's folder is not known (logged once)."""
+        info = report.manifest.adapter
+        if info is None or not info.base_values:
+            return
+        if self.c.base_dir is None:
+            if not self._base_unknown_logged:
+                self._base_unknown_logged = True
+                log.warning(
+                    "cannot tell whether adapters were trained on the model SGLang serves: its folder is"
+                    " not known here (pass --reference-dir with the base model's folder to compare them)"
+                )
+            return
+        report.checks.append(check_base_values(info.base_values, self.c.base_dir, where=path.name))
 
     def _retire(self, newest: int) -> None:
         """Unload the adapters beyond the newest ``keep`` versions, beside the loop."""

@@ -63,7 +63,7 @@ from .acks import AckWriter
 from .adapter_sync import AdapterSync, is_adapter_step
 from .metrics import SidecarMetrics
 from .root_gate import RootGate, RootUnresponsive, in_daemon_thread
-from .served_model import adoptable, find_reference
+from .served_model import adoptable, base_model_dir, find_reference
 from .settings import SidecarSettings
 from .sglang_client import ServerView, SGLangClient, SGLangLoadRejected, SGLangUnavailable
 from .staging import Stage, StagedBuild, StageError
@@ -128,6 +128,8 @@ class SyncController:
         """Steps named by POST /sync: found by a direct lookup even when a shared file system's
         cached listing does not show them yet (NFS, sshfs)."""
         self._reference: TensorSpecs | None = None
+        self.base_dir: Path | None = None
+        """The local base model folder adapters' recorded base values are compared with (None: not known)."""
         self._served_path: str | None = None
         self._last_ack = 0.0
         self._last_deep = 0.0
@@ -469,6 +471,7 @@ class SyncController:
             )
             return
         self._reference, self.state.reference = found
+        self.base_dir = base_model_dir(view, self.root, self.stage, self.settings.reference_dir)
         if self.stage is not None:
             self.stage.save_reference(*found)
             served = view.model_path

@@ -85,6 +85,19 @@ def find_reference(
     return None
 
 
+def base_model_dir(view: ServerView, root: Path, stage: Stage | None, reference_dir: Path | None) -> Path | None:
+    """(Blocking.) The local folder of the base model SGLang serves, with which adapters'
+    recorded base values are compared (:mod:`~rollout_service.base_values`): ``--reference-dir``,
+    else SGLang's ``model_path`` when it is a model folder or a Hub id in the local cache; None
+    while SGLang serves a published step (adapters wait for the base model then)."""
+    if reference_dir is not None:
+        return reference_dir
+    model_path = view.model_path
+    if not model_path or (stage is not None and stage.owns(model_path)) or is_inside(model_path, root):
+        return None
+    return local_model_dir(model_path)
+
+
 def local_model_dir(model_path: str) -> Path | None:
     """The local folder of SGLang's model: a directory, or a Hub id found in the local HF cache."""
     if os.path.isdir(model_path):

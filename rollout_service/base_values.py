@@ -1,0 +1,162 @@
+"""Telling the base model a LoRA adapter was trained on from another model of the same shapes.
+
+An adapter changes a base model. Loaded on another base with the same tensor names and shapes (an
+instruct fine-tune served in place of its base, or a merged fine-tune), it loads without an error
+and SGLang generates from weights the trainer never had: the rollouts are off-policy and nothing
+says so. So the trainer records in an adapter step's manifest (``adapter.base_values``) the
+digests of a few of its base model's tensors, and the sidecar (before it loads the adapter) and
+``rollout-service validate --reference`` compare them with the served model's own files
+(``adapter_base_mismatch``).
+
+A digest (:func:`values_digest`) covers the first :data:`SAMPLE_ELEMENTS` values of the
+flattened tensor, converted to float32 and then rounded to bfloat16 (round to nearest even), so
+that a trainer holding float32 weights loaded from bfloat16 files agrees with those files, and a
+float32 model served as published agrees with a trainer that rounded it to bfloat16.
+:func:`pick_base_tensors` chooses which: the first and last adapted base weights and the first and
+last one-dimensional weights (norms), by name; a fine-tune changes those where it changes anything.
+
+Numpy only (the sidecar has no torch); the model folder is the operator's (links are followed,
+as the HF cache needs), its headers read by the readers' caps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint_format import INDEX_NAME, MAX_SHARD_HEADER_BYTES, CheckpointError
+from .digest import format_digest, new_hasher
+from .untrusted_files import MAX_SMALL_FILE_BYTES, open_regular, read_small
+
+SAMPLE_ELEMENTS = 1 << 16
+"""Values of each tensor a digest covers (the first ones of the flattened tensor): 128 KiB."""
+PICKED = 4
+"""Tensors :func:`pick_base_tensors` chooses."""
+
+_READERS = {"BF16": "<u2", "F16": "<f2", "F32": "<f4", "F64": "<f8"}
+"""The numpy dtype each floating safetensors dtype is read as (bfloat16 as its bits)."""
+
+
+def values_digest(values: np.ndarray) -> str:
+    """The digest of a base tensor's first :data:`SAMPLE_ELEMENTS` values (any floating numpy
+    array, or bfloat16 bits as ``uint16``)."""
+    flat = np.asarray(values).reshape(-1)[:SAMPLE_ELEMENTS]
+    if flat.dtype == np.uint16:  # bfloat16 bits: already rounded
+        bits = flat.astype("<u2")
+    else:
+        wide = flat.astype(np.float32).view(np.uint32).astype(np.uint64)
+        bits = ((wide + 0x7FFF + ((wide >> 16) & 1)) >> 16).astype("<u2")
+    hasher = new_hasher()
+    hasher.update(bits.tobytes())
+    return format_digest(hasher)
+
+
+def pick_base_tensors(shapes: Mapping[str, Sequence[int]], adapted: Iterable[str]) -> list[str]:
+    """Up to :data:`PICKED` names of ``shapes`` (a base model's floating weights, by their
+    checkpoint names) to record: the first and last of ``adapted`` (the weights the adapter
+    changes) and the first and last one-dimensional weights."""
+    chosen: list[str] = []
+    for group in (sorted(n for n in adapted if n in shapes), sorted(n for n, s in shapes.items() if len(s) == 1)):
+        for name in group[:1] + group[-1:]:
+            if name not in chosen:
+                chosen.append(name)
+    return chosen[:PICKED]
+
+
+def digests_in_model_dir(model_dir: Path, names: Iterable[str]) -> dict[str, str | None]:
+    """The digest of each of ``names`` as the safetensors files of ``model_dir`` hold it (None for
+    a name no file holds, or of a dtype that is not floating). Raises ``CheckpointError`` for a
+    file that cannot be read as safetensors."""
+    wanted = set(names)
+    found: dict[str, str | None] = dict.fromkeys(wanted)
+    for path in _shards_holding(model_dir, wanted):
+        real = Path(os.path.realpath(path))
+        with open_regular(real.parent, real, where=str(path)) as (fd, st):
+            header, data_start = _header(fd, st.st_size, str(path))
+            for name in wanted & set(header):
+                found[name] = _digest_of_entry(fd, header[name], data_start, st.st_size, f"{path}: {name}")
+    return found
+
+
+def _shards_holding(model_dir: Path, names: set[str]) -> list[Path]:
+    """The files of ``model_dir`` that hold ``names``: by the index when there is one, else every
+    ``*.safetensors`` file."""
+    index = model_dir / INDEX_NAME
+    if index.is_file():
+        real = Path(os.path.realpath(index))
+        data = json.loads(read_small(real.parent, real, where=str(index), max_bytes=MAX_SMALL_FILE_BYTES))
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if isinstance(weight_map, dict):
+            files = {weight_map[n] for n in names if isinstance(weight_map.get(n), str)}
+            return [model_dir / f for f in sorted(files) if "/" not in f]
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def _header(fd: int, size: int, where: str) -> tuple[dict[str, object], int]:
+    """A safetensors file's header entries and where its data starts."""
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        raise CheckpointError("header_invalid", f"{where} is too short to be a safetensors file")
+    (length,) = struct.unpack("<Q", head)
+    if length > min(MAX_SHARD_HEADER_BYTES, size - 8):
+        raise CheckpointError("header_invalid", f"{where}: its header length {length} does not fit the file")
+    raw = b""
+    while len(raw) < length:
+        piece = os.pread(fd, length - len(raw), 8 + len(raw))
+        if not piece:
+            raise CheckpointError("header_invalid", f"{where} was cut short while its header was read")
+        raw += piece
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointError("header_invalid", f"{where}: its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError("header_invalid", f"{where}: its header is not a JSON object")
+    return header, 8 + length
+
+
+def _digest_of_entry(fd: int, entry: object, data_start: int, size: int, where: str) -> str | None:
+    """The digest of the tensor a header ``entry`` describes; None for one that is not floating."""
+    if not isinstance(entry, dict):
+        raise CheckpointError("header_invalid", f"{where}: its header entry is not an object")
+    dtype, offsets = entry.get("dtype"), entry.get("data_offsets")
+    reader = _READERS.get(dtype) if isinstance(dtype, str) else None
+    if reader is None:
+        return None
+    width = np.dtype(reader).itemsize
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(x, int) for x in offsets)):
+        raise CheckpointError("header_invalid", f"{where}: bad data_offsets")
+    start, end = offsets
+    count = min((end - start) // width, SAMPLE_ELEMENTS)
+    if not 0 <= start <= end or data_start + start + count * width > size:
+        raise CheckpointError("header_invalid", f"{where}: its data_offsets run past the file")
+    raw = os.pread(fd, count * width, data_start + start)
+    if len(raw) != count * width:
+        raise CheckpointError("header_invalid", f"{where} was cut short while it was read")
+    return values_digest(np.frombuffer(raw, dtype=reader))
+
+
+def check_base_values(expected: Mapping[str, str], model_dir: Path, *, where: str) -> str:
+    """Compare an adapter's recorded ``expected`` base digests with ``model_dir``'s tensors.
+
+    Returns a line saying what was compared; raises ``CheckpointError('adapter_base_mismatch')``
+    when a tensor's values differ. A recorded name the folder does not hold is not compared (a
+    model whose files name its tensors otherwise); the line then says nothing was."""
+    found = digests_in_model_dir(model_dir, expected)
+    compared = [n for n in sorted(expected) if found.get(n) is not None]
+    for name in compared:
+        if found[name] != expected[name]:
+            raise CheckpointError(
+                "adapter_base_mismatch",
+                f"{where} was trained on another base model than {model_dir}: the values of {name} differ"
+                " (an instruct or fine-tuned variant of the same architecture?). Serve the model the"
+                " trainer loads, or train from the one SGLang serves",
+            )
+    if not compared:
+        return f"base model not compared: {model_dir} holds none of the recorded tensors {sorted(expected)[:4]}"
+    return f"trained on this base model ({len(compared)} tensors' values compared)"

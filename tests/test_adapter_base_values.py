@@ -1,0 +1,112 @@
+"""An adapter step records which base model it was trained on (``adapter.base_values``: digests
+of a few base tensors' values, rounded to bfloat16), so that an adapter trained on another model
+of the same shapes is refused (``adapter_base_mismatch``) instead of loading silently. Here: the
+digests agree across the dtypes a trainer and a model folder hold the same weights in, the
+trainer's record matches its base model's folder and not another one's (through ``validate``),
+and the manifest field is untrusted input. The sidecar's refusal, with real SGLang, is in
+``test_lora_sync.py``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rollout_service.adapter_writer import publish_adapter
+from rollout_service.base_values import SAMPLE_ELEMENTS, digests_in_model_dir, pick_base_tensors, values_digest
+from rollout_service.checkpoint_format import MANIFEST_NAME, CheckpointError, Manifest
+from rollout_service.tiny_model import make_tiny_model
+
+CLI = [sys.executable, "-m", "rollout_service.cli"]
+
+
+def test_the_digest_agrees_across_the_dtypes_of_the_same_weights(tmp_path: Path) -> None:
+    w = torch.randn(300, 500)
+    save_file({"bf16": w.to(torch.bfloat16), "f32": w, "f16": w.to(torch.float16)}, str(tmp_path / "model.safetensors"))
+    found = digests_in_model_dir(tmp_path, ["bf16", "f32", "f16", "absent"])
+    rounded = values_digest(w.to(torch.bfloat16).float().numpy())  # a trainer's fp32 copy of bf16 files
+    assert found["bf16"] == found["f32"] == rounded
+    assert found["f16"] == values_digest(w.to(torch.float16).numpy()) and found["absent"] is None
+    assert values_digest((w * 1.01).numpy()) != rounded
+    assert values_digest(torch.cat([w.reshape(-1)[:SAMPLE_ELEMENTS], torch.zeros(5)]).numpy()) == rounded
+
+
+def test_the_picked_tensors_are_adapted_weights_and_norms() -> None:
+    shapes = {"a.q.weight": (4, 4), "b.q.weight": (4, 4), "c.mlp.weight": (8, 4), "a.norm": (4,), "z.norm": (4,)}
+    assert pick_base_tensors(shapes, {"a.q.weight", "b.q.weight", "missing"}) == [
+        "a.q.weight",
+        "b.q.weight",
+        "a.norm",
+        "z.norm",
+    ]
+    assert pick_base_tensors({"only": (4,)}, set()) == ["only"]
+
+
+def _publish_from(base_dir: Path, root: Path, step: int) -> Path:
+    """An adapter published as the trainer does, from a PEFT model on ``base_dir``."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from trainer_hooks.adapter_publish import base_values_of
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    values = base_values_of(model)
+    assert len(values) == 4 and any("q_proj" in n for n in values) and any("norm" in n for n in values), values
+    result = publish_adapter(
+        root,
+        step,
+        get_peft_model_state_dict(model),
+        model.peft_config["default"].to_dict(),
+        run_id="r",
+        base_values=values,
+    )
+    return result.path
+
+
+def test_validate_tells_the_base_an_adapter_was_trained_on(tiny_model_dir: Path, tmp_path: Path) -> None:
+    step = _publish_from(tiny_model_dir, tmp_path / "root", 1)
+    same = subprocess.run(
+        [*CLI, "validate", str(step), "--reference", str(tiny_model_dir)], capture_output=True, text=True
+    )
+    assert same.returncode == 0, same.stderr
+    assert any("trained on this base model (4 tensors" in c for c in json.loads(same.stdout)["checks"]), same.stdout
+    other = make_tiny_model(tmp_path / "other", seed=1)  # the same shapes, other values
+    wrong = subprocess.run([*CLI, "validate", str(step), "--reference", str(other)], capture_output=True, text=True)
+    assert wrong.returncode == 1 and wrong.stderr.startswith("INVALID (adapter_base_mismatch): "), wrong.stderr
+    assert "trained on another base model" in wrong.stderr
+
+
+@pytest.mark.parametrize(
+    "base_values",
+    [
+        {},
+        {f"t{i}": "xxh3_128:" + "0" * 32 for i in range(9)},
+        {"t": "md5:0"},
+        {"t": 5},
+        {"": "xxh3_128:" + "0" * 32},
+        ["t"],
+    ],
+    ids=["empty", "too-many", "bad-digest", "not-a-string", "empty-name", "not-an-object"],
+)
+def test_base_values_in_a_manifest_are_untrusted(tiny_model_dir: Path, tmp_path: Path, base_values) -> None:
+    step = _publish_from(tiny_model_dir, tmp_path / "root", 1)
+    data = json.loads((step / MANIFEST_NAME).read_text())
+    data["adapter"]["base_values"] = base_values
+    with pytest.raises(CheckpointError) as err:
+        Manifest.from_json(json.dumps(data))
+    assert err.value.reason == "bad_manifest" and "adapter.base_values" in str(err.value)
+
+
+def test_an_adapter_without_base_values_reads_as_before(tiny_model_dir: Path, tmp_path: Path) -> None:
+    step = _publish_from(tiny_model_dir, tmp_path / "root", 1)
+    data = json.loads((step / MANIFEST_NAME).read_text())
+    del data["adapter"]["base_values"]
+    manifest = Manifest.from_json(json.dumps(data))
+    assert manifest.adapter is not None and manifest.adapter.base_values is None
+    assert "base_values" not in json.loads(manifest.to_json())["adapter"]
