@@ -62,15 +62,37 @@ class LoraLimits:
 
     @classmethod
     def from_server_info(cls, info: Mapping[str, Any]) -> LoraLimits:
-        enabled = bool(info.get("enable_lora")) or bool(info.get("lora_paths"))
+        """The limits in SGLang's ``/server_info`` answer (untrusted JSON).
+
+        SGLang 0.5.23 sends ``enable_lora`` as a bool or null, ``max_lora_rank`` as an integer or
+        null, ``lora_target_modules`` as a list of module names or null, ``lora_paths`` as a list
+        (or dict) or null. Anything else raises ValueError: the answer is unreadable, as one that
+        is not JSON (the trainer then syncs merged checkpoints and logs why).
+        """
+        if not isinstance(info, Mapping):
+            raise ValueError(f"/server_info is not a JSON object: {_shown(info)}")
+        enabled = info.get("enable_lora")
+        if enabled is not None and not isinstance(enabled, bool):
+            raise ValueError(f"/server_info enable_lora={_shown(enabled)} is not true, false or null")
+        paths = info.get("lora_paths")
+        if paths is not None and not isinstance(paths, (list, dict, str)):
+            raise ValueError(f"/server_info lora_paths={_shown(paths)} is not a list, an object or null")
         rank = info.get("max_lora_rank")
-        modules = info.get("lora_target_modules") or []
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+            raise ValueError(f"/server_info max_lora_rank={_shown(rank)} is not a positive integer or null")
+        modules = info.get("lora_target_modules")
         if isinstance(modules, str):
             modules = [modules]
+        if modules is not None and (
+            not isinstance(modules, list) or not all(isinstance(m, str) and m for m in modules)
+        ):
+            raise ValueError(
+                f"/server_info lora_target_modules={_shown(modules)} is not a list of module names or null"
+            )
         return cls(
-            enabled=enabled,
-            max_rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
-            target_modules=frozenset(str(m) for m in modules),
+            enabled=bool(enabled) or bool(paths),
+            max_rank=rank,
+            target_modules=frozenset(modules or ()),
         )
 
     def serves_module(self, module: str) -> bool:

@@ -27,7 +27,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint_format import MAX_ADAPTER_RANK, CheckpointError, Manifest
-from .cli_env import TIMEOUT_S, EnvArgumentParser, SettingFlags, add_env_argument, number_type
+from .cli_env import SHARD_MB_RANGE, TIMEOUT_S, EnvArgumentParser, SettingFlags, add_env_argument, number_type
 from .http_urls import bindable_port
 from .lora_serving import DEFAULT_MAX_RANK, DEFAULT_TARGET_MODULES, add_lora_flags, lora_from_args, module_list
 from .serve import RestartPolicy, run_serve
@@ -49,7 +49,7 @@ SERVE_SGLANG_SETTINGS = SettingFlags(SGLangServerConfig, defaults={"port": 30000
 
 SECONDS = number_type(float, *TIMEOUT_S)
 """The type of the one-shot commands' ``--timeout`` flags: finite, positive, at most a week."""
-SHARD_MB = number_type(float, 0.001, 1 << 20)
+SHARD_MB = number_type(float, *SHARD_MB_RANGE)
 """The type of ``publish --max-shard-mb``: from about 1 KiB to 1 TiB."""
 SEED = number_type(int, 0, 2**32 - 1)
 """The type of ``make-tiny-model --seed``."""

@@ -57,6 +57,9 @@ ENV_PREFIX = "ROLLOUT_"
 
 TIMEOUT_S = (0.01, 7 * 86400.0)
 """The range of every timeout setting and flag, in seconds (10 ms up to a week)."""
+SHARD_MB_RANGE = (0.001, float(1 << 20))
+"""The range of a shard size in MiB (about 1 KiB to 1 TiB): ``publish --max-shard-mb`` and the
+trainer's ``checkpoint_max_shard_mb``."""
 
 _FROM_ENV_OR_DEFAULT = object()
 """The argparse default of an env-backed flag: 'not given on the command line'."""

@@ -47,10 +47,11 @@ class LoraSGLang:
     """A fake SGLang 0.5.23, as far as adapter sync calls it (``/model_info``, ``/server_info``,
     ``/v1/models``, ``/load_lora_adapter``, ``/unload_lora_adapter``; ``/health`` answers 200).
 
-    It is fake for the two failures a real SGLang cannot be made to show on demand: dying in the
+    It is fake for the failures a real SGLang cannot be made to show on demand: dying in the
     middle of an adapter load (``die_on_steps``: the connection drops and the server is back at
-    once with no adapter, as after its supervisor restarted it), and refusing adapter files the
-    sidecar's validation accepted (``refuse_loads``). The validation exists to refuse, before
+    once with no adapter, as after its supervisor restarted it), refusing adapter files the
+    sidecar's validation accepted (``refuse_loads``), and a ``/server_info`` answer of the wrong
+    shape (``server_info_junk``). The validation exists to refuse, before
     SGLang sees them, every adapter SGLang 0.5.23 is known to refuse or die on, so no real
     adapter does either. Like SGLang, it refuses a second adapter under a name it has and the
     unload of a name it does not have.
@@ -61,6 +62,8 @@ class LoraSGLang:
         """name -> the path it was loaded from."""
         self.die_on_steps: set[int] = set()
         self.refuse_loads = False
+        self.server_info_junk: dict[str, Any] = {}
+        """Fields of ``/server_info`` replaced by values no SGLang sends (a proxy's, a bug's)."""
         self.loads: list[str] = []
         """The name of every load asked for, in order."""
         self.server = CannedServer(self._answer)
@@ -71,7 +74,8 @@ class LoraSGLang:
             return canned_reply(200, {"weight_version": "default", "model_path": "/models/base"})
         if path == "/server_info":
             modules = sorted(LIMITS.target_modules)
-            return canned_reply(200, {"enable_lora": True, "max_lora_rank": 16, "lora_target_modules": modules})
+            info = {"enable_lora": True, "max_lora_rank": 16, "lora_target_modules": modules}
+            return canned_reply(200, {**info, **self.server_info_junk})
         if path == "/v1/models":
             cards = [{"id": name, "parent": "base"} for name in self.adapters]
             return canned_reply(200, {"data": [{"id": "base"}, *cards]})
@@ -302,3 +306,29 @@ def test_a_config_number_no_float_holds_is_a_bad_adapter_config_naming_its_field
         message = str(info.value)
         assert info.value.reason == "bad_adapter_config", message
         assert f"{field}=" in message and len(message) < 400, message
+
+
+# --- finding: a /server_info answer of the wrong shape -----------------------------------------
+def test_a_server_info_of_the_wrong_shape_is_sglang_s_fault_not_the_adapter_s(
+    controller: SyncController, fake_lora_sglang: LoraSGLang, checkpoint_root: Path
+) -> None:
+    """(Fake SGLang, see :class:`LoraSGLang`: no real one answers so.) LoRA limits that cannot be
+    read are reported and tried again at the next pass; the adapter is not rejected for them, and
+    loads once the answer is sane."""
+    fake = fake_lora_sglang
+    fake.server_info_junk = {"lora_target_modules": 5}
+
+    async def scenario() -> None:
+        publish(checkpoint_root, 1)
+        async with running(controller):
+            await until(
+                lambda: (controller.state.last_error or {}).get("reason") == "sglang_unavailable",
+                "the unreadable /server_info was not reported",
+            )
+            await passes(controller, 2)
+            assert 1 not in controller.state.rejected and controller.state.loaded_step is None
+            assert "/server_info cannot be read" in controller.state.last_error["message"]
+            fake.server_info_junk = {}
+            await until(lambda: controller.state.loaded_step == 1, "step 1 was not loaded once /server_info was sane")
+
+    asyncio.run(scenario())

@@ -86,9 +86,9 @@ def test_a_trainer_on_every_core_beside_a_local_cpu_sglang_is_warned(caplog: pyt
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ({"sync_timeout": float("inf")}, "sync_timeout must be a positive, finite number"),
-        ({"sglang_request_timeout": float("nan")}, "sglang_request_timeout must be a positive, finite number"),
-        ({"checkpoint_max_shard_mb": float("inf")}, "checkpoint_max_shard_mb must be a positive, finite number"),
+        ({"sync_timeout": float("inf")}, r"sync_timeout \(in seconds\) must be a finite number from 0.01 to 604800"),
+        ({"sglang_request_timeout": float("nan")}, r"sglang_request_timeout \(in seconds\) must be a finite"),
+        ({"checkpoint_max_shard_mb": float("inf")}, r"checkpoint_max_shard_mb \(in MiB\) must be a finite number from"),
         ({"keep_checkpoints": 2.0}, r"keep_checkpoints must be an integer >= 1 \(or None"),
         ({"max_staleness": True}, "max_staleness must be an integer >= 0, got True"),
         ({"sglang_urls": ["http://::1:30000"]}, r"IPv6 host in brackets \(http://\[::1\]:30000\)"),

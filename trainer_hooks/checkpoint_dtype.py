@@ -3,6 +3,8 @@
 :func:`checkpoint_dtype` picks its name once, at start-up (the ``checkpoint_dtype`` setting, else
 the model's configured dtype, else its first floating parameter's); :func:`target_dtype` is the
 torch dtype a name stands for, which the publishers cast floating tensors to before copying them.
+Checkpoints are published in :data:`PUBLISHABLE_DTYPES` only: a model in another dtype (float64,
+float8) needs ``checkpoint_dtype`` set to the one SGLang serves.
 """
 
 from __future__ import annotations
@@ -17,11 +19,47 @@ _DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "
 _FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 """safetensors tags of the dtypes checkpoints may be cast to."""
 
+PUBLISHABLE_DTYPES = ("bfloat16", "float16", "float32")
+"""The dtype names checkpoints can be published in (``bf16``, ``half``, ... are other spellings)."""
+
+
+def publishable_dtype(name: object, field: str = "checkpoint_dtype") -> str:
+    """``name`` as one of :data:`PUBLISHABLE_DTYPES` (any spelling ``normalize_dtype`` accepts);
+    a ValueError naming ``field``, the value and the allowed dtypes otherwise."""
+    tag = None
+    if isinstance(name, str):
+        try:
+            tag = normalize_dtype(name)
+        except ValueError:
+            tag = None
+    if tag not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"{field}={name!r} is not a dtype checkpoints can be published in: use one of "
+            f"{', '.join(PUBLISHABLE_DTYPES)} (or bf16, fp16, half, fp32)"
+        )
+    return _DTYPE_NAMES[tag]
+
 
 def checkpoint_dtype(requested: str | None, model: torch.nn.Module) -> str:
-    """The dtype name checkpoints are written in: the requested one, else the model's configured one."""
+    """The dtype name checkpoints are written in: the requested one, else the model's configured one.
+
+    A model in a dtype checkpoints cannot be published in (float64) raises a ValueError asking for
+    ``checkpoint_dtype``: the default stands for what SGLang serves, which is then not known.
+    """
     if requested is not None:
-        return _DTYPE_NAMES[normalize_dtype(requested)]  # type: ignore[index]
+        return publishable_dtype(requested)
+    found = _model_dtype(model)
+    if found not in PUBLISHABLE_DTYPES:
+        raise ValueError(
+            f"the model is in {found}, which checkpoints cannot be published in: set checkpoint_dtype to the "
+            f"dtype SGLang serves (its --dtype), one of {', '.join(PUBLISHABLE_DTYPES)}, e.g. "
+            "checkpoint_dtype='float32'"
+        )
+    return found
+
+
+def _model_dtype(model: torch.nn.Module) -> str:
+    """The model's configured dtype, else its first floating parameter's, else float32."""
     configured = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
     if isinstance(configured, torch.dtype):
         configured = str(configured).removeprefix("torch.")
@@ -40,4 +78,4 @@ def target_dtype(name: str | None) -> torch.dtype | None:
     """The torch dtype of a checkpoint dtype name ("bfloat16", "bf16", ...), None to keep each tensor's."""
     if name is None:
         return None
-    return _FLOAT_DTYPES[normalize_dtype(name)]  # type: ignore[index]
+    return _FLOAT_DTYPES[normalize_dtype(publishable_dtype(name, "dtype"))]  # type: ignore[index]

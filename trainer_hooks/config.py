@@ -19,8 +19,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import stat
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +31,25 @@ from rollout_service.checkpoint_format import (
     DEFAULT_DELTA_MAX_RATIO,
     DEFAULT_FULL_EVERY,
     MAX_CHAIN_LENGTH,
-    normalize_dtype,
 )
+from rollout_service.cli_env import SHARD_MB_RANGE, TIMEOUT_S, check_range
 from rollout_service.http_auth import check_token
 from rollout_service.http_urls import check_http_url
+
+from .checkpoint_dtype import publishable_dtype
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SYNC_TIMEOUT_S = 600.0
 DEFAULT_REQUEST_TIMEOUT_S = 1800.0
+NUMBER_RANGES: dict[str, tuple[float, float, str]] = {
+    "sync_timeout": (*TIMEOUT_S, "seconds"),
+    "sglang_request_timeout": (*TIMEOUT_S, "seconds"),
+    "replica_heartbeat_max_age": (*TIMEOUT_S, "seconds"),
+    "checkpoint_max_shard_mb": (*SHARD_MB_RANGE, "MiB"),
+}
+"""The number fields of :class:`SGLangRolloutArguments` with their ``(low, high, unit)``: every
+seconds-valued one shares the CLI's ``TIMEOUT_S`` (rollout_service/cli_env.py)."""
 
 
 @dataclass
@@ -205,9 +216,27 @@ class SGLangRolloutArguments:
     def __post_init__(self) -> None:
         """The one body of every SGLang-backed TRL config: adapt TRL's fields, let TRL check its
         own, then check ours (a mixin: ``super()`` is the TRL config it is combined with)."""
+        self._check_rollout_values()  # first: adapt_trl_fields computes with the timeouts
         adapt_trl_fields(self, world_size=_world_size())
         super().__post_init__()  # type: ignore[misc]
         self._validate_rollout_arguments(is_main_process=self.process_index == 0)  # type: ignore[attr-defined]
+
+    def _check_rollout_values(self) -> None:
+        """Each number field in its range (:data:`NUMBER_RANGES`), each switch a real bool, the
+        checkpoint dtype one that can be published; a ValueError names the field, value and range."""
+        for name, (low, high, unit) in NUMBER_RANGES.items():
+            _require_number(getattr(self, name), name, low, high, unit)
+        for f in fields(SGLangRolloutArguments):
+            if f.type in ("bool", "bool | None"):
+                _require_bool(getattr(self, f.name), f.name, optional=f.type != "bool")
+        ratio = self.checkpoint_delta_max_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ValueError(
+                f"checkpoint_delta_max_ratio must be a number in (0, 1] (the largest delta, as a fraction of "
+                f"the full checkpoint's bytes), got {ratio!r}"
+            )
+        if self.checkpoint_dtype is not None:
+            publishable_dtype(self.checkpoint_dtype)
 
     def _validate_rollout_arguments(self, *, is_main_process: bool) -> None:
         """Check and normalize the SGLang fields; raise ValueError saying what to change."""
@@ -225,7 +254,7 @@ class SGLangRolloutArguments:
         self.sglang_urls = _normalize_urls(self.sglang_urls, "sglang_urls")
         if isinstance(self.sglang_log_paths, str):
             self.sglang_log_paths = [self.sglang_log_paths]
-        self.sglang_log_paths = [os.fspath(Path(p).expanduser()) for p in (self.sglang_log_paths or [])]
+        self.sglang_log_paths = [_check_log_path(p) for p in (self.sglang_log_paths or [])]
         if self.sglang_log_paths and len(self.sglang_log_paths) not in (1, len(self.sglang_urls)):
             raise ValueError(
                 f"sglang_log_paths has {len(self.sglang_log_paths)} entries for {len(self.sglang_urls)} sglang_urls: "
@@ -254,10 +283,6 @@ class SGLangRolloutArguments:
             )
         if self.expected_replicas is not None:
             _require_int(self.expected_replicas, "expected_replicas", 1)
-        _require_positive(self.sync_timeout, "sync_timeout")
-        _require_positive(self.sglang_request_timeout, "sglang_request_timeout")
-        _require_positive(self.checkpoint_max_shard_mb, "checkpoint_max_shard_mb")
-        _require_positive(self.replica_heartbeat_max_age, "replica_heartbeat_max_age")
         _require_int(self.max_staleness, "max_staleness", 0)
         if self.keep_checkpoints is not None:
             _require_int(self.keep_checkpoints, "keep_checkpoints", 1, " (or None to keep everything)")
@@ -266,10 +291,6 @@ class SGLangRolloutArguments:
                 f"keep_checkpoints must be at least 1 (the newest checkpoint is what replicas load) or None "
                 f"to keep everything, got {self.keep_checkpoints}"
             )
-        if self.checkpoint_dtype is not None:
-            normalize_dtype(self.checkpoint_dtype)
-        if self.checkpoint_delta not in (None, True, False):
-            raise ValueError(f"checkpoint_delta must be True, False or None (auto), got {self.checkpoint_delta!r}")
         if (
             isinstance(self.checkpoint_full_every, bool)
             or not isinstance(self.checkpoint_full_every, int)
@@ -280,8 +301,6 @@ class SGLangRolloutArguments:
                 f" {MAX_CHAIN_LENGTH + 1} (the longest delta chain a sidecar replays), got"
                 f" {self.checkpoint_full_every!r}"
             )
-        if not 0 < self.checkpoint_delta_max_ratio <= 1:
-            raise ValueError(f"checkpoint_delta_max_ratio must be in (0, 1], got {self.checkpoint_delta_max_ratio!r}")
         if self.checkpoint_path is None or str(self.checkpoint_path).strip() == "":
             raise ValueError(
                 "checkpoint_path is required: the shared directory the trainer publishes checkpoints into "
@@ -329,9 +348,44 @@ def _normalize_urls(urls: list[str] | str | None, name: str) -> list[str]:
     return out
 
 
-def _require_positive(value: float, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a positive, finite number of seconds or MB, got {value!r}")
+def _require_number(value: object, name: str, low: float, high: float, unit: str) -> None:
+    """A finite int or float (not a bool, nor text) from ``low`` to ``high`` (the CLI's check)."""
+    check_range(f"{name} (in {unit})", value, low, high)
+
+
+def _require_bool(value: object, name: str, *, optional: bool) -> None:
+    """True or False (or None when ``optional``): not a truthy string such as "false"."""
+    if not (value is True or value is False or (optional and value is None)):
+        allowed = "True, False or None (auto)" if optional else "True or False"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _check_log_path(path: object) -> str:
+    """An ``sglang_log_paths`` entry, ``~`` expanded: refused when it exists and is not a regular file
+    (a FIFO, a device, a directory: the trainer reads its tail when SGLang dies). A file that does
+    not exist yet is fine: SGLang may create it later."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"sglang_log_paths entries must be file paths, got {path!r}")
+    expanded = os.fspath(Path(path).expanduser())
+    try:
+        mode = os.stat(expanded).st_mode
+    except OSError:
+        return expanded  # missing (SGLang creates it) or unreadable (the error quotes why)
+    if not stat.S_ISREG(mode):
+        kind = (
+            "a FIFO"
+            if stat.S_ISFIFO(mode)
+            else "a directory"
+            if stat.S_ISDIR(mode)
+            else "a device"
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a special file (a socket)"
+        )
+        raise ValueError(
+            f"sglang_log_paths entry {expanded!r} is {kind}, not a regular file: give SGLang's log file (the "
+            "--sglang-log of `rollout-service serve`); a file that does not exist yet is fine"
+        )
+    return expanded
 
 
 def _require_int(value: object, name: str, minimum: int, hint: str = "") -> None:

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -671,14 +673,30 @@ def _describe(params: dict[str, Any]) -> str:
 
 
 def _read_tail(path: str) -> str:
+    """The last ``LOG_TAIL_BYTES`` of SGLang's log file at ``path``, without ever blocking or reading
+    more: opened non-blocking (a FIFO whose writer died would block a plain open forever), and
+    nothing is read from what is not a regular file (a device such as /dev/zero has no end)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            size = f.tell()
-            f.seek(max(0, size - LOG_TAIL_BYTES))
-            return f.read().decode("utf-8", errors="replace")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # links are fine: logs may be links
     except OSError as exc:
         return f"(could not read {path}: {exc.strerror or exc})"
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            log.warning("SGLang log %s is not a regular file (a FIFO, a device or a directory): not read", path)
+            return ""
+        start = max(0, info.st_size - LOG_TAIL_BYTES)
+        data = b""
+        while len(data) < LOG_TAIL_BYTES:  # pread may return less than asked (network file systems)
+            chunk = os.pread(fd, LOG_TAIL_BYTES - len(data), start + len(data))
+            if not chunk:
+                break
+            data += chunk
+        return data.decode("utf-8", errors="replace")
+    except OSError as exc:
+        return f"(could not read {path}: {exc.strerror or exc})"
+    finally:
+        os.close(fd)
 
 
 def last_error_lines(text: str, limit: int = 6) -> list[str]:

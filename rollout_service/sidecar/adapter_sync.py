@@ -117,7 +117,11 @@ class AdapterSync:
                     step=step,
                 )
                 return False
-            limits = LoraLimits.from_server_info(info)
+            try:
+                limits = LoraLimits.from_server_info(info)
+            except ValueError as exc:  # SGLang's answer, not the step's fault: tried again next pass
+                c._error("sglang_unavailable", f"SGLang's /server_info cannot be read: {exc}", step=step)
+                return False
             budget = c.settings.validate_timeout_s
             try:
                 report = await c.bounded(self._prepare, path, limits, name=path.name, step=step)
