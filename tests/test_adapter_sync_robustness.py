@@ -332,3 +332,43 @@ def test_a_server_info_of_the_wrong_shape_is_sglang_s_fault_not_the_adapter_s(
             await until(lambda: controller.state.loaded_step == 1, "step 1 was not loaded once /server_info was sane")
 
     asyncio.run(scenario())
+
+
+# --- finding: a stage that cannot take the adapter ----------------------------------------------
+def test_a_stage_that_cannot_take_an_adapter_does_not_cost_the_step(
+    controller: SyncController, fake_lora_sglang: LoraSGLang, checkpoint_root: Path
+) -> None:
+    """(Fake SGLang, see :class:`LoraSGLang`.) A stage without room (or on a failing disk) is the
+    replica's fault, not the adapter's: ``stage_failed`` is reported, the step is not rejected,
+    and it loads once the stage can take it again."""
+    from rollout_service.sidecar.staging import StageError
+
+    fake = fake_lora_sglang
+    failures = {"left": 3}
+
+    async def scenario() -> None:
+        async with running(controller):
+            await until(lambda: controller.stage is not None, "the stage was not opened")
+            stage = controller.stage
+            assert stage is not None
+            real_copy_in = stage.copy_in
+
+            def no_room(*args: Any, **kwargs: Any) -> Any:
+                if failures["left"]:
+                    failures["left"] -= 1
+                    raise StageError("the stage has 1 MiB free: no room for the adapter")
+                return real_copy_in(*args, **kwargs)
+
+            stage.copy_in = no_room  # type: ignore[method-assign]
+            publish(checkpoint_root, 1)
+            await until(lambda: controller.state.loaded_step == 1, "step 1 was not loaded once the stage had room")
+
+    asyncio.run(scenario())
+    assert failures["left"] == 0 and 1 not in controller.state.rejected
+    assert fake.loads == [adapter_name_for(1, RUN_ID)]
+    assert (
+        controller.metrics.registry.get_sample_value(
+            "rollout_sidecar_syncs_total", {"outcome": "failed", "reason": "stage_failed"}
+        )
+        == 3
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -408,6 +409,8 @@ def test_kills_at_random_moments_of_an_apply_never_leave_a_half_applied_copy(tmp
                     step = int(copy.name.split("-")[1])
                     assert_same_files(copy, full_root / step_dir_name(step))
             assert not [p for p in stage.path.iterdir() if p.name.startswith(".tmp-")]
+            for done in stage.path.glob(f"{step_dir_name(3)}-*"):  # else the next trial reuses it
+                shutil.rmtree(done)
         finally:
             stage.close()
     assert killed >= 10, f"only {killed} of 20 trials were killed mid-apply (apply took {whole:.2f} s)"

@@ -39,6 +39,7 @@ from ..checkpoint_reader import PublishedCheckpoint
 from ..protocol import adapter_name_for, step_for_version
 from ..untrusted_files import Deadline
 from .sglang_client import SGLangLoadRejected, SGLangUnavailable
+from .staging import StageError
 from .sync_record import SyncRecord
 
 if TYPE_CHECKING:
@@ -135,6 +136,10 @@ class AdapterSync:
             except CheckpointError as exc:
                 await c.reject_unless_root(ckpt, exc.reason, str(exc))
                 return False
+            except StageError as exc:  # the stage's fault (no room, a broken disk): not the step's
+                c.metrics.syncs.labels("failed", "stage_failed").inc()
+                c._error("stage_failed", str(exc), step=step)
+                raise
             except Exception as exc:  # whatever broke while reading step N rejects step N
                 await c.reject_unless_root(
                     ckpt,

@@ -357,6 +357,13 @@ class SyncController:
             self._error(RootUnresponsive.reason, str(exc))
             return
         message = f"{where}: {type(exc).__name__}: {exc}"
+        if isinstance(exc, StageError):  # the stage's fault, not the step's: tried again after the back-off
+            if message not in self._logged_errors and len(self._logged_errors) < 32:
+                log.error("cannot stage (backing off): %s", exc)
+                self._logged_errors.add(message)
+            step = (self.state.last_error or {}).get("step")
+            self._error("stage_failed", str(exc), step=step)
+            return
         if message not in self._logged_errors and len(self._logged_errors) < 32:
             log.exception("sync loop error in %s (backing off)", where)  # once per distinct error
             self._logged_errors.add(message)

@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,12 +107,15 @@ class SidecarSettings:
         default=None,
         metadata=setting(
             "--stage-dir",
-            "node-local folder (one per replica) where each checkpoint is copied and every"
-            " byte verified before SGLang reads it (default: /dev/shm/rollout-stage-REPLICA when"
-            " /dev/shm has 8 GiB free, else $XDG_CACHE_HOME (default ~/.cache)/rollout-service/stage/REPLICA)",
+            "node-local folder of its own (one per replica; a new or empty one, outside the checkpoint"
+            " root) where each checkpoint is copied and every byte verified before SGLang reads it; it"
+            " needs room for two copies of the model, three while a replica more than one delta behind"
+            " catches up (default: /dev/shm/rollout-stage-REPLICA when /dev/shm has 8 GiB free, else"
+            " $XDG_CACHE_HOME (default ~/.cache)/rollout-service/stage/REPLICA)",
         ),
     )
-    """None with stage=True: /dev/shm when it has room, else $XDG_CACHE_HOME (default ~/.cache)."""
+    """None with stage=True: /dev/shm when it has room, else $XDG_CACHE_HOME (default ~/.cache).
+    Never the checkpoint root, inside it or around it (see :func:`stage_dir_conflict`)."""
     check_finite: bool = field(
         default=True,
         metadata=setting(
@@ -178,13 +182,14 @@ class SidecarSettings:
         self._check_root()
 
     def _check_root(self) -> None:
-        """The root is a directory and the stage is not inside it; looked at for at most
-        ``root_timeout_s`` (a hung network file system: start anyway, ``/readyz`` says why nothing
-        loads, and the stage is checked on the paths as written)."""
-        root, stage = self.checkpoint_path, self.stage_dir
+        """The root is a directory and the stage is a folder of its own (see
+        :func:`stage_dir_conflict`); looked at for at most ``root_timeout_s`` (a hung network
+        file system: start anyway, ``/readyz`` says why nothing loads, and the stage is checked on
+        the paths as written)."""
+        root, stage, reference = self.checkpoint_path, self.stage_dir, self.reference_dir
 
-        def look() -> tuple[bool, bool]:
-            return root.is_dir(), stage is not None and is_inside(stage, root)
+        def look() -> tuple[bool, str | None]:
+            return root.is_dir(), stage_dir_conflict(stage, root, reference, is_inside)
 
         answered, found = answered_within(look, self.root_timeout_s, "checking the root")
         if not answered or found is None:
@@ -193,13 +198,54 @@ class SidecarSettings:
                 root,
                 self.root_timeout_s,
             )
-            found = (True, stage is not None and Path(os.path.abspath(stage)).is_relative_to(os.path.abspath(root)))
-        is_dir, stage_inside = found
+            found = (True, stage_dir_conflict(stage, root, reference, _inside_as_written))
+        is_dir, conflict = found
         if not is_dir:
             raise ValueError(
                 f"checkpoint path {root} is not a directory; create it or mount the shared checkpoint volume there"
             )
-        if stage_inside:
-            raise ValueError(
-                f"--stage-dir {stage} is inside the checkpoint root; it must be node-local and private to this sidecar"
-            )
+        if conflict:
+            raise ValueError(conflict)
+
+
+SHARED_FOLDERS = ("/", "/tmp", "/var/tmp", "/dev/shm")
+"""Folders other programs keep files in: never a stage themselves (``$HOME`` neither)."""
+
+
+def stage_dir_conflict(
+    stage: Path | None, root: Path, reference: Path | None, inside: Callable[[Path | str, Path | str], bool]
+) -> str | None:
+    """Why ``stage`` cannot be this sidecar's ``--stage-dir``, or None. The stage removes the
+    copies it made there, so it must be a folder of its own: not inside the checkpoint root
+    (shared, untrusted), not a folder that holds the root or ``--reference-dir`` (the model
+    SGLang serves; its own model path is learnt only once it answers, and the stage then
+    refuses a folder it did not make), and not a folder other programs use (``/``, ``/tmp``,
+    ``/dev/shm``, ``$HOME``, a folder above ``$HOME``). ``inside(path, folder)``: whether
+    ``path`` lies in ``folder`` or is it."""
+    if stage is None:
+        return None
+    own = f"; give each replica a node-local folder of its own, e.g. {stage / 'rollout-stage'}"
+    if inside(stage, root):
+        return f"--stage-dir {stage} is inside the checkpoint root; it must be node-local and private to this sidecar"
+    if inside(root, stage):
+        return f"--stage-dir {stage} holds the checkpoint root (--checkpoint-path {root}){own}"
+    if reference is not None and inside(reference, stage):
+        return f"--stage-dir {stage} holds --reference-dir {reference} (the model SGLang serves){own}"
+    home = _home()
+    if any(inside(stage, shared) and inside(shared, stage) for shared in SHARED_FOLDERS) or (
+        home is not None and inside(home, stage)
+    ):
+        return f"--stage-dir {stage} is a folder other programs keep files in{own}"
+    return None
+
+
+def _home() -> Path | None:
+    try:
+        return Path.home()
+    except (RuntimeError, KeyError):
+        return None
+
+
+def _inside_as_written(path: Path | str, folder: Path | str) -> bool:
+    """``is_inside`` on the absolute paths as written, links not resolved (a root that hangs)."""
+    return Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder))

@@ -9,12 +9,26 @@ and hands SGLang the copy. A copy becomes visible under its final name only by a
 rename, so a sidecar killed mid-copy leaves a hidden ``.tmp-*`` folder that the next start
 removes. The stage holds the served copy, at most one being prepared, and a spare (below).
 
+The stage touches only the names it makes: its copies (``step-XXXXXXXX-<fingerprint>``), its
+hidden ``.tmp-*`` work, ``reference.json``, ``.lock`` and the marker ``.rollout-stage``. The
+marker says a folder is a stage: a folder that holds anything else and no marker (``$HOME``,
+``/dev/shm`` itself, the folder around the checkpoint root) is refused, never cleaned. A folder
+an older version staged into (only such names, no marker) is adopted: the marker is added.
+
 A ``delta`` step is rebuilt here (:meth:`Stage.build`): applied to the staged copy of its
 base while SGLang keeps serving that copy, every tensor and file checked against the digests
 of the full checkpoint it stands for, renamed into place only when complete. A sidecar that
 has no copy of the base (a restart with an emptied stage, a late joiner) replays the chain
 from its full step; a missing or corrupt link rejects the step with a reason. Staged copies
-are named ``step-XXXXXXXX-<fingerprint>`` after the *published* manifest they stand for.
+are named ``step-XXXXXXXX-<fingerprint>`` after the *published* manifest they stand for, and a
+step staged before (SGLang restarted and lost it) is loaded again from its staged copy once
+every byte of it was checked against its digests, without reading shared storage.
+
+Room: a full step or the next delta beside the served copy needs room for two copies of the
+model. A replica more than one delta behind (or replaying a chain) holds, beside the served
+copy, the last version it rebuilt and the next one (a delta is applied to the version before
+it, which is dropped as soon as the next is complete): room for three copies. The whole chain's
+room is checked before anything is written (``StageError`` saying how many copies it needs).
 
 A copy that stops being served is kept as a hidden *spare* (one at most, and only while the
 stage's file system would still have room for another copy): the next copy or rebuild writes
@@ -22,42 +36,72 @@ over its files instead of new ones. On tmpfs, filling fresh pages costs more tha
 itself (1.6 GB/s against 5 GB/s for writing over existing ones, measured on the CPU test bed),
 so this roughly halves what staging a version costs there. The spare is named ``.tmp-*``: a
 restart removes it. Its bytes are never trusted: every byte written over them is checked
-against the published digests like any other.
+against the published digests like any other. They count as room for the next copy.
 
 The stage also keeps ``reference.json``: the tensor names, shapes and dtypes of the model
 SGLang serves, learnt at the first load, so a restarted sidecar checks against the same
 reference.
+
+A sidecar killed (SIGKILL, OOM) leaves its stage in ``/dev/shm``, which is RAM: a sidecar that
+opens a default ``/dev/shm/rollout-stage-*`` stage removes the marked sibling stages whose lock
+nobody holds (a sidecar restarted under another replica id would otherwise never free them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
+import re
 import shutil
+import stat
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoint_format import MANIFEST_NAME, TEMP_PREFIX, CheckpointError, Manifest, step_dir_name
-from ..checkpoint_reader import TensorSpecs
+from ..checkpoint_format import (
+    MANIFEST_NAME,
+    TEMP_PREFIX,
+    CheckpointError,
+    FileEntry,
+    Manifest,
+    step_dir_name,
+)
+from ..checkpoint_paths import is_inside
+from ..checkpoint_reader import TensorSpecs, read_every_byte
 from ..delta_apply import Chain, ChainLink, reconstruct, resolve_chain
 from ..protocol import atomic_replace
-from ..untrusted_files import Deadline, copy_verified
+from ..untrusted_files import Deadline, _kind, copy_verified, read_small
 
 log = logging.getLogger(__name__)
 
 REFERENCE_NAME = "reference.json"
 LOCK_NAME = ".lock"
+MARKER_NAME = ".rollout-stage"
+"""A regular file in every stage folder: the stage works only in a folder that has it (or that
+it may adopt, see :func:`_check_is_stage`)."""
+MARKER_TEXT = b"rollout-service stage folder: the sidecar removes only the entries it made here\n"
 SPARE_PREFIX = f"{TEMP_PREFIX}spare-"
 SPACE_MARGIN_BYTES = 64 << 20
+COPY_NAME_RE = re.compile(r"^step-[0-9]{8}-[0-9a-f]{12}$", re.ASCII)
+"""A staged copy's name (:meth:`Stage._name_for`): ``step-XXXXXXXX-<12 hex digits of its fingerprint>``."""
+LEFT_ALONE_NAMES = frozenset({"lost+found"})
+"""Names a file system's root holds: a stage at a volume's root may adopt it, never touches them."""
+SHM_DIR = Path("/dev/shm")
+SHM_STAGE_PREFIX = "rollout-stage-"
+"""Default stages are ``SHM_DIR / (SHM_STAGE_PREFIX + replica id)``."""
+WRITE_ONLY_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+"""OSError numbers that only writing raises: in a build they can only come from the stage."""
+PROBE_BYTES = 4096
 
 
 class StageError(RuntimeError):
-    """The stage itself failed (no room, not writable): not the checkpoint's fault."""
+    """The stage itself failed (no room, not writable, not a stage folder): not the checkpoint's fault."""
 
 
 @dataclass
@@ -83,14 +127,13 @@ def default_stage_dir(replica_id: str, needed_bytes: int = SHM_MIN_FREE_BYTES //
     """``/dev/shm/rollout-stage-<replica>`` when /dev/shm has room for two copies of
     ``needed_bytes``, else ``$XDG_CACHE_HOME/rollout-service/stage/<replica>`` (``XDG_CACHE_HOME``
     defaults to ``~/.cache``)."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
+    if SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK):
         try:
-            free = shutil.disk_usage(shm).free
+            free = shutil.disk_usage(SHM_DIR).free
         except OSError:
             free = 0
         if free > 2 * needed_bytes + SPACE_MARGIN_BYTES:
-            return shm / f"rollout-stage-{replica_id}"
+            return SHM_DIR / f"{SHM_STAGE_PREFIX}{replica_id}"
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return cache / "rollout-service" / "stage" / replica_id
 
@@ -106,47 +149,52 @@ class Stage:
             raise StageError(
                 f"cannot create the stage directory {self.path}: {exc.strerror}; pass a writable node-local --stage-dir"
             ) from None
+        _check_is_stage(self.path)  # before anything is written in it
+        self._lock = _take_lock(self.path)
         try:
-            self._lock = open(self.path / LOCK_NAME, "a")
-        except OSError as exc:
-            raise StageError(
-                f"cannot open {self.path / LOCK_NAME}: {exc.strerror} (left by a sidecar run as another user?);"
-                " pass a node-local --stage-dir this sidecar owns, or remove that one"
-            ) from None
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise StageError(
-                f"another sidecar uses the stage directory {self.path}: give each"
-                " replica its own --stage-dir (or --replica-id)"
-            ) from None
+            _mark(self.path)
+            self._clear_leftovers()
+        except BaseException:
+            self.close()
+            raise
+        self._spare: Path | None = None
+        """A copy nobody serves any more, whose files the next copy or rebuild writes over."""
+        if _is_default_shm_stage(self.path):
+            reclaim_shm_leftovers(self.path)
+
+    def _clear_leftovers(self) -> None:
+        """Remove the hidden work (``.tmp-*``) a killed sidecar left."""
         try:
             for entry in self.path.iterdir():
                 if entry.name.startswith(TEMP_PREFIX):
                     _remove(entry)
         except (OSError, RecursionError) as exc:
-            self._lock.close()
             raise StageError(
                 f"cannot clear what a killed sidecar left in the stage directory {self.path}"
                 f" ({type(exc).__name__}: {exc}); remove its {TEMP_PREFIX}* entries, or pass another --stage-dir"
             ) from None
-        self._spare: Path | None = None
-        """A copy nobody serves any more, whose files the next copy or rebuild writes over."""
 
     def close(self) -> None:
-        self._lock.close()
+        """Release the stage's lock (idempotent)."""
+        if self._lock >= 0:
+            os.close(self._lock)
+            self._lock = -1
 
     def remove(self) -> int:
-        """Delete the stage directory with everything in it, once nothing will read it again
-        (``serve`` stopped SGLang): a stage in /dev/shm is RAM until someone deletes it.
+        """Delete what the stage made, and its directory once empty, once nothing will read it
+        again (``serve`` stopped SGLang): a stage in /dev/shm is RAM until someone deletes it.
         Returns the bytes freed. Works after :meth:`close` too: the lock is taken again first,
-        and a stage another sidecar locked meanwhile is left alone (``StageError``)."""
-        self._lock.close()
+        and a stage another sidecar locked meanwhile is left alone (``StageError``). Entries
+        the stage did not make stay, and so does the directory then."""
+        self.close()
         try:
-            lock = open(self.path / LOCK_NAME, "a")
+            lock = _open_own_file(self.path / LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, "lock")
         except FileNotFoundError:
             return 0
+        except OSError as exc:
+            raise StageError(
+                f"cannot open {self.path / LOCK_NAME}: {exc.strerror}; left {self.path} in place"
+            ) from None
         try:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -154,23 +202,17 @@ class Stage:
                 raise StageError(
                     f"another sidecar uses the stage directory {self.path} now; left it in place"
                 ) from None
-            freed = self.usage_bytes()
-            for entry in self.path.iterdir():
-                if entry.name != LOCK_NAME:
-                    _remove(entry)
-            (self.path / LOCK_NAME).unlink()  # while still held: nobody locks a file about to vanish
+            return _empty_stage(self.path)
         finally:
-            lock.close()
-        with contextlib.suppress(OSError):  # not empty: someone's new file; leave it
-            self.path.rmdir()
-        return freed
+            os.close(lock)
 
     def prune(self, keep: set[Path], *, keep_spare: bool = True) -> None:
         """Remove staged copies other than ``keep`` (the one SGLang serves); one of them may
-        stay as the spare (see the module's docstring) unless ``keep_spare`` is False."""
+        stay as the spare (see the module's docstring) unless ``keep_spare`` is False. Only the
+        stage's own copies and work are looked at: nothing else in the folder is touched."""
         keep_real = {Path(os.path.realpath(p)) for p in keep}
         for entry in self.path.iterdir():
-            if entry.name in (REFERENCE_NAME, LOCK_NAME) or (keep_spare and entry == self._spare):
+            if not _is_work_name(entry.name) or (keep_spare and entry == self._spare):
                 continue
             if Path(os.path.realpath(entry)) not in keep_real:
                 if keep_spare:
@@ -187,7 +229,7 @@ class Stage:
             _remove(path)
             return
         try:
-            size = sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(path))
+            size = _bytes_under(path)
             roomy = shutil.disk_usage(self.path).free >= size + SPACE_MARGIN_BYTES
             if roomy:
                 spare = self.path / f"{SPARE_PREFIX}{uuid.uuid4().hex[:8]}"
@@ -222,14 +264,7 @@ class Stage:
 
     def usage_bytes(self) -> int:
         """Bytes of the files in the stage (staged copies and work in progress)."""
-        total = 0
-        for dirpath, _, names in os.walk(self.path):
-            for n in names:
-                try:
-                    total += os.lstat(os.path.join(dirpath, n)).st_size
-                except OSError:
-                    pass
-        return total
+        return _bytes_under(self.path)
 
     def find(self, step: int, fingerprint: str) -> tuple[Path, Manifest] | None:
         """The staged full copy of the publication with this fingerprint, if one is here."""
@@ -247,111 +282,249 @@ class Stage:
     def _name_for(self, step: int, fingerprint: str) -> Path:
         return self.path / f"{step_dir_name(step)}-{fingerprint[:12]}"
 
-    def _check_room(self, manifest_step: int, nbytes: int) -> None:
-        """Room for ``nbytes`` more: a step larger than the whole stage is rejected
-        (``too_large_for_stage``: its manifest lists more than this host can hold); one that
-        only needs room freed is a ``StageError`` (the sync is tried again)."""
-        need = nbytes + SPACE_MARGIN_BYTES
+    # --- room ------------------------------------------------------------------------------
+    def _room(self) -> tuple[int, int]:
+        """(bytes a new copy may take, bytes the stage's file system holds): the free space plus
+        the spare's bytes, since the next copy writes over the spare's files or drops it."""
         usage = shutil.disk_usage(self.path)
-        if need > usage.total:
+        spare = self._spare
+        spare_bytes = _bytes_under(spare) if spare is not None and spare.is_dir() else 0
+        return usage.free + spare_bytes, usage.total
+
+    def _check_room(self, manifest_step: int, nbytes: int, *, peak: int | None = None, why: str = "") -> None:
+        """Room for the new copies of step ``manifest_step``: ``nbytes`` is its largest copy,
+        ``peak`` what the build holds at once (default: that one copy; a chain holds two, see
+        :meth:`_check_chain_room`; ``why`` says so in the error). A copy larger than the whole stage is
+        rejected (``too_large_for_stage``: its manifest lists more than this host can hold);
+        one that only needs room freed is a ``StageError`` (the sync is tried again)."""
+        need = (nbytes if peak is None else peak) + SPACE_MARGIN_BYTES
+        free, total = self._room()
+        if nbytes + SPACE_MARGIN_BYTES > total:
             raise CheckpointError(
                 "too_large_for_stage",
-                f"step {manifest_step} needs {need >> 20} MiB in the stage, more than the"
-                f" {usage.total >> 20} MiB its file system holds: its manifest lists files larger than"
+                f"step {manifest_step} needs {(nbytes + SPACE_MARGIN_BYTES) >> 20} MiB in the stage, more than the"
+                f" {total >> 20} MiB its file system holds: its manifest lists files larger than"
                 " the model (or give --stage-dir a file system with room for two copies of the model)",
             )
-        free = usage.free
         if free < need:
-            raise StageError(
-                f"the stage directory {self.path} has {free >> 20} MiB free, step"
-                f" {manifest_step} needs {need >> 20} MiB: give --stage-dir a folder with room"
-                " for two copies of the model"
+            room = (
+                "two copies of the model"
+                if peak is None
+                else "three copies of the model, or wait for the next full step"
             )
+            raise StageError(
+                f"the stage directory {self.path} has {free >> 20} MiB free (its spare copy counted), step"
+                f" {manifest_step} needs {need >> 20} MiB{why}: give --stage-dir a folder with room for {room}"
+            )
+
+    def _check_chain_room(self, chain: Chain) -> None:
+        """Room for the whole chain, before anything is written: the copies made here are the
+        chain's full step (when it is not staged) and one per delta; each delta is applied to the
+        copy before it, which is dropped once the next is complete, so at most two are held at
+        once beside the copies already staged (the served one among them)."""
+        sizes = [] if chain.start_is_staged else [chain.start.manifest.total_bytes]
+        sizes += [_files_bytes(link.manifest.delta.target_files) for link in chain.deltas if link.manifest.delta]
+        if not sizes:
+            return
+        target = chain.deltas[-1].manifest.step if chain.deltas else chain.start.manifest.step
+        if len(sizes) == 1:
+            self._check_room(target, sizes[0])
+            return
+        peak = max(a + b for a, b in zip(sizes, sizes[1:]))
+        start = f"the staged copy of step {chain.start.manifest.step}" if chain.start_is_staged else "its full step"
+        self._check_room(
+            target,
+            max(sizes),
+            peak=peak,
+            why=f": it is rebuilt by applying {len(chain.deltas)} deltas in turn to {start}, each to the copy the"
+            " one before made, so it holds two new copies at once beside the copy SGLang serves",
+        )
+
+    # --- building copies -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _stage_faults(self, what: str) -> Iterator[None]:
+        """An ``OSError`` the stage's file system caused becomes a ``StageError`` (the controller
+        reports ``stage_failed`` and tries the step again) instead of rejecting the step.
+
+        The copy and rebuild code (``untrusted_files.copy_verified``, ``delta_apply.reconstruct``)
+        reads the untrusted root and writes the stage in the same calls, and its write calls
+        (``write``, ``pwrite``, ``ftruncate``) raise ``OSError``s that name no file. So the fault is
+        told by the error itself, see :meth:`_is_stage_fault`: an error naming a path in the stage
+        (``mkdir``, ``open``, ``rename``), an error only a write can raise (``ENOSPC``, ``EDQUOT``,
+        ``EROFS``, ``EFBIG``: reading the root never raises them), or an ``EIO`` naming no file when
+        the stage itself cannot write and sync a page any more. Anything else, reading the root
+        included (its ``EIO`` when the stage still writes), stays the checkpoint's to answer for.
+        """
+        try:
+            yield
+        except OSError as exc:
+            if not self._is_stage_fault(exc):
+                raise
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise StageError(
+                f"{what}: writing in the stage directory {self.path} failed{where}:"
+                f" {exc.strerror or exc}; free room there or give --stage-dir a writable node-local"
+                " folder with room for the copies (the step is tried again)"
+            ) from exc
+
+    def _is_stage_fault(self, exc: OSError) -> bool:
+        """Whether ``exc`` came from the stage's file system (see :meth:`_stage_faults`)."""
+        names = [n for n in (exc.filename, exc.filename2) if isinstance(n, (str, bytes, os.PathLike))]
+        if names:
+            return any(is_inside(os.fsdecode(n), self.path) for n in names)
+        if exc.errno in WRITE_ONLY_ERRNOS:
+            return True
+        return exc.errno == errno.EIO and not self._can_write()
+
+    def _can_write(self) -> bool:
+        """Whether a page can still be written and synced in the stage (a probe, removed at once)."""
+        probe = self.path / f"{TEMP_PREFIX}probe-{uuid.uuid4().hex[:8]}"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, bytes(PROBE_BYTES))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return True
+        except OSError:
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                probe.unlink()
 
     def build(
         self, root: Path, source_dir: Path, manifest: Manifest, deadline: Deadline, *, check_finite: bool = False
     ) -> StagedBuild:
-        """A verified full copy of a published step here: copied (full) or rebuilt (delta).
+        """A verified full copy of a published step here: the copy already staged (every byte
+        checked again), or copied (full) or rebuilt (delta).
 
         ``check_finite`` makes a rebuild refuse NaN/Inf in the tensors a delta changes (a full
-        copy is checked by validating it afterwards)."""
+        copy is checked by validating it afterwards). The stage's own failures (no room, a
+        write that fails) raise ``StageError``; the checkpoint's, ``CheckpointError``."""
         t0 = time.perf_counter()
-        if manifest.kind != "delta":
-            path = self.copy_in(root, source_dir, manifest, deadline)
-            return StagedBuild(path, manifest.kind, manifest.total_bytes, time.perf_counter() - t0, 0)
-        link = ChainLink(source_dir, manifest)
-        chain = resolve_chain(root, link, self.find, deadline)
+        with self._stage_faults(f"staging {source_dir.name}"):
+            staged = self._reuse(manifest, deadline)
+            if staged is not None:
+                return StagedBuild(staged, manifest.kind, 0, time.perf_counter() - t0, 0)
+            if manifest.kind != "delta":
+                path = self.copy_in(root, source_dir, manifest, deadline)
+                return StagedBuild(path, manifest.kind, manifest.total_bytes, time.perf_counter() - t0, 0)
+            link = ChainLink(source_dir, manifest)
+            chain = resolve_chain(root, link, self.find, deadline)
+            try:
+                return self._apply_chain(root, chain, deadline, t0, check_finite)
+            except CheckpointError as exc:
+                if exc.reason != "base_mismatch" or not chain.start_is_staged:
+                    raise
+                log.warning(
+                    "the staged copy %s is damaged (%s); replaying the chain from its full step",
+                    chain.start.path.name,
+                    exc,
+                )
+                _remove(chain.start.path)
+                return self._apply_chain(root, resolve_chain(root, link, None, deadline), deadline, t0, check_finite)
+
+    def _reuse(self, manifest: Manifest, deadline: Deadline) -> Path | None:
+        """The copy of this very publication staged before (a re-sync after SGLang restarted),
+        when every byte of it still matches; else None (a copy that does not is removed).
+
+        A staged copy is trusted as a chain base is: its manifest must stand for this
+        publication (:meth:`find`), and its bytes are checked against digests as they are read.
+        Here nothing is rebuilt from it, so every file is read whole and its digest checked
+        against the files the *published* manifest describes (a delta's ``target_files``), and
+        the folder must hold those files and the manifest only (SGLang loads the whole folder)."""
+        found = self.find(manifest.step, manifest.fingerprint())
+        if found is None:
+            return None
+        path, staged = found
         try:
-            return self._apply_chain(root, chain, deadline, t0, check_finite)
+            _check_copy(self.path, path, staged, _published_files(manifest), deadline)
         except CheckpointError as exc:
-            if exc.reason != "base_mismatch" or not chain.start_is_staged:
+            if exc.reason == "validation_timeout":
                 raise
-            log.warning(
-                "the staged copy %s is damaged (%s); replaying the chain from its full step", chain.start.path.name, exc
-            )
-            _remove(chain.start.path)
-            return self._apply_chain(root, resolve_chain(root, link, None, deadline), deadline, t0, check_finite)
+            log.warning("the staged copy %s is damaged (%s: %s); staging it anew", path.name, exc.reason, exc)
+            _remove(path)
+            return None
+        log.info("%s is staged already and every byte of it checked: no copy from shared storage", path.name)
+        return path
 
     def _apply_chain(self, root: Path, chain: Chain, deadline: Deadline, t0: float, check_finite: bool) -> StagedBuild:
+        """Copy in the chain's full step (unless a staged copy starts it) and apply its deltas in
+        turn. Each copy made here is dropped (or kept as the spare) once the next is complete;
+        on failure the one held is removed, so a retry finds the room it found the first time."""
+        self._check_chain_room(chain)
         bytes_read = 0
-        made_here: set[Path] = set()
-        if chain.start_is_staged:
-            current = chain.start
-        else:
-            path = self.copy_in(root, chain.start.path, chain.start.manifest, deadline)
-            bytes_read += chain.start.manifest.total_bytes
-            current = ChainLink(path, Manifest.load(path, root=self.path))
-            made_here.add(path)
-        for link in chain.deltas:
-            delta = link.manifest.delta
-            assert delta is not None
-            self._check_room(link.manifest.step, sum(e.size for e in delta.target_files.values()))
-            final = self._name_for(link.manifest.step, link.manifest.fingerprint())
-            if final.is_dir():
-                _remove(final)  # a copy from an earlier try: rebuild it
-            tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-            tmp.mkdir()
-            try:
-                self._fill_from_spare(tmp, sorted(delta.target_files))
-                rebuilt = reconstruct(root, link, current, self.path, tmp, deadline, check_finite=check_finite)
-                os.rename(tmp, final)
-            except BaseException:
-                _remove(tmp)
-                raise
-            bytes_read += link.manifest.total_bytes
-            if current.path in made_here:  # an intermediate version nobody serves
-                self._retire(current.path)
-            made_here.add(final)
-            current = ChainLink(final, rebuilt)
+        made: Path | None = None
+        """The copy made here that the next delta is applied to (none while a staged copy is)."""
+        try:
+            if chain.start_is_staged:
+                current = chain.start
+            else:
+                made = self.copy_in(root, chain.start.path, chain.start.manifest, deadline)
+                bytes_read += chain.start.manifest.total_bytes
+                current = ChainLink(made, Manifest.load(made, root=self.path))
+            for link in chain.deltas:
+                current = self._apply_link(root, link, current, deadline, check_finite)
+                bytes_read += link.manifest.total_bytes
+                previous, made = made, current.path
+                if previous is not None:  # an intermediate version nobody serves: the next needs only `current`
+                    self._retire(previous)
+        except BaseException:
+            if made is not None:
+                _remove(made)
+            raise
         return StagedBuild(current.path, "delta", bytes_read, time.perf_counter() - t0, len(chain.deltas))
 
-    def copy_in(self, root: Path, source_dir: Path, manifest: Manifest, deadline: Deadline) -> Path:
-        """Copy the checkpoint's files here, verifying sizes and digests; return the copy."""
-        self._check_room(manifest.step, manifest.total_bytes)
-        final = self._name_for(manifest.step, manifest.fingerprint())
+    def _apply_link(
+        self, root: Path, link: ChainLink, current: ChainLink, deadline: Deadline, check_finite: bool
+    ) -> ChainLink:
+        """Rebuild ``link`` (a delta) from ``current`` (the copy of its base) into its own copy here."""
+        final = self._name_for(link.manifest.step, link.manifest.fingerprint())
         if final.is_dir():
-            _remove(final)  # a copy of the same bytes from an earlier try: redo it
+            _remove(final)  # a copy from an earlier try: rebuild it
         tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            self._fill_from_spare(tmp, sorted(manifest.files))
-            for fname, entry in sorted(manifest.files.items()):
-                where = f"{source_dir.name}/{fname}"
-                copy_verified(
-                    root,
-                    source_dir / fname,
-                    tmp / fname,
-                    where=where,
-                    size=entry.size,
-                    digest=entry.digest,
-                    deadline=deadline,
-                )
-            (tmp / MANIFEST_NAME).write_text(manifest.as_copy().to_json())
+            delta = link.manifest.delta
+            assert delta is not None
+            self._fill_from_spare(tmp, sorted(delta.target_files))
+            rebuilt = reconstruct(root, link, current, self.path, tmp, deadline, check_finite=check_finite)
             os.rename(tmp, final)
         except BaseException:
             _remove(tmp)
             raise
-        return final
+        return ChainLink(final, rebuilt)
+
+    def copy_in(self, root: Path, source_dir: Path, manifest: Manifest, deadline: Deadline) -> Path:
+        """Copy the checkpoint's files here, verifying sizes and digests; return the copy.
+        A failing write in the stage raises ``StageError`` (see :meth:`_stage_faults`)."""
+        with self._stage_faults(f"copying {source_dir.name}"):
+            self._check_room(manifest.step, manifest.total_bytes)
+            final = self._name_for(manifest.step, manifest.fingerprint())
+            if final.is_dir():
+                _remove(final)  # a copy of the same bytes from an earlier try: redo it
+            tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir()
+            try:
+                self._fill_from_spare(tmp, sorted(manifest.files))
+                for fname, entry in sorted(manifest.files.items()):
+                    where = f"{source_dir.name}/{fname}"
+                    copy_verified(
+                        root,
+                        source_dir / fname,
+                        tmp / fname,
+                        where=where,
+                        size=entry.size,
+                        digest=entry.digest,
+                        deadline=deadline,
+                    )
+                (tmp / MANIFEST_NAME).write_text(manifest.as_copy().to_json())
+                os.rename(tmp, final)
+            except BaseException:
+                _remove(tmp)
+                raise
+            return final
 
     # --- the served model's reference ----------------------------------------------------
     def save_reference(self, specs: TensorSpecs, source: str) -> None:
@@ -363,12 +536,232 @@ class Stage:
             os.close(dir_fd)
 
     def load_reference(self) -> tuple[TensorSpecs, str] | None:
+        """The reference kept in the stage, or None when there is none (or it does not parse:
+        it is learnt again). A ``reference.json`` that is not a small regular file (a FIFO would
+        block the reader for good) raises ``StageError`` naming it."""
+        path = self.path / REFERENCE_NAME
         try:
-            data = json.loads((self.path / REFERENCE_NAME).read_text())
+            raw = read_small(self.path, path, where=str(path))
+        except CheckpointError as exc:
+            if exc.reason == "missing_file":
+                return None
+            raise StageError(
+                f"cannot read {path} ({exc.reason}): the stage keeps a small regular file there;"
+                " remove what is there (the reference is learnt again)"
+            ) from None
+        try:
+            data = json.loads(raw)
             specs = {str(k): (str(v[0]), tuple(int(x) for x in v[1])) for k, v in data["tensors"].items()}
             return specs, str(data.get("source"))
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
             return None
+
+
+def _published_files(manifest: Manifest) -> dict[str, FileEntry]:
+    """The files of the full checkpoint a published manifest stands for (a delta's targets)."""
+    if manifest.kind == "delta" and manifest.delta is not None:
+        return manifest.delta.target_files
+    return manifest.files
+
+
+def _files_bytes(files: dict[str, FileEntry]) -> int:
+    return sum(e.size for e in files.values())
+
+
+def _check_copy(stage_dir: Path, path: Path, staged: Manifest, files: dict[str, FileEntry], deadline: Deadline) -> None:
+    """``CheckpointError`` unless the staged copy ``path`` holds exactly ``files`` (and its
+    manifest), each a regular file whose digest is the one listed."""
+    if {n: (e.size, e.digest) for n, e in staged.files.items()} != {n: (e.size, e.digest) for n, e in files.items()}:
+        raise CheckpointError("base_mismatch", f"{path.name}'s manifest lists other files than were published")
+    found = {e.name for e in os.scandir(path)}
+    if found != set(files) | {MANIFEST_NAME}:
+        odd = sorted(found ^ (set(files) | {MANIFEST_NAME}))[:5]
+        raise CheckpointError("base_mismatch", f"{path.name} holds other files than its manifest lists ({odd})")
+    for fname, entry in sorted(files.items()):
+        read_every_byte(stage_dir, path / fname, f"{path.name}/{fname}", entry.digest, True, False, deadline)
+
+
+def _is_work_name(name: str) -> bool:
+    """A name the stage gives its copies and its hidden work (what pruning may remove)."""
+    return bool(COPY_NAME_RE.match(name)) or name.startswith(TEMP_PREFIX)
+
+
+def _is_stage_name(name: str) -> bool:
+    """A name the stage makes (or a file system's own): all a folder may hold to be adopted."""
+    return _is_work_name(name) or name in (LOCK_NAME, REFERENCE_NAME, MARKER_NAME) or name in LEFT_ALONE_NAMES
+
+
+def _is_marked(folder: Path) -> bool:
+    """Whether ``folder`` carries the stage marker (a regular file, not followed if a link)."""
+    try:
+        return stat.S_ISREG(os.lstat(folder / MARKER_NAME).st_mode)
+    except OSError:
+        return False
+
+
+def _check_is_stage(folder: Path) -> None:
+    """``StageError`` unless ``folder`` is a stage: marked, or holding only names a stage makes
+    (empty, or staged into by a version without the marker: adopted, :func:`_mark`)."""
+    if _is_marked(folder):
+        return
+    try:
+        foreign = sorted(e.name for e in os.scandir(folder) if not _is_stage_name(e.name))
+    except OSError as exc:
+        raise StageError(
+            f"cannot list the stage directory {folder}: {exc.strerror}; pass another --stage-dir"
+        ) from None
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise StageError(
+            f"--stage-dir {folder} holds entries the stage did not make ({shown}) and no {MARKER_NAME} marker:"
+            " it is not a stage folder, and a stage removes what it does not keep. Pass a new or empty folder of"
+            f" its own as --stage-dir (e.g. {folder / 'rollout-stage'})"
+        )
+
+
+def _mark(folder: Path) -> None:
+    """Put the marker into ``folder`` (which :func:`_check_is_stage` accepted) unless it is there."""
+    if _is_marked(folder):
+        return
+    path = folder / MARKER_NAME
+    try:
+        fd = _open_own_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "marker")
+        try:
+            os.write(fd, MARKER_TEXT)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise StageError(f"cannot write {path}: {exc.strerror}; pass a writable node-local --stage-dir") from None
+
+
+def _open_own_file(path: Path, flags: int, what: str) -> int:
+    """A descriptor of the stage's own file ``path`` (its lock, its marker), opened with
+    ``O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC`` so that a FIFO or a device left at its name cannot
+    block the sidecar. ``StageError`` naming it unless it is a regular file; other open errors
+    stay ``OSError`` (``FileNotFoundError``: the folder is gone)."""
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            raise exc from None
+        if stat.S_ISREG(mode):
+            raise
+        raise StageError(_not_regular(path, mode, what, exc.strerror)) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise StageError(_not_regular(path, mode, what, None))
+    return fd
+
+
+def _not_regular(path: Path, mode: int, what: str, strerror: str | None) -> str:
+    return (
+        f"cannot open {path}: {strerror + ' ' if strerror else ''}({_kind(mode)}, not a regular file):"
+        f" something other than a sidecar put it where the stage keeps its {what}; remove it, or pass"
+        " another --stage-dir"
+    )
+
+
+def _take_lock(folder: Path) -> int:
+    """The stage's lock, held (``StageError`` when another sidecar holds it or it cannot be opened)."""
+    path = folder / LOCK_NAME
+    try:
+        fd = _open_own_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, "lock")
+    except OSError as exc:
+        raise StageError(
+            f"cannot open {path}: {exc.strerror} (left by a sidecar run as another user?);"
+            " pass a node-local --stage-dir this sidecar owns, or remove that one"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StageError(
+            f"another sidecar uses the stage directory {folder}: give each"
+            " replica its own --stage-dir (or --replica-id)"
+        ) from None
+    return fd
+
+
+def _empty_stage(folder: Path) -> int:
+    """(Lock held.) Remove what a stage made in ``folder``, its lock last (while still held:
+    nobody locks a file about to vanish), then the folder if nothing else is left. Returns the
+    bytes freed."""
+    freed = 0
+    for entry in list(folder.iterdir()):
+        if _is_work_name(entry.name) or entry.name in (REFERENCE_NAME, MARKER_NAME):
+            freed += _bytes_under(entry)
+            _remove(entry)
+    (folder / LOCK_NAME).unlink()
+    with contextlib.suppress(OSError):  # not empty: someone else's entries; leave them
+        folder.rmdir()
+    return freed
+
+
+def _is_default_shm_stage(path: Path) -> bool:
+    """Whether ``path`` is named as :func:`default_stage_dir` names a stage in /dev/shm."""
+    absolute = Path(os.path.abspath(path))
+    return absolute.parent == SHM_DIR and absolute.name.startswith(SHM_STAGE_PREFIX)
+
+
+def reclaim_shm_leftovers(own: Path) -> None:
+    """Remove the stages in /dev/shm (``rollout-stage-*``) other than ``own`` that carry the
+    marker and whose lock nobody holds: left by a sidecar killed (SIGKILL, OOM) and restarted
+    under another replica id, they would hold RAM for good. Each removal is logged; a folder
+    without the marker, or locked, is never touched."""
+    try:
+        siblings = [p for p in SHM_DIR.iterdir() if p.name.startswith(SHM_STAGE_PREFIX) and p.name != own.name]
+    except OSError:
+        return
+    for folder in siblings:
+        try:
+            freed = _remove_if_unheld(folder)
+        except (OSError, StageError) as exc:
+            log.debug("left %s in place: %s", folder, exc)
+            continue
+        if freed is not None:
+            log.warning(
+                "removed %s (%.1f MB of /dev/shm): the stage of a sidecar that is gone (nobody holds its lock)",
+                folder,
+                freed / 1e6,
+            )
+
+
+def _remove_if_unheld(folder: Path) -> int | None:
+    """Empty and remove the marked stage ``folder`` if its lock can be taken; the bytes freed,
+    or None when it is not a marked stage or another sidecar holds it."""
+    if folder.is_symlink() or not folder.is_dir() or not _is_marked(folder):
+        return None
+    lock = _open_own_file(folder / LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, "lock")
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None
+        return _empty_stage(folder)
+    finally:
+        os.close(lock)
+
+
+def _bytes_under(path: Path) -> int:
+    """Bytes of the files at or under ``path`` (links not followed; what vanishes meanwhile: 0)."""
+    try:
+        if not path.is_dir() or path.is_symlink():
+            return os.lstat(path).st_size
+    except OSError:
+        return 0
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, n)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def _remove(path: Path) -> None:
