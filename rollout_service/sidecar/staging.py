@@ -9,11 +9,9 @@ and hands SGLang the copy. A copy becomes visible under its final name only by a
 rename, so a sidecar killed mid-copy leaves a hidden ``.tmp-*`` folder that the next start
 removes. The stage holds the served copy, at most one being prepared, and a spare (below).
 
-The stage touches only the names it makes: its copies (``step-XXXXXXXX-<fingerprint>``), its
-hidden ``.tmp-*`` work, ``reference.json``, ``.lock`` and the marker ``.rollout-stage``. The
-marker says a folder is a stage: a folder that holds anything else and no marker (``$HOME``,
-``/dev/shm`` itself, the folder around the checkpoint root) is refused, never cleaned. A folder
-an older version staged into (only such names, no marker) is adopted: the marker is added.
+The stage works in a folder of its own and touches only the names it makes
+(:mod:`~rollout_service.sidecar.stage_folder`: its marker, its lock, reclaiming the ``/dev/shm``
+stages of sidecars that are gone).
 
 A ``delta`` step is rebuilt here (:meth:`Stage.build`): applied to the staged copy of its
 base while SGLang keeps serving that copy, every tensor and file checked against the digests
@@ -41,10 +39,6 @@ against the published digests like any other. They count as room for the next co
 The stage also keeps ``reference.json``: the tensor names, shapes and dtypes of the model
 SGLang serves, learnt at the first load, so a restarted sidecar checks against the same
 reference.
-
-A sidecar killed (SIGKILL, OOM) leaves its stage in ``/dev/shm``, which is RAM: a sidecar that
-opens a default ``/dev/shm/rollout-stage-*`` stage removes the marked sibling stages whose lock
-nobody holds (a sidecar restarted under another replica id would otherwise never free them).
 """
 
 from __future__ import annotations
@@ -55,9 +49,7 @@ import fcntl
 import json
 import logging
 import os
-import re
 import shutil
-import stat
 import time
 import uuid
 from collections.abc import Iterator
@@ -76,32 +68,35 @@ from ..checkpoint_paths import is_inside
 from ..checkpoint_reader import TensorSpecs, read_every_byte
 from ..delta_apply import Chain, ChainLink, reconstruct, resolve_chain
 from ..protocol import atomic_replace
-from ..untrusted_files import Deadline, _kind, copy_verified, read_small
+from ..untrusted_files import Deadline, copy_verified, read_small
+from .stage_folder import (
+    LOCK_NAME,
+    MARKER_NAME,
+    REFERENCE_NAME,
+    SHM_DIR,
+    SHM_STAGE_PREFIX,
+    StageError,
+    bytes_under,
+    check_is_stage,
+    empty_stage,
+    is_default_shm_stage,
+    is_work_name,
+    mark_as_stage,
+    open_own_file,
+    reclaim_shm_leftovers,
+    remove_entry,
+    take_lock,
+)
+
+__all__ = ["LOCK_NAME", "MARKER_NAME", "REFERENCE_NAME", "Stage", "StageError", "StagedBuild", "default_stage_dir"]
 
 log = logging.getLogger(__name__)
 
-REFERENCE_NAME = "reference.json"
-LOCK_NAME = ".lock"
-MARKER_NAME = ".rollout-stage"
-"""A regular file in every stage folder: the stage works only in a folder that has it (or that
-it may adopt, see :func:`_check_is_stage`)."""
-MARKER_TEXT = b"rollout-service stage folder: the sidecar removes only the entries it made here\n"
 SPARE_PREFIX = f"{TEMP_PREFIX}spare-"
 SPACE_MARGIN_BYTES = 64 << 20
-COPY_NAME_RE = re.compile(r"^step-[0-9]{8}-[0-9a-f]{12}$", re.ASCII)
-"""A staged copy's name (:meth:`Stage._name_for`): ``step-XXXXXXXX-<12 hex digits of its fingerprint>``."""
-LEFT_ALONE_NAMES = frozenset({"lost+found"})
-"""Names a file system's root holds: a stage at a volume's root may adopt it, never touches them."""
-SHM_DIR = Path("/dev/shm")
-SHM_STAGE_PREFIX = "rollout-stage-"
-"""Default stages are ``SHM_DIR / (SHM_STAGE_PREFIX + replica id)``."""
 WRITE_ONLY_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
 """OSError numbers that only writing raises: in a build they can only come from the stage."""
 PROBE_BYTES = 4096
-
-
-class StageError(RuntimeError):
-    """The stage itself failed (no room, not writable, not a stage folder): not the checkpoint's fault."""
 
 
 @dataclass
@@ -149,17 +144,17 @@ class Stage:
             raise StageError(
                 f"cannot create the stage directory {self.path}: {exc.strerror}; pass a writable node-local --stage-dir"
             ) from None
-        _check_is_stage(self.path)  # before anything is written in it
-        self._lock = _take_lock(self.path)
+        check_is_stage(self.path)  # before anything is written in it
+        self._lock = take_lock(self.path)
         try:
-            _mark(self.path)
+            mark_as_stage(self.path)
             self._clear_leftovers()
         except BaseException:
             self.close()
             raise
         self._spare: Path | None = None
         """A copy nobody serves any more, whose files the next copy or rebuild writes over."""
-        if _is_default_shm_stage(self.path):
+        if is_default_shm_stage(self.path):
             reclaim_shm_leftovers(self.path)
 
     def _clear_leftovers(self) -> None:
@@ -167,7 +162,7 @@ class Stage:
         try:
             for entry in self.path.iterdir():
                 if entry.name.startswith(TEMP_PREFIX):
-                    _remove(entry)
+                    remove_entry(entry)
         except (OSError, RecursionError) as exc:
             raise StageError(
                 f"cannot clear what a killed sidecar left in the stage directory {self.path}"
@@ -188,7 +183,7 @@ class Stage:
         the stage did not make stay, and so does the directory then."""
         self.close()
         try:
-            lock = _open_own_file(self.path / LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, "lock")
+            lock = open_own_file(self.path / LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, "lock")
         except FileNotFoundError:
             return 0
         except OSError as exc:
@@ -202,7 +197,7 @@ class Stage:
                 raise StageError(
                     f"another sidecar uses the stage directory {self.path} now; left it in place"
                 ) from None
-            return _empty_stage(self.path)
+            return empty_stage(self.path)
         finally:
             os.close(lock)
 
@@ -212,13 +207,13 @@ class Stage:
         stage's own copies and work are looked at: nothing else in the folder is touched."""
         keep_real = {Path(os.path.realpath(p)) for p in keep}
         for entry in self.path.iterdir():
-            if not _is_work_name(entry.name) or (keep_spare and entry == self._spare):
+            if not is_work_name(entry.name) or (keep_spare and entry == self._spare):
                 continue
             if Path(os.path.realpath(entry)) not in keep_real:
                 if keep_spare:
                     self._retire(entry)
                 else:
-                    _remove(entry)
+                    remove_entry(entry)
         if not keep_spare:
             self._spare = None
 
@@ -226,10 +221,10 @@ class Stage:
         """A staged copy nobody will load again: keep it as the spare when there is none and
         the file system would still have room for another copy, else remove it."""
         if self._spare is not None or path.name.startswith(TEMP_PREFIX) or not path.is_dir() or path.is_symlink():
-            _remove(path)
+            remove_entry(path)
             return
         try:
-            size = _bytes_under(path)
+            size = bytes_under(path)
             roomy = shutil.disk_usage(self.path).free >= size + SPACE_MARGIN_BYTES
             if roomy:
                 spare = self.path / f"{SPARE_PREFIX}{uuid.uuid4().hex[:8]}"
@@ -238,7 +233,7 @@ class Stage:
                 return
         except OSError:
             pass
-        _remove(path)
+        remove_entry(path)
 
     def _fill_from_spare(self, tmp: Path, names: list[str]) -> None:
         """Move the spare's files of these names into the new folder ``tmp`` (to be written
@@ -254,7 +249,7 @@ class Stage:
         except OSError as exc:  # a spare is only a saving: go on without it
             log.debug("the stage's spare copy %s could not be reused: %s", spare, exc)
         finally:
-            _remove(spare)
+            remove_entry(spare)
 
     def owns(self, path: str | Path | None) -> bool:
         if not path:
@@ -264,7 +259,7 @@ class Stage:
 
     def usage_bytes(self) -> int:
         """Bytes of the files in the stage (staged copies and work in progress)."""
-        return _bytes_under(self.path)
+        return bytes_under(self.path)
 
     def find(self, step: int, fingerprint: str) -> tuple[Path, Manifest] | None:
         """The staged full copy of the publication with this fingerprint, if one is here."""
@@ -288,7 +283,7 @@ class Stage:
         the spare's bytes, since the next copy writes over the spare's files or drops it."""
         usage = shutil.disk_usage(self.path)
         spare = self._spare
-        spare_bytes = _bytes_under(spare) if spare is not None and spare.is_dir() else 0
+        spare_bytes = bytes_under(spare) if spare is not None and spare.is_dir() else 0
         return usage.free + spare_bytes, usage.total
 
     def _check_room(self, manifest_step: int, nbytes: int, *, peak: int | None = None, why: str = "") -> None:
@@ -422,7 +417,7 @@ class Stage:
                     chain.start.path.name,
                     exc,
                 )
-                _remove(chain.start.path)
+                remove_entry(chain.start.path)
                 return self._apply_chain(root, resolve_chain(root, link, None, deadline), deadline, t0, check_finite)
 
     def _reuse(self, manifest: Manifest, deadline: Deadline) -> Path | None:
@@ -444,7 +439,7 @@ class Stage:
             if exc.reason == "validation_timeout":
                 raise
             log.warning("the staged copy %s is damaged (%s: %s); staging it anew", path.name, exc.reason, exc)
-            _remove(path)
+            remove_entry(path)
             return None
         log.info("%s is staged already and every byte of it checked: no copy from shared storage", path.name)
         return path
@@ -472,7 +467,7 @@ class Stage:
                     self._retire(previous)
         except BaseException:
             if made is not None:
-                _remove(made)
+                remove_entry(made)
             raise
         return StagedBuild(current.path, "delta", bytes_read, time.perf_counter() - t0, len(chain.deltas))
 
@@ -482,7 +477,7 @@ class Stage:
         """Rebuild ``link`` (a delta) from ``current`` (the copy of its base) into its own copy here."""
         final = self._name_for(link.manifest.step, link.manifest.fingerprint())
         if final.is_dir():
-            _remove(final)  # a copy from an earlier try: rebuild it
+            remove_entry(final)  # a copy from an earlier try: rebuild it
         tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
@@ -492,7 +487,7 @@ class Stage:
             rebuilt = reconstruct(root, link, current, self.path, tmp, deadline, check_finite=check_finite)
             os.rename(tmp, final)
         except BaseException:
-            _remove(tmp)
+            remove_entry(tmp)
             raise
         return ChainLink(final, rebuilt)
 
@@ -503,7 +498,7 @@ class Stage:
             self._check_room(manifest.step, manifest.total_bytes)
             final = self._name_for(manifest.step, manifest.fingerprint())
             if final.is_dir():
-                _remove(final)  # a copy of the same bytes from an earlier try: redo it
+                remove_entry(final)  # a copy of the same bytes from an earlier try: redo it
             tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir()
             try:
@@ -522,7 +517,7 @@ class Stage:
                 (tmp / MANIFEST_NAME).write_text(manifest.as_copy().to_json())
                 os.rename(tmp, final)
             except BaseException:
-                _remove(tmp)
+                remove_entry(tmp)
                 raise
             return final
 
@@ -579,203 +574,3 @@ def _check_copy(stage_dir: Path, path: Path, staged: Manifest, files: dict[str, 
         raise CheckpointError("base_mismatch", f"{path.name} holds other files than its manifest lists ({odd})")
     for fname, entry in sorted(files.items()):
         read_every_byte(stage_dir, path / fname, f"{path.name}/{fname}", entry.digest, True, False, deadline)
-
-
-def _is_work_name(name: str) -> bool:
-    """A name the stage gives its copies and its hidden work (what pruning may remove)."""
-    return bool(COPY_NAME_RE.match(name)) or name.startswith(TEMP_PREFIX)
-
-
-def _is_stage_name(name: str) -> bool:
-    """A name the stage makes (or a file system's own): all a folder may hold to be adopted."""
-    return _is_work_name(name) or name in (LOCK_NAME, REFERENCE_NAME, MARKER_NAME) or name in LEFT_ALONE_NAMES
-
-
-def _is_marked(folder: Path) -> bool:
-    """Whether ``folder`` carries the stage marker (a regular file, not followed if a link)."""
-    try:
-        return stat.S_ISREG(os.lstat(folder / MARKER_NAME).st_mode)
-    except OSError:
-        return False
-
-
-def _check_is_stage(folder: Path) -> None:
-    """``StageError`` unless ``folder`` is a stage: marked, or holding only names a stage makes
-    (empty, or staged into by a version without the marker: adopted, :func:`_mark`)."""
-    if _is_marked(folder):
-        return
-    try:
-        foreign = sorted(e.name for e in os.scandir(folder) if not _is_stage_name(e.name))
-    except OSError as exc:
-        raise StageError(
-            f"cannot list the stage directory {folder}: {exc.strerror}; pass another --stage-dir"
-        ) from None
-    if foreign:
-        shown = ", ".join(repr(n) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise StageError(
-            f"--stage-dir {folder} holds entries the stage did not make ({shown}) and no {MARKER_NAME} marker:"
-            " it is not a stage folder, and a stage removes what it does not keep. Pass a new or empty folder of"
-            f" its own as --stage-dir (e.g. {folder / 'rollout-stage'})"
-        )
-
-
-def _mark(folder: Path) -> None:
-    """Put the marker into ``folder`` (which :func:`_check_is_stage` accepted) unless it is there."""
-    if _is_marked(folder):
-        return
-    path = folder / MARKER_NAME
-    try:
-        fd = _open_own_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "marker")
-        try:
-            os.write(fd, MARKER_TEXT)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise StageError(f"cannot write {path}: {exc.strerror}; pass a writable node-local --stage-dir") from None
-
-
-def _open_own_file(path: Path, flags: int, what: str) -> int:
-    """A descriptor of the stage's own file ``path`` (its lock, its marker), opened with
-    ``O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC`` so that a FIFO or a device left at its name cannot
-    block the sidecar. ``StageError`` naming it unless it is a regular file; other open errors
-    stay ``OSError`` (``FileNotFoundError``: the folder is gone)."""
-    try:
-        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:
-        try:
-            mode = os.lstat(path).st_mode
-        except OSError:
-            raise exc from None
-        if stat.S_ISREG(mode):
-            raise
-        raise StageError(_not_regular(path, mode, what, exc.strerror)) from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise StageError(_not_regular(path, mode, what, None))
-    return fd
-
-
-def _not_regular(path: Path, mode: int, what: str, strerror: str | None) -> str:
-    return (
-        f"cannot open {path}: {strerror + ' ' if strerror else ''}({_kind(mode)}, not a regular file):"
-        f" something other than a sidecar put it where the stage keeps its {what}; remove it, or pass"
-        " another --stage-dir"
-    )
-
-
-def _take_lock(folder: Path) -> int:
-    """The stage's lock, held (``StageError`` when another sidecar holds it or it cannot be opened)."""
-    path = folder / LOCK_NAME
-    try:
-        fd = _open_own_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, "lock")
-    except OSError as exc:
-        raise StageError(
-            f"cannot open {path}: {exc.strerror} (left by a sidecar run as another user?);"
-            " pass a node-local --stage-dir this sidecar owns, or remove that one"
-        ) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise StageError(
-            f"another sidecar uses the stage directory {folder}: give each"
-            " replica its own --stage-dir (or --replica-id)"
-        ) from None
-    return fd
-
-
-def _empty_stage(folder: Path) -> int:
-    """(Lock held.) Remove what a stage made in ``folder``, its lock last (while still held:
-    nobody locks a file about to vanish), then the folder if nothing else is left. Returns the
-    bytes freed."""
-    freed = 0
-    for entry in list(folder.iterdir()):
-        if _is_work_name(entry.name) or entry.name in (REFERENCE_NAME, MARKER_NAME):
-            freed += _bytes_under(entry)
-            _remove(entry)
-    (folder / LOCK_NAME).unlink()
-    with contextlib.suppress(OSError):  # not empty: someone else's entries; leave them
-        folder.rmdir()
-    return freed
-
-
-def _is_default_shm_stage(path: Path) -> bool:
-    """Whether ``path`` is named as :func:`default_stage_dir` names a stage in /dev/shm."""
-    absolute = Path(os.path.abspath(path))
-    return absolute.parent == SHM_DIR and absolute.name.startswith(SHM_STAGE_PREFIX)
-
-
-def reclaim_shm_leftovers(own: Path) -> None:
-    """Remove the stages in /dev/shm (``rollout-stage-*``) other than ``own`` that carry the
-    marker and whose lock nobody holds: left by a sidecar killed (SIGKILL, OOM) and restarted
-    under another replica id, they would hold RAM for good. Each removal is logged; a folder
-    without the marker, or locked, is never touched."""
-    try:
-        siblings = [p for p in SHM_DIR.iterdir() if p.name.startswith(SHM_STAGE_PREFIX) and p.name != own.name]
-    except OSError:
-        return
-    for folder in siblings:
-        try:
-            freed = _remove_if_unheld(folder)
-        except (OSError, StageError) as exc:
-            log.debug("left %s in place: %s", folder, exc)
-            continue
-        if freed is not None:
-            log.warning(
-                "removed %s (%.1f MB of /dev/shm): the stage of a sidecar that is gone (nobody holds its lock)",
-                folder,
-                freed / 1e6,
-            )
-
-
-def _remove_if_unheld(folder: Path) -> int | None:
-    """Empty and remove the marked stage ``folder`` if its lock can be taken; the bytes freed,
-    or None when it is not a marked stage or another sidecar holds it."""
-    if folder.is_symlink() or not folder.is_dir() or not _is_marked(folder):
-        return None
-    lock = _open_own_file(folder / LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, "lock")
-    try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return None
-        return _empty_stage(folder)
-    finally:
-        os.close(lock)
-
-
-def _bytes_under(path: Path) -> int:
-    """Bytes of the files at or under ``path`` (links not followed; what vanishes meanwhile: 0)."""
-    try:
-        if not path.is_dir() or path.is_symlink():
-            return os.lstat(path).st_size
-    except OSError:
-        return 0
-    total = 0
-    for dirpath, _, names in os.walk(path):
-        for n in names:
-            try:
-                total += os.lstat(os.path.join(dirpath, n)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def _remove(path: Path) -> None:
-    """Remove a staged entry so that no half-deleted copy is ever seen under its own name: a
-    directory is first renamed to a hidden ``.tmp-`` name (which the next start removes if this
-    process dies mid-way), then deleted."""
-    try:
-        if path.is_dir() and not path.is_symlink():
-            if not path.name.startswith(TEMP_PREFIX):
-                hidden = path.with_name(f"{TEMP_PREFIX}deleting-{path.name}-{uuid.uuid4().hex[:8]}")
-                os.rename(path, hidden)
-                path = hidden
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    except FileNotFoundError:
-        pass
