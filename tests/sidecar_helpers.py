@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -179,3 +181,24 @@ def transformers_greedy(model_dir: Path, state: dict, prompt: list[int], max_new
             ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
         )
     return out[0, len(prompt) :].tolist()
+
+
+def run_loop_until(controller: Any, done: Any, timeout_s: float = 10.0) -> None:
+    """Run the sidecar's loop in this process until ``done()`` (or ``timeout_s``), then stop it."""
+
+    async def scenario() -> None:
+        controller._stopping = False
+        loop = asyncio.create_task(controller.run())
+        loop.add_done_callback(controller.loop_ended)
+        try:
+            for _ in range(int(timeout_s / 0.05)):
+                if done():
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await controller.stop()
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await loop
+
+    asyncio.run(scenario())

@@ -15,29 +15,12 @@ from rollout_service.sidecar.controller import SyncController
 from rollout_service.sidecar.settings import SidecarSettings
 from rollout_service.sidecar.staging import Stage, StageError
 from rollout_service.sidecar.state import MAX_REPORTED_REJECTIONS
+from sidecar_helpers import run_loop_until
 
 
 def controller_for(root, **kw) -> SyncController:
     root.mkdir(exist_ok=True)
     return SyncController(SidecarSettings(checkpoint_path=root, sglang_url="http://127.0.0.1:9", replica_id="r0", **kw))
-
-
-def run_loop_until(controller: SyncController, done, timeout_s: float = 5.0) -> None:
-    """Run the sidecar's loop in this process (as the app does) until ``done()``, then stop it."""
-
-    async def scenario() -> None:
-        loop = asyncio.create_task(controller.run())
-        loop.add_done_callback(controller.loop_ended)
-        try:
-            for _ in range(int(timeout_s / 0.05)):
-                if done():
-                    break
-                await asyncio.sleep(0.05)
-        finally:
-            await controller.stop()
-            loop.cancel()
-
-    asyncio.run(scenario())
 
 
 def test_a_stage_whose_lock_cannot_be_opened_is_a_stage_error_naming_it(tmp_path):

@@ -14,8 +14,6 @@ in the room it documents (no SGLang here: the sync loop runs in-process with a f
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import errno
 import io
 import logging
@@ -40,6 +38,7 @@ from rollout_service.sidecar.settings import SidecarSettings
 from rollout_service.sidecar.sglang_client import ServerView
 from rollout_service.sidecar.staging import LOCK_NAME, REFERENCE_NAME, Stage, StageError
 from rollout_service.untrusted_files import Deadline
+from sidecar_helpers import run_loop_until
 
 DiskUsage = namedtuple("DiskUsage", "total used free")
 
@@ -78,27 +77,6 @@ def controller_for(root: Path, stage_dir: Path, reference: Path) -> tuple[SyncCo
     )
     client = FakeClient(reference)
     return SyncController(settings, client=client), client
-
-
-def run_loop_until(controller: SyncController, done: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Run the sidecar's loop in this process until ``done()`` (or ``timeout_s``), then stop it."""
-
-    async def scenario() -> None:
-        controller._stopping = False
-        loop = asyncio.create_task(controller.run())
-        loop.add_done_callback(controller.loop_ended)
-        try:
-            for _ in range(int(timeout_s / 0.05)):
-                if done():
-                    break
-                await asyncio.sleep(0.05)
-        finally:
-            await controller.stop()
-            loop.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await loop
-
-    asyncio.run(scenario())
 
 
 def within(fn: Callable[[], Any], seconds: float = 5.0) -> Any:
