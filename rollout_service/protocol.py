@@ -34,7 +34,9 @@ MAX_ACK_BYTES = 64 << 10
 MAX_ACK_ENTRIES = 10_000
 """``<root>/acks`` is listed at most this far per read: it holds one file per replica (and a few
 temporary ones), so a folder flooded with stray files costs a bounded read and a warning, not a hang."""
-ACK_FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\.json", re.ASCII)
+REPLICA_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"
+"""A replica id (matched whole): it names the replica's ack file, ``acks/<id>.json``."""
+ACK_FILE_RE = re.compile(rf"{REPLICA_ID_PATTERN}\.json", re.ASCII)
 """An ack file's name (matched whole): a replica id as the sidecar accepts one, then ``.json``."""
 MAX_CLOCK_SKEW_S = 300.0
 """How far in the future an ack's heartbeat may lie (the sidecar's clock ahead of the reader's);

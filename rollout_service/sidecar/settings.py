@@ -14,11 +14,12 @@ from ..checkpoint_paths import is_inside
 from ..cli_env import TIMEOUT_S, bounds_metadata, check_bounds, setting
 from ..http_auth import check_token
 from ..http_urls import check_bind_host, check_http_url
+from ..protocol import REPLICA_ID_PATTERN
 from .root_gate import answered_within
 
 log = logging.getLogger(__name__)
 
-_REPLICA_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_REPLICA_RE = re.compile(REPLICA_ID_PATTERN, re.ASCII)
 """RFC 1123 host names, and ``_`` as Docker Compose service names have them."""
 
 INTERVAL_S = (0.01, 3600.0)
@@ -163,7 +164,7 @@ class SidecarSettings:
         check_token(self.sglang_api_key, "--sglang-api-key")
         if not self.replica_id:
             self.replica_id = f"{socket.gethostname()}-{self.port}"
-        if not _REPLICA_RE.match(self.replica_id):
+        if not _REPLICA_RE.fullmatch(self.replica_id):
             raise ValueError(
                 f"replica id {self.replica_id!r} is not usable as a file name: use letters, digits,"
                 " '.', '_' and '-' (at most 128 characters)"
