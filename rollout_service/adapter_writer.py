@@ -28,6 +28,7 @@ from .checkpoint_format import (
     MAX_ADAPTER_HEADER_BYTES,
     MAX_BASE_VALUES,
     AdapterInfo,
+    BaseTensor,
     normalize_dtype,
     step_dir_name,
 )
@@ -148,7 +149,7 @@ def publish_adapter(
     base_model: str | None = None,
     run_id: str | None = None,
     check_finite: bool = True,
-    base_values: Mapping[str, str] | None = None,
+    base_values: Mapping[str, BaseTensor] | None = None,
 ) -> PublishResult:
     """Publish a LoRA adapter as ``<root>/step-<step>`` (kind ``adapter``) atomically.
 
@@ -165,8 +166,9 @@ def publish_adapter(
     (the default; False only to make adapters that readers must reject, in tests) a tensor holding
     NaN/Inf as written, after the cast (rule ``non_finite``): all before the work folder is made.
     A header larger than readers accept (``header_too_large``) is refused as the work folder's
-    file is written, and the folder removed. ``base_values`` (digests of the base model's
-    tensors, :mod:`~rollout_service.base_values`) go into the manifest, so that readers can
+    file is written, and the folder removed. ``base_values`` (a few of the base model's tensors:
+    their dtype in the trainer and the digest of their values, :mod:`~rollout_service.base_values`)
+    go into the manifest, so that readers can
     tell the base the adapter was trained on.
     """
     t0 = time.perf_counter()

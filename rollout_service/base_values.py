@@ -9,9 +9,11 @@ digests of a few of its base model's tensors, and the sidecar (before it loads t
 (``adapter_base_mismatch``).
 
 A digest (:func:`values_digest`) covers the first :data:`SAMPLE_ELEMENTS` values of the
-flattened tensor, converted to float32 and then rounded to bfloat16 (round to nearest even), so
-that a trainer holding float32 weights loaded from bfloat16 files agrees with those files, and a
-float32 model served as published agrees with a trainer that rounded it to bfloat16.
+flattened tensor as the trainer holds them (the manifest records that dtype: a float16 trainer's
+copy of bfloat16 files has lost what float16 cannot hold, so the reader casts the files' values
+to float16 first), then rounded to bfloat16 (round to nearest even): a trainer holding float32
+weights loaded from bfloat16 files agrees with those files, and a float32 model served as
+published agrees with a trainer that rounded it to bfloat16.
 :func:`pick_base_tensors` chooses which: the first and last adapted base weights and the first and
 last one-dimensional weights (norms), by name; a fine-tune changes those where it changes anything.
 
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint_format import INDEX_NAME, MAX_SHARD_HEADER_BYTES, CheckpointError
+from .checkpoint_format import INDEX_NAME, MAX_SHARD_HEADER_BYTES, BaseTensor, CheckpointError
 from .digest import format_digest, new_hasher
 from .untrusted_files import MAX_SMALL_FILE_BYTES, open_regular, read_small
 
@@ -42,15 +44,19 @@ _READERS = {"BF16": "<u2", "F16": "<f2", "F32": "<f4", "F64": "<f8"}
 """The numpy dtype each floating safetensors dtype is read as (bfloat16 as its bits)."""
 
 
-def values_digest(values: np.ndarray) -> str:
+def values_digest(values: np.ndarray, held_as: str) -> str:
     """The digest of a base tensor's first :data:`SAMPLE_ELEMENTS` values (any floating numpy
-    array, or bfloat16 bits as ``uint16``)."""
+    array, or bfloat16 bits as ``uint16``) as a trainer holding them in ``held_as`` (``F32``,
+    ``F16``, ``BF16``, ``F64``) sees them: cast to that dtype (a float16 trainer loses what
+    float16 cannot hold), then rounded to bfloat16."""
     flat = np.asarray(values).reshape(-1)[:SAMPLE_ELEMENTS]
-    if flat.dtype == np.uint16:  # bfloat16 bits: already rounded
-        bits = flat.astype("<u2")
-    else:
-        wide = flat.astype(np.float32).view(np.uint32).astype(np.uint64)
-        bits = ((wide + 0x7FFF + ((wide >> 16) & 1)) >> 16).astype("<u2")
+    if flat.dtype == np.uint16:  # bfloat16 bits: exactly representable in float32
+        flat = (flat.astype(np.uint32) << 16).view(np.float32)
+    f32 = flat.astype(np.float32)
+    if held_as == "F16":
+        f32 = f32.astype(np.float16).astype(np.float32)
+    wide = f32.view(np.uint32).astype(np.uint64)
+    bits = ((wide + 0x7FFF + ((wide >> 16) & 1)) >> 16).astype("<u2")
     hasher = new_hasher()
     hasher.update(bits.tobytes())
     return format_digest(hasher)
@@ -68,18 +74,20 @@ def pick_base_tensors(shapes: Mapping[str, Sequence[int]], adapted: Iterable[str
     return chosen[:PICKED]
 
 
-def digests_in_model_dir(model_dir: Path, names: Iterable[str]) -> dict[str, str | None]:
-    """The digest of each of ``names`` as the safetensors files of ``model_dir`` hold it (None for
-    a name no file holds, or of a dtype that is not floating). Raises ``CheckpointError`` for a
-    file that cannot be read as safetensors."""
-    wanted = set(names)
+def digests_in_model_dir(model_dir: Path, held_as: Mapping[str, str]) -> dict[str, str | None]:
+    """The digest of each tensor named in ``held_as`` (name -> the dtype the trainer holds it in)
+    as the safetensors files of ``model_dir`` hold it (None for a name no file holds, or of a
+    dtype that is not floating). Raises ``CheckpointError`` for a file that cannot be read as
+    safetensors."""
+    wanted = set(held_as)
     found: dict[str, str | None] = dict.fromkeys(wanted)
     for path in _shards_holding(model_dir, wanted):
         real = Path(os.path.realpath(path))
         with open_regular(real.parent, real, where=str(path)) as (fd, st):
             header, data_start = _header(fd, st.st_size, str(path))
             for name in wanted & set(header):
-                found[name] = _digest_of_entry(fd, header[name], data_start, st.st_size, f"{path}: {name}")
+                values = _values_of_entry(fd, header[name], data_start, st.st_size, f"{path}: {name}")
+                found[name] = None if values is None else values_digest(values, held_as[name])
     return found
 
 
@@ -120,8 +128,8 @@ def _header(fd: int, size: int, where: str) -> tuple[dict[str, object], int]:
     return header, 8 + length
 
 
-def _digest_of_entry(fd: int, entry: object, data_start: int, size: int, where: str) -> str | None:
-    """The digest of the tensor a header ``entry`` describes; None for one that is not floating."""
+def _values_of_entry(fd: int, entry: object, data_start: int, size: int, where: str) -> np.ndarray | None:
+    """The first values of the tensor a header ``entry`` describes; None for one not floating."""
     if not isinstance(entry, dict):
         raise CheckpointError("header_invalid", f"{where}: its header entry is not an object")
     dtype, offsets = entry.get("dtype"), entry.get("data_offsets")
@@ -138,19 +146,19 @@ def _digest_of_entry(fd: int, entry: object, data_start: int, size: int, where: 
     raw = os.pread(fd, count * width, data_start + start)
     if len(raw) != count * width:
         raise CheckpointError("header_invalid", f"{where} was cut short while it was read")
-    return values_digest(np.frombuffer(raw, dtype=reader))
+    return np.frombuffer(raw, dtype=reader)
 
 
-def check_base_values(expected: Mapping[str, str], model_dir: Path, *, where: str) -> str:
+def check_base_values(expected: Mapping[str, BaseTensor], model_dir: Path, *, where: str) -> str:
     """Compare an adapter's recorded ``expected`` base digests with ``model_dir``'s tensors.
 
     Returns a line saying what was compared; raises ``CheckpointError('adapter_base_mismatch')``
     when a tensor's values differ. A recorded name the folder does not hold is not compared (a
     model whose files name its tensors otherwise); the line then says nothing was."""
-    found = digests_in_model_dir(model_dir, expected)
+    found = digests_in_model_dir(model_dir, {n: t.dtype for n, t in expected.items()})
     compared = [n for n in sorted(expected) if found.get(n) is not None]
     for name in compared:
-        if found[name] != expected[name]:
+        if found[name] != expected[name].digest:
             raise CheckpointError(
                 "adapter_base_mismatch",
                 f"{where} was trained on another base model than {model_dir}: the values of {name} differ"

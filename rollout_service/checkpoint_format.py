@@ -214,14 +214,25 @@ class AdapterInfo:
     target_modules: list[str]
     """Module names (``q_proj``, ...) the adapter changes, as in ``adapter_config.json``."""
     peft_type: str = "LORA"
-    base_values: dict[str, str] | None = None
-    """Digests of a few of the base model's tensors, by checkpoint name (at most
-    ``MAX_BASE_VALUES``; see :mod:`~rollout_service.base_values`): which base the adapter was
-    trained on. None: not recorded (nothing is compared)."""
+    base_values: dict[str, BaseTensor] | None = None
+    """A few of the base model's tensors, by checkpoint name (at most ``MAX_BASE_VALUES``; see
+    :mod:`~rollout_service.base_values`): which base the adapter was trained on. None: not
+    recorded (nothing is compared)."""
+
+
+@dataclass
+class BaseTensor:
+    """One base tensor an adapter step records: the dtype the trainer held it in and the digest
+    of its values (:func:`rollout_service.base_values.values_digest`)."""
+
+    dtype: str
+    """One of ``BASE_TENSOR_DTYPES``: a reader casts the served model's values to it first."""
+    digest: str
 
 
 MAX_BASE_VALUES = 8
 """The most base tensors an adapter step's manifest may name in ``adapter.base_values``."""
+BASE_TENSOR_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 
 
 @dataclass
@@ -549,8 +560,14 @@ class _FieldReader:
             raw = self.obj(a["base_values"], "adapter.base_values")
             if not 0 < len(raw) <= MAX_BASE_VALUES or not all(isinstance(k, str) and 0 < len(k) <= 256 for k in raw):
                 raise self._bad("adapter.base_values", f"1-{MAX_BASE_VALUES} tensor names and their digests", raw)
-            base_values = {k: self.digest(v, f"adapter.base_values[{k[:80]!r}]") for k, v in raw.items()}
+            base_values = {k: self.base_tensor(v, f"adapter.base_values[{k[:80]!r}]") for k, v in raw.items()}
         return AdapterInfo(rank=rank, alpha=float(alpha), target_modules=list(modules), base_values=base_values)
+
+    def base_tensor(self, value: Any, name: str) -> BaseTensor:
+        e = self.obj(value, name)
+        if set(e) != {"dtype", "digest"} or e.get("dtype") not in BASE_TENSOR_DTYPES:
+            raise self._bad(name, f"{{'dtype': one of {sorted(BASE_TENSOR_DTYPES)}, 'digest': ...}}", e)
+        return BaseTensor(dtype=e["dtype"], digest=self.digest(e["digest"], f"{name}.digest"))
 
     def frames(self, value: Any, name: str, dtype: str, shape: list[int], frame_bytes: int) -> list[int]:
         """A changed tensor's frame sizes: one per ``frame_bytes`` of it, each at most what zstd

@@ -47,6 +47,7 @@ from .checkpoint_format import (
     DTYPE_SIZES,
     FLOAT_DTYPES,
     INDEX_NAME,
+    MAX_CHAIN_FRAMES,
     MAX_CHAIN_LENGTH,
     CheckpointError,
     DeltaInfo,
@@ -210,6 +211,12 @@ class DeltaCheckpointWriter:
         """Host RAM held for the last version (one copy of the model in the checkpoint dtype)."""
         return sum(h.nbytes for h in self._held.values())
 
+    def _longest_chain(self) -> int:
+        """``full_every``, or fewer versions when a chain of this model's deltas would list more
+        frame sizes than a reader holds (``MAX_CHAIN_FRAMES``: a 70B model's chain stops at ~500)."""
+        frames = sum(-(-h.nbytes // delta_codec.CHUNK_BYTES) for h in self._held.values())
+        return max(1, min(self.full_every, 1 + MAX_CHAIN_FRAMES // max(frames, 1)))
+
     def publish(
         self,
         root: Path | str,
@@ -253,15 +260,18 @@ class DeltaCheckpointWriter:
         self._absorbed = None
         base = self._base
         why_full = ""
+        full_every = self._longest_chain()
         if base is None:
             why_full = self._why_no_base
-        elif base.deltas_since_full + 1 >= self.full_every:
-            why_full = f"a full checkpoint every {self.full_every} versions"
+        elif base.deltas_since_full + 1 >= full_every:
+            why_full = f"a full checkpoint every {full_every} versions"
+            if full_every < self.full_every:
+                why_full += f" (a chain of this model's deltas may list at most {MAX_CHAIN_FRAMES} frames)"
         probe = False
         if not why_full and self.costs is not None:
             choice = self.costs.choose()
             why_full, probe = choice.reason, choice.probe
-        auto_full = bool(why_full) and base is not None and base.deltas_since_full + 1 < self.full_every
+        auto_full = bool(why_full) and base is not None and base.deltas_since_full + 1 < full_every
         delta = not why_full
         why_no_base = self._why_no_base
         self._base = None  # until this version is written, nothing is a valid base

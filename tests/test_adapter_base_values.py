@@ -27,13 +27,23 @@ CLI = [sys.executable, "-m", "rollout_service.cli"]
 
 def test_the_digest_agrees_across_the_dtypes_of_the_same_weights(tmp_path: Path) -> None:
     w = torch.randn(300, 500)
+    w.view(-1)[:50] *= 1e-7  # values float16 cannot hold: a float16 trainer has lost them
     save_file({"bf16": w.to(torch.bfloat16), "f32": w, "f16": w.to(torch.float16)}, str(tmp_path / "model.safetensors"))
-    found = digests_in_model_dir(tmp_path, ["bf16", "f32", "f16", "absent"])
-    rounded = values_digest(w.to(torch.bfloat16).float().numpy())  # a trainer's fp32 copy of bf16 files
-    assert found["bf16"] == found["f32"] == rounded
-    assert found["f16"] == values_digest(w.to(torch.float16).numpy()) and found["absent"] is None
-    assert values_digest((w * 1.01).numpy()) != rounded
-    assert values_digest(torch.cat([w.reshape(-1)[:SAMPLE_ELEMENTS], torch.zeros(5)]).numpy()) == rounded
+    names = ["bf16", "f32", "f16", "absent"]
+    as_f32 = digests_in_model_dir(tmp_path, dict.fromkeys(names, "F32"))
+    rounded = values_digest(w.to(torch.bfloat16).float().numpy(), "F32")  # a trainer's fp32 copy of bf16 files
+    assert as_f32["bf16"] == as_f32["f32"] == rounded and as_f32["absent"] is None
+    assert values_digest((w * 1.01).numpy(), "F32") != rounded
+    assert values_digest(torch.cat([w.reshape(-1)[:SAMPLE_ELEMENTS], torch.zeros(5)]).numpy(), "F32") == rounded
+    # A float16 trainer (GPUs without bfloat16) holds what float16 keeps of the files' values.
+    as_f16 = digests_in_model_dir(tmp_path, dict.fromkeys(names, "F16"))
+    for source in (torch.bfloat16, torch.float32):
+        trainer = w.to(source).to(torch.float16)
+        assert as_f16[{torch.bfloat16: "bf16", torch.float32: "f32"}[source]] == values_digest(
+            trainer.float().numpy(), "F16"
+        )
+    assert as_f16["bf16"] != as_f32["bf16"]  # the small values: the dtype matters
+    assert as_f16["f16"] == values_digest(w.to(torch.float16).float().numpy(), "F16")
 
 
 def test_the_picked_tensors_are_adapted_weights_and_norms() -> None:
@@ -47,14 +57,14 @@ def test_the_picked_tensors_are_adapted_weights_and_norms() -> None:
     assert pick_base_tensors({"only": (4,)}, set()) == ["only"]
 
 
-def _publish_from(base_dir: Path, root: Path, step: int) -> Path:
+def _publish_from(base_dir: Path, root: Path, step: int, dtype: torch.dtype = torch.float32) -> Path:
     """An adapter published as the trainer does, from a PEFT model on ``base_dir``."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     from trainer_hooks.adapter_publish import base_values_of
 
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=dtype)
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     values = base_values_of(model)
     assert len(values) == 4 and any("q_proj" in n for n in values) and any("norm" in n for n in values), values
@@ -69,8 +79,10 @@ def _publish_from(base_dir: Path, root: Path, step: int) -> Path:
     return result.path
 
 
-def test_validate_tells_the_base_an_adapter_was_trained_on(tiny_model_dir: Path, tmp_path: Path) -> None:
-    step = _publish_from(tiny_model_dir, tmp_path / "root", 1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_validate_tells_the_base_an_adapter_was_trained_on(tiny_model_dir: Path, tmp_path: Path, dtype) -> None:
+    """Whatever dtype the trainer loaded the base model in (float16 on GPUs without bfloat16)."""
+    step = _publish_from(tiny_model_dir, tmp_path / "root", 1, dtype)
     same = subprocess.run(
         [*CLI, "validate", str(step), "--reference", str(tiny_model_dir)], capture_output=True, text=True
     )
@@ -86,13 +98,15 @@ def test_validate_tells_the_base_an_adapter_was_trained_on(tiny_model_dir: Path,
     "base_values",
     [
         {},
-        {f"t{i}": "xxh3_128:" + "0" * 32 for i in range(9)},
-        {"t": "md5:0"},
-        {"t": 5},
-        {"": "xxh3_128:" + "0" * 32},
+        {f"t{i}": {"dtype": "F32", "digest": "xxh3_128:" + "0" * 32} for i in range(9)},
+        {"t": {"dtype": "F32", "digest": "md5:0"}},
+        {"t": {"dtype": "I8", "digest": "xxh3_128:" + "0" * 32}},
+        {"t": {"dtype": "F32", "digest": "xxh3_128:" + "0" * 32, "more": 1}},
+        {"t": "xxh3_128:" + "0" * 32},
+        {"": {"dtype": "F32", "digest": "xxh3_128:" + "0" * 32}},
         ["t"],
     ],
-    ids=["empty", "too-many", "bad-digest", "not-a-string", "empty-name", "not-an-object"],
+    ids=["empty", "too-many", "bad-digest", "bad-dtype", "extra-key", "not-an-object", "empty-name", "not-a-mapping"],
 )
 def test_base_values_in_a_manifest_are_untrusted(tiny_model_dir: Path, tmp_path: Path, base_values) -> None:
     step = _publish_from(tiny_model_dir, tmp_path / "root", 1)

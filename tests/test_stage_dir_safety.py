@@ -480,3 +480,40 @@ def test_a_new_sidecar_reclaims_the_shm_stages_nobody_holds_and_only_those(tmp_p
                 stage.remove()
         (foreign / "data").unlink()
         foreign.rmdir()
+
+
+def test_a_sidecar_opening_its_stage_waits_for_a_sibling_reclaiming_it(tmp_path: Path, monkeypatch) -> None:
+    """Replicas restarting together on one node: while sidecar A reclaims B's old /dev/shm stage
+    (it holds B's lock and empties the folder), B opening that stage under its old replica id
+    waits for A and makes its folder again, instead of failing as 'another sidecar uses' it."""
+    import fcntl
+    import threading
+
+    from rollout_service.sidecar import stage_folder
+
+    monkeypatch.setattr(stage_folder, "SHM_DIR", tmp_path)  # a /dev/shm of this test's own
+    b = tmp_path / "rollout-stage-b"
+    Stage(b).close()  # B's stage from an earlier run: marked, its lock free
+    with open(tmp_path / stage_folder.RECLAIM_LOCK_NAME, "a") as reclaim, open(b / LOCK_NAME, "a") as lock:
+        fcntl.flock(reclaim, fcntl.LOCK_EX)  # A, reclaiming
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        opened: dict[str, object] = {}
+
+        def open_b() -> None:
+            try:
+                opened["stage"] = Stage(b)
+            except Exception as exc:  # reported below
+                opened["error"] = exc
+
+        thread = threading.Thread(target=open_b)
+        thread.start()
+        thread.join(0.5)
+        assert thread.is_alive() and not opened, opened  # B waits for A
+        stage_folder.empty_stage(b)  # A removes B's old folder, lock last
+    thread.join(10)
+    stage = opened.get("stage")
+    assert isinstance(stage, Stage), opened
+    try:
+        assert (b / stage_folder.MARKER_NAME).is_file() and (b / LOCK_NAME).is_file()
+    finally:
+        stage.close()

@@ -383,6 +383,29 @@ def test_a_chain_whose_manifests_list_too_many_frames_is_refused_before_it_is_he
     )
 
 
+def test_the_writer_starts_a_new_chain_before_its_frames_pass_what_a_reader_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The frames a reader holds per chain (``MAX_CHAIN_FRAMES``) bound the chain the writer
+    makes too, whatever ``full_every`` says: a chain of a 70B model's deltas ends at ~500 links,
+    not at a broken_chain rejection on a late-joining replica. Here the bound is lowered to what
+    two links of the test model list."""
+    from rollout_service import delta_apply, delta_writer
+
+    root, model, writer = tmp_path / "root", Model(), DeltaCheckpointWriter(full_every=100)
+    per_link = len(model.tensors())  # one frame per tensor: each is smaller than a frame
+    for module in (delta_apply, delta_writer):
+        monkeypatch.setattr(module, "MAX_CHAIN_FRAMES", 2 * per_link + 1)
+    kinds = []
+    for step in range(1, 8):
+        model.step()
+        writer.publish(root, step, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN)
+        manifest = Manifest.load(root / step_dir_name(step))
+        kinds.append(manifest.kind)
+        resolve_chain(root, ChainLink(root / step_dir_name(step), manifest))  # a reader walks each
+    assert kinds == ["full", "delta", "delta", "full", "delta", "delta", "full"]
+
+
 def test_full_every_is_bounded_by_the_longest_chain_a_reader_walks(tmp_path: Path) -> None:
     from trainer_hooks import GRPOConfig
 

@@ -31,6 +31,7 @@ from rollout_service.adapter_writer import publish_adapter
 from rollout_service.base_values import SAMPLE_ELEMENTS, pick_base_tensors, values_digest
 from rollout_service.bounded_http import client as bounded_client
 from rollout_service.bounded_http import request
+from rollout_service.checkpoint_format import BaseTensor
 from rollout_service.checkpoint_writer import PublishResult
 from rollout_service.http_auth import bearer_headers
 from rollout_service.protocol import adapter_name_for
@@ -93,25 +94,36 @@ def adapter_sync_problem(
     return None
 
 
-def base_values_of(model: torch.nn.Module) -> dict[str, str]:
-    """Digests of a few of a PEFT model's base weights, by checkpoint name
-    (:mod:`rollout_service.base_values`: the first and last weights the adapter changes and
-    one-dimensional ones). Read once, at start-up: the base weights are frozen."""
+def base_values_of(model: torch.nn.Module) -> dict[str, BaseTensor]:
+    """A few of a PEFT model's base weights, by checkpoint name, with the dtype it holds them in
+    and the digest of their values (:mod:`rollout_service.base_values`: the first and last
+    weights the adapter changes and one-dimensional ones). Read once, at start-up: the base
+    weights are frozen."""
     prefix = getattr(model, "prefix", "lora_")
     params: dict[str, torch.Tensor] = {}
     adapted: set[str] = set()
     for name, param in model.named_parameters():
         hf_name = clean_name(name, prefix)
-        if hf_name is None or not param.is_floating_point():
+        if hf_name is None or param.dtype not in _HELD_AS:
             continue
         params[hf_name] = param
-        if ".base_layer." in name:
+        if ".base_layer." in name and hf_name.endswith(".weight"):  # not a bias
             adapted.add(hf_name)
     picked = pick_base_tensors({n: tuple(p.shape) for n, p in params.items()}, adapted)
     with torch.no_grad():
         return {
-            n: values_digest(params[n].detach().reshape(-1)[:SAMPLE_ELEMENTS].float().cpu().numpy()) for n in picked
+            n: BaseTensor(
+                dtype=_HELD_AS[params[n].dtype],
+                digest=values_digest(
+                    params[n].detach().reshape(-1)[:SAMPLE_ELEMENTS].float().cpu().numpy(), _HELD_AS[params[n].dtype]
+                ),
+            )
+            for n in picked
         }
+
+
+_HELD_AS = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+"""The base tensor dtypes an adapter step can record (others, e.g. quantized weights, are not picked)."""
 
 
 class AdapterPublisher:

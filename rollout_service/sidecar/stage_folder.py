@@ -20,7 +20,9 @@ import os
 import re
 import shutil
 import stat
+import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..checkpoint_format import TEMP_PREFIX
@@ -166,6 +168,46 @@ def empty_stage(folder: Path) -> int:
     with contextlib.suppress(OSError):  # not empty: someone else's entries; leave them
         folder.rmdir()
     return freed
+
+
+RECLAIM_LOCK_NAME = ".rollout-stage-reclaim.lock"
+"""In ``SHM_DIR``: held while a default stage is opened or its siblings reclaimed, so that a
+sidecar never reclaims a sibling's stage while that sibling is opening it."""
+RECLAIM_LOCK_WAIT_S = 30.0
+
+
+@contextlib.contextmanager
+def shm_stages_held(folder: Path) -> Iterator[None]:
+    """For a default ``/dev/shm`` stage ``folder``: hold the node's reclaim lock (waiting up to
+    :data:`RECLAIM_LOCK_WAIT_S`; a sibling reclaiming leftovers holds it for about as long as
+    removing them takes). Opening a stage and reclaiming leftovers both happen under it, so a
+    sidecar restarting under its old replica id either finds its folder whole, or gone (and makes
+    it again), never taken by another sidecar's reclaim. Without it (it cannot be opened, or is
+    held too long) the stage opens anyway, logged."""
+    if not is_default_shm_stage(folder):
+        yield
+        return
+    path = SHM_DIR / RECLAIM_LOCK_NAME
+    try:
+        fd = open_own_file(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, "reclaim lock")
+    except (OSError, StageError) as exc:
+        log.warning("cannot open %s (%s): opening the stage without it", path, exc)
+        yield
+        return
+    try:
+        deadline = time.monotonic() + RECLAIM_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    log.warning("%s held for over %.0f s: opening the stage without it", path, RECLAIM_LOCK_WAIT_S)
+                    break
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
 
 
 def is_default_shm_stage(path: Path) -> bool:

@@ -85,6 +85,7 @@ from .stage_folder import (
     open_own_file,
     reclaim_shm_leftovers,
     remove_entry,
+    shm_stages_held,
     take_lock,
 )
 
@@ -138,24 +139,26 @@ class Stage:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StageError(
-                f"cannot create the stage directory {self.path}: {exc.strerror}; pass a writable node-local --stage-dir"
-            ) from None
-        check_is_stage(self.path)  # before anything is written in it
-        self._lock = take_lock(self.path)
-        try:
-            mark_as_stage(self.path)
-            self._clear_leftovers()
-        except BaseException:
-            self.close()
-            raise
         self._spare: Path | None = None
         """A copy nobody serves any more, whose files the next copy or rebuild writes over."""
-        if is_default_shm_stage(self.path):
-            reclaim_shm_leftovers(self.path)
+        with shm_stages_held(self.path):  # no sibling reclaims this folder meanwhile
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StageError(
+                    f"cannot create the stage directory {self.path}: {exc.strerror}; pass a writable"
+                    " node-local --stage-dir"
+                ) from None
+            check_is_stage(self.path)  # before anything is written in it
+            self._lock = take_lock(self.path)
+            try:
+                mark_as_stage(self.path)
+                self._clear_leftovers()
+            except BaseException:
+                self.close()
+                raise
+            if is_default_shm_stage(self.path):
+                reclaim_shm_leftovers(self.path)
 
     def _clear_leftovers(self) -> None:
         """Remove the hidden work (``.tmp-*``) a killed sidecar left."""
