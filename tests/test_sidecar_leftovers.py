@@ -292,3 +292,33 @@ def test_a_wait_on_a_sidecar_with_a_fatal_error_ends_at_once(tmp_path):
     ok, took = asyncio.run(scenario())
     assert ok is False and took < 1.0, took
     assert len(looks) <= 1, f"{len(looks)} looks at the root"
+
+
+def test_a_trainer_waiting_on_a_replica_that_cannot_recover_stops_at_once(tmp_path):
+    """A sidecar whose stage folder holds someone else's files stops loading for good (fatal
+    stage_failed); the trainer's wait on it ends at once, naming why, instead of at sync_timeout.
+    (A real sidecar process; no SGLang is needed for it to fail so.)"""
+    import time
+
+    from sidecar_helpers import Sidecar
+    from trainer_hooks.replica_wait import ReplicaFailed, SidecarWaiter
+
+    root, stage = tmp_path / "root", tmp_path / "not-a-stage"
+    root.mkdir()
+    stage.mkdir()
+    (stage / "notes.txt").write_text("someone else's")
+    sidecar = Sidecar(root, "http://127.0.0.1:9", tmp_path / "sidecar.log", "--stage-dir", str(stage))
+    try:
+        deadline = time.monotonic() + 30
+        while sidecar.status().get("fatal") is None:
+            assert time.monotonic() < deadline, sidecar.status()
+            time.sleep(0.1)
+        wait = sidecar.get("/wait?version=1&timeout=30", timeout=60)
+        assert wait.status_code == 504 and wait.json()["error"] == "replica_fatal", wait.text
+        t0 = time.monotonic()
+        with pytest.raises(ReplicaFailed, match="cannot load any checkpoint \\(stage_failed"):
+            SidecarWaiter([sidecar.url]).wait(1, timeout_s=120)
+        assert time.monotonic() - t0 < 15
+        assert (stage / "notes.txt").read_text() == "someone else's"
+    finally:
+        sidecar.stop()

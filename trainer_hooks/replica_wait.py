@@ -56,6 +56,12 @@ class CheckpointRejected(RuntimeError):
     """A replica's sidecar rejected a checkpoint the trainer published."""
 
 
+class ReplicaFailed(ReplicaSyncTimeout):
+    """A replica's sidecar reports an error it cannot recover from (``fatal`` in its status): it
+    will load no checkpoint until someone fixes it, so the wait ends at once instead of at its
+    deadline."""
+
+
 @dataclass
 class ReplicaView:
     """What the trainer last learned about one replica."""
@@ -193,6 +199,13 @@ class SidecarWaiter:
                 f"{view.last_error or 'see the sidecar log'}. The trainer will not wait for a checkpoint the "
                 "replica refuses to load: fix the cause (e.g. tensor names or dtype differ from what the "
                 "replica serves) and restart training"
+            )
+        fatal = body.get("fatal") if body is not None else None
+        if isinstance(fatal, dict):
+            raise ReplicaFailed(
+                f"replica {view.name} cannot load any checkpoint ({str(fatal.get('reason'))[:80]}:"
+                f" {str(fatal.get('message'))[:300]}): fix it and restart that replica's sidecar (and"
+                " training, if it stopped); the trainer does not wait out sync_timeout for it"
             )
         if time.monotonic() - asked < wait_s / 2:  # answered early (not ready, the root not answering...)
             time.sleep(min(0.5, slice_s))  # ask again soon, not in a tight loop

@@ -27,7 +27,7 @@ from typing import Any
 
 from .adapter_publish import AdapterPublisher, label_with_adapter
 from .checkpoint_publisher import CheckpointPublisher
-from .replica_wait import ReplicaSyncTimeout, ReplicaWaiter
+from .replica_wait import ReplicaFailed, ReplicaSyncTimeout, ReplicaWaiter
 from .sglang_endpoints import SGLangEndpoints
 from .sglang_responses import Completion
 
@@ -218,6 +218,8 @@ class StaleRetryPolicy:
         if version is not None and remaining > 0:
             try:
                 self.waiter.wait(version, min(STALE_WAIT_SLICE_S, remaining))
+            except ReplicaFailed:
+                raise  # it will never catch up: retrying until sync_timeout would only hide why
             except ReplicaSyncTimeout:
                 pass
         time.sleep(max(0.0, min(pause, deadline - time.monotonic())))

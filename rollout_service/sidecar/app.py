@@ -187,7 +187,13 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         body["waited_for"] = version
         body["waited_for_run"] = run
         if not ok:  # the /status body, and like every error answer the kind under "error"
-            body["error"] = "checkpoint_rejected" if reason is not None else "wait_timeout"
+            body["error"] = (
+                "checkpoint_rejected"
+                if reason is not None
+                else "replica_fatal"
+                if controller.state.fatal is not None
+                else "wait_timeout"
+            )
         return SafeJSONResponse(body, status_code=200 if ok else 504)
 
     @app.post("/sync", dependencies=[Depends(require_token)])
