@@ -32,9 +32,9 @@ Everything under the root is untrusted (see ``docs/threat-model.md``):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-import shutil
 import stat
 import time
 from collections.abc import Callable
@@ -66,6 +66,7 @@ from .root_gate import RootGate, RootUnresponsive, in_daemon_thread
 from .served_model import adoptable, base_model_dir, find_reference
 from .settings import SidecarSettings
 from .sglang_client import ServerView, SGLangClient, SGLangLoadRejected, SGLangUnavailable
+from .stage_folder import remove_entry
 from .staging import Stage, StagedBuild, StageError
 from .state import SidecarState
 from .sync_record import SyncRecord, published_at
@@ -888,7 +889,8 @@ class SyncController:
         if served is not None and os.path.realpath(served) == os.path.realpath(built.path):
             return
         if self.stage.owns(built.path):
-            shutil.rmtree(built.path, ignore_errors=True)
+            with contextlib.suppress(OSError):  # a copy left is removed at the next prune or start
+                remove_entry(built.path)  # the stage's own removal: never half-deleted under its name
             self.state.stage_bytes = self.stage.usage_bytes()
             self.metrics.stage_bytes.set(self.state.stage_bytes)
 
