@@ -18,21 +18,21 @@ published agrees with a trainer that rounded it to bfloat16.
 last one-dimensional weights (norms), by name; a fine-tune changes those where it changes anything.
 
 Numpy only (the sidecar has no torch); the model folder is the operator's (links are followed,
-as the HF cache needs), its headers read by the readers' caps.
+as the HF cache needs), its headers read by :mod:`~rollout_service.safetensors_header`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from .checkpoint_format import INDEX_NAME, MAX_SHARD_HEADER_BYTES, BaseTensor, CheckpointError
+from .checkpoint_format import INDEX_NAME, BaseTensor, CheckpointError
 from .digest import format_digest, new_hasher
+from .safetensors_header import Entry, read_header
 from .untrusted_files import MAX_SMALL_FILE_BYTES, open_regular, read_small
 
 SAMPLE_ELEMENTS = 1 << 16
@@ -84,9 +84,9 @@ def digests_in_model_dir(model_dir: Path, held_as: Mapping[str, str]) -> dict[st
     for path in _shards_holding(model_dir, wanted):
         real = Path(os.path.realpath(path))
         with open_regular(real.parent, real, where=str(path)) as (fd, st):
-            header, data_start = _header(fd, st.st_size, str(path))
-            for name in wanted & set(header):
-                values = _values_of_entry(fd, header[name], data_start, st.st_size, f"{path}: {name}")
+            entries = read_header(fd, st.st_size, str(path), foreign=True).by_name()
+            for name in wanted & set(entries):
+                values = _values_of_entry(fd, entries[name], f"{path}: {name}")
                 found[name] = None if values is None else values_digest(values, held_as[name])
     return found
 
@@ -105,45 +105,14 @@ def _shards_holding(model_dir: Path, names: set[str]) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
-def _header(fd: int, size: int, where: str) -> tuple[dict[str, object], int]:
-    """A safetensors file's header entries and where its data starts."""
-    head = os.pread(fd, 8, 0)
-    if len(head) < 8:
-        raise CheckpointError("header_invalid", f"{where} is too short to be a safetensors file")
-    (length,) = struct.unpack("<Q", head)
-    if length > min(MAX_SHARD_HEADER_BYTES, size - 8):
-        raise CheckpointError("header_invalid", f"{where}: its header length {length} does not fit the file")
-    raw = b""
-    while len(raw) < length:
-        piece = os.pread(fd, length - len(raw), 8 + len(raw))
-        if not piece:
-            raise CheckpointError("header_invalid", f"{where} was cut short while its header was read")
-        raw += piece
-    try:
-        header = json.loads(raw)
-    except ValueError as exc:
-        raise CheckpointError("header_invalid", f"{where}: its header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError("header_invalid", f"{where}: its header is not a JSON object")
-    return header, 8 + length
-
-
-def _values_of_entry(fd: int, entry: object, data_start: int, size: int, where: str) -> np.ndarray | None:
-    """The first values of the tensor a header ``entry`` describes; None for one not floating."""
-    if not isinstance(entry, dict):
-        raise CheckpointError("header_invalid", f"{where}: its header entry is not an object")
-    dtype, offsets = entry.get("dtype"), entry.get("data_offsets")
-    reader = _READERS.get(dtype) if isinstance(dtype, str) else None
+def _values_of_entry(fd: int, entry: Entry, where: str) -> np.ndarray | None:
+    """The first values of a tensor (None for one not floating)."""
+    reader = _READERS.get(entry.dtype)
     if reader is None:
         return None
     width = np.dtype(reader).itemsize
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(x, int) for x in offsets)):
-        raise CheckpointError("header_invalid", f"{where}: bad data_offsets")
-    start, end = offsets
-    count = min((end - start) // width, SAMPLE_ELEMENTS)
-    if not 0 <= start <= end or data_start + start + count * width > size:
-        raise CheckpointError("header_invalid", f"{where}: its data_offsets run past the file")
-    raw = os.pread(fd, count * width, data_start + start)
+    count = min(entry.nbytes // width, SAMPLE_ELEMENTS)
+    raw = os.pread(fd, count * width, entry.start)
     if len(raw) != count * width:
         raise CheckpointError("header_invalid", f"{where} was cut short while it was read")
     return np.frombuffer(raw, dtype=reader)

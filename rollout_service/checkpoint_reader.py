@@ -13,7 +13,6 @@ and a message that names the file and what was wrong.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import struct
@@ -38,6 +37,7 @@ from .checkpoint_format import (
 from .checkpoint_paths import resolve_inside
 from .digest import format_digest, new_hasher
 from .finite import count_non_finite
+from .safetensors_header import read_header
 from .untrusted_files import NO_DEADLINE, Deadline, any_failure_is_the_steps, fd_path, open_regular, read_small
 
 TensorSpecs = dict[str, tuple[str, tuple[int, ...]]]
@@ -615,48 +615,15 @@ class _FiniteScanner:
 
     @staticmethod
     def _read_header(fd: int, size: int, where: str) -> list[tuple[int, int, str, int, str]]:
-        def invalid(what: str) -> CheckpointError:
-            return CheckpointError(
-                "header_invalid",
-                f"{where}: the safetensors header {what}; the file is corrupt or was modified after publishing",
-            )
-
-        if size < 8:
-            raise invalid(f"needs 8 bytes, the file has {size}")
-        head = memoryview(bytearray(8))
-        _pread_exactly(fd, head, 0, where, size)
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > min(MAX_SHARD_HEADER_BYTES, size - 8):
-            raise invalid(f"says it has {header_len} bytes, the file has {size}")
-        raw = memoryview(bytearray(header_len))
-        _pread_exactly(fd, raw, 8, where, size)
         try:
-            header = json.loads(bytes(raw))
-        except ValueError:
-            raise invalid("is not JSON") from None
-        if not isinstance(header, dict):
-            raise invalid("is not a JSON object")
-        base = 8 + header_len
-        segments = []
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = info.get("dtype") if isinstance(info, dict) else None
-            offsets = info.get("data_offsets") if isinstance(info, dict) else None
-            if not (
-                isinstance(offsets, list)
-                and len(offsets) == 2
-                and all(type(o) is int for o in offsets)
-                and 0 <= offsets[0] <= offsets[1] <= size - base
-            ):
-                raise invalid(f"gives tensor {str(name)[:80]!r} no data_offsets inside the file")
-            if dtype in FLOAT_DTYPES and offsets[0] < offsets[1]:
-                segments.append((base + offsets[0], base + offsets[1], dtype, DTYPE_SIZES[dtype], name))
-        segments.sort()
-        for before, after in zip(segments, segments[1:]):
-            if after[0] < before[1]:
-                raise invalid(f"has tensors {before[4][:80]!r} and {after[4][:80]!r} that overlap")
-        return segments
+            entries = read_header(fd, size, where).entries
+        except CheckpointError as exc:
+            raise CheckpointError(exc.reason, f"{exc}; the file is corrupt or was modified after publishing") from None
+        return [
+            (e.start, e.end, e.dtype, DTYPE_SIZES[e.dtype], e.name)
+            for e in entries
+            if e.dtype in FLOAT_DTYPES and e.nbytes
+        ]
 
     def feed(self, offset: int, chunk: memoryview) -> None:
         """Count the NaN/Inf values in ``chunk``, the file's bytes from ``offset`` on."""

@@ -19,10 +19,8 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import math
 import os
 import shutil
-import struct
 import threading
 import time
 import uuid
@@ -35,24 +33,22 @@ import numpy as np
 
 from . import delta_codec
 from .checkpoint_format import (
-    DTYPE_SIZES,
     MANIFEST_NAME,
     MAX_CHAIN_FRAMES,
     MAX_CHAIN_LENGTH,
-    MAX_SHARD_HEADER_BYTES,
     TEMP_PREFIX,
     CheckpointError,
     DeltaInfo,
     DeltaTensor,
     FileEntry,
     Manifest,
-    parse_json_object,
     step_dir_name,
 )
 from .checkpoint_paths import is_inside
 from .digest import format_digest, new_hasher
 from .finite import count_non_finite
 from .ordered_digests import Abandoned, OrderedDigests
+from .safetensors_header import header_length, parse_entries, read_header
 from .untrusted_files import Deadline, VerifiedRead, copy_verified, open_regular
 from .work_folders import owner_tag, remove_left_by_dead_writers
 
@@ -297,7 +293,9 @@ def _rebuild_shard(
             raise CheckpointError(
                 "base_mismatch", f"{base_where} has {st.st_size} bytes, its manifest says {base_entry.size}"
             )
-        prefix, order = _read_header(fd, st.st_size, base_where)
+        header = read_header(fd, st.st_size, base_where)
+        prefix = header.prefix
+        order = {e.name: (e.dtype, list(e.shape), e.nbytes) for e in header.entries}
         if sorted(order) != sorted(members):
             raise CheckpointError(
                 "delta_layout_mismatch", f"{where}: the base shard holds other tensors than the delta says"
@@ -508,61 +506,6 @@ def _pread_into(fd: int, view: memoryview, offset: int, where: str) -> None:
         got += n
 
 
-def _read_exact(fd: int, n: int, where: str) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = os.read(fd, min(n - got, 64 << 20))
-        if not chunk:
-            raise CheckpointError("truncated", f"{where} ends early")
-        chunks.append(chunk)
-        got += len(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def _read_header(fd: int, size: int, where: str) -> tuple[bytes, dict[str, tuple[str, list[int], int]]]:
-    """A safetensors file's prefix bytes and its tensors in file order: name -> (dtype, shape, length)."""
-    if size < 8:
-        raise CheckpointError("header_invalid", f"{where} is too short for a safetensors file")
-    head = _read_exact(fd, 8, where)
-    (length,) = struct.unpack("<Q", head)
-    if length > min(size - 8, MAX_SHARD_HEADER_BYTES):
-        raise CheckpointError("header_invalid", f"{where}: header length {length} does not fit")
-    raw = _read_exact(fd, length, where)
-    header = parse_json_object(raw, where=where, reason="header_invalid")
-    header.pop("__metadata__", None)
-    entries = []
-    for tname, e in header.items():
-        offsets = e.get("data_offsets") if isinstance(e, dict) else None
-        dtype = e.get("dtype") if isinstance(e, dict) else None
-        shape = e.get("shape") if isinstance(e, dict) else None
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in offsets)
-            or not (isinstance(dtype, str) and dtype in DTYPE_SIZES)
-            or not isinstance(shape, list)
-            or len(shape) > 8
-            or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 40 for x in shape)
-            or offsets[1] - offsets[0] != DTYPE_SIZES[dtype] * math.prod(shape)
-        ):
-            raise CheckpointError(
-                "header_invalid",
-                f"{where}: the entry for {tname[:80]!r} is not a dtype, a shape and offsets that span its bytes",
-            )
-        entries.append((offsets[0], offsets[1], tname, dtype, shape))
-    entries.sort()
-    offset = 0
-    order: dict[str, tuple[str, list[int], int]] = {}
-    for start, end, tname, dtype, shape in entries:
-        if start != offset:
-            raise CheckpointError("header_invalid", f"{where}: tensors do not tile the data section")
-        order[tname] = (dtype, shape, end - start)
-        offset = end
-    if 8 + length + offset != size:
-        raise CheckpointError("header_invalid", f"{where}: the header does not cover the file")
-    return head + raw, order
-
-
 class _DeltaFile:
     """A ``delta-*.safetensors`` file read front to back while its blobs are applied
     (:class:`~rollout_service.untrusted_files.VerifiedRead`: nothing counts until
@@ -598,27 +541,15 @@ class _DeltaFile:
         self._read.close()
 
     def _parse_header(self, size: int) -> None:
-        self._read.upto(8)
-        (length,) = struct.unpack("<Q", self._read.data[:8]) if size >= 8 else (size,)
-        if length > min(size - 8, MAX_DELTA_HEADER_BYTES):
-            raise CheckpointError("delta_corrupt", f"{self.where}: header length {length} does not fit")
+        self._read.upto(min(8, size))
+        length = header_length(
+            self._read.data[:8], size, self.where, max_bytes=MAX_DELTA_HEADER_BYTES, reason="delta_corrupt"
+        )
         self._read.upto(8 + length)
-        header = parse_json_object(bytes(self._read.data[8 : 8 + length]), where=self.where, reason="delta_corrupt")
-        header.pop("__metadata__", None)
-        data_start = 8 + length
-        for tname, e in header.items():
-            offsets = e.get("data_offsets") if isinstance(e, dict) else None
-            if (
-                not isinstance(e, dict)
-                or e.get("dtype") != "U8"
-                or not isinstance(offsets, list)
-                or len(offsets) != 2
-                or not all(isinstance(x, int) and 0 <= x for x in offsets)
-                or offsets[0] > offsets[1]
-                or data_start + offsets[1] > size
-            ):
-                raise CheckpointError("delta_corrupt", f"{self.where}: bad entry for {tname[:80]!r}")
-            self._blobs[tname] = (data_start + offsets[0], data_start + offsets[1])
+        for e in parse_entries(self._read.data[8 : 8 + length], size, self.where, reason="delta_corrupt"):
+            if e.dtype != "U8":
+                raise CheckpointError("delta_corrupt", f"{self.where}: {e.name[:80]!r} is {e.dtype}, not U8 bytes")
+            self._blobs[e.name] = (e.start, e.end)
 
     def blob(self, tname: str, where: str) -> tuple[memoryview, int]:
         """The blob of ``tname`` and where it starts in the file: its bytes are valid once

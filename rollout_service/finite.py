@@ -7,12 +7,7 @@ checked on its raw bits with numpy (which has no bfloat16): for bf16 that is
 
 from __future__ import annotations
 
-import json
-import struct
-
 import numpy as np
-
-from .untrusted_files import NO_DEADLINE, Deadline
 
 # dtype tag -> (unsigned view, all bits but the sign, the smallest non-finite magnitude): a value
 # is NaN/Inf when its bits without the sign are at least that (its exponent bits all ones; for
@@ -25,31 +20,6 @@ _NON_FINITE = {
     "F8_E5M2": (np.uint8, np.uint8(0x7F), np.uint8(0x7C)),
     "F8_E4M3": (np.uint8, np.uint8(0x7F), np.uint8(0x7F)),
 }
-_CHUNK_ELEMENTS = 8 << 20
-
-
-def first_non_finite(data: memoryview, *, deadline: Deadline = NO_DEADLINE) -> tuple[str, int] | None:
-    """``(tensor name, count of NaN/Inf values)`` of the first tensor that has any, else None.
-
-    ``data`` is a whole safetensors file whose header safetensors has already accepted.
-    """
-    (header_len,) = struct.unpack("<Q", data[:8])
-    header = json.loads(bytes(data[8 : 8 + header_len]))
-    base = 8 + header_len
-    for name, info in sorted(header.items(), key=lambda kv: str(kv[0])):
-        if name == "__metadata__" or not isinstance(info, dict):
-            continue
-        dtype = info.get("dtype")
-        start, end = info["data_offsets"]
-        raw = data[base + start : base + end]
-        count = 0
-        step = _CHUNK_ELEMENTS * 8
-        for i in range(0, len(raw), step):
-            deadline.check(name)
-            count += count_non_finite(raw[i : i + step], str(dtype))
-        if count:
-            return str(name), count
-    return None
 
 
 def count_non_finite(raw: memoryview | bytes | np.ndarray, dtype: str, scratch: np.ndarray | None = None) -> int:

@@ -15,12 +15,10 @@ the tensor and what to do.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
 import stat
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +33,6 @@ from .checkpoint_format import (
     INDEX_NAME,
     MANIFEST_NAME,
     MAX_MANIFEST_FILES,
-    MAX_SHARD_HEADER_BYTES,
     CheckpointError,
     normalize_dtype,
     parse_json_object,
@@ -56,6 +53,7 @@ from .checkpoint_writer import (
     publish_checkpoint,
     shard_file_names,
 )
+from .safetensors_header import read_header
 from .untrusted_files import MAX_SMALL_FILE_BYTES, _kind, open_regular, read_small
 
 log = logging.getLogger(__name__)
@@ -249,37 +247,24 @@ def _shard_tensors(fd: int, path: Path) -> tuple[_SourceTensor, ...]:
                 name,
             )
     # Where each tensor's bytes are (the header safetensors just accepted, read again from the file).
-    size = os.fstat(fd).st_size
-    head = _pread_source(fd, path, 8, 0)
-    header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-    raw = _pread_source(fd, path, header_len, 8) if header_len <= MAX_SHARD_HEADER_BYTES else b""
     try:
-        header = json.loads(raw)
-    except ValueError:
-        header = None
-    base = 8 + header_len
+        found = read_header(fd, os.fstat(fd).st_size, where).by_name()
+    except CheckpointError:
+        found = {}
+    except OSError as exc:
+        raise _refused(f"{where}: reading its header failed: {exc.strerror}", "bad_shard") from None
     tensors = []
     for name in sorted(specs):
         tag, shape = specs[name]
-        info = header.get(name) if isinstance(header, dict) else None
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        nbytes = DTYPE_SIZES[tag] * math.prod(shape)
-        if not (
-            isinstance(info, dict)
-            and info.get("dtype") == tag
-            and info.get("shape") == list(shape)
-            and isinstance(offsets, list)
-            and len(offsets) == 2
-            and all(type(o) is int for o in offsets)
-            and 0 <= offsets[0] <= offsets[1] == offsets[0] + nbytes <= size - base
-        ):
+        entry = found.get(name)
+        if entry is None or (entry.dtype, entry.shape) != (tag, tuple(shape)):
             raise _refused(
                 f"{where} changed while it was read (its header no longer says what it said for tensor"
                 f" {_shown(name)}): publish again once nothing writes to the model folder",
                 "bad_shard",
                 name,
             )
-        tensors.append(_SourceTensor(name, tag, tuple(shape), base + offsets[0], base + offsets[1]))
+        tensors.append(_SourceTensor(name, tag, tuple(shape), entry.start, entry.end))
     return tuple(tensors)
 
 
@@ -493,12 +478,6 @@ def _read_tensor(fd: int, path: Path, t: _SourceTensor) -> torch.Tensor:
             t.name,
         )
     return buf.view(_TAG_TO_TORCH[t.tag]).reshape(t.shape)
-
-
-def _pread_source(fd: int, path: Path, n: int, offset: int) -> bytes:
-    """Up to ``n`` bytes of a model folder's file from ``offset`` (fewer only at its end)."""
-    buf = bytearray(n)
-    return bytes(buf[: _pread_into(fd, path, memoryview(buf), offset, "")])
 
 
 def _pread_into(fd: int, path: Path, view: memoryview, offset: int, tensor: str) -> int:

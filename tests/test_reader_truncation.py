@@ -25,7 +25,6 @@ from rollout_service.checkpoint_format import CheckpointError
 from rollout_service.checkpoint_reader import read_every_byte, validate_checkpoint
 from rollout_service.checkpoint_writer import publish_checkpoint
 from rollout_service.digest import file_digest
-from rollout_service.finite import first_non_finite
 from rollout_service.untrusted_files import NO_DEADLINE
 
 BIG_ELEMENTS = 25 << 20  # one F32 tensor of 100 MiB (sparse: no disk, no memory): more than one chunk
@@ -196,7 +195,6 @@ def test_finite_check_counts_elements_that_straddle_chunks(
     tensors = nan_tensors()
     path = tmp_path / "model.safetensors"
     write_raw_safetensors(path, tensors)
-    assert first_non_finite(memoryview(path.read_bytes())) == ("t0", 4)
     with pytest.raises(CheckpointError) as info:
         read_every_byte(tmp_path, path, "x/model.safetensors", file_digest(path), True, True, NO_DEADLINE)
     assert info.value.reason == "non_finite"
@@ -208,11 +206,10 @@ def test_finite_check_counts_elements_that_straddle_chunks(
         only = [(n, t if n == name else "U8", a if n == name else a.view(np.uint8)) for n, t, a in tensors]
         single = tmp_path / f"{name}.safetensors"
         write_raw_safetensors(single, only)
-        assert first_non_finite(memoryview(single.read_bytes())) == (name, 4)
         with pytest.raises(CheckpointError, match=f"tensor {name} holds 4 NaN/Inf"):
             read_every_byte(tmp_path, single, f"x/{name}", "", False, True, NO_DEADLINE)
     finite = tmp_path / "finite.safetensors"
-    write_raw_safetensors(finite, [(n, t if n == "w_ok" else "U8", a.view(np.uint8)) for n, t, a in tensors])
+    write_raw_safetensors(finite, [(n, t, a) if n == "w_ok" else (n, "U8", a.view(np.uint8)) for n, t, a in tensors])
     read_every_byte(tmp_path, finite, "x/finite", file_digest(finite), True, True, NO_DEADLINE)
 
 
