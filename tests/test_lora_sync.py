@@ -8,6 +8,7 @@ tokens and per-token logprobs with that adapter are compared with transformers +
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 
@@ -335,3 +336,34 @@ def test_an_adapter_waits_while_sglang_serves_a_full_checkpoint_and_loads_once_i
     assert sidecar.wait_step(2, timeout_s=180)["loaded_step"] == 2
     for prompt in PROMPTS:
         assert sglang_greedy(lora_server.url, prompt, adapter_name_for(2, run))[0] == peft_greedy(model, prompt)
+
+
+def test_a_base_model_folder_that_cannot_be_read_holds_the_adapter_back_without_rejecting_it(
+    lora_server, lora_sidecar, checkpoint_root, tiny_model_dir, tmp_path
+):
+    """The served model's folder is the operator's, not the step's: while it cannot be read for
+    the base check (here its weights file is no safetensors file any more) the adapter step waits,
+    reported as ``base_model_unreadable``, and loads once the folder is repaired."""
+    base_copy = tmp_path / "base-copy"
+    shutil.copytree(tiny_model_dir, base_copy)
+    sidecar = lora_sidecar("--reference-dir", str(base_copy))
+    model = peft_model(tiny_model_dir, targets=["q_proj", "v_proj"])
+    train_steps(model, 1, seed=41)
+    publish(model, checkpoint_root, 1)
+    sidecar.wait_step(1)
+    weights = base_copy / "model.safetensors"
+    intact = weights.read_bytes()
+    weights.write_bytes(b"\xff" * 64)
+    train_steps(model, 1, seed=42)
+    publish(model, checkpoint_root, 2)
+    wait_until(
+        lambda: (sidecar.status().get("last_error") or {}).get("reason") == "base_model_unreadable",
+        60,
+        "the unreadable base folder was not reported",
+    )
+    status = sidecar.status()
+    assert "2" not in status["rejected"] and status["loaded_step"] == 1, status
+    assert str(base_copy) in status["last_error"]["message"] and status["last_error"]["step"] == 2
+    weights.write_bytes(intact)
+    sidecar.wait_step(2)
+    assert adapter_name_for(2, RUN_ID) in served_adapters(lora_server.url)

@@ -5,8 +5,11 @@ The sync loop (``controller.py``) hands every step whose manifest says ``kind: "
 
 1. validates the adapter against the model SGLang serves and the server's LoRA limits from
    ``/server_info`` (``adapter_reader.validate_adapter``: files, config, every tensor's shape,
-   rank <= ``--max-lora-rank``, modules within ``--lora-target-modules``), and with a stage
-   copies it node-locally checking every byte against the manifest and for NaN/Inf;
+   rank <= ``--max-lora-rank``, modules within ``--lora-target-modules``), checks that it was
+   trained on the model SGLang serves (``base_values``: ``adapter_base_mismatch``; a served
+   model's folder that cannot be read is ``base_model_unreadable``, tried again, not the step's
+   fault), and with a stage copies it node-locally checking every byte against the manifest
+   and for NaN/Inf;
 2. loads it with ``POST /load_lora_adapter`` under the name ``adapter_name_for(N, run_id)``
    (a fresh name per version: SGLang keys its prefix cache by adapter name). A name SGLang
    already has (step N republished) is replaced only after the new files loaded under a trial
@@ -59,6 +62,11 @@ def is_adapter_step(path: Path, root: Path) -> bool:
         return Manifest.load(path, root=root).kind == "adapter"
     except (CheckpointError, OSError):
         return False
+
+
+class _BaseUnreadable(Exception):
+    """The served model's folder could not be read for the adapter base check: the operator's
+    folder is at fault, not the step."""
 
 
 class AdapterSync:
@@ -125,9 +133,13 @@ class AdapterSync:
                 return False
             budget = c.settings.validate_timeout_s
             try:
-                report = await c.bounded(self._prepare, path, limits, name=path.name, step=step)
-                if report is None:
+                report = await c.bounded(self._validate, path, limits, name=path.name, step=step)
+                if report is None or not await self._base_matches(ckpt, report):
                     return False
+                if c.stage is not None:
+                    report = await c.bounded(self._stage, report, limits, name=path.name, step=step)
+                    if report is None:
+                        return False
             except asyncio.TimeoutError:
                 await c.reject_unless_root(
                     ckpt, "validation_timeout", f"validating adapter {path.name} did not finish within {budget:g} s"
@@ -267,13 +279,12 @@ class AdapterSync:
             state.loaded_step = None
             state.loaded_fingerprint = state.loaded_run_id = None
 
-    def _prepare(self, path: Path, limits: LoraLimits) -> AdapterReport:
-        """Validate ``path`` and, with a stage, copy and verify it there (runs in a thread)."""
+    def _validate(self, path: Path, limits: LoraLimits) -> AdapterReport:
+        """(Blocking.) Validate ``path`` where it is published (its bytes too, without a stage)."""
         c = self.c
         s = c.settings
         assert c._reference is not None
-        deadline = Deadline(s.validate_timeout_s)
-        report = validate_adapter(
+        return validate_adapter(
             path,
             root=c.root,
             reference=c._reference,
@@ -282,9 +293,13 @@ class AdapterSync:
             check_digests=s.check_digests and c.stage is None,
             timeout_s=s.validate_timeout_s,
         )
-        self._check_base(report, path)
-        if c.stage is None:
-            return report
+
+    def _stage(self, report: AdapterReport, limits: LoraLimits) -> AdapterReport:
+        """(Blocking.) Copy a validated adapter into the stage, checking every byte, and validate the copy."""
+        c = self.c
+        s = c.settings
+        assert c._reference is not None and c.stage is not None
+        deadline = Deadline(s.validate_timeout_s)
         copy = c.stage.copy_in(c.root, report.path, report.manifest, deadline)
         remaining = max(0.001, s.validate_timeout_s - (time.monotonic() - deadline.started))
         staged = validate_adapter(
@@ -296,25 +311,67 @@ class AdapterSync:
             timeout_s=remaining,
         )
         if staged.manifest.fingerprint() != report.manifest.fingerprint():
-            raise CheckpointError("changed_while_staging", f"{path.name}'s manifest changed while it was being staged")
+            raise CheckpointError(
+                "changed_while_staging", f"{report.path.name}'s manifest changed while it was being staged"
+            )
         return staged
 
-    def _check_base(self, report: AdapterReport, path: Path) -> None:
+    async def _base_matches(self, ckpt: PublishedCheckpoint, report: AdapterReport) -> bool:
+        """Whether the adapter may load as far as its base is concerned: it was trained on the
+        model SGLang serves, or that cannot be told (see :meth:`_check_base`). Raises
+        ``CheckpointError('adapter_base_mismatch')`` (the step is rejected) when it was not.
+
+        The served model's folder is the operator's, not the step's: when it cannot be read (a
+        shard missing under its index, a file that is no safetensors, storage that does not
+        answer within ``--validate-timeout``) the step is not rejected. The error says
+        ``base_model_unreadable`` and the step is tried again at the next pass."""
+        c = self.c
+        try:
+            checked = await c.bounded(
+                self._check_base, report, ckpt.path, name=f"{ckpt.path.name} (base check)", step=ckpt.step
+            )
+        except asyncio.TimeoutError:
+            problem = f"reading it did not finish within {c.settings.validate_timeout_s:g} s"
+        except _BaseUnreadable as exc:
+            problem = str(exc)
+        else:
+            return checked is not None
+        c.metrics.syncs.labels("failed", "base_model_unreadable").inc()
+        c._error(
+            "base_model_unreadable",
+            f"cannot tell whether {ckpt.path.name} was trained on the model SGLang serves: its folder"
+            f" {c.base_dir} cannot be read ({problem}); the step is tried again. Repair the folder or"
+            " pass --reference-dir with a readable copy of the base model",
+            step=ckpt.step,
+        )
+        return False
+
+    def _check_base(self, report: AdapterReport, path: Path) -> bool:
         """(Blocking.) ``adapter_base_mismatch`` unless the adapter was trained on the base model
         SGLang serves, by the digests of base tensors its manifest records; nothing is compared
-        when it records none or the base model's folder is not known (logged once)."""
+        when it records none or the base model's folder is not known (logged once). Any other
+        failure to read the folder is :class:`_BaseUnreadable`."""
         info = report.manifest.adapter
         if info is None or not info.base_values:
-            return
-        if self.c.base_dir is None:
+            return True
+        base_dir = self.c.base_dir
+        if base_dir is None:
             if not self._base_unknown_logged:
                 self._base_unknown_logged = True
                 log.warning(
                     "cannot tell whether adapters were trained on the model SGLang serves: its folder is"
                     " not known here (pass --reference-dir with the base model's folder to compare them)"
                 )
-            return
-        report.checks.append(check_base_values(info.base_values, self.c.base_dir, where=path.name))
+            return True
+        try:
+            report.checks.append(check_base_values(info.base_values, base_dir, where=path.name))
+        except CheckpointError as exc:
+            if exc.reason == "adapter_base_mismatch":
+                raise
+            raise _BaseUnreadable(f"{exc.reason}: {exc}") from None
+        except (OSError, ValueError) as exc:
+            raise _BaseUnreadable(f"{type(exc).__name__}: {exc}") from None
+        return True
 
     def _retire(self, newest: int) -> None:
         """Unload the adapters beyond the newest ``keep`` versions, beside the loop."""
