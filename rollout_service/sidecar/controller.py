@@ -463,13 +463,31 @@ class SyncController:
                 self._crashes.pop(step, None)
                 log.info("SGLang already serves step %d (%s); adopting it without a reload", step, served)
         if self._reference is None:
-            await self.root_gate.call(self._ensure_reference, view, what="reading the served model's tensor list")
+            revision = await self._served_revision()
+            if revision is not False:
+                await self.root_gate.call(
+                    self._ensure_reference, view, revision, what="reading the served model's tensor list"
+                )
 
-    def _ensure_reference(self, view: ServerView) -> None:
+    async def _served_revision(self) -> str | None | bool:
+        """The Hub revision SGLang was started with (``--revision``: its ``/server_info``), so
+        that a Hub id is looked up in the local cache at the snapshot SGLang loaded, not at
+        whatever ``main`` points to there now. None when it names none or ``--reference-dir``
+        is given; False when SGLang does not answer (the reference waits for the next pass)."""
+        if self.settings.reference_dir is not None:
+            return None
+        try:
+            info = await self.client.server_info()
+        except SGLangUnavailable:
+            return False
+        revision = info.get("revision")
+        return revision if isinstance(revision, str) and revision and "\0" not in revision else None
+
+    def _ensure_reference(self, view: ServerView, revision: str | None = None) -> None:
         """Learn the served model's tensor specs once (every checkpoint is checked against them)."""
         if self._reference is not None:
             return
-        found = find_reference(view, self.root, self.stage, self.settings.reference_dir)
+        found = find_reference(view, self.root, self.stage, self.settings.reference_dir, revision)
         if found is None:
             self._error(
                 "no_reference",
@@ -479,7 +497,7 @@ class SyncController:
             )
             return
         self._reference, self.state.reference = found
-        self.base_dir = base_model_dir(view, self.root, self.stage, self.settings.reference_dir)
+        self.base_dir = base_model_dir(view, self.root, self.stage, self.settings.reference_dir, revision)
         if self.stage is not None:
             self.stage.save_reference(*found)
             served = view.model_path

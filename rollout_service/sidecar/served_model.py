@@ -53,7 +53,7 @@ def adoptable(view: ServerView, root: Path, stage: Stage | None) -> tuple[int, M
 
 
 def find_reference(
-    view: ServerView, root: Path, stage: Stage | None, reference_dir: Path | None
+    view: ServerView, root: Path, stage: Stage | None, reference_dir: Path | None, revision: str | None = None
 ) -> tuple[TensorSpecs, str] | None:
     """(Blocking.) The served model's tensor specs and where they came from, or None when they
     cannot be learnt (the caller reports it and loads nothing until then).
@@ -62,7 +62,8 @@ def find_reference(
     copy or a step of the root (a checkpoint, not the base model); for a step of the root served
     without a stage (``--no-stage``), that step read as a checkpoint (its manifest's files, their
     headers checked: never whatever else lies in the untrusted folder); the local model directory
-    SGLang was started from.
+    SGLang was started from (a Hub id: its snapshot in the local cache at ``revision``, the
+    one SGLang was started with).
     """
     if reference_dir is not None:
         return read_model_specs(reference_dir), str(reference_dir)
@@ -79,27 +80,31 @@ def find_reference(
             return None
         return specs, f"{model_path} (the published step SGLang serves: its manifest's shards)"
     if model_path and not ours:
-        local = local_model_dir(model_path)
+        local = local_model_dir(model_path, revision)
         if local is not None:
             return read_model_specs(local), str(local)
     return None
 
 
-def base_model_dir(view: ServerView, root: Path, stage: Stage | None, reference_dir: Path | None) -> Path | None:
+def base_model_dir(
+    view: ServerView, root: Path, stage: Stage | None, reference_dir: Path | None, revision: str | None = None
+) -> Path | None:
     """(Blocking.) The local folder of the base model SGLang serves, with which adapters'
     recorded base values are compared (:mod:`~rollout_service.base_values`): ``--reference-dir``,
-    else SGLang's ``model_path`` when it is a model folder or a Hub id in the local cache; None
+    else SGLang's ``model_path`` when it is a model folder or a Hub id in the local cache (at
+    ``revision``, as :func:`local_model_dir`); None
     while SGLang serves a published step (adapters wait for the base model then)."""
     if reference_dir is not None:
         return reference_dir
     model_path = view.model_path
     if not model_path or (stage is not None and stage.owns(model_path)) or is_inside(model_path, root):
         return None
-    return local_model_dir(model_path)
+    return local_model_dir(model_path, revision)
 
 
-def local_model_dir(model_path: str) -> Path | None:
-    """The local folder of SGLang's model: a directory, or a Hub id found in the local HF cache."""
+def local_model_dir(model_path: str, revision: str | None = None) -> Path | None:
+    """The local folder of SGLang's model: a directory, or a Hub id found in the local HF cache
+    at ``revision`` (a branch, tag or commit; None: ``main``, as SGLang resolves it)."""
     if os.path.isdir(model_path):
         return Path(model_path) if any(Path(model_path).glob("*.safetensors")) else None
     try:
@@ -107,7 +112,11 @@ def local_model_dir(model_path: str) -> Path | None:
     except ImportError:
         return None
     try:
-        local = Path(snapshot_download(model_path, local_files_only=True, allow_patterns=["*.safetensors", "*.json"]))
+        local = Path(
+            snapshot_download(
+                model_path, revision=revision, local_files_only=True, allow_patterns=["*.safetensors", "*.json"]
+            )
+        )
     except Exception:  # not cached, not a repo id: no reference from it
         return None
     return local if any(local.glob("*.safetensors")) else None
