@@ -565,9 +565,10 @@ class _FieldReader:
 
     def base_tensor(self, value: Any, name: str) -> BaseTensor:
         e = self.obj(value, name)
-        if set(e) != {"dtype", "digest"} or e.get("dtype") not in BASE_TENSOR_DTYPES:
+        dtype = e.get("dtype")
+        if set(e) != {"dtype", "digest"} or not isinstance(dtype, str) or dtype not in BASE_TENSOR_DTYPES:
             raise self._bad(name, f"{{'dtype': one of {sorted(BASE_TENSOR_DTYPES)}, 'digest': ...}}", e)
-        return BaseTensor(dtype=e["dtype"], digest=self.digest(e["digest"], f"{name}.digest"))
+        return BaseTensor(dtype=dtype, digest=self.digest(e["digest"], f"{name}.digest"))
 
     def frames(self, value: Any, name: str, dtype: str, shape: list[int], frame_bytes: int) -> list[int]:
         """A changed tensor's frame sizes: one per ``frame_bytes`` of it, each at most what zstd
