@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from .tree_removal import remove_tree
 
 logger = logging.getLogger(__name__)
 
@@ -33,5 +35,6 @@ def build_once(final: Path, build: Callable[[Path], None]) -> Path:
             logger.info("another process built %s first; using its copy", final)
     finally:
         if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                remove_tree(staging)
     return final

@@ -201,12 +201,13 @@ def _check_delta_chain(args: argparse.Namespace, manifest: Manifest) -> list[str
     rebuilds (rebuilt in a temporary folder, every byte checked against the digests of a full
     publish, NaN/Inf refused with ``--check-finite``). The checks that passed; raises
     ``CheckpointError``."""
-    import shutil
+    import contextlib
     import tempfile
     import uuid
 
     from .checkpoint_format import TEMP_PREFIX
     from .delta_apply import ChainLink, materialize, resolve_chain
+    from .tree_removal import remove_tree
     from .untrusted_files import Deadline
     from .work_folders import owner_tag, remove_left_by_dead_writers
 
@@ -235,7 +236,8 @@ def _check_delta_chain(args: argparse.Namespace, manifest: Manifest) -> list[str
         except ValueError as exc:  # no room: say where the rebuild goes
             raise ValueError(f"{exc} (validate rebuilds a delta step under $TMPDIR: point it elsewhere)") from None
         finally:
-            shutil.rmtree(out, ignore_errors=True)
+            with contextlib.suppress(OSError):  # what is left, the next validate removes
+                remove_tree(out)
         checks.append("the model it rebuilds matches the digests of a full publish, byte for byte")
         if args.check_finite:
             checks.append("every floating weight of the rebuilt model is finite")

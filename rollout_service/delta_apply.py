@@ -20,7 +20,6 @@ import contextlib
 import io
 import logging
 import os
-import shutil
 import threading
 import time
 import uuid
@@ -49,6 +48,7 @@ from .digest import format_digest, new_hasher
 from .finite import count_non_finite
 from .ordered_digests import Abandoned, OrderedDigests
 from .safetensors_header import header_length, parse_entries, read_header
+from .tree_removal import remove_tree
 from .untrusted_files import Deadline, VerifiedRead, copy_verified, open_regular
 from .work_folders import owner_tag, remove_left_by_dead_writers
 
@@ -635,7 +635,7 @@ def materialize(
             base_manifest = reconstruct(
                 root, d, ChainLink(current, base_manifest), work, nxt, deadline, check_finite=check_finite
             )
-            shutil.rmtree(current)
+            remove_tree(current)
             current = nxt
         if progress:
             progress(f"validating step {step}")
@@ -655,7 +655,8 @@ def materialize(
         )
         os.rename(current, out)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        with contextlib.suppress(OSError):  # nothing to remove, or a leftover the next run removes
+            remove_tree(work)
     return base_manifest
 
 

@@ -13,9 +13,10 @@ import hashlib
 import logging
 import os
 import re
-import shutil
 import socket
 from pathlib import Path
+
+from .tree_removal import remove_tree
 
 log = logging.getLogger(__name__)
 
@@ -67,4 +68,7 @@ def remove_left_by_dead_writers(parent: Path, prefix: str, what: str) -> None:
     for name in names:
         if left_by_dead_writer(name):
             log.info("removing %s, left by %s that was killed", parent / name, what)
-            shutil.rmtree(parent / name, ignore_errors=True)
+            try:
+                remove_tree(parent / name)
+            except OSError as exc:
+                log.warning("could not remove %s: %s; remove it by hand", parent / name, exc)

@@ -279,6 +279,19 @@ def test_validate_digests_refuses_a_delta_folder_not_named_as_its_step(tmp_path:
     assert code == 0, out
 
 
+def _deep_tree(top: Path, depth: int) -> None:
+    """``top/d/d/.../d``, ``depth`` levels deep (made through descriptors: no path is that long)."""
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            below = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = below
+    finally:
+        os.close(fd)
+
+
 def test_validate_digests_removes_the_rebuild_a_killed_validate_left(tmp_path: Path, capsys, monkeypatch) -> None:
     """A validate --digests killed outright (SIGKILL, OOM) leaves its rebuilt model, or the work
     folder of one, in $TMPDIR; the next run on this host removes those of dead processes only."""
@@ -301,6 +314,7 @@ def test_validate_digests_removes_the_rebuild_a_killed_validate_left(tmp_path: P
     for name in left.values():
         (scratch / name).mkdir()
         (scratch / name / "model.safetensors").write_bytes(b"x" * 1000)
+    _deep_tree(scratch / left["rebuilt"], 1500)  # too deep for shutil.rmtree: a RecursionError crashed validate
     root = tmp_path / "root"
     publish_longer_chain(root)
     code, out = cli_reason(capsys, "validate", str(root / step_dir_name(2)), "--digests")

@@ -25,7 +25,8 @@ import torch
 
 from rollout_service.checkpoint_format import MAX_STEP, step_dir_name
 from rollout_service.checkpoint_reader import list_checkpoints
-from rollout_service.checkpoint_writer import publish_checkpoint, remove_tree
+from rollout_service.checkpoint_writer import publish_checkpoint
+from rollout_service.tree_removal import remove_tree
 from trainer_helpers import NoWaiter
 from trainer_hooks.checkpoint_publisher import CheckpointPublisher
 from trainer_hooks.checkpoint_retention import chain_dependencies, prune_checkpoints

@@ -34,7 +34,7 @@ from rollout_service.checkpoint_format import (
     step_dir_name,
 )
 from rollout_service.checkpoint_reader import PublishedCheckpoint, list_checkpoints
-from rollout_service.checkpoint_writer import remove_tree
+from rollout_service.tree_removal import remove_tree
 
 log = logging.getLogger(__name__)
 

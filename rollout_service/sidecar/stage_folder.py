@@ -18,7 +18,6 @@ import fcntl
 import logging
 import os
 import re
-import shutil
 import stat
 import time
 import uuid
@@ -26,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..checkpoint_format import TEMP_PREFIX
+from ..tree_removal import remove_tree
 from ..untrusted_files import _kind
 
 log = logging.getLogger(__name__)
@@ -282,7 +282,7 @@ def remove_entry(path: Path) -> None:
                 hidden = path.with_name(f"{TEMP_PREFIX}deleting-{path.name}-{uuid.uuid4().hex[:8]}")
                 os.rename(path, hidden)
                 path = hidden
-            shutil.rmtree(path)
+            remove_tree(path)
         else:
             path.unlink()
     except FileNotFoundError:
