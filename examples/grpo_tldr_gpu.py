@@ -24,11 +24,16 @@ dataset come from the Hugging Face Hub, so this needs network access; ``--model`
 ``--dataset`` also take local paths (a model directory; a JSON-lines file or a
 ``save_to_disk`` folder with ``prompt`` and ``completion`` columns), which is how the test
 suite runs this script on CPU with the tiny model.
+
+Credentials, when the rollout side has them (compose and Kubernetes do): the sidecars' ``POST
+/sync`` token and SGLang's ``--api-key``, from ``ROLLOUT_TOKEN`` and ``ROLLOUT_SGLANG_API_KEY`` (the
+variables the sidecar and ``rollout-service demo`` read) or ``--token`` / ``--sglang-api-key``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +41,11 @@ import torch
 from datasets import Dataset, load_dataset, load_from_disk
 
 from trainer_hooks import GRPOConfig, GRPOTrainer
+
+TOKEN_ENV = "ROLLOUT_TOKEN"
+"""The sidecars' ``POST /sync`` token (GRPOConfig ``sidecar_token``), as the sidecar reads it."""
+SGLANG_API_KEY_ENV = "ROLLOUT_SGLANG_API_KEY"
+"""SGLang's ``--api-key`` (GRPOConfig ``sglang_api_token``), as the sidecar reads it."""
 
 REFERENCE_COLUMN = "reference_summary"
 """trl-lib/tldr's ``completion`` column, renamed: TRL keeps ``prompt``/``completion`` columns out
@@ -120,6 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--max-completion-length", type=int, default=64)
     p.add_argument("--learning-rate", type=float, default=1e-6)
+    # No default shown: --help must not print a secret taken from the environment.
+    p.add_argument(
+        "--token",
+        default=None,
+        help=f"the sidecars' POST /sync token; when not given, ${TOKEN_ENV} (prefer the variable: a command"
+        " line is visible to every user of the machine)",
+    )
+    p.add_argument(
+        "--sglang-api-key",
+        default=None,
+        help=f"the --api-key SGLang was started with; when not given, ${SGLANG_API_KEY_ENV} (prefer the variable)",
+    )
     p.add_argument(
         "--checkpoint-dtype",
         default=None,
@@ -133,6 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     on_gpu = resolve_device(a.device) == "cuda"
     checkpoint_dtype = a.checkpoint_dtype or ("bfloat16" if on_gpu else None)
     dataset = load_tldr(a.dataset)
+    # An empty variable counts as unset (as for every ROLLOUT_* variable).
+    sidecar_token = a.token or os.environ.get(TOKEN_ENV) or None
+    sglang_api_token = a.sglang_api_key or os.environ.get(SGLANG_API_KEY_ENV) or None
     args = GRPOConfig(
         output_dir=a.output_dir,
         checkpoint_path=a.checkpoint_path,
@@ -152,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
         report_to=[],
         save_strategy="no",
         gradient_checkpointing=True,
+        sidecar_token=sidecar_token,
+        sglang_api_token=sglang_api_token,
     )
     trainer = GRPOTrainer(model=a.model, reward_funcs=rouge_l_reward(), args=args, train_dataset=dataset)
     trainer.train()

@@ -43,6 +43,20 @@ def register_demo(sub: Any, add_env: Callable[..., Any]) -> None:
         default=None,
         help="checkpoint root (default OUTPUT_DIR/checkpoints; with --sglang-url, the sidecar's)",
     )
+    add_env(
+        p,
+        "--token",
+        default=None,
+        help="the sidecars' POST /sync token (their --token), sent by the trainer (GRPOConfig sidecar_token);"
+        " prefer the variable: a command line is visible to every user of the machine",
+    )
+    add_env(
+        p,
+        "--sglang-api-key",
+        default=None,
+        help="the --api-key SGLang was started with, sent by the trainer (GRPOConfig sglang_api_token) and,"
+        " when the demo starts `serve`, given to SGLang and its sidecar; prefer the variable",
+    )
     add_env(p, "--device", default="cpu", help="device of the SGLang server the demo starts")
     add_env(p, "--seed", type=int, default=0, help="random seed")
     p.set_defaults(func=_cmd_demo)
@@ -69,6 +83,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         checkpoint_path=Path(args.checkpoint_path) if args.checkpoint_path else None,
         device=args.device,
         seed=args.seed,
+        sidecar_token=args.token,
+        sglang_api_token=args.sglang_api_key,
     )
     return 0
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import sys
 import time
@@ -54,12 +55,29 @@ class ServeProcess:
     """``rollout-service serve`` (SGLang + sidecar) as a process group, for the demo's rollouts."""
 
     def __init__(
-        self, model: Path, checkpoint_path: Path, log_path: Path, device: str, startup_timeout_s: float = 600.0
+        self,
+        model: Path,
+        checkpoint_path: Path,
+        log_path: Path,
+        device: str,
+        startup_timeout_s: float = 600.0,
+        *,
+        token: str | None = None,
+        sglang_api_key: str | None = None,
     ):
         self.port, self.sidecar_port = free_port(), free_port()
         self.sglang_url = f"http://127.0.0.1:{self.port}"
         self.sidecar_url = f"http://127.0.0.1:{self.sidecar_port}"
         self.sglang_log = log_path.with_name("sglang.log")
+        # The credentials go to `serve` through its variables (a command line is visible to every
+        # user); SGLang itself takes its key only as a flag (after `--`).
+        env = dict(os.environ)
+        sglang_flags: list[str] = []
+        if token:
+            env["ROLLOUT_TOKEN"] = token
+        if sglang_api_key:
+            env["ROLLOUT_SGLANG_API_KEY"] = sglang_api_key
+            sglang_flags = ["--", "--api-key", sglang_api_key]
         self.group = ProcessGroup(
             [
                 sys.executable,
@@ -87,9 +105,11 @@ class ServeProcess:
                 str(startup_timeout_s),
                 "--sglang-log",
                 str(self.sglang_log),
+                *sglang_flags,
             ],
             log_path,
             name="rollout-service serve",
+            env=env,
             die_with_parent=True,
         )
         self.group.start()
@@ -137,8 +157,14 @@ def run_demo(
     seed: int = 0,
     plot: bool = True,
     startup_timeout_s: float = 600.0,
+    sidecar_token: str | None = None,
+    sglang_api_token: str | None = None,
 ) -> dict[str, Any]:
-    """Train, then write ``summary.json`` (+ ``demo.png``) into ``output_dir``; return the summary."""
+    """Train, then write ``summary.json`` (+ ``demo.png``) into ``output_dir``; return the summary.
+
+    ``sidecar_token`` and ``sglang_api_token`` are GRPOConfig's: the sidecars' ``POST /sync`` token
+    and SGLang's ``--api-key`` (given to the ``serve`` the demo starts, when it starts one).
+    """
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -157,7 +183,15 @@ def run_demo(
     serve = None
     if sglang_url is None:
         print(f"starting SGLang + sidecar on {model_dir} (log: {output_dir / 'serve.log'})", flush=True)
-        serve = ServeProcess(model_dir, checkpoint_path, output_dir / "serve.log", device, startup_timeout_s)
+        serve = ServeProcess(
+            model_dir,
+            checkpoint_path,
+            output_dir / "serve.log",
+            device,
+            startup_timeout_s,
+            token=sidecar_token,
+            sglang_api_key=sglang_api_token,
+        )
         sglang_url, sidecar_url = serve.sglang_url, serve.sidecar_url
     try:
         if serve is not None:
@@ -192,6 +226,8 @@ def run_demo(
             # fp32 master weights, bf16 checkpoints as deltas against the previous version.
             checkpoint_dtype="bfloat16",
             checkpoint_delta=True,
+            sidecar_token=sidecar_token,
+            sglang_api_token=sglang_api_token,
         )
         step_times: list[float] = []
 

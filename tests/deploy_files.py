@@ -3,7 +3,8 @@
 Loaders for the Kubernetes manifests (as rendered by kustomize), the compose stack and the
 Dockerfiles, and the checks that parse their command lines with the real CLI. The tests:
 `test_deploy_kubernetes`, `test_deploy_compose`, `test_deploy_command_lines`, `test_deploy_images`,
-`test_deploy_compose_cpu_run`.
+`test_deploy_compose_cpu_run`, `test_deploy_credentials` (token and SGLang API key),
+`test_deploy_served_model` (the sidecar sees the model SGLang serves).
 
 What these tests prove, and with what:
 
@@ -70,6 +71,9 @@ KUBERNETES_VERSION = "1.31.0"
 """Kubernetes version whose schemas the manifests must satisfy (kubernetes-validate ships them)."""
 
 TEST_TOKEN = "test-token-for-compose"
+TEST_SGLANG_API_KEY = "test-sglang-api-key-for-compose"
+COMPOSE_TEST_ENV = {"ROLLOUT_TOKEN": TEST_TOKEN, "ROLLOUT_SGLANG_API_KEY": TEST_SGLANG_API_KEY}
+"""The required compose variables, set to test values."""
 STARTUP_TIMEOUT_S = 420.0
 """SGLang takes 30-90 s to start on an idle 2-core machine, several times that on a busy one."""
 
@@ -135,9 +139,10 @@ def interpolate(value: Any, env: dict[str, str]) -> Any:
 
 
 def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
-    """The compose file with variables interpolated from ``env`` (default: the test token only)."""
+    """The compose file with variables interpolated from ``env`` (default: the required variables,
+    :data:`COMPOSE_TEST_ENV`)."""
     raw = yaml.safe_load(COMPOSE_FILE.read_text())
-    return interpolate(raw, {"ROLLOUT_TOKEN": TEST_TOKEN} if env is None else env)
+    return interpolate(raw, dict(COMPOSE_TEST_ENV) if env is None else env)
 
 
 def compose_services(compose: dict[str, Any], profile: str | None = None) -> dict[str, dict[str, Any]]:
@@ -160,6 +165,21 @@ def compose_volumes(service: dict[str, Any]) -> list[tuple[str, str, bool]]:
         source, target, *mode = entry.split(":")
         mounts.append((source, target, mode == ["ro"]))
     return mounts
+
+
+def volume_at(mounts: list[tuple[str, str]], path: str) -> tuple[str, str] | None:
+    """(volume, path inside the volume) that an absolute ``path`` of a container names, given the
+    container's (volume, mount path) pairs; None when no mount covers it (the image's own files).
+    The deepest mount wins, as in a container."""
+    best: tuple[str, str] | None = None
+    depth = -1
+    clean = os.path.normpath(path)
+    for volume, target in mounts:
+        target = os.path.normpath(target)
+        if clean == target or clean.startswith(target.rstrip("/") + "/"):
+            if len(target) > depth:
+                best, depth = (volume, os.path.relpath(clean, target)), len(target)
+    return best
 
 
 def dockerfile_stages(path: Path) -> list[dict[str, Any]]:
@@ -259,13 +279,29 @@ def k8s_env(container: dict[str, Any], manifests: tuple[dict[str, Any], ...]) ->
             assert ref["name"] in config_maps, f"{item['name']} refers to a missing ConfigMap {ref['name']}"
             env[item["name"]] = config_maps[ref["name"]]["data"][ref["key"]]
         elif "secretKeyRef" in source:
-            env[item["name"]] = TEST_TOKEN
+            ref = source["secretKeyRef"]
+            values = example_secret_values()
+            assert (ref["name"], ref["key"]) in values, (
+                f"{item['name']} refers to Secret {ref['name']} key {ref['key']}, which the example Secret"
+                f" ({EXAMPLE_SECRET.relative_to(REPO)}) does not have: {sorted(values)}"
+            )
+            env[item["name"]] = values[ref["name"], ref["key"]]
         elif "fieldRef" in source:
             field = source["fieldRef"]["fieldPath"]
             env[item["name"]] = "0" if "completion-index" in field else "rollout-7d9f-abcde"
         else:
             raise AssertionError(f"unexpected valueFrom in {item}")
     return env
+
+
+@cache
+def example_secret_values() -> dict[tuple[str, str], str]:
+    """(Secret name, key) -> a distinct test value, for each key of the example Secret."""
+    values = {}
+    for doc in yaml_docs(EXAMPLE_SECRET):
+        for key in doc.get("stringData", {}):
+            values[doc["metadata"]["name"], key] = f"test-{doc['metadata']['name']}-{key}"
+    return values
 
 
 def k8s_argv(container: dict[str, Any], env: dict[str, str]) -> list[str]:
@@ -335,7 +371,11 @@ def check_cli(argv: list[str], env: dict[str, str], where: str, monkeypatch: pyt
             f" (exit {exc.code}); see the argparse message above"
         ) from None
     subcommands = cli_subcommands(parser)
+    argv, passthrough = split_passthrough(argv)
     command = argv[1]
+    assert not passthrough or command == "serve", (
+        f"{where}: only `rollout-service serve` takes arguments after '--', not `{command}`"
+    )
     if command not in subcommands:
         raise AssertionError(f"{where}: `rollout-service {command}` is not a command; commands: {sorted(subcommands)}")
     sub = subcommands[command]
@@ -355,6 +395,15 @@ def check_cli(argv: list[str], env: dict[str, str], where: str, monkeypatch: pyt
         raise AssertionError(
             f"{where}: `{shlex.join(argv)}` with {env} does not parse (exit {exc.code}); see the argparse message above"
         ) from None
+
+
+def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """A `rollout-service` command line cut at its first ``--``, as the CLI's main() cuts it: the
+    command's own arguments, and those `serve` hands to SGLang verbatim."""
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1 :]
+    return argv, []
 
 
 def sidecar_routes() -> set[str]:

@@ -117,3 +117,19 @@ def test_docs_mention_only_real_rollout_variables():
     assert mentioned <= known, f"docs/deploy.md names unknown variables {sorted(mentioned - known)}"
     for flag in set(re.findall(r"rollout-service (?:sidecar|serve)[^`\n]*?(--[a-z-]+)", text)):
         assert env_name(flag) in known, f"docs/deploy.md uses unknown flag {flag}"
+
+
+def test_docs_name_exactly_the_commands_a_service_link_rollout_port_breaks():
+    """Kubernetes' service link ROLLOUT_PORT=tcp://... breaks only the commands that read ROLLOUT_PORT."""
+    readers = sorted(
+        name
+        for name, sub in cli_subcommands(build_parser()).items()
+        if any(spec.env == "ROLLOUT_PORT" for spec in getattr(sub, "env_flags", ()))
+    )
+    assert readers == ["serve", "sidecar"], readers
+    (row,) = [line for line in DOCS.read_text().splitlines() if "ROLLOUT_PORT='tcp://" in line]
+    symptom = row.split("|")[1]
+    named = sorted(set(re.findall(r"rollout-service ([a-z-]+)", symptom)))
+    assert named == readers and "every" not in symptom.lower(), (
+        f"docs/deploy.md: the troubleshooting row must name the commands that read ROLLOUT_PORT {readers}: {symptom}"
+    )

@@ -12,7 +12,9 @@ import pytest
 from deploy_files import (
     COMPOSE_DIR,
     COMPOSE_FILE,
+    COMPOSE_TEST_ENV,
     ENV_EXAMPLE,
+    TEST_SGLANG_API_KEY,
     TEST_TOKEN,
     VERSION,
     compose_environment,
@@ -32,7 +34,7 @@ from rollout_service.cli_env import ENV_PREFIX
 def test_compose_file_validates_with_docker_compose(profile, tmp_path):
     empty_env_file = tmp_path / "empty.env"
     empty_env_file.write_text("")
-    model = docker_compose_config(profile, empty_env_file, {"ROLLOUT_TOKEN": TEST_TOKEN})
+    model = docker_compose_config(profile, empty_env_file, COMPOSE_TEST_ENV)
     ours = compose_services(load_compose(), profile)
     assert set(model["services"]) == set(ours)
     # The interpolation these tests use (and the cpu-profile run below) agrees with Compose's.
@@ -51,7 +53,7 @@ def test_compose_file_validates_with_docker_compose(profile, tmp_path):
     docker_compose_config(profile, ENV_EXAMPLE, {})
 
 
-def test_compose_requires_a_token_and_the_example_env_documents_every_variable():
+def test_compose_requires_a_token_and_an_sglang_api_key_and_the_example_env_documents_every_variable():
     text = COMPOSE_FILE.read_text()
     variables = set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", text))
     example = dict(
@@ -59,9 +61,11 @@ def test_compose_requires_a_token_and_the_example_env_documents_every_variable()
     )
     assert variables == set(example), "compose.yaml's variables and .env.example's must match"
     assert example["ROLLOUT_TOKEN"] == "REPLACE_WITH_A_RANDOM_TOKEN"
+    assert example["ROLLOUT_SGLANG_API_KEY"] == "REPLACE_WITH_A_RANDOM_KEY"
     assert example["IMAGE_TAG"] == VERSION
-    with pytest.raises(AssertionError, match="ROLLOUT_TOKEN"):
-        load_compose({})
+    for name in COMPOSE_TEST_ENV:  # each one required on its own
+        with pytest.raises(AssertionError, match=name):
+            load_compose({k: v for k, v in COMPOSE_TEST_ENV.items() if k != name})
     assert (COMPOSE_DIR / ".gitignore").read_text().splitlines()[-1] == ".env"
 
 
@@ -87,6 +91,7 @@ def test_compose_probes_ports_and_volumes_match_the_cli_and_sidecar():
             f"{name}: the checkpoint volume must be mounted read-write at {watched} (acks/)"
         )
         assert env["ROLLOUT_TOKEN"] == TEST_TOKEN
+        assert env["ROLLOUT_SGLANG_API_KEY"] == TEST_SGLANG_API_KEY
     gpu = compose_services(compose, "gpu")
     sglang_argv = [str(t) for t in gpu["sglang"]["command"]]
     sglang_port = int(sglang_argv[sglang_argv.index("--port") + 1])

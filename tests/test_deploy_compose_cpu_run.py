@@ -1,6 +1,7 @@
 """The compose `cpu` profile run on this machine without containers: its rollout service's command
 and environment as a subprocess (volume paths and ports rewritten), ready by its own healthcheck,
-loads a published checkpoint and labels completions with it.
+loads a published checkpoint and labels completions with it; SGLang answers only with the API key
+from the compose environment, which the sidecar sends.
 """
 
 from __future__ import annotations
@@ -136,10 +137,20 @@ def test_compose_cpu_profile_serves_and_syncs_a_published_checkpoint(tmp_path):
         assert status["loaded_step"] == 1 and status["replica_id"] == compose_env["ROLLOUT_REPLICA_ID"]
         assert httpx.get(f"{sidecar_url}/readyz", timeout=10).status_code == 200
 
+        # SGLang was started with the compose environment's API key (the sidecar sent it to load
+        # step 1): without it SGLang refuses requests, the weight update included.
+        api_key = compose_env["ROLLOUT_SGLANG_API_KEY"]
+        assert api_key and argv[argv.index("--api-key") + 1] == api_key
+        request = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+        assert httpx.post(f"{sglang_url}/generate", timeout=60, json=request).status_code == 401
+        refused = httpx.post(
+            f"{sglang_url}/update_weights_from_disk",
+            timeout=60,
+            json={"model_path": str(checkpoints / "step-00000001")},
+        )
+        assert refused.status_code == 401, refused.text
         completion = httpx.post(
-            f"{sglang_url}/generate",
-            timeout=300,
-            json={"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}},
+            f"{sglang_url}/generate", timeout=300, json=request, headers={"Authorization": f"Bearer {api_key}"}
         )
         assert completion.status_code == 200, completion.text
         assert completion.json()["meta_info"]["weight_version"] == "1"

@@ -163,13 +163,17 @@ def test_kubernetes_checkpoint_volume_is_shared_at_the_watched_path():
 
 def test_kubernetes_token_comes_from_a_secret_and_only_an_example_secret_ships():
     (example,) = yaml_docs(EXAMPLE_SECRET)
-    assert example["stringData"] == {"token": "REPLACE_WITH_A_RANDOM_TOKEN"}
+    assert example["stringData"] == {
+        "token": "REPLACE_WITH_A_RANDOM_TOKEN",
+        "sglang-api-key": "REPLACE_WITH_A_RANDOM_KEY",
+    }
     for kustomization in K8S_KUSTOMIZATIONS:
         manifests = render_kustomization(kustomization)
         assert "Secret" not in {doc["kind"] for doc in manifests}, "ship no Secret in kustomizations"
         sidecar = find_container(pod_specs(manifests)["rollout"], "sidecar")
-        (token,) = [e for e in sidecar["env"] if e["name"] == "ROLLOUT_TOKEN"]
-        assert token["valueFrom"]["secretKeyRef"] == {"name": example["metadata"]["name"], "key": "token"}
+        for variable, key in (("ROLLOUT_TOKEN", "token"), ("ROLLOUT_SGLANG_API_KEY", "sglang-api-key")):
+            (item,) = [e for e in sidecar["env"] if e["name"] == variable]
+            assert item["valueFrom"]["secretKeyRef"] == {"name": example["metadata"]["name"], "key": key}
 
 
 def test_kubernetes_resources_per_overlay():

@@ -4,12 +4,15 @@ SGLang the flags `rollout-service serve --lora` gives it (rollout_service/lora_s
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from deploy_files import (
+    COMPOSE_TEST_ENV,
     K8S_DIR,
     compose_environment,
     compose_services,
@@ -61,6 +64,49 @@ def test_the_lora_component_adds_serve_lora_flags_to_sglang(tmp_path):
     assert cpu[-len(LoraServing().sglang_args("cpu")) :] == LoraServing().sglang_args("cpu")
 
 
+def overlay_edited(tmp_path: Path, overlay: str, *components: str) -> Path:
+    """The documented shape (docs/lora.md): the components listed in the overlay's own
+    kustomization.yaml, edited in a copy of deploy/k8s (so its relative paths still hold)."""
+    tree = tmp_path / "k8s"
+    shutil.copytree(K8S_DIR, tree)
+    folder = tree / "overlays" / overlay
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    assert "components" not in kustomization, f"{overlay} already lists components"
+    kustomization["components"] = [f"../../components/{c}" for c in components]
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump(kustomization, sort_keys=False))
+    return folder
+
+
+def without(args: list[str], part: list[str]) -> list[str]:
+    """``args`` with the run ``part`` taken out; fails when ``part`` is not one run of ``args``."""
+    for start in range(len(args) - len(part) + 1):
+        if args[start : start + len(part)] == part:
+            return args[:start] + args[start + len(part) :]
+    raise AssertionError(f"{part} is not in SGLang's args {args}")
+
+
+@pytest.mark.parametrize(
+    ("overlay", "components", "device"),
+    [("gpu", ("lora",), "cuda"), ("cpu-dev", ("lora", "lora-cpu"), "cpu")],
+    ids=["gpu", "cpu-dev"],
+)
+@pytest.mark.parametrize("shape", ["components-in-the-overlay", "overlay-as-a-resource"])
+def test_the_lora_components_keep_every_overlay_flag_in_both_documented_shapes(
+    tmp_path, overlay, components, device, shape
+):
+    """kustomize applies an overlay's own patches after its components: a patch that replaced
+    SGLang's args would drop the LoRA flags when the components are listed in the overlay itself
+    (docs/lora.md); the wrapper shape would keep them. Both must give the overlay's flags plus
+    `serve --lora`'s."""
+    plain = sglang_args(K8S_DIR / "overlays" / overlay)
+    if shape == "components-in-the-overlay":
+        args = sglang_args(overlay_edited(tmp_path, overlay, *components))
+    else:
+        args = sglang_args(overlay_with(tmp_path, overlay, *components))
+    lora = LoraServing().sglang_args(device)
+    assert without(args, lora) == plain, f"{shape}: {args}"
+
+
 def test_compose_cpu_profile_passes_rollout_lora_to_serve():
-    service = compose_services(load_compose({"ROLLOUT_TOKEN": "t", "ROLLOUT_LORA": "1"}), "cpu")["rollout-cpu"]
+    service = compose_services(load_compose({**COMPOSE_TEST_ENV, "ROLLOUT_LORA": "1"}), "cpu")["rollout-cpu"]
     assert compose_environment(service)["ROLLOUT_LORA"] == "1"

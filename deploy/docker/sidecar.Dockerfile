@@ -1,5 +1,8 @@
-# Slim sidecar image: the project's base install only (no torch, no SGLang). It watches the
-# checkpoint volume and loads new checkpoints into an SGLang server reached over HTTP.
+# Slim sidecar image: the project's base install (no torch, no SGLang) plus huggingface_hub. It
+# watches the checkpoint volume and loads new checkpoints into an SGLang server reached over HTTP.
+# huggingface_hub: when SGLang serves a Hub id, the sidecar finds that model's files in SGLang's
+# download cache (mounted read-only, same HF_HOME; rollout_service/sidecar/served_model.py) and
+# checks every checkpoint against its tensors; without it nothing would load (`no_reference`).
 #
 #   docker build -f deploy/docker/sidecar.Dockerfile -t rollout-service/sidecar:0.1.0 .
 #
@@ -21,12 +24,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
     VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
 RUN python -m venv /opt/venv
 COPY . /tmp/build/src
-RUN pip install -c /tmp/build/src/requirements/cpu.lock /tmp/build/src \
+RUN pip install -c /tmp/build/src/requirements/cpu.lock /tmp/build/src huggingface_hub \
+ && python -c "import huggingface_hub" \
  && python -c "import importlib.util as u, sys; heavy = [m for m in ('torch', 'sglang') if u.find_spec(m)]; sys.exit(f'the slim sidecar must not contain {heavy}' if heavy else 0)" \
  && rm -rf /tmp/build
 RUN groupadd --gid ${APP_UID} rollout \
  && useradd --uid ${APP_UID} --gid ${APP_UID} --create-home --shell /usr/sbin/nologin rollout \
- && mkdir -p /checkpoints /stage && chown ${APP_UID}:${APP_UID} /checkpoints /stage
+ && mkdir -p /checkpoints /stage /home/rollout/.cache/huggingface \
+ && chown ${APP_UID}:${APP_UID} /checkpoints /stage \
+ && chown -R ${APP_UID}:${APP_UID} /home/rollout/.cache
 USER ${APP_UID}:${APP_UID}
 WORKDIR /home/rollout
 EXPOSE 8100

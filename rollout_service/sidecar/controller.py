@@ -492,8 +492,10 @@ class SyncController:
             self._error(
                 "no_reference",
                 f"cannot learn the tensor names and shapes of the model SGLang serves"
-                f" ({view.model_path!r} is not a local model directory): pass"
-                " --reference-dir with that model's directory; nothing is loaded until then",
+                f" ({view.model_path!r} is not a local model directory, nor a Hub id in this"
+                " machine's Hugging Face cache): pass --reference-dir with that model's directory,"
+                " or mount SGLang's model folder or download cache here at the same path (the same"
+                " HF_HOME); nothing is loaded until then",
             )
             return
         self._reference, self.state.reference = found
