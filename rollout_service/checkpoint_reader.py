@@ -315,10 +315,13 @@ def _validate(
         for i, found in enumerate(listing):
             if i >= MAX_CHECKPOINT_ENTRIES:
                 raise CheckpointError("too_many_entries", f"{name} holds more than {MAX_CHECKPOINT_ENTRIES} entries")
-            if found.name.endswith(".safetensors") and found.name not in manifest.files:
+            # An index picks which shards SGLang loads: one the manifest does not list can make it
+            # load none of the listed ones ("Cannot find any model weights").
+            sglang_reads = found.name.endswith(".safetensors") or found.name.endswith(".safetensors.index.json")
+            if sglang_reads and found.name not in manifest.files:
                 raise CheckpointError(
                     "unlisted_file",
-                    f"{name}/{found.name} is not in the manifest; SGLang would load it."
+                    f"{name}/{found.name} is not in the manifest; SGLang would read it."
                     " Remove it or republish the checkpoint",
                 )
     deadline.check(name)

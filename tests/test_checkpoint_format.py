@@ -223,6 +223,18 @@ def test_corrupt_header_and_unlisted_shard_are_rejected(tmp_path):
     expect_error("unlisted_file", r"extra.safetensors is not in the manifest", path)
 
 
+def test_an_unlisted_index_is_refused_because_it_picks_what_sglang_loads(tmp_path):
+    """An index the manifest does not list decides which shards SGLang's loader reads: one naming
+    no listed shard makes it load nothing ("Cannot find any model weights")."""
+    from sglang.srt.model_loader.weight_utils import filter_duplicate_safetensors_files
+
+    path = publish(tmp_path, 1).path
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "config.json"}}))
+    shards = [str(path / "model.safetensors")]
+    assert filter_duplicate_safetensors_files(shards, str(path), "model.safetensors.index.json") == []
+    expect_error("unlisted_file", r"model.safetensors.index.json is not in the manifest", path)
+
+
 def test_bad_step_numbers_are_refused(tmp_path):
     for bad in (-1, 10**8, "3", 1.0):
         with pytest.raises(ValueError, match="step must be an integer"):
