@@ -78,6 +78,12 @@ manifest until it is applied. The writer's 16 MiB frames make ~900 per link for 
 (1000 links: 0.9M) and ~8,300 for 70B (a chain of up to ~500 links); a chain of 4 KiB frames
 (one manifest of a 1 GiB model lists 262k) is refused after 16 links instead of holding ~2 MiB of
 parsed manifest per link, up to 2 GB."""
+MAX_CHAIN_TENSORS = 1 << 19
+"""The most tensor entries the manifests of one chain may list in all (each link lists every
+tensor of the model, changed or not; ~600 bytes each once parsed, so ~300 MB at most). A 7B
+model lists ~340 per link and a 70B ~1,000 (chains of up to ~500 links); a model of 100,000
+tensors (MoE experts stored one by one) gets chains of 5 links. The writer starts a new chain
+before this, as for :data:`MAX_CHAIN_FRAMES`."""
 DEFAULT_DELTA_MAX_RATIO = 0.5
 MANIFEST_NAME = "manifest.json"
 CONFIG_NAME = "config.json"

@@ -35,6 +35,7 @@ from .checkpoint_format import (
     MANIFEST_NAME,
     MAX_CHAIN_FRAMES,
     MAX_CHAIN_LENGTH,
+    MAX_CHAIN_TENSORS,
     TEMP_PREFIX,
     CheckpointError,
     DeltaInfo,
@@ -87,7 +88,8 @@ def resolve_chain(
     Every step on the way is untrusted as much as ``link``: a base that is gone, unreadable,
     republished (another fingerprint), of another run, of another tensor layout, or in another
     chain (``chain_start``), and a walk longer than ``MAX_CHAIN_LENGTH`` steps or holding more
-    than ``MAX_CHAIN_FRAMES`` frame sizes in its manifests, raise
+    than ``MAX_CHAIN_FRAMES`` frame sizes or ``MAX_CHAIN_TENSORS`` tensor entries in its
+    manifests, raise
     ``CheckpointError('broken_chain')``: the step cannot be rebuilt until the next full one.
     The walk checks ``deadline`` at every step and holds only manifests of ``link``'s layout.
     """
@@ -95,7 +97,7 @@ def resolve_chain(
     cur = link
     top = link.manifest.delta
     top_layout = _layout(top) if top is not None else []
-    frames_held = 0
+    frames_held = tensors_held = 0
     while cur.manifest.kind == "delta":
         delta = cur.manifest.delta
         assert delta is not None and top is not None
@@ -122,6 +124,14 @@ def resolve_chain(
                 f" ({len(deltas)} steps so far, {delta.frame_bytes}-byte frames): publish full steps more"
                 " often (checkpoint_full_every) or larger frames; the replica keeps its weights until the"
                 " next full step",
+            )
+        tensors_held += len(delta.tensors)
+        if tensors_held > MAX_CHAIN_TENSORS:
+            raise CheckpointError(
+                "broken_chain",
+                f"{link.path.name}: the manifests of its delta chain list more than {MAX_CHAIN_TENSORS} tensor"
+                f" entries ({len(deltas)} steps so far, {len(delta.tensors)} tensors each): publish full steps"
+                " more often (checkpoint_full_every); the replica keeps its weights until the next full step",
             )
         if find_staged is not None:
             staged = find_staged(delta.base_step, delta.base_fingerprint)

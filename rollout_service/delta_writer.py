@@ -49,6 +49,7 @@ from .checkpoint_format import (
     INDEX_NAME,
     MAX_CHAIN_FRAMES,
     MAX_CHAIN_LENGTH,
+    MAX_CHAIN_TENSORS,
     CheckpointError,
     DeltaInfo,
     DeltaTensor,
@@ -213,9 +214,12 @@ class DeltaCheckpointWriter:
 
     def _longest_chain(self) -> int:
         """``full_every``, or fewer versions when a chain of this model's deltas would list more
-        frame sizes than a reader holds (``MAX_CHAIN_FRAMES``: a 70B model's chain stops at ~500)."""
+        frame sizes or tensor entries than a reader holds (``MAX_CHAIN_FRAMES``,
+        ``MAX_CHAIN_TENSORS``: a 70B model's chain stops at ~500)."""
         frames = sum(-(-h.nbytes // delta_codec.CHUNK_BYTES) for h in self._held.values())
-        return max(1, min(self.full_every, 1 + MAX_CHAIN_FRAMES // max(frames, 1)))
+        by_frames = MAX_CHAIN_FRAMES // max(frames, 1)
+        by_tensors = MAX_CHAIN_TENSORS // max(len(self._held), 1)
+        return max(1, min(self.full_every, 1 + min(by_frames, by_tensors)))
 
     def publish(
         self,

@@ -383,6 +383,41 @@ def test_a_chain_whose_manifests_list_too_many_frames_is_refused_before_it_is_he
     )
 
 
+def test_a_chain_whose_manifests_list_too_many_tensor_entries_is_refused_before_it_is_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each link's manifest lists every tensor of the model, changed or not: a chain of links
+    listing 100,000 tensors each held ~59 MB of parsed manifest per link (30 links: 2 GB, 127 s).
+    The tensor entries a chain lists in all are bounded; here the bound is lowered to what two
+    links of the test model list, and the writer keeps its chains within it."""
+    from rollout_service import delta_apply, delta_writer
+
+    per_link = len(Model().tensors())
+    for module in (delta_apply, delta_writer):
+        monkeypatch.setattr(module, "MAX_CHAIN_TENSORS", 2 * per_link)
+    root, model, writer = tmp_path / "root", Model(), DeltaCheckpointWriter(full_every=100)
+    kinds = []
+    for step in range(1, 8):
+        model.step()
+        writer.publish(root, step, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN)
+        manifest = Manifest.load(root / step_dir_name(step))
+        kinds.append(manifest.kind)
+        resolve_chain(root, ChainLink(root / step_dir_name(step), manifest))  # a reader walks each
+    assert kinds == ["full", "delta", "delta", "full", "delta", "delta", "full"]
+    # A chain another writer made longer is refused by the reader, naming what to do.
+    other = tmp_path / "other"
+    writer = DeltaCheckpointWriter(full_every=100)
+    monkeypatch.setattr(delta_writer, "MAX_CHAIN_TENSORS", 100 * per_link)
+    for step in (1, 2, 3, 4):
+        model.step()
+        writer.publish(other, step, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN)
+    assert Manifest.load(other / step_dir_name(4)).kind == "delta"
+    with pytest.raises(CheckpointError) as err:
+        resolve_chain(other, ChainLink(other / step_dir_name(4), Manifest.load(other / step_dir_name(4))))
+    assert err.value.reason == "broken_chain" and "tensor entries" in str(err.value), err.value
+    assert "checkpoint_full_every" in str(err.value)
+
+
 def test_the_writer_starts_a_new_chain_before_its_frames_pass_what_a_reader_holds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
