@@ -23,14 +23,13 @@ as the HF cache needs), its headers read by :mod:`~rollout_service.safetensors_h
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from .checkpoint_format import INDEX_NAME, BaseTensor, CheckpointError
+from .checkpoint_format import INDEX_NAME, BaseTensor, CheckpointError, parse_json_object
 from .digest import format_digest, new_hasher
 from .safetensors_header import Entry, read_header
 from .untrusted_files import MAX_SMALL_FILE_BYTES, open_regular, read_small
@@ -74,17 +73,29 @@ def pick_base_tensors(shapes: Mapping[str, Sequence[int]], adapted: Iterable[str
     return chosen[:PICKED]
 
 
-def digests_in_model_dir(model_dir: Path, held_as: Mapping[str, str]) -> dict[str, str | None]:
+def digests_in_model_dir(
+    model_dir: Path, held_as: Mapping[str, str], *, files: Sequence[str] | None = None
+) -> dict[str, str | None]:
     """The digest of each tensor named in ``held_as`` (name -> the dtype the trainer holds it in)
     as the safetensors files of ``model_dir`` hold it (None for a name no file holds, or of a
     dtype that is not floating). Raises ``CheckpointError`` for a file that cannot be read as
-    safetensors."""
+    safetensors, or an index that cannot be read.
+
+    ``files``: the shards to read, by name, confined to ``model_dir`` (no link followed): a
+    published step's, as its manifest lists them, since anything else in such a folder is
+    untrusted. None: the folder is an operator's model (by its index, if any; links followed, as
+    the HF cache needs)."""
     wanted = set(held_as)
     found: dict[str, str | None] = dict.fromkeys(wanted)
-    for path in _shards_holding(model_dir, wanted):
-        real = Path(os.path.realpath(path))
-        with open_regular(real.parent, real, where=str(path)) as (fd, st):
-            entries = read_header(fd, st.st_size, str(path), foreign=True).by_name()
+    if files is not None:
+        shards = [(model_dir, model_dir / f) for f in sorted(files) if f.endswith(".safetensors") and "/" not in f]
+    else:
+        shards = [
+            (Path(os.path.realpath(p)).parent, Path(os.path.realpath(p))) for p in _shards_holding(model_dir, wanted)
+        ]
+    for inside, path in shards:
+        with open_regular(inside, path, where=str(path)) as (fd, st):
+            entries = read_header(fd, st.st_size, str(path), foreign=files is None).by_name()
             for name in wanted & set(entries):
                 values = _values_of_entry(fd, entries[name], f"{path}: {name}")
                 found[name] = None if values is None else values_digest(values, held_as[name])
@@ -97,8 +108,9 @@ def _shards_holding(model_dir: Path, names: set[str]) -> list[Path]:
     index = model_dir / INDEX_NAME
     if index.is_file():
         real = Path(os.path.realpath(index))
-        data = json.loads(read_small(real.parent, real, where=str(index), max_bytes=MAX_SMALL_FILE_BYTES))
-        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        raw = read_small(real.parent, real, where=str(index), max_bytes=MAX_SMALL_FILE_BYTES)
+        data = parse_json_object(raw, where=str(index), reason="unreadable")
+        weight_map = data.get("weight_map")
         if isinstance(weight_map, dict):
             files = {weight_map[n] for n in names if isinstance(weight_map.get(n), str)}
             return [model_dir / f for f in sorted(files) if "/" not in f]
@@ -118,13 +130,16 @@ def _values_of_entry(fd: int, entry: Entry, where: str) -> np.ndarray | None:
     return np.frombuffer(raw, dtype=reader)
 
 
-def check_base_values(expected: Mapping[str, BaseTensor], model_dir: Path, *, where: str) -> str:
+def check_base_values(
+    expected: Mapping[str, BaseTensor], model_dir: Path, *, where: str, files: Sequence[str] | None = None
+) -> str:
     """Compare an adapter's recorded ``expected`` base digests with ``model_dir``'s tensors.
 
     Returns a line saying what was compared; raises ``CheckpointError('adapter_base_mismatch')``
     when a tensor's values differ. A recorded name the folder does not hold is not compared (a
-    model whose files name its tensors otherwise); the line then says nothing was."""
-    found = digests_in_model_dir(model_dir, {n: t.dtype for n, t in expected.items()})
+    model whose files name its tensors otherwise); the line then says nothing was. ``files``: as
+    for :func:`digests_in_model_dir` (a published step's shards, by its manifest)."""
+    found = digests_in_model_dir(model_dir, {n: t.dtype for n, t in expected.items()}, files=files)
     compared = [n for n in sorted(expected) if found.get(n) is not None]
     for name in compared:
         if found[name] != expected[name].digest:

@@ -275,10 +275,19 @@ def _validate_adapter_step(args: argparse.Namespace, reference: TensorSpecs | No
     )
     info = report.manifest.adapter
     assert info is not None  # validate_adapter refuses an adapter step without it
-    if info.base_values and args.reference and _manifest_kind(args.reference, None) in (None, "full"):
+    reference_kind = _manifest_kind(args.reference, None) if args.reference else "none"
+    if info.base_values and reference_kind in (None, "full"):
         from .base_values import check_base_values  # a model folder, or a full step: its shards
 
-        report.checks.append(check_base_values(info.base_values, Path(args.reference), where=Path(args.dir).name))
+        where, files = Path(args.reference), None
+        if reference_kind == "full":  # a published step: the shards its manifest lists, nothing else in it
+            files = list(Manifest.load(where.absolute(), root=where.absolute().parent).files)
+        try:
+            report.checks.append(check_base_values(info.base_values, where, where=Path(args.dir).name, files=files))
+        except CheckpointError as exc:
+            if exc.reason == "adapter_base_mismatch":
+                raise
+            raise ValueError(f"cannot read --reference {args.reference} for the adapter's base check: {exc}") from None
     return {
         "valid": str(report.path),
         "step": report.manifest.step,

@@ -124,3 +124,45 @@ def test_an_adapter_without_base_values_reads_as_before(tiny_model_dir: Path, tm
     manifest = Manifest.from_json(json.dumps(data))
     assert manifest.adapter is not None and manifest.adapter.base_values is None
     assert "base_values" not in json.loads(manifest.to_json())["adapter"]
+
+
+def test_a_published_step_as_reference_is_read_only_by_its_manifests_shards(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``validate ADAPTER --reference STEP``: a published step's folder is untrusted, so the base
+    check reads only the shards its manifest lists, inside it. An index nobody vouches for, naming
+    a link to another model's weights outside the root, decided the verdict before."""
+    from safetensors.torch import load_file
+
+    from rollout_service.checkpoint_writer import publish_checkpoint
+
+    root = tmp_path / "root"
+    step = _publish_from(tiny_model_dir, root, 2)
+    weights = sorted(load_file(str(tiny_model_dir / "model.safetensors")).items())
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    full = publish_checkpoint(root, 1, weights, config=config, run_id="r").path
+    ok = subprocess.run([*CLI, "validate", str(step), "--reference", str(full)], capture_output=True, text=True)
+    assert ok.returncode == 0 and "trained on this base model (4 tensors" in ok.stdout, ok.stderr
+    other = make_tiny_model(tmp_path / "other", seed=1)  # the same shapes, other values
+    (full / "other.safetensors").symlink_to(other / "model.safetensors")
+    weight_map = {
+        n: "other.safetensors" for n in json.loads((step / MANIFEST_NAME).read_text())["adapter"]["base_values"]
+    }
+    (full / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    still = subprocess.run([*CLI, "validate", str(step), "--reference", str(full)], capture_output=True, text=True)
+    assert still.returncode == 0 and "trained on this base model (4 tensors" in still.stdout, still.stderr
+
+
+def test_a_model_folder_whose_index_cannot_be_read_is_an_error_naming_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The operator's reference folder at fault is a usage error (exit 2) naming the file, not a
+    traceback or a verdict on the adapter step."""
+    import shutil
+
+    step = _publish_from(tiny_model_dir, tmp_path / "root", 1)
+    folder = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "model.safetensors.index.json").write_text("{" * 200_000)
+    out = subprocess.run([*CLI, "validate", str(step), "--reference", str(folder)], capture_output=True, text=True)
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    assert "cannot read --reference" in out.stderr and "model.safetensors.index.json" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
