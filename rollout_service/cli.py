@@ -235,6 +235,12 @@ def _check_delta_chain(args: argparse.Namespace, manifest: Manifest) -> list[str
             raise
         except ValueError as exc:  # no room: say where the rebuild goes
             raise ValueError(f"{exc} (validate rebuilds a delta step under $TMPDIR: point it elsewhere)") from None
+        except OSError as exc:  # a full or failing $TMPDIR mid-way: say where, not only the errno
+            raise OSError(
+                exc.errno,
+                f"rebuilding the step under {scratch} failed: {exc.strerror or exc} (validate rebuilds a delta"
+                " step under $TMPDIR: free room there or point TMPDIR elsewhere)",
+            ) from None
         finally:
             with contextlib.suppress(OSError):  # what is left, the next validate removes
                 remove_tree(out)
@@ -302,23 +308,44 @@ def _validate_adapter_step(args: argparse.Namespace, reference: TensorSpecs | No
 
 
 def _cmd_materialize(args: argparse.Namespace) -> int:
+    import os
+
     from .checkpoint_format import step_dir_name
     from .delta_apply import materialize
 
+    out = Path(args.out).absolute()
+    existed = os.path.lexists(out)
     try:
         manifest = materialize(
             args.root,
             args.step,
-            args.out,
+            out,
             timeout_s=args.timeout,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
+    except KeyboardInterrupt:
+        done = None if existed else _materialized_at(out, args.step)
+        if done is None:
+            raise  # nothing under --out: the work folder was removed on the way out
+        # The signal landed after the rename: the model is complete (materialize renames only
+        # a validated copy), and saying otherwise would have a retry refused as "exists".
+        signum = _interrupted_by.pop() if _interrupted_by else signal.SIGINT
+        print(f"interrupted by {signal.Signals(signum).name} after {out} was complete: it stays", file=sys.stderr)
+        manifest = done
     except CheckpointError as exc:
         print(
             f"error: cannot materialize {step_dir_name(args.step)} under {args.root} ({exc.reason}): {exc}",
             file=sys.stderr,
         )
         return 1
+    except OSError as exc:
+        if isinstance(exc, FileExistsError) or exc.filename is not None and str(exc.filename) == str(out):
+            raise
+        raise OSError(
+            exc.errno,
+            f"writing the model next to {out} failed: {exc.strerror or exc} (a full or read-only disk? free room"
+            f" in {out.parent} or name another --out)",
+        ) from None
     print(
         json.dumps(
             {
@@ -330,6 +357,15 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _materialized_at(out: Path, step: int) -> Manifest | None:
+    """The manifest of step ``step`` that ``out`` holds, if it holds one (a materialized model)."""
+    try:
+        manifest = Manifest.load(out, root=out.parent)
+    except Exception:  # not there (the interrupt came first), or no model
+        return None
+    return manifest if manifest.step == step else None
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:

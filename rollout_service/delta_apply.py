@@ -17,6 +17,7 @@ folder and never a half-applied copy under a final name.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import logging
 import os
@@ -55,6 +56,8 @@ from .work_folders import owner_tag, remove_left_by_dead_writers
 
 log = logging.getLogger(__name__)
 
+MAX_OUT_NAME_BYTES = 255
+"""The longest name ``materialize``'s output folder may have (a file system's limit)."""
 MAX_DELTA_HEADER_BYTES = 16 << 20
 """A delta file's header: one short entry per changed tensor of the file."""
 
@@ -599,14 +602,14 @@ def materialize(
     The work happens in a hidden sibling of ``out`` named after its process
     (:mod:`~rollout_service.work_folders`); one left by a run that was killed (SIGKILL, a power
     cut) is removed by the next run into the same folder.
-    A folder without room for the model (two copies while a delta is applied) is refused first."""
-    from .checkpoint_reader import (
-        read_model_specs,
-        validate_checkpoint,
-    )  # safetensors: imported when materializing only
-
+    A folder without room for the model (two copies while a delta is applied) is refused first.
+    Folders this run made for ``out`` are removed again when it fails."""
     # Absolute: resolve_inside reads a relative path as relative to its root (it would double).
     root, out = Path(root).absolute(), Path(out).absolute()
+    if ".." in out.parts or out.name in ("", "."):
+        raise ValueError(f"{out}: name the new directory without '..' or '.' (where it ends up would depend on links)")
+    if len(os.fsencode(out.name)) > MAX_OUT_NAME_BYTES:
+        raise ValueError(f"{out.name[:40]}...: a directory name of at most {MAX_OUT_NAME_BYTES} bytes, please")
     if os.path.lexists(out):
         raise FileExistsError(f"{out} exists; name a new directory for the materialized checkpoint")
     if is_inside(out, root):
@@ -625,7 +628,41 @@ def materialize(
             " BASE_MODEL_DIR` and load it with PEFT on that base model, or materialize a full step",
         )
     chain = resolve_chain(root, ChainLink(path, manifest), None, deadline)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    made = _make_parents(out.parent)
+    try:
+        return _materialize_into(root, out, step, manifest, chain, deadline, timeout_s, progress, check_finite)
+    except BaseException:
+        for folder in made:  # the folders this run made for --out, deepest first, if still empty
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        raise
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """Make ``folder`` and its missing parents; the ones made, deepest first."""
+    missing = []
+    at = folder
+    while not os.path.lexists(at):
+        missing.append(at)
+        at = at.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def _materialize_into(
+    root: Path,
+    out: Path,
+    step: int,
+    manifest: Manifest,
+    chain: Chain,
+    deadline: Deadline,
+    timeout_s: float | None,
+    progress: Callable[[str], None] | None,
+    check_finite: bool,
+) -> Manifest:
+    """:func:`materialize`'s work once the chain is known and ``out``'s folder exists."""
+    from .checkpoint_reader import read_model_specs, validate_checkpoint  # safetensors: when materializing only
+
     remove_left_by_dead_writers(out.parent, _work_prefix(out), "a materialize")
     _check_room(out, manifest, copies=2 if chain.deltas else 1)
     work = out.parent / f"{_work_prefix(out)}{owner_tag()}-{uuid.uuid4().hex[:12]}"
@@ -663,7 +700,14 @@ def materialize(
             timeout_s=None if timeout_s is None else max(0.001, timeout_s - (time.monotonic() - deadline.started)),
             timeout_flag=deadline.flag,
         )
-        os.rename(current, out)
+        try:
+            os.rename(current, out)
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise FileExistsError(
+                    f"{out} was made by another run meanwhile; this run's copy is discarded"
+                ) from None
+            raise
     finally:
         with contextlib.suppress(OSError):  # nothing to remove, or a leftover the next run removes
             remove_tree(work)
@@ -671,7 +715,9 @@ def materialize(
 
 
 def _work_prefix(out: Path) -> str:
-    return f"{TEMP_PREFIX}materialize-{out.name}-"
+    """The hidden work folder's name before its owner tag: ``out``'s name cut short so that the
+    whole name fits a file system's 255 bytes."""
+    return f"{TEMP_PREFIX}materialize-{os.fsencode(out.name)[:64].decode(errors='ignore')}-"
 
 
 def _check_room(out: Path, manifest: Manifest, copies: int) -> None:
