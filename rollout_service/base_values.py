@@ -109,7 +109,7 @@ def _shards_holding(model_dir: Path, names: set[str]) -> list[Path]:
     if index.is_file():
         real = Path(os.path.realpath(index))
         raw = read_small(real.parent, real, where=str(index), max_bytes=MAX_SMALL_FILE_BYTES)
-        data = parse_json_object(raw, where=str(index), reason="unreadable")
+        data = parse_json_object(raw, where=str(index), reason="unreadable", unique_keys=False)
         weight_map = data.get("weight_map")
         if isinstance(weight_map, dict):
             files = {weight_map[n] for n in names if isinstance(weight_map.get(n), str)}

@@ -15,8 +15,10 @@ rollout_service.cli`` runs these commands without it.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -236,6 +238,8 @@ def _check_delta_chain(args: argparse.Namespace, manifest: Manifest) -> list[str
         except ValueError as exc:  # no room: say where the rebuild goes
             raise ValueError(f"{exc} (validate rebuilds a delta step under $TMPDIR: point it elsewhere)") from None
         except OSError as exc:  # a full or failing $TMPDIR mid-way: say where, not only the errno
+            if not _writing_failed(exc, scratch, root):
+                raise
             raise OSError(
                 exc.errno,
                 f"rebuilding the step under {scratch} failed: {exc.strerror or exc} (validate rebuilds a delta"
@@ -308,12 +312,10 @@ def _validate_adapter_step(args: argparse.Namespace, reference: TensorSpecs | No
 
 
 def _cmd_materialize(args: argparse.Namespace) -> int:
-    import os
-
     from .checkpoint_format import step_dir_name
-    from .delta_apply import materialize
+    from .delta_apply import materialize, materialize_target
 
-    out = Path(args.out).absolute()
+    out = materialize_target(args.out)
     existed = os.path.lexists(out)
     try:
         manifest = materialize(
@@ -324,7 +326,7 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
             progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
     except KeyboardInterrupt:
-        done = None if existed else _materialized_at(out, args.step)
+        done = None if existed else _materialized_at(out, args.root, args.step)
         if done is None:
             raise  # nothing under --out: the work folder was removed on the way out
         # The signal landed after the rename: the model is complete (materialize renames only
@@ -339,8 +341,8 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
         )
         return 1
     except OSError as exc:
-        if isinstance(exc, FileExistsError) or exc.filename is not None and str(exc.filename) == str(out):
-            raise
+        if isinstance(exc, FileExistsError) or not _writing_failed(exc, out.parent, Path(args.root)):
+            raise  # about the root, or --out itself: the error names it
         raise OSError(
             exc.errno,
             f"writing the model next to {out} failed: {exc.strerror or exc} (a full or read-only disk? free room"
@@ -359,13 +361,37 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _materialized_at(out: Path, step: int) -> Manifest | None:
-    """The manifest of step ``step`` that ``out`` holds, if it holds one (a materialized model)."""
+def _materialized_at(out: Path, root: Path, step: int) -> Manifest | None:
+    """The manifest ``out`` holds when it is a model materialized from step ``step`` of ``root``
+    as published now (its manifest names that publication as its source), else None."""
+    from .checkpoint_format import step_dir_name
+
     try:
         manifest = Manifest.load(out, root=out.parent)
+        root = Path(root).absolute()
+        published = Manifest.load(root / step_dir_name(step), root=root)
     except Exception:  # not there (the interrupt came first), or no model
         return None
-    return manifest if manifest.step == step else None
+    return manifest if manifest.source_fingerprint() == published.fingerprint() else None
+
+
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+"""Errors only writing gives (a write to a descriptor names no file)."""
+
+
+def _writing_failed(exc: OSError, folder: Path, root: Path) -> bool:
+    """Whether ``exc`` came from writing into ``folder``: an error only writing gives, or one
+    naming a file in ``folder`` and not in the checkpoint ``root`` (which is only read)."""
+    filename = exc.filename
+    if filename is None:
+        return exc.errno in _WRITE_ERRNOS
+    name = os.path.abspath(os.fsdecode(filename))
+    return _within(name, folder) and not _within(name, root)
+
+
+def _within(name: str, folder: Path) -> bool:
+    top = os.path.abspath(folder)
+    return name == top or name.startswith(top.rstrip("/") + "/")
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:

@@ -605,9 +605,7 @@ def materialize(
     A folder without room for the model (two copies while a delta is applied) is refused first.
     Folders this run made for ``out`` are removed again when it fails."""
     # Absolute: resolve_inside reads a relative path as relative to its root (it would double).
-    root, out = Path(root).absolute(), Path(out).absolute()
-    if ".." in out.parts or out.name in ("", "."):
-        raise ValueError(f"{out}: name the new directory without '..' or '.' (where it ends up would depend on links)")
+    root, out = Path(root).absolute(), materialize_target(out)
     if len(os.fsencode(out.name)) > MAX_OUT_NAME_BYTES:
         raise ValueError(f"{out.name[:40]}...: a directory name of at most {MAX_OUT_NAME_BYTES} bytes, please")
     if os.path.lexists(out):
@@ -638,15 +636,31 @@ def materialize(
         raise
 
 
+def materialize_target(out: Path | str) -> Path:
+    """Where :func:`materialize` puts ``out``: its folder with links and ``..`` resolved as the
+    kernel would (``../models/x`` is fine), then its own name, which must be a name (not ``..``)."""
+    path = Path(out)
+    if path.name in ("", ".", ".."):
+        raise ValueError(f"--out {out}: end it with the name of the new directory (not '..' or '.')")
+    return Path(os.path.realpath(path.absolute().parent)) / path.name
+
+
 def _make_parents(folder: Path) -> list[Path]:
-    """Make ``folder`` and its missing parents; the ones made, deepest first."""
+    """Make ``folder`` and its missing parents one level at a time; the ones this call made,
+    deepest first (one another process made meanwhile is not counted: it is not ours to remove)."""
     missing = []
     at = folder
     while not os.path.lexists(at):
         missing.append(at)
         at = at.parent
-    folder.mkdir(parents=True, exist_ok=True)
-    return missing
+    made = []
+    for level in reversed(missing):
+        try:
+            os.mkdir(level)
+        except FileExistsError:
+            continue
+        made.append(level)
+    return made[::-1]
 
 
 def _materialize_into(

@@ -247,10 +247,14 @@ def _shard_tensors(fd: int, path: Path) -> tuple[_SourceTensor, ...]:
                 name,
             )
     # Where each tensor's bytes are (the header safetensors just accepted, read again from the file).
-    try:
-        found = read_header(fd, os.fstat(fd).st_size, where).by_name()
-    except CheckpointError:
-        found = {}
+    try:  # foreign: as safetensors just read it (a key given twice: the last counts)
+        found = read_header(fd, os.fstat(fd).st_size, where, foreign=True).by_name()
+    except CheckpointError as exc:
+        raise _refused(
+            f"{exc} (truncated, or changed while it was read); re-save the model (save_pretrained) or download"
+            " it again",
+            "bad_shard",
+        ) from None
     except OSError as exc:
         raise _refused(f"{where}: reading its header failed: {exc.strerror}", "bad_shard") from None
     tensors = []

@@ -31,7 +31,10 @@ from dataclasses import dataclass
 from .checkpoint_format import DTYPE_SIZES, MAX_SHARD_HEADER_BYTES, CheckpointError, parse_json_object
 
 MAX_DIMS = 8
-"""Dimensions a tensor may have (a model's weights have at most 5)."""
+"""Dimensions a tensor of a checkpoint may have (a model's weights have at most 5)."""
+MAX_FOREIGN_DIMS = 64
+"""Dimensions a tensor of an operator's model file may have (safetensors sets no limit; this one
+only bounds the work a crafted header makes)."""
 MAX_DIM = 1 << 40
 """The largest dimension taken (a tensor larger than any storage is a crafted header)."""
 
@@ -107,7 +110,7 @@ def parse_entries(
             isinstance(dtype, str)
             and (dtype in DTYPE_SIZES or foreign)
             and isinstance(shape, list)
-            and len(shape) <= MAX_DIMS
+            and len(shape) <= (MAX_FOREIGN_DIMS if foreign else MAX_DIMS)
             and all(type(x) is int and 0 <= x < MAX_DIM for x in shape)
             and isinstance(offsets, list)
             and len(offsets) == 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -165,6 +166,29 @@ def _flag_value(args: Sequence[str], *names: str) -> str | None:
             if arg.startswith(name + "="):
                 return arg.split("=", 1)[1]
     return None
+
+
+_SECRET_FLAG = re.compile(r"--[\w-]*(?:api-key|token|secret|password)[\w-]*", re.IGNORECASE)
+"""Flags whose value is a credential (SGLang's ``--api-key``, ``--admin-api-key``)."""
+
+
+def shown_command(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` as it may be logged: the value of every credential flag replaced by ``***``
+    (``--api-key KEY`` and ``--api-key=KEY``)."""
+    shown: list[str] = []
+    hide_next = False
+    for arg in cmd:
+        if hide_next:
+            shown.append("***")
+            hide_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if _SECRET_FLAG.fullmatch(flag):
+            shown.append(f"{flag}=***" if eq else arg)
+            hide_next = not eq
+        else:
+            shown.append(arg)
+    return shown
 
 
 def _has_flag(args: Sequence[str], *names: str) -> bool:
@@ -459,7 +483,9 @@ class SGLangServer:
                     " if a trainer shares the GPU, pass `-- --mem-fraction-static 0.4` or similar",
                     int(SGLANG_AUTO_FRACTION * 100),
                 )
-        logger.info("starting SGLang on %s (%s), log %s: %s", self.url, self.device, self.log_path, " ".join(cmd))
+        logger.info(
+            "starting SGLang on %s (%s), log %s: %s", self.url, self.device, self.log_path, " ".join(shown_command(cmd))
+        )
         self._group = ProcessGroup(
             cmd,
             self.log_path,

@@ -40,6 +40,16 @@ def test_an_out_with_dot_dot_or_a_name_too_long_is_refused_before_any_work(
     assert sorted(os.listdir(tmp_path)) == ["root"]
 
 
+def test_an_out_given_relative_to_a_parent_folder_works(
+    root: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    code, printed = cli_reason(capsys, "materialize", str(root), "--step", "2", "--out", "../models/m")
+    assert code == 0, printed
+    assert validate_checkpoint(tmp_path / "models" / "m").manifest.step == 2
+
+
 def test_an_out_name_as_long_as_a_name_may_be_works(root: Path, tmp_path: Path, capsys) -> None:
     """The hidden work folder beside ``--out`` is named after it: cut short, so that a long but
     valid name still fits (before: ENAMETOOLONG naming the hidden folder)."""
@@ -131,3 +141,34 @@ def test_a_full_disk_names_where_it_was_writing(root: Path, tmp_path: Path, caps
     code, err = cli_reason(capsys, "validate", str(root / step_dir_name(2)), "--digests")
     assert code == 2 and "No space left on device" in err and str(scratch) in err and "TMPDIR" in err, err
     assert os.listdir(scratch) == []
+
+
+def test_an_error_about_the_root_is_not_blamed_on_out(root: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    def unreadable(*args, **kw):
+        raise PermissionError(errno.EACCES, "Permission denied", str(root / step_dir_name(1)))
+
+    monkeypatch.setattr(delta_apply, "resolve_chain", unreadable)
+    code, err = cli_reason(capsys, "materialize", str(root), "--step", "2", "--out", str(tmp_path / "model"))
+    assert code == 2 and str(root / step_dir_name(1)) in err and "free room" not in err, err
+
+
+def test_an_interrupt_after_another_roots_copy_took_the_name_is_not_reported_as_done(
+    root: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another run, from another root, put its step 2 at ``--out`` first; this run is interrupted
+    before its own rename: the model there is not the one asked for (another publication of step
+    2), and the run says it stopped."""
+    other = tmp_path / "other-root"
+    publish_delta_chain(other)
+    prepared = tmp_path / "prepared"
+    delta_apply.materialize(other, 2, prepared)
+    out = tmp_path / "model"
+
+    def other_then_interrupt(*args, **kw):
+        os.rename(prepared, out)
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the signal should have interrupted the run")
+
+    monkeypatch.setattr(delta_apply, "reconstruct", other_then_interrupt)
+    code = main(["materialize", str(root), "--step", "2", "--out", str(out)])
+    assert code == 128 + signal.SIGTERM, capsys.readouterr().err

@@ -333,3 +333,26 @@ def test_a_fifo_named_like_a_shard_is_refused_without_hanging(tmp_path: Path, ho
         timeout=60,
     )
     assert_refused(out.returncode, out.stderr, root, [], *words)
+
+
+def test_a_header_safetensors_reads_with_a_key_given_twice_is_published_as_it_reads_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """safetensors (and so SGLang) reads a header whose key is given twice, the last one counting;
+    the publisher's second look at the header reads it the same way (before: "changed while it
+    was read", with nothing changing it)."""
+    src = make_model_dir(tmp_path / "model")
+    w = weights()
+    norm = w["model.norm.weight"].numpy().tobytes()
+    head = '{"model.norm.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+    head += f'"model.norm.weight": {{"dtype": "F32", "shape": [16], "data_offsets": [0, {len(norm)}]}}}}'
+    raw = head.encode() + b" " * (-len(head) % 8)
+    (src / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + norm)
+    root = tmp_path / "root"
+    rc, err = publish(capsys, src, root, 1)
+    assert rc == 0, err
+    from safetensors.torch import load_file
+
+    assert torch.equal(
+        load_file(str(root / "step-00000001" / "model.safetensors"))["model.norm.weight"], w["model.norm.weight"]
+    )
