@@ -15,17 +15,21 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import stat
 import subprocess
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
 
+from .redaction import redact_text
+
 logger = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 40
+LOG_TAIL_BYTES = 256 * 1024
+"""The most of a log's end any reader takes (its last lines, the last error in it)."""
 PROGRESS_EVERY_S = 10.0
 POLL_S = 0.5
 
@@ -105,14 +109,46 @@ def descendant_groups(pid: int) -> set[int]:
     return found
 
 
-def log_tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
-    """The last `n` lines of the file at `path` ("" when there is none yet)."""
+def log_end(path: str | os.PathLike[str], max_bytes: int = LOG_TAIL_BYTES) -> str:
+    """The last ``max_bytes`` of the log file at ``path``, credentials redacted
+    (:func:`~rollout_service.redaction.redact_text`: SGLang logs its own ``api_key``).
+
+    Never blocks and never reads more: opened non-blocking (a FIFO whose writer died would block
+    a plain open forever; ``--sglang-log /dev/stdout`` is a pipe or a terminal), and nothing is
+    read from what is not a regular file ("" then, logged once per path). Raises ``OSError``
+    when the file cannot be opened or read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # links are fine: logs may be links
     try:
-        with open(path, "rb") as log:
-            lines = deque(log, maxlen=n)
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            if str(path) not in _NOT_READ:
+                _NOT_READ.add(str(path))
+                logger.warning("log %s is not a regular file (a pipe, a terminal, a device): its end is not read", path)
+            return ""
+        start = max(0, info.st_size - max_bytes)
+        data = b""
+        while len(data) < max_bytes:  # pread may return less than asked (network file systems)
+            chunk = os.pread(fd, max_bytes - len(data), start + len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    return redact_text(data.decode("utf-8", errors="replace"))
+
+
+_NOT_READ: set[str] = set()
+"""Logs found not to be regular files (warned about once)."""
+
+
+def log_tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
+    """The last `n` lines of the log file at `path` ("" when there is none yet, or it cannot be
+    read), as :func:`log_end` reads it."""
+    try:
+        text = log_end(path)
     except OSError:
         return ""
-    return b"".join(lines).decode("utf-8", errors="replace")
+    return "".join(text.splitlines(keepends=True)[-n:])
 
 
 def _total_size(paths: Sequence[Path]) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from .cli_env import check_bounds, setting
 from .http_urls import bindable_port, check_bind_host, url_host
 from .lora_serving import LoraServing
 from .process_group import LOG_TAIL_LINES, ProcessGroup, ProcessStartError, log_tail
+from .redaction import shown_command
 
 logger = logging.getLogger(__name__)
 
@@ -166,29 +166,6 @@ def _flag_value(args: Sequence[str], *names: str) -> str | None:
             if arg.startswith(name + "="):
                 return arg.split("=", 1)[1]
     return None
-
-
-_SECRET_FLAG = re.compile(r"--[\w-]*(?:api-key|token|secret|password)[\w-]*", re.IGNORECASE)
-"""Flags whose value is a credential (SGLang's ``--api-key``, ``--admin-api-key``)."""
-
-
-def shown_command(cmd: Sequence[str]) -> list[str]:
-    """``cmd`` as it may be logged: the value of every credential flag replaced by ``***``
-    (``--api-key KEY`` and ``--api-key=KEY``)."""
-    shown: list[str] = []
-    hide_next = False
-    for arg in cmd:
-        if hide_next:
-            shown.append("***")
-            hide_next = False
-            continue
-        flag, eq, _ = arg.partition("=")
-        if _SECRET_FLAG.fullmatch(flag):
-            shown.append(f"{flag}=***" if eq else arg)
-            hide_next = not eq
-        else:
-            shown.append(arg)
-    return shown
 
 
 def _has_flag(args: Sequence[str], *names: str) -> bool:

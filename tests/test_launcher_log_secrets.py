@@ -54,3 +54,53 @@ def test_only_credential_flags_are_hidden() -> None:
         "m",
         "--api-key",
     ]
+
+
+def test_a_boolean_flag_named_like_a_credential_never_unmasks_the_next_one() -> None:
+    """``--skip-tokenizer-init`` (a flag without a value) before ``--api-key KEY``: the key is
+    still hidden, and flags that only contain "token" keep their values."""
+    cmd = ["--skip-tokenizer-init", "--api-key", "SEKRET", "--max-total-tokens", "4096", "--tokenizer-path", "t"]
+    assert shown_command(cmd) == [
+        "--skip-tokenizer-init",
+        "--api-key",
+        "***",
+        "--max-total-tokens",
+        "4096",
+        "--tokenizer-path",
+        "t",
+    ]
+    assert shown_command(["--token", "--api-key", "K"]) == ["--token", "--api-key", "***"]
+
+
+def test_a_log_tail_hides_the_key_sglang_logs_itself(tmp_path: Path) -> None:
+    """SGLang logs its own arguments at start (``server_args=ServerArgs(... api_key='...')``);
+    the tails quoted in errors, /status and /readyz show ``***``."""
+    from rollout_service.process_group import log_tail
+
+    log = tmp_path / "sglang.log"
+    log.write_text(
+        "INFO server_args=ServerArgs(model_path='m', api_key='SEKRET', admin_api_key=None, max_total_tokens=4096)\n"
+        'INFO {"api_key": "SEKRET2"} launched with --api-key SEKRET3\n'
+        "RuntimeError: boom\n"
+    )
+    tail = log_tail(log)
+    assert "SEKRET" not in tail and "api_key='***'" in tail and "max_total_tokens=4096" in tail
+    assert tail.endswith("RuntimeError: boom\n")
+
+
+def test_a_log_that_is_a_pipe_is_not_read_and_never_blocks(tmp_path: Path) -> None:
+    """``--sglang-log /dev/stdout`` (a pipe under docker) or a FIFO: reading its tail must not
+    block the wait for SGLang or its give-up path."""
+    import os
+    import threading
+
+    from rollout_service.process_group import log_tail
+
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)
+    result: list[str] = []
+    reader = threading.Thread(target=lambda: result.append(log_tail(fifo)), daemon=True)
+    reader.start()
+    reader.join(5)
+    assert not reader.is_alive(), "log_tail blocked on a FIFO"
+    assert result == [""]

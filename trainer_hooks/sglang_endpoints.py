@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -58,6 +56,7 @@ from rollout_service.bounded_http import (
 )
 from rollout_service.bounded_http import client as bounded_client
 from rollout_service.http_auth import bearer_headers
+from rollout_service.process_group import LOG_TAIL_BYTES, log_end
 
 from .sglang_responses import Completion, parse_generate_response, parse_rescore_response
 
@@ -111,7 +110,6 @@ class _EndpointFailed(Exception):
 HEALTH_PROBE_TIMEOUT_S = 5.0
 POISON_RETRIES = 1
 """How often prompts whose request killed a server are sent again (then the call fails)."""
-LOG_TAIL_BYTES = 256 * 1024
 
 
 @dataclass
@@ -673,30 +671,12 @@ def _describe(params: dict[str, Any]) -> str:
 
 
 def _read_tail(path: str) -> str:
-    """The last ``LOG_TAIL_BYTES`` of SGLang's log file at ``path``, without ever blocking or reading
-    more: opened non-blocking (a FIFO whose writer died would block a plain open forever), and
-    nothing is read from what is not a regular file (a device such as /dev/zero has no end)."""
+    """The last ``LOG_TAIL_BYTES`` of SGLang's log file at ``path`` (bounded, never blocking,
+    credentials redacted: :func:`rollout_service.process_group.log_end`), or why it cannot be read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # links are fine: logs may be links
+        return log_end(path, LOG_TAIL_BYTES)
     except OSError as exc:
         return f"(could not read {path}: {exc.strerror or exc})"
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            log.warning("SGLang log %s is not a regular file (a FIFO, a device or a directory): not read", path)
-            return ""
-        start = max(0, info.st_size - LOG_TAIL_BYTES)
-        data = b""
-        while len(data) < LOG_TAIL_BYTES:  # pread may return less than asked (network file systems)
-            chunk = os.pread(fd, LOG_TAIL_BYTES - len(data), start + len(data))
-            if not chunk:
-                break
-            data += chunk
-        return data.decode("utf-8", errors="replace")
-    except OSError as exc:
-        return f"(could not read {path}: {exc.strerror or exc})"
-    finally:
-        os.close(fd)
 
 
 def last_error_lines(text: str, limit: int = 6) -> list[str]:

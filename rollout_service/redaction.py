@@ -1,0 +1,59 @@
+"""Keeping credentials out of logs, error messages and status answers.
+
+SGLang's ``--api-key`` (given after ``--`` to ``serve``, and by the demo) travels on command lines
+that are logged, and SGLang logs its own arguments (``server_args=...api_key='...'``) into the log
+whose tail the sidecar and ``serve`` quote when SGLang fails. Every such line goes through
+:func:`shown_command` or :func:`redact_text` first: a credential's value becomes ``***``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+SECRET_FLAG = re.compile(r"--(?:[\w-]*-)?(?:api-key|token|secret|password)", re.IGNORECASE)
+"""A command-line flag whose value is a credential: its name ends in ``api-key``, ``token``,
+``secret`` or ``password`` (``--api-key``, ``--admin-api-key``; not ``--skip-tokenizer-init`` or
+``--max-total-tokens``)."""
+
+_SECRET_IN_TEXT = re.compile(
+    r"(?P<name>--(?:[\w-]*-)?(?:api-key|token|secret|password)|\b(?:\w*_)?(?:api_key|token|secret|password))"
+    r"(?P<closing>['\"]?)(?P<sep>\s*[=:]\s*|\s+)(?P<quote>['\"]?)(?P<value>[^\s'\",)}]+)",
+    re.IGNORECASE,
+)
+"""A credential named in free text: ``--api-key KEY``, ``--api-key=KEY``, ``api_key='KEY'``,
+``"api_key": "KEY"`` (a Python or JSON dump of SGLang's arguments)."""
+
+
+def shown_command(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` as it may be logged: the value of every credential flag replaced by ``***``
+    (``--api-key KEY`` and ``--api-key=KEY``); a flag is never taken for a value."""
+    shown: list[str] = []
+    hide_next = False
+    for arg in cmd:
+        if hide_next and not arg.startswith("--"):
+            shown.append("***")
+            hide_next = False
+            continue
+        hide_next = False
+        flag, eq, _ = arg.partition("=")
+        if SECRET_FLAG.fullmatch(flag):
+            shown.append(f"{flag}=***" if eq else arg)
+            hide_next = not eq
+        else:
+            shown.append(arg)
+    return shown
+
+
+def redact_text(text: str) -> str:
+    """``text`` (a log tail, an error message) with every credential's value as ``***``;
+    ``None``/``False`` values are kept (no credential to hide)."""
+
+    def hide(match: re.Match[str]) -> str:
+        if match["value"] in ("None", "null", "False", "false", "''", '""'):
+            return match[0]
+        if match["sep"].strip() == "" and match["name"][:2] != "--":
+            return match[0]  # "token 5" in prose: not a name and its value
+        return f"{match['name']}{match['closing']}{match['sep']}{match['quote']}***"
+
+    return _SECRET_IN_TEXT.sub(hide, text)
