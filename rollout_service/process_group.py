@@ -62,14 +62,65 @@ def kill_me_with_parent() -> None:
 
 
 def group_alive(pgid: int) -> bool:
-    """True while any process of group `pgid` exists (zombies included)."""
+    """True while any process of group `pgid` is alive; zombies do not count.
+
+    A zombie has exited and holds nothing but its process-table entry: waiting for one to go away
+    is waiting for its parent to reap it, which never happens when that parent is this process
+    (``serve`` as a container's PID 1 or a child subreaper inherits the orphans of the server it
+    stopped) and is not reaping. Without ``/proc`` (not Linux) zombies count as alive."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    members = _group_members({pgid})
+    if members is None or not members:  # no /proc, or the group ended since killpg: ask again next time
+        return True
+    return any(state != "Z" for _pid, _ppid, state in members)
+
+
+def _group_members(pgids: set[int]) -> list[tuple[int, int, str]] | None:
+    """(pid, parent pid, state) of every process in the process groups `pgids`, from
+    ``/proc/<pid>/stat``; None when ``/proc`` cannot be listed."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    found = []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                text = f.read().decode("ascii", errors="replace")
+        except OSError:
+            continue
+        fields = text[text.rfind(")") + 2 :].split()
+        if len(fields) >= 3 and fields[2].lstrip("-").isdigit() and int(fields[2]) in pgids:
+            found.append((int(name), int(fields[1]), fields[0]))
+    return found
+
+
+def reap_orphans(pgids: set[int], exclude: int | None = None) -> int:
+    """Reap the zombies of process groups `pgids` whose parent is this process; returns how many.
+
+    When this process is PID 1 (a container whose command is ``rollout-service serve``, no init)
+    or a child subreaper, the children of a server it started are re-parented to it once the
+    server's main process dies, and their zombies stay until it reaps them. Only those are waited
+    for, by pid: a wait for any child would steal the exit status of processes that other code
+    (``subprocess``) waits for. `exclude` is the server's main process, which its ``Popen`` reaps."""
+    me = os.getpid()
+    reaped = 0
+    for pid, ppid, state in _group_members(pgids) or ():
+        if ppid != me or state != "Z" or pid == exclude:
+            continue
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                reaped += 1
+        except ChildProcessError:
+            pass
+    return reaped
 
 
 def signal_group(pgid: int, sig: int) -> None:
@@ -312,23 +363,30 @@ class ProcessGroup:
                     next_report = now + PROGRESS_EVERY_S
                 time.sleep(POLL_S)
 
-    def stop(self, timeout_s: float = 20.0, sig: int = signal.SIGTERM) -> None:
+    def stop(self, timeout_s: float = 20.0, sig: int = signal.SIGTERM, reap_timeout_s: float = 10.0) -> None:
         """Stop the whole group: `sig` (SIGTERM), then SIGKILL after `timeout_s`.
 
         Process groups that descendants started of their own (seen before the signal) are
-        killed too once the main process is gone. Safe to call more than once, and also when the
-        main process already died (its children are still killed through the group).
+        killed too once the main process is gone, and their zombies that were re-parented to this
+        process (PID 1, a subreaper) are reaped (`reap_orphans`). Safe to call more than once, and
+        also when the main process already died (its children are still killed through the group).
+        Returns after at most about `timeout_s` + 2 x `reap_timeout_s`: a process that even SIGKILL
+        does not end (uninterruptible sleep: a hung GPU driver or network file system) is logged
+        and left behind.
         """
         if self.process is None:
             return
         pgid = self.process.pid
         others = descendant_groups(pgid)
+        groups = {pgid, *others}
+        reap_orphans(groups, exclude=pgid)
         if group_alive(pgid):
             logger.info("stopping %s (process group %d)", self.name, pgid)
             signal_group(pgid, sig)
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
                 self.process.poll()
+                reap_orphans(groups, exclude=pgid)
                 if not group_alive(pgid):
                     break
                 time.sleep(0.2)
@@ -342,12 +400,24 @@ class ProcessGroup:
                 )
                 signal_group(pgid, signal.SIGKILL)
         try:
-            self.process.wait(timeout=10)
+            self.process.wait(timeout=reap_timeout_s)
         except subprocess.TimeoutExpired:
             signal_group(pgid, signal.SIGKILL)
-            self.process.wait()
-        deadline = time.monotonic() + 10
+            try:
+                self.process.wait(timeout=reap_timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.error(
+                    "%s (pid %d) did not end %.0f s after SIGKILL (uninterruptible sleep: a hung driver"
+                    " or file system?); leaving it behind",
+                    self.name,
+                    pgid,
+                    reap_timeout_s,
+                )
+                return
+        deadline = time.monotonic() + reap_timeout_s
         for group in (pgid, *others):
             while group_alive(group) and time.monotonic() < deadline:
                 signal_group(group, signal.SIGKILL)
+                reap_orphans(groups, exclude=pgid)
                 time.sleep(0.1)
+        reap_orphans(groups, exclude=pgid)

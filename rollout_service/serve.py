@@ -7,18 +7,27 @@ checkpoint before reporting ready again. Ctrl-C or SIGTERM stops the sidecar and
 the whole SGLang process group.
 
 Restarts are budgeted as systemd's ``StartLimitBurst``/``StartLimitIntervalSec`` do: at
-most ``max_restarts`` within any ``restart_window_s`` seconds. A server that crashes now
-and then over a long run keeps being restarted; one that crashes again and again (a
-request that kills it, a broken GPU) spends the budget, and then ``serve`` stops
-restarting it and keeps the sidecar up to say why: ``/readyz`` answers 503 with
-``fatal`` (reason ``restart_budget_spent``, SGLang's last log lines) and ``/status``
-shows the same in ``fatal``. SIGTERM then exits with code 3.
+most ``max_restarts`` within any ``restart_window_s`` seconds, not counting the time the
+restarts themselves take (stopping SGLang, loading the model until ``/health`` answers), so a
+model that takes minutes to load is judged as one that loads at once; and at most
+``max_restarts`` restarts in a row that never get SGLang healthy (it crashes while loading, or
+hangs past the start-up timeout and is stopped). A server that crashes now and then over a
+long run keeps being restarted; one that crashes again and again (a request that kills it, a
+broken GPU) spends the budget, and then ``serve`` stops restarting it and keeps the sidecar
+up to say why: ``/readyz`` answers 503 with ``fatal`` (reason ``restart_budget_spent``,
+SGLang's last log lines) and ``/status`` shows the same in ``fatal``. SIGTERM then exits
+with code 3.
+
+Exit codes: 0 after SIGTERM or SIGINT (also during SGLang's first start), 2 when SGLang does not
+start, 3 after the restart budget was spent, 4 when the sidecar's HTTP server cannot start (its
+port cannot be bound, or its start-up failed).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import signal
 import threading
 import time
@@ -35,6 +44,10 @@ log = logging.getLogger(__name__)
 
 RESTART_BUDGET_SPENT = "restart_budget_spent"
 STARTUP_HINT = "raise `serve --startup-timeout` (ROLLOUT_STARTUP_TIMEOUT)"
+EXIT_SIDECAR_FAILED = 4
+"""``serve``'s exit code when the sidecar's HTTP server cannot start (uvicorn exits 3 for that,
+which is ``serve``'s code for a spent restart budget)."""
+SHUTDOWN_JOIN_S = 60.0
 
 
 @dataclass
@@ -42,8 +55,9 @@ class RestartPolicy:
     """How a crashed SGLang server is brought back.
 
     At most ``max_restarts`` restarts within any ``restart_window_s`` seconds (systemd's
-    StartLimitBurst / StartLimitIntervalSec); back-off doubles from ``backoff_s`` up to
-    ``max_backoff_s`` and resets after a successful restart. Each start waits
+    StartLimitBurst / StartLimitIntervalSec), the time restarts take not counted (`discount`), and
+    at most ``max_restarts`` failed restarts in a row (`record_failure`); back-off doubles from
+    ``backoff_s`` up to ``max_backoff_s`` and resets after a successful restart. Each start waits
     ``startup_timeout_s`` for ``/health``, longer while the log shows progress (until it has been
     silent for ``progress_grace_s``). The fields declared with ``setting`` are ``serve``'s flags
     and ``ROLLOUT_*`` variables (see ``rollout_service.cli_env``).
@@ -53,8 +67,9 @@ class RestartPolicy:
         default=5,
         metadata=setting(
             "--max-restarts",
-            "SGLang restarts allowed within --restart-window seconds; once spent, SGLang stays"
-            " down and /readyz and /status report `restart_budget_spent` with its last log lines",
+            "SGLang restarts allowed within --restart-window seconds (the time restarts spend starting"
+            " SGLang not counted), and restarts in a row that never get it healthy; once spent, SGLang"
+            " stays down and /readyz and /status report `restart_budget_spent` with its last log lines",
             bounds=(0, 1000),
         ),
     )
@@ -81,6 +96,8 @@ class RestartPolicy:
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     restarts: int = field(default=0, init=False)
     """Restarts over the server's whole life (reported; the budget uses the window)."""
+    failed_in_a_row: int = field(default=0, init=False)
+    """The latest restarts that all failed to get SGLang healthy (0 after one that did)."""
     _recent: collections.deque = field(default_factory=collections.deque, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -94,7 +111,7 @@ class RestartPolicy:
         return len(self._recent)
 
     def may_restart(self) -> bool:
-        return self.restarts_in_window() < self.max_restarts
+        return self.restarts_in_window() < self.max_restarts and self.failed_in_a_row < self.max_restarts
 
     def record_restart(self) -> int:
         """Count one restart now; returns how many fall in the window, this one included."""
@@ -102,6 +119,23 @@ class RestartPolicy:
         self._recent.append(self.clock())
         self.restarts += 1
         return len(self._recent)
+
+    def discount(self, seconds: float) -> None:
+        """Leave ``seconds`` (the time a restart just spent stopping and starting SGLang) out of
+        the window: the restarts counted so far move that much later. Without this a model that
+        loads for two minutes and then crashes would never have ``max_restarts`` restarts within
+        the window (each one's start-up time slides the window past the earlier ones)."""
+        if seconds > 0:
+            self._recent = collections.deque(t + seconds for t in self._recent)
+
+    def record_failure(self) -> int:
+        """A restart failed to get SGLang healthy; returns how many in a row have."""
+        self.failed_in_a_row += 1
+        return self.failed_in_a_row
+
+    def record_success(self) -> None:
+        """A restart got SGLang healthy."""
+        self.failed_in_a_row = 0
 
     def describe(self) -> str:
         return f"{self.max_restarts} restart(s) within {self.restart_window_s:.0f} s"
@@ -114,9 +148,17 @@ class Supervisor(threading.Thread):
     the policy's timeouts, `should_restart()` says when the watching thread brings it back,
     `restart()` stops and starts it again through `startup()` (so every start, the first and each
     restart, waits as the policy says: there is one path and no second default), and `shutdown()`
-    stops watching and stops the server's whole process group. After each restart it calls
-    `on_restart`; once the restart budget is spent it calls `on_give_up(reason, message)` once
-    and stops watching, leaving SGLang down.
+    stops the server's whole process group and then the watching thread. After each restart it
+    calls `on_restart`; a restart that fails (SGLang exits while loading, stays unhealthy past the
+    start-up timeout, or cannot be launched at all) stops what it started and counts against the
+    budget; once the budget is spent it calls `on_give_up(reason, message)` once and stops
+    watching, leaving SGLang down.
+
+    A restarted SGLang is launched from the watching thread, and `kill_me_with_parent`'s
+    PR_SET_PDEATHSIG is tied to the thread that forks, not the process: SGLang is SIGKILLed when
+    that thread ends. So the thread never ends with a server it started still running: it stops
+    the server (SIGTERM first) itself, or waits for `shutdown()` to have stopped it. Starts and
+    stops hold one lock, so a restart never launches a server after `shutdown()` stopped SGLang.
     """
 
     def __init__(
@@ -134,17 +176,47 @@ class Supervisor(threading.Thread):
         self._on_give_up = on_give_up
         self._interval = check_interval_s
         self._stopping = threading.Event()
+        self._lock = threading.RLock()
+        """Held while SGLang is started or stopped."""
+        self._started_here = False
+        """Whether this thread launched SGLang (it then dies with the thread)."""
+        self._interrupted = False
+        """Set by `interrupt()` (a signal handler): no start, and the start under way ends."""
 
     def startup(self) -> None:
         """Start SGLang and wait until `/health` answers, with the policy's start-up timeouts.
 
         Raises:
-            SGLangStartError: SGLang exited first, or stayed silent past the start-up timeout.
+            SGLangStartError: SGLang exited first, or stayed silent past the start-up timeout, or
+                the supervisor is stopping (`shutdown()`, `interrupt()`) and SGLang was not started
+                or was stopped.
         """
-        self.server.start()
+        with self._lock:
+            if self._stopping.is_set() or self._interrupted:
+                raise SGLangStartError("serve is stopping: SGLang is not started")
+            self.server.start()
+            if threading.current_thread() is self:
+                self._started_here = True
+        if self._interrupted:  # a signal came while SGLang was being launched
+            raise SGLangStartError("serve is stopping: SGLang was started as the signal came")
         self.server.wait_healthy(
             self.policy.startup_timeout_s, progress_grace_s=self.policy.progress_grace_s, timeout_hint=STARTUP_HINT
         )
+
+    def interrupt(self, sig: int = signal.SIGTERM) -> None:
+        """End a `startup()` under way in the main thread (called from a signal handler there).
+
+        Sends `sig` to SGLang's process group, so its wait for `/health` ends as SGLang exits,
+        and keeps `startup()` from starting it or waiting for it. Takes no lock (the interrupted
+        thread may hold it). `shutdown()` then stops what is left.
+        """
+        self._interrupted = True
+        pgid = self.server.pgid
+        if pgid is not None:
+            try:
+                os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def should_restart(self) -> bool:
         """True when SGLang has exited (overridable, as uvicorn's `should_restart`)."""
@@ -152,34 +224,54 @@ class Supervisor(threading.Thread):
 
     def restart(self) -> None:
         """Stop what is left of SGLang's process group and start it again (`startup`)."""
-        self.server.stop()
+        self._stop_server()
         self.startup()
 
-    def shutdown(self) -> None:
-        """Stop watching and stop SGLang's whole process group."""
-        self.stop()
-        self.server.stop()
+    def shutdown(self, join_timeout_s: float = SHUTDOWN_JOIN_S) -> None:
+        """Stop SGLang's whole process group (SIGTERM, then SIGKILL after its timeout), then stop
+        watching and wait up to `join_timeout_s` for the watching thread to end.
+
+        SGLang is stopped while the watching thread still runs (a server that thread restarted
+        would be SIGKILLed the moment it ended), and under the start/stop lock, so a restart under
+        way either finishes starting first (and that server is stopped) or does not start at all.
+        """
+        with self._lock:
+            self._stopping.set()
+            self.server.stop()
+            self._started_here = False
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(join_timeout_s)
+            if self.is_alive():
+                log.warning("the SGLang supervisor thread did not end within %.0f s", join_timeout_s)
 
     def stop(self) -> None:
-        """Stop watching (SGLang keeps running)."""
+        """Stop watching. SGLang started by `startup()` from another thread keeps running; one this
+        thread restarted is stopped by it (SIGTERM first) as it ends, since it could not outlive
+        the thread (PR_SET_PDEATHSIG). `shutdown()` stops SGLang in either case."""
         self._stopping.set()
 
+    def _stop_server(self) -> None:
+        with self._lock:
+            self.server.stop()
+            self._started_here = False
+
     def run(self) -> None:
+        try:
+            self._watch()
+        finally:
+            # Waits for a shutdown() under way (it holds the lock) to have stopped SGLang.
+            with self._lock:
+                if self._started_here:
+                    self._stop_server()
+
+    def _watch(self) -> None:
         policy = self.policy
         backoff = policy.backoff_s
         while not self._stopping.wait(self._interval):
             if not self.should_restart():
                 continue
             if not policy.may_restart():
-                message = (
-                    f"SGLang exited and {policy.restarts_in_window()} restart(s) already happened"
-                    f" within the last {policy.restart_window_s:.0f} s (the budget is"
-                    f" {policy.describe()}; --max-restarts, --restart-window); not restarting"
-                    f" it. Fix the cause and restart `serve`. SGLang's last log lines"
-                    f" (log {self.server.log_path}):\n{self.server.log_tail(40)}"
-                )
-                log.error("%s", message)
-                self._on_give_up(RESTART_BUDGET_SPENT, message)
+                self._give_up()
                 return
             in_window = policy.record_restart()
             log.warning(
@@ -194,21 +286,61 @@ class Supervisor(threading.Thread):
             if self._stopping.wait(backoff):
                 return
             backoff = min(backoff * 2, policy.max_backoff_s)
+            began = policy.clock()
             try:
                 self.restart()
-            except SGLangStartError as exc:
-                log.error("SGLang restart failed: %s", exc)
+            except Exception as exc:  # SGLangStartError, and fork's EAGAIN/ENOMEM, an unwritable log
+                if self._stopping.is_set():
+                    return
+                failed = policy.record_failure()
+                if isinstance(exc, SGLangStartError):
+                    log.error("SGLang restart failed (%d in a row): %s", failed, exc)
+                else:
+                    log.exception("SGLang restart failed (%d in a row)", failed)
+                try:  # one that hangs past the start-up timeout still runs: stop it, so it counts
+                    self._stop_server()
+                except Exception:
+                    log.exception("could not stop SGLang after the failed restart")
                 continue
+            finally:
+                policy.discount(policy.clock() - began)
+            policy.record_success()
             backoff = policy.backoff_s
             log.info("SGLang is back at %s; the sidecar re-applies the newest checkpoint", self.server.url)
-            self._on_restart()
+            try:
+                self._on_restart()
+            except Exception:
+                log.exception("the restart notification failed")
+
+    def _give_up(self) -> None:
+        policy = self.policy
+        if policy.max_restarts and policy.failed_in_a_row >= policy.max_restarts:
+            why = (
+                f"SGLang exited and the last {policy.failed_in_a_row} restart(s) in a row failed (it"
+                f" never became healthy again; the budget is {policy.describe()}, and as many failed"
+                " restarts in a row; --max-restarts, --restart-window)"
+            )
+        else:
+            why = (
+                f"SGLang exited and {policy.restarts_in_window()} restart(s) already happened"
+                f" within the last {policy.restart_window_s:.0f} s, not counting the time the restarts"
+                f" took (the budget is {policy.describe()}; --max-restarts, --restart-window)"
+            )
+        message = (
+            f"{why}; not restarting it. Fix the cause and restart `serve`. SGLang's last log lines"
+            f" (log {self.server.log_path}):\n{self.server.log_tail(40)}"
+        )
+        log.error("%s", message)
+        self._on_give_up(RESTART_BUDGET_SPENT, message)
 
 
 def run_serve(server: SGLangServer, settings: SidecarSettings, policy: RestartPolicy) -> int:
     """Start SGLang, then the sidecar in the foreground; return the exit code.
 
-    0 after a signal, 2 when SGLang does not start, 3 when stopped after the restart budget was
-    spent (the sidecar stays up until then, reporting why).
+    0 after a signal (SIGTERM or SIGINT, also during SGLang's first start), 2 when SGLang does not
+    start, 3 when stopped after the restart budget was spent (the sidecar stays up until then,
+    reporting why), 4 when the sidecar's HTTP server cannot start (`EXIT_SIDECAR_FAILED`).
+    SIGTERM and SIGINT are handled from before SGLang's first start until SGLang is stopped.
     """
     import uvicorn
 
@@ -226,31 +358,101 @@ def run_serve(server: SGLangServer, settings: SidecarSettings, policy: RestartPo
         controller.report_fatal(reason, message)  # /readyz: 503 with `fatal`; /status: `fatal`
 
     supervisor = Supervisor(server, policy, on_restart=restarted, on_give_up=give_up)
-    log.info("starting SGLang on %s (log: %s)", server.url, server.log_path)
+    signals = _Signals(supervisor)
+    signals.install()
     try:
-        supervisor.startup()
-        app = create_app(settings)
-        controller = app.state.controller
-        http = uvicorn.Server(uvicorn_config(app, settings))
-        supervisor.start()
-        log.info("sidecar on http://%s:%d (readiness: /readyz)", settings.host, settings.port)
-        # uvicorn re-raises the signal that stopped it once it has shut down; with these
-        # handlers installed that lands here instead of killing us before SGLang is stopped.
-        previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        log.info("starting SGLang on %s (log: %s)", server.url, server.log_path)
         try:
-            http.run()
+            supervisor.startup()
+            app = create_app(settings)
+            controller = app.state.controller
+            http = uvicorn.Server(uvicorn_config(app, settings))
+            if signals.serve_with(http):
+                supervisor.start()
+                log.info("sidecar on http://%s:%d (readiness: /readyz)", settings.host, settings.port)
+                # uvicorn re-raises the signal that stopped it once it has shut down; with our
+                # handlers installed that lands here instead of killing us before SGLang is stopped.
+                try:
+                    http.run()
+                except SystemExit as exc:  # uvicorn's sys.exit(3): port not bound, lifespan failed
+                    log.error(
+                        "the sidecar's HTTP server could not start on %s:%d (uvicorn exit code %s: the"
+                        " port is in use or not bindable, or the app's start-up failed; see above);"
+                        " stopping SGLang",
+                        settings.host,
+                        settings.port,
+                        exc.code,
+                    )
+                    exit_code = EXIT_SIDECAR_FAILED
+        except SGLangStartError as exc:
+            if signals.received:
+                log.info("stopped during SGLang's start-up by %s", signals.name())
+            else:
+                log.error("%s", exc)
+                exit_code = 2
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-    except SGLangStartError as exc:
-        log.error("%s", exc)
-        exit_code = 2
+            signals.stopping()
+            try:
+                supervisor.shutdown()
+            finally:
+                _remove_stage(controller)
     finally:
-        try:
-            supervisor.shutdown()
-        finally:
-            _remove_stage(controller)
+        signals.restore()
     return exit_code
+
+
+class _Signals:
+    """``serve``'s SIGTERM and SIGINT handlers, from before SGLang's first start until it is stopped.
+
+    While SGLang first starts (`Supervisor.startup()` in the main thread) a signal interrupts the
+    start: SGLang's group gets SIGTERM (SIGKILL for a second signal), so the wait for ``/health``
+    ends and ``serve`` stops cleanly. Once the sidecar's HTTP server exists a signal stops it
+    (uvicorn's own handlers take over while it runs, and re-raise the signal here afterwards).
+    While stopping, further signals are only logged: a second SIGTERM must not kill ``serve``
+    between SIGTERM and SIGKILL of SGLang. The handlers do no more than set flags and send
+    signals (they may run while the main thread holds any lock). Only the main thread can set
+    them; elsewhere (an embedder's thread) this does nothing.
+    """
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.received: list[int] = []
+        self._supervisor = supervisor
+        self._http: Any = None
+        self._stopping = False
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def name(self) -> str:
+        return signal.Signals(self.received[0]).name if self.received else "no signal"
+
+    def serve_with(self, http: Any) -> bool:
+        """From now on a signal stops `http`; False when one already came (do not start it)."""
+        self._http = http
+        return not self.received
+
+    def stopping(self) -> None:
+        self._stopping = True
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)
+        name = signal.Signals(signum).name
+        if self._stopping:
+            log.info("received %s; already stopping SGLang and the sidecar", name)
+        elif self._http is not None:
+            self._http.should_exit = True
+            log.info("received %s; stopping SGLang and the sidecar", name)
+        else:
+            again = len(self.received) > 1
+            log.info("received %s during SGLang's start-up; stopping it%s", name, " (SIGKILL)" if again else "")
+            self._supervisor.interrupt(signal.SIGKILL if again else signal.SIGTERM)
 
 
 def _remove_stage(controller: Any) -> None:
@@ -267,7 +469,3 @@ def _remove_stage(controller: Any) -> None:
         log.warning("could not remove the stage directory %s: %s; delete it by hand", stage.path, exc)
         return
     log.info("removed the stage directory %s (%.1f MB)", stage.path, freed / 1e6)
-
-
-def _note_signal(signum: int, frame: FrameType | None) -> None:
-    log.info("received %s; stopping SGLang and the sidecar", signal.Signals(signum).name)
