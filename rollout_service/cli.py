@@ -29,7 +29,15 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint_format import MAX_ADAPTER_RANK, CheckpointError, Manifest
-from .cli_env import SHARD_MB_RANGE, TIMEOUT_S, EnvArgumentParser, SettingFlags, add_env_argument, number_type
+from .cli_env import (
+    SHARD_MB_RANGE,
+    TIMEOUT_S,
+    EnvArgumentParser,
+    RedactingArgumentParser,
+    SettingFlags,
+    add_env_argument,
+    number_type,
+)
 from .http_urls import bindable_port
 from .lora_serving import DEFAULT_MAX_RANK, DEFAULT_TARGET_MODULES, add_lora_flags, lora_from_args, module_list
 from .serve import RestartPolicy, run_serve
@@ -464,7 +472,7 @@ Registrar = Callable[[Any, Any], None]
 
 def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentParser:
     """The parser of these commands, plus those `extra_commands` register."""
-    parser = argparse.ArgumentParser(
+    parser = RedactingArgumentParser(
         prog="rollout-service",
         description="SGLang rollouts for TRL GRPO, synced through safetensors checkpoints on shared storage.",
     )

@@ -51,7 +51,9 @@ import typing
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from .redaction import redact_text
 
 ENV_PREFIX = "ROLLOUT_"
 
@@ -341,7 +343,16 @@ class EnvFlag:
             ) from None
 
 
-class EnvArgumentParser(argparse.ArgumentParser):
+class RedactingArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose error messages hide credentials: ``unrecognized arguments:
+    --api-key KEY`` (SGLang's flag given to ``serve`` without ``--``) would print the key into
+    the container's or the journal's log."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(redact_text(message))
+
+
+class EnvArgumentParser(RedactingArgumentParser):
     """An ArgumentParser that fills env-backed flags from ``ROLLOUT_*`` after parsing its own line.
 
     As a subparser class, its ``parse_known_args`` runs only for the command that was chosen, so

@@ -142,11 +142,11 @@ def descendant_groups(pid: int) -> set[int]:
     for entry in entries:
         if not entry.name.isdigit():
             continue
-        try:
-            stat = (entry / "stat").read_text()
+        try:  # bytes: a process name need not be UTF-8 (Linux cuts it at 15 bytes, mid-character too)
+            line = (entry / "stat").read_bytes().decode("ascii", "replace")
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()
+        fields = line[line.rindex(")") + 2 :].split()
         children.setdefault(int(fields[1]), []).append(int(entry.name))
         groups[int(entry.name)] = int(fields[2])
     found: set[int] = set()
@@ -185,6 +185,8 @@ def log_end(path: str | os.PathLike[str], max_bytes: int = LOG_TAIL_BYTES) -> st
             data += chunk
     finally:
         os.close(fd)
+    if start > 0:  # a line cut at its start could hold the end of a credential whose name was cut off
+        data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
     return redact_text(data.decode("utf-8", errors="replace"))
 
 

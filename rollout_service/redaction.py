@@ -11,18 +11,27 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-SECRET_FLAG = re.compile(r"--(?:[\w-]*-)?(?:api-key|token|secret|password)", re.IGNORECASE)
+_CREDENTIAL_END = r"(?:(?<=api-key)|(?<=token)|(?<=secret)|(?<=password))"
+SECRET_FLAG = re.compile(r"(?<![\w-])(?>--[\w-]+)" + _CREDENTIAL_END, re.IGNORECASE)
 """A command-line flag whose value is a credential: its name ends in ``api-key``, ``token``,
 ``secret`` or ``password`` (``--api-key``, ``--admin-api-key``; not ``--skip-tokenizer-init`` or
-``--max-total-tokens``)."""
+``--max-total-tokens``). It starts only where no dash or word character comes before it and
+is atomic, so a long run of dashes is scanned once, not once per position."""
 
+_SECRET_NAME_IN_TEXT = (
+    r"(?<![\w-])(?>--[\w-]+)" + _CREDENTIAL_END + r"|\b(?>\w+)"
+    r"(?:(?<=api_key)|(?<=secret)|(?<=password)|(?<=hf_token)|(?<=auth_token)|(?<=access_token)|(?<=api_token))\b"
+)
 _SECRET_IN_TEXT = re.compile(
-    r"(?P<name>--(?:[\w-]*-)?(?:api-key|token|secret|password)|\b(?:\w*_)?(?:api_key|token|secret|password))"
-    r"(?P<closing>['\"]?)(?P<sep>\s*[=:]\s*|\s+)(?P<quote>['\"]?)(?P<value>[^\s'\",)}]+)",
+    rf"(?P<name>{_SECRET_NAME_IN_TEXT})(?P<closing>['\"]?)(?P<sep>[ \t]*[=:][ \t]*|[ \t]+)"
+    r"(?:(?P<quote>['\"])(?P<quoted>[^\n]{0,1024}?)(?P=quote)|(?P<value>[^\s'\",)}]+))"
+    r"|(?P<bearer>\bBearer[ \t]+)(?P<bearer_value>[^\s'\",]+)",
     re.IGNORECASE,
 )
-"""A credential named in free text: ``--api-key KEY``, ``--api-key=KEY``, ``api_key='KEY'``,
-``"api_key": "KEY"`` (a Python or JSON dump of SGLang's arguments)."""
+"""A credential named in free text: ``--api-key KEY``, ``--api-key=KEY``, ``api_key='KEY'`` (a
+quoted value up to its closing quote, whatever it holds), ``"api_key": "KEY"`` (a Python or JSON
+dump of SGLang's arguments), ``hf_token=...``, ``Bearer KEY``. A bare ``token`` is not a name
+(SGLang's ``#new-token: 6``, ``eos_token='<|im_end|>'`` keep their meaning)."""
 
 
 def shown_command(cmd: Sequence[str]) -> list[str]:
@@ -50,10 +59,14 @@ def redact_text(text: str) -> str:
     ``None``/``False`` values are kept (no credential to hide)."""
 
     def hide(match: re.Match[str]) -> str:
-        if match["value"] in ("None", "null", "False", "false", "''", '""'):
+        if match["bearer"] is not None:
+            return f"{match['bearer']}***"
+        value = match["quoted"] if match["quote"] is not None else match["value"]
+        if value in ("None", "null", "False", "false", ""):
             return match[0]
         if match["sep"].strip() == "" and match["name"][:2] != "--":
-            return match[0]  # "token 5" in prose: not a name and its value
-        return f"{match['name']}{match['closing']}{match['sep']}{match['quote']}***"
+            return match[0]  # "secret sauce" in prose: not a name and its value
+        quote = match["quote"] or ""
+        return f"{match['name']}{match['closing']}{match['sep']}{quote}***{quote}"
 
     return _SECRET_IN_TEXT.sub(hide, text)

@@ -104,3 +104,92 @@ def test_a_log_that_is_a_pipe_is_not_read_and_never_blocks(tmp_path: Path) -> No
     reader.join(5)
     assert not reader.is_alive(), "log_tail blocked on a FIFO"
     assert result == [""]
+
+
+def test_redaction_keeps_the_meaning_of_ordinary_text_and_hides_whole_quoted_keys() -> None:
+    from rollout_service.redaction import redact_text
+
+    kept = [
+        "Decode batch. #running-req: 1, #new-token: 6, #cached-token: 0, #token: 38",
+        "eos_token='<|im_end|>' is not in the vocabulary",
+        "Unknown special token: <|fim|>; invalid token: expected ','",
+        "the secret sauce, api_key=None, admin_api_key=None",
+    ]
+    for text in kept:
+        assert redact_text(text) == text
+    hidden = redact_text(
+        "api_key='k,ey)x' api_key=\"ab'cd\" --api-key 'my key' --api-key=abc/def+gh== api_key: sk-abc/def+g="
+        " hf_token='hf_x' Authorization: Bearer BEARERKEY"
+    )
+    for secret in ("k,ey", "ey)x", "ab'cd", "'cd", "my key", "abc/def", "sk-abc", "hf_x", "BEARERKEY"):
+        assert secret not in hidden, (secret, hidden)
+
+
+def test_redaction_takes_time_linear_in_the_text() -> None:
+    """A log line of 256 KiB of dashes (a logged prompt can be anything) took minutes with a
+    backtracking flag pattern; the error paths that quote log tails must not hang on it."""
+    import threading
+
+    from rollout_service.redaction import redact_text
+
+    texts = ["-" * (256 << 10), "a--" * (85 << 10), "a_" * (128 << 10), "api_key='" * (28 << 10), "-- " * (85 << 10)]
+    done: list[int] = []
+    worker = threading.Thread(target=lambda: done.extend(len(redact_text(t)) for t in texts), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive() and len(done) == len(texts), "redact_text did not finish within 30 s"
+
+
+def test_a_log_end_cut_inside_a_line_never_shows_the_rest_of_a_key(tmp_path: Path) -> None:
+    """The window of a long log's end may start inside SGLang's ``server_args`` line, after the
+    ``api_key=`` that names the key: that partial line is dropped."""
+    from rollout_service.process_group import log_end
+
+    log = tmp_path / "sglang.log"
+    line = "server_args=ServerArgs(api_key='SECRETKEY123456', port=1)\n"
+    log.write_text("x" * 1000 + "\n" + line + "later line\n")
+    size = log.stat().st_size
+    for cut in range(len("later line\n") + 1, len(line) + len("later line\n")):
+        text = log_end(log, max_bytes=cut)
+        assert "KEY123456" not in text and "SECRET" not in text, (cut, text)
+    assert log_end(log, max_bytes=size).startswith("x")  # the whole file: nothing dropped
+
+
+def test_a_credential_in_a_command_line_error_is_hidden(capsys: pytest.CaptureFixture[str]) -> None:
+    """SGLang's ``--api-key`` given to ``serve`` without ``--`` is an unknown argument: the error
+    argparse prints (into the container's log) shows ``***``."""
+    from rollout_service.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", "m", "--checkpoint-path", "/nonexistent", "--api-key", "SECRETX"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "unrecognized arguments: --api-key ***" in err and "SECRETX" not in err
+
+
+def test_a_process_name_that_is_not_utf8_does_not_stop_the_group_walk() -> None:
+    """Linux cuts a process name at 15 bytes, mid-character too: reading /proc must not raise."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from rollout_service.process_group import descendant_groups
+
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, time; open('/proc/self/comm', 'wb').write(b'\\xe6\\x8e\\xa8x\\xff');"
+            " os.setpgid(0, 0); time.sleep(30)",
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with open(f"/proc/{child.pid}/comm", "rb") as comm:
+                if comm.read().startswith(b"\xe6"):
+                    break
+        assert child.pid in descendant_groups(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
