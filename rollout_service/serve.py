@@ -182,6 +182,7 @@ class Supervisor(threading.Thread):
         """Whether this thread launched SGLang (it then dies with the thread)."""
         self._interrupted = False
         """Set by `interrupt()` (a signal handler): no start, and the start under way ends."""
+        self._stop_when: Callable[[], bool] = lambda: False
 
     def startup(self) -> None:
         """Start SGLang and wait until `/health` answers, with the policy's start-up timeouts.
@@ -217,6 +218,15 @@ class Supervisor(threading.Thread):
                 os.killpg(pgid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
+
+    def stop_when(self, asked: Callable[[], bool]) -> None:
+        """Stop watching as soon as ``asked()`` is true (``serve``: the sidecar's HTTP server was
+        told to exit by a signal). SGLang may have got the same signal (systemd's control-group
+        kill, a terminal's Ctrl-C): it must not be restarted, nor the budget spent, meanwhile."""
+        self._stop_when = asked
+
+    def _halted(self) -> bool:
+        return self._stopping.is_set() or self._stop_when()
 
     def should_restart(self) -> bool:
         """True when SGLang has exited (overridable, as uvicorn's `should_restart`)."""
@@ -270,6 +280,8 @@ class Supervisor(threading.Thread):
         while not self._stopping.wait(self._interval):
             if not self.should_restart():
                 continue
+            if self._halted():
+                return
             if not policy.may_restart():
                 self._give_up()
                 return
@@ -283,7 +295,7 @@ class Supervisor(threading.Thread):
                 policy.restart_window_s,
                 policy.restarts,
             )
-            if self._stopping.wait(backoff):
+            if self._stopping.wait(backoff) or self._halted():
                 return
             backoff = min(backoff * 2, policy.max_backoff_s)
             began = policy.clock()
@@ -368,6 +380,7 @@ def run_serve(server: SGLangServer, settings: SidecarSettings, policy: RestartPo
             controller = app.state.controller
             http = uvicorn.Server(uvicorn_config(app, settings))
             if signals.serve_with(http):
+                supervisor.stop_when(lambda: bool(http.should_exit))
                 supervisor.start()
                 log.info("sidecar on http://%s:%d (readiness: /readyz)", settings.host, settings.port)
                 # uvicorn re-raises the signal that stopped it once it has shut down; with our

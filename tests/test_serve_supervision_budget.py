@@ -246,3 +246,24 @@ def test_shutdown_during_a_restart_leaves_no_server_started_after_it():
     time.sleep(0.2)
     assert not server.running, f"a server was started after shutdown: {server.calls}"
     assert server.calls[-1] == "stop", server.calls
+
+
+def test_sglang_exiting_while_serve_stops_is_neither_restarted_nor_counted():
+    """systemd's control-group kill (or Ctrl-C in a terminal) signals SGLang together with
+    ``serve``: while the sidecar's HTTP server is told to exit, SGLang exiting is expected, not a
+    crash to restart (nor, with the budget spent, a give-up and exit code 3)."""
+    clock = FakeClock()
+    server = StandInServer(clock)
+    policy = RestartPolicy(max_restarts=5, restart_window_s=600.0, backoff_s=0.0, clock=clock)
+    exiting = threading.Event()
+    gave_up: list[tuple[str, str]] = []
+    supervisor = Supervisor(
+        server, policy, on_give_up=lambda reason, message: gave_up.append((reason, message)), check_interval_s=0.005
+    )
+    supervisor.stop_when(exiting.is_set)
+    supervisor.start()
+    exiting.set()  # the signal reached serve's HTTP server ...
+    server.running = False  # ... and SGLang
+    supervisor.join(5)
+    assert not supervisor.is_alive()
+    assert server.calls.count("start") == 0 and policy.restarts == 0 and not gave_up
