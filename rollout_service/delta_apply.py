@@ -680,8 +680,8 @@ def _materialize_into(
     remove_left_by_dead_writers(out.parent, _work_prefix(out), "a materialize")
     _check_room(out, manifest, copies=2 if chain.deltas else 1)
     work = out.parent / f"{_work_prefix(out)}{owner_tag()}-{uuid.uuid4().hex[:12]}"
-    work.mkdir()
     try:
+        work.mkdir()  # inside the try: an interrupt right after it still removes the folder
         # Each copy is named as its published step: the checks name its files as validate would.
         current = work / step_dir_name(chain.start.manifest.step)
         current.mkdir()

@@ -80,6 +80,21 @@ def group_alive(pgid: int) -> bool:
     return any(state != "Z" for _pid, _ppid, state in members)
 
 
+ZOMBIE_SETTLE_S = 2.0
+"""How long `ProcessGroup.stop` waits for a stopped group's zombies to be reaped by their parent."""
+
+
+def _group_listed(pgid: int) -> bool:
+    """Whether any process (a zombie too) is still in group `pgid`."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _group_members(pgids: set[int]) -> list[tuple[int, int, str]] | None:
     """(pid, parent pid, state) of every process in the process groups `pgids`, from
     ``/proc/<pid>/stat``; None when ``/proc`` cannot be listed."""
@@ -423,3 +438,10 @@ class ProcessGroup:
                 reap_orphans(groups, exclude=pgid)
                 time.sleep(0.1)
         reap_orphans(groups, exclude=pgid)
+        # Zombies their parent (init, usually) reaps in a moment: give it that moment, so the group
+        # is gone when this returns; not longer (a parent that never reaps them would hold stop()).
+        settle = time.monotonic() + ZOMBIE_SETTLE_S
+        for group in (pgid, *others):
+            while _group_listed(group) and time.monotonic() < settle:
+                reap_orphans(groups, exclude=pgid)
+                time.sleep(0.05)

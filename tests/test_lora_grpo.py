@@ -150,7 +150,9 @@ def test_grpo_with_peft_config_trains_through_adapter_sync_on_the_trainers_adapt
         digests[label] = [m.files["adapter_model.safetensors"].digest for m in manifests]
         # TRL compares its own logprobs of each sampled token (policy + the current adapter) with
         # SGLang's: had SGLang served another version or the base model, they would differ by far more.
-        assert max(logged(trainer, "sampling/sampling_logp_difference/max")) < 5e-3
+        # (Seen up to 5.9e-3 for one token in a run: float32 torch_native LoRA vs PEFT; a wrong
+        # version or the base model differs by more than 0.1.)
+        assert max(logged(trainer, "sampling/sampling_logp_difference/max")) < 1e-2
     assert len(set(digests["learned"])) == steps["learned"], (
         "training did not change the published adapter at every step"
     )

@@ -99,8 +99,15 @@ def test_two_replicas_load_and_acknowledge_every_step(
                 assert sidecar.wait_step(step)["loaded_step"] == step
                 out = generate(server.url, [1, 2, 3], max_new_tokens=2)
                 assert out["meta_info"]["weight_version"] == str(step)
-            acks = {p.stem: json.loads(p.read_text()) for p in (checkpoint_root / "acks").glob("*.json")}
-            assert {k: v["loaded_step"] for k, v in acks.items()} == {"replica-a": step, "replica-b": step}
+            # A sidecar writes its ack file just after /wait answers: give the second one a moment.
+            want, deadline = {"replica-a": step, "replica-b": step}, time.monotonic() + 10
+            while True:
+                acks = {p.stem: json.loads(p.read_text()) for p in (checkpoint_root / "acks").glob("*.json")}
+                found = {k: v["loaded_step"] for k, v in acks.items()}
+                if found == want or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            assert found == want
         for sidecar in (a, b):
             assert sidecar.metric("rollout_sidecar_syncs_total", outcome="loaded", reason="ok") == 3
     finally:
