@@ -61,6 +61,18 @@ def kill_me_with_parent() -> None:
         pass
 
 
+def _group_listed(pgid: int) -> bool:
+    """Whether any process (a zombie too) is still in group `pgid` (one this process may not
+    signal counts as there)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def group_alive(pgid: int) -> bool:
     """True while any process of group `pgid` is alive; zombies do not count.
 
@@ -68,12 +80,8 @@ def group_alive(pgid: int) -> bool:
     is waiting for its parent to reap it, which never happens when that parent is this process
     (``serve`` as a container's PID 1 or a child subreaper inherits the orphans of the server it
     stopped) and is not reaping. Without ``/proc`` (not Linux) zombies count as alive."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
+    if not _group_listed(pgid):
         return False
-    except PermissionError:
-        return True
     members = _group_members({pgid})
     if members is None or not members:  # no /proc, or the group ended since killpg: ask again next time
         return True
@@ -82,17 +90,6 @@ def group_alive(pgid: int) -> bool:
 
 ZOMBIE_SETTLE_S = 2.0
 """How long `ProcessGroup.stop` waits for a stopped group's zombies to be reaped by their parent."""
-
-
-def _group_listed(pgid: int) -> bool:
-    """Whether any process (a zombie too) is still in group `pgid`."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _group_members(pgids: set[int]) -> list[tuple[int, int, str]] | None:
