@@ -43,6 +43,10 @@ from .sidecar.settings import SidecarSettings
 log = logging.getLogger(__name__)
 
 RESTART_BUDGET_SPENT = "restart_budget_spent"
+SUPERVISOR_FAILED = "supervisor_failed"
+"""The watching thread itself failed (a bug, or an error nothing expected): SGLang is no longer
+supervised, so the sidecar reports it as after a spent budget (/readyz 503, `fatal`), not
+silently on."""
 STARTUP_HINT = "raise `serve --startup-timeout` (ROLLOUT_STARTUP_TIMEOUT)"
 EXIT_SIDECAR_FAILED = 4
 """``serve``'s exit code when the sidecar's HTTP server cannot start (uvicorn exits 3 for that,
@@ -152,7 +156,8 @@ class Supervisor(threading.Thread):
     calls `on_restart`; a restart that fails (SGLang exits while loading, stays unhealthy past the
     start-up timeout, or cannot be launched at all) stops what it started and counts against the
     budget; once the budget is spent it calls `on_give_up(reason, message)` once and stops
-    watching, leaving SGLang down.
+    watching, leaving SGLang down. Should the watching itself fail, it calls `on_give_up` with
+    `SUPERVISOR_FAILED` and stops SGLang if it started it.
 
     A restarted SGLang is launched from the watching thread, and `kill_me_with_parent`'s
     PR_SET_PDEATHSIG is tied to the thread that forks, not the process: SGLang is SIGKILLed when
@@ -268,6 +273,15 @@ class Supervisor(threading.Thread):
     def run(self) -> None:
         try:
             self._watch()
+        except Exception as exc:  # never a silent end: SGLang would run on unwatched
+            log.exception("the SGLang supervisor failed")
+            if not self._stopping.is_set():
+                self._on_give_up(
+                    SUPERVISOR_FAILED,
+                    f"the thread watching SGLang failed ({type(exc).__name__}: {exc}); SGLang is no longer"
+                    " restarted if it exits, so this replica reports itself not ready: restart `serve`, and"
+                    " report the traceback above if it happens again",
+                )
         finally:
             # Waits for a shutdown() under way (it holds the lock) to have stopped SGLang.
             with self._lock:

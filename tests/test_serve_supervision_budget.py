@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from rollout_service.serve import RESTART_BUDGET_SPENT, RestartPolicy, Supervisor
+from rollout_service.serve import RESTART_BUDGET_SPENT, SUPERVISOR_FAILED, RestartPolicy, Supervisor
 from rollout_service.sglang_launcher import SGLangStartError
 
 
@@ -267,3 +267,32 @@ def test_sglang_exiting_while_serve_stops_is_neither_restarted_nor_counted():
     supervisor.join(5)
     assert not supervisor.is_alive()
     assert server.calls.count("start") == 0 and policy.restarts == 0 and not gave_up
+
+
+class BreakingServer(StandInServer):
+    """Healthy after its first restart; then asking whether it runs raises (a bug, an error
+    nothing expected) on the watching thread."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.break_after_starts = 1
+
+    def is_running(self) -> bool:
+        if self.calls.count("start") >= self.break_after_starts:
+            raise OSError(errno.EIO, "Input/output error")
+        return super().is_running()
+
+
+def test_a_failing_watch_is_reported_and_stops_what_it_started():
+    """Before, an error outside a restart ended the watching thread silently: SGLang ran on
+    unsupervised (never restarted again) while /readyz said ready."""
+    clock = FakeClock()
+    server = BreakingServer(clock)
+    policy = RestartPolicy(max_restarts=5, restart_window_s=600.0, backoff_s=0.0, clock=clock)
+    supervisor, restarts, gave_up = _supervise(server, policy)
+    assert restarts == [1]  # the one restart happened before the watch broke
+    [(reason, message)] = gave_up
+    assert reason == SUPERVISOR_FAILED
+    assert "OSError" in message and "Input/output error" in message and "restart `serve`" in message
+    assert not supervisor.is_alive()
+    assert server.calls[-1] == "stop", server.calls  # the server this thread started did not outlive it
