@@ -34,30 +34,40 @@ def register_demo(sub: Any, add_env: Callable[..., Any]) -> None:
     add_env(p, "--prompts-per-step", type=int, default=4, help="prompts per step")
     add_env(p, "--max-completion-length", type=int, default=16, help="new tokens per completion")
     add_env(
-        p, "--sglang-url", default=None, help="use this running SGLang instead of starting `serve` (with --sidecar-url)"
+        p,
+        "--sglang-url",
+        default=None,
+        help="use this running SGLang instead of starting `serve` (with --sidecar-url and --checkpoint-path;"
+        " default: start `serve`)",
     )
-    add_env(p, "--sidecar-url", default=None, help="the sidecar beside --sglang-url")
+    add_env(p, "--sidecar-url", default=None, help="the sidecar beside --sglang-url (default: the one `serve` starts)")
     add_env(
         p,
         "--checkpoint-path",
         default=None,
-        help="checkpoint root (default OUTPUT_DIR/checkpoints; with --sglang-url, the sidecar's)",
+        help="checkpoint root (default OUTPUT_DIR/checkpoints; required with --sglang-url: the root the"
+        " sidecar at --sidecar-url watches, as this machine mounts it)",
     )
     add_env(
         p,
         "--token",
         default=None,
-        help="the sidecars' POST /sync token (their --token), sent by the trainer (GRPOConfig sidecar_token);"
-        " prefer the variable: a command line is visible to every user of the machine",
+        help="the sidecars' POST /sync token (their --token), sent by the trainer (GRPOConfig sidecar_token;"
+        " default none); prefer the variable: a command line is visible to every user of the machine",
     )
     add_env(
         p,
         "--sglang-api-key",
         default=None,
         help="the --api-key SGLang was started with, sent by the trainer (GRPOConfig sglang_api_token) and,"
-        " when the demo starts `serve`, given to SGLang and its sidecar; prefer the variable",
+        " when the demo starts `serve`, given to SGLang and its sidecar (default none); prefer the variable",
     )
-    add_env(p, "--device", default="cpu", help="device of the SGLang server the demo starts")
+    add_env(
+        p,
+        "--device",
+        default="cpu",
+        help="where the trainer runs ('cpu' or a GPU: 'cuda') and the device of the SGLang server the demo starts",
+    )
     add_env(p, "--seed", type=int, default=0, help="random seed")
     p.set_defaults(func=_cmd_demo)
 
@@ -65,6 +75,11 @@ def register_demo(sub: Any, add_env: Callable[..., Any]) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     if (args.sglang_url is None) != (args.sidecar_url is None):
         raise ValueError("pass both --sglang-url and --sidecar-url, or neither")
+    if args.sglang_url is not None and args.checkpoint_path is None:
+        raise ValueError(
+            "with --sglang-url, pass --checkpoint-path: the checkpoint root the sidecar at --sidecar-url"
+            " watches (its GET /status `checkpoint_path`), as this machine mounts it"
+        )
     try:
         from .demo import run_demo
     except ImportError as exc:

@@ -140,7 +140,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     try:
         reference = _reference_specs(Path(args.reference)) if args.reference else None
     except (OSError, CheckpointError) as exc:
-        print(f"error: cannot read --reference {args.reference}: {exc}", file=sys.stderr)
+        code = f" ({exc.reason})" if isinstance(exc, CheckpointError) else ""
+        print(f"error: cannot read --reference {args.reference}{code}: {exc}", file=sys.stderr)
         return 2
     try:
         summary = _validate_step(args, reference)
@@ -437,14 +438,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             f"cannot create --checkpoint-path {args.checkpoint_path}: {exc.strerror or exc}; point it at a"
             " directory (or where one can be created) on the shared checkpoint volume"
         ) from None
+    extra_args, api_key = _one_sglang_api_key(
+        list(args.sglang_args or []), SERVE_SIDECAR_SETTINGS.values(args)["sglang_api_key"]
+    )
     server = SGLangServer(
         **SERVE_SGLANG_SETTINGS.values(args),
-        extra_args=list(args.sglang_args or []),
+        extra_args=extra_args,
         die_with_parent=True,
         lora=lora_from_args(args),
     )
     policy = SERVE_RESTART_SETTINGS.build(args)
-    settings = SERVE_SIDECAR_SETTINGS.build(args, sglang_url=server.url)
+    settings = SERVE_SIDECAR_SETTINGS.build(args, sglang_url=server.url, sglang_api_key=api_key)
     _check_serve_ports(server.config.host, server.port, settings.host, settings.port)
     return run_serve(server, settings, policy)
 
@@ -454,6 +458,28 @@ def _same_addresses(a: str, b: str) -> bool:
     one the wildcard of the other's address family (IPv6 sockets bind IPv6 only, as uvicorn's)."""
     family_a, family_b = (6 if ":" in h else 4 for h in (a, b))
     return a == b or (family_a == family_b and bool({a, b} & {"0.0.0.0", "::"}))
+
+
+def _one_sglang_api_key(sglang_args: list[str], sidecar_key: str | None) -> tuple[list[str], str | None]:
+    """SGLang's arguments and the key the sidecar sends it: `serve` starts SGLang with the
+    sidecar's ``--sglang-api-key`` (``ROLLOUT_SGLANG_API_KEY``), and a key given to SGLang after
+    ``--`` (``--api-key KEY``) is the sidecar's too, so the key is given once. Two different keys
+    raise ``ValueError`` (every weight update would be refused with 401)."""
+    given: str | None = None
+    for i, arg in enumerate(sglang_args):
+        if arg == "--api-key" and i + 1 < len(sglang_args):
+            given = sglang_args[i + 1]
+        elif arg.startswith("--api-key="):
+            given = arg.split("=", 1)[1]
+    if given is None:
+        return (sglang_args + ["--api-key", sidecar_key] if sidecar_key else sglang_args), sidecar_key
+    if sidecar_key is not None and given != sidecar_key:
+        raise ValueError(
+            "SGLang's --api-key (after --) and --sglang-api-key (ROLLOUT_SGLANG_API_KEY) differ, so the"
+            " sidecar's weight updates would be refused: give the key once, as --sglang-api-key or"
+            " ROLLOUT_SGLANG_API_KEY (serve starts SGLang with it)"
+        )
+    return sglang_args, given
 
 
 def _check_serve_ports(sglang_host: str, sglang_port: int, host: str, port: int) -> None:
@@ -599,12 +625,14 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         " a sidecar that keeps it on the newest checkpoint under CHECKPOINT_PATH. A crashed SGLang"
         " is restarted with back-off and the newest checkpoint re-applied. Arguments after '--' go"
         " to sglang.launch_server verbatim, e.g. `rollout-service serve --model M --checkpoint-path"
-        " C -- --tp-size 2`.",
+        " C -- --tp-size 2`. SGLang is started with --sglang-api-key (ROLLOUT_SGLANG_API_KEY) as its"
+        " --api-key, which the sidecar sends.",
     )
     SERVE_SGLANG_SETTINGS.add_to(p)
     SERVE_SIDECAR_SETTINGS.add_to(p)
     SERVE_RESTART_SETTINGS.add_to(p)
     add_lora_flags(p)
+    p.usage = p.format_usage().removeprefix("usage: ").rstrip() + " [-- SGLANG_ARGS ...]"
     p.set_defaults(func=_cmd_serve, sglang_args=[])
 
     for register in extra_commands:

@@ -380,6 +380,32 @@ def test_demo_help_shows_its_zero_seed_default():
     assert "--seed SEED random seed [env ROLLOUT_SEED; default 0]" in text
 
 
+def test_demo_on_running_servers_needs_their_checkpoint_root(clean_env, tmp_path, capsys):
+    """Before, the help promised the sidecar's root, and the demo published under its own output
+    folder, where the sidecar never looks: every sync then waited out its 300 s timeout."""
+    from rollout_demo.cli import main
+
+    rc = main(
+        [
+            "demo",
+            "--output-dir",
+            str(tmp_path),
+            "--sglang-url",
+            "http://127.0.0.1:9",
+            "--sidecar-url",
+            "http://127.0.0.1:9",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "pass --checkpoint-path" in err and "checkpoint_path" in err
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_serve_usage_shows_the_sglang_passthrough():
+    usage = subparser("serve").format_usage()
+    assert usage.rstrip().endswith("[-- SGLANG_ARGS ...]"), usage
+
+
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [

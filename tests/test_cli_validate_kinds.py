@@ -321,3 +321,13 @@ def test_validate_digests_removes_the_rebuild_a_killed_validate_left(tmp_path: P
     assert code == 0, out
     ours = sorted(n for n in os.listdir(scratch) if n.startswith(("rollout-validate-", ".tmp-", "other-")))
     assert ours == sorted([left["live"], left["another tool's"]])  # and nothing of this run either
+
+
+def test_validate_names_the_reason_a_reference_is_refused(root: Path, capsys) -> None:
+    """An adapter step given as --reference: exit 2 with the reason code the docs promise."""
+    code, err = cli_reason(
+        capsys, "validate", str(root / step_dir_name(1)), "--reference", str(root / step_dir_name(2))
+    )
+    assert code == 2 and err.startswith(f"error: cannot read --reference {root / step_dir_name(2)} (adapter_step): "), (
+        err
+    )

@@ -41,6 +41,7 @@ from deploy_files import (
     split_passthrough,
     urls_in,
 )
+from rollout_service.cli import _one_sglang_api_key
 from rollout_service.cli_env import env_name
 
 TOKEN_ENV = env_name("--token")  # the sidecar's --token
@@ -61,10 +62,17 @@ def _role(argv: list[str]) -> str | None:
     return None
 
 
+def _sglang_flags(argv: list[str], env: dict[str, str]) -> list[str]:
+    """An SGLang command line, or the flags `serve` (with the environment ``env``) adds to SGLang's
+    own: its passthrough after `--` and the API key it starts SGLang with."""
+    if _role(argv) != "serve":
+        return argv
+    _, passthrough = split_passthrough(argv)
+    return _one_sglang_api_key(passthrough, env.get(SGLANG_API_KEY_ENV))[0]
+
+
 def _api_key_flag(argv: list[str], where: str) -> str:
-    """The value of SGLang's --api-key in an SGLang command line, or serve's passthrough to SGLang."""
-    if _role(argv) == "serve":
-        _, argv = split_passthrough(argv)
+    """The value of SGLang's --api-key in an SGLang command line (see `_sglang_flags`)."""
     assert "--api-key" in argv, f"{where}: SGLang is started without --api-key: {argv}"
     return argv[argv.index("--api-key") + 1]
 
@@ -178,13 +186,14 @@ def test_compose_sglang_requires_the_api_key_that_sidecars_and_trainers_send():
         servers = found.get("sglang", []) + found.get("serve", [])
         clients = found.get("sidecar", []) + found.get("serve", []) + found.get("trainer", [])
         assert servers and found.get("trainer"), f"profile {profile}: {found}"
-        for name, argv, _ in servers:
+        for name, argv, service_env in servers:
             where = f"compose service {name}"
-            assert _api_key_flag(argv, where) == env["ROLLOUT_SGLANG_API_KEY"], (
+            flags = _sglang_flags(argv, service_env)
+            assert _api_key_flag(flags, where) == env["ROLLOUT_SGLANG_API_KEY"], (
                 f"{where}: SGLang's --api-key must be the .env variable ROLLOUT_SGLANG_API_KEY"
             )
             if _role(argv) == "serve":
-                _sglang_parses(split_passthrough(argv)[1], where)
+                _sglang_parses(flags, where)
         for name, _, service_env in clients:
             assert service_env.get(SGLANG_API_KEY_ENV) == env["ROLLOUT_SGLANG_API_KEY"], (
                 f"compose service {name}: {SGLANG_API_KEY_ENV} must be the key SGLang was started with"

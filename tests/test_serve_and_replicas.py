@@ -28,10 +28,15 @@ def sglang_children(pid: int) -> list[psutil.Process]:
 
 def test_serve_restarts_a_killed_sglang_and_reapplies_the_newest_checkpoint(tiny_model_dir, checkpoint_root, tmp_path):
     port, sidecar_port = free_port(), free_port()
+    # The key is given once, to the sidecar: serve starts SGLang with it (SGLang then refuses
+    # anyone else's weight updates), and the sidecar's own loads carry it.
+    key = "serve-test-sglang-key"
     serve = CLIProcess(
         serve_argv(tiny_model_dir, checkpoint_root, port, sidecar_port, "served"),
         tmp_path / "serve.log",
+        env={"ROLLOUT_SGLANG_API_KEY": key},
     )
+    with_key = {"Authorization": f"Bearer {key}"}
     sidecar = f"http://127.0.0.1:{sidecar_port}"
     sglang = f"http://127.0.0.1:{port}"
     try:
@@ -46,6 +51,8 @@ def test_serve_restarts_a_killed_sglang_and_reapplies_the_newest_checkpoint(tiny
         assert r.status_code == 504 and r.json()["rejected"] == {"1": "shape_mismatch"}, r.text
         assert httpx.get(f"{sglang}/health", timeout=60).status_code == 200
         assert "restart 1 of" not in serve.log_path.read_text()
+        unkeyed = httpx.post(f"{sglang}/update_weights_from_disk", json={"model_path": str(tmp_path)}, timeout=60)
+        assert unkeyed.status_code == 401, unkeyed.text
         shutil.rmtree(checkpoint_root / "step-00000001")
         publish_step(checkpoint_root, tiny_model_dir, 1)
         assert httpx.get(f"{sidecar}/wait?version=1&timeout=120", timeout=150).status_code == 200
@@ -57,7 +64,14 @@ def test_serve_restarts_a_killed_sglang_and_reapplies_the_newest_checkpoint(tiny
         wait_http(f"{sidecar}/readyz", STARTUP_S, serve)
         status = httpx.get(f"{sidecar}/status", timeout=30).json()
         assert status["loaded_step"] == 1 and status["sglang_weight_version"] == "1"
-        assert generate(sglang, [5, 6, 7], max_new_tokens=4)["meta_info"]["weight_version"] == "1"
+        r = httpx.post(
+            f"{sglang}/generate",
+            json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+            headers=with_key,
+            timeout=120,
+        )
+        assert r.status_code == 200 and r.json()["meta_info"]["weight_version"] == "1", r.text
+        assert key not in serve.log_path.read_text()  # SGLang's command line is logged with the key hidden
         metrics = httpx.get(f"{sidecar}/metrics", timeout=30).text
         assert "rollout_sidecar_sglang_restarts_total 1.0" in metrics
         assert "restart 1 of 5" in serve.log_path.read_text()

@@ -47,7 +47,8 @@ class SidecarSettings:
         default=None,
         metadata=setting(
             "--poll",
-            "poll the checkpoint root every N seconds instead of inotify (NFS, CephFS, Lustre)",
+            "poll the checkpoint root every N seconds instead of inotify (NFS, CephFS, Lustre; default:"
+            " inotify, plus a listing every --health-interval)",
             bounds=INTERVAL_S,
         ),
     )
@@ -56,10 +57,19 @@ class SidecarSettings:
     port: int = field(default=8100, metadata=setting("--port", "port of the sidecar's HTTP API", bounds=(1, 65535)))
     token: str | None = field(
         default=None,
-        metadata=setting("--token", "token required by POST endpoints ('Authorization: Bearer TOKEN')"),
+        metadata=setting(
+            "--token",
+            "token required by POST endpoints ('Authorization: Bearer TOKEN'; default none: anyone who can"
+            " reach the port may POST /sync; set one unless the sidecar listens on 127.0.0.1 only)",
+        ),
     )
     sglang_api_key: str | None = field(
-        default=None, metadata=setting("--sglang-api-key", "API key SGLang was started with, if any")
+        default=None,
+        metadata=setting(
+            "--sglang-api-key",
+            "SGLang's API key (its --api-key), sent with every call to it (default none; `serve` starts"
+            " SGLang with it)",
+        ),
     )
     reference_dir: Path | None = field(
         default=None,
@@ -77,7 +87,11 @@ class SidecarSettings:
     )
     health_interval_s: float = field(
         default=2.0,
-        metadata=setting("--health-interval", "seconds between SGLang health checks", bounds=INTERVAL_S),
+        metadata=setting(
+            "--health-interval",
+            "seconds between SGLang health checks, and between listings of the checkpoint root",
+            bounds=INTERVAL_S,
+        ),
     )
     deep_health_interval_s: float = field(
         default=30.0,
