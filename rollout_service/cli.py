@@ -521,7 +521,11 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
     p.add_argument("--model-dir", required=True, help="HF model directory to publish")
     p.add_argument("--checkpoint-path", required=True, help="checkpoint root directory")
     p.add_argument("--step", required=True, type=int, help="step number (0..99999999)")
-    p.add_argument("--dtype", default=None, help="convert floating tensors to this dtype (bfloat16, float16, float32)")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="convert floating tensors to this dtype (bfloat16, float16, float32; default: keep each tensor's dtype)",
+    )
     p.add_argument("--max-shard-mb", type=SHARD_MB, default=2048, help="max shard size in MiB (default 2048)")
     p.set_defaults(func=_cmd_publish)
 
@@ -532,11 +536,15 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         " step: its files and its chain back to its full step, and with --digests or --check-finite"
         " the model it rebuilds, rebuilt in a temporary folder ($TMPDIR); or a LoRA adapter step:"
         " checked against --reference, else its own tensor shapes, and the LoRA limits of"
-        " --max-lora-rank and --lora-target-modules); exits 1 with the reason when it is not loadable.",
+        " --max-lora-rank and --lora-target-modules); exits 1 with the reason when it is not loadable,"
+        " 2 when --reference cannot be read.",
     )
     p.add_argument("dir", help="checkpoint directory (e.g. ROOT/step-00000003)")
     p.add_argument(
-        "--reference", default=None, help="model or checkpoint directory whose tensor names/shapes/dtypes must match"
+        "--reference",
+        default=None,
+        help="model or checkpoint directory whose tensor names/shapes/dtypes must match (default: none; the"
+        " step is checked on its own, an adapter step against its own shapes and the LoRA limits)",
     )
     p.add_argument(
         "--allow-float-cast", action="store_true", help="accept floating dtypes that differ from the reference"
