@@ -38,6 +38,11 @@ REPLICA_ID_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}"
 """A replica id (matched whole): it names the replica's ack file, ``acks/<id>.json``."""
 ACK_FILE_RE = re.compile(rf"{REPLICA_ID_PATTERN}\.json", re.ASCII)
 """An ack file's name (matched whole): a replica id as the sidecar accepts one, then ``.json``."""
+ACK_INTERVAL_S = 5.0
+"""How often a sidecar rewrites its ack file (its heartbeat), by default."""
+MIN_HEARTBEAT_MAX_AGE_S = 3 * ACK_INTERVAL_S
+"""The least age after which a reader may count an ack's heartbeat as dead: three missed writes
+(a shorter one takes a live replica, between two writes, for a dead one)."""
 MAX_CLOCK_SKEW_S = 300.0
 """How far in the future an ack's heartbeat may lie (the sidecar's clock ahead of the reader's);
 further, the ack is a stray or forged file and counts as dead, or it would count as live forever."""

@@ -43,6 +43,17 @@ def test_logprobs_above_zero_are_refused(value: Any) -> None:
         parse(with_logprob(value))
 
 
+@pytest.mark.parametrize("value", [10**400, -(10**400)], ids=["huge", "huge-negative"])
+def test_an_integer_logprob_past_floats_range_is_a_response_error(value: int) -> None:
+    """Before, a bare OverflowError naming no server, result or field."""
+    with pytest.raises(SGLangResponseError, match=r"output_token_logprobs\[0\]: logprob is an integer of 1329 bits"):
+        parse(with_logprob(value))
+    mixed = with_logprob(-1, index=1)  # the entry-by-entry path
+    mixed["meta_info"]["output_token_logprobs"][0][0] = value
+    with pytest.raises(SGLangResponseError, match="past any float"):
+        parse(mixed)
+
+
 def test_minus_infinity_and_nan_mean_no_correction_and_rounding_above_zero_passes() -> None:
     assert parse(with_logprob(float("-inf"))).logprobs == [None, -2.0]  # the one-pass path
     assert parse(with_logprob(float("nan"))).logprobs == [None, -2.0]

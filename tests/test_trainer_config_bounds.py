@@ -24,6 +24,8 @@ import torch
 from rollout_service.adapter_reader import LoraLimits
 from rollout_service.cli import SHARD_MB
 from rollout_service.cli_env import TIMEOUT_S
+from rollout_service.protocol import MIN_HEARTBEAT_MAX_AGE_S
+from rollout_service.sidecar.settings import SidecarSettings
 from trainer_helpers import make_config
 from trainer_hooks.adapter_publish import server_lora_limits
 from trainer_hooks.checkpoint_dtype import checkpoint_dtype, target_dtype
@@ -147,14 +149,29 @@ def test_every_seconds_field_shares_the_clis_timeout_range() -> None:
         if str(f.metadata.get("help", "")).lower().startswith("seconds")
     }
     assert described and described <= set(SECONDS_FIELDS)
-    assert all(NUMBER_RANGES[name][:2] == TIMEOUT_S for name in SECONDS_FIELDS)
+    assert all(NUMBER_RANGES[name][:2] == TIMEOUT_S for name in SECONDS_FIELDS if name != HEARTBEAT)
+    assert NUMBER_RANGES[HEARTBEAT][:2] == (MIN_HEARTBEAT_MAX_AGE_S, TIMEOUT_S[1])
+
+
+HEARTBEAT = "replica_heartbeat_max_age"
+"""Seconds too, but from three of the sidecars' ack writes: a shorter age takes a live replica for
+a dead one between two writes (retention then deletes the step it is loading)."""
 
 
 @pytest.mark.parametrize("name", SECONDS_FIELDS)
 @pytest.mark.parametrize("value", [1e12, 0.001, 0, -1.0, float("inf"), "600", True])
 def test_a_timeout_outside_the_shared_range_is_refused_naming_it(tmp_path: Path, name: str, value: Any) -> None:
-    with pytest.raises(ValueError, match=rf"{name} \(in seconds\) must be a finite number from 0.01 to 604800, got"):
+    low = "15" if name == HEARTBEAT else "0.01"
+    with pytest.raises(ValueError, match=rf"{name} \(in seconds\) must be a finite number from {low} to 604800, got"):
         config(tmp_path, **{name: value})
+
+
+@pytest.mark.parametrize("value", [0.5, 5.0, 14.9])
+def test_a_heartbeat_age_a_live_replica_outlives_between_its_writes_is_refused(tmp_path: Path, value: float) -> None:
+    assert 3 * SidecarSettings.__dataclass_fields__["ack_interval_s"].default == MIN_HEARTBEAT_MAX_AGE_S
+    with pytest.raises(ValueError, match=rf"{HEARTBEAT} \(in seconds\) must be a finite number from 15 to"):
+        config(tmp_path, **{HEARTBEAT: value})
+    assert getattr(config(tmp_path, **{HEARTBEAT: 15.0}), HEARTBEAT) == 15.0
 
 
 @pytest.mark.parametrize("name", SECONDS_FIELDS)

@@ -273,3 +273,36 @@ def test_a_weight_update_counts_only_an_answer_that_says_success_true(servers: l
     server = answering(servers, body)
     with pytest.raises(SGLangLoadRejected, match="SGLang refused /stage/step-00000001"):
         with_client(server, lambda client: client.load_from_disk("/stage/step-00000001", "1"))
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        (b"<html>proxy login</html>", "not a JSON object"),
+        ({"loaded_step": None}, "loaded_step None, not 5 or newer"),
+        ({"loaded_step": 3, "run_id": "mine"}, "loaded_step 3, not 5 or newer"),
+        ({"loaded_step": True, "run_id": "mine"}, "loaded_step None"),
+        ({"loaded_step": 5, "run_id": "someone-else"}, "serves run someone-else, not this run (mine)"),
+        ({"loaded_step": 5, "run_id": "mine", "loaded_current": False}, "no longer the published one"),
+    ],
+    ids=["html", "nothing-loaded", "older-step", "bool-step", "other-run", "not-current"],
+)
+def test_a_200_from_a_sidecar_wait_acknowledges_only_what_it_reports(
+    servers: list[CannedServer], body: Any, says: str
+) -> None:
+    """Before, any 200 counted as the replica serving the step: a proxy's page, or a sidecar that
+    loaded an older step or another run's, advanced the trainer (and retention's protected steps)."""
+    sidecar = canned(servers, lambda path, _body, count: canned_reply(200, body))
+    waiter = SidecarWaiter([sidecar.url])
+    waiter.run_id = "mine"
+    result, _ = wait_in_thread(waiter, 5, timeout_s=2.0)
+    assert isinstance(result, ReplicaSyncTimeout) and says in str(result), repr(result)
+    assert "GET /wait answered 200, but" in str(result)
+
+
+def test_a_200_naming_the_step_or_a_newer_one_of_this_run_acknowledges(servers: list[CannedServer]) -> None:
+    sidecar = canned(servers, lambda path, body, count: canned_reply(200, {"loaded_step": 6, "run_id": "mine"}))
+    waiter = SidecarWaiter([sidecar.url])
+    waiter.run_id = "mine"
+    result, elapsed = wait_in_thread(waiter, 5, timeout_s=5.0)
+    assert [v.loaded_step for v in result] == [6] and elapsed < 2, repr(result)

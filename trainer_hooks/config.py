@@ -35,6 +35,7 @@ from rollout_service.checkpoint_format import (
 from rollout_service.cli_env import SHARD_MB_RANGE, TIMEOUT_S, check_range
 from rollout_service.http_auth import check_token
 from rollout_service.http_urls import check_http_url
+from rollout_service.protocol import ACK_INTERVAL_S, MIN_HEARTBEAT_MAX_AGE_S
 
 from .checkpoint_dtype import publishable_dtype
 
@@ -45,11 +46,12 @@ DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 NUMBER_RANGES: dict[str, tuple[float, float, str]] = {
     "sync_timeout": (*TIMEOUT_S, "seconds"),
     "sglang_request_timeout": (*TIMEOUT_S, "seconds"),
-    "replica_heartbeat_max_age": (*TIMEOUT_S, "seconds"),
+    "replica_heartbeat_max_age": (MIN_HEARTBEAT_MAX_AGE_S, TIMEOUT_S[1], "seconds"),
     "checkpoint_max_shard_mb": (*SHARD_MB_RANGE, "MiB"),
 }
 """The number fields of :class:`SGLangRolloutArguments` with their ``(low, high, unit)``: every
-seconds-valued one shares the CLI's ``TIMEOUT_S`` (rollout_service/cli_env.py)."""
+seconds-valued one shares the CLI's ``TIMEOUT_S`` (rollout_service/cli_env.py), the heartbeat's
+from ``MIN_HEARTBEAT_MAX_AGE_S`` (rollout_service/protocol.py)."""
 
 
 @dataclass
@@ -100,7 +102,7 @@ class SGLangRolloutArguments:
         sglang_request_timeout: seconds one ``POST /generate`` may take before its endpoint
             counts as failed.
         replica_heartbeat_max_age: seconds after which an ack file's heartbeat counts as dead
-            (sidecars refresh it every few seconds).
+            (sidecars refresh it every 5 seconds, so at least 15: three missed writes).
         sglang_log_paths: SGLang's log files, readable by the trainer (same machine or shared
             storage), one per ``sglang_urls`` entry or a single one for all. When a request kills
             a server twice, the step's error quotes SGLang's last error lines from them (and the
@@ -192,7 +194,10 @@ class SGLangRolloutArguments:
     )
     replica_heartbeat_max_age: float = field(
         default=60.0,
-        metadata={"help": "Seconds after which an ack file's heartbeat counts as dead."},
+        metadata={
+            "help": "Seconds after which an ack file's heartbeat counts as dead (at least"
+            f" {MIN_HEARTBEAT_MAX_AGE_S:g}: three of the sidecars' {ACK_INTERVAL_S:g} s ack writes)."
+        },
     )
     sglang_log_paths: list[str] = field(
         default_factory=list,

@@ -110,7 +110,13 @@ def parse_logprob(value: Any, where: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise SGLangResponseError(f"{where}: expected a number as logprob, found {value!r}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past float's range: no server's logprob
+        raise SGLangResponseError(
+            f"{where}: logprob is an integer of {int(value).bit_length()} bits, past any float; the server's"
+            " logprobs are corrupt"
+        ) from None
     if number > LOGPROB_TOLERANCE:
         raise SGLangResponseError(
             f"{where}: logprob {number!r} is impossible (a probability above 1); the server's logprobs are corrupt"

@@ -14,7 +14,7 @@ from ..checkpoint_paths import is_inside
 from ..cli_env import TIMEOUT_S, bounds_metadata, check_bounds, setting
 from ..http_auth import check_token
 from ..http_urls import check_bind_host, check_http_url
-from ..protocol import REPLICA_ID_PATTERN
+from ..protocol import ACK_INTERVAL_S, REPLICA_ID_PATTERN
 from .root_gate import answered_within
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class SidecarSettings:
         ),
     )
     rescan_interval_s: float = field(default=30.0, metadata=bounds_metadata(*INTERVAL_S))
-    ack_interval_s: float = field(default=5.0, metadata=bounds_metadata(*INTERVAL_S))
+    ack_interval_s: float = field(default=ACK_INTERVAL_S, metadata=bounds_metadata(*INTERVAL_S))
     load_timeout_s: float = field(
         default=1800.0,
         metadata=setting("--load-timeout", "seconds to allow one /update_weights_from_disk call", bounds=TIMEOUT_S),
