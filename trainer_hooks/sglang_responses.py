@@ -114,8 +114,8 @@ def parse_logprob(value: Any, where: str) -> float | None:
         number = float(value)
     except OverflowError:  # an integer past float's range: no server's logprob
         raise SGLangResponseError(
-            f"{where}: logprob is an integer of {int(value).bit_length()} bits, past any float; the server's"
-            " logprobs are corrupt"
+            f"{where}: logprob is an integer of {value.bit_length() if isinstance(value, int) else '?'} bits, past"
+            " any float; the server's logprobs are corrupt"
         ) from None
     if number > LOGPROB_TOLERANCE:
         raise SGLangResponseError(
