@@ -37,6 +37,7 @@ from .checkpoint_format import (
 from .checkpoint_paths import resolve_inside
 from .digest import format_digest, new_hasher
 from .finite import count_non_finite
+from .full_writes import write_all
 from .safetensors_header import read_header
 from .untrusted_files import NO_DEADLINE, Deadline, any_failure_is_the_steps, fd_path, open_regular, read_small
 
@@ -161,7 +162,7 @@ def _header_copy(fd: int, where: str, max_header_bytes: int) -> Iterator[str]:
             for offset in range(0, keep, len(buf) or 1):
                 piece = buf[: min(len(buf), keep - offset)]
                 _pread_exactly(fd, piece, offset, where, size)
-                out.write(piece)
+                write_all(out.fileno(), piece)
         os.ftruncate(copy, size)
         yield fd_path(copy)
     finally:

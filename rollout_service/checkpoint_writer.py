@@ -46,6 +46,7 @@ from .checkpoint_format import (
 )
 from .digest import format_digest, new_hasher
 from .finite import count_non_finite
+from .full_writes import write_all
 from .protocol import version_for_step
 from .tree_removal import remove_tree
 from .work_folders import left_by_dead_writer, owner_tag
@@ -295,16 +296,14 @@ def _write_shard(path: Path, tensors: list[tuple[str, torch.Tensor]], *, check_f
     # Digest on a second thread while this one sits in write() with the GIL released: the
     # digest (and the NaN/Inf count) then cost (almost) no wall time on top of the write.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="digest") as pool, open(path, "wb", buffering=0) as f:
-        f.write(prefix)
+        write_all(f.fileno(), prefix)
         pending: list[tuple[str, torch.Tensor, Future[int]]] = []
         checked = 0
         try:
             for name, t in tensors:
                 view = _byte_view(t)
                 pending.append((name, t, pool.submit(digest, view, _TORCH_TO_TAG[t.dtype])))
-                written = 0
-                while written < len(view):
-                    written += f.write(view[written:])
+                write_all(f.fileno(), view)
                 checked = _raise_if_non_finite(pending, checked, wait=False)
             _raise_if_non_finite(pending, checked, wait=True)
         except BaseException:

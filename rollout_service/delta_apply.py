@@ -48,6 +48,7 @@ from .checkpoint_format import (
 from .checkpoint_paths import is_inside
 from .digest import format_digest, new_hasher
 from .finite import count_non_finite
+from .full_writes import pwrite_all, write_all
 from .ordered_digests import Abandoned, OrderedDigests
 from .safetensors_header import header_length, parse_entries, read_header
 from .tree_removal import remove_tree
@@ -356,7 +357,7 @@ def _rebuild_shard(
                 "delta_layout_mismatch",
                 f"{where}: the base's layout makes a {offset}-byte shard, the delta's target has {target.size}",
             )
-        os.write(out.fileno(), prefix)
+        write_all(out.fileno(), prefix)
         os.ftruncate(out.fileno(), target.size)
         digests = OrderedDigests(prefix, part_tensors, len(tensors))
         rebuilt: list[Future[None]] = []
@@ -484,9 +485,7 @@ def _rebuild_part(
                             f"{where} holds NaN/Inf values; SGLang would load it and generate garbage."
                             " Check the training run for divergence",
                         )
-                written, m = 0, piece.shape[0]
-                while written < m:
-                    written += os.pwrite(out_fd, piece.data[written:], offset + start + written)
+                pwrite_all(out_fd, piece.data, offset + start)
             if reader is not None:
                 reader.finish()
         digests.feed(index, buf.data[:length], deadline, where)

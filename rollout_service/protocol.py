@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint_format import ACKS_DIR, MAX_STEP, TEMP_PREFIX, CheckpointError
+from .full_writes import write_all
 from .untrusted_files import read_small
 
 log = logging.getLogger(__name__)
@@ -193,9 +194,7 @@ def atomic_replace(dir_fd: int, name: str, data: bytes, *, owner: str = "") -> N
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _NOFOLLOW, 0o644, dir_fd=dir_fd)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -22,6 +22,7 @@ from typing import Any
 from .checkpoint_format import CheckpointError
 from .checkpoint_paths import is_inside, resolve_inside
 from .digest import format_digest, new_hasher
+from .full_writes import write_all
 
 MAX_SMALL_FILE_BYTES = 16 << 20
 """Cap on manifest.json, the shard index and config.json (real ones are kilobytes)."""
@@ -158,7 +159,7 @@ def copy_verified(root: Path, src: Path, dst: Path, *, where: str, size: int, di
                 copied += n
                 break
             hasher.update(view[:n])
-            out.write(view[:n])
+            write_all(out.fileno(), view[:n])  # every byte, or an error: a gap would read as zeros
             copied += n
         if copied == size:
             out.truncate(size)  # an old file written over: cut what was longer

@@ -15,7 +15,6 @@ in the room it documents (no SGLang here: the sync loop runs in-process with a f
 from __future__ import annotations
 
 import errno
-import io
 import logging
 import os
 import threading
@@ -233,28 +232,24 @@ def _fd_under(fd: int, folder: Path) -> bool:
 
 
 def _full_disk_for(monkeypatch, folder: Path, full: dict[str, bool]) -> None:
-    """While ``full["on"]``, writes into files under ``folder`` fail with ENOSPC. ``copy_verified``
-    writes through a ``FileIO`` (its ``write`` cannot be patched in ``os``): its output file is
-    opened as one whose ``write`` raises ENOSPC; the rebuild's ``os.pwrite`` on such an fd raises
-    it too. A real full file system is hard to make in a test; everything else is real."""
-    real_open, real_pwrite = untrusted_files._open_for_overwrite, os.pwrite
+    """While ``full["on"]``, writes into the weights files under ``folder`` fail with ENOSPC
+    (``os.write``: ``copy_verified``; ``os.pwrite``: the rebuild): the room runs out while a copy
+    is made, after the stage's own small files were written. A real full file system that stays full for one
+    build and has room for the next is hard to make in a test (one that writes short for real:
+    tests/test_full_writes.py); everything else is real."""
+    real_write, real_pwrite = os.write, os.pwrite
 
-    class MaybeFull(io.FileIO):
-        def write(self, b: Any) -> int:
-            if full["on"]:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return super().write(b)
-
-    def open_for_overwrite(path: Path) -> io.FileIO:
-        with real_open(path) as out:
-            return MaybeFull(os.dup(out.fileno()), "wb", closefd=True)
+    def write(fd: int, data: Any) -> int:
+        if full["on"] and _fd_under(fd, folder) and os.readlink(f"/proc/self/fd/{fd}").endswith(".safetensors"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
 
     def pwrite(fd: int, data: Any, offset: int) -> int:
         if full["on"] and _fd_under(fd, folder):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_pwrite(fd, data, offset)
 
-    monkeypatch.setattr(untrusted_files, "_open_for_overwrite", open_for_overwrite)
+    monkeypatch.setattr(os, "write", write)
     monkeypatch.setattr(os, "pwrite", pwrite)
 
 

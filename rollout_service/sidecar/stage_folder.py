@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..checkpoint_format import TEMP_PREFIX
+from ..full_writes import write_all
 from ..tree_removal import remove_tree
 from ..untrusted_files import _kind
 
@@ -87,6 +88,36 @@ def check_is_stage(folder: Path) -> None:
         )
 
 
+def check_owner(folder: Path) -> None:
+    """``StageError`` unless ``folder`` belongs to this user (or to root, as a Kubernetes emptyDir
+    does). In a folder every user may write to (``/dev/shm``), another user could make the stage
+    folder first, under its predictable name, and then swap the verified copies SGLang loads."""
+    try:
+        owner = os.stat(folder).st_uid
+    except OSError as exc:
+        raise StageError(
+            f"cannot look at the stage directory {folder}: {exc.strerror}; pass another --stage-dir"
+        ) from None
+    if owner not in (os.geteuid(), 0):
+        raise StageError(
+            f"the stage directory {folder} belongs to user id {owner}, not to this sidecar's ({os.geteuid()}):"
+            " whoever owns it could replace the verified copies SGLang loads. Remove it (if nobody should"
+            " have made it) or pass a --stage-dir of this user's"
+        )
+
+
+def reusable_file(path: Path) -> bool:
+    """Whether a file of the stage's spare copy may be written over for a new copy: a regular
+    file of this user's, writable by nobody else, with no other name (a hard link made from
+    outside the stage would get the new copy's bytes written outside it, and could change them
+    after they were verified). Anything else is left to be removed with the spare."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
 def mark_as_stage(folder: Path) -> None:
     """Put the marker into ``folder`` (which :func:`check_is_stage` accepted) unless it is there."""
     if _is_marked(folder):
@@ -95,7 +126,7 @@ def mark_as_stage(folder: Path) -> None:
     try:
         fd = open_own_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "marker")
         try:
-            os.write(fd, MARKER_TEXT)
+            write_all(fd, MARKER_TEXT)
         finally:
             os.close(fd)
     except OSError as exc:

@@ -78,6 +78,7 @@ from .stage_folder import (
     StageError,
     bytes_under,
     check_is_stage,
+    check_owner,
     empty_stage,
     is_default_shm_stage,
     is_work_name,
@@ -85,6 +86,7 @@ from .stage_folder import (
     open_own_file,
     reclaim_shm_leftovers,
     remove_entry,
+    reusable_file,
     shm_stages_held,
     take_lock,
 )
@@ -141,6 +143,11 @@ class Stage:
         self.path = Path(path)
         self._spare: Path | None = None
         """A copy nobody serves any more, whose files the next copy or rebuild writes over."""
+        self._lock = -1
+        self._open()
+
+    def _open(self) -> None:
+        """Make (or adopt) the folder, check it is this user's, take its lock, clear leftovers."""
         with shm_stages_held(self.path):  # no sibling reclaims this folder meanwhile
             try:
                 self.path.mkdir(parents=True, exist_ok=True)
@@ -149,6 +156,7 @@ class Stage:
                     f"cannot create the stage directory {self.path}: {exc.strerror}; pass a writable"
                     " node-local --stage-dir"
                 ) from None
+            check_owner(self.path)
             check_is_stage(self.path)  # before anything is written in it
             self._lock = take_lock(self.path)
             try:
@@ -171,6 +179,27 @@ class Stage:
                 f"cannot clear what a killed sidecar left in the stage directory {self.path}"
                 f" ({type(exc).__name__}: {exc}); remove its {TEMP_PREFIX}* entries, or pass another --stage-dir"
             ) from None
+
+    def _ensure_held(self) -> None:
+        """The folder and the lock this sidecar holds are still there. A cleaner that removed them
+        (a ``/dev/shm`` sweeper, systemd-logind's ``RemoveIPC=yes`` at the user's logout, a
+        person) left the stage unusable and unlocked, so that a second sidecar could take it over:
+        they are made and locked again (``StageError`` when another sidecar holds it by then)."""
+        try:
+            held = os.fstat(self._lock)
+            there = os.lstat(self.path / LOCK_NAME)
+            if (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino):
+                return
+        except OSError:
+            pass
+        log.warning(
+            "the stage directory %s or its lock file was removed while this sidecar ran (a /dev/shm"
+            " cleaner, or systemd-logind's RemoveIPC=yes?); making and locking it again",
+            self.path,
+        )
+        self.close()
+        self._spare = None
+        self._open()
 
     def close(self) -> None:
         """Release the stage's lock (idempotent)."""
@@ -208,6 +237,7 @@ class Stage:
         """Remove staged copies other than ``keep`` (the one SGLang serves); one of them may
         stay as the spare (see the module's docstring) unless ``keep_spare`` is False. Only the
         stage's own copies and work are looked at: nothing else in the folder is touched."""
+        self._ensure_held()
         keep_real = {Path(os.path.realpath(p)) for p in keep}
         for entry in self.path.iterdir():
             if not is_work_name(entry.name) or (keep_spare and entry == self._spare):
@@ -247,7 +277,7 @@ class Stage:
         try:
             for name in names:
                 old = spare / name
-                if old.is_file() and not old.is_symlink():
+                if reusable_file(old):
                     os.rename(old, tmp / name)
         except OSError as exc:  # a spare is only a saving: go on without it
             log.debug("the stage's spare copy %s could not be reused: %s", spare, exc)
@@ -401,6 +431,7 @@ class Stage:
         copy is checked by validating it afterwards). The stage's own failures (no room, a
         write that fails) raise ``StageError``; the checkpoint's, ``CheckpointError``."""
         t0 = time.perf_counter()
+        self._ensure_held()
         with self._stage_faults(f"staging {source_dir.name}"):
             staged = self._reuse(manifest, deadline)
             if staged is not None:
@@ -479,8 +510,8 @@ class Stage:
     ) -> ChainLink:
         """Rebuild ``link`` (a delta) from ``current`` (the copy of its base) into its own copy here."""
         final = self._name_for(link.manifest.step, link.manifest.fingerprint())
-        if final.is_dir():
-            remove_entry(final)  # a copy from an earlier try: rebuild it
+        if os.path.lexists(final):
+            remove_entry(final)  # a copy from an earlier try (or anything else there): rebuild it
         tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
@@ -500,8 +531,8 @@ class Stage:
         with self._stage_faults(f"copying {source_dir.name}"):
             self._check_room(manifest.step, manifest.total_bytes)
             final = self._name_for(manifest.step, manifest.fingerprint())
-            if final.is_dir():
-                remove_entry(final)  # a copy of the same bytes from an earlier try: redo it
+            if os.path.lexists(final):
+                remove_entry(final)  # a copy of the same bytes from an earlier try (or anything else): redo it
             tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir()
             try:
@@ -526,6 +557,7 @@ class Stage:
 
     # --- the served model's reference ----------------------------------------------------
     def save_reference(self, specs: TensorSpecs, source: str) -> None:
+        self._ensure_held()
         data = {"source": source, "tensors": {k: [dt, list(shape)] for k, (dt, shape) in specs.items()}}
         dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
