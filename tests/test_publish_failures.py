@@ -121,7 +121,7 @@ def test_a_root_that_vanished_is_not_made_again_on_the_local_disk(tmp_path: Path
     publisher.publish_and_wait(1, model.tensors())
     shutil.rmtree(mount / "shared")  # the volume is unmounted: its mount point is empty
     model.step()
-    with pytest.raises(FileNotFoundError, match=r"is gone \(deleted, or its volume unmounted\); version 2"):
+    with pytest.raises(FileNotFoundError, match=r"is gone \(deleted, replaced, or its volume unmounted\); version 2"):
         publisher.publish_and_wait(2, model.tensors())
     assert not (mount / "shared").exists()
     publisher.close()

@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
+import trainer_hooks.sglang_endpoints as sglang_endpoints
 from fake_sglang import CannedServer, canned_answer, canned_reply
-from trainer_hooks.sglang_endpoints import SGLangEndpoints, SGLangUnavailableError
+from trainer_hooks.sglang_endpoints import SGLangEndpoints, SGLangRequestError, SGLangUnavailableError
 from trainer_hooks.sglang_responses import Completion, SGLangResponseError, parse_generate_response
 
 ITEM = {
@@ -216,3 +217,32 @@ def test_a_rescoring_answer_that_is_not_json_fails_the_endpoint_over(servers: li
     assert isinstance(result, SGLangUnavailableError), repr(result)
     assert "rescoring: answered HTTP 200 with a body that is not JSON" in str(result)
     assert len(server.generate_requests) >= 2
+
+
+ADAPTER_SWAPPED = {"object": "error", "message": "LoRA adapter v00000004 is not loaded", "code": 400}
+
+
+def test_a_rescoring_refused_twice_in_a_row_is_the_requests_fault(servers: list[CannedServer], monkeypatch) -> None:
+    """Before, every refusal (4xx) was taken for a passing state: the chunk was generated again
+    every 10 s until sync_timeout, and the error then said no endpoint answered."""
+    monkeypatch.setattr(sglang_endpoints, "DEAD_RETRY_S", 0.2)
+    result, server = ask(servers, lambda _: canned_reply(400, ADAPTER_SWAPPED), rescore=True, deadline_s=30)
+    assert isinstance(result, SGLangRequestError), repr(result)
+    assert "refused 2 times in a row to score the completions it had just generated" in str(result)
+    assert "is not loaded" in str(result)
+    assert len(server.generate_requests) == 4  # generated twice, rescoring refused twice: no more
+
+
+def test_a_rescoring_refused_once_is_tried_again(servers: list[CannedServer], monkeypatch) -> None:
+    """An adapter swapped between the generation and its rescoring: the next try scores."""
+    monkeypatch.setattr(sglang_endpoints, "DEAD_RETRY_S", 0.2)
+    refused: list[int] = []
+
+    def once(body: Any) -> Any:
+        if not refused:
+            refused.append(1)
+            return canned_reply(400, ADAPTER_SWAPPED)
+        return rescored([-0.2, -0.3])
+
+    result, _ = ask(servers, once, rescore=True, deadline_s=30)
+    assert isinstance(result, list) and result[0][0].logprobs == [-0.2, -0.3], repr(result)

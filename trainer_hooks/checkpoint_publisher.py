@@ -33,13 +33,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -50,10 +52,12 @@ from rollout_service.delta_writer import DeltaCheckpointWriter
 from rollout_service.protocol import read_acks
 
 from .checkpoint_dtype import target_dtype
-from .checkpoint_retention import list_step_entries, newest_checkpoints, prune_checkpoints
-from .replica_wait import ReplicaWaiter
+from .checkpoint_retention import StepEntries, list_step_entries, newest_checkpoints, prune_checkpoints
+from .replica_wait import ReplicaWaiter, RootLooks
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -156,10 +160,23 @@ class CheckpointPublisher:
         self._torch_dtype = target_dtype(dtype)
         self._pinned: dict[str, torch.Tensor] = {}
         """Pinned host buffers of the last background snapshot, reused by the next one."""
+        self._looks = RootLooks(self.root)
+        """Looks at the root (its listing, its identity) that give up after ``sync_timeout_s``."""
+        self._root_identity = self._on_root(self._prepare_root, "making it and removing stale temporary entries")
+        """(device, inode) of the root as it was at the start: a root unmounted or replaced since is
+        not published into (a folder at the same path is not what the replicas watch)."""
+
+    def _on_root(self, look: Callable[[], T], what: str) -> T:
+        """``look()``, given up on after ``sync_timeout_s`` (``RootUnresponsive`` naming the root):
+        on a hung network file system a read blocks in the kernel for good."""
+        return self._looks.run(lambda deadline: look(), time.monotonic() + self.sync_timeout_s, what)
+
+    def _prepare_root(self) -> tuple[int, int]:
         self.root.mkdir(parents=True, exist_ok=True)  # made once; if it vanishes later, publishing stops
         removed = cleanup_stale_temp_dirs(self.root)
         if removed:
             log.info("removed %d stale temporary entries under %s left by killed writers", len(removed), self.root)
+        return _identity(self.root)
 
     def next_version(self) -> int:
         """One above both the last version used and the newest checkpoint published under the root.
@@ -170,13 +187,12 @@ class CheckpointPublisher:
         ``RuntimeError``, saying what to do, when no step number is left.
         """
         try:
-            entries = list_step_entries(self.root)
+            entries, newest = self._on_root(self._newest, "listing its checkpoints")
         except CheckpointError as exc:  # the root cannot be listed whole (too_many_entries)
             if self.latest_version is None:
                 raise RuntimeError(f"cannot number the first checkpoint of this run: {exc}") from None
             log.warning("numbering on from version %d without a listing of the root: %s", self.latest_version, exc)
             return self.latest_version + 1  # a name already taken is refused by the publish itself
-        newest = next(iter(newest_checkpoints(self.root, entries.published, 1)), None)
         version = max(0, self.latest_version or 0, newest.step if newest else 0) + 1
         taken = {c.step for c in entries.published + entries.odd}
         while version in taken:
@@ -184,6 +200,10 @@ class CheckpointPublisher:
         if version > MAX_STEP:
             raise RuntimeError(self._no_step_left(newest))
         return version
+
+    def _newest(self) -> tuple[StepEntries, PublishedCheckpoint | None]:
+        entries = list_step_entries(self.root)
+        return entries, next(iter(newest_checkpoints(self.root, entries.published, 1)), None)
 
     def _no_step_left(self, newest: PublishedCheckpoint | None) -> str:
         """Why no version is left to publish, and what to do."""
@@ -292,12 +312,16 @@ class CheckpointPublisher:
         """``write(version)``, into the root this publisher started with: a root that vanished
         (deleted, unmounted) is not made again on the local disk under its mount point, and a
         storage error says where, which version, and what to do."""
-        if not self.root.is_dir():
+        try:
+            now = self._on_root(lambda: _identity(self.root), "checking it is still there")
+        except FileNotFoundError:
+            now = None
+        if now != self._root_identity:
             raise FileNotFoundError(
                 errno.ENOENT,
-                f"the checkpoint root {self.root} is gone (deleted, or its volume unmounted); version"
-                f" {version} was not published. Mount or restore it and restart the run (replicas watch"
-                " that volume, not a folder made again on this disk)",
+                f"the checkpoint root {self.root} is {'gone' if now is None else 'another folder than at the start'}"
+                f" (deleted, replaced, or its volume unmounted); version {version} was not published. Mount or"
+                " restore it and restart the run (replicas watch that volume, not a folder made again on this disk)",
             )
         try:
             return write(version)
@@ -501,3 +525,12 @@ class CheckpointPublisher:
                 exc,
             )
             return []
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    """(device, inode) of a folder: another after an unmount (the mount point's own folder) or a
+    re-creation. ``FileNotFoundError`` when it is gone, ``NotADirectoryError`` when not a folder."""
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, f"the checkpoint root {path} is not a folder")
+    return st.st_dev, st.st_ino

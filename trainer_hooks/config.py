@@ -36,8 +36,10 @@ from rollout_service.cli_env import SHARD_MB_RANGE, TIMEOUT_S, check_range
 from rollout_service.http_auth import check_token
 from rollout_service.http_urls import check_http_url
 from rollout_service.protocol import ACK_INTERVAL_S, MIN_HEARTBEAT_MAX_AGE_S
+from rollout_service.sidecar.root_gate import answered_within
 
 from .checkpoint_dtype import publishable_dtype
+from .sampling_checks import check_sampling_values
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +315,14 @@ class SGLangRolloutArguments:
             )
         self.checkpoint_path = os.fspath(Path(self.checkpoint_path).expanduser().absolute())
         if is_main_process:
-            check_checkpoint_dir(Path(self.checkpoint_path))
+            path, bound = Path(self.checkpoint_path), self.sync_timeout
+            answered, _ = answered_within(lambda: check_checkpoint_dir(path), bound, f"checking {path}")
+            if not answered:  # a hung network file system: a read there blocks in the kernel for good
+                raise ValueError(
+                    f"checkpoint_path {path} did not answer within sync_timeout={bound:g} s: is its network"
+                    f" file system hung (does `ls {path}` return)? Fix the mount, or raise sync_timeout if it"
+                    " is only slow"
+                )
 
 
 def check_checkpoint_dir(path: Path) -> None:
@@ -526,6 +535,8 @@ def translate_generation_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]
     if not isinstance(kwargs, dict):
         raise ValueError(f"generation_kwargs must be a dict of sampling parameters, got {type(kwargs).__name__}")
     out: dict[str, Any] = {}
+    named: dict[str, str] = {}
+    """SGLang name -> the name the user gave (a renamed key), for the value checks' messages."""
     for key, value in kwargs.items():
         if key in SGLANG_SAMPLING_PARAMS:
             out[key] = value
@@ -552,9 +563,10 @@ def translate_generation_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]
             if new in kwargs or new in out:
                 raise ValueError(f"generation_kwargs has both {key!r} and SGLang's {new!r}: keep only {new!r}")
             log.warning("generation_kwargs: %s=%r renamed to SGLang's %s", key, value, new)
-            if new == "stop_token_ids":
-                value = [int(v) for v in (value if isinstance(value, (list, tuple, set)) else [value])]
+            if new == "stop_token_ids":  # one id or several, as transformers takes it
+                value = list(value) if isinstance(value, (list, tuple, set)) else [value]
             out[new] = value
+            named[new] = key
         elif key in _DROPPED:
             log.warning("generation_kwargs: %s dropped (%s)", key, _DROPPED[key])
         elif key in _REFUSED:
@@ -572,6 +584,7 @@ def translate_generation_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]
     present = [k for k in CONSTRAINT_PARAMS if out.get(k) is not None]
     if len(present) > 1:
         raise ValueError(f"generation_kwargs sets several SGLang constraints {present}; SGLang accepts one per request")
+    check_sampling_values(out, named)
     return out
 
 

@@ -95,10 +95,20 @@ class SGLangPoisonRequestError(RuntimeError):
 
 
 class _EndpointFailed(Exception):
-    def __init__(self, url: str, reason: str, *, sent: bool = False, retry_after: float | None = None):
+    def __init__(
+        self,
+        url: str,
+        reason: str,
+        *,
+        sent: bool = False,
+        retry_after: float | None = None,
+        rescore_refused: bool = False,
+    ):
         super().__init__(reason)
         self.url = url
         self.reason = reason
+        self.rescore_refused = rescore_refused
+        """The server refused (4xx) to rescore what it had just generated."""
         self.sent = sent
         """True when the server may have died on the request (a poison candidate): it reached the
         server and the connection then broke, or a 5xx other than 503 came back; not for a refused
@@ -108,6 +118,9 @@ class _EndpointFailed(Exception):
 
 
 HEALTH_PROBE_TIMEOUT_S = 5.0
+RESCORE_REFUSALS = 2
+"""Refusals (4xx) in a row of an endpoint to rescore what it just generated before the call fails:
+the first may be passing (the adapter swapped in between), a second one is the request's."""
 POISON_RETRIES = 1
 """How often prompts whose request killed a server are sent again (then the call fails)."""
 
@@ -119,6 +132,7 @@ class _Endpoint:
     last_error: str | None = None
     failures: int = 0
     prompts_answered: int = 0
+    rescore_refusals: int = 0
 
 
 class SGLangEndpoints:
@@ -281,6 +295,8 @@ class SGLangEndpoints:
                 try:
                     groups = future.result()
                 except _EndpointFailed as exc:
+                    if exc.rescore_refused:
+                        self._count_rescore_refusal(endpoint, exc.reason)
                     if exc.retry_after is not None:
                         self._mark_dead(endpoint, exc.reason, for_s=min(exc.retry_after, deadline - time.monotonic()))
                         failed.extend(chunk)
@@ -302,6 +318,20 @@ class SGLangEndpoints:
             if pending and time.monotonic() >= deadline:
                 raise self._unavailable_error()
         return [group for group in results if group is not None]
+
+    def _count_rescore_refusal(self, endpoint: _Endpoint, reason: str) -> None:
+        """Raise ``SGLangRequestError`` once ``endpoint`` refused to rescore ``RESCORE_REFUSALS``
+        times in a row (each retry generates the chunk again: GPU time for nothing)."""
+        with self._lock:
+            endpoint.rescore_refusals += 1
+            refusals = endpoint.rescore_refusals
+        if refusals >= RESCORE_REFUSALS:
+            raise SGLangRequestError(
+                f"SGLang at {endpoint.url} refused {refusals} times in a row to score the completions it had just"
+                f" generated (POST /generate with prompt + completion and their logprobs; last: {reason}). Check"
+                " that prompt + completion fit the server's context length (max_completion_length, its"
+                " --context-length), and the server's log"
+            )
 
     def _answers_health(self, url: str) -> bool:
         try:
@@ -480,8 +510,8 @@ class SGLangEndpoints:
             )
         if status >= 500:
             raise _EndpointFailed(url, f"{what}HTTP {status}: {text[:300]}", sent=True)
-        if what:  # rescoring what /generate just answered: a passing state (an adapter swapped), try again
-            raise _EndpointFailed(url, f"{what}HTTP {status}: {text[:300]}")
+        if what:  # rescoring what /generate just answered: maybe a passing state (an adapter swapped)
+            raise _EndpointFailed(url, f"{what}HTTP {status}: {text[:300]}", rescore_refused=True)
         if 300 <= status < 400:
             raise SGLangRequestError(
                 f"SGLang at {url} answered POST /generate with a redirect (HTTP {status} to "
@@ -570,6 +600,7 @@ class SGLangEndpoints:
             if endpoint.failures:
                 log.info("SGLang endpoint %s answers again", endpoint.url)
             endpoint.failures = 0
+            endpoint.rescore_refusals = 0
             endpoint.last_error = None
             endpoint.dead_until = 0.0
 
@@ -591,9 +622,9 @@ class SGLangEndpoints:
         with self._lock:
             details = "; ".join(f"{e.url}: {e.last_error or 'not tried'}" for e in self._endpoints)
         return SGLangUnavailableError(
-            f"no SGLang endpoint answered POST /generate before the deadline (sync_timeout): {details}. "
-            "Check that the servers run (`rollout-service serve`), are reachable from the trainer, and that "
-            "sglang_urls is right"
+            f"no SGLang endpoint answered POST /generate successfully before the deadline (sync_timeout): {details}."
+            " Check the errors quoted there, that the servers run (`rollout-service serve`), are reachable from the"
+            " trainer, and that sglang_urls is right"
         )
 
 

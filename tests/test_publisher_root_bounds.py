@@ -1,0 +1,105 @@
+"""The trainer's looks at the checkpoint root are bounded, and it publishes only into the root it
+started with, on a real network file system (sshfs over loopback):
+
+- a root whose server stops answering (its sshd frozen, as a hung NFS server) ends the config
+  check, the publisher's start and its numbering of the next version within ``sync_timeout``
+  with an error naming the root, where each used to block in the kernel for good (with several
+  processes, the others then died in a collective's watchdog instead);
+- a root that is itself the mount point and is unmounted mid-run is not published into: the
+  empty mount point left behind is another folder (another device), and a checkpoint written
+  there would sit on the local disk where no replica looks.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from delta_helpers import CONFIG, Model
+from rollout_service.sidecar.root_gate import RootUnresponsive
+from shared_fs import server_frozen, sshfs_mount
+from trainer_helpers import NoWaiter, make_config
+from trainer_hooks.checkpoint_publisher import CheckpointPublisher
+
+SYNC_TIMEOUT_S = 3.0
+
+
+def publisher(root: Path) -> CheckpointPublisher:
+    return CheckpointPublisher(
+        root,
+        NoWaiter(),
+        config=CONFIG,
+        dtype="bfloat16",
+        max_shard_bytes=40_000,
+        keep=None,
+        sync_timeout_s=SYNC_TIMEOUT_S,
+        heartbeat_max_age_s=60,
+    )
+
+
+def raised_within(fn: Callable[[], object], limit_s: float) -> BaseException:
+    """What ``fn`` raised, on a daemon thread (a hang fails the test instead of holding it)."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # handed to the test
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    t0 = time.monotonic()
+    thread.start()
+    thread.join(limit_s)
+    assert not thread.is_alive(), f"still blocked after {time.monotonic() - t0:.1f} s (limit {limit_s} s)"
+    assert raised, "returned instead of raising"
+    return raised[0]
+
+
+def test_a_hung_root_ends_each_look_within_sync_timeout_naming_the_root(tmp_path: Path) -> None:
+    fs = tmp_path / "fs"
+    with sshfs_mount(fs, "dcache_timeout=1", "attr_timeout=1", "entry_timeout=1") as (_, mnt):
+        root = mnt / "ckpts"
+        working = publisher(root)
+        assert working.next_version() == 1
+        with server_frozen(fs):
+            time.sleep(2.5)  # past the mount's caches: every look reaches the frozen server
+            limit = SYNC_TIMEOUT_S + 10
+            error = raised_within(working.next_version, limit)
+            assert isinstance(error, RootUnresponsive) and str(root) in str(error), repr(error)
+            error = raised_within(lambda: publisher(mnt / "other"), limit)
+            assert isinstance(error, RootUnresponsive) and "is not answering" in str(error), repr(error)
+            error = raised_within(
+                lambda: make_config(
+                    tmp_path, mnt / "third", ["http://127.0.0.1:9"], expected_replicas=1, sync_timeout=SYNC_TIMEOUT_S
+                ),
+                limit,
+            )
+            assert isinstance(error, ValueError) and "did not answer within sync_timeout=3 s" in str(error), repr(error)
+        assert working.next_version() == 1  # the server answers again: so does the publisher
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["full", "delta"])
+def test_a_root_that_is_an_unmounted_mount_point_is_not_published_into(tmp_path: Path, delta: bool) -> None:
+    from rollout_service.delta_writer import DeltaCheckpointWriter
+
+    fs = tmp_path / "fs"
+    with sshfs_mount(fs) as (srv, mnt):
+        pub = publisher(mnt)
+        if delta:
+            pub.delta = DeltaCheckpointWriter(full_every=100)
+        model = Model(lr=1e-3)
+        pub.publish_and_wait(1, model.tensors())
+        assert (srv / "step-00000001").is_dir()
+        subprocess.run(["fusermount", "-u", str(mnt)], check=True)
+        assert mnt.is_dir() and not list(mnt.iterdir())  # what is left: the empty local mount point
+        model.step()
+        with pytest.raises(FileNotFoundError, match=r"is another folder than at the start .* version 2 was not"):
+            pub.publish_and_wait(2, model.tensors())
+        assert not list(mnt.iterdir()), "a checkpoint was written on the local disk under the mount point"
+        pub.close()

@@ -1,0 +1,72 @@
+"""The values of SGLang sampling parameters in ``generation_kwargs``, checked when the config is made.
+
+SGLang 0.5.23 refuses a request whose sampling parameters are out of range (``SamplingParams.verify``)
+with HTTP 400, which the trainer meets only at its first generation step, after the model loaded;
+a value of the wrong type (``min_new_tokens="5"``) can crash the trainer's own logic first. The
+same ranges are checked here, so that a bad value is a ``ValueError`` naming the key at start.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+MAX_TOKEN_ID = 2**31
+"""Token ids are below this (SGLang's vocabularies are far smaller; the exact size is the server's)."""
+
+
+def _whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _token_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(_whole(t) and 0 <= t < MAX_TOKEN_ID for t in v)
+
+
+def _strings(v: Any) -> bool:
+    return isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+
+
+_SWITCH = (lambda v: isinstance(v, bool), "true or false")
+
+RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_new_tokens": (lambda v: _whole(v) and v >= 0, "a whole number >= 0"),
+    "min_new_tokens": (lambda v: _whole(v) and v >= 0, "a whole number >= 0"),
+    "temperature": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "top_p": (lambda v: _finite(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "min_p": (lambda v: _finite(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "top_k": (lambda v: _whole(v) and (v == -1 or v >= 1), "-1 (no limit) or a whole number >= 1"),
+    "frequency_penalty": (lambda v: _finite(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "presence_penalty": (lambda v: _finite(v) and -2 <= v <= 2, "a number in [-2, 2]"),
+    "repetition_penalty": (lambda v: _finite(v) and 0 < v <= 2, "a number in (0, 2]"),
+    "stop_token_ids": (_token_ids, f"a list of token ids (whole numbers from 0 below {MAX_TOKEN_ID})"),
+    "stop": (_strings, "a string or a list of strings"),
+    "sampling_seed": (lambda v: _whole(v) and -(2**63) <= v < 2**63, "a whole number (64-bit)"),
+    "ignore_eos": _SWITCH,
+    "skip_special_tokens": _SWITCH,
+    "spaces_between_special_tokens": _SWITCH,
+    "no_stop_trim": _SWITCH,
+}
+"""Per SGLang parameter: whether a value is one SGLang takes, and what it must be. None (SGLang's
+default) is always fine; parameters not listed are left to SGLang."""
+
+
+def check_sampling_values(params: dict[str, Any], named: dict[str, str] | None = None) -> None:
+    """``ValueError`` naming the first parameter of ``params`` (SGLang names) whose value SGLang
+    would refuse; ``named`` maps an SGLang name to the name the user gave it (``eos_token_id``)."""
+    named = named or {}
+    for key, value in params.items():
+        rule = RULES.get(key)
+        if rule is None or value is None or rule[0](value):
+            continue
+        given = named.get(key, key)
+        alias = f" (SGLang's {key})" if given != key else ""
+        raise ValueError(f"generation_kwargs {given}{alias} must be {rule[1]}, got {value!r:.80}")
+    low, high = params.get("min_new_tokens"), params.get("max_new_tokens")
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"generation_kwargs min_new_tokens={low} is above max_new_tokens={high}")
