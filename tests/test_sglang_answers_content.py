@@ -246,3 +246,29 @@ def test_a_rescoring_refused_once_is_tried_again(servers: list[CannedServer], mo
 
     result, _ = ask(servers, once, rescore=True, deadline_s=30)
     assert isinstance(result, list) and result[0][0].logprobs == [-0.2, -0.3], repr(result)
+
+
+def test_a_refusal_from_one_endpoint_is_raised_while_another_still_hangs(servers: list[CannedServer]) -> None:
+    """The requests' outcomes are taken in the order they end: before, a 400 from the second
+    endpoint was raised only once the first one's request had run out its whole timeout."""
+
+    def silent(conn: Any, stopped: Any) -> None:
+        stopped.wait()  # never answers (until the test ends)
+
+    hanging = CannedServer(lambda path, body, count: silent if path == "/generate" else None)
+    refusing = CannedServer(
+        lambda path, body, count: (
+            canned_reply(400, {"object": "error", "message": "bad top_k"}) if path == "/generate" else None
+        )
+    )
+    servers += [hanging, refusing]
+    endpoints = SGLangEndpoints([hanging.url, refusing.url], request_timeout_s=60, vocab_size=100)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(SGLangRequestError, match="bad top_k"):
+            endpoints.generate(
+                [[1, 2, 3], [1, 2, 3]], {"n": 1, "max_new_tokens": 4}, want_logprobs=True, deadline=t0 + 120
+            )
+        assert time.monotonic() - t0 < 10
+    finally:
+        endpoints.close()

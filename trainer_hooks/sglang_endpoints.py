@@ -37,8 +37,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
@@ -283,15 +283,11 @@ class SGLangEndpoints:
             failed: list[int] = []
             requests = 2 if rescore and want_logprobs else 1
             wait_until = time.monotonic() + requests * self._request_timeout_s + WAIT_GRACE_S
-            for endpoint, chunk, future in futures:
-                if not wait([future], timeout=max(0.0, wait_until - time.monotonic())).done:
-                    # Its own deadline checks end it soon; its answer, if any, is dropped.
-                    self._mark_dead(
-                        endpoint,
-                        f"no complete answer within the timeout (sglang_request_timeout={self._request_timeout_s:g} s)",
-                    )
-                    failed.extend(chunk)
-                    continue
+            owners = {future: (endpoint, chunk) for endpoint, chunk, future in futures}
+            # In the order they end: a request refused at once raises at once, not after an earlier
+            # endpoint's request has run out its whole timeout.
+            for future in _as_completed_until(list(owners), wait_until):
+                endpoint, chunk = owners.pop(future)
                 try:
                     groups = future.result()
                 except _EndpointFailed as exc:
@@ -314,6 +310,13 @@ class SGLangEndpoints:
                 self._mark_alive(endpoint, len(chunk))
                 for i, group in zip(chunk, groups):
                     results[i] = group
+            for endpoint, chunk in owners.values():  # not done by wait_until
+                # Its own deadline checks end it soon; its answer, if any, is dropped.
+                self._mark_dead(
+                    endpoint,
+                    f"no complete answer within the timeout (sglang_request_timeout={self._request_timeout_s:g} s)",
+                )
+                failed.extend(chunk)
             pending = sorted(failed)
             if pending and time.monotonic() >= deadline:
                 raise self._unavailable_error()
@@ -626,6 +629,17 @@ class SGLangEndpoints:
             " Check the errors quoted there, that the servers run (`rollout-service serve`), are reachable from the"
             " trainer, and that sglang_urls is right"
         )
+
+
+def _as_completed_until(futures: list[Future[Any]], until: float) -> Iterator[Future[Any]]:
+    """``futures`` as each ends, until ``until`` (``time.monotonic()``); those still running then
+    are not yielded (``concurrent.futures.as_completed`` raises instead)."""
+    left = set(futures)
+    while left:
+        done, left = wait(left, timeout=max(0.0, until - time.monotonic()), return_when=FIRST_COMPLETED)
+        if not done:
+            return
+        yield from (f for f in futures if f in done)  # in submission order among those that ended
 
 
 def _read_body(url: str, response: httpx.Response, deadline: float, limit: int, what: str, timeout_s: float) -> bytes:
