@@ -63,7 +63,10 @@ def test_the_config_accepts_exactly_the_numbers_sglang_accepts(key: str) -> None
     "kwargs, message",
     [
         ({"eos_token_id": None}, r"eos_token_id \(SGLang's stop_token_ids\) must be a list of token ids"),
-        ({"eos_token_id": 2.7}, r"eos_token_id \(SGLang's stop_token_ids\) must be a list of token ids .*, got \[2.7\]"),
+        (
+            {"eos_token_id": 2.7},
+            r"eos_token_id \(SGLang's stop_token_ids\) must be a list of token ids .*, got \[2.7\]",
+        ),
         ({"eos_token_id": "eos"}, r"eos_token_id \(SGLang's stop_token_ids\) must be a list"),
         ({"stop_token_ids": [1.5, "x"]}, r"stop_token_ids must be a list of token ids"),
         ({"stop_token_ids": [True]}, r"stop_token_ids must be a list of token ids"),
