@@ -28,7 +28,9 @@ from trainer_hooks.checkpoint_publisher import CheckpointPublisher
 from trainer_hooks.checkpoint_retention import chain_dependencies, prune_checkpoints
 
 
-def _publisher(root: Path, delta: DeltaCheckpointWriter | None = None, keep: int | None = None) -> CheckpointPublisher:
+def _publisher(
+    root: Path, delta: DeltaCheckpointWriter | None = None, keep: int | None = None, sync_timeout_s: float = 5
+) -> CheckpointPublisher:
     return CheckpointPublisher(
         root,
         NoWaiter(),
@@ -36,7 +38,7 @@ def _publisher(root: Path, delta: DeltaCheckpointWriter | None = None, keep: int
         dtype="bfloat16",
         max_shard_bytes=40_000,
         keep=keep,
-        sync_timeout_s=5,
+        sync_timeout_s=sync_timeout_s,
         heartbeat_max_age_s=60,
         delta=delta,
     )

@@ -13,52 +13,32 @@ started with, on a real network file system (sshfs over loopback):
 from __future__ import annotations
 
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from delta_helpers import CONFIG, Model
+from delta_helpers import Model
 from rollout_service.sidecar.root_gate import RootUnresponsive
 from shared_fs import server_frozen, sshfs_mount
-from trainer_helpers import NoWaiter, make_config
+from test_publish_failures import _publisher
+from test_replica_wait_bounds import ends_within
+from trainer_helpers import make_config
 from trainer_hooks.checkpoint_publisher import CheckpointPublisher
 
 SYNC_TIMEOUT_S = 3.0
 
 
 def publisher(root: Path) -> CheckpointPublisher:
-    return CheckpointPublisher(
-        root,
-        NoWaiter(),
-        config=CONFIG,
-        dtype="bfloat16",
-        max_shard_bytes=40_000,
-        keep=None,
-        sync_timeout_s=SYNC_TIMEOUT_S,
-        heartbeat_max_age_s=60,
-    )
+    return _publisher(root, sync_timeout_s=SYNC_TIMEOUT_S)
 
 
 def raised_within(fn: Callable[[], object], limit_s: float) -> BaseException:
-    """What ``fn`` raised, on a daemon thread (a hang fails the test instead of holding it)."""
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # handed to the test
-            raised.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    t0 = time.monotonic()
-    thread.start()
-    thread.join(limit_s)
-    assert not thread.is_alive(), f"still blocked after {time.monotonic() - t0:.1f} s (limit {limit_s} s)"
-    assert raised, "returned instead of raising"
-    return raised[0]
+    """What ``fn`` raised (see ``ends_within``): it must raise, not return."""
+    raised = ends_within(fn, limit_s)
+    assert raised is not None, "returned instead of raising"
+    return raised
 
 
 def test_a_hung_root_ends_each_look_within_sync_timeout_naming_the_root(tmp_path: Path) -> None:
