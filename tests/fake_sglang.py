@@ -78,10 +78,12 @@ class FakeRollout:
                     return self._reply(200, {})
                 if url.path != "/wait":
                     return self._reply(404, {"detail": "not found"})
-                version = int(parse_qs(url.query)["version"][0])
-                if fake.wait_status == 200:
+                query = parse_qs(url.query)
+                version = int(query["version"][0])
+                if fake.wait_status == 200:  # as a sidecar's: it serves the step of the run waited for
                     fake.loaded = max(fake.loaded, version)
-                    return self._reply(200, {"loaded_step": fake.loaded, "sglang_healthy": True})
+                    run = query.get("run", [None])[0]
+                    return self._reply(200, {"loaded_step": fake.loaded, "run_id": run, "sglang_healthy": True})
                 time.sleep(min(0.2, float(parse_qs(url.query)["timeout"][0])))
                 return self._reply(fake.wait_status, fake.wait_body)
 
