@@ -364,8 +364,8 @@ def run_serve(server: SGLangServer, settings: SidecarSettings, policy: RestartPo
     """Start SGLang, then the sidecar in the foreground; return the exit code.
 
     0 after a signal (SIGTERM or SIGINT, also during SGLang's first start), 2 when SGLang does not
-    start, 3 when stopped after the restart budget was spent (the sidecar stays up until then,
-    reporting why), 4 when the sidecar's HTTP server cannot start (`EXIT_SIDECAR_FAILED`).
+    start, 3 when stopped after the restart budget was spent or the supervisor failed (the sidecar
+    stays up until then, reporting why), 4 when the sidecar's HTTP server cannot start (`EXIT_SIDECAR_FAILED`).
     SIGTERM and SIGINT are handled from before SGLang's first start until SGLang is stopped.
     """
     import uvicorn
