@@ -41,7 +41,7 @@ from .cli_env import (
 from .http_urls import bindable_port
 from .lora_serving import DEFAULT_MAX_RANK, DEFAULT_TARGET_MODULES, add_lora_flags, lora_from_args, module_list
 from .serve import RestartPolicy, run_serve
-from .sglang_launcher import SGLangServer, SGLangServerConfig
+from .sglang_launcher import SGLangServer, SGLangServerConfig, flag_value
 from .sidecar.root_gate import answered_within
 from .sidecar.settings import SidecarSettings
 
@@ -465,12 +465,7 @@ def _one_sglang_api_key(sglang_args: list[str], sidecar_key: str | None) -> tupl
     sidecar's ``--sglang-api-key`` (``ROLLOUT_SGLANG_API_KEY``), and a key given to SGLang after
     ``--`` (``--api-key KEY``) is the sidecar's too, so the key is given once. Two different keys
     raise ``ValueError`` (every weight update would be refused with 401)."""
-    given: str | None = None
-    for i, arg in enumerate(sglang_args):
-        if arg == "--api-key" and i + 1 < len(sglang_args):
-            given = sglang_args[i + 1]
-        elif arg.startswith("--api-key="):
-            given = arg.split("=", 1)[1]
+    given = flag_value(sglang_args, "--api-key")
     if given is None:
         return (sglang_args + ["--api-key", sidecar_key] if sidecar_key else sglang_args), sidecar_key
     if sidecar_key is not None and given != sidecar_key:

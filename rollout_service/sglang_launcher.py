@@ -158,7 +158,8 @@ def cuda_environment(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]
     return out, removed
 
 
-def _flag_value(args: Sequence[str], *names: str) -> str | None:
+def flag_value(args: Sequence[str], *names: str) -> str | None:
+    """The value of the first of ``names`` in an argument list (``--flag VALUE`` or ``--flag=VALUE``)."""
     for i, arg in enumerate(args):
         for name in names:
             if arg == name and i + 1 < len(args):
@@ -414,8 +415,8 @@ class SGLangServer:
             if self.device != "cuda" or _has_flag(args, "--mem-fraction-static"):
                 self._cuda_plan = (None, "")
             else:
-                tp = int(_flag_value(args, "--tp-size", "--tp", "--tensor-parallel-size") or 1)
-                base = int(_flag_value(args, "--base-gpu-id") or 0)
+                tp = int(flag_value(args, "--tp-size", "--tp", "--tensor-parallel-size") or 1)
+                base = int(flag_value(args, "--base-gpu-id") or 0)
                 visible = {**os.environ, **self.config.env}.get("CUDA_VISIBLE_DEVICES")
                 mine = gpus_for_server(query_gpu_memory(), visible, base, tp)
                 self._cuda_plan = shared_gpu_mem_fraction(mine)

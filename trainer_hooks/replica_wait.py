@@ -186,10 +186,10 @@ class SidecarWaiter:
         if body is not None:
             _update_view(view, body)
         if r.status_code == 200:
-            confirmed = _confirms(body, version, self.run_id)
-            if confirmed is None:
+            unconfirmed = "its body is not a JSON object" if body is None else _unconfirmed(view, version, self.run_id)
+            if unconfirmed is None:
                 return True
-            view.unreachable = f"GET /wait answered 200, but {confirmed} (is {url} one of this project's sidecars?)"
+            view.unreachable = f"GET /wait answered 200, but {unconfirmed} (is {url} one of this project's sidecars?)"
             time.sleep(min(1.0, slice_s))
             return False
         if r.status_code != 504:
@@ -412,18 +412,15 @@ def _json_or_none(response: Answer) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
-def _confirms(body: dict[str, Any] | None, version: int, run_id: str | None) -> str | None:
-    """None when a ``/wait`` 200 body says the replica serves ``version`` or newer of ``run_id``
-    (when given), else what it says instead: a 200 alone (a proxy's page, another service, a
-    sidecar that loaded something else) acknowledges nothing."""
-    if body is None:
-        return "its body is not a JSON object"
-    report = ReplicaReport.from_dict(body)
-    if report.loaded_step is None or report.loaded_step < version:
-        return f"it reports loaded_step {report.loaded_step}, not {version} or newer"
-    if run_id is not None and report.run_id != run_id:
-        return f"it serves run {str(report.run_id)[:40]}, not this run ({run_id[:40]})"
-    if not report.loaded_current:
+def _unconfirmed(view: ReplicaView, version: int, run_id: str | None) -> str | None:
+    """None when a ``/wait`` 200 body (read into ``view``) says the replica serves ``version`` or
+    newer of ``run_id`` (when given), else what it says instead: a 200 alone (a proxy's page,
+    another service, a sidecar that loaded something else) acknowledges nothing."""
+    if view.loaded_step is None or view.loaded_step < version:
+        return f"it reports loaded_step {view.loaded_step}, not {version} or newer"
+    if run_id is not None and view.run_id != run_id:
+        return f"it serves run {str(view.run_id)[:40]}, not this run ({run_id[:40]})"
+    if view.current is False:
         return "it reports its loaded checkpoint is no longer the published one"
     return None
 
