@@ -509,13 +509,21 @@ class CheckpointPublisher:
         return record
 
     def _prune(self, newest: int) -> list[int]:
+        """Delete checkpoints past ``keep`` that no replica needs, given up on after
+        ``sync_timeout_s`` (a hung root leaves them for the next publish, never stalls training)."""
         if self.keep is None:
             return []
-        try:  # what the replicas still need: unknown (the acks unreadable) means nothing is pruned
+        keep = self.keep
+
+        def prune() -> list[int]:
+            # What the replicas still need: unknown (the acks unreadable) means nothing is pruned.
             protected = {newest} | self.waiter.protected_versions()
             for ack in read_acks(self.root, max_age_s=self.heartbeat_max_age_s).values():
                 protected.update(s for s in (ack.get("loaded_step"), ack.get("loading_step")) if isinstance(s, int))
-            return prune_checkpoints(self.root, self.keep, protected)
+            return prune_checkpoints(self.root, keep, protected)
+
+        try:
+            return self._on_root(prune, "deleting old checkpoints")
         except Exception as exc:  # retention is best effort: it never ends training
             log.warning(
                 "could not prune old checkpoints under %s: %s: %s (tried again at the next publish;"
