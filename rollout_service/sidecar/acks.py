@@ -23,6 +23,8 @@ from ..checkpoint_format import ACKS_DIR, TEMP_PREFIX
 from ..protocol import ReplicaReport, atomic_replace, read_acks  # noqa: F401 (read_acks: re-export)
 
 STALE_TEMP_S = 3600.0
+MAX_CLEANUP_ENTRIES = 10_000
+"""Entries of the acks folder a start-up clean-up looks at."""
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
@@ -67,16 +69,23 @@ class AckWriter:
         finally:
             os.close(dir_fd)
 
-    def clean_up_leftovers(self) -> int:
-        """Remove this replica's temporary files (and anyone's older than an hour)."""
+    def clean_up_leftovers(self, budget_s: float = 1.0) -> int:
+        """Remove this replica's temporary files (and anyone's older than an hour), for at most
+        ``budget_s`` and :data:`MAX_CLEANUP_ENTRIES` entries: a folder flooded with names must not
+        hold the root's looks (the rest waits for the next start, or anyone's an hour later)."""
         try:
             dir_fd = self._open_dir()
         except OSError:
             return 0
         removed = 0
         now = time.time()
+        stop_at = time.monotonic() + budget_s
         try:
-            for name in os.listdir(dir_fd):
+            with os.scandir(dir_fd) as entries:
+                names = [e.name for _, e in zip(range(MAX_CLEANUP_ENTRIES), entries)]
+            for name in names:
+                if time.monotonic() > stop_at:
+                    break
                 if not name.startswith(TEMP_PREFIX):
                     continue
                 try:

@@ -76,6 +76,11 @@ T = TypeVar("T")
 
 # Loads of one step during which SGLang died, before that step is given up on.
 MAX_CRASHES_PER_STEP = 2
+DETECTING_EVENTS = frozenset({"created", "moved", "modified", "api"})
+"""Wake-ups (``kind:name``) that can mean a step just landed: their time is its detection time."""
+MAX_DETECTED = 256
+"""Detection times held (steps seen, not yet tried): names made and removed by anyone who can
+write the root are dropped when unlisted, and never hold more than this."""
 MAX_BACKOFF_S = 30.0
 
 
@@ -133,6 +138,12 @@ class SyncController:
         """The local base model folder adapters' recorded base values are compared with (None: not known)."""
         self._served_path: str | None = None
         self._last_ack = 0.0
+        self._ack_now: asyncio.Event | None = None
+        """Set to have the heartbeat write the ack file at once (a load started)."""
+        self._ack_lock: asyncio.Lock | None = None
+        """One ack write at a time, each with the state as it is when it starts: an older report
+        never lands after a newer one."""
+        self._heartbeat_task: asyncio.Task[None] | None = None
         self._last_deep = 0.0
         self._stopping = False
         self._was_healthy = False
@@ -143,8 +154,9 @@ class SyncController:
     def notify(self, why: str = "") -> None:
         """Wake the loop (thread-safe). Called by the watcher, the API and timers."""
         now = time.time()
-        step = parse_step_dir_name(why.split(":", 1)[-1]) if why else None
-        if step is not None:
+        kind, _, name = why.partition(":")
+        step = parse_step_dir_name(name) if kind in DETECTING_EVENTS else None
+        if step is not None and (step in self._detected_at or len(self._detected_at) < MAX_DETECTED):
             self._detected_at.setdefault(step, now)
         if self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
@@ -229,6 +241,8 @@ class SyncController:
                 return False  # /status says why
             if presence == "same":
                 return True
+            if presence == "unknown":
+                return False  # not confirmed now: the caller asks again
             if (self.state.loaded_step, self._served_path) == checked:  # not a step loaded meanwhile
                 self.state.loaded_current = False
             self.notify("wait")
@@ -291,6 +305,8 @@ class SyncController:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._changed = asyncio.Condition()
+        self._ack_now = asyncio.Event()
+        self._ack_lock = asyncio.Lock()
         log.info(
             "sidecar %s: SGLang %s, checkpoints %s (%s), stage %s",
             self.settings.replica_id,
@@ -300,7 +316,11 @@ class SyncController:
             self.state.stage_dir or "off (SGLang reads shared storage directly)",
         )
         try:
-            await self.root_gate.call(self.acks.clean_up_leftovers, what="removing this replica's leftover ack files")
+            await self.root_gate.call(
+                self.acks.clean_up_leftovers,
+                self.settings.root_timeout_s / 2,
+                what="removing this replica's leftover ack files",
+            )
         except (RootUnresponsive, OSError) as exc:
             log.warning("could not clean up leftover ack files: %s", exc)
         if self.settings.stage_dir is not None:
@@ -308,6 +328,7 @@ class SyncController:
                 self.stage = await asyncio.to_thread(Stage, self.settings.stage_dir)
             except StageError as exc:
                 self.report_fatal("stage_failed", str(exc))
+        self._heartbeat_task = asyncio.create_task(self._heartbeat(), name="sidecar-ack-heartbeat")
         last_scan = 0.0
         backoff = 0.0
         while not self._stopping:
@@ -344,8 +365,27 @@ class SyncController:
                 await asyncio.sleep(min(backoff, 1.0))
             self._wake.clear()
 
+    async def _heartbeat(self) -> None:
+        """Write the ack file every ``ack_interval`` whatever the sync loop is doing (one pass can
+        spend minutes validating and loading a step; readers of the ack files would count the
+        replica dead meanwhile), and at once when a load starts: its ``loading_step`` keeps the
+        trainer's retention off the step being staged."""
+        assert self._ack_now is not None
+        while not self._stopping:
+            try:
+                await self._maybe_ack(force=self._ack_now.is_set())
+            except Exception as exc:  # _maybe_ack reports write failures; anything else is a bug: logged
+                log.exception("ack heartbeat failed: %s", exc)
+            self._ack_now.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._ack_now.wait(), timeout=self.settings.ack_interval_s)
+
     async def stop(self) -> None:
         self._stopping = True
+        if self._ack_now is not None:
+            self._ack_now.set()
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
         if self._wake is not None:
             self._wake.set()
         await self.client.aclose()
@@ -462,6 +502,8 @@ class SyncController:
                 self._set_loaded(step, manifest, str(served))
                 self._crashes.pop(step, None)
                 log.info("SGLang already serves step %d (%s); adopting it without a reload", step, served)
+                if self.stage is not None:  # copies older than it are done with (a load in flight is not)
+                    await asyncio.to_thread(self.stage.prune_before_first_load, str(served))
         if self._reference is None:
             revision = await self._served_revision()
             if revision is not False:
@@ -502,8 +544,7 @@ class SyncController:
         self.base_dir = base_model_dir(view, self.root, self.stage, self.settings.reference_dir, revision)
         if self.stage is not None:
             self.stage.save_reference(*found)
-            served = view.model_path
-            self.stage.prune(keep={Path(served)} if served and self.stage.owns(served) else set())
+            self.stage.prune_before_first_load(view.model_path)
         log.info(
             "checking checkpoints against %d tensors of the served model (%s)",
             len(self._reference),
@@ -525,16 +566,18 @@ class SyncController:
             self._error(exc.reason, str(exc))
             return  # unready with the reason: see _publish_state
         self._forget_unlisted(checkpoints)
-        self.state.loaded_current = presence == "same"
+        if presence != "unknown":  # (a look that failed says nothing: as the last pass found)
+            self.state.loaded_current = presence == "same"
         loaded = self.state.loaded_step
         for ckpt in reversed(checkpoints):
-            if loaded is not None and ckpt.step == loaded and presence == "same":
+            if loaded is not None and ckpt.step == loaded and presence in ("same", "unknown"):
                 return
             if loaded is not None and ckpt.step < loaded and presence != "gone":
                 return  # never go back while the served step is still published
             if self._still_rejected(ckpt.step, identities):
                 continue
-            if await self._try_load(ckpt):
+            outcome = await self._try_load(ckpt)
+            if outcome is None or outcome:
                 return
             if not self.state.sglang_healthy or self._validation_stuck() or self.root_gate.problem is not None:
                 return  # an older step would wait on the same storage: end the pass
@@ -563,28 +606,32 @@ class SyncController:
         for step, path in list(self._named.items()):
             if step in found or (self.state.loaded_step is not None and step < self.state.loaded_step):
                 self._named.pop(step, None)
-            elif os.path.isdir(path):
+            elif _is_folder(path):
                 found[step] = PublishedCheckpoint(step=step, path=path)
             else:
                 self._named.pop(step, None)
         return [found[k] for k in sorted(found)]
 
     def _loaded_presence(self) -> str:
-        """``same``, ``changed`` (republished) or ``gone``, for the served checkpoint."""
+        """``same``, ``changed`` (republished), ``gone`` or ``unknown`` (a look that failed:
+        EIO, a stale NFS handle; the step is looked at again at the next pass, not reloaded),
+        for the served checkpoint."""
         step = self.state.loaded_step
         if step is None:
             return "same"
         path = self.root / step_dir_name(step)
         try:
-            os.stat(path)  # a direct lookup: a stale cached listing cannot make it vanish
+            os.lstat(path)  # a direct lookup: a stale cached listing cannot make it vanish
         except FileNotFoundError:
             return "gone"
         except OSError:
-            return "changed"
+            return "unknown"
         try:
             manifest = Manifest.load(path, root=self.root)
         except CheckpointError as exc:
-            return "gone" if exc.reason == "missing_manifest" else "changed"
+            if exc.reason == "missing_manifest":
+                return "gone"
+            return "unknown" if exc.reason == "unreadable" else "changed"
         return "same" if manifest.fingerprint() == self.state.loaded_fingerprint else "changed"
 
     def _forget_unlisted(self, listed: list[PublishedCheckpoint]) -> None:
@@ -592,6 +639,11 @@ class SyncController:
         dropped there and removed leaves nothing behind (a step that comes back is looked at
         anew)."""
         steps = {c.step for c in listed}
+        loaded, now = self.state.loaded_step, time.time()
+        for step, seen in list(self._detected_at.items()):
+            # (Unlisted for a minute: an event may come before a listing shows its step.)
+            if (loaded is not None and step <= loaded) or (step not in steps and now - seen > 60.0):
+                self._detected_at.pop(step, None)
         for step in [s for s in self.state.rejected if s not in steps]:
             self.state.rejected.pop(step, None)
             self._rejected_at.pop(step, None)
@@ -615,7 +667,10 @@ class SyncController:
         self._crashes.pop(step, None)
         return False
 
-    async def _try_load(self, ckpt: PublishedCheckpoint) -> bool:
+    async def _try_load(self, ckpt: PublishedCheckpoint) -> bool | None:
+        """Validate, stage and load ``ckpt``. True: SGLang serves it; False: not loaded, and an
+        older step may be tried; None: not loaded, and the pass ends (SGLang took the step but
+        what it serves now is not confirmed: loading an older step would go back)."""
         step, path = ckpt.step, ckpt.path
         adapter, published, self._identity_seen[step] = await self.root_gate.call(
             self._look_before_load, ckpt, what=f"reading {path.name}'s manifest"
@@ -624,6 +679,8 @@ class SyncController:
             return await self.adapters.try_load(ckpt, published)
         detected = self._detected_at.pop(step, time.time())
         self.state.loading_step = step
+        if self._ack_now is not None:
+            self._ack_now.set()  # the heartbeat reports loading_step now, beside the load
         try:
             t0 = time.perf_counter()
             budget = self.settings.validate_timeout_s
@@ -672,6 +729,14 @@ class SyncController:
                 return False
             load_s = time.perf_counter() - t1
             view = await self.client.view()
+            if not view.healthy:
+                # SGLang took the step, then stopped answering: it died of it, or is busy. Its state
+                # is unknown: the pass ends (an older step must not be loaded over this one),
+                # the copy stays (SGLang may serve it) and the next pass looks again.
+                self.died_during_load(
+                    ckpt, SGLangUnavailable(f"SGLang stopped answering right after it loaded {path.name}")
+                )
+                return None
             if view.weight_version != version:
                 self.metrics.syncs.labels("failed", "version_not_confirmed").inc()
                 self._error(
@@ -681,7 +746,7 @@ class SyncController:
                     step=step,
                 )
                 await self._discard_copy(built)
-                return False
+                return None  # another client changes SGLang's weights: no older step over it
             record = SyncRecord.ended_now(
                 published=published,
                 created_at=report.manifest.created_at,
@@ -925,47 +990,41 @@ class SyncController:
         self.state.last_error = {"reason": reason, "message": message, "step": step, "at": time.time()}
 
     async def _maybe_ack(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_ack < self.settings.ack_interval_s:
-            return
-        self._last_ack = now
-        s = self.state
-        try:
-            await self.root_gate.call(self.acks.write, s.report(), what="writing the ack file")
-            s.ack_error = None
-        except (OSError, RootUnresponsive) as exc:
-            if s.ack_error is None:
-                log.error("cannot write the ack file under %s: %s (HTTP acks still work)", self.root, exc)
-            s.ack_error = str(exc)
+        assert self._ack_lock is not None
+        async with self._ack_lock:
+            now = time.monotonic()
+            if not force and now - self._last_ack < self.settings.ack_interval_s:
+                return
+            self._last_ack = now
+            s = self.state
+            try:
+                await self.root_gate.call(self.acks.write, s.report(), what="writing the ack file")
+                s.ack_error = None
+            except (OSError, RootUnresponsive) as exc:
+                if s.ack_error is None:
+                    log.error("cannot write the ack file under %s: %s (HTTP acks still work)", self.root, exc)
+                s.ack_error = str(exc)
 
 
-CONTENT_REASONS = frozenset(
-    {
-        "missing_file",
-        "truncated",
-        "size_mismatch",
-        "digest_mismatch",
-        "header_invalid",
-        "header_too_large",
-        "unreadable",
-        "not_a_regular_file",
-        "too_large",
-        "non_finite",
-        "validation_timeout",
-    }
+FOLDER_REASONS = frozenset(
+    {"bad_manifest", "missing_manifest", "path_escape", "not_a_checkpoint", "missing_checkpoint"}
 )
-"""Rejections about a file's contents: they end when any file of the step changes too (a shard
-copied in after its manifest), not only when the directory or its manifest does."""
+"""Rejections about the step's folder or its manifest alone: they end when either changes.
+Every other reason is about what the files hold (a shard, the config or the index seen before
+its bytes were all there) and ends when any file of the step changes too: a checkpoint copied
+in file by file, in any order, loads once complete."""
 
 
 def _read_identity(path: Path, files: bool = True) -> tuple[int, ...]:
     """What changes when a step directory is republished, or its manifest written anew in place,
     and (``files``) when any of its files changes (a checkpoint copied in file by file, in any
     order): a rejection stands until then. Raises ``OSError``."""
-    st = os.lstat(path)  # a link named like a step is not followed (nor scanned) out of the root
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):  # a link named like a step is not followed (it may lead to a hung mount)
+        return (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
     m = os.lstat(path / MANIFEST_NAME)
     shallow = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, m.st_ino, m.st_size, m.st_mtime_ns, m.st_ctime_ns)
-    if not files or not stat.S_ISDIR(st.st_mode):
+    if not files:
         return shallow
     seen = []
     with os.scandir(path) as entries:
@@ -987,12 +1046,21 @@ def _publication_identity(path: Path) -> tuple[int, ...] | None:
 
 def _rejection_identity(path: Path, reason: str | None) -> tuple[int, ...] | None:
     """(Blocking: on the root.) A rejected step's identity as :meth:`SyncController._still_rejected`
-    compares it: with its files' part only for rejections about contents (a scan of the folder);
+    compares it: with its files' part (a scan of the folder) unless the reason is the folder's;
     None when the step is gone. Raises ``OSError`` when it cannot be read (the rejection stands)."""
     try:
-        return _read_identity(path, files=reason in CONTENT_REASONS)
+        return _read_identity(path, files=reason not in FOLDER_REASONS)
     except FileNotFoundError:
         return None  # gone, or half replaced: looked at anew
+
+
+def _is_folder(path: Path) -> bool:
+    """(Blocking: on the root.) ``path`` is a folder itself: a link named like a step is not
+    followed (it may lead to a file system that does not answer)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _look_at(root: Path) -> None:

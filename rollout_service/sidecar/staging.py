@@ -70,6 +70,7 @@ from ..delta_apply import Chain, ChainLink, reconstruct, resolve_chain
 from ..protocol import atomic_replace
 from ..untrusted_files import Deadline, copy_verified, read_small
 from .stage_folder import (
+    COPY_NAME_RE,
     LOCK_NAME,
     MARKER_NAME,
     REFERENCE_NAME,
@@ -249,6 +250,26 @@ class Stage:
                     remove_entry(entry)
         if not keep_spare:
             self._spare = None
+
+    def prune_before_first_load(self, served: str | None) -> None:
+        """Prune as a sidecar that has loaded nothing yet must: beside the copy SGLang serves
+        (``served``, its model path), keep the newest copy of a later step. A sidecar killed
+        mid-load may have handed SGLang that copy, and SGLang reports a load's path only once the
+        load is done, opening the shards one after another meanwhile: removed or written over,
+        they would fail the load, which kills SGLang. This sidecar's own first load ends after
+        any such load (SGLang runs weight updates one at a time) and then prunes the rest."""
+        self._ensure_held()
+        served_path = Path(served) if served and self.owns(served) else None
+        served_step = _copy_step(served_path) if served_path is not None else None
+        later = [
+            (step, entry)
+            for entry in self.path.iterdir()
+            if (step := _copy_step(entry)) is not None and (served_step is None or step > served_step)
+        ]
+        keep = {served_path} if served_path is not None else set()
+        if later:
+            keep.add(max(later)[1])
+        self.prune(keep)
 
     def _retire(self, path: Path) -> None:
         """A staged copy nobody will load again: keep it as the spare when there is none and
@@ -585,6 +606,11 @@ class Stage:
             return specs, str(data.get("source"))
         except (ValueError, KeyError, TypeError, IndexError, AttributeError):
             return None
+
+
+def _copy_step(path: Path) -> int | None:
+    """The step of a staged copy's name (``step-XXXXXXXX-<fingerprint>``), None for any other name."""
+    return int(path.name[5:13]) if COPY_NAME_RE.match(path.name) else None
 
 
 def _published_files(manifest: Manifest) -> dict[str, FileEntry]:

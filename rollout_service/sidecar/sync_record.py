@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,9 +60,10 @@ class SyncRecord:
 
 
 def published_at(path: Path) -> float | None:
-    """When the step directory was renamed into place (its ctime changes on rename)."""
+    """When the step directory was renamed into place (its ctime changes on rename); a link
+    named like a step is not followed."""
     try:
-        return path.stat().st_ctime
+        return os.lstat(path).st_ctime
     except OSError:
         return None
 
