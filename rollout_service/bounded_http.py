@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -125,30 +126,50 @@ def call_deadline(deadline: float) -> Iterator[None]:
         _deadlines.at = outer
 
 
-def _cut(timeout: float | None) -> float | None:
-    """A socket wait's timeout, cut at the calling thread's deadline (if any)."""
+def _cut(timeout: float | None, past: type[Exception] = httpcore.ReadTimeout) -> float | None:
+    """A socket wait's timeout, cut at the calling thread's deadline (if any). Past the deadline
+    it raises ``past`` at once: bytes already waiting would otherwise be read without a wait
+    (a server sending ``100 Continue`` heads without end never lets a read wait)."""
     at = getattr(_deadlines, "at", None)
     if at is None:
         return timeout
-    left = max(at - time.monotonic(), 0.001)  # past it: the wait times out at once
+    left = at - time.monotonic()
+    if left <= 0:
+        raise past("the call's deadline has passed")
     return left if timeout is None else min(timeout, left)
 
 
 class _DeadlineStream(httpcore.NetworkStream):
-    def __init__(self, inner: httpcore.NetworkStream):
+    def __init__(self, inner: httpcore.NetworkStream, backend: _DeadlineBackend | None = None):
         self._inner = inner
+        self._backend = backend
+        if backend is not None:
+            backend.opened(self)
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
         return self._inner.read(max_bytes, _cut(timeout))
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._inner.write(buffer, _cut(timeout))
+        self._inner.write(buffer, _cut(timeout, httpcore.WriteTimeout))
 
     def close(self) -> None:
+        if self._backend is not None:
+            self._backend.closed(self)
         self._inner.close()
 
+    def abort(self) -> None:
+        """Shut the socket down from any thread: a read blocked on it ends at once (end of
+        stream) and the server sees the connection end (SGLang then aborts the request)."""
+        sock = self._inner.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def start_tls(self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None) -> Any:
-        return _DeadlineStream(self._inner.start_tls(ssl_context, server_hostname, _cut(timeout)))
+        wrapped = self._inner.start_tls(ssl_context, server_hostname, _cut(timeout))
+        if self._backend is not None:
+            self._backend.closed(self)  # the TLS stream below stands for this connection from now on
+        return _DeadlineStream(wrapped, self._backend)
 
     def get_extra_info(self, info: str) -> Any:
         return self._inner.get_extra_info(info)
@@ -159,6 +180,24 @@ class _DeadlineBackend(httpcore.NetworkBackend):
 
     def __init__(self, inner: httpcore.NetworkBackend):
         self._inner = inner
+        self._lock = threading.Lock()
+        self._live: set[_DeadlineStream] = set()
+        """Streams opened and not yet closed: what :func:`abort_connections` shuts down."""
+
+    def opened(self, stream: _DeadlineStream) -> None:
+        with self._lock:
+            self._live.add(stream)
+
+    def closed(self, stream: _DeadlineStream) -> None:
+        with self._lock:
+            self._live.discard(stream)
+
+    def abort_all(self) -> int:
+        with self._lock:
+            live = list(self._live)
+        for stream in live:
+            stream.abort()
+        return len(live)
 
     def connect_tcp(
         self,
@@ -168,12 +207,17 @@ class _DeadlineBackend(httpcore.NetworkBackend):
         local_address: str | None = None,
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore.NetworkStream:
-        return _DeadlineStream(self._inner.connect_tcp(host, port, _cut(timeout), local_address, socket_options))
+        return _DeadlineStream(
+            self._inner.connect_tcp(host, port, _cut(timeout, httpcore.ConnectTimeout), local_address, socket_options),
+            self,
+        )
 
     def connect_unix_socket(
         self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
     ) -> httpcore.NetworkStream:
-        return _DeadlineStream(self._inner.connect_unix_socket(path, _cut(timeout), socket_options))
+        return _DeadlineStream(
+            self._inner.connect_unix_socket(path, _cut(timeout, httpcore.ConnectTimeout), socket_options), self
+        )
 
     def sleep(self, seconds: float) -> None:
         self._inner.sleep(seconds)
@@ -193,6 +237,20 @@ def client(**kw: Any) -> httpx.Client:
             if pool is not None:
                 pool._network_backend = _DeadlineBackend(pool._network_backend)
     return made
+
+
+def abort_connections(made: httpx.Client) -> int:
+    """Shut down every connection of ``made`` (a :func:`client`) that is open now, from any
+    thread: requests blocked reading them end at once, with an ``httpx`` error, where
+    ``Client.close()`` alone leaves a read in another thread waiting until its deadline (the
+    socket is not woken) and the server generating for a client that is gone. Returns how many
+    were shut down."""
+    aborted = 0
+    for transport in [made._transport, *made._mounts.values()]:
+        backend = getattr(getattr(transport, "_pool", None), "_network_backend", None)
+        if isinstance(backend, _DeadlineBackend):
+            aborted += backend.abort_all()
+    return aborted
 
 
 def content_encoding(response: httpx.Response) -> str | None:

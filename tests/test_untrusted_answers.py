@@ -27,6 +27,7 @@ from rollout_service.bounded_http import AnswerRefused, arequest, parse_json, re
 from rollout_service.bounded_http import client as bounded_client
 from rollout_service.sidecar.sglang_client import SGLangClient, SGLangLoadRejected
 from trainer_hooks.replica_wait import CheckpointRejected, ReplicaSyncTimeout, SidecarWaiter
+from trainer_hooks.sglang_endpoints import SGLangEndpoints, SGLangRequestError
 
 DEEP_JSON = "[" * 100_000 + "]" * 100_000
 
@@ -185,6 +186,43 @@ def test_a_blocking_exchange_ends_at_its_deadline_while_the_headers_drip(servers
     error, took = blocking_exchange(server.url + "/status", "dripped headers")
     assert isinstance(error, AnswerRefused) and "did not answer in full within 1 s" in str(error), repr(error)
     assert took < 1.6, f"the exchange took {took:.2f} s for a 1 s bound"
+
+
+def endless_continues() -> Answer:
+    """``100 Continue`` heads without pause: each a whole message, so a read never has to wait."""
+
+    def write(conn: socket.socket, stopped: threading.Event) -> None:
+        while not stopped.is_set():
+            conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n" * 256)
+
+    return write
+
+
+def test_a_blocking_exchange_ends_at_its_deadline_while_interim_heads_never_stop(servers: list[CannedServer]) -> None:
+    server = canned(servers, lambda path, body, count: endless_continues())
+    error, took = blocking_exchange(server.url + "/status", "endless 100 Continue heads")
+    assert isinstance(error, AnswerRefused) and "did not answer in full within 1 s" in str(error), repr(error)
+    assert took < 1.6, f"the exchange took {took:.2f} s for a 1 s bound"
+
+
+def test_closing_the_endpoints_ends_a_request_a_failed_generate_left_running(servers: list[CannedServer]) -> None:
+    """One endpoint refuses the batch (``generate`` raises at once), the other never answers: its
+    request is left running. ``close()`` cuts it off, where it used to run to its own timeout
+    (and held the process's exit that long)."""
+    refusing = canned(servers, lambda path, body, count: canned_reply(400, {"error": "bad sampling params"}))
+    silent = canned(servers, lambda path, body, count: lambda conn, stopped: stopped.wait(60))
+    endpoints = SGLangEndpoints([refusing.url, silent.url], request_timeout_s=60)
+    with pytest.raises(SGLangRequestError):
+        endpoints.generate(
+            [[1, 2], [3, 4]], {"n": 1, "max_new_tokens": 2}, want_logprobs=False, deadline=time.monotonic() + 5
+        )
+    assert [t for t in threading.enumerate() if t.name.startswith("sglang-generate")], "nothing left running"
+    t0 = time.monotonic()
+    endpoints.close()
+    took = time.monotonic() - t0
+    left = [t.name for t in threading.enumerate() if t.name.startswith("sglang-generate") and t.is_alive()]
+    assert not left and took < 5, (left, took)
+    assert not endpoints.is_open
 
 
 def test_a_bounded_client_goes_through_the_environments_proxy_and_keeps_its_deadline_there(

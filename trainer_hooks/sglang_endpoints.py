@@ -48,6 +48,7 @@ import httpx
 
 from rollout_service.bounded_http import (
     NO_COMPRESSION,
+    abort_connections,
     call_deadline,
     content_encoding,
     declared_length,
@@ -227,12 +228,18 @@ class SGLangEndpoints:
         return self._client_and_pool is not None
 
     def close(self) -> None:
-        """Release the HTTP connections and the request threads; a later request opens them again."""
+        """Release the HTTP connections and the request threads; a later request opens them again.
+
+        Requests still running (those a failed ``generate`` stopped waiting for) end at once:
+        their connections are shut down, so SGLang stops generating for them and no thread is
+        left reading until its own timeout (which would also hold the process's exit)."""
         with self._open_lock:
             held, self._client_and_pool = self._client_and_pool, None
         if held is not None:
             client, pool = held
             pool.shutdown(wait=False, cancel_futures=True)
+            abort_connections(client)
+            pool.shutdown(wait=True)  # quick: every request left was just cut off
             client.close()
 
     def generate(
@@ -262,12 +269,14 @@ class SGLangEndpoints:
                 self._wait_for_an_endpoint(deadline)
                 continue
             chunks = _split(pending, len(live))
+            client, pool = self._open()
             futures = [
                 (
                     endpoint,
                     chunk,
-                    self._pool.submit(
+                    pool.submit(
                         self._post,
+                        client,
                         endpoint.url,
                         [list(prompts[i]) for i in chunk],
                         sampling_params,
@@ -420,6 +429,7 @@ class SGLangEndpoints:
 
     def _post(
         self,
+        client: httpx.Client,
         url: str,
         input_ids: list[list[int]],
         sampling_params: dict[str, Any],
@@ -435,7 +445,7 @@ class SGLangEndpoints:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             max_new_tokens = None
         tokens = len(input_ids) * n * (UNKNOWN_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens)
-        data = self._request(url, payload, tokens=tokens)
+        data = self._request(client, url, payload, tokens=tokens)
         groups = parse_generate_response(
             data,
             num_prompts=len(input_ids),
@@ -447,11 +457,14 @@ class SGLangEndpoints:
             max_new_tokens=max_new_tokens,
         )
         if rescore and want_logprobs:
-            self._rescore(url, input_ids, groups, lora_path)
+            self._rescore(client, url, input_ids, groups, lora_path)
         return groups
 
-    def _request(self, url: str, payload: dict[str, Any], *, tokens: int, rescoring: bool = False) -> Any:
-        """POST ``payload`` to ``url``/generate; its answer as JSON, read within ``request_timeout_s``
+    def _request(
+        self, client: httpx.Client, url: str, payload: dict[str, Any], *, tokens: int, rescoring: bool = False
+    ) -> Any:
+        """POST ``payload`` to ``url``/generate through ``client`` (the one the request was
+        started with: never one opened again after a ``close``); its answer as JSON, read within ``request_timeout_s``
         in all and refused beyond the body limit for ``tokens`` tokens. A failure the endpoint
         may get over raises :class:`_EndpointFailed`; a refusal of the request itself
         :class:`SGLangRequestError`."""
@@ -462,7 +475,7 @@ class SGLangEndpoints:
         try:
             with (
                 call_deadline(deadline),
-                self._client.stream("POST", f"{url}/generate", json=payload, headers=self._headers) as response,
+                client.stream("POST", f"{url}/generate", json=payload, headers=self._headers) as response,
             ):
                 headed = True
                 self._check_status(url, response, deadline, what)
@@ -535,7 +548,12 @@ class SGLangEndpoints:
         )
 
     def _rescore(
-        self, url: str, input_ids: list[list[int]], groups: list[list[Completion]], lora_path: str | None = None
+        self,
+        client: httpx.Client,
+        url: str,
+        input_ids: list[list[int]],
+        groups: list[list[Completion]],
+        lora_path: str | None = None,
     ) -> None:
         """Replace each completion's logprobs by the model's own logprobs of its tokens (SGLang's
         prompt logprobs of prompt + completion: temperature 1, no grammar, penalties or bias);
@@ -559,7 +577,7 @@ class SGLangEndpoints:
         }
         if lora_path is not None:
             payload["lora_path"] = lora_path
-        data = self._request(url, payload, tokens=sum(len(seq) for seq in sequences), rescoring=True)
+        data = self._request(client, url, payload, tokens=sum(len(seq) for seq in sequences), rescoring=True)
         scored = parse_rescore_response(
             data, count=len(owners), vocab_size=self._vocab_size, source=f"SGLang at {url} (rescoring)"
         )
