@@ -3,12 +3,16 @@ keys it does not know, and every number, host and token setting is checked where
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import socket
+import threading
 import time
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,7 @@ from fastapi.testclient import TestClient
 from rollout_service.cli import SERVE_SIDECAR_SETTINGS, SIDECAR_SETTINGS, build_parser
 from rollout_service.cli_env import declared_bounds, declared_settings
 from rollout_service.http_auth import MAX_TOKEN_CHARS, bearer_headers
+from rollout_service.sidecar import app as app_module
 from rollout_service.sidecar.app import SYNC_BODY_KEYS, SafeJSONResponse, create_app
 from rollout_service.sidecar.settings import SidecarSettings
 
@@ -234,3 +239,67 @@ def test_a_printable_token_authenticates(tmp_path: Path) -> None:
     wrong = client.post("/sync", headers=bearer_headers("wrong"))
     assert wrong.status_code == 401 and wrong.json()["error"] == "unauthorized"
     assert client.post("/sync", headers=bearer_headers(token)).status_code == 202
+
+
+# ------------------------------------------------------------------------ connections are bounded
+
+
+@contextlib.contextmanager
+def served(app: Any, settings_: SidecarSettings) -> Iterator[int]:
+    """The sidecar's app under uvicorn as ``sidecar`` runs it (its config), on a free port."""
+    import uvicorn
+
+    from rollout_service.sidecar.app import uvicorn_config
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(app, dataclasses.replace(settings_, port=port)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def answer_status(conn: socket.socket, timeout_s: float) -> int:
+    conn.settimeout(timeout_s)
+    head = conn.recv(4096)
+    return int(head.split(b" ", 2)[1])
+
+
+def test_a_sync_body_that_stops_coming_is_answered_408(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(app_module, "BODY_TIMEOUT_S", 1.0)
+    app = create_app(settings(tmp_path))
+    with served(app, settings(tmp_path)) as port, socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.sendall(b"POST /sync HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n{")
+        t0 = time.monotonic()
+        assert answer_status(conn, 10) == 408
+        assert time.monotonic() - t0 < 5
+
+
+def test_connections_past_the_limit_are_answered_503(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(app_module, "MAX_CONNECTIONS", 8)
+    app = create_app(settings(tmp_path))
+    with served(app, settings(tmp_path)) as port:
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
+        time.sleep(0.5)
+        try:
+            with socket.create_connection(("127.0.0.1", port)) as conn:
+                conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert answer_status(conn, 10) == 503
+            for conn in idle:
+                conn.close()
+            time.sleep(0.5)
+            with socket.create_connection(("127.0.0.1", port)) as conn:
+                conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert answer_status(conn, 10) == 200
+        finally:
+            for conn in idle:
+                conn.close()

@@ -43,6 +43,12 @@ MAX_WAITERS = 256
 """``/wait`` requests held at once; more are answered 503 at once (idle long-polls must not use
 up the process's file descriptors, which the health probes and the ack file need too)."""
 SHUTDOWN_GRACE_S = 5
+MAX_CONNECTIONS = 2 * MAX_WAITERS
+"""Connections served at once; past it a request is answered 503 at once (uvicorn's
+``limit_concurrency``): a flood of clients cannot use up the sidecar's file descriptors, which
+its watcher, its ack writes and its probes need too."""
+BODY_TIMEOUT_S = 10.0
+"""How long a ``POST /sync`` body may take to arrive (it is at most a few hundred bytes)."""
 """How long a stopping sidecar lets open requests (a /wait of up to an hour) finish."""
 ROOT_LOOKUP_TIMEOUT_S = 4.0
 """How long ``POST /sync`` waits for the checkpoint root to show the step it names (a hung
@@ -247,7 +253,18 @@ def _requested_checkpoint(raw: bytes) -> str | None:
 
 
 async def _bounded_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
+    """The request body, refused with 413 as soon as it is known to exceed ``limit`` bytes, and
+    with 408 when it has not come in full within :data:`BODY_TIMEOUT_S` (a client that sends
+    a few bytes and stops would hold the connection, and a file descriptor, for good)."""
+    try:
+        return await asyncio.wait_for(_read_body(request, limit), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise HTTPException(
+            status_code=408, detail=f"the request body did not arrive in full within {BODY_TIMEOUT_S:g} s"
+        ) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     too_large = HTTPException(
         status_code=413,
         detail=f'body larger than {limit} bytes; send {{"checkpoint": "step-00000042"}} (any step) or nothing',
@@ -286,5 +303,10 @@ def uvicorn_config(app: FastAPI, settings: SidecarSettings) -> Any:
     import uvicorn
 
     return uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        limit_concurrency=MAX_CONNECTIONS,
     )
