@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from urllib.parse import urlparse
 
+from .redaction import remember_secret
+
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 """Hosts that only this machine can reach."""
 
@@ -29,6 +31,7 @@ def check_token(token: str | None, name: str) -> str | None:
             f"{name} contains {bad!r}, which an HTTP header cannot carry in a bearer token: use printable"
             " ASCII without spaces (e.g. the output of `openssl rand -hex 32`)"
         )
+    remember_secret(token)  # logs and error messages never show it, whatever it holds
     return token
 
 

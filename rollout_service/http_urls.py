@@ -20,24 +20,34 @@ import httpx
 _HOSTNAME_RE = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9_-]{0,62}))*$")
 
 
+_USERINFO_RE = re.compile(r"(?P<scheme>^[^/@]*//)[^/@]*@")
+"""The ``user:password@`` of a URL (whatever its scheme)."""
+
+
+def _without_userinfo(text: str) -> str:
+    """``text`` with a URL's ``user:password@`` shown as ``***@``."""
+    return _USERINFO_RE.sub(r"\g<scheme>***@", text)
+
+
 def check_http_url(url: str, name: str) -> str:
     """``url`` without its trailing ``/``, if it is an ``http(s)://host[:port][/path]`` address;
     else a ``ValueError`` naming the setting ``name`` and what to write instead."""
     url = str(url).strip().rstrip("/")
+    shown = _without_userinfo(url)  # an error message never repeats a password
     if not url.startswith(("http://", "https://")):
-        raise ValueError(f"{name} must start with http:// or https://, got {url!r}")
+        raise ValueError(f"{name} must start with http:// or https://, got {shown!r}")
     try:
         parsed = httpx.URL(url)
         port = parsed.port
     except (httpx.InvalidURL, ValueError) as exc:
         raise ValueError(
-            f"{name} is not a valid URL ({exc}): {url!r}; write http://HOST:PORT, an IPv6 host in"
-            " brackets (http://[::1]:30000)"
+            f"{name} is not a valid URL ({_without_userinfo(str(exc))}): {shown!r}; write"
+            " http://HOST:PORT, an IPv6 host in brackets (http://[::1]:30000)"
         ) from None
     if not parsed.host:
-        raise ValueError(f"{name} names no host: {url!r}; write http://HOST:PORT")
+        raise ValueError(f"{name} names no host: {shown!r}; write http://HOST:PORT")
     if port is not None and not 1 <= port <= 65535:
-        raise ValueError(f"{name} has port {port}, outside 1-65535: {url!r}")
+        raise ValueError(f"{name} has port {port}, outside 1-65535: {shown!r}")
     if parsed.userinfo:
         raise ValueError(
             f"{name} carries a user name or password ({parsed.host}); it would show in logs and /status:"

@@ -54,9 +54,25 @@ def shown_command(cmd: Sequence[str]) -> list[str]:
     return shown
 
 
+MIN_REMEMBERED_CHARS = 8
+"""Shorter secrets are not hidden by their value (it would hide ordinary words too)."""
+MAX_REMEMBERED = 16
+_remembered: set[str] = set()
+
+
+def remember_secret(value: str | None) -> None:
+    """Hide ``value`` (a configured token or API key) wherever :func:`redact_text` finds it, as
+    it is, whatever it holds and however long: the patterns below find a credential by its name
+    and stop at characters a value rarely holds (``,`` ``)``), or past 1024 characters."""
+    if value and len(value) >= MIN_REMEMBERED_CHARS and len(_remembered) < MAX_REMEMBERED:
+        _remembered.add(value)
+
+
 def redact_text(text: str) -> str:
     """``text`` (a log tail, an error message) with every credential's value as ``***``;
     ``None``/``False`` values are kept (no credential to hide)."""
+    for secret in sorted(_remembered, key=len, reverse=True):
+        text = text.replace(secret, "***")
 
     def hide(match: re.Match[str]) -> str:
         if match["bearer"] is not None:

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 
 from rollout_service import sglang_launcher
+from rollout_service.http_urls import check_http_url
+from rollout_service.redaction import redact_text
 from rollout_service.sglang_launcher import SGLangServer, shown_command
+from rollout_service.sidecar.settings import SidecarSettings
 
 
 class NoProcess:
@@ -193,3 +196,32 @@ def test_a_process_name_that_is_not_utf8_does_not_stop_the_group_walk() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["k" * 1500, "ab,cd)ef'gh\"ij", "x)" * 40],
+    ids=["longer-than-a-quoted-value", "punctuation", "closing-parens"],
+)
+def test_a_configured_key_is_hidden_whatever_it_holds(tmp_path: Path, key: str) -> None:
+    """A key the settings accept (printable ASCII, up to 4096 characters) is hidden by its value,
+    where the patterns that find a credential by its name stop early: at 1024 characters of a
+    quoted value, or at a ``,`` ``)`` or quote of an unquoted one."""
+    SidecarSettings(checkpoint_path=tmp_path, sglang_url="http://127.0.0.1:1", replica_id="r", sglang_api_key=key)
+    lines = [
+        f"server_args=ServerArgs(model_path='m', api_key='{key}', port=1)",
+        f"server_args=ServerArgs(model_path='m', api_key=\"{key}\")",
+        f"Authorization: Bearer {key}",
+        f"ROLLOUT_SGLANG_API_KEY={key} rollout-service serve",
+    ]
+    for line in lines:
+        shown = redact_text(line)
+        half = len(key) // 2
+        assert key[:half] not in shown and key[half:] not in shown, shown[:200]  # nor any part of it
+
+
+def test_a_password_in_a_url_is_not_repeated_by_the_error_that_refuses_the_url() -> None:
+    for url in ("http://admin:hunter2@sglang:99999", "ftp://admin:hunter2@sglang", "http://admin:hunter2@"):
+        with pytest.raises(ValueError) as refused:
+            check_http_url(url, "--sglang-url")
+        assert "hunter2" not in str(refused.value) and "***@" in str(refused.value), str(refused.value)
