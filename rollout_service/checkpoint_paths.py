@@ -37,7 +37,7 @@ def resolve_inside(root: Path | str, candidate: Path | str) -> Path:
 def is_inside(path: Path | str, root: Path | str) -> bool:
     """Whether ``path`` really lies in ``root`` (or is it), symlinks resolved on both sides; a
     link out of ``root`` is not followed (see :func:`resolve_inside`)."""
-    return _confined_realpath(root, path) is not None
+    return _confined_realpath(root, os.path.join(os.getcwd(), path)) is not None  # relative: to the working directory
 
 
 def _confined_realpath(root: Path | str, candidate: Path | str) -> Path | None:

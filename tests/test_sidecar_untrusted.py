@@ -526,7 +526,7 @@ def test_a_rejection_stands_while_its_step_cannot_be_looked_at(checkpoint_root, 
 def test_a_rejection_about_a_files_contents_ends_when_that_file_is_completed(checkpoint_root, tiny_model_dir):
     """A checkpoint copied in file by file with its manifest first is seen with a shard cut short
     (``truncated``); once the copy completes the shard in place, the step is looked at anew.
-    A rejection about something else (the step's shapes) stands whatever its files do."""
+    A rejection about the manifest itself (``bad_manifest``) stands whatever the other files do."""
     from rollout_service.sidecar import controller as controller_module
     from rollout_service.sidecar.controller import SyncController
     from rollout_service.sidecar.settings import SidecarSettings
@@ -553,7 +553,7 @@ def test_a_rejection_about_a_files_contents_ends_when_that_file_is_completed(che
     with open(shard, "r+b") as f:  # the copy goes on, in place
         f.write(whole)
     assert not still_rejected() and 2 not in controller.state.rejected
-    rejected_now("shape_mismatch")
+    rejected_now("bad_manifest")
     with open(shard, "r+b") as f:
         f.write(whole[:16])
     os.utime(shard)
