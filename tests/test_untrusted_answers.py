@@ -25,7 +25,7 @@ import zstandard
 from fake_sglang import Answer, CannedServer, canned_reply
 from rollout_service.bounded_http import AnswerRefused, arequest, parse_json, request
 from rollout_service.bounded_http import client as bounded_client
-from rollout_service.sidecar.sglang_client import SGLangClient, SGLangLoadRejected
+from rollout_service.sidecar.sglang_client import SGLangClient, SGLangLoadRejected, SGLangUnavailable
 from trainer_hooks.replica_wait import CheckpointRejected, ReplicaSyncTimeout, SidecarWaiter
 from trainer_hooks.sglang_endpoints import SGLangEndpoints, SGLangRequestError
 
@@ -311,6 +311,32 @@ def test_a_weight_update_counts_only_an_answer_that_says_success_true(servers: l
     server = answering(servers, body)
     with pytest.raises(SGLangLoadRejected, match="SGLang refused /stage/step-00000001"):
         with_client(server, lambda client: client.load_from_disk("/stage/step-00000001", "1"))
+
+
+@pytest.mark.parametrize("status", [500, 502, 503, 504])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda client: client.load_from_disk("/stage/step-00000001", "1"),
+        lambda client: client.load_lora_adapter("v00000001-run", "/stage/adapter"),
+    ],
+    ids=["weight-update", "adapter-load"],
+)
+def test_a_5xx_to_a_load_is_sglang_unavailable_not_a_refusal_of_the_step(
+    servers: list[CannedServer], status: int, call: Any
+) -> None:
+    """SGLang refuses a load with 400; a 5xx is a proxy in front of it (or a server failing as it
+    answers): the step is tried again, where it used to be rejected for good."""
+    server = canned(servers, lambda path, b, count: canned_reply(status, "<html>Bad Gateway</html>"))
+    with pytest.raises(SGLangUnavailable, match=f"HTTP {status}"):
+        with_client(server, call)
+
+
+@pytest.mark.parametrize("body", [["enable_lora"], "null", 7], ids=["a-list", "null", "a-number"])
+def test_server_info_that_is_no_object_is_sglang_unavailable(servers: list[CannedServer], body: Any) -> None:
+    server = answering(servers, body)
+    with pytest.raises(SGLangUnavailable, match="not an object"):
+        with_client(server, lambda client: client.server_info())
 
 
 @pytest.mark.parametrize(

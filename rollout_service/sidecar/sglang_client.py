@@ -85,6 +85,7 @@ class SGLangClient:
             resp = await self._post("/update_weights_from_disk", body, self._load_timeout)
         except httpx.HTTPError as exc:
             raise SGLangUnavailable(f"SGLang at {self.base_url} failed during the weight update: {exc!r}") from exc
+        _not_sglangs_answer(resp, self.base_url, "the weight update")
         data = _answer_object(resp, "message")
         if resp.status_code != 200 or data.get("success") is not True:
             raise SGLangLoadRejected(
@@ -102,7 +103,12 @@ class SGLangClient:
             data = resp.json()
         except (httpx.HTTPError, ValueError) as exc:
             raise SGLangUnavailable(f"SGLang at {self.base_url} did not answer /server_info: {exc!r}") from exc
-        return data if isinstance(data, dict) else {}
+        if not isinstance(data, dict):
+            raise SGLangUnavailable(
+                f"SGLang at {self.base_url} answered /server_info with JSON that is not an object"
+                f" ({type(data).__name__}): a proxy in between, or not SGLang?"
+            )
+        return data
 
     async def loaded_adapters(self) -> set[str]:
         """Names of the LoRA adapters SGLang has loaded (from ``/v1/models``)."""
@@ -130,6 +136,7 @@ class SGLangClient:
             resp = await self._post(route, body, self._load_timeout)
         except httpx.HTTPError as exc:
             raise SGLangUnavailable(f"SGLang at {self.base_url} failed during {route}: {exc!r}") from exc
+        _not_sglangs_answer(resp, self.base_url, route)
         data = _answer_object(resp, "error_message")
         if resp.status_code != 200 or data.get("success") is not True:
             raise SGLangLoadRejected(
@@ -137,6 +144,14 @@ class SGLangClient:
                 f" {str(data.get('error_message') or data.get('message'))[:500]}"
             )
         return data
+
+
+def _not_sglangs_answer(resp: Answer, base_url: str, what: str) -> None:
+    """Raise ``SGLangUnavailable`` for a 5xx: SGLang answers a load it refuses with 400, so a
+    5xx comes from a proxy in between (502/503/504) or a server failing as it answers, and says
+    nothing against the step (tried again; a step SGLang dies of is counted as such)."""
+    if resp.status_code >= 500:
+        raise SGLangUnavailable(f"{base_url} answered {what} with HTTP {resp.status_code}: {resp.text[:300]}")
 
 
 def _answer_object(resp: Answer, message_key: str) -> dict[str, Any]:
