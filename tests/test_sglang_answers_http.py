@@ -267,3 +267,43 @@ def test_a_malformed_answer_fails_that_endpoint_over_to_a_healthy_one(servers: l
         result, _ = generate_in_thread(endpoints, deadline_s=10)
     assert isinstance(result, list) and len(result) == len(PROMPTS), result
     assert broken.generate_requests, "the broken endpoint was never tried"
+
+
+def test_a_replica_that_has_not_got_the_adapter_yet_is_asked_again_not_taken_for_a_bad_request(
+    servers: list[CannedServer],
+) -> None:
+    """A restarted SGLang answers 400 for an adapter it has not loaded (yet): its sidecar loads it
+    again within a sync pass, so that is passing, where it used to end training as a bad request."""
+    adapter = "v00000007-run"
+
+    def missing_then_loaded(body: Any, count: int) -> Answer:
+        if count <= 2:
+            return canned_reply(
+                400, {"error": {"message": f"Got LoRA adapter that has never been loaded: {adapter}\nAll loaded: []"}}
+            )
+        return canned_reply(200, canned_answer(body))
+
+    server = serve(servers, missing_then_loaded)
+    out: list[Any] = []
+    with closing(SGLangEndpoints([server.url], request_timeout_s=10)) as endpoints:
+        thread = threading.Thread(
+            target=lambda: out.append(
+                endpoints.generate(
+                    PROMPTS, PARAMS, want_logprobs=True, deadline=time.monotonic() + 20, lora_path=adapter
+                )
+            ),
+            daemon=True,
+        )
+        thread.start()
+        thread.join(20)
+    assert out and out[0][0][0].token_ids == [1, 7], out
+    assert len(server.generate_requests) == 3
+
+
+def test_a_400_about_another_adapter_or_the_request_stays_a_bad_request(servers: list[CannedServer]) -> None:
+    server = serve(servers, lambda body, count: canned_reply(400, {"error": "max_new_tokens must be positive"}))
+    with closing(SGLangEndpoints([server.url], request_timeout_s=10)) as endpoints:
+        with pytest.raises(SGLangRequestError, match="max_new_tokens must be positive"):
+            endpoints.generate(
+                PROMPTS, PARAMS, want_logprobs=True, deadline=time.monotonic() + 5, lora_path="v00000007-run"
+            )

@@ -122,6 +122,9 @@ HEALTH_PROBE_TIMEOUT_S = 5.0
 RESCORE_REFUSALS = 2
 """Refusals (4xx) in a row of an endpoint to rescore what it just generated before the call fails:
 the first may be passing (the adapter swapped in between), a second one is the request's."""
+ADAPTER_RETRY_S = 2.0
+"""How long an endpoint that has not got the requested LoRA adapter is left alone (its sidecar
+loads it again within a sync pass)."""
 POISON_RETRIES = 1
 """How often prompts whose request killed a server are sent again (then the call fails)."""
 
@@ -478,7 +481,8 @@ class SGLangEndpoints:
                 client.stream("POST", f"{url}/generate", json=payload, headers=self._headers) as response,
             ):
                 headed = True
-                self._check_status(url, response, deadline, what)
+                lora = payload.get("lora_path")
+                self._check_status(url, response, deadline, what, lora if isinstance(lora, str) else None)
                 body = _read_body(url, response, deadline, limit, what, self._request_timeout_s)
         except httpx.TimeoutException as exc:
             if time.monotonic() >= deadline:  # cut at the deadline (a server that drips its answer)
@@ -508,8 +512,11 @@ class SGLangEndpoints:
                 url, f"{what}answered HTTP 200 with a body that is not JSON: {_text(body[:200])!r}"
             ) from exc
 
-    def _check_status(self, url: str, response: httpx.Response, deadline: float, what: str) -> None:
-        """Raise for anything but HTTP 200, quoting the start of the answer."""
+    def _check_status(
+        self, url: str, response: httpx.Response, deadline: float, what: str, adapter: str | None = None
+    ) -> None:
+        """Raise for anything but HTTP 200, quoting the start of the answer (``adapter``: the
+        LoRA adapter the request named, whose absence there is passing, not the request's fault)."""
         status = response.status_code
         if status == 200:
             return
@@ -526,6 +533,14 @@ class SGLangEndpoints:
             )
         if status >= 500:
             raise _EndpointFailed(url, f"{what}HTTP {status}: {text[:300]}", sent=True)
+        if adapter is not None and status == 400 and _adapter_missing(text, adapter):
+            # SGLang restarted (or the adapter was retired) and its sidecar loads it again: passing.
+            raise _EndpointFailed(
+                url,
+                f"{what}the LoRA adapter {adapter} is not loaded there (SGLang restarted? its sidecar loads"
+                f" it again; see the sidecar's /status): {text[:300]}",
+                retry_after=ADAPTER_RETRY_S,
+            )
         if what:  # rescoring what /generate just answered: maybe a passing state (an adapter swapped)
             raise _EndpointFailed(url, f"{what}HTTP {status}: {text[:300]}", rescore_refused=True)
         if 300 <= status < 400:
@@ -647,6 +662,12 @@ class SGLangEndpoints:
             " Check the errors quoted there, that the servers run (`rollout-service serve`), are reachable from the"
             " trainer, and that sglang_urls is right"
         )
+
+
+def _adapter_missing(text: str, adapter: str) -> bool:
+    """Whether SGLang's 400 says it has not got the LoRA adapter ``adapter`` loaded (its words in
+    0.5.23: "Got LoRA adapter that has never been loaded", "Failed to implicitly load LoRA adapter")."""
+    return adapter in text and ("never been loaded" in text or "Failed to implicitly load LoRA adapter" in text)
 
 
 def _as_completed_until(futures: list[Future[Any]], until: float) -> Iterator[Future[Any]]:
