@@ -73,7 +73,10 @@ OVERLOAD_RETRY_S = 2.0
 """How long an overloaded endpoint (HTTP 429/503) is left alone when it sends no ``Retry-After``."""
 WAIT_GRACE_S = 2.0
 """How much longer than its own deadline :meth:`SGLangEndpoints.generate` waits for a request."""
-BODY_LIMIT_BASE_BYTES = 64 * 1024 * 1024
+BODY_LIMIT_BASE_BYTES = 16 * 1024 * 1024
+"""Room for what does not grow with the tokens (each completion's text and meta info: ~0.5 KB).
+Parsed JSON takes up to ~24 times its size in memory (a body of empty objects), so this bounds
+what one hostile answer can cost (~400 MB), beside the per-token room below."""
 BODY_BYTES_PER_TOKEN = 256
 """An answer may have ``BODY_LIMIT_BASE_BYTES`` plus this per token it may carry (SGLang's are
 ~50: the id, its logprob entry and its text); a larger one is refused unread."""
