@@ -313,6 +313,26 @@ def test_a_weight_update_counts_only_an_answer_that_says_success_true(servers: l
         with_client(server, lambda client: client.load_from_disk("/stage/step-00000001", "1"))
 
 
+def test_sidecars_that_do_not_answer_are_woken_all_at_once(servers: list[CannedServer]) -> None:
+    silent = [canned(servers, lambda path, b, count: lambda conn, stopped: stopped.wait(60)) for _ in range(3)]
+    waiter = SidecarWaiter([server.url for server in silent])
+    t0 = time.monotonic()
+    waiter.notify(1)
+    took = time.monotonic() - t0
+    assert all(server.requests for server in silent)
+    assert took < 8, f"notify took {took:.1f} s for three sidecars that do not answer (5 s each, one after another)"
+
+
+def test_a_sidecar_slow_to_answer_its_wait_ends_the_wait_near_sync_timeout(servers: list[CannedServer]) -> None:
+    slow = canned(servers, lambda path, b, count: lambda conn, stopped: stopped.wait(60))
+    waiter = SidecarWaiter([slow.url])
+    t0 = time.monotonic()
+    with pytest.raises(ReplicaSyncTimeout):
+        waiter.wait(1, timeout_s=2.0)
+    took = time.monotonic() - t0
+    assert took < 7.0, f"the wait ended {took - 2.0:.1f} s past its sync_timeout of 2 s"
+
+
 @pytest.mark.parametrize("status", [500, 502, 503, 504])
 @pytest.mark.parametrize(
     "call",

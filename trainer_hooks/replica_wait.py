@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
@@ -38,6 +39,11 @@ T = TypeVar("T")
 
 PROGRESS_EVERY_S = 10.0
 WAIT_SLICE_S = 10.0
+WAIT_ANSWER_GRACE_S = 3.0
+"""How long past its own wait a sidecar's ``GET /wait`` may take to answer (it looks at the root
+once more, for at most a second): the trainer's wait ends at most this much past sync_timeout."""
+NOTIFY_TIMEOUT_S = 5.0
+MAX_NOTIFY_THREADS = 32
 """Longest single ``/wait`` call; the loop re-asks until the overall deadline."""
 POLL_INTERVAL_S = 0.5
 ROOT_LOOK_TIMEOUT_S = 10.0
@@ -101,6 +107,11 @@ class ReplicaWaiter(Protocol):
     def protected_versions(self) -> set[int]: ...
 
 
+def _pause_until(until: float) -> None:
+    """A second's pause before asking again, never past ``until`` (the slice of the wait)."""
+    time.sleep(max(0.0, min(1.0, until - time.monotonic())))
+
+
 class SidecarWaiter:
     """Waits on a list of sidecars' ``GET /wait``."""
 
@@ -114,22 +125,27 @@ class SidecarWaiter:
         self._views: dict[str, ReplicaView] = {u: ReplicaView(u) for u in self.urls}
 
     def notify(self, version: int) -> None:
-        """Wake every sidecar (``POST /sync``); failures only log, the wait reports them."""
+        """Wake every sidecar (``POST /sync``), all at once: sidecars that do not answer cost
+        :data:`NOTIFY_TIMEOUT_S` together, not each. Failures only log, the wait reports them."""
         body = {"checkpoint": step_dir_name(version)}
-        for url in self.urls:
-            try:
-                with bounded_client(headers=self._headers) as client:
-                    r = request(client, "POST", f"{url}/sync", json=body, timeout_s=5.0)
-                if r.status_code == 401:
-                    log.warning(
-                        "sidecar %s refused POST /sync (401): set sidecar_token to its --token; it "
-                        "still finds the checkpoint by watching the directory",
-                        url,
-                    )
-                elif r.status_code >= 400:
-                    log.debug("sidecar %s answered POST /sync with %d: %s", url, r.status_code, r.text[:200])
-            except httpx.HTTPError as exc:
-                log.debug("could not wake sidecar %s: %s", url, exc)
+        with ThreadPoolExecutor(min(len(self.urls), MAX_NOTIFY_THREADS), thread_name_prefix="sidecar-notify") as pool:
+            for url in self.urls:
+                pool.submit(self._wake, url, body)
+
+    def _wake(self, url: str, body: dict[str, Any]) -> None:
+        try:
+            with bounded_client(headers=self._headers) as client:
+                r = request(client, "POST", f"{url}/sync", json=body, timeout_s=NOTIFY_TIMEOUT_S)
+            if r.status_code == 401:
+                log.warning(
+                    "sidecar %s refused POST /sync (401): set sidecar_token to its --token; it "
+                    "still finds the checkpoint by watching the directory",
+                    url,
+                )
+            elif r.status_code >= 400:
+                log.debug("sidecar %s answered POST /sync with %d: %s", url, r.status_code, r.text[:200])
+        except httpx.HTTPError as exc:
+            log.debug("could not wake sidecar %s: %s", url, exc)
 
     def wait(self, version: int, timeout_s: float) -> list[ReplicaView]:
         """Block until every sidecar reports ``loaded_step >= version``; return their views."""
@@ -170,16 +186,17 @@ class SidecarWaiter:
 
     def _ask(self, client: httpx.Client, url: str, version: int, slice_s: float) -> bool:
         view = self._views[url]
+        until = time.monotonic() + slice_s
         wait_s = max(0.1, round(slice_s, 1))
         try:
             params: dict[str, Any] = {"version": version, "timeout": wait_s}
             if self.run_id is not None:
                 params["run"] = self.run_id
             asked = time.monotonic()
-            r = request(client, "GET", f"{url}/wait", params=params, timeout_s=wait_s + 10.0)
+            r = request(client, "GET", f"{url}/wait", params=params, timeout_s=wait_s + WAIT_ANSWER_GRACE_S)
         except httpx.HTTPError as exc:
             view.unreachable = f"{type(exc).__name__}: {exc}"
-            time.sleep(min(1.0, slice_s))
+            _pause_until(until)
             return False
         view.unreachable = None
         body = _json_or_none(r)
@@ -190,11 +207,11 @@ class SidecarWaiter:
             if unconfirmed is None:
                 return True
             view.unreachable = f"GET /wait answered 200, but {unconfirmed} (is {url} one of this project's sidecars?)"
-            time.sleep(min(1.0, slice_s))
+            _pause_until(until)
             return False
         if r.status_code != 504:
             view.unreachable = f"GET /wait answered HTTP {r.status_code}: {r.text[:200]}"
-            time.sleep(min(1.0, slice_s))
+            _pause_until(until)
             return False
         rejected = ReplicaReport.from_dict(body, replica_id=view.name).rejected if body is not None else {}
         reason = rejected.get(str(version))
