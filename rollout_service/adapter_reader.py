@@ -6,10 +6,11 @@ ranks) and drops LoRA weights of modules it was not started for. :func:`validate
 all of those before SGLang sees the adapter, each with a reason code, and checks what a load
 would trip over: the files (exactly ``adapter_config.json`` and ``adapter_model.safetensors``, the
 sizes of the manifest), the config (strict JSON, the manifest's rank/alpha/modules), every tensor
-(a ``lora_A``/``lora_B`` of a module the served model has, shapes ``[r, in]`` / ``[out, r]``), the
-rank against ``--max-lora-rank`` and the modules against ``--lora-target-modules``.
-:func:`adapter_support_problem` is the same judgement on a PEFT config alone, for the trainer's
-choice between adapter sync and merged sync. Everything under the root is untrusted.
+(a ``lora_A``/``lora_B`` of a module the served model has, of a dtype in :data:`ADAPTER_DTYPES`,
+shapes ``[r, in]`` / ``[out, r]``), the rank against ``--max-lora-rank`` and the modules against
+``--lora-target-modules``. :func:`adapter_support_problem` is the same judgement on a PEFT config
+and :func:`check_adapter_tensors` on a PEFT state dict, for the trainer's choice between adapter
+sync and merged sync. Everything under the root is untrusted.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from .checkpoint_format import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_FILES,
     ADAPTER_WEIGHTS_NAME,
-    FLOAT_DTYPES,
     MANIFEST_NAME,
     MAX_ADAPTER_HEADER_BYTES,
     MAX_ADAPTER_RANK,
@@ -46,6 +46,11 @@ embedding's ``lora_embedding_A``) or does not serve: such adapters sync merged i
 MODEL_CHANGING_KEYS = ("layer_replication", "target_parameters", "use_qalora", "lora_bias", "trainable_token_indices")
 """PEFT options that, when set, make the trained model differ from base + ``alpha/r * B @ A`` on
 the target modules, which is all SGLang serves."""
+ADAPTER_DTYPES = ("F32", "F16", "BF16")
+"""The dtypes of LoRA weights (safetensors tags), defined once: the only ones ``adapter_writer``
+publishes and the only ones readers accept (``dtype_unloadable``). PEFT trains adapters in these;
+an fp8 or fp64 adapter is nothing the trainer writes, and not what SGLang's LoRA serving was
+tested with."""
 MAX_LORA_ALPHA = 1e6
 """``lora_alpha`` is below it (and above 0), as the manifest's ``adapter.alpha`` is: PEFT's
 values are tens to hundreds; a config's number past it is junk, not a scale to serve."""
@@ -289,7 +294,7 @@ def validate_adapter(
             f"{weights}: {odd_dtype[0][:120]!r} is {specs[odd_dtype[0]][0]}, the manifest says {manifest.dtype}",
         )
     served = reference if reference is not None else implied_reference(specs)
-    _check_tensors(specs, served, info.rank, set(info.target_modules), where=weights)
+    check_adapter_tensors(specs, served, info.rank, set(info.target_modules), where=weights)
     checks.append("tensors fit the served model")
     if check_digests or check_finite:
         for fname, entry in sorted(manifest.files.items()):
@@ -346,9 +351,10 @@ def validate_adapter_step(
 
 def implied_reference(specs: TensorSpecs) -> TensorSpecs:
     """The base weights an adapter's tensors (``specs``, its header) imply: ``[out, in]`` from
-    lora_B's rows and lora_A's columns (1 where the partner is missing, which ``_check_tensors``
-    then reports as unpaired). Derived from the header :func:`validate_adapter` reads anyway,
-    so a step checked without a reference model has its header parsed once."""
+    lora_B's rows and lora_A's columns (1 where the partner is missing, which
+    :func:`check_adapter_tensors` then reports as unpaired). Derived from the header
+    :func:`validate_adapter` reads anyway, so a step checked without a reference model has its
+    header parsed once."""
     dims: dict[str, list[int]] = {}
     for tname, (_, shape) in specs.items():
         base, _, tail = tname.rpartition(".")
@@ -396,7 +402,13 @@ def _config_number(config: Mapping[str, Any], key: str, where: str, *, below: fl
     return value
 
 
-def _check_tensors(specs: TensorSpecs, reference: TensorSpecs, rank: int, modules: set[str], where: str) -> None:
+def check_adapter_tensors(specs: TensorSpecs, reference: TensorSpecs, rank: int, modules: set[str], where: str) -> None:
+    """``CheckpointError`` unless ``specs`` (an adapter's tensors: name -> dtype, shape) are
+    ``lora_A``/``lora_B`` pairs of ``modules`` in the model ``reference`` describes, of the dtypes
+    in :data:`ADAPTER_DTYPES` and the shapes ``rank`` gives, each adapted block whole
+    (:func:`_check_every_target_adapted`). The sidecar's check of a published step, and the
+    trainer's of its PEFT state dict at start-up: an adapter it fails syncs merged instead of
+    being rejected by every replica."""
     if not specs:
         raise CheckpointError("bad_adapter", f"{where} holds no tensors")
     seen: set[str] = set()
@@ -429,14 +441,19 @@ def _check_tensors(specs: TensorSpecs, reference: TensorSpecs, rank: int, module
                 f"{where}: {tname[:120]!r} adapts {served!r} {list(reference[served][1])}, which is not a"
                 " linear layer's weight (LoRA serves 2-D weights)",
             )
+        if dtype not in ADAPTER_DTYPES:
+            raise CheckpointError(
+                "dtype_unloadable",
+                f"{where}: {tname[:120]!r} is {str(dtype)[:20]}; LoRA weights must be one of"
+                f" {list(ADAPTER_DTYPES)}, as adapters are published: republish the adapter in one of them",
+            )
         out_dim, in_dim = reference[served][1]
         want = (rank, in_dim) if part == "lora_A" else (out_dim, rank)
-        if dtype not in FLOAT_DTYPES or tuple(shape) != want:
+        if tuple(shape) != want:
             raise CheckpointError(
                 "adapter_mismatch",
                 f"{where}: {tname[:120]!r} is {dtype} {list(shape)};"
-                f" for {served} {list(reference[served][1])} at rank {rank} it must be a"
-                f" float tensor of shape {list(want)}",
+                f" for {served} {list(reference[served][1])} at rank {rank} it must be of shape {list(want)}",
             )
         seen.add(f"{module_path}.{part}")
     unpaired = sorted(

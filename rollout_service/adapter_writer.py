@@ -2,10 +2,11 @@
 
 ``publish_adapter`` writes what PEFT's ``save_pretrained`` writes (``adapter_model.safetensors``
 with names like ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``, and
-``adapter_config.json``) plus the manifest, through the same hidden work folder, fsyncs and
-single rename as a full checkpoint (:func:`~rollout_service.checkpoint_writer.atomic_step_dir`),
-so readers see an adapter step completely or not at all. An adapter every reader would reject
-(NaN/Inf weights, a tensor name no reader parses, a weight that is not floating point) is refused
+``adapter_config.json``, its ``target_modules`` the modules those tensors change) plus the
+manifest, through the same hidden work folder, fsyncs and single rename as a full checkpoint
+(:func:`~rollout_service.checkpoint_writer.atomic_step_dir`), so readers see an adapter step
+completely or not at all. An adapter every reader would reject (NaN/Inf weights, a tensor name
+no reader parses, a weight of a dtype outside ``ADAPTER_DTYPES``) is refused
 with :class:`~rollout_service.checkpoint_writer.PublishRefused` before anything of it is written.
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .adapter_reader import ADAPTER_DTYPES
 from .checkpoint_format import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
@@ -32,7 +34,9 @@ from .checkpoint_format import (
     normalize_dtype,
     step_dir_name,
 )
+from .checkpoint_reader import TensorSpecs
 from .checkpoint_writer import (
+    _TORCH_TO_TAG,
     FINITE_CHUNK_BYTES,
     PublishRefused,
     PublishResult,
@@ -52,8 +56,8 @@ from .checkpoint_writer import (
 log = logging.getLogger(__name__)
 
 LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
-_TAGS = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-"""The dtypes adapters are published in (LoRA weights are floating point)."""
+_TAGS = {dtype: tag for dtype, tag in _TORCH_TO_TAG.items() if tag in ADAPTER_DTYPES}
+"""The dtypes adapters are published in: ``ADAPTER_DTYPES``, the ones readers accept."""
 _TORCH_OF = {tag: dtype for dtype, tag in _TAGS.items()}
 
 
@@ -78,6 +82,29 @@ def adapter_info(tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any])
         target_modules=modules,
         peft_type=str(getattr(config.get("peft_type"), "value", config.get("peft_type") or "LORA")),
     )
+
+
+def published_config(config: Mapping[str, Any], target_modules: list[str]) -> dict[str, Any]:
+    """The adapter config as published: PEFT's, with ``target_modules`` the modules the tensors
+    change (:func:`adapter_info`), as the manifest says. PEFT's own list may name modules the
+    model lacks or a pattern; readers require the config and the manifest to agree."""
+    return {**config, "target_modules": list(target_modules)}
+
+
+def adapter_specs(tensors: Mapping[str, torch.Tensor], dtype: str | None = None) -> TensorSpecs:
+    """Name -> (dtype tag, shape) of the tensors :func:`publish_adapter` would write with ``dtype``
+    (a cast applies to floating tensors only): what readers check, without writing anything."""
+    want = _TORCH_OF.get(normalize_dtype(dtype) or "")
+    specs: TensorSpecs = {}
+    for name, t in tensors.items():
+        written = _written_dtype(t, want)
+        specs[name] = (_TORCH_TO_TAG.get(written, str(written).removeprefix("torch.")), tuple(t.shape))
+    return specs
+
+
+def _written_dtype(t: torch.Tensor, want: torch.dtype | None) -> torch.dtype:
+    """The dtype ``t`` is written in: ``want`` for a floating tensor, when given."""
+    return want if want is not None and t.is_floating_point() else t.dtype
 
 
 def _jsonable(value: Any) -> Any:
@@ -110,7 +137,7 @@ def _dtype_refusal(name: str, dtype: torch.dtype, cast: str | None) -> PublishRe
     )
     return PublishRefused(
         f"tensor {_shown(name)} is {str(dtype).removeprefix('torch.')}: adapters are published as float32,"
-        f" float16 or bfloat16 tensors (every replica would reject it as adapter_mismatch); {hint}."
+        f" float16 or bfloat16 tensors (every replica would reject it as dtype_unloadable); {hint}."
         " Nothing was published",
         tensor=name,
         rule="dtype",
@@ -186,8 +213,7 @@ def publish_adapter(
     prepared = []
     for name in sorted(tensors):
         t = tensors[name].detach()
-        if want is not None and t.is_floating_point():
-            t = t.to(want)
+        t = t.to(_written_dtype(t, want))
         if t.dtype not in _TAGS:
             raise _dtype_refusal(name, t.dtype, target)
         prepared.append((name, t.to("cpu").contiguous()))
@@ -198,7 +224,9 @@ def publish_adapter(
     with atomic_step_dir(root, step) as tmp:
         files = {
             ADAPTER_WEIGHTS_NAME: _write_shard(tmp / ADAPTER_WEIGHTS_NAME, prepared),
-            ADAPTER_CONFIG_NAME: write_small(tmp / ADAPTER_CONFIG_NAME, adapter_config_json(config)),
+            ADAPTER_CONFIG_NAME: write_small(
+                tmp / ADAPTER_CONFIG_NAME, adapter_config_json(published_config(config, info.target_modules))
+            ),
         }
         write_seconds = time.perf_counter() - t0
         manifest = write_manifest(

@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save
 
-from rollout_service.adapter_reader import LoraLimits, adapter_support_problem, validate_adapter
+import rollout_service.adapter_writer as aw
+from rollout_service.adapter_reader import LoraLimits, adapter_support_problem, validate_adapter, validate_adapter_step
 from rollout_service.adapter_writer import publish_adapter
 from rollout_service.checkpoint_format import CheckpointError, Manifest
 from rollout_service.lora_serving import LoraServing
 from rollout_service.protocol import adapter_name_for, step_for_adapter_name
+from test_cli_validate_kinds import vouch_for
 
 HIDDEN, KV, INTER = 16, 8, 32
 REFERENCE = {
@@ -159,6 +162,40 @@ def test_an_adapter_for_another_model_or_with_wrong_shapes_is_rejected_naming_th
     publish(tmp_path, 2, tensors=tensors)
     error = rejected(tmp_path, 2)
     assert error.reason == "adapter_mismatch" and "v_proj" in str(error) and f"[{KV}, 4]" in str(error)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float64], ids=str)
+@pytest.mark.parametrize("every", [True, False], ids=["every-tensor", "one-tensor"])
+def test_lora_weights_of_a_dtype_adapters_are_not_published_in_are_rejected(tmp_path, dtype, every):
+    """The writer publishes LoRA weights in ``ADAPTER_DTYPES`` only, because readers reject the
+    others; they do (``dtype_unloadable``), also when the manifest vouches for every byte and
+    names the dtype, or names none (tensors of mixed dtypes)."""
+    path = publish(tmp_path).path
+    tensors = lora_tensors()
+    changed = sorted(tensors) if every else sorted(tensors)[:1]
+    for name in changed:
+        tensors[name] = tensors[name].to(dtype)
+    vouch_for(path, "adapter_model.safetensors", save(tensors))
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["dtype"] = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.float64: "F64"}[dtype]
+    manifest["dtype"] = manifest["dtype"] if every else None
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    for error in (rejected(tmp_path), step_rejected(path)):
+        assert error.reason == "dtype_unloadable" and repr(changed[0]) in str(error), error
+        assert "['F32', 'F16', 'BF16']" in str(error)
+
+
+def step_rejected(path: Path) -> CheckpointError:
+    """The error of ``rollout-service validate`` (no reference model) for the step ``path``."""
+    with pytest.raises(CheckpointError) as info:
+        validate_adapter_step(path, limits=LIMITS, check_finite=True)
+    return info.value
+
+
+def test_the_writer_publishes_the_dtypes_readers_accept():
+    from rollout_service.adapter_reader import ADAPTER_DTYPES
+
+    assert sorted(aw._TAGS.values()) == sorted(ADAPTER_DTYPES)
 
 
 def test_nan_weights_and_a_config_that_disagrees_with_the_manifest_are_rejected(tmp_path):
@@ -333,8 +370,13 @@ def two_layer_tensors(per_layer: dict[int, tuple[str, ...]], r: int = 4) -> dict
 
 
 def two_layer_rejected(root: Path, config_modules, per_layer, limits: LoraLimits = ALL) -> CheckpointError:
+    """The error for an adapter of ``per_layer``'s tensors whose config and manifest both say
+    ``config_modules`` (another writer's: ``publish_adapter`` writes the tensors' modules)."""
     path = publish_adapter(root, 1, two_layer_tensors(per_layer), lora_config(4, config_modules), run_id="run1").path
-    manifest = json.loads((path / "manifest.json").read_text())  # a writer whose manifest agrees with its config
+    config = json.loads((path / "adapter_config.json").read_text())
+    config["target_modules"] = sorted(config_modules)
+    vouch_for(path, "adapter_config.json", json.dumps(config).encode())
+    manifest = json.loads((path / "manifest.json").read_text())
     manifest["adapter"]["target_modules"] = sorted(config_modules)
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError) as info:

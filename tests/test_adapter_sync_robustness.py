@@ -1,7 +1,8 @@
 """Adapter steps that try the sidecar's limits: an adapter that kills SGLang at every load, a
 republished adapter SGLang refuses, a header far larger than any adapter's, and numbers in
 ``adapter_config.json`` no float can hold. Each is refused with its reason, and what SGLang
-served before keeps serving.
+served before keeps serving. And the adapters a sidecar keeps track of: a root reused by another
+run (lower steps), a sidecar restarted beside an SGLang that has adapters loaded.
 
 The sidecar cases run the real sync loop (``SyncController.run``) against :class:`LoraSGLang`,
 a fake SGLang: see its docstring for why a real one cannot show those failures.
@@ -27,11 +28,12 @@ from fake_sglang import Answer, CannedServer, canned_reply
 from rollout_service import adapter_reader
 from rollout_service import checkpoint_reader as cr
 from rollout_service.adapter_reader import MAX_ADAPTER_HEADER_BYTES, validate_adapter_step
+from rollout_service.adapter_writer import publish_adapter
 from rollout_service.checkpoint_format import ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME, CheckpointError
 from rollout_service.protocol import adapter_name_for, step_for_adapter_name
 from rollout_service.sidecar.controller import MAX_CRASHES_PER_STEP, SyncController
 from rollout_service.sidecar.settings import SidecarSettings
-from test_adapter_checkpoints import LIMITS, REFERENCE, check, lora_tensors, publish
+from test_adapter_checkpoints import LIMITS, REFERENCE, check, lora_config, lora_tensors, publish
 from test_cli_validate_kinds import vouch_for
 
 RUN_ID = "run1"
@@ -66,6 +68,8 @@ class LoraSGLang:
         """Fields of ``/server_info`` replaced by values no SGLang sends (a proxy's, a bug's)."""
         self.loads: list[str] = []
         """The name of every load asked for, in order."""
+        self.unloads: list[str] = []
+        """The name of every unload asked for, in order."""
         self.server = CannedServer(self._answer)
         self.url = self.server.url
 
@@ -77,11 +81,12 @@ class LoraSGLang:
             info = {"enable_lora": True, "max_lora_rank": 16, "lora_target_modules": modules}
             return canned_reply(200, {**info, **self.server_info_junk})
         if path == "/v1/models":
-            cards = [{"id": name, "parent": "base"} for name in self.adapters]
+            cards = [{"id": name, "parent": "base", "root": path} for name, path in self.adapters.items()]
             return canned_reply(200, {"data": [{"id": "base"}, *cards]})
         if path == "/load_lora_adapter":
             return self._load(body["lora_name"], body["lora_path"])
         if path == "/unload_lora_adapter":
+            self.unloads.append(body["lora_name"])
             found = self.adapters.pop(body["lora_name"], None) is not None
             return canned_reply(200 if found else 400, {"success": found, "error_message": "no such adapter"})
         return None  # /health: 200
@@ -107,9 +112,16 @@ def fake_lora_sglang() -> Iterator[LoraSGLang]:
 @pytest.fixture
 def controller(fake_lora_sglang: LoraSGLang, checkpoint_root: Path, tmp_path: Path) -> SyncController:
     """A sidecar's sync loop (not started) beside the fake, checking against ``REFERENCE``."""
+    return sidecar(fake_lora_sglang, checkpoint_root, tmp_path)
+
+
+def sidecar(fake_lora_sglang: LoraSGLang, checkpoint_root: Path, tmp_path: Path) -> SyncController:
+    """A sync loop (not started) beside the fake; another one with the same arguments is the
+    same sidecar restarted (its stage, its base model folder)."""
     base = tmp_path / "base"
-    base.mkdir()
-    save_file({name: torch.zeros(shape) for name, (_, shape) in REFERENCE.items()}, str(base / "model.safetensors"))
+    if not base.exists():
+        base.mkdir()
+        save_file({name: torch.zeros(shape) for name, (_, shape) in REFERENCE.items()}, str(base / "model.safetensors"))
     settings = SidecarSettings(
         checkpoint_path=checkpoint_root,
         sglang_url=fake_lora_sglang.url,
@@ -152,6 +164,11 @@ async def passes(controller: SyncController, count: int) -> None:
 
 def restarts(controller: SyncController) -> float | None:
     return controller.metrics.registry.get_sample_value("rollout_sidecar_sglang_restarts_total")
+
+
+def publish_run(root: Path, step: int, run_id: str) -> None:
+    """Publish adapter step ``step`` of run ``run_id`` (weights of its own)."""
+    publish_adapter(root, step, lora_tensors(seed=step), lora_config(), run_id=run_id)
 
 
 def republish(root: Path, step: int, seed: int) -> None:
@@ -372,3 +389,74 @@ def test_a_stage_that_cannot_take_an_adapter_does_not_cost_the_step(
         )
         == 3
     )
+
+
+# --- finding: which adapters a sidecar keeps loaded ---------------------------------------------
+@pytest.mark.parametrize("old_steps", [(5, 6, 7), (1, 2, 3)], ids=["higher-steps", "same-steps"])
+def test_a_root_reused_by_another_run_retires_the_old_runs_adapters_and_keeps_the_new_ones(
+    controller: SyncController, fake_lora_sglang: LoraSGLang, checkpoint_root: Path, old_steps: tuple[int, ...]
+) -> None:
+    """(Fake SGLang, see :class:`LoraSGLang`.) A root emptied and reused by another run starts
+    again at step 1: its adapters are the newest loads, whatever their step numbers. Run A's are
+    unloaded in turn (also one of the same step number as one of run B's), run B's served one is
+    loaded once and never unloaded (nor its absence taken for an SGLang restart)."""
+    fake = fake_lora_sglang
+    new = [adapter_name_for(step, "runB") for step in (1, 2, 3)]
+
+    async def scenario() -> None:
+        async with running(controller):
+            for step in old_steps:
+                publish_run(checkpoint_root, step, "runA")
+                await until(lambda step=step: controller.state.loaded_step == step, f"run A's step {step}")
+            for step in old_steps:
+                shutil.rmtree(checkpoint_root / f"step-{step:08d}")
+            publish_run(checkpoint_root, 1, "runB")
+            await until(lambda: controller.state.loaded_run_id == "runB", "run B's step 1 was not loaded")
+            await passes(controller, 3)
+            assert new[0] in fake.adapters and fake.loads.count(new[0]) == 1, fake.loads
+            assert controller.adapters.serving == new[0] and not restarts(controller)
+            for step in (2, 3):
+                publish_run(checkpoint_root, step, "runB")
+                await until(lambda step=step: controller.state.loaded_step == step, f"run B's step {step}")
+            await passes(controller, 2)
+
+    asyncio.run(scenario())
+    assert set(fake.adapters) == set(new), "run A's adapters were not all unloaded"
+    assert list(controller.adapters.loaded) == new and not restarts(controller)
+    assert not set(new) & set(fake.unloads), fake.unloads
+
+
+def test_a_restarted_sidecar_takes_over_the_adapters_an_earlier_process_loaded(
+    fake_lora_sglang: LoraSGLang, checkpoint_root: Path, tmp_path: Path
+) -> None:
+    """(Fake SGLang, see :class:`LoraSGLang`.) A sidecar restarted beside a live SGLang takes over
+    the adapters the earlier process loaded: they are unloaded in turn as newer ones load, not
+    left loaded for good. A trial a process stopped mid-replacement left is unloaded at once."""
+    fake = fake_lora_sglang
+    names = {step: adapter_name_for(step, RUN_ID) for step in range(1, 8)}
+    trial = names[2] + ".trial"  # a replacement of step 2 cut short
+
+    async def scenario() -> None:
+        first = sidecar(fake, checkpoint_root, tmp_path)
+        async with running(first):
+            for step in (1, 2, 3):
+                publish_run(checkpoint_root, step, RUN_ID)
+                await until(lambda step=step: first.state.loaded_step == step, f"step {step}")
+        fake.adapters[trial] = "/left/over"
+        unloads = len(fake.unloads)
+        restarted = sidecar(fake, checkpoint_root, tmp_path)
+        async with running(restarted):
+            await until(lambda: restarted.state.loaded_step == 3, "the restarted sidecar does not serve step 3")
+            await passes(restarted, 2)
+            assert trial in fake.unloads[unloads:] and trial not in fake.adapters
+            # The served adapter was loaded from this publication's staged copy: kept, not unloaded
+            # and loaded again (requests for it would fail in between).
+            assert names[3] not in fake.unloads[unloads:] and fake.loads.count(names[3]) == 1, fake.loads
+            for step in (4, 5, 6, 7):
+                publish_run(checkpoint_root, step, RUN_ID)
+                await until(lambda step=step: restarted.state.loaded_step == step, f"step {step}")
+            await passes(restarted, 2)
+            assert not restarts(restarted)
+
+    asyncio.run(scenario())
+    assert set(fake.adapters) == {names[5], names[6], names[7]}, "adapters the earlier process loaded were left"

@@ -3,9 +3,10 @@
 :func:`adapter_sync_problem` decides once, at start-up, whether adapter sync can be used: the
 model must be a PEFT LoRA model on one process or under DDP (sharded FSDP / ZeRO-3 adapters are
 not gathered here), and every SGLang endpoint must serve LoRA within the adapter's needs
-(``/server_info``: ``enable_lora``, ``max_lora_rank``, ``lora_target_modules``; the same judgement
-the sidecar applies, :func:`rollout_service.adapter_reader.adapter_support_problem`). When it
-cannot, the trainer syncs merged full checkpoints and logs the reason once.
+(``/server_info``: ``enable_lora``, ``max_lora_rank``, ``lora_target_modules``), and the adapter as
+published must pass the sidecar's own checks (:mod:`rollout_service.adapter_reader`: its config
+and its tensors against this model's base weights). When it cannot, the trainer syncs merged full
+checkpoints and logs the reason once.
 
 :class:`AdapterPublisher` then publishes each version as an ``adapter`` step (``adapter_writer``:
 PEFT's file names, the same atomic publication as full checkpoints) through the trainer's
@@ -19,19 +20,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import httpx
 import torch
 from accelerate.utils import is_peft_model
 
-from rollout_service.adapter_reader import LoraLimits, adapter_support_problem
-from rollout_service.adapter_writer import publish_adapter
+from rollout_service.adapter_reader import LoraLimits, adapter_support_problem, check_adapter_tensors
+from rollout_service.adapter_writer import adapter_info, adapter_specs, publish_adapter, published_config
 from rollout_service.base_values import SAMPLE_ELEMENTS, pick_base_tensors, values_digest
 from rollout_service.bounded_http import client as bounded_client
 from rollout_service.bounded_http import request
-from rollout_service.checkpoint_format import BaseTensor
+from rollout_service.checkpoint_format import BaseTensor, CheckpointError
+from rollout_service.checkpoint_reader import TensorSpecs
 from rollout_service.checkpoint_writer import PublishResult
 from rollout_service.http_auth import bearer_headers
 from rollout_service.protocol import adapter_name_for
@@ -73,9 +75,13 @@ def server_lora_limits(
 
 
 def adapter_sync_problem(
-    model: torch.nn.Module, accelerator: Any, urls: Sequence[str], api_key: str | None
+    model: torch.nn.Module, accelerator: Any, urls: Sequence[str], api_key: str | None, dtype: str | None = None
 ) -> str | None:
-    """Why adapter sync cannot be used for ``model`` with these endpoints; None when it can."""
+    """Why adapter sync cannot be used for ``model`` with these endpoints; None when it can.
+
+    The sidecars judge what is published, so this judges it too: the PEFT config, then the
+    adapter as :func:`publish_adapter` would write it in ``dtype`` (:func:`published_adapter_problem`).
+    An adapter every sidecar would reject would otherwise end the training at its first sync."""
     config = peft_adapter_config(model)
     if config is None:
         return "the model is not a PEFT LoRA model"
@@ -85,13 +91,72 @@ def adapter_sync_problem(
         or any(hasattr(p, "full_tensor") for p in model.parameters())
     ):
         return "the adapter is sharded (DeepSpeed ZeRO-3 or FSDP); adapter sync gathers unsharded adapters only"
+    servers: list[tuple[str, LoraLimits]] = []
     for url, limits in server_lora_limits(urls, api_key):
         if isinstance(limits, str):
             return limits
         problem = adapter_support_problem(config, limits)
         if problem is not None:
             return f"{url}: {problem}"
+        servers.append((url, limits))
+    return published_adapter_problem(model, config, dtype, servers)
+
+
+def published_adapter_problem(
+    model: torch.nn.Module, config: dict[str, Any], dtype: str | None, servers: Sequence[tuple[str, LoraLimits]]
+) -> str | None:
+    """Why the sidecars (``servers``: their URLs and LoRA limits) would reject the adapter as
+    published, though its PEFT config passes; None when they would not.
+
+    A PEFT config and the tensors it makes can differ: its ``target_modules`` may name modules the
+    model lacks (the published config names the tensors' modules: :func:`published_config`), and
+    ``exclude_modules`` can leave a module out of some blocks only, which SGLang cannot stack. So
+    the state dict's names, dtypes and shapes get the sidecar's own checks
+    (:func:`check_adapter_tensors`) against this model's base weights."""
+    from peft import get_peft_model_state_dict
+
+    model = unwrap_model(model)
+    tensors = get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME)
+    try:
+        info = adapter_info(tensors, config)
+        published = published_config(config, info.target_modules)
+        for url, limits in servers:
+            problem = adapter_support_problem(published, limits)
+            if problem is not None:
+                return f"{url}: the adapter as published: {problem}"
+        specs = adapter_specs(tensors, dtype)
+        modules = set(info.target_modules)
+        check_adapter_tensors(specs, base_weight_specs(model), info.rank, modules, where="the adapter's tensors")
+    except CheckpointError as exc:
+        return f"every sidecar would reject the adapter ({exc.reason}): {exc}"
+    except ValueError as exc:  # no LoRA tensors at all
+        return str(exc)
     return None
+
+
+def _base_parameters(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """(checkpoint name, parameter name, parameter) of each base weight of a PEFT model; its
+    LoRA weights are left out."""
+    prefix = getattr(model, "prefix", "lora_")
+    for name, param in model.named_parameters():
+        hf_name = clean_name(name, prefix)
+        if hf_name is not None:
+            yield hf_name, name, param
+
+
+def base_weight_specs(model: torch.nn.Module) -> TensorSpecs:
+    """A PEFT model's base weights as a sidecar's reference lists the served model's (checkpoint
+    name -> dtype, shape), for the adapter's tensors to be checked against. A linear layer's
+    weight is ``[out_features, in_features]`` also where its parameter is packed (quantized)."""
+    layers = dict(model.named_modules())
+    specs: TensorSpecs = {}
+    for hf_name, name, param in _base_parameters(model):
+        layer = layers.get(name.rpartition(".")[0])
+        out_dim, in_dim = getattr(layer, "out_features", None), getattr(layer, "in_features", None)
+        linear = name.endswith(".weight") and isinstance(out_dim, int) and isinstance(in_dim, int)
+        shape = (out_dim, in_dim) if linear else tuple(param.shape)
+        specs[hf_name] = (str(param.dtype).removeprefix("torch."), shape)
+    return specs
 
 
 def base_values_of(model: torch.nn.Module) -> dict[str, BaseTensor]:
@@ -99,12 +164,10 @@ def base_values_of(model: torch.nn.Module) -> dict[str, BaseTensor]:
     and the digest of their values (:mod:`rollout_service.base_values`: the first and last
     weights the adapter changes and one-dimensional ones). Read once, at start-up: the base
     weights are frozen."""
-    prefix = getattr(model, "prefix", "lora_")
     params: dict[str, torch.Tensor] = {}
     adapted: set[str] = set()
-    for name, param in model.named_parameters():
-        hf_name = clean_name(name, prefix)
-        if hf_name is None or param.dtype not in _HELD_AS:
+    for hf_name, name, param in _base_parameters(model):
+        if param.dtype not in _HELD_AS:
             continue
         params[hf_name] = param
         if ".base_layer." in name and hf_name.endswith(".weight"):  # not a bias
@@ -190,7 +253,8 @@ def choose_adapter_sync(
     if not getattr(args, "adapter_sync", True):
         log.info("adapter sync off (adapter_sync=False): syncing the merged model as full checkpoints")
         return None
-    problem = adapter_sync_problem(model, accelerator, args.sglang_urls, getattr(args, "sglang_api_token", None))
+    api_key = getattr(args, "sglang_api_token", None)
+    problem = adapter_sync_problem(model, accelerator, args.sglang_urls, api_key, dtype)
     if problem is not None:
         log.warning(
             "LoRA adapter sync is not possible, syncing the merged model as full checkpoints instead: %s", problem

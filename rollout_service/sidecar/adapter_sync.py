@@ -11,20 +11,25 @@ The sync loop (``controller.py``) hands every step whose manifest says ``kind: "
    fault), and with a stage copies it node-locally checking every byte against the manifest
    and for NaN/Inf;
 2. loads it with ``POST /load_lora_adapter`` under the name ``adapter_name_for(N, run_id)``
-   (a fresh name per version: SGLang keys its prefix cache by adapter name). A name SGLang
-   already has (step N republished) is replaced only after the new files loaded under a trial
-   name, so files SGLang refuses leave the served adapter in place; a load during which SGLang
-   dies counts against the step as a full load does (rejected as ``sglang_crashed_on_load``);
+   (a fresh name per version: SGLang keys its prefix cache by adapter name). A name this
+   sidecar loaded from the same publication is not loaded again; any other name SGLang already
+   has (step N republished, or loaded by an earlier sidecar process) is replaced only after the
+   new files loaded under a trial name, so files SGLang refuses leave the served adapter in
+   place; a load during which SGLang dies counts against the step as a full load does (rejected
+   as ``sglang_crashed_on_load``);
 3. confirms that SGLang lists the adapter (``/v1/models``), then marks N as served and acks it,
    as a full load does (``/wait``, ack files);
-4. unloads adapters older than the newest ``--lora-keep`` loaded versions. SGLang's unload
+4. unloads the adapters loaded before the newest ``--lora-keep`` loads (by load order, never the
+   served one: a root reused by another run starts again at low steps). SGLang's unload
    refuses new requests for that adapter at once and waits for the requests already using it,
    so no request in flight loses its adapter; the unload runs beside the loop, never blocking it.
 
 An adapter changes the base model SGLang was started with: after a full checkpoint was loaded
 into the server (its weight version is a step), adapters are refused (``adapter_base_replaced``)
 until SGLang restarts on its base. A restarted SGLang has no adapters: the loop notices that the
-served adapter is gone (:meth:`AdapterSync.still_served`) and loads the newest one again.
+served adapter is gone (:meth:`AdapterSync.still_served`) and loads the newest one again. A
+restarted sidecar beside a live SGLang adopts the adapters an earlier sidecar process loaded
+(:meth:`AdapterSync._adopt`): they are retired in turn as newer ones load.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from ..adapter_reader import AdapterReport, LoraLimits, validate_adapter
 from ..base_values import check_base_values
 from ..checkpoint_format import CheckpointError, Manifest
 from ..checkpoint_reader import PublishedCheckpoint
-from ..protocol import adapter_name_for, step_for_version
+from ..protocol import adapter_name_for, step_for_adapter_name, step_for_version
 from ..untrusted_files import Deadline
 from .sglang_client import SGLangLoadRejected, SGLangUnavailable
 from .staging import StageError
@@ -75,8 +80,14 @@ class AdapterSync:
     def __init__(self, controller: SyncController, keep: int):
         self.c = controller
         self.keep = keep
-        self.loaded: dict[int, str] = {}
-        """step -> adapter name, for the versions this sidecar loaded and has not unloaded."""
+        self.loaded: dict[str, str | None] = {}
+        """Adapter name -> the fingerprint of the publication SGLang has under it, for the adapters
+        this sidecar tracks (loaded and not unloaded), in load order, oldest first: the order they
+        are retired in. None: not known (adopted from an earlier sidecar process, :meth:`_adopt`)."""
+        self._adopted = False
+        """Whether SGLang's adapters were looked at once, for :meth:`_adopt`."""
+        self._adopted_from: dict[str, str] = {}
+        """Adopted name -> the path SGLang says it loaded it from (see :meth:`_has_publication`)."""
         self.serving: str | None = None
         """The adapter the served step names (None when the served step is a full checkpoint)."""
         self._unloads: set[asyncio.Task] = set()
@@ -92,7 +103,7 @@ class AdapterSync:
             return True  # not answering: the health check decides
         if self.serving in names:
             return True
-        self.loaded = {s: n for s, n in self.loaded.items() if n in names}
+        self.loaded = {n: f for n, f in self.loaded.items() if n in names}
         self.serving = None
         return False
 
@@ -162,10 +173,12 @@ class AdapterSync:
             validate_s = time.perf_counter() - t0
             name = adapter_name_for(step, report.manifest.run_id)
             t1 = time.perf_counter()
-            if not await self._load(ckpt, name, str(report.path)):
+            fingerprint = report.manifest.source_fingerprint()
+            if not await self._load(ckpt, name, str(report.path), fingerprint):
                 return False
             load_s = time.perf_counter() - t1
-            self.loaded[step] = name
+            self.loaded.pop(name, None)  # the newest load now
+            self.loaded[name] = fingerprint
             self.serving = name
             c._record_sync(
                 report.manifest,
@@ -193,7 +206,7 @@ class AdapterSync:
                 validate_s,
                 load_s,
             )
-            self._retire(step)
+            self._retire()
             await c._wake_after_load(step)
             if c.stage is not None:  # no spare: adapter syncs do not write full copies
                 await asyncio.to_thread(c.stage.prune, {report.path}, keep_spare=False)
@@ -203,20 +216,25 @@ class AdapterSync:
         finally:
             c.state.loading_step = None
 
-    async def _load(self, ckpt: PublishedCheckpoint, name: str, path: str) -> bool:
-        """Load ``path`` into SGLang as ``name`` and confirm that SGLang lists it; False, reported,
-        when it is not served. SGLang dying meanwhile counts against the step (the controller's
-        ``died_during_load``: rejected once it killed SGLang ``MAX_CRASHES_PER_STEP`` times)."""
+    async def _load(self, ckpt: PublishedCheckpoint, name: str, path: str, fingerprint: str) -> bool:
+        """Load ``path`` (the publication ``fingerprint``) into SGLang as ``name`` unless SGLang
+        has it already (:meth:`_has_publication`), and confirm that SGLang lists it; False,
+        reported, when it is not served. SGLang dying meanwhile counts against the step (the
+        controller's ``died_during_load``: rejected once it killed SGLang ``MAX_CRASHES_PER_STEP``
+        times)."""
         c = self.c
         try:
-            before = await c.client.loaded_adapters()
+            listed = await c.client.loaded_adapters()
         except SGLangUnavailable as exc:  # before any load: not the step's doing
             c.state.sglang_healthy = False
             c.metrics.syncs.labels("failed", "sglang_unavailable").inc()
             c._error("sglang_unavailable", str(exc), step=ckpt.step)
             return False
+        before = set(listed) if self._adopted else await self._adopt(listed)
         try:
-            if name in before:  # the served step republished, or a restarted sidecar
+            if name in before and self._has_publication(name, fingerprint, path):
+                log.info("SGLang already has adapter %r from %s: not loaded again", name, ckpt.path.name)
+            elif name in before:  # republished, or loaded by an earlier process: maybe other files
                 await self._replace(name, path, before)
             else:
                 await c.client.load_lora_adapter(name, path)
@@ -238,6 +256,46 @@ class AdapterSync:
             )
             return False
         return True
+
+    def _has_publication(self, name: str, fingerprint: str, path: str | None = None) -> bool:
+        """Whether what SGLang has under ``name`` is the publication ``fingerprint``, because
+        this process loaded it from that publication. What an earlier process loaded under a
+        name is not known (:meth:`_adopt`): the name says step and run only, and a root reused
+        with the same run id (or none) or a step republished meanwhile reuses it."""
+        if self.loaded.get(name) == fingerprint:
+            return True
+        # Adopted: the same publication when SGLang loaded it from this step's staged copy, whose
+        # name carries the publication's fingerprint (Stage._name_for) and whose bytes were checked.
+        return (
+            name in self.loaded
+            and self.loaded[name] is None
+            and path is not None
+            and self.c.stage is not None
+            and self._adopted_from.get(name) == path
+            and self.c.stage.owns(path)
+        )
+
+    async def _adopt(self, listed: dict[str, str | None]) -> set[str]:
+        """Once, at this process's first look at SGLang's adapters (``listed``): track those an
+        earlier sidecar process loaded, as the oldest loads (by step), so that they are retired
+        in turn rather than left loaded forever. Names :func:`adapter_name_for` did not make are
+        not this sidecar's and are left alone; a trial left by a process stopped in the middle of
+        a replacement is unloaded now. Returns the names SGLang still has."""
+        self._adopted = True
+        ours = sorted((step, n) for n in listed if (step := step_for_adapter_name(n)) is not None)
+        left = set(listed)
+        for _, name in ours:
+            if name.endswith(TRIAL_SUFFIX):
+                if await self._unload(name, "a trial left by a sidecar stopped in the middle of a replacement"):
+                    left.discard(name)
+            elif name not in self.loaded:
+                self.loaded[name] = None
+                if listed[name] is not None:
+                    self._adopted_from[name] = str(listed[name])
+        adopted = [n for n, f in self.loaded.items() if f is None]
+        if adopted:
+            log.info("adopted the adapters SGLang already has (loaded by an earlier sidecar): %s", ", ".join(adopted))
+        return left
 
     async def _replace(self, name: str, path: str, loaded: set[str]) -> None:
         """Load ``path`` as ``name``, which SGLang already has (``loaded``: its adapters).
@@ -272,7 +330,7 @@ class AdapterSync:
         loaded and, when it was the served adapter, mark nothing as served. Otherwise the health
         check would take the missing adapter for an SGLang restart (and count one), and
         ``/wait`` would go on confirming a step SGLang does not serve."""
-        self.loaded = {s: n for s, n in self.loaded.items() if n != name}
+        self.loaded.pop(name, None)
         if self.serving == name:
             self.serving = None
             state = self.c.state
@@ -373,11 +431,16 @@ class AdapterSync:
             raise _BaseUnreadable(f"{type(exc).__name__}: {exc}") from None
         return True
 
-    def _retire(self, newest: int) -> None:
-        """Unload the adapters beyond the newest ``keep`` versions, beside the loop."""
-        old = sorted(self.loaded)[: -self.keep] if len(self.loaded) > self.keep else []
-        for step in old:
-            self._unload_beside(self.loaded.pop(step), f"step {step}, outside the newest {self.keep} versions")
+    def _retire(self) -> None:
+        """Unload the adapters loaded before the newest ``keep`` loads, beside the loop, never the
+        served one. By load order, not by step: a root emptied and reused by another run starts
+        again at low steps, and its adapters are the newest then, not the first to go."""
+        while len(self.loaded) > self.keep:
+            name = next((n for n in self.loaded if n != self.serving), None)
+            if name is None:
+                return
+            del self.loaded[name]
+            self._unload_beside(name, f"loaded before the newest {self.keep}")
 
     def _unload_beside(self, name: str, why: str) -> None:
         """Unload ``name`` in a task of its own: SGLang's unload waits for the requests using the
@@ -386,9 +449,12 @@ class AdapterSync:
         self._unloads.add(task)
         task.add_done_callback(self._unloads.discard)
 
-    async def _unload(self, name: str, why: str) -> None:
+    async def _unload(self, name: str, why: str) -> bool:
+        """Unload ``name``; False, logged, when SGLang refused or did not answer."""
         try:
             await self.c.client.unload_lora_adapter(name)
-            log.info("unloaded adapter %r (%s)", name, why)
         except (SGLangLoadRejected, SGLangUnavailable) as exc:
             log.warning("could not unload adapter %r (%s): %s", name, why, exc)
+            return False
+        log.info("unloaded adapter %r (%s)", name, why)
+        return True

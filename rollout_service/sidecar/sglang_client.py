@@ -110,8 +110,9 @@ class SGLangClient:
             )
         return data
 
-    async def loaded_adapters(self) -> set[str]:
-        """Names of the LoRA adapters SGLang has loaded (from ``/v1/models``)."""
+    async def loaded_adapters(self) -> dict[str, str | None]:
+        """The LoRA adapters SGLang has loaded (from ``/v1/models``): name -> the path it loaded
+        them from (the card's ``root`` in SGLang 0.5.23; None when not a string)."""
         try:
             resp = await self._get("/v1/models", self._timeout)
             if resp.status_code != 200:
@@ -120,7 +121,11 @@ class SGLangClient:
             cards = cards if isinstance(cards, list) else []
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             raise SGLangUnavailable(f"SGLang at {self.base_url} did not answer /v1/models: {exc!r}") from exc
-        return {str(c.get("id")) for c in cards if isinstance(c, dict) and c.get("parent")}
+        return {
+            str(c.get("id")): c["root"] if isinstance(c.get("root"), str) else None
+            for c in cards
+            if isinstance(c, dict) and c.get("parent")
+        }
 
     async def load_lora_adapter(self, name: str, path: str) -> dict:
         """``/load_lora_adapter``: SGLang reads the adapter's files now (they may go afterwards)."""

@@ -1,0 +1,93 @@
+"""PEFT configs whose ``target_modules`` differ from the modules their tensors change, on the tiny
+model: the trainer judges the adapter as it is published, as every sidecar will.
+
+A target module the model lacks (PEFT skips it) is left out of the published config, which then
+agrees with the manifest: the sidecar serves the adapter. A module left out of some blocks only
+(``exclude_modules``) is one SGLang cannot stack: the trainer's start-up check finds it in the
+state dict with the sidecar's own tensor checks and syncs merged, saying why, instead of
+publishing adapters every sidecar rejects (which ended the training with ``CheckpointRejected``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from transformers import AutoModelForCausalLM
+
+from fake_sglang import CannedServer, canned_reply
+from rollout_service.adapter_reader import LoraLimits, validate_adapter
+from rollout_service.adapter_writer import publish_adapter
+from rollout_service.checkpoint_format import ADAPTER_CONFIG_NAME
+from rollout_service.checkpoint_reader import read_model_specs
+from trainer_hooks.adapter_publish import adapter_sync_problem, choose_adapter_sync, peft_adapter_config
+
+ALL = LoraLimits(enabled=True, max_rank=64, target_modules=frozenset({"all"}))
+
+
+@pytest.fixture
+def lora_server() -> Iterator[CannedServer]:
+    """An SGLang's ``/server_info`` that serves LoRA on every module it supports."""
+    info = {"enable_lora": True, "max_lora_rank": 64, "lora_target_modules": ["all"]}
+    server = CannedServer(lambda path, body, count: canned_reply(200, info) if path == "/server_info" else None)
+    yield server
+    server.stop()
+
+
+def peft_model(model_dir: Path, **lora: Any) -> torch.nn.Module:
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, **lora))
+
+
+def test_a_target_module_the_model_lacks_is_left_out_of_the_published_config(
+    tiny_model_dir: Path, tmp_path: Path, lora_server: CannedServer
+) -> None:
+    model = peft_model(tiny_model_dir, target_modules=["q_proj", "v_proj", "c_attn"])
+    config = peft_adapter_config(model)
+    assert config is not None and "c_attn" in config["target_modules"]
+    assert adapter_sync_problem(model, None, [lora_server.url], None) is None
+    state = {name: t.detach() for name, t in get_peft_model_state_dict(model).items()}
+    step = publish_adapter(tmp_path, 1, state, config, run_id="run1").path
+    assert json.loads((step / ADAPTER_CONFIG_NAME).read_text())["target_modules"] == ["q_proj", "v_proj"]
+    report = validate_adapter(
+        step, root=tmp_path, reference=read_model_specs(tiny_model_dir), limits=ALL, check_finite=True
+    )
+    assert report.modules == ["q_proj", "v_proj"]
+
+
+def test_a_target_left_out_of_some_blocks_syncs_merged_with_the_reason(
+    tiny_model_dir: Path, lora_server: CannedServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = peft_model(
+        tiny_model_dir, target_modules=["q_proj", "v_proj"], exclude_modules=r".*layers\.0\.self_attn\.v_proj"
+    )
+    problem = adapter_sync_problem(model, None, [lora_server.url], None)
+    assert problem is not None and "bad_adapter" in problem, problem
+    assert "model.layers.0.self_attn is adapted in ['q_proj'] but not in ['v_proj']" in problem, problem
+    args = types.SimpleNamespace(adapter_sync=True, sglang_urls=[lora_server.url], sglang_api_token=None)
+    caplog.set_level(logging.INFO, logger="trainer_hooks")
+    assert choose_adapter_sync(None, model, None, args, "bfloat16") is None
+    lines = [r.getMessage() for r in caplog.records if "LoRA adapter sync is not possible" in r.getMessage()]
+    assert len(lines) == 1 and "but not in ['v_proj']" in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [
+        {"target_modules": ["q_proj", "v_proj"]},
+        {"target_modules": ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]},
+        {"target_modules": ["q_proj", "v_proj"], "layers_to_transform": [0]},  # whole blocks, some layers
+    ],
+    ids=["q-v", "attention-and-mlp", "one-layer"],
+)
+def test_adapters_the_sidecars_serve_still_sync_as_adapters(
+    tiny_model_dir: Path, lora_server: CannedServer, lora: dict[str, Any]
+) -> None:
+    assert adapter_sync_problem(peft_model(tiny_model_dir, **lora), None, [lora_server.url], None, "bfloat16") is None
