@@ -48,6 +48,12 @@ def check_http_url(url: str, name: str) -> str:
         raise ValueError(f"{name} names no host: {shown!r}; write http://HOST:PORT")
     if port is not None and not 1 <= port <= 65535:
         raise ValueError(f"{name} has port {port}, outside 1-65535: {shown!r}")
+    if parsed.query or parsed.fragment or "?" in url or "#" in url:
+        raise ValueError(
+            f"{name} has a query or fragment (a '?' or '#' part, not repeated here: it may hold a key):"
+            " give the server's base address only, http://HOST:PORT[/PATH]; pass credentials as an API"
+            " key or token setting"
+        )
     if parsed.userinfo:
         raise ValueError(
             f"{name} carries a user name or password ({parsed.host}); it would show in logs and /status:"

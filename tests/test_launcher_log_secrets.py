@@ -225,3 +225,11 @@ def test_a_password_in_a_url_is_not_repeated_by_the_error_that_refuses_the_url()
         with pytest.raises(ValueError) as refused:
             check_http_url(url, "--sglang-url")
         assert "hunter2" not in str(refused.value) and "***@" in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize("url", ["http://sglang:30000/?api_key=hunter2", "http://sglang:30000#hunter2"])
+def test_a_url_with_a_query_or_fragment_is_refused_without_repeating_it(url: str) -> None:
+    """A base URL has no query: one would be sent with every request and shown in /status."""
+    with pytest.raises(ValueError, match="query or fragment") as refused:
+        check_http_url(url, "--sglang-url")
+    assert "hunter2" not in str(refused.value)

@@ -449,4 +449,5 @@ def _update_view(view: ReplicaView, body: dict[str, Any]) -> None:
     view.run_id, view.current = report.run_id, report.loaded_current
     view.healthy = report.sglang_healthy if "sglang_healthy" in body else None
     error = report.last_error
-    view.last_error = None if error is None else f"{error.get('reason')}: {error.get('message')}"
+    # Bounded: it goes into every progress line and timeout message (a report may carry megabytes).
+    view.last_error = None if error is None else f"{str(error.get('reason'))[:80]}: {str(error.get('message'))[:500]}"
