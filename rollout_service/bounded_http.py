@@ -183,10 +183,19 @@ class _DeadlineBackend(httpcore.NetworkBackend):
         self._lock = threading.Lock()
         self._live: set[_DeadlineStream] = set()
         """Streams opened and not yet closed: what :func:`abort_connections` shuts down."""
+        self._aborted = False
+        """Set by :func:`abort_connections`: no connection is opened any more."""
 
     def opened(self, stream: _DeadlineStream) -> None:
         with self._lock:
             self._live.add(stream)
+            aborted = self._aborted
+        if aborted:  # connected while the client was being aborted: cut at once too
+            stream.abort()
+
+    def _check_open(self) -> None:
+        if self._aborted:
+            raise httpcore.ConnectError("the client's connections were aborted (it is closing)")
 
     def closed(self, stream: _DeadlineStream) -> None:
         with self._lock:
@@ -194,6 +203,7 @@ class _DeadlineBackend(httpcore.NetworkBackend):
 
     def abort_all(self) -> int:
         with self._lock:
+            self._aborted = True
             live = list(self._live)
         for stream in live:
             stream.abort()
@@ -207,6 +217,7 @@ class _DeadlineBackend(httpcore.NetworkBackend):
         local_address: str | None = None,
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore.NetworkStream:
+        self._check_open()
         return _DeadlineStream(
             self._inner.connect_tcp(host, port, _cut(timeout, httpcore.ConnectTimeout), local_address, socket_options),
             self,
@@ -215,6 +226,7 @@ class _DeadlineBackend(httpcore.NetworkBackend):
     def connect_unix_socket(
         self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
     ) -> httpcore.NetworkStream:
+        self._check_open()
         return _DeadlineStream(
             self._inner.connect_unix_socket(path, _cut(timeout, httpcore.ConnectTimeout), socket_options), self
         )
@@ -240,8 +252,9 @@ def client(**kw: Any) -> httpx.Client:
 
 
 def abort_connections(made: httpx.Client) -> int:
-    """Shut down every connection of ``made`` (a :func:`client`) that is open now, from any
-    thread: requests blocked reading them end at once, with an ``httpx`` error, where
+    """Shut down every connection of ``made`` (a :func:`client`) that is open now, and refuse
+    new ones (``httpx.ConnectError``), from any thread: requests blocked reading them end at
+    once, with an ``httpx`` error, where
     ``Client.close()`` alone leaves a read in another thread waiting until its deadline (the
     socket is not woken) and the server generating for a client that is gone. Returns how many
     were shut down."""

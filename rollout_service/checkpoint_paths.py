@@ -35,9 +35,11 @@ def resolve_inside(root: Path | str, candidate: Path | str) -> Path:
 
 
 def is_inside(path: Path | str, root: Path | str) -> bool:
-    """Whether ``path`` really lies in ``root`` (or is it), symlinks resolved on both sides; a
-    link out of ``root`` is not followed (see :func:`resolve_inside`)."""
-    return _confined_realpath(root, os.path.join(os.getcwd(), path)) is not None  # relative: to the working directory
+    """Whether ``path`` really lies in ``root`` (or is it), symlinks resolved on both sides
+    (``os.path.realpath``: for paths a caller or SGLang gives, e.g. where to write, never for
+    names found under the root, which :func:`resolve_inside` resolves without leaving it)."""
+    real, real_root = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    return real == real_root or real_root in real.parents
 
 
 def _confined_realpath(root: Path | str, candidate: Path | str) -> Path | None:
@@ -45,26 +47,30 @@ def _confined_realpath(root: Path | str, candidate: Path | str) -> Path | None:
     the real ``root``, else None; nothing outside the root is looked at on the way.
 
     The root itself is trusted (configured): its real path and its parents are taken as they
-    are, and so are the components of ``candidate`` on the way to the root (a caller's path,
-    not the root's contents). Once in the root, each component is looked at with ``lstat``
-    and a link's target is followed only while the path stays in the root or on the root's own
-    parents (a ``..`` back into it). A component that cannot be looked at (absent, EACCES...)
-    ends the walk, the rest joined as written (as ``realpath`` does)."""
+    are, and a path written through the root as configured (a link to it) is read as its real
+    path, in ``candidate`` and in a link's absolute target alike. Each component in the root is
+    looked at with ``lstat``, and a link's target is followed only while the path stays in the
+    root or on the root's own parents (a ``..`` back into it): a link out and back in is refused
+    (None), as is a loop of links. A component that cannot be looked at (absent, EACCES...) ends
+    the walk: the rest is joined as written, or, when a ``..`` follows (the kernel would fail
+    there), the path is refused."""
     real_root = os.path.realpath(root)
-    given_root = os.path.abspath(root).split("/")
-    # Not normalised: "link/.." is where the link leads, then up (as the kernel reads it).
-    pending = os.path.join(os.getcwd(), os.fspath(root), os.fspath(candidate)).split("/")
-    pending = [part for part in pending if part not in ("", ".")]
-    if pending[: len(given_root) - 1] == given_root[1:]:  # written under the root as configured
-        pending = real_root.split("/") + pending[len(given_root) - 1 :]
+    given_root = _parts(os.path.abspath(root))
+    real_parts = _parts(real_root)
+
+    def from_root(parts: list[str]) -> list[str]:
+        # Not normalised: "link/.." is where the link leads, then up (as the kernel reads it).
+        if parts[: len(given_root)] == given_root:  # written through the root as configured
+            return real_parts + parts[len(given_root) :]
+        return parts
+
+    pending = from_root(_parts(os.path.join(os.getcwd(), os.fspath(root), os.fspath(candidate))))
     cur = "/"
     hops = 0
     entered = False
     """Whether the walk reached the root: from then on, only the root and its parents are walked."""
     while pending:
         part = pending.pop(0)
-        if part in ("", "."):
-            continue
         if part == "..":
             cur = os.path.dirname(cur)
             continue
@@ -79,19 +85,27 @@ def _confined_realpath(root: Path | str, candidate: Path | str) -> Path | None:
         try:
             st = os.lstat(nxt)
         except OSError:
-            cur = os.path.normpath(os.path.join(nxt, *pending))
+            if ".." in pending:
+                return None
+            cur = os.path.join(nxt, *pending)
             break
         if stat.S_ISLNK(st.st_mode):
             hops += 1
             if hops > MAX_LINK_HOPS:
                 return None
-            target = os.readlink(nxt)
-            if os.path.isabs(target):
-                cur = "/"
-            pending = target.split("/") + pending
+            link = os.readlink(nxt)
+            target = _parts(link)
+            if os.path.isabs(link):
+                cur, target = "/", from_root(target)
+            pending = target + pending
             continue
         cur = nxt
     return Path(cur) if _within(cur, real_root) else None
+
+
+def _parts(path: str) -> list[str]:
+    """The components of ``path``, without empty ones and ``.`` (``..`` kept)."""
+    return [part for part in path.split("/") if part not in ("", ".")]
 
 
 def _within(path: str, folder: str) -> bool:

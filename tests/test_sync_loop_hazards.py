@@ -37,7 +37,7 @@ from rollout_service.sidecar import controller as controller_module
 from rollout_service.sidecar.acks import AckWriter
 from rollout_service.sidecar.controller import MAX_DETECTED, SyncController
 from rollout_service.sidecar.settings import SidecarSettings
-from rollout_service.sidecar.sglang_client import ServerView
+from rollout_service.sidecar.sglang_client import ServerView, SGLangErrorAnswer
 from shared_fs import server_frozen, sshfs_mount
 
 CONFIG = {"model_type": "qwen2", "hidden_size": 8}
@@ -298,3 +298,21 @@ def test_a_failed_look_at_the_served_step_does_not_reload_it(tmp_path: Path, mon
     run_with(c, during)
     assert client.loaded_versions() == ["1"], client.loaded_versions()
     assert c.state.loaded_current
+
+
+def test_a_proxys_5xx_to_loads_never_rejects_the_step(tmp_path: Path) -> None:
+    """A 502 from a proxy in front of SGLang, however often, is not SGLang dying of the step."""
+    root, c, client = make(tmp_path)
+    publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
+
+    async def bad_gateway_thrice(path: str, version: str) -> None:
+        if len(client.loads) <= 3:
+            raise SGLangErrorAnswer("http://proxy answered the weight update with HTTP 502: Bad Gateway")
+
+    client.load_hook = bad_gateway_thrice
+
+    async def during() -> None:
+        await until(lambda: c.state.loaded_step == 1, timeout_s=20)
+
+    run_with(c, during)
+    assert c.state.rejected == {} and len(client.loads) == 4

@@ -39,12 +39,14 @@ T = TypeVar("T")
 
 PROGRESS_EVERY_S = 10.0
 WAIT_SLICE_S = 10.0
+"""Longest single ``/wait`` call; the loop re-asks until the overall deadline."""
 WAIT_ANSWER_GRACE_S = 3.0
 """How long past its own wait a sidecar's ``GET /wait`` may take to answer (it looks at the root
 once more, for at most a second): the trainer's wait ends at most this much past sync_timeout."""
 NOTIFY_TIMEOUT_S = 5.0
+"""How long one ``POST /sync`` (a wake-up) may take."""
 MAX_NOTIFY_THREADS = 32
-"""Longest single ``/wait`` call; the loop re-asks until the overall deadline."""
+"""Sidecars woken at once (more wait for a free thread)."""
 POLL_INTERVAL_S = 0.5
 ROOT_LOOK_TIMEOUT_S = 10.0
 """Longest read of ``<root>/acks`` outside a wait (:meth:`AckFileWaiter.protected_versions`)."""
@@ -125,8 +127,9 @@ class SidecarWaiter:
         self._views: dict[str, ReplicaView] = {u: ReplicaView(u) for u in self.urls}
 
     def notify(self, version: int) -> None:
-        """Wake every sidecar (``POST /sync``), all at once: sidecars that do not answer cost
-        :data:`NOTIFY_TIMEOUT_S` together, not each. Failures only log, the wait reports them."""
+        """Wake every sidecar (``POST /sync``), up to :data:`MAX_NOTIFY_THREADS` at once: sidecars
+        that do not answer cost :data:`NOTIFY_TIMEOUT_S` together, not each. Failures only log,
+        the wait reports them."""
         body = {"checkpoint": step_dir_name(version)}
         with ThreadPoolExecutor(min(len(self.urls), MAX_NOTIFY_THREADS), thread_name_prefix="sidecar-notify") as pool:
             for url in self.urls:

@@ -117,7 +117,7 @@ class AdapterSync:
         c = self.c
         step, path = ckpt.step, ckpt.path
         detected = c._detected_at.pop(step, time.time())
-        c.state.loading_step = step
+        c.loading(step)
         try:
             t0 = time.perf_counter()
             try:
@@ -282,7 +282,9 @@ class AdapterSync:
         not this sidecar's and are left alone; a trial left by a process stopped in the middle of
         a replacement is unloaded now. Returns the names SGLang still has."""
         self._adopted = True
-        ours = sorted((step, n) for n in listed if (step := step_for_adapter_name(n)) is not None)
+        ours = sorted(
+            (step, n) for n in listed if (step := step_for_adapter_name(n.removesuffix(TRIAL_SUFFIX))) is not None
+        )
         left = set(listed)
         for _, name in ours:
             if name.endswith(TRIAL_SUFFIX):

@@ -43,13 +43,13 @@ MAX_WAITERS = 256
 """``/wait`` requests held at once; more are answered 503 at once (idle long-polls must not use
 up the process's file descriptors, which the health probes and the ack file need too)."""
 SHUTDOWN_GRACE_S = 5
+"""How long a stopping sidecar lets open requests (a /wait of up to an hour) finish."""
 MAX_CONNECTIONS = 2 * MAX_WAITERS
 """Connections served at once; past it a request is answered 503 at once (uvicorn's
 ``limit_concurrency``): a flood of clients cannot use up the sidecar's file descriptors, which
 its watcher, its ack writes and its probes need too."""
 BODY_TIMEOUT_S = 10.0
 """How long a ``POST /sync`` body may take to arrive (it is at most a few hundred bytes)."""
-"""How long a stopping sidecar lets open requests (a /wait of up to an hour) finish."""
 ROOT_LOOKUP_TIMEOUT_S = 4.0
 """How long ``POST /sync`` waits for the checkpoint root to show the step it names (a hung
 network file system answers 503 instead of holding the request, and the event loop, forever).

@@ -65,7 +65,7 @@ from .metrics import SidecarMetrics
 from .root_gate import RootGate, RootUnresponsive, in_daemon_thread
 from .served_model import adoptable, base_model_dir, find_reference
 from .settings import SidecarSettings
-from .sglang_client import ServerView, SGLangClient, SGLangLoadRejected, SGLangUnavailable
+from .sglang_client import ServerView, SGLangClient, SGLangErrorAnswer, SGLangLoadRejected, SGLangUnavailable
 from .stage_folder import remove_entry
 from .staging import Stage, StagedBuild, StageError
 from .state import SidecarState
@@ -196,7 +196,8 @@ class SyncController:
     async def wait_for_step(self, step: int, timeout_s: float, run_id: str | None = None) -> bool:
         """Wait until SGLang serves ``step`` or newer (of ``run_id`` when given).
 
-        False on timeout, and at once when ``step`` itself was rejected (it will never load).
+        False on timeout, at once when ``step`` itself was rejected (it will never load), and
+        when the look at the served step fails (EIO, ESTALE: not confirmed now; asked again).
         """
         assert self._changed is not None
         deadline = time.monotonic() + timeout_s
@@ -372,11 +373,12 @@ class SyncController:
         trainer's retention off the step being staged."""
         assert self._ack_now is not None
         while not self._stopping:
+            now = self._ack_now.is_set()
+            self._ack_now.clear()  # before the write: a load that starts during it asks again
             try:
-                await self._maybe_ack(force=self._ack_now.is_set())
+                await self._maybe_ack(force=now)
             except Exception as exc:  # _maybe_ack reports write failures; anything else is a bug: logged
                 log.exception("ack heartbeat failed: %s", exc)
-            self._ack_now.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._ack_now.wait(), timeout=self.settings.ack_interval_s)
 
@@ -678,9 +680,7 @@ class SyncController:
         if adapter:
             return await self.adapters.try_load(ckpt, published)
         detected = self._detected_at.pop(step, time.time())
-        self.state.loading_step = step
-        if self._ack_now is not None:
-            self._ack_now.set()  # the heartbeat reports loading_step now, beside the load
+        self.loading(step)
         try:
             t0 = time.perf_counter()
             budget = self.settings.validate_timeout_s
@@ -787,15 +787,25 @@ class SyncController:
         finally:
             self.state.loading_step = None
 
+    def loading(self, step: int) -> None:
+        """Mark ``step`` as being loaded (a full checkpoint or an adapter): the heartbeat writes
+        the ack file now, beside the load, so that the trainer's retention spares the step."""
+        self.state.loading_step = step
+        if self._ack_now is not None:
+            self._ack_now.set()
+
     def died_during_load(self, ckpt: PublishedCheckpoint, exc: SGLangUnavailable) -> None:
         """SGLang stopped answering while it loaded ``ckpt`` (a full checkpoint or an adapter):
         count it against the step and, at ``MAX_CRASHES_PER_STEP``, reject the step
         (``sglang_crashed_on_load``). A step that kills SGLang at every load would otherwise be
         loaded again after each restart, forever, and the replica would never serve anything."""
         step = ckpt.step
-        self._crashes[step] = self._crashes.get(step, 0) + 1
         self.state.sglang_healthy = False
         self.metrics.syncs.labels("failed", "sglang_unavailable").inc()
+        if isinstance(exc, SGLangErrorAnswer):  # a proxy's 5xx: SGLang did not die of the step
+            self._error("sglang_unavailable", str(exc), step=step)
+            return
+        self._crashes[step] = self._crashes.get(step, 0) + 1
         if self._crashes[step] >= MAX_CRASHES_PER_STEP:
             self._reject(
                 ckpt,

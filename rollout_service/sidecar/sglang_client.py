@@ -15,6 +15,11 @@ class SGLangUnavailable(RuntimeError):
     """SGLang did not answer (down, restarting, or timed out)."""
 
 
+class SGLangErrorAnswer(SGLangUnavailable):
+    """A load was answered with a 5xx: a proxy in between (502/503/504), not SGLang refusing the
+    step (it answers 400) nor dying of it (the connection would drop): not counted as a crash."""
+
+
 class SGLangLoadRejected(RuntimeError):
     """SGLang answered a weight update with a failure."""
 
@@ -156,7 +161,7 @@ def _not_sglangs_answer(resp: Answer, base_url: str, what: str) -> None:
     5xx comes from a proxy in between (502/503/504) or a server failing as it answers, and says
     nothing against the step (tried again; a step SGLang dies of is counted as such)."""
     if resp.status_code >= 500:
-        raise SGLangUnavailable(f"{base_url} answered {what} with HTTP {resp.status_code}: {resp.text[:300]}")
+        raise SGLangErrorAnswer(f"{base_url} answered {what} with HTTP {resp.status_code}: {resp.text[:300]}")
 
 
 def _answer_object(resp: Answer, message_key: str) -> dict[str, Any]:
