@@ -62,6 +62,7 @@ from ..checkpoint_format import (
     CheckpointError,
     FileEntry,
     Manifest,
+    parse_step_dir_name,
     step_dir_name,
 )
 from ..checkpoint_paths import is_inside
@@ -610,7 +611,7 @@ class Stage:
 
 def _copy_step(path: Path) -> int | None:
     """The step of a staged copy's name (``step-XXXXXXXX-<fingerprint>``), None for any other name."""
-    return int(path.name[5:13]) if COPY_NAME_RE.match(path.name) else None
+    return parse_step_dir_name(path.name[: -len("-") - 12]) if COPY_NAME_RE.match(path.name) else None
 
 
 def _published_files(manifest: Manifest) -> dict[str, FileEntry]:
