@@ -45,6 +45,10 @@ class AnswerRefused(httpx.HTTPError):
     """The answer broke a bound: too large, compressed though none was asked for, or too slow."""
 
 
+class AnswerTimedOut(AnswerRefused):
+    """The exchange did not end within its deadline (the request may still be running there)."""
+
+
 @dataclass
 class Answer:
     """A whole answer, read within its bounds."""
@@ -86,7 +90,7 @@ def request(
         except httpx.TimeoutException:
             if time.monotonic() < deadline:
                 raise  # httpx's own timeout (connect, or a silence of timeout_s)
-            raise AnswerRefused(f"{url} did not answer in full within {timeout_s:g} s") from None
+            raise AnswerTimedOut(f"{url} did not answer in full within {timeout_s:g} s") from None
 
 
 async def arequest(
@@ -108,7 +112,7 @@ async def arequest(
     try:
         return await asyncio.wait_for(exchange(), timeout_s)
     except asyncio.TimeoutError:
-        raise AnswerRefused(f"{url} did not answer in full within {timeout_s:g} s") from None
+        raise AnswerTimedOut(f"{url} did not answer in full within {timeout_s:g} s") from None
 
 
 _deadlines = threading.local()
@@ -306,7 +310,7 @@ class _Chunks:
             raise AnswerRefused(f"{self.url} answered with more than {self.limit} bytes; reading stopped there")
         self.parts.append(chunk)
         if time.monotonic() > self.deadline:
-            raise AnswerRefused(f"{self.url} did not finish its answer in time ({self.size} bytes by then)")
+            raise AnswerTimedOut(f"{self.url} did not finish its answer in time ({self.size} bytes by then)")
 
     def joined(self) -> bytes:
         return b"".join(self.parts)

@@ -37,7 +37,7 @@ from rollout_service.sidecar import controller as controller_module
 from rollout_service.sidecar.acks import AckWriter
 from rollout_service.sidecar.controller import MAX_DETECTED, SyncController
 from rollout_service.sidecar.settings import SidecarSettings
-from rollout_service.sidecar.sglang_client import ServerView, SGLangErrorAnswer
+from rollout_service.sidecar.sglang_client import ServerView, SGLangErrorAnswer, SGLangLoadTimedOut
 from shared_fs import server_frozen, sshfs_mount
 
 CONFIG = {"model_type": "qwen2", "hidden_size": 8}
@@ -316,3 +316,43 @@ def test_a_proxys_5xx_to_loads_never_rejects_the_step(tmp_path: Path) -> None:
 
     run_with(c, during)
     assert c.state.rejected == {} and len(client.loads) == 4
+
+
+@pytest.mark.parametrize("times_out", [1, 2])
+def test_a_load_that_outlives_its_timeout_ends_the_pass_and_is_adopted_when_it_finishes(
+    tmp_path: Path, times_out: int
+) -> None:
+    """SGLang finishes a load the sidecar stopped waiting for: no older step is sent meanwhile
+    (it would be loaded after it), and once SGLang serves the step it is adopted, not listed as
+    rejected (twice timed out is two 'crashes') nor counted as a restart. It is sent again only
+    after another --load-timeout (it finishes after 1.5 s: the second try, at 1 s, times out
+    too in one case, and is answered in the other)."""
+    root, c, client = make(tmp_path, load_timeout_s=1.0)
+    publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
+    finishing: list[asyncio.Task[None]] = []
+
+    async def finish_later(path: str) -> None:
+        await asyncio.sleep(1.5)
+        client.version, client.model_path = "3", path
+
+    async def time_out(path: str, version: str) -> None:
+        if version == "3" and client.loaded_versions().count("3") <= times_out:
+            if not finishing:
+                finishing.append(asyncio.create_task(finish_later(path)))
+            raise SGLangLoadTimedOut("the load of step 3 was not answered within --load-timeout")
+
+    client.load_hook = time_out
+
+    async def during() -> None:
+        await until(lambda: c.state.loaded_step == 1)
+        publish_checkpoint(root, 2, tensors(2), config=CONFIG, run_id=RUN)
+        publish_checkpoint(root, 3, tensors(3), config=CONFIG, run_id=RUN)
+        await until(lambda: bool(finishing) and finishing[0].done())
+        await until(lambda: c.state.loaded_step == 3)
+        await asyncio.sleep(0.3)
+
+    run_with(c, during)
+    assert "2" not in client.loaded_versions(), client.loaded_versions()
+    assert c.state.rejected == {}, c.state.rejected
+    assert c.state.last_error is None, c.state.last_error
+    assert c.metrics.sglang_restarts._value.get() == 0

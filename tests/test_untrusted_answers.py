@@ -22,10 +22,15 @@ import httpx
 import pytest
 import zstandard
 
-from fake_sglang import Answer, CannedServer, canned_reply
+from fake_sglang import Answer, CannedServer, canned_reply, dead_url
 from rollout_service.bounded_http import AnswerRefused, arequest, parse_json, request
 from rollout_service.bounded_http import client as bounded_client
-from rollout_service.sidecar.sglang_client import SGLangClient, SGLangLoadRejected, SGLangUnavailable
+from rollout_service.sidecar.sglang_client import (
+    SGLangClient,
+    SGLangLoadRejected,
+    SGLangLoadTimedOut,
+    SGLangUnavailable,
+)
 from trainer_hooks.replica_wait import CheckpointRejected, ReplicaSyncTimeout, SidecarWaiter
 from trainer_hooks.sglang_endpoints import SGLangEndpoints, SGLangRequestError
 
@@ -350,6 +355,32 @@ def test_a_5xx_to_a_load_is_sglang_unavailable_not_a_refusal_of_the_step(
     server = canned(servers, lambda path, b, count: canned_reply(status, "<html>Bad Gateway</html>"))
     with pytest.raises(SGLangUnavailable, match=f"HTTP {status}"):
         with_client(server, call)
+
+
+@pytest.mark.parametrize("answer", ["silent", "dripping"])
+def test_a_load_not_answered_within_the_load_timeout_says_it_may_still_be_running(
+    servers: list[CannedServer], answer: str
+) -> None:
+    """A load past --load-timeout is SGLangLoadTimedOut (SGLang may still finish it: the sync
+    loop then sends no other step meanwhile), not a plain SGLangUnavailable (SGLang died)."""
+
+    def silent(conn: socket.socket, stopped: threading.Event) -> None:
+        stopped.wait(30)
+
+    server = canned(servers, lambda path, b, count: silent if answer == "silent" else dripping())
+
+    async def load(url: str) -> None:
+        client = SGLangClient(url, timeout_s=3.0, load_timeout_s=1.0)
+        try:
+            await client.load_from_disk("/stage/step-00000001", "1")
+        finally:
+            await client.aclose()
+
+    with pytest.raises(SGLangLoadTimedOut, match="may still be loading /stage/step-00000001"):
+        asyncio.run(load(server.url))
+    with pytest.raises(SGLangUnavailable) as died:  # nothing listens: SGLang is down, no load runs
+        asyncio.run(load(dead_url()))
+    assert not isinstance(died.value, SGLangLoadTimedOut)
 
 
 @pytest.mark.parametrize("body", [["enable_lora"], "null", 7], ids=["a-list", "null", "a-number"])

@@ -65,7 +65,14 @@ from .metrics import SidecarMetrics
 from .root_gate import RootGate, RootUnresponsive, in_daemon_thread
 from .served_model import adoptable, base_model_dir, find_reference
 from .settings import SidecarSettings
-from .sglang_client import ServerView, SGLangClient, SGLangErrorAnswer, SGLangLoadRejected, SGLangUnavailable
+from .sglang_client import (
+    ServerView,
+    SGLangClient,
+    SGLangErrorAnswer,
+    SGLangLoadRejected,
+    SGLangLoadTimedOut,
+    SGLangUnavailable,
+)
 from .stage_folder import remove_entry
 from .staging import Stage, StagedBuild, StageError
 from .state import SidecarState
@@ -119,6 +126,10 @@ class SyncController:
         self._detected_at: dict[int, float] = {}
         self._crashes: dict[int, int] = {}
         self._loaded_before: set[int] = set()
+        self._unconfirmed: tuple[int, float] | None = None
+        """A step SGLang took but did not confirm (its load timed out, or SGLang stopped answering
+        right after it), and until when (monotonic) no other load is sent: SGLang would run it
+        after this one, going back. When SGLang reports its version, it finished, not restarted."""
         self._rejected_at: dict[int, tuple[int, ...] | None] = {}
         self._identity_seen: dict[int, tuple[int, ...] | None] = {}
         """Each step's publication identity as seen before its last validation started: a
@@ -473,6 +484,7 @@ class SyncController:
         self.state.sglang_healthy = view.healthy
         self._was_healthy = view.healthy
         if not view.healthy:
+            self._unconfirmed = None  # a load in flight is lost with SGLang (or shows as a new version)
             if was:
                 log.warning("SGLang at %s stopped answering", self.settings.sglang_url)
                 self._error("sglang_down", f"SGLang at {self.settings.sglang_url} is not answering")
@@ -481,7 +493,12 @@ class SyncController:
         self.state.sglang_seen_at = time.time()
         self.state.sglang_weight_version = view.weight_version
         loaded = self.state.loaded_step
-        if loaded is not None and (
+        unconfirmed = None if self._unconfirmed is None else self._unconfirmed[0]
+        if loaded is not None and unconfirmed is not None and view.weight_version == version_for_step(unconfirmed):
+            log.info("SGLang finished loading step %d after all; adopting it", unconfirmed)
+            self.state.loaded_step = None  # adopted below, without a reload
+            self.state.loaded_fingerprint = self.state.loaded_run_id = None
+        elif loaded is not None and (
             not await self.adapters.still_served()
             if self.adapters.serving
             else view.weight_version != version_for_step(loaded)
@@ -503,6 +520,12 @@ class SyncController:
                 step, manifest, served = adopted
                 self._set_loaded(step, manifest, str(served))
                 self._crashes.pop(step, None)
+                self._unconfirmed = None
+                if self.state.rejected.get(step) == "sglang_crashed_on_load":  # it finished after all
+                    del self.state.rejected[step]
+                    self._rejected_at.pop(step, None)
+                if self.state.last_error is not None and self.state.last_error.get("step") == step:
+                    self.state.last_error = None
                 log.info("SGLang already serves step %d (%s); adopting it without a reload", step, served)
                 if self.stage is not None:  # copies older than it are done with (a load in flight is not)
                     await asyncio.to_thread(self.stage.prune_before_first_load, str(served))
@@ -557,6 +580,10 @@ class SyncController:
 
     async def _sync_pass(self) -> None:
         staged_ok = self.settings.stage_dir is None or self.stage is not None
+        if self._unconfirmed is not None:
+            if time.monotonic() < self._unconfirmed[1]:
+                return  # SGLang may still be loading that step: a load sent now would run after it
+            self._unconfirmed = None
         if self.state.sglang_healthy and self._reference is not None and self.state.fatal is None and staged_ok:
             await self._sync_newest()
 
@@ -722,9 +749,16 @@ class SyncController:
                 self._reject(ckpt, "sglang_rejected", str(exc))
                 await self._discard_copy(built)  # SGLang is done with it
                 return False
+            except SGLangLoadTimedOut as exc:
+                # SGLang may still be loading it and serve it once done: the pass ends (an older
+                # step sent now would be loaded after it, going back), the copy stays, and the
+                # step counts as a crash (a load stuck for good is not sent forever). If SGLang
+                # does finish it, the step is adopted and its rejection, if any, lifted.
+                self.died_during_load(ckpt, exc)
+                self._unconfirmed = (step, time.monotonic() + self.settings.load_timeout_s)
+                return None
             except SGLangUnavailable as exc:
-                # Kept: SGLang may still be reading it (a load that outlived its timeout), and
-                # the next try of this step (after a restart) finds it staged.
+                # Kept: the next try of this step (after a restart) finds it staged.
                 self.died_during_load(ckpt, exc)
                 return False
             load_s = time.perf_counter() - t1
@@ -736,6 +770,7 @@ class SyncController:
                 self.died_during_load(
                     ckpt, SGLangUnavailable(f"SGLang stopped answering right after it loaded {path.name}")
                 )
+                self._unconfirmed = (step, time.monotonic())
                 return None
             if view.weight_version != version:
                 self.metrics.syncs.labels("failed", "version_not_confirmed").inc()
@@ -904,6 +939,7 @@ class SyncController:
         self._set_loaded(step, manifest, record.path)
         self.state.last_sync = record
         self._loaded_before.add(step)
+        self._unconfirmed = None
         self._crashes.pop(step, None)
         self._identity_seen.pop(step, None)
         if self.state.last_error is not None and self.state.last_error.get("step") == step:

@@ -105,7 +105,13 @@ class SidecarSettings:
     ack_interval_s: float = field(default=ACK_INTERVAL_S, metadata=bounds_metadata(*INTERVAL_S))
     load_timeout_s: float = field(
         default=1800.0,
-        metadata=setting("--load-timeout", "seconds to allow one /update_weights_from_disk call", bounds=TIMEOUT_S),
+        metadata=setting(
+            "--load-timeout",
+            "seconds to allow one /update_weights_from_disk call; past it SGLang may still be"
+            " loading, so no other step is sent for as long again (it is adopted if SGLang finishes"
+            " it), and a step timed out twice is rejected (sglang_crashed_on_load)",
+            bounds=TIMEOUT_S,
+        ),
     )
     request_timeout_s: float = field(default=10.0, metadata=bounds_metadata(*TIMEOUT_S))
     stage: bool = field(

@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from ..bounded_http import Answer, arequest
+from ..bounded_http import Answer, AnswerTimedOut, arequest
 from ..http_auth import bearer_headers
 
 
@@ -18,6 +18,11 @@ class SGLangUnavailable(RuntimeError):
 class SGLangErrorAnswer(SGLangUnavailable):
     """A load was answered with a 5xx: a proxy in between (502/503/504), not SGLang refusing the
     step (it answers 400) nor dying of it (the connection would drop): not counted as a crash."""
+
+
+class SGLangLoadTimedOut(SGLangUnavailable):
+    """A load sent to SGLang was not answered within ``--load-timeout``: SGLang may still be
+    loading it (and serve it once done), or be stuck in it."""
 
 
 class SGLangLoadRejected(RuntimeError):
@@ -88,6 +93,11 @@ class SGLangClient:
         }
         try:
             resp = await self._post("/update_weights_from_disk", body, self._load_timeout)
+        except (httpx.ReadTimeout, AnswerTimedOut) as exc:  # not answered in time: the load may still run
+            raise SGLangLoadTimedOut(
+                f"SGLang at {self.base_url} did not answer the weight update within --load-timeout"
+                f" ({self._load_timeout:g} s); it may still be loading {model_path}"
+            ) from exc
         except httpx.HTTPError as exc:
             raise SGLangUnavailable(f"SGLang at {self.base_url} failed during the weight update: {exc!r}") from exc
         _not_sglangs_answer(resp, self.base_url, "the weight update")
