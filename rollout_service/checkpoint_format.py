@@ -54,7 +54,8 @@ tensor on several threads; a part that did not change has no frame. (The first d
 DELTA_FRAME_BYTES = 16 << 20
 """What the writer uses: 1 GB embeddings make 64 frames, small enough to stay in cache."""
 MIN_FRAME_BYTES, MAX_FRAME_BYTES = 1 << 12, 1 << 26
-"""Frame sizes a reader accepts: it holds two buffers of one frame per apply thread."""
+"""Frame sizes a reader accepts (powers of two: a frame holds whole elements of any dtype): it
+holds two buffers of one frame per apply thread."""
 DEFAULT_FULL_EVERY = 20
 """A full checkpoint every 20 versions: see docs/benchmarks.md (delta sync) for the measured
 trade-off between bytes per sync and a late joiner's replay."""
@@ -371,6 +372,12 @@ class Manifest:
         created_at = data["created_at"]
         if isinstance(created_at, bool) or not isinstance(created_at, (int, float)) or not math.isfinite(created_at):
             raise CheckpointError("bad_manifest", f"{where}: created_at must be a finite number")
+        total_bytes = field_of.integer(data["total_bytes"], "total_bytes", MAX_FILE_BYTES * MAX_MANIFEST_FILES)
+        listed = sum(e.size for e in files.values())
+        if total_bytes != listed:  # readers size the stage's room and progress by it
+            raise CheckpointError(
+                "bad_manifest", f"{where}: total_bytes is {total_bytes}, the files it lists add up to {listed}"
+            )
         return cls(
             step=field_of.integer(data["step"], "step", MAX_STEP),
             weight_version=field_of.text(data["weight_version"], "weight_version"),
@@ -378,7 +385,7 @@ class Manifest:
             writer=field_of.tree(data["writer"], "writer"),
             base_model=base_model,
             dtype=dtype,
-            total_bytes=field_of.integer(data["total_bytes"], "total_bytes", MAX_FILE_BYTES * MAX_MANIFEST_FILES),
+            total_bytes=total_bytes,
             tensor_count=field_of.integer(data["tensor_count"], "tensor_count", 10**7),
             files=files,
             digest_algorithm=digest_algorithm,
@@ -601,9 +608,11 @@ class _FieldReader:
                 " on the trainer and the sidecars; the replica recovers at the next full step)",
             )
         frame_bytes = self.integer(d.get("frame_bytes"), "delta.frame_bytes", MAX_FRAME_BYTES)
-        if frame_bytes < MIN_FRAME_BYTES:
+        if frame_bytes < MIN_FRAME_BYTES or frame_bytes & (frame_bytes - 1):
             raise self._bad(
-                "delta.frame_bytes", f"an integer between {MIN_FRAME_BYTES} and {MAX_FRAME_BYTES}", frame_bytes
+                "delta.frame_bytes",
+                f"a power of two between {MIN_FRAME_BYTES} and {MAX_FRAME_BYTES} (whole elements of every dtype)",
+                frame_bytes,
             )
         fp = d.get("base_fingerprint")
         if not isinstance(fp, str) or not _FINGERPRINT_RE.fullmatch(fp):

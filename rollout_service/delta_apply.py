@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import json
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,17 @@ log = logging.getLogger(__name__)
 MAX_OUT_NAME_BYTES = 255
 """The longest name ``materialize``'s output folder may have (a file system's limit)."""
 MAX_DELTA_HEADER_BYTES = 16 << 20
-"""A delta file's header: one short entry per changed tensor of the file."""
+"""A delta file's header: one short entry per changed tensor of the file (and at most
+:func:`_delta_header_bound` of the tensors it holds)."""
+DELTA_HEADER_ENTRY_BYTES = 160
+"""A delta header's entry beside its name's JSON: dtype, a 1-D shape and two offsets of up to
+20 digits each, the punctuation; the metadata entry and padding fit in one more."""
+MAX_DELTA_FILES_PER_SHARD = 8
+"""Delta files one target shard's tensors may name (the writer uses one per shard): each is
+held open, its bytes buffered, until the shard is rebuilt."""
+CHAIN_START_SLACK_BYTES = 16 << 20
+"""How much more than the model it rebuilds a chain's full step may list (past 1%): a chain keeps
+its tensors, so only its config and index can differ. Larger, it is not copied into the stage."""
 
 FindStaged = Callable[[int, str], "tuple[Path, Manifest] | None"]
 """(step, published fingerprint) -> an already reconstructed full copy of it, if any."""
@@ -167,6 +178,16 @@ def resolve_chain(
             f"{link.path.name}'s delta chain reaches the full step {cur.manifest.step}, its manifest"
             f" says it starts at {top.chain_start}: the chain cannot be rebuilt",
         )
+    if top is not None:
+        start_bytes, target_bytes = cur.manifest.total_bytes, sum(e.size for e in top.target_files.values())
+        if start_bytes > target_bytes + target_bytes // 100 + CHAIN_START_SLACK_BYTES:
+            raise CheckpointError(
+                "broken_chain",
+                f"{link.path.name}'s chain starts at {cur.path.name}, whose files add up to {start_bytes}"
+                f" bytes where the model it rebuilds has {target_bytes}: a chain keeps its tensors, so"
+                " the full step lists files it does not need; it is not copied, and the replica keeps"
+                " its weights until the next full step",
+            )
     return Chain(cur, False, deltas)
 
 
@@ -333,16 +354,23 @@ def _rebuild_shard(
             if t.delta_file is not None:
                 source = delta_files.get(t.delta_file)
                 if source is None:
+                    if len(delta_files) == MAX_DELTA_FILES_PER_SHARD:
+                        raise CheckpointError(
+                            "delta_corrupt",
+                            f"{where}: its tensors name more than {MAX_DELTA_FILES_PER_SHARD} delta files"
+                            " (a writer uses one per shard)",
+                        )
                     source = delta_files[t.delta_file] = open_files.enter_context(
                         _DeltaFile(root, delta_link, t.delta_file, deadline)
                     )
                 blob, read_to = source.blob(tname, where)
                 frames = _split_frames(blob, t, blob_where)
-            for i, start in enumerate(range(0, length, delta.frame_bytes)):
+            # A changed tensor's parts are its frames; an unchanged one is copied in parts of the
+            # writer's size at least (small declared frames must not make one job per 4 KiB).
+            step = delta.frame_bytes if frames is not None else max(delta.frame_bytes, delta_codec.CHUNK_BYTES)
+            for i, start in enumerate(range(0, length, step)):
                 frame = None if frames is None else frames[i]
-                parts.append(
-                    (offset + start, min(delta.frame_bytes, length - start), frame, t.dtype, f"{blob_where} (part {i})")
-                )
+                parts.append((offset + start, min(step, length - start), frame, t.dtype, f"{blob_where} (part {i})"))
                 if frame is None:
                     part_needs.append(None)
                 else:
@@ -529,8 +557,10 @@ class _DeltaFile:
             raise CheckpointError("bad_manifest", f"{link.path.name}: {fname} is not in its files")
         self.where = f"{link.path.name}/{fname}"
         assert link.manifest.delta is not None
-        blobs = sum(sum(t.frames or ()) for t in link.manifest.delta.tensors.values() if t.delta_file == fname)
-        if entry.size > 8 + MAX_DELTA_HEADER_BYTES + blobs:
+        held = [(name, t) for name, t in link.manifest.delta.tensors.items() if t.delta_file == fname]
+        blobs = sum(sum(t.frames or ()) for _, t in held)
+        self._header_bound = _delta_header_bound(name for name, _ in held)
+        if entry.size > 8 + self._header_bound + blobs:
             raise CheckpointError(
                 "delta_corrupt",
                 f"{self.where} is {entry.size} bytes by its manifest entry, more than a header and the"
@@ -555,7 +585,7 @@ class _DeltaFile:
     def _parse_header(self, size: int) -> None:
         self._read.upto(min(8, size))
         length = header_length(
-            self._read.data[:8], size, self.where, max_bytes=MAX_DELTA_HEADER_BYTES, reason="delta_corrupt"
+            self._read.data[:8], size, self.where, max_bytes=self._header_bound, reason="delta_corrupt"
         )
         self._read.upto(8 + length)
         for e in parse_entries(self._read.data[8 : 8 + length], size, self.where, reason="delta_corrupt"):
@@ -576,6 +606,18 @@ class _DeltaFile:
 
     def finish(self) -> None:
         self._read.finish()
+
+
+def _delta_header_bound(names: Iterable[str]) -> int:
+    """The largest header a delta file holding blobs of ``names`` may have: an entry of
+    :data:`DELTA_HEADER_ENTRY_BYTES` beside each name's JSON (escapes counted), one more for
+    the metadata and padding; never past :data:`MAX_DELTA_HEADER_BYTES`."""
+    bound = DELTA_HEADER_ENTRY_BYTES
+    for name in names:
+        bound += len(json.dumps(name)) + DELTA_HEADER_ENTRY_BYTES
+        if bound >= MAX_DELTA_HEADER_BYTES:
+            return MAX_DELTA_HEADER_BYTES
+    return bound
 
 
 def materialize(

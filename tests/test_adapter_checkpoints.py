@@ -441,7 +441,7 @@ def test_configs_sglang_would_serve_as_another_model_have_a_reason_not_an_error(
 @pytest.mark.parametrize(
     ("edit", "reason"),
     [
-        (lambda m: m.update(total_bytes=m["total_bytes"] + 1), "size_mismatch"),
+        (lambda m: m.update(total_bytes=m["total_bytes"] + 1), "bad_manifest"),  # not what its files add up to
         (lambda m: m.update(tensor_count=m["tensor_count"] + 2), "bad_manifest"),
         (lambda m: m["files"]["adapter_model.safetensors"].update(tensors=1), "bad_manifest"),
         (lambda m: m.update(dtype="F16"), "dtype_mismatch"),

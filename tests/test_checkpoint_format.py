@@ -187,8 +187,12 @@ def test_manifest_size_mismatch_is_rejected(tmp_path):
     path = publish(tmp_path, 1).path
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"]["config.json"]["size"] -= 1
+    manifest["total_bytes"] -= 1  # a consistent manifest: its sizes add up, the disk's do not
     (path / "manifest.json").write_text(json.dumps(manifest))
     expect_error("size_mismatch", r"config.json has \d+ bytes on disk, the manifest says", path)
+    manifest["total_bytes"] += 1  # total_bytes is checked against the listed sizes first
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    expect_error("bad_manifest", r"total_bytes is \d+, the files it lists add up to", path)
 
 
 def test_symlink_escaping_the_root_is_rejected(tmp_path):

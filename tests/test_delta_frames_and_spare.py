@@ -118,6 +118,8 @@ def _edit_manifest(step_dir: Path, edit) -> None:
         (lambda d: d["tensors"]["embed"].update(frames=[1 << 40, 5]), "bad_manifest", "load"),
         (lambda d: d["tensors"]["embed"].pop("frames"), "bad_manifest", "load"),
         (lambda d: d.update(frame_bytes=17), "bad_manifest", "load"),
+        (lambda d: d.update(frame_bytes=4097), "bad_manifest", "load"),  # parts of half a bf16 element
+        (lambda d: d.update(frame_bytes=3 << 12), "bad_manifest", "load"),  # not a power of two
         (lambda d: d.update(codec="xor+zstd"), "bad_manifest", "load"),
         # Sizes that do not add up to the blob, and sizes that cut it in the wrong places.
         (

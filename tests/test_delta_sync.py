@@ -3,6 +3,7 @@ rebuilt in the sidecar's stage, served bit for bit; restarts, late joiners, corr
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -10,10 +11,11 @@ from pathlib import Path
 import httpx
 import torch
 
-from delta_helpers import as_published, publish_chain
+from delta_helpers import as_published, evolving_state, publish_chain
 from helpers import generate
 from rollout_service.checkpoint_format import Manifest, step_dir_name
 from rollout_service.checkpoint_writer import iter_unique_tensors, publish_checkpoint
+from rollout_service.delta_writer import DeltaCheckpointWriter
 from sidecar_helpers import transformers_greedy
 from trainer_helpers import make_config, make_trainer
 from trainer_hooks import checkpoint_publisher
@@ -208,3 +210,32 @@ def test_a_delta_without_a_stage_is_rejected_with_what_to_do(sidecar_factory, ch
     status = _wait_rejected(sidecar, 2)
     assert status["rejected"]["2"] == "delta_needs_stage"
     assert "--no-stage" in status["last_error"]["message"]
+
+
+def test_nan_in_a_full_step_is_not_served_through_a_delta_on_it(
+    sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path
+):
+    """A late joiner replays a chain from its full step, copied in with its digests checked: a
+    NaN in a tensor no delta changes is that copy's own, so the rebuilt copy is checked whole.
+    (It used to be checked only where the deltas changed it: the full step was rejected on its
+    own, then served through the delta on it.)"""
+    config = json.loads((tiny_model_dir / CONFIG_NAME).read_text())
+    writer = DeltaCheckpointWriter(check_finite=False)  # a writer that does not check
+    first = evolving_state(tiny_model_dir, 1)
+    names = sorted(first)
+    first[names[0]].view(-1)[3] = float("nan")
+    second = {k: v.clone() for k, v in first.items()}
+    second[names[-1]].view(-1)[::7] += 0.25  # the delta changes another tensor only
+    for step, state in ((1, first), (2, second)):
+        writer.publish(checkpoint_root, step, sorted(state.items()), config=config, dtype="bfloat16", run_id="nan")
+    assert Manifest.load(checkpoint_root / step_dir_name(2)).kind == "delta"
+    httpx.post(  # SGLang back on its base model: the sidecar has nothing to adopt
+        f"{sglang_server.url}/update_weights_from_disk",
+        json={"model_path": str(tiny_model_dir), "weight_version": "default"},
+        timeout=300,
+    )
+    sidecar = sidecar_factory("--stage-dir", str(tmp_path / "stage-nan"), replica_id="nan")
+    _wait_rejected(sidecar, 2)
+    status = _wait_rejected(sidecar, 1)
+    assert status["rejected"].get("2") == "non_finite" and status["rejected"].get("1") == "non_finite", status
+    assert status["loaded_step"] is None, status

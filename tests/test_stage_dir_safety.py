@@ -512,3 +512,21 @@ def test_a_sidecar_opening_its_stage_waits_for_a_sibling_reclaiming_it(tmp_path:
         assert (b / stage_folder.MARKER_NAME).is_file() and (b / LOCK_NAME).is_file()
     finally:
         stage.close()
+
+
+def test_the_default_stage_dir_needs_no_home_when_xdg_cache_home_is_set_and_says_what_to_do_without_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container's user id often has no passwd entry and no HOME, and its /dev/shm is 64 MiB:
+    the default stage was looked up under ~ even with XDG_CACHE_HOME set (a traceback)."""
+    monkeypatch.setattr(staging, "SHM_DIR", tmp_path / "no-shm")
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(staging.Path, "home", staticmethod(no_home))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert staging.default_stage_dir("r0") == tmp_path / "cache" / "rollout-service" / "stage" / "r0"
+    monkeypatch.setenv("XDG_CACHE_HOME", "")  # empty: unset, as the XDG spec says
+    with pytest.raises(ValueError, match="--stage-dir"):
+        staging.default_stage_dir("r0")

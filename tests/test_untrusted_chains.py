@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from delta_helpers import CONFIG, RUN, Model
-from rollout_service import checkpoint_paths
+from rollout_service import checkpoint_paths, delta_apply, delta_codec
 from rollout_service.checkpoint_format import (
     MANIFEST_NAME,
     MAX_CHAIN_LENGTH,
@@ -33,7 +34,13 @@ from rollout_service.checkpoint_format import (
     Manifest,
     step_dir_name,
 )
-from rollout_service.delta_apply import ChainLink, materialize, resolve_chain
+from rollout_service.delta_apply import (
+    CHAIN_START_SLACK_BYTES,
+    MAX_DELTA_FILES_PER_SHARD,
+    ChainLink,
+    materialize,
+    resolve_chain,
+)
 from rollout_service.delta_writer import DeltaCheckpointWriter
 from rollout_service.digest import format_digest, new_hasher
 from rollout_service.sidecar.staging import Stage, StageError
@@ -307,6 +314,120 @@ def test_a_delta_file_header_larger_than_its_bound_is_refused_unread(root: Path,
     (top / MANIFEST_NAME).write_text(json.dumps(data))
     for err in build_and_materialize(root, tmp_path):
         assert err.reason == "delta_corrupt" and fname in str(err), err
+
+
+def test_a_delta_file_header_padded_past_what_its_tensors_need_is_refused_unread(root: Path, tmp_path: Path) -> None:
+    """Under the 16 MiB cap, but far past a few entries' worth: each such file would be buffered
+    whole (a shard's delta files are all held until it is rebuilt)."""
+    top = _dir(root, 3)
+    data = json.loads((top / MANIFEST_NAME).read_text())
+    fname = next(f for f in data["files"] if f.startswith("delta-"))
+    blob = (top / fname).read_bytes()
+    (length,) = struct.unpack("<Q", blob[:8])
+    raw = blob[8 : 8 + length] + b" " * (1 << 20)
+    spoiled = struct.pack("<Q", len(raw)) + raw + blob[8 + length :]
+    (top / fname).write_bytes(spoiled)
+    data["total_bytes"] += len(spoiled) - data["files"][fname]["size"]
+    data["files"][fname].update(size=len(spoiled), digest=_digest(spoiled))
+    (top / MANIFEST_NAME).write_text(json.dumps(data))
+    for err in build_and_materialize(root, tmp_path):
+        assert err.reason == "delta_corrupt" and fname in str(err), err
+
+
+def test_a_shard_whose_tensors_name_many_delta_files_is_refused(tmp_path: Path) -> None:
+    """Each delta file a shard's tensors name is held open and buffered until the shard is
+    rebuilt: past MAX_DELTA_FILES_PER_SHARD (the writer uses one) the delta is refused."""
+    root = tmp_path / "root"
+    model = Model(shapes={f"t{i:02d}": (32, 32) for i in range(MAX_DELTA_FILES_PER_SHARD + 2)})
+    writer = DeltaCheckpointWriter(full_every=100)
+    for step in (1, 2):
+        model.step()
+        writer.publish(root, step, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN)
+    writer.close()
+    two = _dir(root, 2)
+    data = json.loads((two / MANIFEST_NAME).read_text())
+    assert data["kind"] == "delta"
+    blobs = {}
+    for fname in [f for f in data["files"] if f.startswith("delta-")]:
+        raw = (two / fname).read_bytes()
+        (length,) = struct.unpack("<Q", raw[:8])
+        for name, entry in json.loads(raw[8 : 8 + length]).items():
+            if name != "__metadata__":
+                start, end = entry["data_offsets"]
+                blobs[name] = raw[8 + length + start : 8 + length + end]
+        (two / fname).unlink()
+        del data["files"][fname]
+    assert len(blobs) > MAX_DELTA_FILES_PER_SHARD
+    for i, (tname, blob) in enumerate(sorted(blobs.items())):  # one file per tensor
+        name = f"delta-{i:05d}.safetensors"
+        header = json.dumps({tname: {"dtype": "U8", "shape": [len(blob)], "data_offsets": [0, len(blob)]}}).encode()
+        content = struct.pack("<Q", len(header)) + header + blob
+        (two / name).write_bytes(content)
+        data["files"][name] = {"size": len(content), "digest": _digest(content), "tensors": 1}
+        data["delta"]["tensors"][tname]["delta_file"] = name
+    data["total_bytes"] = sum(e["size"] for e in data["files"].values())
+    (two / MANIFEST_NAME).write_text(json.dumps(data))
+    for err in build_and_materialize(root, tmp_path, step=2):
+        assert err.reason == "delta_corrupt" and f"more than {MAX_DELTA_FILES_PER_SHARD} delta files" in str(err), err
+
+
+def test_a_chain_start_listing_files_the_model_does_not_need_is_not_copied(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full step that starts a chain is not validated as the step being loaded is: one that
+    lists a large extra file (a sparse one costs its writer nothing) would be copied into the
+    stage (node RAM in /dev/shm) at every try. A chain keeps its tensors, so its full step is
+    about the size of the model the chain rebuilds."""
+    extra = CHAIN_START_SLACK_BYTES + (4 << 20)
+    with open(_dir(root, 1) / "extra.bin", "wb") as f:
+        f.truncate(extra)
+    zeros = new_hasher()
+    zeros.update(bytes(extra))
+
+    def add(data: dict) -> None:
+        data["files"]["extra.bin"] = {"size": extra, "digest": format_digest(zeros), "tensors": 0}
+        data["total_bytes"] += extra
+
+    spoil(root, 1, add, monkeypatch)
+    for err in build_and_materialize(root, tmp_path):
+        assert err.reason == "broken_chain" and "files it does not need" in str(err), err
+    assert not [p for p in (tmp_path / "stage").rglob("*") if p.name == "extra.bin"]
+
+
+def test_a_manifest_whose_total_bytes_is_not_what_its_files_add_up_to_is_refused(root: Path, tmp_path: Path) -> None:
+    """Readers size the stage's room (and the chain start's copy) by total_bytes."""
+    for step in (1, 3):
+        data = json.loads((_dir(root, step) / MANIFEST_NAME).read_text())
+        data["total_bytes"] -= 1
+        with pytest.raises(CheckpointError) as err:
+            Manifest.from_json(json.dumps(data))
+        assert err.value.reason == "bad_manifest" and "total_bytes" in str(err.value)
+
+
+def test_unchanged_tensors_are_rebuilt_in_large_parts_whatever_frame_size_a_delta_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delta naming 4 KiB frames made one job per 4 KiB of every tensor, changed or not."""
+    root = tmp_path / "root"
+    monkeypatch.setattr(delta_codec, "CHUNK_BYTES", 4 << 10)  # a writer with the smallest frames
+    model = Model(lr=1e-3, shapes={"big": (1024, 512), "small": (8, 8)})
+    writer = DeltaCheckpointWriter(full_every=100)
+    model.step()
+    writer.publish(root, 1, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN)
+    with torch.no_grad():
+        model.params["small"] += 1.0  # only the small tensor changes
+    writer.publish(root, 2, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN)
+    writer.close()
+    monkeypatch.setattr(delta_codec, "CHUNK_BYTES", 16 << 20)
+    parts: list[int] = []
+    real = delta_apply._rebuild_part
+    monkeypatch.setattr(delta_apply, "_rebuild_part", lambda *a: parts.append(a[3]) or real(*a))
+    stage = Stage(tmp_path / "stage")
+    try:
+        stage.build(root, _dir(root, 2), Manifest.load(_dir(root, 2)), Deadline(60))
+    finally:
+        stage.close()
+    assert len(parts) <= 4, f"{len(parts)} parts for a 1 MiB tensor that did not change and a 128-byte one"
 
 
 # --- materialize's output and the stage's room -----------------------------------------

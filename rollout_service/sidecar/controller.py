@@ -986,14 +986,15 @@ class SyncController:
         built = self.stage.build(self.root, report.path, report.manifest, deadline, check_finite=s.check_finite)
         remaining = max(0.001, s.validate_timeout_s - (time.monotonic() - deadline.started))
         try:
-            # A rebuild checked the tensors its delta changed; the others are its base's, checked
-            # when the base was staged: no second read of the whole model.
+            # A rebuild onto a staged copy checked the tensors its deltas changed; the others are
+            # that copy's, checked when it was staged: no second read of the whole model. A full
+            # copy, or a chain replayed from a full step copied in, is checked whole.
             staged_report = validate_checkpoint(
                 built.path,
                 root=self.stage.path,
                 reference=self._reference,
                 allow_float_cast=True,
-                check_finite=s.check_finite and built.kind != "delta",
+                check_finite=s.check_finite and not built.finite_checked,
                 timeout_s=remaining,
             )
             if staged_report.manifest.source_fingerprint() != report.manifest.fingerprint():

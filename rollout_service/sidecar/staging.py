@@ -116,6 +116,9 @@ class StagedBuild:
     apply_s: float
     chain_length: int
     """Deltas applied (more than one: a chain replayed from its full step or a staged copy)."""
+    finite_checked: bool = False
+    """Every tensor of the copy was checked for NaN/Inf on its way here (a rebuild onto a staged
+    copy, checked when it was staged, with ``check_finite``); else the caller checks the copy."""
 
 
 SHM_MIN_FREE_BYTES = 8 << 30
@@ -134,8 +137,17 @@ def default_stage_dir(replica_id: str, needed_bytes: int = SHM_MIN_FREE_BYTES //
             free = 0
         if free > 2 * needed_bytes + SPACE_MARGIN_BYTES:
             return SHM_DIR / f"{SHM_STAGE_PREFIX}{replica_id}"
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "rollout-service" / "stage" / replica_id
+    cache = os.environ.get("XDG_CACHE_HOME", "").strip()
+    if not cache:
+        try:
+            cache = str(Path.home() / ".cache")
+        except RuntimeError:  # a user id with no home (no passwd entry, HOME unset)
+            raise ValueError(
+                f"/dev/shm has no room for the stage and there is no home directory for the default"
+                f" ({SHM_DIR} free: not {(2 * needed_bytes + SPACE_MARGIN_BYTES) >> 20} MiB): pass"
+                " --stage-dir with a node-local folder (or set XDG_CACHE_HOME)"
+            ) from None
+    return Path(cache) / "rollout-service" / "stage" / replica_id
 
 
 class Stage:
@@ -456,8 +468,10 @@ class Stage:
         self._ensure_held()
         with self._stage_faults(f"staging {source_dir.name}"):
             staged = self._reuse(manifest, deadline)
-            if staged is not None:
-                return StagedBuild(staged, manifest.kind, 0, time.perf_counter() - t0, 0)
+            if staged is not None:  # checked as a whole when it was staged, as its kind asked
+                return StagedBuild(
+                    staged, manifest.kind, 0, time.perf_counter() - t0, 0, check_finite and manifest.kind == "delta"
+                )
             if manifest.kind != "delta":
                 path = self.copy_in(root, source_dir, manifest, deadline)
                 return StagedBuild(path, manifest.kind, manifest.total_bytes, time.perf_counter() - t0, 0)
@@ -525,7 +539,10 @@ class Stage:
             if made is not None:
                 remove_entry(made)
             raise
-        return StagedBuild(current.path, "delta", bytes_read, time.perf_counter() - t0, len(chain.deltas))
+        # A copied-in full step was not checked for NaN/Inf (only its digests): the tensors no
+        # delta changed are its own, so the caller checks the whole rebuilt copy.
+        checked = check_finite and chain.start_is_staged
+        return StagedBuild(current.path, "delta", bytes_read, time.perf_counter() - t0, len(chain.deltas), checked)
 
     def _apply_link(
         self, root: Path, link: ChainLink, current: ChainLink, deadline: Deadline, check_finite: bool
