@@ -530,3 +530,32 @@ def test_the_default_stage_dir_needs_no_home_when_xdg_cache_home_is_set_and_says
     monkeypatch.setenv("XDG_CACHE_HOME", "")  # empty: unset, as the XDG spec says
     with pytest.raises(ValueError, match="--stage-dir"):
         staging.default_stage_dir("r0")
+
+
+def test_a_copy_the_prune_cannot_remove_does_not_keep_it_from_removing_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, full_root = tmp_path / "root", tmp_path / "full"
+    model, writer = Model(lr=1e-6), DeltaCheckpointWriter(full_every=1)
+    stage = staging.Stage(tmp_path / "stage")
+    try:
+        built = []
+        for step in (1, 2, 3):
+            publish_both(writer, root, full_root, step, model)
+            model.step()
+            path = root / step_dir_name(step)
+            built.append(stage.build(root, path, Manifest.load(path), untrusted_files.Deadline(60)).path)
+        real = staging.remove_entry
+        stuck = min(built[:2])  # whichever the listing meets first, one of them fails
+
+        def failing(path: Path) -> None:
+            if Path(path) == stuck:
+                raise OSError(errno.EBUSY, "Device or resource busy", str(path))
+            real(path)
+
+        monkeypatch.setattr(staging, "remove_entry", failing)
+        stage.prune({built[2]}, keep_spare=False)
+        left = sorted(p for p in stage.path.iterdir() if p.name.startswith("step-"))
+        assert left == sorted([stuck, built[2]]), left
+    finally:
+        stage.close()

@@ -257,10 +257,13 @@ class Stage:
             if not is_work_name(entry.name) or (keep_spare and entry == self._spare):
                 continue
             if Path(os.path.realpath(entry)) not in keep_real:
-                if keep_spare:
-                    self._retire(entry)
-                else:
-                    remove_entry(entry)
+                try:
+                    if keep_spare:
+                        self._retire(entry)
+                    else:
+                        remove_entry(entry)
+                except OSError as exc:  # the others are still removed; this one at the next prune
+                    log.warning("could not remove %s from the stage (tried again at the next prune): %s", entry, exc)
         if not keep_spare:
             self._spare = None
 
