@@ -42,7 +42,6 @@ def test_transformers_generation_kwargs_are_renamed_or_dropped_with_a_log_line(
             "num_beams": 1,
             "eos_token_id": 7,
             "max_tokens": 5,
-            "seed": 3,
             "use_cache": True,
             "min_p": 0.05,
             "stop": ["\n"],
@@ -52,7 +51,6 @@ def test_transformers_generation_kwargs_are_renamed_or_dropped_with_a_log_line(
         "top_k": 1,
         "stop_token_ids": [7],
         "max_new_tokens": 5,
-        "sampling_seed": 3,
         "min_p": 0.05,
         "stop": ["\n"],
     }

@@ -444,13 +444,12 @@ SGLANG_SAMPLING_PARAMS = frozenset(
         "no_stop_trim",
         "stream_interval",
         "logit_bias",
-        "sampling_seed",
         "custom_params",
         "watermark",
     }
 )
 """The request-level sampling parameters of SGLang 0.5.23's ``/generate`` (``SamplingParams``) that
-``generation_kwargs`` may carry; ``n`` and ``beam_width`` are not among them (see below)."""
+``generation_kwargs`` may carry; ``n``, ``beam_width`` and ``sampling_seed`` are not among them (see below)."""
 
 CONSTRAINT_PARAMS = ("regex", "json_schema", "ebnf", "structural_tag")
 
@@ -459,7 +458,6 @@ _RENAMED = {  # transformers / vLLM name -> SGLang name, same meaning
     "eos_token_id": "stop_token_ids",
     "max_tokens": "max_new_tokens",
     "min_tokens": "min_new_tokens",
-    "seed": "sampling_seed",
     "include_stop_str_in_output": "no_stop_trim",
 }
 _DROPPED = {  # transformers generation options that mean nothing for an HTTP engine
@@ -476,6 +474,12 @@ _DROPPED = {  # transformers generation options that mean nothing for an HTTP en
     "compile_config": "not a sampling option",
     "renormalize_logits": "SGLang samples from normalized probabilities",
 }
+_SEEDS = ("seed", "sampling_seed")
+"""Refused (:func:`translate_generation_kwargs` says why): vLLM's ``seed`` seeds a request whose n samples
+still differ, but SGLang 0.5.23 reads ``sampling_seed`` only with ``--enable-deterministic-inference``, and
+then draws each token from a hash of (seed, position, token id) alone
+(``sglang/srt/layers/sampler.py`` ``multinomial_with_seed``): the n samples of a prompt are identical."""
+
 _REFUSED = {  # name -> what to use instead
     "n": "num_generations (the trainer sets SGLang's n from it)",
     "num_return_sequences": "num_generations (the trainer sets SGLang's n from it)",
@@ -537,18 +541,26 @@ def translate_generation_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]
     out: dict[str, Any] = {}
     named: dict[str, str] = {}
     """SGLang name -> the name the user gave (a renamed key), for the value checks' messages."""
+    no_sampling = False  # do_sample=False was given
     for key, value in kwargs.items():
+        if key in _SEEDS:
+            raise ValueError(
+                f"generation_kwargs {key}={value!r}: SGLang 0.5.23 has no per-request seed that works like vLLM's "
+                "(which seeds a request and still gives its n samples different tokens). SGLang reads sampling_seed "
+                "only when the server runs with --enable-deterministic-inference, and then draws every token from a "
+                "hash of (seed, position, token id) alone, so the num_generations completions of a prompt come out "
+                "identical and every GRPO advantage is zero. Drop it from generation_kwargs (the config's seed "
+                "still seeds the trainer; SGLang's rollouts are not reproducible per sample)"
+            )
         if key in SGLANG_SAMPLING_PARAMS:
             out[key] = value
         elif key == "do_sample":
             if value is False:
-                out.setdefault("top_k", 1)
-                log.warning(
-                    "generation_kwargs: do_sample=False -> top_k=1 for SGLang (greedy; the returned logprobs "
-                    "stay those of the temperature-scaled distribution, like the trainer's)"
-                )
-            else:
+                no_sampling = True
+            elif value is True:
                 log.info("generation_kwargs: do_sample=True dropped (SGLang always samples)")
+            else:
+                raise ValueError(f"generation_kwargs do_sample must be true or false, got {value!r:.80}")
         elif key == "num_beams":
             if value in (None, 1):
                 log.info("generation_kwargs: num_beams=1 dropped (SGLang samples without beams)")
@@ -581,11 +593,114 @@ def translate_generation_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]
                 ". "
                 "Use SGLang's names: " + ", ".join(sorted(SGLANG_SAMPLING_PARAMS))
             )
-    present = [k for k in CONSTRAINT_PARAMS if out.get(k) is not None]
-    if len(present) > 1:
-        raise ValueError(f"generation_kwargs sets several SGLang constraints {present}; SGLang accepts one per request")
+    if no_sampling:  # greedy wins, as in transformers (which ignores top_k when it does not sample)
+        if out.get("top_k") not in (None, 1):
+            log.warning(
+                "generation_kwargs: do_sample=False overrides top_k=%r (greedy, as in transformers)", out["top_k"]
+            )
+        out["top_k"] = 1
+        log.warning(
+            "generation_kwargs: do_sample=False -> top_k=1 for SGLang (greedy; SGLang 0.5.23 returns greedy tokens' "
+            "logprobs without temperature scaling, so with temperature != 1 TRL's importance-sampling correction "
+            "is off for these rollouts)"
+        )
     check_sampling_values(out, named)
     return out
+
+
+TRL_SAMPLING_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_completion_length",
+}
+"""SGLang sampling parameter -> the TRL config field (and ``VLLMGeneration`` argument) it comes from."""
+
+
+def sglang_sampling_params(
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int | None = 0,
+    min_p: float | None = 0.0,
+    repetition_penalty: float = 1.0,
+    max_completion_length: int | None = 16,
+    generation_kwargs: dict[str, Any] | None = None,
+    structured_outputs_regex: str | None = None,
+) -> dict[str, Any]:
+    """The SGLang sampling parameters of every rollout request (all but ``n``), built in this one
+    place for the config's checks (:func:`adapt_trl_fields`) and for
+    :class:`~trainer_hooks.sglang_generation.SGLangGeneration`.
+
+    TRL's sampling fields by SGLang's names (``top_k`` 0 or None -> -1, ``min_p`` None -> 0,
+    ``max_completion_length`` -> ``max_new_tokens``); then ``generation_kwargs`` (SGLang's names, as
+    :func:`translate_generation_kwargs` leaves them), which override them as in TRL; then
+    ``structured_outputs_regex`` (TRL's ``vllm_structured_outputs_regex``) as SGLang's ``regex``,
+    which replaces a grammar in ``generation_kwargs``: TRL's ``VLLMGeneration`` gives it precedence
+    over ``generation_kwargs["structured_outputs"]``, and SGLang takes one grammar per request.
+
+    Raises ValueError naming the setting for a value SGLang would refuse with HTTP 400
+    (:func:`~trainer_hooks.sampling_checks.check_sampling_values`) and for several grammars in
+    ``generation_kwargs``.
+    """
+    params: dict[str, Any] = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": -1 if top_k is None or top_k == 0 else top_k,
+        "min_p": 0.0 if min_p is None else min_p,
+        "repetition_penalty": repetition_penalty,
+        "max_new_tokens": max_completion_length,
+    }
+    extra = dict(generation_kwargs or {})
+    grammars = [k for k in CONSTRAINT_PARAMS if extra.get(k) is not None]
+    if len(grammars) > 1:
+        raise ValueError(
+            f"generation_kwargs sets several SGLang constraints {grammars}; SGLang accepts one per request"
+        )
+    params.update(extra)
+    if structured_outputs_regex is not None:
+        for key in CONSTRAINT_PARAMS:
+            params.pop(key, None)
+        params["regex"] = structured_outputs_regex
+    check_sampling_values(params, fields={k: f for k, f in TRL_SAMPLING_FIELDS.items() if k not in extra})
+    return params
+
+
+def config_sampling_params(config: Any) -> dict[str, Any]:
+    """:func:`sglang_sampling_params` of a TRL config's fields, as TRL hands them to its generation
+    backend (``generation_kwargs`` already translated)."""
+    return sglang_sampling_params(
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        min_p=config.min_p,
+        repetition_penalty=config.repetition_penalty,
+        max_completion_length=config.max_completion_length,
+        generation_kwargs=config.generation_kwargs,
+        structured_outputs_regex=getattr(config, "vllm_structured_outputs_regex", None),
+    )
+
+
+def _warn_about_sampling(config: Any, params: dict[str, Any]) -> None:
+    """One warning per sampling setting that SGLang applies differently from TRL's own generation."""
+    regex = getattr(config, "vllm_structured_outputs_regex", None)
+    replaced = [k for k in CONSTRAINT_PARAMS if (config.generation_kwargs or {}).get(k) is not None]
+    if regex is not None and replaced:
+        log.warning(
+            "vllm_structured_outputs_regex takes precedence over generation_kwargs %s (as in TRL's VLLMGeneration; "
+            "SGLang takes one grammar per request): only the regex is sent. Drop one of the two",
+            replaced[0],
+        )
+    penalty = params.get("repetition_penalty")
+    if penalty is not None and penalty != 1.0:
+        log.warning(
+            "repetition_penalty=%g is adapted: SGLang 0.5.23 penalises only the tokens generated so far in each "
+            "completion, not the prompt's tokens as vLLM and transformers do (and TRL's docs describe), and has no "
+            "setting that penalises the prompt's too. Completions are rescored for the importance-sampling correction",
+            penalty,
+        )
 
 
 _IGNORED_VLLM_FIELDS = {  # field: (TRL default, what to use with SGLang)
@@ -621,23 +736,36 @@ def collective_budget_s(sync_timeout: float, request_timeout: float, rescoring: 
     return sync_timeout + request_timeout * (2 if rescoring else 1) + COLLECTIVE_MARGIN_S
 
 
+def distribution_changing_keys(params: dict[str, Any]) -> list[str]:
+    """The SGLang sampling parameters in ``params`` whose processing (a grammar, logit_bias,
+    penalties, min_new_tokens) is in SGLang's returned logprobs but not in the trainer's."""
+    keys = [k for k in CONSTRAINT_PARAMS if params.get(k) is not None]
+    keys += [k for k in ("logit_bias", "min_new_tokens", "frequency_penalty", "presence_penalty") if params.get(k)]
+    if params.get("repetition_penalty") not in (None, 1.0):
+        keys.append("repetition_penalty")
+    return sorted(keys)
+
+
 def rescoring_needed(params: dict[str, Any]) -> bool:
-    """Whether SGLang's returned logprobs include processing the trainer does not apply (a grammar,
-    logit_bias, penalties, min_new_tokens), so the completions are rescored for the IS correction."""
-    return bool(
-        any(params.get(k) is not None for k in CONSTRAINT_PARAMS)
-        or params.get("logit_bias")
-        or (params.get("min_new_tokens") or 0) > 0
-        or (params.get("frequency_penalty") or 0.0) != 0.0
-        or (params.get("presence_penalty") or 0.0) != 0.0
-        or (params.get("repetition_penalty") if params.get("repetition_penalty") is not None else 1.0) != 1.0
-    )
+    """Whether SGLang's returned logprobs include processing the trainer does not apply
+    (:func:`distribution_changing_keys`), so the completions are rescored for the IS correction."""
+    return bool(distribution_changing_keys(params))
+
+
+def greedy(params: dict[str, Any]) -> bool:
+    """Whether SGLang decodes ``params`` greedily: ``top_k=1``, or a temperature below SGLang's 1e-6
+    (which it turns into ``top_k=1``). SGLang 0.5.23 then returns the *untempered* log-softmax as the
+    logprobs of a batch that is all greedy (``Sampler.forward``), the tempered one otherwise."""
+    temperature = params.get("temperature")
+    return params.get("top_k") == 1 or (temperature is not None and 0 <= temperature < 1e-6)
 
 
 def adapt_trl_fields(config: Any, *, world_size: int) -> None:
     """Refuse or adapt the TRL fields that do not work as in TRL's own generation (before TRL's
     ``__post_init__``, which starts the process group with ``ddp_timeout``)."""
     config.generation_kwargs = translate_generation_kwargs(config.generation_kwargs)
+    params = config_sampling_params(config)  # every sampling value checked, as SGLang will get them
+    _warn_about_sampling(config, params)
     for name in ("use_transformers_continuous_batching", "use_transformers_paged"):
         if getattr(config, name, False):
             raise ValueError(
@@ -662,7 +790,6 @@ def adapt_trl_fields(config: Any, *, world_size: int) -> None:
         )
         config.vllm_importance_sampling_mode = "token_truncate"
     if world_size > 1:
-        params = dict(config.generation_kwargs or {}, repetition_penalty=getattr(config, "repetition_penalty", 1.0))
         rescoring = rescoring_needed(params)
         budget = collective_budget_s(config.sync_timeout, config.sglang_request_timeout, rescoring)
         if getattr(config, "use_cpu", False):
@@ -707,7 +834,7 @@ def adapt_trl_fields(config: Any, *, world_size: int) -> None:
                 world_size,
                 config.sync_timeout,
                 config.sglang_request_timeout,
-                " x2 (rescoring)" if rescoring_needed(params) else "",
+                " x2 (rescoring)" if rescoring else "",
                 COLLECTIVE_MARGIN_S,
             )
             config.ddp_timeout = new

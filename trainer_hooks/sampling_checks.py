@@ -1,9 +1,11 @@
-"""The values of SGLang sampling parameters in ``generation_kwargs``, checked when the config is made.
+"""The values of SGLang sampling parameters, checked when the config is made: ``generation_kwargs``
+and TRL's own sampling fields (``temperature``, ``top_p``, ``top_k``, ``min_p``,
+``repetition_penalty``, ``max_completion_length``) as they reach SGLang.
 
 SGLang 0.5.23 refuses a request whose sampling parameters are out of range (``SamplingParams.verify``)
 with HTTP 400, which the trainer meets only at its first generation step, after the model loaded;
 a value of the wrong type (``min_new_tokens="5"``) can crash the trainer's own logic first. The
-same ranges are checked here, so that a bad value is a ``ValueError`` naming the key at start.
+same ranges are checked here, so that a bad value is a ``ValueError`` naming the setting at start.
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "repetition_penalty": (lambda v: _finite(v) and 0 < v <= 2, "a number in (0, 2]"),
     "stop_token_ids": (_token_ids, f"a list of token ids (whole numbers from 0 below {MAX_TOKEN_ID})"),
     "stop": (_strings, "a string or a list of strings"),
-    "sampling_seed": (lambda v: _whole(v) and -(2**63) <= v < 2**63, "a whole number (64-bit)"),
     "ignore_eos": _SWITCH,
     "skip_special_tokens": _SWITCH,
     "spaces_between_special_tokens": _SWITCH,
@@ -56,17 +57,29 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 default) is always fine; parameters not listed are left to SGLang."""
 
 
-def check_sampling_values(params: dict[str, Any], named: dict[str, str] | None = None) -> None:
+def check_sampling_values(
+    params: dict[str, Any], named: dict[str, str] | None = None, fields: dict[str, str] | None = None
+) -> None:
     """``ValueError`` naming the first parameter of ``params`` (SGLang names) whose value SGLang
-    would refuse; ``named`` maps an SGLang name to the name the user gave it (``eos_token_id``)."""
+    would refuse. ``named`` maps an SGLang name to the name the user gave it in ``generation_kwargs``
+    (``eos_token_id``); ``fields`` maps an SGLang name to the TRL config field its value came from
+    (``max_new_tokens`` -> ``max_completion_length``), so the message names the setting to change."""
     named = named or {}
+    fields = fields or {}
+
+    def label(key: str) -> str:
+        given = fields.get(key) or named.get(key, key)
+        alias = f" (SGLang's {key})" if given != key else ""
+        return f"{given}{alias}" if key in fields else f"generation_kwargs {given}{alias}"
+
     for key, value in params.items():
         rule = RULES.get(key)
         if rule is None or value is None or rule[0](value):
             continue
-        given = named.get(key, key)
-        alias = f" (SGLang's {key})" if given != key else ""
-        raise ValueError(f"generation_kwargs {given}{alias} must be {rule[1]}, got {value!r:.80}")
+        raise ValueError(f"{label(key)} must be {rule[1]}, got {value!r:.80}")
     low, high = params.get("min_new_tokens"), params.get("max_new_tokens")
     if low is not None and high is not None and low > high:
-        raise ValueError(f"generation_kwargs min_new_tokens={low} is above max_new_tokens={high}")
+        ceiling = fields.get("max_new_tokens", "max_new_tokens")
+        raise ValueError(
+            f"generation_kwargs min_new_tokens={low} is above {ceiling}={high}: lower min_new_tokens or raise {ceiling}"
+        )

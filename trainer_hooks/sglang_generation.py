@@ -16,7 +16,11 @@ TRL's GRPO and RLOO trainers talk to their generation backend through exactly tw
     row. They are gathered from all processes, de-duplicated with ``[::num_generations]``, sent
     to SGLang as one batch per endpoint with ``n=num_generations``, checked (integer token ids,
     weight version within ``max_staleness`` of the newest checkpoint, else retried after waiting
-    for the replica: :mod:`trainer_hooks.stale_retry`) and scattered back. Returns
+    for the replica: :mod:`trainer_hooks.stale_retry`) and scattered back, each process getting
+    the completions of its own prompts: processes may pass different numbers of prompts (TRL's
+    tool loop passes only the samples that called a tool). Every process must call it, as with
+    TRL's vLLM server backend: a process that skips a call (TRL's tool loop on a process where no
+    sample called a tool) leaves the others waiting in the gather (docs/trl-conformance.md). Returns
     ``(prompt_ids, completion_ids, logprobs, logprob_token_ids)``: lists per completion, logprobs
     shaped ``[[lp], ...]`` per token (the sampled token's logprob after temperature scaling, which
     is what TRL's importance sampling needs; when the sampling parameters change the
@@ -44,7 +48,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 
 from .adapter_publish import AdapterPublisher
 from .checkpoint_publisher import CheckpointPublisher
-from .config import rescoring_needed
+from .config import distribution_changing_keys, greedy, rescoring_needed, sglang_sampling_params
 from .rollout_metrics import RolloutMetrics
 from .sglang_endpoints import SGLangEndpoints
 from .stale_retry import GenerationRecord, StaleRetryPolicy
@@ -91,6 +95,9 @@ class SGLangGeneration:
         logprobs: 0 to return the sampled token's logprob (GRPO), None for none (RLOO).
         generation_kwargs: extra SGLang sampling parameters, by SGLang's names; they override
             the ones above.
+        structured_outputs_regex: TRL's ``vllm_structured_outputs_regex``, sent as SGLang's
+            ``regex`` (it replaces a grammar in ``generation_kwargs``; see
+            :func:`~trainer_hooks.config.sglang_sampling_params`, which builds the parameters).
 
         > Trainer hook
 
@@ -116,6 +123,7 @@ class SGLangGeneration:
         max_completion_length: int = 16,
         logprobs: int | None = 0,
         generation_kwargs: dict[str, Any] | None = None,
+        structured_outputs_regex: str | None = None,
         current_step: Callable[[], int] | None = None,
     ) -> None:
         if logprobs not in (None, 0):
@@ -142,21 +150,23 @@ class SGLangGeneration:
             raise ValueError("syncs_adapters=False contradicts the adapter publisher handed over")
         self.want_logprobs = logprobs is not None
         self.current_step = current_step
-        self.sampling_params: dict[str, Any] = {
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": -1 if not top_k else int(top_k),
-            "min_p": 0.0 if min_p is None else min_p,
-            "repetition_penalty": repetition_penalty,
-            "max_new_tokens": max_completion_length,
-            **dict(generation_kwargs or {}),
-        }
+        self.sampling_params: dict[str, Any] = sglang_sampling_params(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            max_completion_length=max_completion_length,
+            generation_kwargs=generation_kwargs,
+            structured_outputs_regex=structured_outputs_regex,
+        )
         self.logprob_source = _logprob_source(self.sampling_params, temperature, self.want_logprobs)
         """Which logprobs reach TRL's importance-sampling correction: ``"sampled"`` (SGLang's
         logprobs of the sampling distribution, after temperature), ``"rescored"`` (the model's own
         logprobs read back by a prefill-only request, because the sampling parameters change the
         distribution and the trainer compares the unprocessed model; docs/trl-conformance.md) or
-        ``"none"`` (NaN: TRL then applies no correction to those tokens)."""
+        ``"none"`` (NaN: TRL then applies no correction to those tokens; when neither of the others
+        is the trainer's temperature-scaled distribution)."""
         self.history: deque[GenerationRecord] = deque(maxlen=10_000)
         """One record per ``generate`` call on the main process (tests and debugging read it)."""
         self.metrics = RolloutMetrics()
@@ -229,9 +239,13 @@ class SGLangGeneration:
         """Generate ``num_generations`` completions per prompt group; see the module docstring."""
         profiler = profiler or nullcontext()
         accelerator = self.accelerator
-        all_prompts = gather_object(prompts)
-        # Gathered even when None: gather_object is collective and images may be None on some ranks only.
-        all_images = gather_object(images if images is not None else [None] * len(prompts))
+        # One gather of (prompts, images) per process: the lengths say where each process's completions
+        # start (TRL's tool loop passes different numbers of prompts per process). Images are gathered
+        # even when None, as [None] * len(prompts), since they may be None on some processes only.
+        gathered = gather_object([(list(prompts), list(images) if images is not None else [None] * len(prompts))])
+        counts = [len(sent) for sent, _ in gathered]
+        all_prompts = [p for sent, _ in gathered for p in sent]
+        all_images = [image for _, sent_images in gathered for image in sent_images]
         payload: tuple[list[list[int]], list[list[float | None]] | None] | None = None
         error: BaseException | None = None
         if accelerator.is_main_process:
@@ -253,6 +267,12 @@ class SGLangGeneration:
                 self.history.append(record)
                 self.metrics.add_generation(record)
                 completions = [c for group in groups for c in group]
+                if len(completions) != len(all_prompts):  # checked here, so that every process raises it
+                    raise RuntimeError(
+                        f"generate() got {len(completions)} completions back for {len(all_prompts)} prompts "
+                        f"(per process: {counts}, num_generations={num_generations}): the rollout answers do not "
+                        "match the prompts sent"
+                    )
                 if self.logprob_source == "none":
                     for c in completions:
                         c.logprobs = [None] * len(c.token_ids)
@@ -269,14 +289,9 @@ class SGLangGeneration:
             payload = box[0]
         assert payload is not None
         all_completion_ids, all_logprobs = payload
-        start = accelerator.process_index * len(prompts)
+        start = sum(counts[: accelerator.process_index])  # the processes before this one, in gather order
         local = slice(start, start + len(prompts))
         completion_ids = all_completion_ids[local]
-        if len(completion_ids) != len(prompts):
-            raise RuntimeError(
-                f"process {accelerator.process_index} expected {len(prompts)} completions, got {len(completion_ids)}: "
-                "processes passed different numbers of prompts to generate()"
-            )
         logprobs = logprob_token_ids = None
         if all_logprobs is not None:
             local_logprobs = all_logprobs[local]
@@ -319,43 +334,38 @@ class SGLangGeneration:
 
 
 def _logprob_source(params: dict[str, Any], temperature: float, want_logprobs: bool) -> str:
-    """What ``SGLangGeneration.logprob_source`` documents, decided from the sampling parameters."""
-    if not (want_logprobs and rescoring_needed(params)):
+    """What ``SGLangGeneration.logprob_source`` documents, decided from the sampling parameters and
+    the trainer's ``temperature`` (the one TRL scales its own logprobs with)."""
+    if not want_logprobs:
+        return "sampled"
+    if greedy(params) and float(temperature) != 1.0:
+        log.warning(
+            "greedy decoding (top_k=1, do_sample=False or temperature 0 in generation_kwargs) with temperature=%g "
+            "!= 1: SGLang 0.5.23 returns the logprobs of a greedy batch without temperature scaling (and with it "
+            "when the batch mixes in other requests), and a rescore is at temperature 1 too, so neither is the "
+            "trainer's temperature-scaled logprob: TRL's importance-sampling correction is off for these rollouts "
+            "(ratio 1). Use temperature=1.0 to keep it",
+            temperature,
+        )
+        return "none"
+    if not rescoring_needed(params):
         return "sampled"
     if float(temperature) == 1.0:
         log.info(
             "sampling parameters %s change SGLang's distribution (grammar, logit_bias or penalties): "
             "completions are rescored with the model's own logprobs for TRL's importance-sampling "
             "correction (one prefill-only request per batch)",
-            _processing_keys(params),
+            distribution_changing_keys(params),
         )
         return "rescored"
     log.warning(
         "sampling parameters %s change SGLang's distribution and temperature=%g != 1: SGLang "
         "0.5.23 cannot return the model's own temperature-scaled logprobs, so TRL's importance-"
         "sampling correction is off for these rollouts (ratio 1). Use temperature=1.0 to keep it",
-        _processing_keys(params),
+        distribution_changing_keys(params),
         temperature,
     )
     return "none"
-
-
-def _processing_keys(params: dict[str, Any]) -> list[str]:
-    return sorted(
-        k
-        for k in (
-            "regex",
-            "json_schema",
-            "ebnf",
-            "structural_tag",
-            "logit_bias",
-            "min_new_tokens",
-            "frequency_penalty",
-            "presence_penalty",
-            "repetition_penalty",
-        )
-        if params.get(k) not in (None, 0, 0.0, {}) and not (k == "repetition_penalty" and params[k] == 1.0)
-    )
 
 
 def _unique_prompts(all_prompts: list[list[int]], num_generations: int) -> list[list[int]]:

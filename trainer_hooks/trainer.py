@@ -186,7 +186,9 @@ def delta_writer_for(args: Any, dtype: str) -> DeltaCheckpointWriter | None:
 
 
 def _sglang_factory(config: SGLangRolloutArguments, current_step: Callable[[], int]) -> Callable[..., SGLangGeneration]:
-    """A stand-in for ``VLLMGeneration`` taking the keyword arguments TRL passes to it."""
+    """A stand-in for ``VLLMGeneration`` taking the keyword arguments TRL passes to it (the sampling
+    ones become SGLang's in :func:`~trainer_hooks.config.sglang_sampling_params`, as the config's
+    checks saw them)."""
 
     def build(
         *,
@@ -204,9 +206,6 @@ def _sglang_factory(config: SGLangRolloutArguments, current_step: Callable[[], i
         structured_outputs_regex: str | None = None,
         **vllm_only: Any,
     ) -> SGLangGeneration:
-        kwargs = dict(generation_kwargs or {})
-        if structured_outputs_regex is not None:
-            kwargs.setdefault("regex", structured_outputs_regex)  # SGLang's name for the same constraint
         return build_sglang_generation(
             model,
             accelerator,
@@ -220,7 +219,8 @@ def _sglang_factory(config: SGLangRolloutArguments, current_step: Callable[[], i
             repetition_penalty=repetition_penalty,
             max_completion_length=max_completion_length,
             logprobs=logprobs,
-            generation_kwargs=kwargs,
+            generation_kwargs=generation_kwargs,
+            structured_outputs_regex=structured_outputs_regex,
         )
 
     return build
