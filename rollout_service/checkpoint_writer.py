@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import struct
 import time
 import uuid
@@ -49,7 +50,8 @@ from .finite import count_non_finite
 from .full_writes import write_all
 from .protocol import version_for_step
 from .tree_removal import remove_tree
-from .work_folders import left_by_dead_writer, owner_tag
+from .untrusted_files import MAX_SMALL_FILE_BYTES
+from .work_folders import left_by_dead_writer, new_file, open_work_folder, owner_tag, release_work_folder
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +297,7 @@ def _write_shard(path: Path, tensors: list[tuple[str, torch.Tensor]], *, check_f
 
     # Digest on a second thread while this one sits in write() with the GIL released: the
     # digest (and the NaN/Inf count) then cost (almost) no wall time on top of the write.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="digest") as pool, open(path, "wb", buffering=0) as f:
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="digest") as pool, new_file(path) as f:
         write_all(f.fileno(), prefix)
         pending: list[tuple[str, torch.Tensor, Future[int]]] = []
         checked = 0
@@ -473,13 +475,21 @@ def check_run_id(run_id: str | None) -> str:
     return run_id
 
 
-def write_manifest(tmp: Path, step: int, files: dict[str, FileEntry], *, tensor_count: int, **fields: Any) -> Manifest:
-    """Write ``manifest.json`` (last, describing ``files``) into a step's work folder; return it.
+MAX_MANIFEST_BYTES = MAX_SMALL_FILE_BYTES
+"""The largest ``manifest.json`` readers read (they refuse a larger one as ``too_large``): a
+full or adapter step's lists its files only (kilobytes), a delta's every tensor of the model
+(~300 bytes each: ~55,000 tensors fill it). The delta writer publishes in full a version whose
+delta manifest would not fit; :func:`write_manifest` refuses any that does not."""
+MANIFEST_TIME_SLACK = 32
+"""Bytes a manifest measured before its files are written may grow by when it is written: its
+``created_at`` is taken again then, and a float's text varies in length by a few characters."""
 
-    The one place that fills what every kind's manifest shares: step, weight version, time,
-    writer and total size; ``fields`` are the rest (dtype, base_model, run_id, kind, ...).
-    """
-    manifest = Manifest(
+
+def new_manifest(step: int, files: dict[str, FileEntry], *, tensor_count: int, **fields: Any) -> Manifest:
+    """The manifest of ``step`` describing ``files``: the one place that fills what every kind's
+    manifest shares (step, weight version, time, writer and total size); ``fields`` are the rest
+    (dtype, base_model, run_id, kind, ...)."""
+    return Manifest(
         step=step,
         weight_version=version_for_step(step),
         created_at=time.time(),
@@ -489,7 +499,29 @@ def write_manifest(tmp: Path, step: int, files: dict[str, FileEntry], *, tensor_
         files=files,
         **fields,
     )
-    write_small(tmp / MANIFEST_NAME, manifest.to_json())
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    """``manifest`` as written, or :class:`PublishRefused` (``manifest_too_large``) when readers
+    would refuse it (over :data:`MAX_MANIFEST_BYTES`)."""
+    raw = manifest.to_json().encode()
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise PublishRefused(
+            f"the manifest of step {manifest.step} ({manifest.kind}, {manifest.tensor_count} tensors) would be"
+            f" {len(raw)} bytes, more than the {MAX_MANIFEST_BYTES} readers read: every reader would refuse it."
+            " Nothing was published",
+            tensor="",
+            rule="manifest_too_large",
+        )
+    return raw
+
+
+def write_manifest(tmp: Path, step: int, files: dict[str, FileEntry], *, tensor_count: int, **fields: Any) -> Manifest:
+    """Write ``manifest.json`` (last, describing ``files``, see :func:`new_manifest`) into a step's
+    work folder; return it. One readers would refuse as too large raises :class:`PublishRefused`
+    (see :func:`manifest_bytes`): the step is not published."""
+    manifest = new_manifest(step, files, tensor_count=tensor_count, **fields)
+    write_small(tmp / MANIFEST_NAME, manifest_bytes(manifest))
     return manifest
 
 
@@ -501,23 +533,34 @@ def writer_identity() -> dict[str, Any]:
 def atomic_step_dir(root: Path | str, step: int) -> Iterator[Path]:
     """A hidden work folder that becomes ``<root>/step-<step>`` by one rename when the block ends.
 
+    The folder is this writer's alone while it is written (see
+    :data:`~rollout_service.work_folders.WORK_FOLDER_MODE`; create files in it with
+    :func:`~rollout_service.work_folders.new_file`) and gets the usual mode just before the rename.
     Everything written in it is fsynced first; on any error before the rename the folder is
     removed (nothing of the step is visible). Raises ``FileExistsError`` when the step is already
-    published (steps are immutable), or when anything else holds its name (a stray file or link).
-    Once renamed, the step is published: a failure to fsync the root then is logged, not raised
-    (the step is visible and complete; only its durability across a power loss is in doubt).
+    published (steps are immutable), or when anything else holds its name (a stray file, a link, a
+    folder without a manifest). Once renamed, the step is published: a failure to fsync the root
+    then is logged, not raised (the step is visible and complete; only its durability across a
+    power loss is in doubt).
     """
     root = Path(root)
     name = step_dir_name(step)
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
-    if os.path.lexists(final):
-        what = "already published" if final.is_dir() else "taken by something that is not a checkpoint (remove it)"
+    published = is_published_dir(final)
+    if published is not None:
+        what = (
+            "already published"
+            if published
+            else "taken by something that is not a checkpoint (a file, a link, or a folder without"
+            f" {MANIFEST_NAME}: remove it)"
+        )
         raise FileExistsError(f"{final} is {what}; steps are immutable, publish a new step instead")
     tmp = root / f"{TEMP_PREFIX}{name}-{owner_tag()}-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
+    dir_fd = open_work_folder(tmp)
     try:
         yield tmp
+        release_work_folder(dir_fd)
         fsync_dir(tmp)
         if os.path.lexists(final):
             raise FileExistsError(f"{final} was published by another writer meanwhile")
@@ -528,6 +571,8 @@ def atomic_step_dir(root: Path | str, step: int) -> Iterator[Path]:
         except Exception as exc:
             log.warning("could not remove %s after a failed publish (%s): remove it by hand", tmp, exc)
         raise
+    finally:
+        os.close(dir_fd)
     try:
         fsync_dir(root)
     except OSError as exc:
@@ -546,16 +591,45 @@ def config_text(config: dict[str, Any] | Path | str | bytes) -> str | bytes:
     return Path(config).read_bytes()
 
 
-def write_small(path: Path, data: str | bytes) -> FileEntry:
-    """Write a small file, fsync it, and return its manifest entry."""
-    raw = data.encode() if isinstance(data, str) else data
-    with open(path, "wb") as f:
-        f.write(raw)
-        f.flush()
-        os.fsync(f.fileno())
+def is_published_dir(path: Path) -> bool | None:
+    """Whether ``path`` is a real folder holding a ``manifest.json`` file; None when it is gone.
+
+    Publishing renames a complete folder, manifest written last, into place, so a folder without
+    one was never published, nor was a file or a link (looked at with ``lstat`` only: never
+    followed). Any other error (EIO, EACCES) counts as published: retention then meets a
+    checkpoint it cannot read, and deletes nothing that checkpoint might need.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return True
+    if not stat.S_ISDIR(mode):
+        return False
+    try:
+        return stat.S_ISREG(os.lstat(path / MANIFEST_NAME).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+
+
+def file_entry(raw: bytes) -> FileEntry:
+    """The manifest entry of a file holding ``raw``."""
     hasher = new_hasher()
     hasher.update(raw)
     return FileEntry(size=len(raw), digest=format_digest(hasher))
+
+
+def write_small(path: Path, data: str | bytes) -> FileEntry:
+    """Write a small file new in a work folder (:func:`~rollout_service.work_folders.new_file`),
+    fsync it, and return its manifest entry."""
+    raw = data.encode() if isinstance(data, str) else data
+    with new_file(path) as f:
+        write_all(f.fileno(), raw)
+        os.fsync(f.fileno())
+    return file_entry(raw)
 
 
 def cleanup_stale_temp_dirs(root: Path | str, older_than_s: float = 3600.0) -> list[Path]:

@@ -15,8 +15,10 @@ A publish is then either
   version, every ``full_every`` versions, after a restart (nothing in memory), when names,
   shapes, dtypes or their order change, when the previous version is no longer published as
   it was, when an earlier publish failed, when a delta would exceed ``max_ratio`` of the
-  full size, and (with ``costs``, :mod:`~rollout_service.delta_choice`) while full publishes
-  measure faster than deltas on this storage.
+  full size, when its manifest (which lists every tensor) would be larger than readers read
+  (``MAX_MANIFEST_BYTES``: a model of ~55,000 tensors or more), and (with ``costs``,
+  :mod:`~rollout_service.delta_choice`) while full publishes measure faster than deltas on this
+  storage.
 
 The work is split in two so that a trainer can gather in the foreground and write in the
 background: :meth:`absorb` consumes the weights (the collective part), :meth:`write` writes
@@ -62,6 +64,8 @@ from .checkpoint_writer import (
     _TAG_TO_TORCH,
     _TORCH_TO_TAG,
     DEFAULT_MAX_SHARD_BYTES,
+    MANIFEST_TIME_SLACK,
+    MAX_MANIFEST_BYTES,
     PublishRefused,
     PublishResult,
     ShardPlanner,
@@ -73,7 +77,9 @@ from .checkpoint_writer import (
     config_text,
     count_non_finite_bytes,
     duplicate_refusal,
+    file_entry,
     index_json,
+    new_manifest,
     non_finite_refusal,
     publish_checkpoint,
     shard_file_names,
@@ -141,6 +147,38 @@ class _Base:
 
 
 @dataclass
+class _DeltaPlan:
+    """A delta's files and manifest, laid out before anything is written: the size of its
+    manifest (:attr:`manifest_bytes`) decides whether it may be published at all."""
+
+    shards: list[list[str]]
+    """The tensors of each shard of the full checkpoint the delta stands for."""
+    names: list[str]
+    """Those shards' file names."""
+    prefixes: list[bytes]
+    """Those shards' headers (what a full publish writes first)."""
+    delta_files: list[str | None]
+    """Per shard, the delta file that holds its changed tensors' blobs (None: none changed)."""
+    small: dict[str, bytes]
+    """The index (sharded only) and the config, as written."""
+    files: dict[str, FileEntry]
+    """The delta's files; a delta file's digest is a stand-in until it is written."""
+    target: dict[str, FileEntry]
+    """The full checkpoint's files; a shard's digest is a stand-in until it is hashed."""
+    tensors: dict[str, DeltaTensor]
+    """Every tensor's entry; a digest not known yet is a stand-in until its shard is hashed."""
+    fields: dict[str, Any]
+    """The manifest's other fields (see :func:`~rollout_service.checkpoint_writer.new_manifest`)."""
+    manifest_bytes: int = 0
+    """The size of the manifest with the stand-ins (the real one differs by at most
+    ``MANIFEST_TIME_SLACK``: every digest has the same length)."""
+
+
+_UNKNOWN_DIGEST = format_digest(new_hasher())
+"""A stand-in for a digest not computed yet when a manifest is measured (every digest has this length)."""
+
+
+@dataclass
 class DeltaStats:
     """What the last publish wrote, for logs and benchmarks."""
 
@@ -197,6 +235,8 @@ class DeltaCheckpointWriter:
         self._scratch = threading.local()
         """Per encode thread: its cast and XOR buffers and its compressor, kept across versions."""
         self.costs = costs
+        self._manifest_floor: tuple[tuple[Any, ...], int] | None = None
+        """(layout, bytes): the smallest delta manifest of that layout (see :meth:`_delta_manifest_floor`)."""
         self._said_full_is_faster = False
         """The log says full publishes measure faster (said once, until deltas win again)."""
         self.last = DeltaStats()
@@ -271,11 +311,15 @@ class DeltaCheckpointWriter:
             why_full = f"a full checkpoint every {full_every} versions"
             if full_every < self.full_every:
                 why_full += f" (a chain of this model's deltas may list at most {MAX_CHAIN_FRAMES} frames)"
-        probe = False
+        else:
+            floor = self._delta_manifest_floor(base, max_shard_bytes)
+            if floor + MANIFEST_TIME_SLACK > MAX_MANIFEST_BYTES:
+                why_full = _manifest_too_large(floor, len(self._order), "even with none changed")
+        probe = auto_full = False  # auto_full: full only because full publishes measure faster
         if not why_full and self.costs is not None:
             choice = self.costs.choose()
             why_full, probe = choice.reason, choice.probe
-        auto_full = bool(why_full) and base is not None and base.deltas_since_full + 1 < full_every
+            auto_full = bool(why_full)
         delta = not why_full
         why_no_base = self._why_no_base
         self._base = None  # until this version is written, nothing is a valid base
@@ -479,6 +523,7 @@ class DeltaCheckpointWriter:
         run_id = check_run_id(run_id)
         full_bytes = self._full_data_bytes()
         kind, why_full = ("delta", "") if absorbed.delta else ("full", absorbed.why_full)
+        plan: _DeltaPlan | None = None
         if kind == "delta":
             assert base is not None
             delta_bytes = sum(len(b) for b in absorbed.blobs.values())
@@ -491,11 +536,24 @@ class DeltaCheckpointWriter:
                         f" {self.max_ratio:g}"
                     ),
                 )
-            elif not _still_published(Path(root), base):
-                kind, why_full = (
-                    "full",
-                    f"the chain of step {base.step} (the delta's base) is no longer published as it was",
+            elif (gone := _chain_gone(Path(root), base)) is not None:
+                kind, why_full = "full", gone
+            else:
+                if config is None:
+                    raise ValueError("a delta checkpoint needs the model's config (config.json)")
+                plan = self._plan_delta(
+                    step,
+                    base,
+                    absorbed,
+                    config=config,
+                    max_shard_bytes=max_shard_bytes,
+                    base_model=base_model,
+                    run_id=run_id,
                 )
+                if plan.manifest_bytes + MANIFEST_TIME_SLACK > MAX_MANIFEST_BYTES:
+                    changed = f"with {len(absorbed.blobs)} changed"
+                    kind, why_full = "full", _manifest_too_large(plan.manifest_bytes, len(self._order), changed)
+                    plan = None
         t0 = time.perf_counter()
         try:
             if kind == "full":
@@ -511,17 +569,8 @@ class DeltaCheckpointWriter:
                 )
                 new_base = _Base(step, result.fingerprint, step, 0, result.fingerprint)
             else:
-                assert base is not None
-                result = self._write_delta(
-                    Path(root),
-                    step,
-                    base,
-                    absorbed,
-                    config=config,
-                    max_shard_bytes=max_shard_bytes,
-                    base_model=base_model,
-                    run_id=run_id,
-                )
+                assert base is not None and plan is not None
+                result = self._write_delta(Path(root), step, base, absorbed, plan, max_shard_bytes=max_shard_bytes)
                 new_base = _Base(
                     step,
                     result.fingerprint,
@@ -576,9 +625,22 @@ class DeltaCheckpointWriter:
     def _full_data_bytes(self) -> int:
         return sum(h.nbytes for h in self._held.values())
 
-    def _write_delta(
+    def _delta_manifest_floor(self, base: _Base, max_shard_bytes: int) -> int:
+        """The size of the manifest of a delta on the held version in which no tensor changed: every
+        delta of this layout lists at least that (every tensor's entry, every shard's). Measured
+        once per layout (names, dtypes, shapes, order) and shard size: a full serialisation
+        (~1 s for 60,000 tensors)."""
+        layout = (max_shard_bytes, tuple((n, self._held[n].tag, self._held[n].shape) for n in self._order))
+        if self._manifest_floor is None or self._manifest_floor[0] != layout:
+            nothing = Absorbed(delta=True, blobs={}, frames={}, dtype=None, seconds=0.0)
+            plan = self._plan_delta(
+                base.step, base, nothing, config=None, max_shard_bytes=max_shard_bytes, base_model=None, run_id=None
+            )
+            self._manifest_floor = (layout, plan.manifest_bytes)
+        return self._manifest_floor[1]
+
+    def _plan_delta(
         self,
-        root: Path,
         step: int,
         base: _Base,
         absorbed: Absorbed,
@@ -586,73 +648,99 @@ class DeltaCheckpointWriter:
         config: dict[str, Any] | Path | str | None,
         max_shard_bytes: int,
         base_model: str | None,
-        run_id: str,
-    ) -> PublishResult:
-        t0 = time.perf_counter()
-        if config is None:
-            raise ValueError("a delta checkpoint needs the model's config (config.json)")
+        run_id: str | None,
+    ) -> _DeltaPlan:
+        """Lay out the delta of ``absorbed`` on ``base`` before anything is written: its files, the
+        full checkpoint's, every tensor's entry, and the size of its manifest (measured with
+        stand-ins for the digests not computed yet, which have the same length). ``config`` None
+        leaves the config out (only to measure, see :meth:`_delta_manifest_floor`)."""
         shards = _plan_shards(self._order, self._held, max_shard_bytes)
-        hashed = absorbed.shard_digests if absorbed.max_shard_bytes == max_shard_bytes else None
         names = shard_file_names(len(shards))
+        plan = _DeltaPlan(shards, names, [], [], {}, {}, {}, {}, {})
+        weight_map: dict[str, str] = {}
+        for i, (shard, members) in enumerate(zip(names, shards), start=1):
+            prefix, data_len = shard_prefix((n, self._held[n].tag, self._held[n].shape) for n in members)
+            plan.prefixes.append(prefix)
+            plan.target[shard] = FileEntry(size=len(prefix) + data_len, digest=_UNKNOWN_DIGEST, tensors=len(members))
+            changed = [n for n in members if n in absorbed.blobs]
+            delta_file = f"delta-{i:05d}-of-{len(shards):05d}.safetensors" if changed else None
+            plan.delta_files.append(delta_file)
+            if delta_file is not None:  # what _write_shard writes: a header, then the blobs as U8 tensors
+                head, blob_bytes = shard_prefix((n, "U8", (len(absorbed.blobs[n]),)) for n in changed)
+                plan.files[delta_file] = FileEntry(
+                    size=len(head) + blob_bytes, digest=_UNKNOWN_DIGEST, tensors=len(changed)
+                )
+            for n in members:
+                h = self._held[n]
+                weight_map[n] = shard
+                plan.tensors[n] = DeltaTensor(
+                    shard=shard,
+                    dtype=h.tag,
+                    shape=list(h.shape),
+                    digest=h.digest or _UNKNOWN_DIGEST,
+                    delta_file=delta_file if n in absorbed.blobs else None,
+                    frames=absorbed.frames.get(n),
+                )
+        if len(shards) > 1:
+            plan.small[INDEX_NAME] = index_json(weight_map, self._full_data_bytes()).encode()
+        if config is not None:
+            text = config_text(config)
+            plan.small[CONFIG_NAME] = text.encode() if isinstance(text, str) else text
+        for name, raw in plan.small.items():
+            plan.files[name] = plan.target[name] = file_entry(raw)
+        plan.fields = dict(
+            base_model=base_model,
+            dtype=absorbed.dtype,
+            tensor_count=len(self._order),
+            run_id=run_id,
+            kind="delta",
+            delta=DeltaInfo(
+                base_step=base.step,
+                base_fingerprint=base.fingerprint,
+                chain_start=base.chain_start,
+                target_files=plan.target,
+                tensors=plan.tensors,
+                frame_bytes=delta_codec.CHUNK_BYTES,
+                changed_tensors=len(absorbed.blobs),
+                changed_bytes=absorbed.changed_bytes,
+            ),
+        )
+        plan.manifest_bytes = len(new_manifest(step, plan.files, **plan.fields).to_json().encode())
+        return plan
+
+    def _write_delta(
+        self, root: Path, step: int, base: _Base, absorbed: Absorbed, plan: _DeltaPlan, *, max_shard_bytes: int
+    ) -> PublishResult:
+        """Write the delta laid out in ``plan`` (see :meth:`_plan_delta`), filling in its digests."""
+        t0 = time.perf_counter()
+        hashed = absorbed.shard_digests if absorbed.max_shard_bytes == max_shard_bytes else None
+        files, target = plan.files, plan.target
         with atomic_step_dir(root, step) as tmp:
-            files: dict[str, FileEntry] = {}
-            target: dict[str, FileEntry] = {}
-            tensors: dict[str, DeltaTensor] = {}
-            weight_map: dict[str, str] = {}
-            for i, (shard, members) in enumerate(zip(names, shards), start=1):
-                prefix, data_len = shard_prefix((n, self._held[n].tag, self._held[n].shape) for n in members)
+            for i, (shard, members) in enumerate(zip(plan.names, plan.shards)):
                 if hashed is not None:
-                    digest = hashed[i - 1]
+                    digest = hashed[i]
                 else:
                     hasher = new_hasher()
-                    hasher.update(prefix)
+                    hasher.update(plan.prefixes[i])
                     for n in members:
                         _hash_held(self._held[n], hasher)
                     digest = format_digest(hasher)
-                target[shard] = FileEntry(size=len(prefix) + data_len, digest=digest, tensors=len(members))
-                changed = [n for n in members if n in absorbed.blobs]
-                delta_file = f"delta-{i:05d}-of-{len(shards):05d}.safetensors" if changed else None
+                target[shard].digest = digest
+                delta_file = plan.delta_files[i]
                 if delta_file is not None:
                     files[delta_file] = _write_shard(
                         tmp / delta_file,
-                        [(n, torch.frombuffer(bytearray(absorbed.blobs[n]), dtype=torch.uint8)) for n in changed],
+                        [
+                            (n, torch.frombuffer(bytearray(absorbed.blobs[n]), dtype=torch.uint8))
+                            for n in members
+                            if n in absorbed.blobs
+                        ],
                     )
-                for n in members:
-                    h = self._held[n]
-                    weight_map[n] = shard
-                    tensors[n] = DeltaTensor(
-                        shard=shard,
-                        dtype=h.tag,
-                        shape=list(h.shape),
-                        digest=h.digest,
-                        delta_file=delta_file if n in absorbed.blobs else None,
-                        frames=absorbed.frames.get(n),
-                    )
-            if len(shards) > 1:
-                files[INDEX_NAME] = target[INDEX_NAME] = write_small(
-                    tmp / INDEX_NAME, index_json(weight_map, self._full_data_bytes())
-                )
-            files[CONFIG_NAME] = target[CONFIG_NAME] = write_small(tmp / CONFIG_NAME, config_text(config))
-            manifest = write_manifest(
-                tmp,
-                step,
-                files,
-                base_model=base_model,
-                dtype=absorbed.dtype,
-                tensor_count=len(self._order),
-                run_id=run_id,
-                kind="delta",
-                delta=DeltaInfo(
-                    base_step=base.step,
-                    base_fingerprint=base.fingerprint,
-                    chain_start=base.chain_start,
-                    target_files=target,
-                    tensors=tensors,
-                    frame_bytes=delta_codec.CHUNK_BYTES,
-                    changed_tensors=len(absorbed.blobs),
-                    changed_bytes=absorbed.changed_bytes,
-                ),
-            )
+            for n, entry in plan.tensors.items():
+                entry.digest = self._held[n].digest
+            for name, raw in plan.small.items():
+                write_small(tmp / name, raw)
+            manifest = write_manifest(tmp, step, files, **plan.fields)
         total = time.perf_counter() - t0
         full = sum(e.size for e in target.values())
         log.info(
@@ -679,6 +767,14 @@ class DeltaCheckpointWriter:
             fingerprint=manifest.fingerprint(),
             full_bytes=full,
         )
+
+
+def _manifest_too_large(size: int, tensors: int, how: str) -> str:
+    """Why a version is published in full: its delta's manifest would be ``size`` bytes."""
+    return (
+        f"a delta's manifest lists every tensor: this model's {tensors} ({how}) would make it"
+        f" {size / 2**20:.1f} MiB, more than the {MAX_MANIFEST_BYTES / 2**20:g} MiB readers read"
+    )
 
 
 def _plan_shards(order: list[str], held: dict[str, _Held], max_shard_bytes: int) -> list[list[str]]:
@@ -805,17 +901,24 @@ def _hash_held(h: _Held, shard_hasher: Any) -> None:
         h.digest = format_digest(own)
 
 
-def _still_published(root: Path, base: _Base) -> bool:
-    """The base step and its chain's full step are under the root with the manifests this writer
-    wrote (not pruned, not replaced), and the deltas between them are there: a delta on ``base``
-    could be rebuilt (two manifest reads and a look per delta between)."""
-    try:
-        if Manifest.load(root / step_dir_name(base.step), root=root).fingerprint() != base.fingerprint:
-            return False
-        if base.chain_start != base.step and (
-            Manifest.load(root / step_dir_name(base.chain_start), root=root).fingerprint() != base.chain_fingerprint
-        ):
-            return False
-    except CheckpointError:
-        return False
-    return all(os.path.isdir(root / step_dir_name(s)) for s in base.between)
+def _chain_gone(root: Path, base: _Base) -> str | None:
+    """Why a delta on ``base`` could not be rebuilt from what the root holds now; None when it
+    could: the base step and its chain's full step are under the root with the manifests this
+    writer wrote (not pruned, not replaced, readable), and the deltas between them are there (two
+    manifest reads and a look per delta between)."""
+    gone = f"the chain of step {base.step} (the delta's base) is no longer published as it was"
+    links = [(base.step, base.fingerprint)]
+    if base.chain_start != base.step:
+        links.append((base.chain_start, base.chain_fingerprint))
+    for step, fingerprint in links:
+        try:
+            found = Manifest.load(root / step_dir_name(step), root=root).fingerprint()
+        except CheckpointError as exc:
+            if exc.reason in ("unreadable", "too_large"):  # not known to be gone: still no delta on it
+                return f"the chain of step {base.step} (the delta's base) cannot be read now: {exc.reason}: {exc}"
+            return gone
+        if found != fingerprint:
+            return gone
+    if not all(os.path.isdir(root / step_dir_name(s)) for s in base.between):
+        return gone
+    return None

@@ -207,15 +207,24 @@ def atomic_replace(dir_fd: int, name: str, data: bytes, *, owner: str = "") -> N
         raise
 
 
-def read_acks(root: Path, *, max_age_s: float | None = None) -> dict[str, dict[str, Any]]:
+class AcksCutShort(RuntimeError):
+    """``<root>/acks`` was not read to its end (see :func:`list_acks`): an ack may have been
+    missed, so what the replicas hold is not known whole. Raised for callers that must not act on
+    part of it (retention: a step a missed replica serves would be deleted)."""
+
+
+def read_acks(root: Path, *, max_age_s: float | None = None, whole: bool = False) -> dict[str, dict[str, Any]]:
     """Ack payloads by replica id; with ``max_age_s``, only replicas whose heartbeat is that fresh.
 
     Reads as :func:`list_acks` does (bounded; files that are not small regular JSON objects are
     skipped, the root is untrusted), and with ``max_age_s`` also skips acks whose heartbeat
-    :func:`heartbeat_problem` refuses. A listing cut short is logged as a warning.
+    :func:`heartbeat_problem` refuses. A listing cut short is logged as a warning, or with
+    ``whole`` raises :class:`AcksCutShort` saying why.
     """
     listing = list_acks(root)
     if listing.cut_short is not None:
+        if whole:
+            raise AcksCutShort(listing.cut_short)
         log.warning("%s", listing.cut_short)
     if max_age_s is None:
         return listing.acks

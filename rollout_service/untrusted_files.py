@@ -118,19 +118,44 @@ def any_failure_is_the_steps(name: str, what: str = "checkpoint") -> Iterator[No
         raise CheckpointError("unreadable", f"{name} cannot be read: {type(exc).__name__}: {str(exc)[:200]}") from None
 
 
+class UnreadableFile(CheckpointError, OSError):
+    """``CheckpointError('unreadable')`` for a file whose read failed in the storage once it was
+    open (``EIO``, ``ESTALE``), naming the file. It is also the ``OSError`` the read raised (the
+    same ``errno``, no file name), so that code that tells the storage's faults apart by
+    ``OSError`` still does: the sidecar's stage counts a copy's manifest that its own failing disk
+    cannot read as its fault (tried again), not the step's."""
+
+    def __init__(self, code: int | None, message: str):
+        CheckpointError.__init__(self, "unreadable", message)
+        self.errno, self.strerror = code, message
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 def read_small(root: Path, path: Path, *, where: str, max_bytes: int = MAX_SMALL_FILE_BYTES) -> bytes:
-    """The bytes of a small regular file under ``root``, never more than ``max_bytes``."""
-    with open_regular(root, path, where=where, max_bytes=max_bytes) as (fd, _):
-        chunks = []
-        total = 0
-        while True:
-            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > max_bytes:  # the file grew after fstat
-                raise CheckpointError("too_large", f"{where} holds more than {max_bytes} bytes")
+    """The bytes of a small regular file under ``root``, never more than ``max_bytes``.
+
+    Raises ``CheckpointError``: as :func:`open_regular` does, ``too_large``, and for a read the
+    storage fails (an I/O error, a stale NFS handle) :class:`UnreadableFile` naming the file."""
+    try:
+        with open_regular(root, path, where=where, max_bytes=max_bytes) as (fd, _):
+            chunks = []
+            total = 0
+            while True:
+                chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                total += len(chunk)
+                if total > max_bytes:  # the file grew after fstat
+                    raise CheckpointError("too_large", f"{where} holds more than {max_bytes} bytes")
+    except CheckpointError:
+        raise
+    except OSError as exc:  # read, fstat or close: the storage's error, on this file
+        raise UnreadableFile(
+            exc.errno, f"{where} cannot be read: {exc.strerror or exc} (the storage failed while reading it)"
+        ) from exc
     return b"".join(chunks)
 
 

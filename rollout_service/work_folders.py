@@ -5,15 +5,22 @@ A publisher's ``.tmp-step-*`` folder in the checkpoint root and ``materialize``'
 and PID namespace, so that containers sharing a host name do not mistake each other's processes)
 and the PID. :func:`left_by_dead_writer` tells a folder whose writer is gone, which may be removed
 however young it is, from one a live process is still filling.
+
+A work folder lies in a root that other processes may write into, so it is made its writer's
+alone (:data:`WORK_FOLDER_MODE`) until it is renamed into place, and every file in it is made new
+by :func:`new_file` (never through a link or over a file someone planted there).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import logging
 import os
 import re
 import socket
+import stat
 from pathlib import Path
 
 from .tree_removal import remove_tree
@@ -21,6 +28,74 @@ from .tree_removal import remove_tree
 log = logging.getLogger(__name__)
 
 _TAG_RE = re.compile(r"-h([0-9a-f]{8})p([0-9]+)-[0-9a-f]{12}$", re.ASCII)
+
+WORK_FOLDER_MODE = 0o700
+"""A work folder's mode while it is written: its writer's alone, so that no other user of a
+shared root can plant a file or a link in it (a link written through would make the writer
+overwrite a file outside the root). :func:`open_work_folder` makes it; :func:`release_work_folder`
+gives it the mode a folder of this process gets from ``mkdir`` (``0o777`` less the umask, what
+published steps always had) just before it is renamed into place, so that readers running as
+other users can read it."""
+_NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+
+
+def open_work_folder(path: Path) -> int:
+    """Make the work folder ``path`` (:data:`WORK_FOLDER_MODE`) and return a descriptor of it (close
+    it): :func:`release_work_folder` changes the mode of the folder made here, not of whatever
+    someone may have put at its name since."""
+    os.mkdir(path, WORK_FOLDER_MODE)
+    try:
+        return os.open(path, _DIR_FLAGS)
+    except BaseException:
+        os.rmdir(path)
+        raise
+
+
+def release_work_folder(dir_fd: int) -> None:
+    """Give the work folder open as ``dir_fd`` the mode ``mkdir`` gives a folder of this process
+    (the umask's; a set-group-ID bit it inherited stays): done once nothing more is written in it,
+    before it is synced and renamed into place."""
+    special = stat.S_IMODE(os.fstat(dir_fd).st_mode) & ~0o777
+    os.fchmod(dir_fd, special | (0o777 & ~current_umask()))
+
+
+def current_umask() -> int:
+    """This process's umask, read where Linux shows it (``/proc/self/status``, since 4.7); elsewhere
+    set and put back at once (``os.umask`` is the only other way to learn it)."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def new_file(path: Path) -> io.FileIO:
+    """``path`` in a work folder, made new and open for writing (unbuffered: write with
+    :func:`~rollout_service.full_writes.write_all`). The one way writers create files there.
+
+    Made with ``O_EXCL | O_NOFOLLOW`` in the folder opened with ``O_NOFOLLOW``: a link planted at
+    the file's name or at the folder's is never written through, and a file planted there is
+    never written over; ``FileExistsError`` then says what happened (nothing of the step is
+    published). The mode is what ``open(path, "wb")`` gives (``0o666`` less the umask)."""
+    dir_fd = os.open(path.parent, _DIR_FLAGS)
+    try:
+        fd = os.open(path.name, _NEW_FILE_FLAGS, 0o666, dir_fd=dir_fd)
+    except FileExistsError:
+        raise FileExistsError(
+            errno.EEXIST,
+            f"{path.name} exists already in the work folder {path.parent}, which only this writer writes"
+            " into: another process put it there (a file or a link); nothing of the step is published."
+            " Check who else writes into the checkpoint root",
+        ) from None
+    finally:
+        os.close(dir_fd)
+    return io.FileIO(fd, "wb", closefd=True)
 
 
 def owner_tag(pid: int | None = None) -> str:

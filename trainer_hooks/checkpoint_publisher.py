@@ -12,9 +12,11 @@ on the calling thread (the gather, which is collective), then a job writes the c
 waits for the replicas; it returns a ``concurrent.futures.Future`` of the job. In the
 foreground the job runs at once on the calling thread; in the background it runs on a worker
 thread while training goes on (at most one is in flight: the next sync first waits for it, and
-an error in the worker is raised by the next call into the publisher). A checkpoint the caller
-writes itself (the LoRA adapter, ``adapter_publish.py``) takes the same path through
-:meth:`CheckpointPublisher.publish_prepared`, with the caller's writer as the job's write.
+an error in the worker is raised by the next call into the publisher; that wait logs its
+progress and gives up on a write blocked in the storage, see :func:`background_sync_bound_s`).
+A checkpoint the caller writes itself (the LoRA adapter, ``adapter_publish.py``) takes the same
+path through :meth:`CheckpointPublisher.publish_prepared`, with the caller's writer as the job's
+write.
 
 Taking in depends on what the job needs to outlive the live parameters:
 
@@ -38,7 +40,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -49,7 +51,9 @@ from rollout_service.checkpoint_format import MAX_STEP, CheckpointError, new_run
 from rollout_service.checkpoint_reader import PublishedCheckpoint
 from rollout_service.checkpoint_writer import PublishResult, cleanup_stale_temp_dirs, publish_checkpoint
 from rollout_service.delta_writer import DeltaCheckpointWriter
-from rollout_service.protocol import read_acks
+from rollout_service.full_writes import bytes_written
+from rollout_service.protocol import AcksCutShort, read_acks
+from rollout_service.sidecar.root_gate import RootUnresponsive
 
 from .checkpoint_dtype import target_dtype
 from .checkpoint_retention import StepEntries, list_step_entries, newest_checkpoints, prune_checkpoints
@@ -58,6 +62,55 @@ from .replica_wait import ReplicaWaiter, RootLooks
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+JOIN_PROGRESS_EVERY_S = 30.0
+"""How often a sync waiting for the background one before it logs that it still waits."""
+JOIN_POLL_S = 1.0
+"""How often that wait looks at the background sync's progress."""
+WRITE_ALLOWANCE_BYTES_PER_S = 10e6
+"""The slowest storage a background write is given time for: 10 MB/s (a 15 GB checkpoint: 25
+minutes). Slower, and still writing, it is waited for all the same (see :func:`background_sync_bound_s`)."""
+WRITE_ALLOWANCE_BASE_S = 60.0
+"""Time every background write is given besides its bytes (opening, fsyncs, renames)."""
+PRUNE_SKIPPED_LOG_EVERY_S = 600.0
+"""How often the same reason to leave old checkpoints in place (acks not all read) is logged again."""
+
+
+def background_sync_bound_s(sync_timeout_s: float, bytes_to_write: int) -> float:
+    """How long a background sync may run before the next sync gives up waiting for it: its write
+    at :data:`WRITE_ALLOWANCE_BYTES_PER_S` plus :data:`WRITE_ALLOWANCE_BASE_S`, then its wait for
+    the replicas and its retention (``sync_timeout_s`` each: both give up on their own by then).
+
+    Past it, the wait gives up only once nothing was written for ``sync_timeout_s`` (a write
+    blocked in the storage: a hung NFS server); a write that is slow but moving is waited for.
+    """
+    return WRITE_ALLOWANCE_BASE_S + bytes_to_write / WRITE_ALLOWANCE_BYTES_PER_S + 2 * sync_timeout_s
+
+
+@dataclass
+class _BackgroundJob:
+    """The background sync in flight, as :meth:`CheckpointPublisher.join` watches it."""
+
+    version: int
+    bytes_to_write: int
+    """What its write writes at most (0: not known); it decides its bound (:func:`background_sync_bound_s`)."""
+    started: float
+    """``time.monotonic()`` when it was submitted."""
+    written_before: int
+    """:func:`~rollout_service.full_writes.bytes_written` then."""
+    written: int = 0
+    """Bytes written since, when last looked at."""
+    moved_at: float = 0.0
+    """``time.monotonic()`` when that count last moved (at first, when the job started)."""
+
+    def __post_init__(self) -> None:
+        self.moved_at = self.moved_at or self.started
+
+    def look(self, now: float) -> None:
+        """Take in the bytes written so far."""
+        written = bytes_written() - self.written_before
+        if written != self.written:
+            self.written, self.moved_at = written, now
 
 
 @dataclass
@@ -157,6 +210,10 @@ class CheckpointPublisher:
         self._records_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._future: Future[SyncRecord] | None = None
+        self._job: _BackgroundJob | None = None
+        """What :attr:`_future` runs (its version, how far its write got)."""
+        self._prune_skipped_said: float | None = None
+        """When the log last said retention is skipped (acks not all read); None: it is not."""
         self._torch_dtype = target_dtype(dtype)
         self._pinned: dict[str, torch.Tensor] = {}
         """Pinned host buffers of the last background snapshot, reused by the next one."""
@@ -232,20 +289,15 @@ class CheckpointPublisher:
         timed = _TimedIterator(tensors)
         t0 = time.perf_counter()
         try:
-            write, streams = self._take_in(timed, background)
+            write, streams, bytes_to_write = self._take_in(timed, background)
         except BaseException:
             timed.drain()
             raise
         taken_s = time.perf_counter() - t0
-
-        def write_all(version: int) -> PublishResult:
-            try:
-                return write(version)
-            finally:
-                timed.drain()
-
         streamed = timed if streams else None
-        return self._submit(version, write_all, taken_s=taken_s, streamed=streamed, background=background)
+        return self._submit(
+            version, write, taken_s=taken_s, streamed=streamed, background=background, bytes_to_write=bytes_to_write
+        )
 
     def publish_prepared(
         self,
@@ -273,15 +325,22 @@ class CheckpointPublisher:
         taken_s: float,
         streamed: _TimedIterator | None,
         background: bool,
+        bytes_to_write: int = 0,
     ) -> Future[SyncRecord]:
         """The one publish path: ``version`` becomes the latest, then a job writes it with ``write``,
         waits for the replicas and records the sync. ``streamed``: the weights the writer draws
-        (their drawing time is the gather); else ``taken_s`` was the gather, spent before the job."""
+        (their drawing time is the gather; drawn to their end whatever happens, also when the
+        write never starts); else ``taken_s`` was the gather, spent before the job.
+        ``bytes_to_write``: what the write writes at most, if known (bounds a background job's wait)."""
         self._start(version)
 
         def job() -> SyncRecord:
             t1 = time.perf_counter()
-            result = self._write_under_root(write, version)
+            try:
+                result = self._write_under_root(write, version)
+            finally:
+                if streamed is not None:
+                    streamed.drain()
             spent = time.perf_counter() - t1
             gather_s = streamed.seconds if streamed is not None else taken_s
             write_s = max(0.0, spent - streamed.seconds) if streamed is not None else spent
@@ -298,6 +357,7 @@ class CheckpointPublisher:
         if background:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-sync")
+            self._job = _BackgroundJob(version, bytes_to_write, time.monotonic(), bytes_written())
             self._future = self._pool.submit(job)
             return self._future
         future: Future[SyncRecord] = Future()
@@ -355,8 +415,9 @@ class CheckpointPublisher:
         self.publish(version, tensors, background=True)
         return time.perf_counter() - t0
 
-    def _take_in(self, timed: _TimedIterator, background: bool) -> tuple[Callable[[int], PublishResult], bool]:
-        """What the job needs, taken from the weights now: (write(version), whether it streams)."""
+    def _take_in(self, timed: _TimedIterator, background: bool) -> tuple[Callable[[int], PublishResult], bool, int]:
+        """What the job needs, taken from the weights now: (write(version), whether it streams, the
+        bytes it writes at most when known, else 0)."""
         common: dict[str, Any] = dict(
             config=self.config, max_shard_bytes=self.max_shard_bytes, base_model=self.base_model, run_id=self.run_id
         )
@@ -365,7 +426,7 @@ class CheckpointPublisher:
             delta.absorb(
                 cast_on_device(timed, self._torch_dtype), dtype=self.dtype, max_shard_bytes=self.max_shard_bytes
             )
-            return (lambda version: delta.write(self.root, version, **common)), False
+            return (lambda version: delta.write(self.root, version, **common)), False, delta.held_bytes
         if background:
             snapshot = self._snapshot(iter(timed))
 
@@ -375,12 +436,16 @@ class CheckpointPublisher:
                 finally:
                     snapshot.clear()
 
-            return write_snapshot, False
+            return write_snapshot, False, sum(t.numel() * t.element_size() for _, t in snapshot)
         return (
-            lambda version: publish_checkpoint(
-                self.root, version, cast_on_device(timed, self._torch_dtype), dtype=self.dtype, **common
-            )
-        ), True
+            (
+                lambda version: publish_checkpoint(
+                    self.root, version, cast_on_device(timed, self._torch_dtype), dtype=self.dtype, **common
+                )
+            ),
+            True,
+            0,
+        )
 
     def _snapshot(self, source: Iterator[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """A CPU copy of every tensor, already in the checkpoint dtype (one copy, never two).
@@ -421,22 +486,62 @@ class CheckpointPublisher:
     def join(self) -> None:
         """Wait for the background job (if any), then raise its error (if any).
 
+        The wait logs its progress every :data:`JOIN_PROGRESS_EVERY_S` (the version, the time
+        waited, the bytes written), and raises ``RootUnresponsive`` naming the version and the root
+        once the job ran past :func:`background_sync_bound_s` and wrote nothing for
+        ``sync_timeout_s``: its write is blocked in the storage, which no one can interrupt.
+
         Ctrl-C (or a SIGTERM turned into one) while waiting propagates, and the job is still the
-        pending one: the next :meth:`publish` waits for it again before it takes anything in, so a
-        version is never taken in while the job before it still reads the held copy."""
+        pending one (so it is after ``RootUnresponsive``): the next :meth:`publish` waits for it
+        again before it takes anything in, so a version is never taken in while the job before it
+        still reads the held copy."""
         future = self._future
         if future is not None:
+            self._wait_for(future)
             with contextlib.suppress(CancelledError):
-                future.exception()  # waits
+                future.exception()
         self.raise_if_failed()
 
+    def _wait_for(self, future: Future[SyncRecord]) -> None:
+        """Wait until ``future`` is done, logging progress; ``RootUnresponsive`` when it is stuck (see :meth:`join`)."""
+        job = self._job
+        next_report = time.monotonic() + JOIN_PROGRESS_EVERY_S
+        while not wait([future], timeout=JOIN_POLL_S).done:
+            if job is None:
+                continue
+            now = time.monotonic()
+            job.look(now)
+            waited, still = now - job.started, now - job.moved_at
+            bound = background_sync_bound_s(self.sync_timeout_s, job.bytes_to_write)
+            if waited > bound and still > self.sync_timeout_s:
+                raise RootUnresponsive(
+                    f"the checkpoint root {self.root} is not answering: the background sync of version"
+                    f" {job.version} has written nothing for {still:.0f} s ({_written(job)} in {waited:.0f} s, past"
+                    f" the {bound:.0f} s it may take): its write is blocked in the storage. Check the root's file"
+                    f" system on the trainer's machine (NFS server, mount: does `ls {self.root}` return?) and"
+                    " restart the run once it answers; raise sync_timeout if it is only slow"
+                )
+            if now >= next_report:
+                log.info(
+                    "waiting for the background sync of version %d to finish: %.0f s so far, %s",
+                    job.version,
+                    waited,
+                    _written(job),
+                )
+                next_report = now + JOIN_PROGRESS_EVERY_S
+
     def close(self) -> None:
-        """Wait for the background job and stop the worker thread (raises the job's error)."""
+        """Wait for the background job and stop the worker thread (raises the job's error). A job
+        stuck in the storage (``RootUnresponsive``) is left to its thread."""
+        stuck = False
         try:
             self.join()
+        except RootUnresponsive:
+            stuck = True
+            raise
         finally:
             if self._pool is not None:
-                self._pool.shutdown(wait=True)
+                self._pool.shutdown(wait=not stuck)
                 self._pool = None
 
     @property
@@ -447,7 +552,7 @@ class CheckpointPublisher:
         future = self._future
         if future is None or not future.done():
             return
-        self._future = None
+        self._future = self._job = None
         error = future.exception()
         if error is not None:
             log.error("background sync failed: %s", error)
@@ -516,14 +621,18 @@ class CheckpointPublisher:
         keep = self.keep
 
         def prune() -> list[int]:
-            # What the replicas still need: unknown (the acks unreadable) means nothing is pruned.
+            # What the replicas still need: unknown (the acks unreadable, or not all read) means
+            # nothing is pruned.
             protected = {newest} | self.waiter.protected_versions()
-            for ack in read_acks(self.root, max_age_s=self.heartbeat_max_age_s).values():
+            for ack in read_acks(self.root, max_age_s=self.heartbeat_max_age_s, whole=True).values():
                 protected.update(s for s in (ack.get("loaded_step"), ack.get("loading_step")) if isinstance(s, int))
             return prune_checkpoints(self.root, keep, protected)
 
         try:
-            return self._on_root(prune, "deleting old checkpoints")
+            pruned = self._on_root(prune, "deleting old checkpoints")
+        except AcksCutShort as exc:
+            self._skip_pruning(str(exc))
+            return []
         except Exception as exc:  # retention is best effort: it never ends training
             log.warning(
                 "could not prune old checkpoints under %s: %s: %s (tried again at the next publish;"
@@ -533,6 +642,34 @@ class CheckpointPublisher:
                 exc,
             )
             return []
+        if self._prune_skipped_said is not None:
+            log.info("old checkpoints under %s are deleted again: every ack was read", self.root)
+            self._prune_skipped_said = None
+        return pruned
+
+    def _skip_pruning(self, why: str) -> None:
+        """Log that no old checkpoint was deleted because the acks were not all read (``why``):
+        a replica whose ack was missed may serve any of them. Logged when first met, then at most
+        every :data:`PRUNE_SKIPPED_LOG_EVERY_S` while it lasts (each publish meets it again)."""
+        now = time.monotonic()
+        if self._prune_skipped_said is not None and now - self._prune_skipped_said < PRUNE_SKIPPED_LOG_EVERY_S:
+            log.debug("old checkpoints under %s left in place again: %s", self.root, why)
+            return
+        self._prune_skipped_said = now
+        log.warning(
+            "not deleting old checkpoints under %s: %s. A replica whose ack was not read may serve any of"
+            " them, so retention waits until every ack is read (the root fills meanwhile; said again every"
+            " %.0f s while it lasts)",
+            self.root,
+            why,
+            PRUNE_SKIPPED_LOG_EVERY_S,
+        )
+
+
+def _written(job: _BackgroundJob) -> str:
+    """How far a background job's write got, for a message."""
+    of = f" of at most {job.bytes_to_write / 1e6:.1f} MB" if job.bytes_to_write else ""
+    return f"{job.written / 1e6:.1f} MB written{of}"
 
 
 def _identity(path: Path) -> tuple[int, int]:

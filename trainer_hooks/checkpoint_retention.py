@@ -20,23 +20,29 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from rollout_service.checkpoint_format import (
-    MANIFEST_NAME,
     TEMP_PREFIX,
     CheckpointError,
     Manifest,
     step_dir_name,
 )
 from rollout_service.checkpoint_reader import PublishedCheckpoint, list_checkpoints
+from rollout_service.checkpoint_writer import is_published_dir
 from rollout_service.tree_removal import remove_tree
 
 log = logging.getLogger(__name__)
+
+UNREADABLE_NOW = frozenset({"unreadable", "validation_timeout", "too_large"})
+"""Why a manifest could not be read that does not show it is no manifest: the storage failed
+(EIO, a stale NFS handle), it took too long, or it is larger than readers read (a delta of a
+model with very many tensors, written before the writer refused those). Such a step may be a
+real checkpoint, maybe a delta whose chain is needed: it counts as its step's, and nothing its
+chain might need is deleted."""
 
 
 @dataclass(frozen=True)
@@ -71,29 +77,6 @@ def list_step_entries(root: Path | str) -> StepEntries:
         " delete them: remove them if nothing needs them",
     )
     return StepEntries(published=published, odd=odd)
-
-
-def is_published_dir(path: Path) -> bool | None:
-    """Whether ``path`` is a real folder holding a ``manifest.json`` file; None when it is gone.
-
-    Publishing renames a complete folder, manifest written last, into place, so a folder without
-    one was never published. Any other error (EIO, EACCES) counts as published: retention then
-    meets a checkpoint it cannot read, and deletes nothing that checkpoint might need.
-    """
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return True
-    if not stat.S_ISDIR(mode):
-        return False
-    try:
-        return stat.S_ISREG(os.lstat(path / MANIFEST_NAME).st_mode)
-    except (FileNotFoundError, NotADirectoryError):
-        return False
-    except OSError:
-        return True
 
 
 _warned: dict[tuple[str, str], frozenset[str]] = {}
@@ -166,9 +149,10 @@ def prune_checkpoints(root: Path | str, keep: int, protected: set[int] | frozens
 def newest_checkpoints(root: Path, published: list[PublishedCheckpoint], count: int) -> list[PublishedCheckpoint]:
     """The ``count`` newest of ``published`` whose manifest is their step's (of any run), newest first.
 
-    One whose manifest cannot be read now (EIO, a stale NFS handle) counts too: it may be a real
-    checkpoint. A manifest that is no manifest, or names another step, was never published
-    there: passed over (logged once), so that it takes no ``keep`` slot and steers no numbering.
+    One whose manifest cannot be read now (EIO, a stale NFS handle, larger than readers read:
+    :data:`UNREADABLE_NOW`) counts too: it may be a real checkpoint. A manifest that is no
+    manifest, or names another step, was never published there: passed over (logged once), so
+    that it takes no ``keep`` slot and steers no numbering.
     """
     newest: list[PublishedCheckpoint] = []
     passed: list[str] = []
@@ -178,7 +162,7 @@ def newest_checkpoints(root: Path, published: list[PublishedCheckpoint], count: 
         try:
             names_its_step = Manifest.load(ckpt.path, root=root).step == ckpt.step
         except CheckpointError as exc:
-            names_its_step = exc.reason in ("unreadable", "validation_timeout")
+            names_its_step = exc.reason in UNREADABLE_NOW
         except ValueError:
             names_its_step = False
         if names_its_step:
@@ -219,8 +203,9 @@ def chain_dependencies(root: Path, steps: set[int]) -> set[int]:
 
     A step that is gone, that is not a published checkpoint (a file, a link, a folder without
     manifest), or whose manifest is not a manifest (no one can apply it), protects nothing more.
-    A manifest that cannot be read now (EIO, EACCES, a stale NFS handle) might be a delta: that
-    raises ``CheckpointError('unreadable')``, so that nothing its chain needs is deleted on a guess.
+    A manifest that cannot be read now (EIO, EACCES, a stale NFS handle, larger than readers read:
+    :data:`UNREADABLE_NOW`) might be a delta: that raises its ``CheckpointError``, so that nothing
+    its chain needs is deleted on a guess.
     """
     needed: set[int] = set()
     todo = sorted(steps)
@@ -236,7 +221,7 @@ def chain_dependencies(root: Path, steps: set[int]) -> set[int]:
                 continue
             manifest = Manifest.load(path, root=root)
         except CheckpointError as exc:
-            if exc.reason in ("unreadable", "validation_timeout"):
+            if exc.reason in UNREADABLE_NOW:
                 raise
             continue
         except ValueError:

@@ -31,7 +31,7 @@ from rollout_service.bounded_http import Answer, request
 from rollout_service.bounded_http import client as bounded_client
 from rollout_service.checkpoint_format import ACKS_DIR, step_dir_name
 from rollout_service.http_auth import bearer_headers
-from rollout_service.protocol import ReplicaReport, heartbeat_problem, list_acks
+from rollout_service.protocol import AcksCutShort, ReplicaReport, heartbeat_problem, list_acks
 from rollout_service.sidecar.root_gate import RootUnresponsive, answered_within
 
 log = logging.getLogger(__name__)
@@ -322,7 +322,7 @@ class AckFileWaiter:
     Every read of ``<root>/acks`` is bounded (:class:`RootLooks`, ``list_acks``): a hung root or
     a folder flooded with stray files ends the wait with :class:`ReplicaSyncTimeout` at its
     deadline, saying why, and :meth:`protected_versions` raises ``RootUnresponsive`` after
-    :data:`ROOT_LOOK_TIMEOUT_S`.
+    :data:`ROOT_LOOK_TIMEOUT_S` (``AcksCutShort`` when the folder could not be read whole).
     """
 
     def __init__(self, root: Path, expected: int, *, max_age_s: float) -> None:
@@ -389,9 +389,13 @@ class AckFileWaiter:
             time.sleep(max(0.0, min(POLL_INTERVAL_S, deadline - time.monotonic())))
 
     def protected_versions(self) -> set[int]:
-        """Steps live replicas report as loaded or loading (``RootUnresponsive`` if the root hangs)."""
+        """Steps live replicas report as loaded or loading (``RootUnresponsive`` if the root hangs;
+        ``AcksCutShort`` when the acks were not all read: a missed replica's step is not known)."""
+        snapshot = self._read(time.monotonic() + ROOT_LOOK_TIMEOUT_S)
+        if snapshot.cut_short is not None:
+            raise AcksCutShort(snapshot.cut_short)
         steps: set[int] = set()
-        for view in self._read(time.monotonic() + ROOT_LOOK_TIMEOUT_S).live:
+        for view in snapshot.live:
             steps.update(s for s in (view.loaded_step, view.loading_step) if s is not None)
         return steps
 
