@@ -14,6 +14,18 @@ from pathlib import Path
 from typing import Any
 
 from rollout_service import cli as service_cli
+from rollout_service.cli_env import number_type
+
+DEMO_NUMBERS: tuple[tuple[str, Callable[[str], Any], float, tuple[float, float], str], ...] = (
+    ("--steps", int, 20, (1, 100_000), "GRPO steps"),
+    ("--learning-rate", float, 2e-2, (0.0, 10.0), "learning rate (0: a control run)"),
+    # GRPO's advantages compare a prompt's completions with each other: one alone has none.
+    ("--num-generations", int, 8, (2, 1024), "completions per prompt"),
+    ("--prompts-per-step", int, 4, (1, 4096), "prompts per step"),
+    ("--max-completion-length", int, 16, (1, 32768), "new tokens per completion"),
+)
+"""The demo's number flags: (flag, type, default, inclusive range, help); a value outside the
+range (or not finite) is refused with exit code 2 naming the flag, before anything starts."""
 
 
 def register_demo(sub: Any, add_env: Callable[..., Any]) -> None:
@@ -28,11 +40,8 @@ def register_demo(sub: Any, add_env: Callable[..., Any]) -> None:
     )
     add_env(p, "--output-dir", default="runs/demo", help="where summary.json and demo.png go")
     add_env(p, "--model", default=None, help="HF model directory (default: the tiny local model)")
-    add_env(p, "--steps", type=int, default=20, help="GRPO steps")
-    add_env(p, "--learning-rate", type=float, default=2e-2, help="learning rate (0: a control run)")
-    add_env(p, "--num-generations", type=int, default=8, help="completions per prompt")
-    add_env(p, "--prompts-per-step", type=int, default=4, help="prompts per step")
-    add_env(p, "--max-completion-length", type=int, default=16, help="new tokens per completion")
+    for flag, kind, default, (low, high), what in DEMO_NUMBERS:
+        add_env(p, flag, type=number_type(kind, low, high), default=default, help=f"{what} ({low:g} to {high:g})")
     add_env(
         p,
         "--sglang-url",
@@ -68,7 +77,7 @@ def register_demo(sub: Any, add_env: Callable[..., Any]) -> None:
         default="cpu",
         help="where the trainer runs ('cpu' or a GPU: 'cuda') and the device of the SGLang server the demo starts",
     )
-    add_env(p, "--seed", type=int, default=0, help="random seed")
+    add_env(p, "--seed", type=service_cli.SEED, default=0, help="random seed")
     p.set_defaults(func=_cmd_demo)
 
 

@@ -15,11 +15,13 @@ rollout_service.cli`` runs these commands without it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -41,7 +43,7 @@ from .cli_env import (
 from .http_urls import bindable_port
 from .lora_serving import DEFAULT_MAX_RANK, DEFAULT_TARGET_MODULES, add_lora_flags, lora_from_args, module_list
 from .serve import RestartPolicy, run_serve
-from .sglang_launcher import SGLangServer, SGLangServerConfig, flag_value
+from .sglang_launcher import API_KEY_OPTIONS, SGLangServer, SGLangServerConfig, flag_value, free_port, server_url
 from .sidecar.root_gate import answered_within
 from .sidecar.settings import SidecarSettings
 
@@ -354,8 +356,7 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
             raise  # about the root, or --out itself: the error names it
         raise OSError(
             exc.errno,
-            f"writing the model next to {out} failed: {exc.strerror or exc} (a full or read-only disk? free room"
-            f" in {out.parent} or name another --out)",
+            f"writing the model next to {out} failed: {exc.strerror or exc} ({_write_hint(exc, out.parent)})",
         ) from None
     print(
         json.dumps(
@@ -382,6 +383,17 @@ def _materialized_at(out: Path, root: Path, step: int) -> Manifest | None:
     except Exception:  # not there (the interrupt came first), or no model
         return None
     return manifest if manifest.source_fingerprint() == published.fingerprint() else None
+
+
+def _write_hint(exc: OSError, folder: Path) -> str:
+    """What to do when writing into ``folder`` (``--out``'s parent) failed with ``exc``."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return f"a full disk or quota: free room in {folder} or name another --out"
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"{folder} is read-only or not writable by this user: name another --out"
+    if exc.errno in (errno.ENOTDIR, errno.ENOENT):
+        return f"a part of {folder} is not a directory: name an --out whose parent is a directory or can be made one"
+    return "name another --out"
 
 
 _WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
@@ -429,52 +441,140 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    root = Path(args.checkpoint_path)
-    try:  # bounded: a hung network file system must not keep SGLang from starting (the sidecar reports it)
-        bound = SERVE_SIDECAR_SETTINGS.values(args)["root_timeout_s"]
-        answered_within(lambda: root.mkdir(parents=True, exist_ok=True), bound, "making the root")
-    except OSError as exc:
-        raise ValueError(
-            f"cannot create --checkpoint-path {args.checkpoint_path}: {exc.strerror or exc}; point it at a"
-            " directory (or where one can be created) on the shared checkpoint volume"
-        ) from None
-    extra_args, api_key = _one_sglang_api_key(
+    """``serve``: every setting checked before anything is made or started, then `run_serve`.
+
+    SIGTERM and SIGINT are handled from here on, not only once `run_serve` installs its handlers:
+    the set-up can take minutes (``--device auto`` asks torch in a child process whether it sees
+    CUDA), and a signal then stops ``serve`` with exit code 0 too, the probe child killed and the
+    checkpoint root it made removed."""
+    previous = _handle_signals(signal.SIGTERM, signal.SIGINT)
+    try:
+        try:
+            server, settings, policy = _serve_setup(args)
+        except KeyboardInterrupt:
+            signum = _interrupted_by.pop() if _interrupted_by else signal.SIGINT
+            print(
+                f"interrupted by {signal.Signals(signum).name} during serve's start-up: stopped before SGLang started",
+                file=sys.stderr,
+            )
+            return 0
+        return run_serve(server, settings, policy)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _handle_signals(*signums: int) -> dict[int, Any]:
+    """Make ``signums`` interrupt like Ctrl-C (`_interrupt`) in the main thread; the handlers replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _interrupt) for sig in signums}
+
+
+def _serve_setup(args: argparse.Namespace) -> tuple[SGLangServer, SidecarSettings, RestartPolicy]:
+    """``serve``'s SGLang server, sidecar settings and restart policy, every setting checked first:
+    SGLang's (``--device``, ``--sglang-host``, ``--sglang-log``, the arguments after ``--``), the
+    restart budget, the key, the ports; then the checkpoint root is made, the sidecar's settings
+    checked against it, and the server object made (which may ask torch about CUDA, for minutes, and
+    makes its temporary log). A failure or a signal after the root was made removes what was made
+    for it."""
+    sglang_args, api_key = _one_sglang_api_key(
         list(args.sglang_args or []), SERVE_SIDECAR_SETTINGS.values(args)["sglang_api_key"]
     )
-    server = SGLangServer(
+    sglang = {
         **SERVE_SGLANG_SETTINGS.values(args),
-        extra_args=extra_args,
-        die_with_parent=True,
-        lora=lora_from_args(args),
-    )
+        "extra_args": sglang_args,
+        "die_with_parent": True,
+        "lora": lora_from_args(args),
+    }
+    config = SGLangServerConfig(**sglang)
     policy = SERVE_RESTART_SETTINGS.build(args)
-    settings = SERVE_SIDECAR_SETTINGS.build(args, sglang_url=server.url, sglang_api_key=api_key)
-    _check_serve_ports(server.config.host, server.port, settings.host, settings.port)
-    return run_serve(server, settings, policy)
+    sidecar = SERVE_SIDECAR_SETTINGS.values(args)
+    port = config.port if config.port is not None else free_port(config.host)
+    _check_serve_ports(config.host, port, sidecar["host"], sidecar["port"])
+    made = _make_root(Path(args.checkpoint_path), sidecar["root_timeout_s"])
+    try:
+        settings = SERVE_SIDECAR_SETTINGS.build(args, sglang_url=server_url(config.host, port), sglang_api_key=api_key)
+        server = SGLangServer(**{**sglang, "port": port})
+    except BaseException:
+        for folder in made:  # deepest first; only while empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+    return server, settings, policy
+
+
+def _make_root(root: Path, bound_s: float) -> list[Path]:
+    """Make the checkpoint root ``root`` and its missing parents; the folders made, deepest first.
+
+    Bounded by ``bound_s``: a hung network file system must not keep SGLang from starting (the
+    sidecar reports it). Raises ValueError naming ``--checkpoint-path``."""
+
+    def make() -> list[Path]:
+        missing, folder = [], root.absolute()
+        while not os.path.lexists(folder) and folder != folder.parent:
+            missing.append(folder)
+            folder = folder.parent
+        root.mkdir(parents=True, exist_ok=True)
+        return missing
+
+    try:
+        _answered, made = answered_within(make, bound_s, "making the root")
+    except OSError as exc:
+        raise ValueError(
+            f"cannot create --checkpoint-path {root}: {exc.strerror or exc}; point it at a"
+            " directory (or where one can be created) on the shared checkpoint volume"
+        ) from None
+    return made or []
 
 
 def _same_addresses(a: str, b: str) -> bool:
-    """Whether servers bound to hosts ``a`` and ``b`` on one port would clash: the same host, or
-    one the wildcard of the other's address family (IPv6 sockets bind IPv6 only, as uvicorn's)."""
-    family_a, family_b = (6 if ":" in h else 4 for h in (a, b))
-    return a == b or (family_a == family_b and bool({a, b} & {"0.0.0.0", "::"}))
+    """Whether servers bound to hosts ``a`` and ``b`` on one port would clash: they share an address
+    (a name stands for every address it resolves to, all of which asyncio's servers bind:
+    ``localhost`` is 127.0.0.1 and ::1), or one is the wildcard of an address family the other has
+    an address in (IPv6 sockets bind IPv6 only, as uvicorn's)."""
+    addresses_a, addresses_b = _addresses(a), _addresses(b)
+    if addresses_a & addresses_b:
+        return True
+    for wildcards, others in ((addresses_a, addresses_b), (addresses_b, addresses_a)):
+        for wildcard in wildcards & {"0.0.0.0", "::"}:
+            if any((":" in address) == (":" in wildcard) for address in others):
+                return True
+    return False
+
+
+def _addresses(host: str) -> set[str]:
+    """The numeric addresses ``host`` binds; ``{host}`` when it does not resolve (the bind check
+    then names it)."""
+    try:
+        found = {str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return {host}
+    return found or {host}
 
 
 def _one_sglang_api_key(sglang_args: list[str], sidecar_key: str | None) -> tuple[list[str], str | None]:
     """SGLang's arguments and the key the sidecar sends it: `serve` starts SGLang with the
     sidecar's ``--sglang-api-key`` (``ROLLOUT_SGLANG_API_KEY``), and a key given to SGLang after
-    ``--`` (``--api-key KEY``) is the sidecar's too, so the key is given once. Two different keys
-    raise ``ValueError`` (every weight update would be refused with 401)."""
-    given = flag_value(sglang_args, "--api-key")
-    if given is None:
+    ``--`` (``--api-key KEY``, or an abbreviation SGLang takes) is the sidecar's too, so the key is
+    given once. Two different keys, or ``--api-key`` twice after ``--`` (SGLang would take the last
+    one), raise ``ValueError`` (every weight update would be refused with 401)."""
+    given = sum(arg.split("=", 1)[0] in API_KEY_OPTIONS for arg in sglang_args)
+    if given > 1:
+        raise ValueError(
+            f"SGLang's --api-key is given {given} times after --: give the key once, as --sglang-api-key or"
+            " ROLLOUT_SGLANG_API_KEY (serve starts SGLang with it), and not after --"
+        )
+    key = flag_value(sglang_args, *API_KEY_OPTIONS)
+    if not given:
         return (sglang_args + ["--api-key", sidecar_key] if sidecar_key else sglang_args), sidecar_key
-    if sidecar_key is not None and given != sidecar_key:
+    if sidecar_key is not None and key != sidecar_key:
         raise ValueError(
             "SGLang's --api-key (after --) and --sglang-api-key (ROLLOUT_SGLANG_API_KEY) differ, so the"
             " sidecar's weight updates would be refused: give the key once, as --sglang-api-key or"
             " ROLLOUT_SGLANG_API_KEY (serve starts SGLang with it)"
         )
-    return sglang_args, given
+    return sglang_args, key
 
 
 def _check_serve_ports(sglang_host: str, sglang_port: int, host: str, port: int) -> None:

@@ -18,6 +18,10 @@ How values are read (the same for every setting):
 - ``int``, ``float``, ``str`` and ``Path`` fields convert the text with the type. An empty
   variable counts as unset; an optional (``X | None``) non-text field given ``""`` on the command
   line is None. Other types declare ``parse=``.
+- A required setting refuses an empty or blank value, on the command line or in its variable
+  (``--checkpoint-path ""`` would otherwise be ``Path("")``, the current directory).
+- A help text may name another setting's flag on the same command as ``{field}``
+  (``{port}``: ``--port`` on ``sidecar``, ``--sidecar-port`` on ``serve``).
 - A value that does not convert is refused (exit 2) with a message naming the variable.
 - A number setting declares its range (``setting(..., bounds=(low, high))``; a knob without a flag
   :func:`bounds_metadata`): a value that is not a finite number in it is refused by the flag (exit 2, naming
@@ -46,6 +50,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -249,6 +254,8 @@ class SettingFlags:
                 spec = SettingFlag(f.name, flag, declaration.help, False, False, None, invert=bool(field_default))
             else:
                 parse = declaration.parse or _text_converter(hints[f.name], where)
+                if required:
+                    parse = _not_blank(parse)
                 help_text = declaration.help
                 span = declared_bounds(f)
                 if span is not None:
@@ -257,6 +264,19 @@ class SettingFlags:
                 default = None if required else field_default
                 spec = SettingFlag(f.name, flag, help_text, default, required, parse, invert=False)
             self.flags.append(spec)
+        self._name_flags_in_help(cls)
+
+    def _name_flags_in_help(self, cls: type) -> None:
+        """Replace each ``{field}`` in a help text by that field's flag on this command."""
+        by_field = {spec.field: spec.flag for spec in self.flags}
+
+        def flag_of(match: re.Match[str]) -> str:
+            name = match.group(1)
+            if name not in by_field:
+                raise TypeError(f"{cls.__name__}: a help text names {{{name}}}, which has no flag on this command")
+            return by_field[name]
+
+        self.flags = [dataclasses.replace(spec, help=re.sub(r"\{(\w+)\}", flag_of, spec.help)) for spec in self.flags]
 
     def add_to(self, parser: argparse.ArgumentParser) -> None:
         """Add one env-backed flag per setting to ``parser`` (an :class:`EnvArgumentParser`)."""
@@ -299,6 +319,19 @@ def _text_converter(hint: Any, where: str) -> Callable[[str], Any]:
 
     optional_value.__name__ = convert.__name__  # argparse names it: "invalid float value: 'x'"
     return optional_value
+
+
+def _not_blank(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``convert``, refusing an empty or blank text first: the value of a required setting
+    (``Path("")`` is the current directory, ``str("")`` no model or URL at all)."""
+
+    def checked(text: str) -> Any:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"must not be empty, got {text!r}: give a value")
+        return convert(text)
+
+    checked.__name__ = getattr(convert, "__name__", "value")  # argparse names it: "invalid float value: 'x'"
+    return checked
 
 
 # ------------------------------------------------------------------- env-backed argparse flags

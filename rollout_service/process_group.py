@@ -12,6 +12,7 @@ This module imports neither torch nor sglang: the slim sidecar container imports
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -92,9 +93,21 @@ ZOMBIE_SETTLE_S = 2.0
 """How long `ProcessGroup.stop` waits for a stopped group's zombies to be reaped by their parent."""
 
 
-def _group_members(pgids: set[int]) -> list[tuple[int, int, str]] | None:
-    """(pid, parent pid, state) of every process in the process groups `pgids`, from
-    ``/proc/<pid>/stat``; None when ``/proc`` cannot be listed."""
+def _proc_stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the process name (``[state, ppid, pgrp, ...]``,
+    so the start time, stat's field 22, is ``[19]``); None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode("ascii", errors="replace")
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2 :].split()
+    return fields if len(fields) >= 20 and fields[2].lstrip("-").isdigit() else None
+
+
+def _group_processes(pgids: set[int]) -> list[tuple[int, int, str, int, int]] | None:
+    """(pid, parent pid, state, process group, start ticks) of every process in the process groups
+    `pgids`, from ``/proc/<pid>/stat``; None when ``/proc`` cannot be listed."""
     try:
         entries = os.listdir("/proc")
     except OSError:
@@ -103,15 +116,17 @@ def _group_members(pgids: set[int]) -> list[tuple[int, int, str]] | None:
     for name in entries:
         if not name.isdigit():
             continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                text = f.read().decode("ascii", errors="replace")
-        except OSError:
-            continue
-        fields = text[text.rfind(")") + 2 :].split()
-        if len(fields) >= 3 and fields[2].lstrip("-").isdigit() and int(fields[2]) in pgids:
-            found.append((int(name), int(fields[1]), fields[0]))
+        fields = _proc_stat(name)
+        if fields is not None and int(fields[2]) in pgids:
+            found.append((int(name), int(fields[1]), fields[0], int(fields[2]), int(fields[19])))
     return found
+
+
+def _group_members(pgids: set[int]) -> list[tuple[int, int, str]] | None:
+    """(pid, parent pid, state) of every process in the process groups `pgids`, from
+    ``/proc/<pid>/stat``; None when ``/proc`` cannot be listed."""
+    found = _group_processes(pgids)
+    return None if found is None else [(pid, ppid, state) for pid, ppid, state, _group, _start in found]
 
 
 def reap_orphans(pgids: set[int], exclude: int | None = None) -> int:
@@ -216,6 +231,73 @@ def log_tail(path: Path, n: int = LOG_TAIL_LINES) -> str:
     return "".join(text.splitlines(keepends=True)[-n:])
 
 
+def log_path_problem(path: str | os.PathLike[str], name: str) -> str | None:
+    """Why ``path`` (the setting ``name``) cannot receive a process's output, from what is there now
+    (nothing is opened or made); None when it can: a regular file, one that does not exist yet in
+    a folder, or a pipe, FIFO or character device (``/dev/stdout``, a terminal, ``/dev/null``;
+    whether a FIFO has a reader shows only when :func:`open_log` opens it)."""
+    text = os.fspath(path)
+    if not text.strip():
+        return f"{name} is empty: name a file (e.g. /var/log/sglang.log), or leave it out for a temporary file"
+    try:
+        kind = _not_a_log(os.stat(text).st_mode)
+    except FileNotFoundError:
+        above = Path(os.path.abspath(text)).parent
+        while not os.path.lexists(above) and above != above.parent:
+            above = above.parent
+        if os.path.exists(above) and not os.path.isdir(above):
+            return (
+                f"{name} {text}: {above} is not a directory, so no file can be made below it; name a file in a folder"
+            )
+        return None
+    except OSError:
+        return None  # unreadable here: opening it says why (open_log)
+    return f"{name} {text} is {kind}: name a file (e.g. {os.path.join(text, 'sglang.log')})" if kind else None
+
+
+def _not_a_log(mode: int) -> str | None:
+    """What a file of ``mode`` is when nothing can be written to it as a log (else None)."""
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    return None
+
+
+def open_log(path: str | os.PathLike[str], name: str) -> int:
+    """A descriptor that appends to the log ``path`` (the setting ``name``), for a child's output.
+
+    Never blocks: a plain open of a FIFO that no process reads waits for a reader forever, deaf to
+    SIGTERM and Ctrl-C, so it is opened non-blocking (such a FIFO is then an error at once) and set
+    blocking again for the child once open. A regular file is made when missing; a pipe or FIFO
+    that something reads and a character device work too (see :func:`log_path_problem`). Raises
+    ValueError naming ``name`` and what to do."""
+    problem = log_path_problem(path, name)
+    if problem:
+        raise ValueError(problem)
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO (or a socket's /proc link) with no reader
+            raise ValueError(
+                f"{name} {path} is a FIFO that no process reads: writing to it would wait for a reader"
+                " forever; start its reader first, or name a regular file"
+            ) from None
+        raise ValueError(f"cannot open {name} {path} to append to it: {exc.strerror or exc}") from None
+    try:
+        kind = _not_a_log(os.fstat(fd).st_mode)
+        if kind:  # replaced between the look and the open
+            raise ValueError(f"{name} {path} is {kind}: name a file")
+        os.set_blocking(fd, True)  # the child writes its output as to any file: waiting when a pipe is full
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _total_size(paths: Sequence[Path]) -> int:
     total = 0
     for path in paths:
@@ -231,12 +313,20 @@ class ProcessGroup:
 
     Arguments:
         argv: the command line.
-        log_path: file that receives the process's stdout and stderr (appended to).
+        log_path: file that receives the process's stdout and stderr (appended to; see `open_log`).
         name: what error messages and log lines call the process (e.g. "SGLang server").
         env: the full environment of the process (default: this process's).
         cwd: its working directory.
         die_with_parent: SIGKILL the process when the thread that started it dies
             (`kill_me_with_parent`).
+        log_name: what errors about the log call it (the setting that named it, e.g.
+            ``--sglang-log``; default: "the log of NAME").
+
+    The group's id is the leader's pid, which the system may give to a new process once the leader
+    has been reaped and the group's last member is gone. So after the leader is reaped, a group is
+    signalled only while a process this object remembers (by pid and start time, which
+    ``/proc/<pid>/stat`` gives: a pid is reused, never with the same start time) is
+    still in it: never a stranger that got the number (a `stop()` long after the first one).
     """
 
     def __init__(
@@ -248,6 +338,7 @@ class ProcessGroup:
         env: Mapping[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
         die_with_parent: bool = False,
+        log_name: str | None = None,
     ) -> None:
         self.argv = [str(a) for a in argv]
         self.log_path = Path(log_path)
@@ -255,7 +346,12 @@ class ProcessGroup:
         self.env = dict(env) if env is not None else None
         self.cwd = cwd
         self.die_with_parent = die_with_parent
+        self.log_name = log_name or f"the log of {name}"
         self.process: subprocess.Popen[bytes] | None = None
+        self._known: dict[int, int] = {}
+        """Processes seen in this run's groups while they were provably its own: pid -> start ticks."""
+        self._other_groups: set[int] = set()
+        """Process groups that descendants started of their own, seen while the leader ran."""
 
     @property
     def pid(self) -> int | None:
@@ -265,14 +361,16 @@ class ProcessGroup:
     @property
     def returncode(self) -> int | None:
         """The exit code once the main process has exited, else None."""
-        return self.process.poll() if self.process is not None else None
+        return self._poll() if self.process is not None else None
 
     def start(self) -> None:
-        """Launch the process in a new session; returns at once (see `wait_http`)."""
+        """Launch the process in a new session; returns at once (see `wait_http`).
+
+        Raises ValueError (naming `log_name`) when the log cannot be opened (`open_log`)."""
         if self.is_running():
             raise RuntimeError(f"{self.name} already running with pid {self.pid}; stop() it first")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        log = open_log(self.log_path, self.log_name)
+        try:
             self.process = subprocess.Popen(
                 self.argv,
                 stdin=subprocess.DEVNULL,
@@ -283,10 +381,70 @@ class ProcessGroup:
                 start_new_session=True,
                 preexec_fn=kill_me_with_parent if self.die_with_parent else None,
             )
+        finally:
+            os.close(log)
+        self._known, self._other_groups = {}, set()
 
     def is_running(self) -> bool:
         """True while the main process has not exited."""
-        return self.process is not None and self.process.poll() is None
+        return self.process is not None and self._poll() is None
+
+    def _poll(self) -> int | None:
+        """The leader's exit code, None while it runs; reaps it once it has exited. The one way this
+        class reaps it: first the members of its groups are remembered (`_remember`), while the
+        leader's unreaped pid still holds the group's id for them."""
+        assert self.process is not None
+        if self.process.returncode is None:
+            try:  # has it exited? asked without reaping it (WNOWAIT)
+                exited = os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except (AttributeError, OSError):  # no waitid here, or reaped by another waiter: poll() says
+                exited = None
+            else:
+                if exited is None:
+                    return None
+                self._remember({self.process.pid, *self._other_groups})
+        return self.process.poll()
+
+    def _remember(self, groups: set[int]) -> None:
+        """Remember every process now in ``groups`` (provably this run's) by pid and start time."""
+        for pid, _ppid, _state, _group, started in _group_processes(groups) or ():
+            self._known[pid] = started
+
+    def _owns(self, group: int) -> bool:
+        """Whether process group ``group`` is still this run's: its leader is not reaped yet (the
+        group's id is then its pid, which cannot be reused), or a process remembered in it
+        (`_remember`: same pid, same start time) is still a member."""
+        assert self.process is not None
+        if group == self.process.pid and self.process.returncode is None:
+            return True
+        members = _group_processes({group}) or ()
+        return any(self._known.get(pid) == started for pid, _ppid, _state, _group, started in members)
+
+    def _signal(self, group: int, sig: int) -> None:
+        """`signal_group`, only to a group this run owns (`_owns`)."""
+        if self._owns(group):
+            signal_group(group, sig)
+
+    def _alive(self, group: int) -> bool:
+        """`group_alive` for a group this run owns; False for one it does not (a stranger's)."""
+        return self._owns(group) and group_alive(group)
+
+    def _wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the leader to exit, reaping it; whether it did. The members of
+        its groups are remembered first (`_remember`), while its unreaped pid still holds the id."""
+        assert self.process is not None
+        if self.process.returncode is None:
+            self._remember({self.process.pid, *self._other_groups})
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to the process group, if it is still this run's (`_owns`)."""
+        if self.process is not None:
+            self._signal(self.process.pid, sig)
 
     def log_tail(self, n: int = LOG_TAIL_LINES) -> str:
         """The last `n` lines of the log."""
@@ -327,7 +485,7 @@ class ProcessGroup:
         size, last_growth = _total_size(logs), started
         with httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=min(2.0, request_timeout_s))) as client:
             while True:
-                code = self.process.poll()
+                code = self._poll()
                 if code is not None:
                     raise ProcessExitedError(
                         f"{self.name} exited with code {code} before {url} answered (log {self.log_path});"
@@ -383,7 +541,8 @@ class ProcessGroup:
         Process groups that descendants started of their own (seen before the signal) are
         killed too once the main process is gone, and their zombies that were re-parented to this
         process (PID 1, a subreaper) are reaped (`reap_orphans`). Safe to call more than once, and
-        also when the main process already died (its children are still killed through the group).
+        also when the main process already died (its children are still killed through the group,
+        while one this object remembered is in it: never a group that has since got the number).
         Returns after at most about `timeout_s` + 2 x `reap_timeout_s`: a process that even SIGKILL
         does not end (uninterruptible sleep: a hung GPU driver or network file system) is logged
         and left behind.
@@ -391,17 +550,20 @@ class ProcessGroup:
         if self.process is None:
             return
         pgid = self.process.pid
-        others = descendant_groups(pgid)
+        if self.process.returncode is None:  # not reaped: the group is ours, and so are its descendants' seen now
+            self._other_groups |= descendant_groups(pgid)
+            self._remember({pgid, *self._other_groups})
+        others = sorted(self._other_groups)
         groups = {pgid, *others}
         reap_orphans(groups, exclude=pgid)
-        if group_alive(pgid):
+        if self._alive(pgid):
             logger.info("stopping %s (process group %d)", self.name, pgid)
-            signal_group(pgid, sig)
+            self._signal(pgid, sig)
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
-                self.process.poll()
+                self._poll()
                 reap_orphans(groups, exclude=pgid)
-                if not group_alive(pgid):
+                if not self._alive(pgid):
                     break
                 time.sleep(0.2)
             else:
@@ -412,14 +574,10 @@ class ProcessGroup:
                     signal.Signals(sig).name,
                     timeout_s,
                 )
-                signal_group(pgid, signal.SIGKILL)
-        try:
-            self.process.wait(timeout=reap_timeout_s)
-        except subprocess.TimeoutExpired:
-            signal_group(pgid, signal.SIGKILL)
-            try:
-                self.process.wait(timeout=reap_timeout_s)
-            except subprocess.TimeoutExpired:
+                self._signal(pgid, signal.SIGKILL)
+        if not self._wait(reap_timeout_s):
+            self._signal(pgid, signal.SIGKILL)
+            if not self._wait(reap_timeout_s):
                 logger.error(
                     "%s (pid %d) did not end %.0f s after SIGKILL (uninterruptible sleep: a hung driver"
                     " or file system?); leaving it behind",
@@ -430,8 +588,8 @@ class ProcessGroup:
                 return
         deadline = time.monotonic() + reap_timeout_s
         for group in (pgid, *others):
-            while group_alive(group) and time.monotonic() < deadline:
-                signal_group(group, signal.SIGKILL)
+            while self._alive(group) and time.monotonic() < deadline:
+                self._signal(group, signal.SIGKILL)
                 reap_orphans(groups, exclude=pgid)
                 time.sleep(0.1)
         reap_orphans(groups, exclude=pgid)
@@ -439,6 +597,6 @@ class ProcessGroup:
         # is gone when this returns; not longer (a parent that never reaps them would hold stop()).
         settle = time.monotonic() + ZOMBIE_SETTLE_S
         for group in (pgid, *others):
-            while _group_listed(group) and time.monotonic() < settle:
+            while self._owns(group) and _group_listed(group) and time.monotonic() < settle:
                 reap_orphans(groups, exclude=pgid)
                 time.sleep(0.05)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import signal
 import threading
 import time
@@ -38,7 +37,7 @@ from typing import Any
 
 from .cli_env import TIMEOUT_S, bounds_metadata, check_bounds, setting
 from .sglang_launcher import SGLangServer, SGLangStartError
-from .sidecar.settings import SidecarSettings
+from .sidecar.settings import SidecarSettings, warn_unguarded_listeners
 
 log = logging.getLogger(__name__)
 
@@ -212,17 +211,14 @@ class Supervisor(threading.Thread):
     def interrupt(self, sig: int = signal.SIGTERM) -> None:
         """End a `startup()` under way in the main thread (called from a signal handler there).
 
-        Sends `sig` to SGLang's process group, so its wait for `/health` ends as SGLang exits,
-        and keeps `startup()` from starting it or waiting for it. Takes no lock (the interrupted
-        thread may hold it). `shutdown()` then stops what is left.
+        `SGLangServer.interrupt`: a CUDA probe in flight is killed, SGLang is not launched if it was
+        not yet (checked again just before the launch, which the CUDA checks can delay for
+        minutes), and a launched SGLang's process group gets `sig`, so its wait for `/health` ends
+        as it exits; and `startup()` does not wait for it. Takes no lock (the interrupted thread
+        may hold it). `shutdown()` then stops what is left.
         """
         self._interrupted = True
-        pgid = self.server.pgid
-        if pgid is not None:
-            try:
-                os.killpg(pgid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+        self.server.interrupt(sig)
 
     def stop_when(self, asked: Callable[[], bool]) -> None:
         """Stop watching as soon as ``asked()`` is true (``serve``: the sidecar's HTTP server was
@@ -386,6 +382,7 @@ def run_serve(server: SGLangServer, settings: SidecarSettings, policy: RestartPo
     supervisor = Supervisor(server, policy, on_restart=restarted, on_give_up=give_up)
     signals = _Signals(supervisor)
     signals.install()
+    warn_unguarded_listeners(settings, sglang_host=server.config.host)
     try:
         log.info("starting SGLang on %s (log: %s)", server.url, server.log_path)
         try:

@@ -11,22 +11,31 @@ This module imports neither torch nor sglang: the slim sidecar container imports
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from .cli_env import check_bounds, setting
+from .cli_env import check_bounds, declared_settings, setting
 from .http_urls import bindable_port, check_bind_host, url_host
 from .lora_serving import LoraServing
-from .process_group import LOG_TAIL_LINES, ProcessGroup, ProcessStartError, log_tail
+from .process_group import (
+    LOG_TAIL_LINES,
+    ProcessGroup,
+    ProcessStartError,
+    kill_me_with_parent,
+    log_path_problem,
+    log_tail,
+)
 from .redaction import shown_command
 
 logger = logging.getLogger(__name__)
@@ -47,6 +56,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     return bindable_port(host, 0, "the SGLang server's host")
 
 
+def server_url(host: str, port: int) -> str:
+    """The base URL of an SGLang server bound to ``host`` and ``port`` ("http://127.0.0.1:30000")."""
+    return f"http://{url_host(host)}:{port}"
+
+
 def listed_gpus() -> list[str]:
     """The GPUs `nvidia-smi -L` lists ("GPU 0: NVIDIA H200 (UUID: ...)"); [] without nvidia-smi."""
     nvidia_smi = shutil.which("nvidia-smi")
@@ -61,22 +75,42 @@ def listed_gpus() -> list[str]:
     return [line.strip() for line in result.stdout.splitlines() if line.strip().startswith("GPU")]
 
 
-def torch_sees_cuda(python: str | None = None) -> bool:
+CUDA_PROBE_TIMEOUT_S = 300.0
+"""How long `torch_sees_cuda` waits for torch to answer (importing it and initialising CUDA)."""
+
+
+def torch_sees_cuda(
+    python: str | None = None, *, probe_started: Callable[[subprocess.Popen[bytes]], None] | None = None
+) -> bool:
     """Whether torch in `python` (default: this interpreter) reports a usable CUDA device.
 
     Asked in a child process so that this module never imports torch (the slim sidecar has none).
+    The child never outlives the wait: it is killed when the wait is interrupted (Ctrl-C, or a
+    signal handler that raises) and dies with the thread that started it (`kill_me_with_parent`);
+    `probe_started` is handed it, so that a signal handler can kill it (`SGLangServer.interrupt`),
+    which counts as no CUDA.
     """
+    argv = [python or sys.executable, "-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"]
     try:
-        result = subprocess.run(
-            [python or sys.executable, "-c", "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
+        probe = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=kill_me_with_parent,
         )
     except (OSError, subprocess.SubprocessError):
         return False
-    return result.returncode == 0
+    with probe:
+        try:
+            if probe_started is not None:
+                probe_started(probe)
+            return probe.wait(timeout=CUDA_PROBE_TIMEOUT_S) == 0
+        except subprocess.TimeoutExpired:
+            return False
+        finally:
+            if probe.poll() is None:
+                probe.kill()
 
 
 TORCH_CUDA_DRIVER_FLOOR = "580"
@@ -158,19 +192,77 @@ def cuda_environment(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]
     return out, removed
 
 
-def flag_value(args: Sequence[str], *names: str) -> str | None:
-    """The value of the first of ``names`` in an argument list (``--flag VALUE`` or ``--flag=VALUE``)."""
+def flag_values(args: Sequence[str], *names: str) -> list[str]:
+    """The values given to any of ``names`` in an argument list (``--flag VALUE`` or
+    ``--flag=VALUE``), in order."""
+    found = []
     for i, arg in enumerate(args):
-        for name in names:
-            if arg == name and i + 1 < len(args):
-                return args[i + 1]
-            if arg.startswith(name + "="):
-                return arg.split("=", 1)[1]
-    return None
+        option, equals, value = arg.partition("=")
+        if option in names:
+            if equals:
+                found.append(value)
+            elif i + 1 < len(args):
+                found.append(args[i + 1])
+    return found
+
+
+def flag_value(args: Sequence[str], *names: str) -> str | None:
+    """The value the last of ``names`` is given in an argument list: the one SGLang uses
+    (argparse keeps the last); None when none is given."""
+    found = flag_values(args, *names)
+    return found[-1] if found else None
 
 
 def _has_flag(args: Sequence[str], *names: str) -> bool:
     return any(a in names or a.split("=", 1)[0] in names for a in args)
+
+
+def spellings(option: str, shortest: str) -> tuple[str, ...]:
+    """``option`` and each abbreviation of it down to ``shortest``: SGLang's parser takes any
+    prefix of an option that no other option shares (argparse's ``allow_abbrev``)."""
+    return tuple(option[:n] for n in range(len(shortest), len(option) + 1))
+
+
+OWN_SGLANG_OPTIONS: dict[str, tuple[str, ...]] = {
+    "model_path": (*spellings("--model-path", "--model-p"), "--model"),
+    "host": spellings("--host", "--ho"),
+    "port": spellings("--port", "--po"),
+}
+"""SGLang's options that `SGLangServerConfig` fields set, by field, as SGLang 0.5.23's parser takes
+them (``--model`` is ``--model-path``'s alias; each abbreviation no other option of it shares).
+Given again in ``extra_args`` (after ``serve --``) one would win, argparse keeping the last: SGLang
+would listen elsewhere than `SGLangServer.url` (where the supervisor and the sidecar look) or
+serve another model than the one the sidecar checks checkpoints against."""
+
+API_KEY_OPTIONS = spellings("--api-key", "--ap")
+"""SGLang's ``--api-key`` as its parser takes it."""
+
+
+def _setting_flag(name: str) -> str:
+    """The flag of `SGLangServerConfig`'s setting ``name`` (``--port``)."""
+    return next(declaration.flag for f, declaration in declared_settings(SGLangServerConfig) if f.name == name)
+
+
+def _own_options_problem(extra_args: Sequence[str]) -> str | None:
+    """Why ``extra_args`` cannot go to SGLang: they set an option a setting sets (`OWN_SGLANG_OPTIONS`)."""
+    for arg in extra_args:
+        option = arg.split("=", 1)[0]
+        for name, options in OWN_SGLANG_OPTIONS.items():
+            if option in options:
+                flag = _setting_flag(name)
+                return (
+                    f"{option} after '--' would set SGLang's {max(options, key=len)}, which serve sets from its own"
+                    f" {flag}: SGLang keeps the last one given, so serve and its sidecar would look for another"
+                    f" server than the one SGLang runs; give it as serve's {flag} instead (before '--')"
+                )
+    return None
+
+
+def log_file(text: str) -> Path:
+    """``--sglang-log``'s text as a path: empty is refused (``Path("")`` is the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must name a file, got {text!r}: leave the flag out for a temporary file")
+    return Path(text)
 
 
 @dataclass(frozen=True)
@@ -307,7 +399,12 @@ class SGLangServerConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     log_path: str | os.PathLike[str] | None = field(
         default=None,
-        metadata=setting("--sglang-log", "file for SGLang's output (default: a temp file)", parse=Path),
+        metadata=setting(
+            "--sglang-log",
+            "file SGLang's output is appended to (a FIFO or /dev/stdout only while something reads it; default:"
+            " a temporary file, removed when SGLang stops unless it failed)",
+            parse=log_file,
+        ),
     )
     die_with_parent: bool = False
     lora: LoraServing | None = None
@@ -320,9 +417,14 @@ class SGLangServerConfig:
         self.env = dict(self.env or {})
         if self.device not in DEVICES:
             raise ValueError(
-                f"device must be one of {DEVICES}, got {self.device!r}; "
+                f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}; "
                 "use 'auto' to pick CUDA when a GPU is listed by nvidia-smi"
             )
+        problem = _own_options_problem(self.extra_args)
+        if problem is None and self.log_path is not None:
+            problem = log_path_problem(self.log_path, _setting_flag("log_path"))
+        if problem:
+            raise ValueError(problem)
 
 
 class SGLangServer:
@@ -346,18 +448,23 @@ class SGLangServer:
         self._cuda_plan: tuple[float | None, str] | None = None
         self._cuda_checked = False
         self.port = config.port if config.port is not None else free_port(config.host)
-        if config.log_path is None:
-            fd, name = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(name)
-        else:
-            self.log_path = Path(config.log_path)
         self._group: ProcessGroup | None = None
+        self._probe: subprocess.Popen[bytes] | None = None
+        """The CUDA probe `start()` runs, while it runs (`interrupt` kills it)."""
+        self._interrupted = False
+        """Set by `interrupt()`: `start()` launches nothing until `stop()`."""
+        self._temp_log = config.log_path is None
+        """Whether the log is a temporary file of this object's: removed by `stop()` unless SGLang failed."""
+        self._keep_log = False
+        """SGLang failed (an error quoted the log): the temporary log stays, and `stop()` says where."""
+        self._said_kept: Path | None = None
+        # Last: the only thing made on disk, once every setting passed.
+        self.log_path = self._new_temp_log() if config.log_path is None else Path(config.log_path)
 
     @property
     def url(self) -> str:
         """Base URL of the server, e.g. "http://127.0.0.1:30000"."""
-        return f"http://{url_host(self.config.host)}:{self.port}"
+        return server_url(self.config.host, self.port)
 
     @property
     def pid(self) -> int | None:
@@ -440,16 +547,32 @@ class SGLangServer:
                 )
         return env
 
+    @staticmethod
+    def _new_temp_log() -> Path:
+        fd, name = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
+        os.close(fd)
+        return Path(name)
+
     def start(self) -> None:
-        """Launch the server process group; returns at once (see `wait_healthy`)."""
+        """Launch the server process group; returns at once (see `wait_healthy`).
+
+        Raises SGLangStartError when CUDA is not usable, or when `interrupt()` was called (before
+        the launch, however long the CUDA checks took); ValueError when the log cannot be opened.
+        """
         if self.is_running():
             raise RuntimeError(f"SGLang server already running with pid {self.pid}; stop() it first")
+        self._refuse_if_interrupted()
         if self.device == "cuda" and not self._cuda_checked:
-            if not torch_sees_cuda(self.config.python):
+            sees = torch_sees_cuda(self.config.python, probe_started=self._track_probe)
+            self._probe = None
+            self._refuse_if_interrupted()
+            if not sees:
                 raise SGLangStartError(
                     cuda_unavailable_message(listed_gpus(), f"SGLang on CUDA (python {self.config.python})")
                 )
             self._cuda_checked = True
+        if self._temp_log and not self.log_path.exists():  # stop() removed it: a new one, never a name reused
+            self.log_path = self._new_temp_log()
         cmd = self.command()
         if self.device == "cuda":
             fraction, why = self.cuda_memory_plan()
@@ -464,14 +587,42 @@ class SGLangServer:
         logger.info(
             "starting SGLang on %s (%s), log %s: %s", self.url, self.device, self.log_path, " ".join(shown_command(cmd))
         )
+        env = self.environment()
+        self._refuse_if_interrupted()  # the checks above can take long (nvidia-smi): a signal may have come
         self._group = ProcessGroup(
             cmd,
             self.log_path,
             name="SGLang server",
-            env=self.environment(),
+            env=env,
             die_with_parent=self.config.die_with_parent,
+            log_name=_setting_flag("log_path") if not self._temp_log else "SGLang's temporary log",
         )
         self._group.start()
+
+    def _track_probe(self, probe: subprocess.Popen[bytes]) -> None:
+        self._probe = probe
+        if self._interrupted:  # the signal came as it was being started
+            probe.kill()
+
+    def _refuse_if_interrupted(self) -> None:
+        if self._interrupted:
+            raise SGLangStartError("SGLang was not started: its start was interrupted (serve is stopping)")
+
+    def interrupt(self, sig: int = signal.SIGTERM) -> None:
+        """End a `start()` or `wait_healthy()` under way: from a signal handler or another thread.
+
+        A CUDA probe in flight is killed, nothing is launched from now on (until `stop()`), and a
+        server already launched gets ``sig``, so that the wait for `/health` ends as it exits. Takes
+        no lock and waits for nothing (the interrupted thread may hold any)."""
+        self._interrupted = True
+        probe = self._probe
+        if probe is not None:
+            try:
+                probe.kill()
+            except OSError:
+                pass
+        if self._group is not None:
+            self._group.send_signal(sig)
 
     def is_running(self) -> bool:
         """True while the server's main process has not exited."""
@@ -501,16 +652,38 @@ class SGLangServer:
                 f"{self.url}/health", timeout_s, progress_grace_s=progress_grace_s, timeout_hint=timeout_hint
             )
         except ProcessStartError as exc:
+            self._keep_log = self._keep_log or not self._interrupted  # the message names the log
             raise SGLangStartError(str(exc)) from None
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Terminate the whole process group: SIGTERM, then SIGKILL after `timeout_s`.
 
         Safe to call more than once, and also when the main process already died (its
-        children are still killed through the process group).
+        children are still killed through the process group). A temporary log (no `log_path`
+        given) is removed, unless SGLang failed (exited by itself, or did not become healthy):
+        then it stays for the errors that quote it, and where it is is logged.
         """
         if self._group is not None:
+            if self._group.returncode is not None and not self._interrupted:  # it exited by itself
+                self._keep_log = True
             self._group.stop(timeout_s)
+        self._interrupted = False
+        self._probe = None
+        if self._temp_log:
+            self._remove_temp_log()
+
+    def _remove_temp_log(self) -> None:
+        if self._keep_log:
+            if self.log_path.exists() and self._said_kept != self.log_path:
+                self._said_kept = self.log_path
+                logger.warning(
+                    "SGLang failed; its log is kept at %s (a temporary file: delete it when done)", self.log_path
+                )
+            return
+        try:
+            self.log_path.unlink(missing_ok=True)
+        except OSError as exc:
+            logger.warning("could not remove SGLang's temporary log %s: %s", self.log_path, exc.strerror or exc)
 
     def restart(self, timeout_s: float, **wait_kwargs: Any) -> None:
         """Stop the server (if running), start it again on the same port and wait healthy.

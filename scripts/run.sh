@@ -4,6 +4,10 @@
 #   ./scripts/run.sh pytest -q                      # the test suite
 #   ./scripts/run.sh rollout-service demo           # the CPU GRPO demo
 #
+# The command runs in the caller's directory, so relative paths in it mean what they mean there
+# (`rollout-service validate root/step-00000001`, `--out`, `--output-dir`); this script's own
+# paths are absolute. The suite and README commands run from the repository root.
+#
 # The environment is a venv with sglang 0.5.23's CPU-capable dependency set (no CUDA kernel
 # packages), TRL and this project, pinned by requirements/cpu.lock. It is cached under
 # $ROLLOUT_CACHE_DIR (default ~/.cache/rollout-service) in a folder keyed by a hash of the lock
@@ -44,5 +48,4 @@ fi
 flock -u 9
 export PATH="$VENV/bin:$PATH"
 export VIRTUAL_ENV="$VENV"
-cd "$REPO"
 exec "$@"

@@ -71,6 +71,7 @@ def test_serve_and_sidecar_refuse_a_port_in_use(capsys, tmp_path: Path, listenin
         capsys, "serve", "--model", str(tmp_path), "--checkpoint-path", root, "--sidecar-port", str(listening)
     )
     assert rc == 2 and f"--host/--sidecar-port: port {listening} on 127.0.0.1 is in use" in err
+    Path(root).mkdir()  # serve refused before making it; the sidecar needs a root
     rc, err = run(
         capsys, "sidecar", "--checkpoint-path", root, "--sglang-url", "http://127.0.0.1:1", "--port", str(listening)
     )

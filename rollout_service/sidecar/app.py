@@ -22,10 +22,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..checkpoint_format import MAX_STEP, RUN_ID_RE, CheckpointError
-from ..http_auth import LOOPBACK_HOSTS
 from .controller import SyncController
 from .root_gate import RootGate, RootUnresponsive
-from .settings import SidecarSettings
+from .settings import SidecarSettings, warn_unguarded_listeners
 from .watcher import CheckpointWatcher
 
 log = logging.getLogger(__name__)
@@ -288,12 +287,7 @@ def run_sidecar(settings: SidecarSettings) -> None:
     """Serve the sidecar with uvicorn until interrupted."""
     import uvicorn
 
-    if settings.host not in LOOPBACK_HOSTS and not settings.token:
-        log.warning(
-            "the sidecar listens on %s without a token: anyone who can reach it can trigger"
-            " syncs. Set --token (or ROLLOUT_TOKEN).",
-            settings.host,
-        )
+    warn_unguarded_listeners(settings)
     uvicorn.Server(uvicorn_config(create_app(settings), settings)).run()
 
 
