@@ -1,19 +1,28 @@
 """Delta sync vs full sync on realistic updates: bytes, encode, write, apply, side by side.
 
 For each model size (Qwen2-architecture tensor shapes, bf16 published, fp32 master weights
-stepped by AdamW with random gradients: Adam's step does not depend on the gradient's scale,
-so the update sizes are realistic) and learning rate, one process publishes the same version
-three ways on each storage, and rebuilds it in a node-local stage (/dev/shm):
+stepped by AdamW with random gradients after ``--warmup-steps`` steps: Adam's step does not
+depend on the gradient's scale, so the update sizes are realistic) and learning rate, one
+version pair (1 -> 2) is made once, and on each storage both paths sync version 2, rebuilding
+or copying it into a node-local stage (``--stage-root``, default /dev/shm):
 
 - ``full``: today's path, the whole model written (``publish_checkpoint``), then copied and
   verified into the stage (what the sidecar does before SGLang loads it);
-- ``delta``: XOR + zstd against the previous version (``DeltaCheckpointWriter``), then applied
-  to the staged previous version and verified;
-- ``limit``: one sequential write + fsync of the same bytes (the storage's own speed).
+- ``delta``: XOR + zstd against version 1 (``DeltaCheckpointWriter``; a fresh writer publishes
+  version 1 in full first, untimed), then applied to the staged version 1 and verified;
+- limits (``measures.py``): the full bytes written + fsync'd alone (the storage's own speed),
+  the delta's bytes likewise, and each path's physical limit: its bytes written + fsync'd, read
+  back, and one write of the model over existing pages in the stage's file system.
+
+Fair by construction: the same version pair on every storage and in every repeat; both paths
+start from the same stage (version 1 served and a spare copy, which the new copy or rebuild
+writes over, as a sidecar's stage in steady state); one untimed round first, then
+``--repeats`` rounds (default 3) in alternating order (delta first, full first, ...); medians,
+with every sample in the JSON.
 
 Prints the changed fraction, bytes written per sync (delta / full), encode and apply
-throughput, and publish + stage times with ratios. SGLang's own load from the stage is the
-same for both kinds (it reads the same full files); ``sync_bench.py`` measures it.
+throughput, publish + stage times with ratios, and the limits. SGLang's own load from the
+stage is the same for both kinds (it reads the same full files); ``sync_bench.py`` measures it.
 
     ./scripts/run.sh python benchmarks/delta_bench.py --sizes 0.5,1 --lrs 1e-6,1e-5 \\
         --storage local,shm,sshfs
@@ -30,9 +39,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
-import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -45,13 +55,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests"))
 
+import measures  # noqa: E402
 from model_factory import plan_bench_model  # noqa: E402
 
 from rollout_service.checkpoint_format import DEFAULT_FULL_EVERY, Manifest, step_dir_name  # noqa: E402
 from rollout_service.checkpoint_writer import publish_checkpoint  # noqa: E402
 from rollout_service.delta_choice import PublishCosts  # noqa: E402
 from rollout_service.delta_writer import DeltaCheckpointWriter  # noqa: E402
-from rollout_service.sidecar.staging import Stage  # noqa: E402
+from rollout_service.sidecar.staging import SPARE_PREFIX, Stage  # noqa: E402
 from rollout_service.untrusted_files import Deadline  # noqa: E402
 
 STORAGE_ALIASES = {"local": Path("~/.cache/rollout-service/delta-bench"), "shm": Path("/dev/shm")}
@@ -125,94 +136,180 @@ def changed_fraction(before: dict[str, torch.Tensor], params: dict[str, torch.nn
     return changed / total
 
 
-def limit_write(path: Path, nbytes: int) -> float:
-    """One sequential write + fsync of ``nbytes`` (the storage's own speed)."""
-    buf = memoryview(bytearray(16 << 20))
-    t0 = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        left = nbytes
-        while left > 0:
-            left -= f.write(buf[: min(left, len(buf))])
-        os.fsync(f.fileno())
-    return time.perf_counter() - t0
-
-
-def run(
-    gb: float, lr: float, storages: list[tuple[str, Path]], stage_root: Path, warmup_steps: int, device: str = "cpu"
-) -> list[dict]:
+def make_versions(
+    gb: float, lr: float, warmup_steps: int, device: str = "cpu"
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.nn.Parameter], float]:
+    """The version pair every storage and repeat syncs: (version 1 as the bf16 tensors the
+    trainer publishes, the fp32 master weights one AdamW step later = version 2, the share of
+    bf16 elements that changed). AdamW's states are dropped once version 2 is made (two fp32
+    copies of the model: a 2 GB model's pair then fits beside two stages in 24 GB)."""
     params = qwen2_state(gb, device=device)
     opt = torch.optim.AdamW(params.values(), lr=lr)
     g = torch.Generator(device=device).manual_seed(1)
     for _ in range(warmup_steps):  # Adam's first steps move every weight by lr: not the steady state
         adam_step(opt, params, g)
+    v1 = {k: t.detach().to(torch.bfloat16) for k, t in params.items()}
+    adam_step(opt, params, g)
+    del opt
+    gc.collect()
+    return v1, params, changed_fraction(v1, params)
+
+
+def has_spare(stage_dir: Path) -> bool:
+    """Whether the stage holds a spare copy (that the next copy or rebuild writes over)."""
+    return any(p.name.startswith(SPARE_PREFIX) for p in stage_dir.iterdir())
+
+
+def sync_pair(
+    rep: int,
+    order: tuple[str, ...],
+    v1: dict[str, torch.Tensor],
+    params: dict[str, torch.nn.Parameter],
+    work: Path,
+    stage: Stage,
+    stage_dir: Path,
+) -> dict:
+    """Both paths sync version 2 once, in ``order``, from the same stage state: version 1 staged
+    (served) and a spare (the copy before it, or the other path's last copy). A fresh writer
+    publishes version 1 in full first (untimed), so that each repeat encodes the same delta."""
+    s1, s2 = 2 * rep + 1, 2 * rep + 2  # new step numbers per repeat: no staged copy is reused
+    droot, froot = work / f"delta-{rep}", work / f"full-{rep}"
+    writer = DeltaCheckpointWriter(full_every=1000)
+    out: dict = {"order": "/".join(order)}
+    try:
+        writer.publish(droot, s1, published(v1), config=CONFIG, dtype="bfloat16", run_id="bench")
+        served = stage.build(droot, droot / step_dir_name(s1), Manifest.load(droot / step_dir_name(s1)), Deadline(None))
+        stage.prune({served.path})  # the copy served before becomes the spare
+        for kind in order:
+            out[f"{kind}_spare"] = has_spare(stage_dir)
+            if kind == "delta":
+                t0 = time.perf_counter()
+                writer.absorb(published(params), dtype="bfloat16")
+                out["encode_s"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                delta = writer.write(droot, s2, config=CONFIG, run_id="bench")
+                out["delta_write_s"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                path = droot / step_dir_name(s2)
+                stage.build(droot, path, Manifest.load(path), Deadline(None))
+                out["apply_s"] = time.perf_counter() - t0
+                out.update(kind=delta.kind, delta_bytes=delta.total_bytes)
+            else:
+                t0 = time.perf_counter()
+                full = publish_checkpoint(froot, s2, published(params), config=CONFIG, dtype="bfloat16", run_id="bench")
+                out["full_publish_s"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                path = froot / step_dir_name(s2)
+                stage.build(froot, path, Manifest.load(path), Deadline(None))
+                out["full_stage_s"] = time.perf_counter() - t0
+                out["full_bytes"] = full.total_bytes
+            # SGLang would load the new copy; here version 1 stays the served one and the new
+            # copy becomes the spare, so the other path finds the stage as this one did.
+            stage.prune({served.path})
+    finally:
+        writer.close()
+        shutil.rmtree(froot, ignore_errors=True)
+        shutil.rmtree(droot, ignore_errors=True)
+    out["delta_sync_s"] = out["encode_s"] + out["delta_write_s"] + out["apply_s"]
+    out["full_sync_s"] = out["full_publish_s"] + out["full_stage_s"]
+    return out
+
+
+def limits(work: Path, stage_root: Path, full_bytes: int, delta_bytes: int) -> dict[str, float]:
+    """Both paths' physical limits (``measures.py``): the bytes written + fsync'd to the storage
+    and read back, then one write of the model over existing pages in the stage's file system
+    (a full sync's copy into the stage, a delta's rebuild: either writes every byte there)."""
+    out: dict[str, float] = {}
+    for kind, nbytes in (("full", full_bytes), ("delta", delta_bytes)):
+        path = work / f"limit-{kind}"
+        try:
+            out[f"limit_{kind}_write_s"] = measures.write_fsync(path, nbytes)
+            out[f"limit_{kind}_read_s"] = measures.read_back(path)["read_s"]
+        finally:
+            path.unlink(missing_ok=True)
+    out["limit_stage_write_s"] = measures.stage_write(stage_root, full_bytes)
+    for kind in ("full", "delta"):
+        out[f"limit_{kind}_s"] = out[f"limit_{kind}_write_s"] + out[f"limit_{kind}_read_s"] + out["limit_stage_write_s"]
+    return out
+
+
+def run(
+    gb: float,
+    lr: float,
+    storages: list[tuple[str, Path]],
+    stage_root: Path,
+    warmup_steps: int,
+    device: str = "cpu",
+    repeats: int = 3,
+) -> list[dict]:
+    """One row per storage: the same version pair synced both ways ``repeats`` times (after one
+    untimed round), the order alternating (delta first, then full first, ...), medians."""
+    v1, params, fraction = make_versions(gb, lr, warmup_steps, device)
     rows = []
     for label, base in storages:
         work = Path(tempfile.mkdtemp(prefix=f"delta-bench-{Path(label).name}-", dir=base))
         stage_dir = Path(tempfile.mkdtemp(prefix="delta-bench-stage-", dir=stage_root))
         try:
-            writer = DeltaCheckpointWriter(full_every=1000)
             stage = Stage(stage_dir)
-            root, full_root = work / "delta", work / "full"
-            # Version 1 (full) and one step, so that version 2 is a delta on it.
-            writer.publish(root, 1, published(params), config=CONFIG, dtype="bfloat16", run_id="bench")
-            stage.build(root, root / step_dir_name(1), Manifest.load(root / step_dir_name(1)), Deadline(None))
-            before = {k: t.detach().to(torch.bfloat16) for k, t in params.items()}
-            adam_step(opt, params, g)
-            fraction = changed_fraction(before, params)
-            del before
-            t0 = time.perf_counter()
-            writer.absorb(published(params), dtype="bfloat16")
-            encode_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            delta = writer.write(root, 2, config=CONFIG, run_id="bench")
-            delta_write_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            full = publish_checkpoint(full_root, 2, published(params), config=CONFIG, dtype="bfloat16", run_id="bench")
-            full_publish_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            applied = stage.build(root, root / step_dir_name(2), Manifest.load(root / step_dir_name(2)), Deadline(None))
-            apply_s = time.perf_counter() - t0
-            stage.prune({applied.path})
-            t0 = time.perf_counter()
-            stage.build(
-                full_root, full_root / step_dir_name(2), Manifest.load(full_root / step_dir_name(2)), Deadline(None)
-            )
-            full_stage_s = time.perf_counter() - t0
-            limit_full_s = limit_write(work / "limit-full", full.total_bytes)
-            limit_delta_s = limit_write(work / "limit-delta", delta.total_bytes)
+            samples = []
+            # Round -1 is untimed: first-call costs (thread pools, scratch buffers), and it leaves
+            # the stage a spare, which every timed round then starts with.
+            for rep in range(-1, repeats):
+                order = ("delta", "full") if rep % 2 == 0 else ("full", "delta")
+                sample = sync_pair(rep + 1, order, v1, params, work, stage, stage_dir)
+                if rep < 0:
+                    continue
+                sample.update(limits(work, stage_root, sample["full_bytes"], sample["delta_bytes"]))
+                samples.append(sample)
+                print(
+                    f"  {gb}G lr {lr:g} {label} repeat {rep + 1} ({sample['order']}):"
+                    f" delta {sample['delta_sync_s']:.3f} s, full {sample['full_sync_s']:.3f} s,"
+                    f" limits {sample['limit_delta_s']:.3f} / {sample['limit_full_s']:.3f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             stage.close()
-            rows.append(
-                {
-                    "size_gb": gb,
-                    "lr": lr,
-                    "storage": label,
-                    "device": device,
-                    "changed_fraction": fraction,
-                    "kind": delta.kind,
-                    "full_bytes": full.total_bytes,
-                    "delta_bytes": delta.total_bytes,
-                    "bytes_ratio": delta.total_bytes / full.total_bytes,
-                    "encode_s": encode_s,
-                    "encode_gbps": full.total_bytes / encode_s / 1e9,
-                    "delta_write_s": delta_write_s,
-                    "full_publish_s": full_publish_s,
-                    "storage_write_gbps": full.total_bytes / limit_full_s / 1e9,
-                    "apply_s": apply_s,
-                    "apply_gbps": full.total_bytes / apply_s / 1e9,
-                    "full_stage_s": full_stage_s,
-                    "delta_sync_s": encode_s + delta_write_s + apply_s,
-                    "full_sync_s": full_publish_s + full_stage_s,
-                    "limit_full_write_s": limit_full_s,
-                    "limit_delta_write_s": limit_delta_s,
-                }
-            )
-            r = rows[-1]
-            r["sync_ratio"] = r["delta_sync_s"] / r["full_sync_s"]
-            print(json.dumps(r), file=sys.stderr, flush=True)
+            rows.append(summarise(gb, lr, label, device, fraction, samples))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "samples"}), file=sys.stderr, flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
             shutil.rmtree(stage_dir, ignore_errors=True)
     return rows
+
+
+def summarise(gb: float, lr: float, label: str, device: str, fraction: float, samples: list[dict]) -> dict:
+    """One storage's row: the median of each figure over the repeats (every sample kept)."""
+
+    def med(key: str) -> float:
+        return statistics.median(s[key] for s in samples)
+
+    full_bytes, delta_bytes = samples[0]["full_bytes"], samples[0]["delta_bytes"]
+    row = {
+        "size_gb": gb,
+        "lr": lr,
+        "storage": label,
+        "device": device,
+        "repeats": len(samples),
+        "changed_fraction": fraction,
+        "kind": samples[0]["kind"],
+        "full_bytes": full_bytes,
+        "delta_bytes": delta_bytes,
+        "bytes_ratio": delta_bytes / full_bytes,
+        "spare_every_time": all(s["delta_spare"] and s["full_spare"] for s in samples),
+    }
+    keys = ("encode_s", "delta_write_s", "apply_s", "full_publish_s", "full_stage_s", "delta_sync_s", "full_sync_s")
+    keys += tuple(k for k in samples[0] if k.startswith("limit_"))
+    row.update({k: med(k) for k in keys})
+    row.update(
+        encode_gbps=full_bytes / row["encode_s"] / 1e9,
+        apply_gbps=full_bytes / row["apply_s"] / 1e9,
+        storage_write_gbps=full_bytes / row["limit_full_write_s"] / 1e9,
+        sync_ratio=row["delta_sync_s"] / row["full_sync_s"],
+        delta_vs_limit=row["delta_sync_s"] / row["limit_delta_s"],
+        full_vs_limit=row["full_sync_s"] / row["limit_full_s"],
+        samples=samples,
+    )
+    return row
 
 
 def run_auto(gb: float, lr: float, storages: list[tuple[str, Path]], stage_root: Path, versions: int) -> list[dict]:
@@ -302,6 +399,7 @@ def print_table(rows: list[dict]) -> None:
     head = (
         f"{'size':>5} {'lr':>6} {'storage':>7} {'changed':>8} {'bytes d/f':>9} {'encode':>8}"
         f" {'storage w':>9} {'apply':>8} {'delta sync':>10} {'full sync':>9} {'ratio':>6}"
+        f" {'d.write':>8} {'d.limit':>8} {'f.limit':>8} {'d/d.lim':>8} {'f/f.lim':>8} {'spare':>5}"
     )
     print(head)
     print("-" * len(head))
@@ -310,14 +408,20 @@ def print_table(rows: list[dict]) -> None:
             f"{r['size_gb']:>4}G {r['lr']:>6.0e} {r['storage']:>7} {100 * r['changed_fraction']:>7.2f}%"
             f" {100 * r['bytes_ratio']:>8.2f}% {r['encode_gbps']:>5.2f}GB/s {r['storage_write_gbps']:>6.2f}GB/s"
             f" {r['apply_gbps']:>5.2f}GB/s {r['delta_sync_s']:>9.2f}s {r['full_sync_s']:>8.2f}s"
-            f" {r['sync_ratio']:>6.3f}"
+            f" {r['sync_ratio']:>6.3f} {r['limit_delta_write_s']:>7.3f}s {r['limit_delta_s']:>7.2f}s"
+            f" {r['limit_full_s']:>7.2f}s {r['delta_vs_limit']:>7.2f}x {r['full_vs_limit']:>7.2f}x"
+            f" {'yes' if r['spare_every_time'] else 'no':>5}"
         )
     print(
-        "\nchanged: bf16 elements that differ from the previous version; bytes d/f: delta bytes / full"
-        " bytes; encode: full bytes / (XOR + zstd) time; storage w: one sequential write + fsync;"
-        " apply: full bytes / (rebuild + verify in the stage) time; delta sync = encode + write +"
-        " apply; full sync = full publish + stage copy (both without SGLang's load, which is the"
-        " same for both); ratio = delta sync / full sync."
+        "\nmedians of each figure over the repeats (the same version pair each time, delta and full in"
+        " alternating order, both staged over a spare copy: spare = yes when every timed copy and"
+        " rebuild had one). changed: bf16 elements that differ from the previous version; bytes d/f:"
+        " delta bytes / full bytes; encode: full bytes / (XOR + zstd) time; storage w: one sequential"
+        " write + fsync of the full bytes; apply: full bytes / (rebuild + verify in the stage) time;"
+        " delta sync = encode + write + apply; full sync = full publish + stage copy (both without"
+        " SGLang's load, which is the same for both); ratio = delta sync / full sync; d.write: the"
+        " delta's bytes written + fsync'd alone; d.limit, f.limit: each path's physical limit, its"
+        " bytes written + fsync'd, read back, and one write of the model into the stage's file system."
     )
 
 
@@ -352,8 +456,16 @@ def main(argv: list[str] | None = None) -> int:
         help="where the fp32 master weights and AdamW live (cuda: the encode copies each part from GPU"
         " memory, cast to bf16 there first, as the trainer does; default cpu)",
     )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed syncs of each path per storage, after one untimed round, order alternating (default 3)",
+    )
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     if args.auto_versions == 1 or args.auto_versions < 0:
         ap.error("--auto-versions needs at least 2 versions (version 1 is always full)")
     if args.auto_versions and args.device != "cpu":
@@ -372,13 +484,24 @@ def main(argv: list[str] | None = None) -> int:
                 path = STORAGE_ALIASES.get(label, Path(label)).expanduser()
                 path.mkdir(parents=True, exist_ok=True)
                 storages.append((label, path))
+        Path(args.stage_root).expanduser().mkdir(parents=True, exist_ok=True)
         rows = []
         for gb in (float(x) for x in args.sizes.split(",")):
             for lr in (float(x) for x in args.lrs.split(",")):
                 if args.auto_versions:
-                    rows += run_auto(gb, lr, storages, Path(args.stage_root), args.auto_versions)
+                    rows += run_auto(gb, lr, storages, Path(args.stage_root).expanduser(), args.auto_versions)
                 else:
-                    rows += run(gb, lr, storages, Path(args.stage_root), args.warmup_steps, args.device)
+                    rows += run(
+                        gb,
+                        lr,
+                        storages,
+                        Path(args.stage_root).expanduser(),
+                        args.warmup_steps,
+                        args.device,
+                        args.repeats,
+                    )
+                if args.json:  # after each size and lr: a killed run keeps what it measured
+                    Path(args.json).write_text(json.dumps(rows, indent=2))
     (print_auto_table if args.auto_versions else print_table)(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -10,7 +10,8 @@
 # version cast to bf16 on the GPU and encoded part by part from GPU memory on the host's
 # threads, written to local disk, rebuilt and verified in a stage in /dev/shm (on disk when
 # /dev/shm lacks 3x the model), beside a full publish + verified stage copy of the same version.
-# Each size runs under `timeout` within GPU_DELTA_BUDGET_S (default 420 s).
+# Each size runs under `timeout` within GPU_DELTA_BUDGET_S (default 420 s), with
+# GPU_DELTA_REPEATS timed rounds (default 1, to fit the budget; delta_bench.py's own default is 3).
 #
 # Needs torch with CUDA, numpy, safetensors and xxhash (the device image has them) and
 # zstandard (it does not): carry its wheel. Once, here, in the repo's root:
@@ -55,8 +56,8 @@ fi
 cat "$RESULTS/env.txt"
 
 # Room, in KiB, for N copies of a model of GB gigabytes (the checkpoint root holds version 1 in
-# full, version 2 in full and the raw write limit's file; the stage holds the base, the rebuilt
-# version and a spare).
+# full, version 2 in full and the raw write limit's file; the stage holds the base and a spare,
+# which each new version is written over, and beside them the limit's write of the model).
 copies_kb() { awk -v gb="$1" -v n="$2" 'BEGIN { printf "%d", gb * n * 1.07 * 1024 * 1024 }'; }
 avail_kb() { df -k --output=avail "$1" | tail -1; }
 for size in $SIZES; do
@@ -70,10 +71,11 @@ for size in $SIZES; do
     say "size $size GB, stage in $stage, ${t}s left"
     mkdir -p "$WORK/ckpt" "$stage"
     timeout "$t" "$PY" benchmarks/delta_bench.py --device "$DEVICE" --sizes "$size" --lrs 1e-6 \
-        --storage "$WORK/ckpt" --stage-root "$stage" --json "$RESULTS/delta-$size.json" \
+        --storage "$WORK/ckpt" --stage-root "$stage" --repeats "${GPU_DELTA_REPEATS:-1}" \
+        --json "$RESULTS/delta-$size.json" \
         || say "size $size failed or timed out (exit $?)"
     # A run stopped by timeout skips its own clean-up: its stage would hold tmpfs memory.
-    rm -rf "$WORK/ckpt" "$WORK/stage" "$stage"/delta-bench-stage-*
+    rm -rf "$WORK/ckpt" "$WORK/stage" "$stage"/delta-bench-stage-* "$stage"/.bench-stage-write-*
 done
 rm -rf "$WORK"
 say "done"

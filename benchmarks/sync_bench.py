@@ -12,7 +12,9 @@ it measures three ways of getting the trainer's weights into SGLang:
 * ``physical limit``: the same bytes written raw to one file + fsync, then read back, once right
   after the write (page cache hot, as SGLang reads a checkpoint just written on the same node)
   and once cold (``drop_caches`` when writable, else ``posix_fadvise(DONTNEED)``; tmpfs has no
-  cold read). ``limit`` = write+fsync + hot read; ``limit-cold`` = write+fsync + cold read.
+  cold read), each read both with ``read()`` into a buffer and through a memory map copied page
+  by page into a tensor (as safetensors hands SGLang its weights), the faster counting
+  (``measures.py``). ``limit`` = write+fsync + hot read; ``limit-cold`` = write+fsync + cold read.
 * ``naive``: the path of the original TRL pull request: ``model.save_pretrained(fixed_dir)``
   (no fsync, overwritten every step) and the trainer calling ``/update_weights_from_disk``
   itself; both times.
@@ -21,26 +23,37 @@ it measures three ways of getting the trainer's weights into SGLang:
   sidecar's ``/wait`` answer (its ``last_sync``): detection (step directory renamed into place
   -> sidecar woken), validation, SGLang load, acknowledgement (load done -> the trainer's
   ``/wait`` returned); end to end = publish start -> the trainer knows the step is served.
-
+* ``ours_nostage`` (without ``--delta``): the same with ``--no-stage`` (SGLang reads the root).
 * ``ours_delta`` (``--delta``): the trainer's fp32 master copy stepped by AdamW with random
-  gradients at ``--delta-lr`` between versions (realistic update sizes), published in bf16 as
-  deltas (``DeltaCheckpointWriter``), rebuilt and verified in the sidecar's stage, loaded from
-  there. ``ours`` then is today's full path on the same storage and server, publishing the same
-  trainer's weights: both cast the fp32 master copy to bf16 inside the timed sync
-  (``--delta-from master``), or both get bf16 copies cast before it (``--delta-from bf16``).
-
-During every sidecar sync a probe thread sends ``/generate`` (one token) back to back; the
-longest probe that overlapped the sync, less the median idle probe, is SGLang's ``pause``.
-On a CPU test bed that probe keeps SGLang computing on the cores the sidecar and the trainer
-use; ``--no-probe`` measures end to end with SGLang idle (as where it generates on a GPU).
+  gradients at ``--delta-lr`` between versions (realistic update sizes; ``--adam-warmup`` steps
+  first, as ``delta_bench.py``), published in bf16 as deltas (``DeltaCheckpointWriter``), rebuilt
+  and verified in the sidecar's stage, loaded from there. ``ours`` then is today's full path on
+  the same storage and server, publishing the same trainer's weights: both cast the fp32 master
+  copy to bf16 inside the timed sync (``--delta-from master``), or both get bf16 copies cast
+  before it (``--delta-from bf16``). ``delta_limit``: the delta path's physical limit, measured
+  after each delta run: its bytes written + fsync + read back, one write of the model over
+  existing pages in the stage's file system, and that run's SGLang load.
 
 Physical and naive runs alternate per repeat; the sidecar runs come after them (a naive load
-would make a running sidecar re-apply its own checkpoint). ``--warmup`` untimed syncs (default
-1) precede the timed naive and sidecar runs, so that first-call costs (imports, the sidecar's
-first validation) are not counted as a sync's. Prints medians, the ratios
-ours/limit and ours/naive, and writes everything as JSON (``--json``). ``--no-sglang``
-measures only the trainer side (publish, raw write, save_pretrained), for machines where
-SGLang cannot run.
+would make a running sidecar re-apply its own checkpoint). Then the sidecar paths alternate run
+by run (ours, ours_delta, ours, ours_delta, ...; one SGLang server), each run with its own
+fresh root, stage and sidecar, ``--warmup`` untimed syncs (default 2: the first stages the
+served copy, the second leaves the copy before it as the stage's spare, so that every path's
+timed sync writes over a spare, as in steady state; first-call costs are not a sync's) and one
+timed sync; ``--repeats`` runs per path (default 3), medians.
+
+Before each timed sync the probe times one-token ``/generate`` requests for ``--idle-probe-s``
+seconds with nothing else running: their median is the idle baseline. During the timed sync a
+probe thread sends them back to back; the longest probe that overlapped the sync less that
+baseline is SGLang's ``pause``, from the publish's rename on ``replica_pause``, over the
+sidecar's recorded load interval ``load_pause`` (with ``load_probe_overlap_s``, the seconds of
+that interval probes were in flight). On a CPU test bed that probe keeps SGLang computing on the
+cores the sidecar and the trainer use; ``--no-probe`` measures end to end with SGLang idle (as
+where it generates on a GPU).
+
+Prints medians, the ratios ours/limit, ours/naive, delta/full, delta/limit and pause/load, and
+writes every run as JSON (``--json``, rewritten after each size). ``--no-sglang`` measures only
+the trainer side (publish, raw write, save_pretrained), for machines where SGLang cannot run.
 """
 
 from __future__ import annotations
@@ -73,15 +86,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import measures  # noqa: E402
 from model_factory import ensure_bench_model  # noqa: E402
 
 from rollout_service.checkpoint_writer import iter_unique_tensors, publish_checkpoint  # noqa: E402
 from rollout_service.sglang_launcher import SGLangServer  # noqa: E402
+from rollout_service.sidecar.staging import SPARE_PREFIX  # noqa: E402
 from rollout_service.tiny_model import ensure_tiny_model  # noqa: E402
 
 STORAGE_ALIASES = {"local": REPO / "benchmarks" / "results" / "sync-bench-work", "shm": Path("/dev/shm")}
 MEMORY_FILESYSTEMS = {"tmpfs", "ramfs"}
-READ_CHUNK = 64 << 20
 
 
 @dataclass
@@ -101,14 +115,17 @@ class Case:
     ours: list[dict[str, float]] = field(default_factory=list)
     ours_nostage: list[dict[str, float]] = field(default_factory=list)
     ours_delta: list[dict[str, float]] = field(default_factory=list)
+    delta_limit: list[dict[str, float]] = field(default_factory=list)
     error: str | None = None
+
+    KINDS = ("physical", "naive", "ours", "ours_nostage", "ours_delta", "delta_limit")
 
     def medians(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for kind in ("physical", "naive", "ours", "ours_nostage", "ours_delta"):
+        for kind in self.KINDS:
             runs = getattr(self, kind)
             for key in runs[0] if runs else {}:
-                values = [r[key] for r in runs if r.get(key) is not None]
+                values = [r[key] for r in runs if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)]
                 if values:
                     out[f"{kind}.{key}"] = statistics.median(values)
         return out
@@ -127,11 +144,22 @@ class Case:
             if ours is not None and med.get(key):
                 out[name] = ours / med[key]
         delta = med.get("ours_delta.end_to_end_s")
-        if delta is not None and ours:
-            out["delta/full"] = delta / ours
-        for kind in ("", "replica_"):
-            if med.get(f"ours_delta.{kind}pause_s") is not None and med.get("ours_delta.load_s"):
-                out[f"delta {kind}pause/load"] = med[f"ours_delta.{kind}pause_s"] / med["ours_delta.load_s"]
+        if delta is not None:
+            for name, key in (
+                ("delta/full", "ours.end_to_end_s"),
+                ("delta/limit", "physical.limit_s"),
+                ("delta/limit-delta", "delta_limit.limit_with_load_s"),
+            ):
+                if med.get(key):
+                    out[name] = delta / med[key]
+        # SGLang's pause against its own load from the stage, per path: the whole sync's, the
+        # replica's part (from the publish's rename on) and over the recorded load interval.
+        for kind, label in (("ours", "full"), ("ours_delta", "delta")):
+            load = med.get(f"{kind}.load_s")
+            for what in ("", "replica_", "load_"):
+                value = med.get(f"{kind}.{what}pause_s")
+                if value is not None and load:
+                    out[f"{label} {what}pause/load"] = value / load
         return out
 
 
@@ -188,58 +216,32 @@ def evict(path: Path, method: str) -> None:
             os.close(fd)
 
 
-_read_buffer: memoryview | None = None
-
-
-def read_buffer() -> memoryview:
-    """One reused, already touched buffer for reads (allocated outside any timing)."""
-    global _read_buffer
-    if _read_buffer is None:
-        _read_buffer = memoryview(bytearray(b"\1" * READ_CHUNK))
-    return _read_buffer
-
-
-def read_all(path: Path) -> int:
-    view = read_buffer()
-    total = 0
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(view):
-            total += n
-    return total
-
-
 def physical_limit(work: Path, tensors: Iterable[torch.Tensor], cold_read: str) -> dict[str, float]:
-    """Raw write + fsync of the tensors' bytes, then a hot and a cold read of them (only the
-    writes and the fsync are timed: ``tensors`` may be made one by one as they are written)."""
+    """Raw write + fsync of the tensors' bytes, then a hot and a cold read of them, each both
+    ways (``read()`` into a buffer, and a mapping copied page by page into a tensor, as
+    safetensors hands SGLang its weights); the faster way counts, so that the limit stays a
+    lower bound whichever way a reader reads (only the writes and the fsync are timed:
+    ``tensors`` may be made one by one as they are written)."""
     path = work / "raw.bin"
-    read_buffer()
     try:
-        write_s = 0.0
-        with open(path, "wb", buffering=0) as f:
-            for t in tensors:
-                view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                t0 = time.perf_counter()
-                written = 0
-                while written < len(view):
-                    written += f.write(view[written:])
-                write_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            os.fsync(f.fileno())
-            write_s += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        read_all(path)
-        read_hot_s = time.perf_counter() - t0
+        write_s = measures.write_fsync(path, tensors=tensors)
+        hot = measures.read_back(path)
         evict(path, cold_read)
-        t0 = time.perf_counter()
-        read_all(path)
-        read_cold_s = time.perf_counter() - t0
+        cold_mmap_s = measures.read_mmap(path)
+        evict(path, cold_read)
+        cold_copy_s = measures.read_copy(path)
     finally:
         path.unlink(missing_ok=True)
+    read_cold_s = min(cold_mmap_s, cold_copy_s)
     return {
         "write_fsync_s": write_s,
-        "read_hot_s": read_hot_s,
+        "read_hot_s": hot["read_s"],
+        "read_hot_copy_s": hot["read_copy_s"],
+        "read_hot_mmap_s": hot["read_mmap_s"],
         "read_cold_s": read_cold_s,
-        "limit_s": write_s + read_hot_s,
+        "read_cold_copy_s": cold_copy_s,
+        "read_cold_mmap_s": cold_mmap_s,
+        "limit_s": write_s + hot["read_s"],
         "limit_cold_s": write_s + read_cold_s,
     }
 
@@ -281,13 +283,33 @@ def wait_served(sidecar: Any, step: int, timeout_s: float) -> dict[str, Any]:
     return r.json()
 
 
-class Probe:
-    """Sends one-token ``/generate`` requests back to back and remembers when each ran."""
+PROBE_REQUEST = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 
-    def __init__(self, url: str) -> None:
+
+def idle_probes(url: str, seconds: float) -> list[float]:
+    """One-token ``/generate`` probes sent back to back for ``seconds`` with nothing else running
+    (between syncs, after the trainer's step): their durations, the pause's baseline."""
+    durations: list[float] = []
+    deadline = time.monotonic() + seconds
+    with httpx.Client(timeout=900) as client:
+        client.post(f"{url}/generate", json=PROBE_REQUEST)  # a fresh connection is not a probe's cost
+        while time.monotonic() < deadline or len(durations) < 3:
+            t0 = time.perf_counter()
+            client.post(f"{url}/generate", json=PROBE_REQUEST)
+            durations.append(time.perf_counter() - t0)
+    return durations
+
+
+class Probe:
+    """Sends one-token ``/generate`` requests back to back during one sync and remembers when
+    each ran; ``idle`` is the median probe timed just before, with nothing else running."""
+
+    def __init__(self, url: str, idle: list[float]) -> None:
         import threading
 
         self.url = url
+        self.idle_durations = idle
+        self.idle = measures.idle_baseline(idle)
         self.spans: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pause-probe", daemon=True)
@@ -305,22 +327,29 @@ class Probe:
             while not self._stop.is_set():
                 t0 = time.time()
                 try:
-                    client.post(
-                        f"{self.url}/generate",
-                        json={"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
-                    )
+                    client.post(f"{self.url}/generate", json=PROBE_REQUEST)
                 except httpx.HTTPError:
                     pass
                 self.spans.append((t0, time.time()))
 
     def pause(self, start: float, end: float) -> float | None:
-        """Longest probe overlapping [start, end], less the median probe that did not."""
-        inside = [b - a for a, b in self.spans if a < end and b > start]
-        outside = sorted(b - a for a, b in self.spans if b <= start or a >= end)
-        if not inside:
-            return None
-        idle = outside[len(outside) // 2] if outside else 0.0
-        return max(0.0, max(inside) - idle)
+        """Longest probe overlapping [start, end], less the idle baseline."""
+        return measures.pause_over(self.spans, start, end, self.idle)
+
+    def figures(self, t0: float, published: float, load_start: float, load_end: float, acked: float) -> dict:
+        """The sync's pause figures: the whole sync's (publish start -> acknowledged), the
+        replica's part (from the publish's rename on: what SGLang feels where the trainer runs on
+        other hosts; here the trainer's encode and write share SGLang's cores), and over the
+        sidecar's recorded load interval, with how long probes were in flight during it."""
+        return {
+            "idle_probe_s": self.idle,
+            "idle_probes": len(self.idle_durations),
+            "probes": sum(1 for a, b in self.spans if a < acked and b > t0),
+            "pause_s": self.pause(t0, acked),
+            "replica_pause_s": self.pause(published, acked),
+            "load_pause_s": self.pause(load_start, load_end),
+            "load_probe_overlap_s": measures.overlap_seconds(self.spans, load_start, load_end),
+        }
 
 
 def our_sync(
@@ -379,10 +408,7 @@ def our_sync(
         bytes_read=last.get("bytes_read"),
     )
     if probe is not None:
-        out["pause_s"] = probe.pause(t0, acked)
-        # From the publish's rename on: what SGLang feels of the sync where the trainer runs on
-        # other hosts (here the trainer's encode and write share SGLang's two cores).
-        out["replica_pause_s"] = probe.pause(published, acked)
+        out.update(probe.figures(t0, published, load_end - last["load_s"], load_end, acked))
     return out
 
 
@@ -404,8 +430,6 @@ def run_case(
     """``master``: with ``--delta``, the trainer's fp32 weights, which both kinds publish (with
     ``--skip-naive`` on the CPU, ``trainer``, ``state`` and ``cpu_state`` are then None: see
     :func:`_run_all`)."""
-    from sidecar_helpers import Sidecar
-
     url = server.url if server is not None else None
     fixed = work / "naive-fixed"
     if not args.skip_naive:
@@ -431,101 +455,175 @@ def run_case(
 
     # ours: the default sidecar (each checkpoint copied into the node-local stage and every byte
     # verified before SGLang reads the copy); ours_nostage: SGLang reads the root directly
-    # (headers-only validation; the time-of-check/time-of-use window open). Same process, same
-    # server, one after the other: their ratio is what closing the window costs.
-    stage = stage_dir_for(args, work)
-    modes = [("ours", ("--stage-dir", str(stage))), ("ours_nostage", ("--no-stage",))]
-    if args.delta:
-        modes = [("ours", modes[0][1]), ("ours_delta", modes[0][1])]
-    for kind, flags in modes:
-        root = work / f"ckpt-{kind}"
-        root.mkdir()
-        sidecar = None
-        if server is not None:
-            sidecar = Sidecar(
-                root,
-                server.url,
-                log_dir / f"sidecar-{kind}-{case.size}-{Path(case.path).name}.log",
-                "--deep-health-interval",
-                "3600",
-                *flags,
-                # the naive runs left SGLang on a deleted folder: name the model
-                "--reference-dir",
-                str(config.parent),
-                replica_id=f"bench-{kind}",
-            )
-        try:
-            if sidecar is not None:
-                deadline = time.monotonic() + 120
-                while not (sidecar.status().get("sglang_healthy") and sidecar.status().get("reference")):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"the sidecar never saw SGLang healthy:\n{sidecar.log_tail()}")
-                    time.sleep(0.2)
-            trainer_state, writer, stepper, dtype = state, None, None, None
-            if master is not None:
-                # Both kinds publish the same trainer's weights (see --delta-from): fp32 master
-                # weights, cast to bf16 by the publisher, or bf16 copies the trainer cast itself.
-                trainer_state, dtype = master, "bfloat16"
-            if kind == "ours_delta":
-                from rollout_service.delta_writer import DeltaCheckpointWriter
+    # (headers-only validation; the time-of-check/time-of-use window open); ours_delta (--delta):
+    # deltas rebuilt in the stage, beside ours. Same process, same server, one run of each path
+    # after the other (A, B, A, B, ...), each run its own sidecar, root and stage with the same
+    # warm-up: their ratio is what the difference costs.
+    kinds = ["ours", "ours_delta"] if args.delta else ["ours", "ours_nostage"]
+    if server is None:
+        kinds = ["ours"]  # without SGLang nothing is staged or loaded: the trainer side only
+    stepper = None
+    if master is not None and args.delta:
+        stepper = AdamStepper(master, args.delta_lr)
+        for _ in range(args.adam_warmup):  # Adam's first steps move every weight by lr: not the steady state
+            stepper.step()
+    try:
+        for rep in range(args.repeats):
+            for kind in kinds:
+                run, stage = sidecar_run(kind, rep, case, work, args, state, config, server, log_dir, master, stepper)
+                getattr(case, kind).append(run)
+                line = f"  repeat {rep + 1}: {kind} {run['end_to_end_s']:.3f} s"
+                if run.get("pause_s") is not None:
+                    line += f" (pause {run['pause_s']:.3f} s, load {run['load_s']:.3f} s)"
+                if kind == "ours_delta":
+                    # The delta path's physical limit, with this run's delta bytes and SGLang's load.
+                    limit = measures.delta_limit(work, run["bytes_written"], stage.parent, case.model_bytes)
+                    limit["limit_with_load_s"] = limit["limit_s"] + run["load_s"]
+                    case.delta_limit.append(limit)
+                    line += f"; its limit {limit['limit_with_load_s']:.3f} s"
+                progress(line)
+    finally:
+        if stepper is not None:
+            stepper.close()
 
-                writer = DeltaCheckpointWriter(full_every=1000)
-                stepper = torch.optim.AdamW(trainer_state.values(), lr=args.delta_lr)
-            probe = Probe(server.url) if server is not None and not args.no_probe else None
-            for step in range(
-                1, args.warmup + args.repeats + 2 if kind == "ours_delta" else args.warmup + args.repeats + 1
-            ):
-                if stepper is not None and step > 1:
-                    for p in trainer_state.values():  # one gradient in memory at a time (see delta_bench)
-                        p.grad = torch.randn_like(p)
-                        stepper.step()
-                        p.grad = None
-                handed = trainer_state
-                if args.delta and args.delta_from == "bf16":  # the trainer's own cast, before the sync
-                    handed = {k: p.detach().to(torch.bfloat16) for k, p in trainer_state.items()}
-                with probe if probe is not None and step > 1 else contextlib.nullcontext():
-                    run = our_sync(
-                        root,
-                        step,
-                        handed,
-                        config,
-                        sidecar,
-                        args.sync_timeout,
-                        delta=writer,
-                        probe=probe if step > 1 else None,
-                        dtype=dtype,
-                    )
-                del handed
-                if probe is not None:
-                    probe = Probe(server.url)  # a thread runs once
-                if kind == "ours_delta" and step == 1:
-                    continue  # the first version is full: the chain's start, not a delta sync
-                if step > args.warmup + (1 if kind == "ours_delta" else 0):
-                    getattr(case, kind).append(run)
-                    progress(f"  repeat {step - args.warmup}: {kind} {run['end_to_end_s']:.3f} s")
-                # Served (or, without SGLang, never read): keep only the newest step on the storage
-                # (deltas: the whole chain, a late joiner needs it).
-                for old in root.glob("step-*"):
-                    if old.name != f"step-{step:08d}" and old.is_dir() and kind != "ours_delta":
-                        shutil.rmtree(old)
+
+class AdamStepper:
+    """The trainer's AdamW over its fp32 master weights, stepped with random gradients (Adam's
+    step does not depend on the gradient's scale, so update sizes are realistic), one parameter
+    at a time: one gradient in memory, not a model's (see ``delta_bench.adam_step``)."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], lr: float) -> None:
+        self.params = params
+        self.opt: torch.optim.Optimizer | None = torch.optim.AdamW(params.values(), lr=lr)
+        device = next(iter(params.values())).device
+        self.gen = torch.Generator(device=device).manual_seed(1)
+
+    def step(self) -> None:
+        assert self.opt is not None
+        for p in self.params.values():
+            p.grad = torch.randn(p.shape, generator=self.gen, device=p.device)
+            self.opt.step()
+            p.grad = None
+        if next(iter(self.params.values())).is_cuda:
+            torch.cuda.synchronize()
+
+    def close(self) -> None:
+        """Drop AdamW's two states (two fp32 copies of the model)."""
+        self.opt = None
+        gc.collect()
+
+
+def warmup_syncs(args: argparse.Namespace) -> int:
+    """Untimed syncs before each run's timed one: ``--warmup``, and with ``--delta`` at least one
+    (a delta chain starts with a full version); the same number for every path."""
+    return max(args.warmup, 1) if args.delta else args.warmup
+
+
+def sidecar_run(
+    kind: str,
+    rep: int,
+    case: Case,
+    work: Path,
+    args: argparse.Namespace,
+    state: dict[str, torch.Tensor] | None,
+    config: Path,
+    server: SGLangServer | None,
+    log_dir: Path,
+    master: dict[str, torch.nn.Parameter] | None,
+    stepper: AdamStepper | None,
+) -> tuple[dict[str, Any], Path]:
+    """One run of one path: a fresh root, stage and sidecar, :func:`warmup_syncs` untimed syncs
+    (with the default 2 the first stages the served copy and the second leaves the copy before
+    it as the stage's spare, so that the timed sync writes over a spare, as in steady state),
+    then one timed sync, with the probe when asked. Returns the timed sync's figures and the
+    run's stage folder (removed by then; the delta limit writes beside it, in its file system)."""
+    from sidecar_helpers import Sidecar
+
+    root = work / f"ckpt-{kind}-{rep}"
+    root.mkdir()
+    stage = stage_dir_for(args, work, f"{kind}-{rep}")
+    flags = ("--no-stage",) if kind == "ours_nostage" else ("--stage-dir", str(stage))
+    sidecar = None
+    writer = None
+    if server is not None:
+        sidecar = Sidecar(
+            root,
+            server.url,
+            log_dir / f"sidecar-{kind}-{case.size}-{Path(case.path).name}-{rep}.log",
+            "--deep-health-interval",
+            "3600",
+            *flags,
+            # the naive runs left SGLang on a deleted folder: name the model
+            "--reference-dir",
+            str(config.parent),
+            replica_id=f"bench-{kind}-{rep}",
+        )
+    try:
+        if sidecar is not None:
+            deadline = time.monotonic() + 120
+            while not (sidecar.status().get("sglang_healthy") and sidecar.status().get("reference")):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the sidecar never saw SGLang healthy:\n{sidecar.log_tail()}")
                 time.sleep(0.2)
-        finally:
-            if sidecar is not None:
-                sidecar.stop()
+        trainer_state, dtype = state, None
+        if master is not None:
+            # Both kinds publish the same trainer's weights (see --delta-from): fp32 master
+            # weights, cast to bf16 by the publisher, or bf16 copies the trainer cast itself.
+            trainer_state, dtype = master, "bfloat16"
+        assert trainer_state is not None
+        if kind == "ours_delta":
+            from rollout_service.delta_writer import DeltaCheckpointWriter
+
+            writer = DeltaCheckpointWriter(full_every=1000)
+        warm = warmup_syncs(args)
+        for i in range(warm + 1):
+            step, timed = i + 1, i == warm
+            if stepper is not None and step > 1:  # every path's versions move as the trainer's do
+                stepper.step()
+            handed = trainer_state
+            if args.delta and args.delta_from == "bf16":  # the trainer's own cast, before the sync
+                handed = {k: p.detach().to(torch.bfloat16) for k, p in trainer_state.items()}
+            probe = None
+            spare = None
+            if timed:
+                time.sleep(0.5)  # the sidecar's housekeeping after the last sync is done
+                if server is not None and not args.no_probe:
+                    probe = Probe(server.url, idle_probes(server.url, args.idle_probe_s))
+                if kind != "ours_nostage" and server is not None:
+                    spare = any(p.name.startswith(SPARE_PREFIX) for p in stage.iterdir()) if stage.is_dir() else False
+            with probe if probe is not None else contextlib.nullcontext():
+                run = our_sync(
+                    root, step, handed, config, sidecar, args.sync_timeout, delta=writer, probe=probe, dtype=dtype
+                )
+            del handed
+            # Served (or, without SGLang, never read): keep only the newest step on the storage
+            # (deltas: the whole chain, a late joiner needs it).
+            if kind != "ours_delta":
+                for old in root.glob("step-*"):
+                    if old.name != f"step-{step:08d}" and old.is_dir():
+                        shutil.rmtree(old)
+            time.sleep(0.2)
+        run.update(run=rep, warmup_syncs=warm, stage_spare=spare)
+        if kind == "ours_delta" and not run.get("delta"):
+            raise RuntimeError(f"the timed delta run published in full: {writer.last if writer else None}")
+        return run, stage
+    finally:
+        if writer is not None:
+            writer.close()
+        if sidecar is not None:
+            sidecar.stop()
         shutil.rmtree(root, ignore_errors=True)
-        if not args.stage_dir:
-            shutil.rmtree(stage, ignore_errors=True)  # the run's own stage (in /dev/shm: memory)
-        if server is None:
-            break  # without SGLang nothing is staged: one trainer-side run is enough
+        shutil.rmtree(stage, ignore_errors=True)  # the run's own stage (in /dev/shm: memory)
 
 
-def stage_dir_for(args: argparse.Namespace, work: Path) -> Path:
-    """The stage of the benchmark's sidecar: --stage-dir, else the sidecar's own default choice."""
+def stage_dir_for(args: argparse.Namespace, work: Path, run: str) -> Path:
+    """One run's stage: a fresh folder under --stage-dir, else the sidecar's own default choice
+    for a replica of its own (each run starts from an empty stage)."""
     if args.stage_dir:
-        return Path(args.stage_dir)
+        return Path(args.stage_dir).expanduser() / f"bench-{os.getpid()}-{run}"
     from rollout_service.sidecar.staging import default_stage_dir
 
-    return default_stage_dir(f"bench-{os.getpid()}")
+    return default_stage_dir(f"bench-{os.getpid()}-{run}")
 
 
 # --- models, servers, reporting --------------------------------------------------------------
@@ -660,12 +758,11 @@ def print_tables(cases: list[Case]) -> None:
     if any(c.ours_delta for c in cases):
         print(
             "\nDelta sync (AdamW-stepped bf16 versions, rebuilt and verified in the stage) against today's"
-            " full path on the same storage and server (medians):"
+            " full path on the same storage and server, and both against their physical limits (medians):"
         )
         print(
             f"{'size':<6}{'storage':<16}{'written':>9}{'of full':>8}{'encode':>8}{'publish':>8}{'apply':>7}"
-            f"{'load':>7}{'pause':>7}{'delta':>8}{'full':>8}{'d/f':>7}{'pause/load':>11}"
-            f"{'r.pause':>8}{'r.pause/load':>13}"
+            f"{'load':>7}{'delta':>8}{'full':>8}{'d/f':>7}{'limit':>8}{'d.limit':>8}{'d/limit':>8}{'d/d.limit':>10}"
         )
         for c in cases:
             m, r = c.medians(), c.ratios()
@@ -674,21 +771,48 @@ def print_tables(cases: list[Case]) -> None:
                 f"{c.size:<6}{c.storage[-15:]:<16}{(m.get('ours_delta.bytes_written') or 0) / 1e6:>7.1f}MB"
                 f"{100 * frac:>7.2f}%{fmt(m.get('ours_delta.encode_s'), 8)}{fmt(m.get('ours_delta.publish_s'), 8)}"
                 f"{fmt(m.get('ours_delta.apply_s'), 7)}{fmt(m.get('ours_delta.load_s'), 7)}"
-                f"{fmt(m.get('ours_delta.pause_s'), 7)}{fmt(m.get('ours_delta.end_to_end_s'), 8)}"
-                f"{fmt(m.get('ours.end_to_end_s'), 8)}{ratio(r.get('delta/full'), 7)}"
-                f"{ratio(r.get('delta pause/load'), 11)}"
-                f"{fmt(m.get('ours_delta.replica_pause_s'), 8)}{ratio(r.get('delta replica_pause/load'), 13)}"
+                f"{fmt(m.get('ours_delta.end_to_end_s'), 8)}{fmt(m.get('ours.end_to_end_s'), 8)}"
+                f"{ratio(r.get('delta/full'), 7)}{fmt(m.get('physical.limit_s'), 8)}"
+                f"{fmt(m.get('delta_limit.limit_with_load_s'), 8)}{ratio(r.get('delta/limit'), 8)}"
+                f"{ratio(r.get('delta/limit-delta'), 10)}"
             )
         print(
             "written/of full: bytes a delta sync wrote to shared storage; apply: rebuild + verify in the stage;"
-            " load: SGLang's load from the stage; pause: longest /generate probe during the sync less an"
-            " idle one; r.pause: the same from the publish's rename on (the replica's part: what SGLang"
-            " feels where the trainer runs elsewhere); delta, full: end to end publish start -> the trainer"
-            " knows it is served"
+            " load: SGLang's load from the stage; delta, full: end to end publish start -> the trainer"
+            " knows it is served; limit: the full path's physical limit (below); d.limit: the delta"
+            " path's: its bytes written + fsync + read back, one write of the model into the stage's"
+            " file system over existing pages, and SGLang's measured load"
+        )
+    pauses = [c for c in cases if any(r.get("pause_s") is not None for r in c.ours + c.ours_delta)]
+    if pauses:
+        print("\nSGLang's pause during a sync (one-token /generate probes back to back; medians, seconds):")
+        print(
+            f"{'size':<6}{'storage':<16}{'path':<7}{'idle':>7}{'load':>7}{'pause':>7}{'/load':>7}{'r.pause':>8}"
+            f"{'/load':>7}{'ld.pause':>9}{'/load':>7}{'in load':>8}"
+        )
+        for c in pauses:
+            m, r = c.medians(), c.ratios()
+            for kind, label in (("ours", "full"), ("ours_delta", "delta")):
+                if m.get(f"{kind}.pause_s") is None:
+                    continue
+                print(
+                    f"{c.size:<6}{c.storage[-15:]:<16}{label:<7}{fmt(m.get(f'{kind}.idle_probe_s'), 7)}"
+                    f"{fmt(m.get(f'{kind}.load_s'), 7)}{fmt(m.get(f'{kind}.pause_s'), 7)}"
+                    f"{ratio(r.get(f'{label} pause/load'), 7)}{fmt(m.get(f'{kind}.replica_pause_s'), 8)}"
+                    f"{ratio(r.get(f'{label} replica_pause/load'), 7)}{fmt(m.get(f'{kind}.load_pause_s'), 9)}"
+                    f"{ratio(r.get(f'{label} load_pause/load'), 7)}{fmt(m.get(f'{kind}.load_probe_overlap_s'), 8)}"
+                )
+        print(
+            "idle: median probe timed just before the sync with nothing else running (the baseline);"
+            " pause: the longest probe during the sync (publish start -> acknowledged) less idle;"
+            " r.pause: the same from the publish's rename on (the replica's part: what SGLang feels"
+            " where the trainer runs elsewhere); ld.pause: over the sidecar's recorded load interval;"
+            " in load: seconds of that interval probes were in flight"
         )
     if any(c.sglang for c in cases):
         print(
-            "limit = raw write+fsync + hot read (same node, just written, as SGLang reads ours);"
+            "limit = raw write+fsync + hot read (same node, just written, as SGLang reads ours; the faster"
+            " of read() into a buffer and a mapping copied page by page into a tensor);"
             " naive = save_pretrained (no fsync) + the trainer's own /update_weights_from_disk"
         )
     if any(not c.sglang for c in cases):
@@ -712,7 +836,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--repeats", type=int, default=None, help="syncs per path (default 3)")
     parser.add_argument(
-        "--warmup", type=int, default=1, help="untimed syncs per path before the timed ones (default 1)"
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed syncs before each timed one, per run of every path (default 2: the stage then"
+        " holds a served copy and a spare, as in steady state; with --delta at least 1)",
     )
     parser.add_argument("--json", default=None, help="write all figures here")
     parser.add_argument(
@@ -764,6 +892,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ),
     )
     parser.add_argument(
+        "--adam-warmup",
+        type=int,
+        default=3,
+        help="with --delta, untimed AdamW steps before the first version (default 3, as delta_bench:"
+        " Adam's first steps move every weight by lr)",
+    )
+    parser.add_argument(
+        "--idle-probe-s",
+        type=float,
+        default=3.0,
+        help="seconds of /generate probes timed with nothing else running before each timed sync: the"
+        " pause's baseline (default 3)",
+    )
+    parser.add_argument(
         "--no-probe",
         action="store_true",
         help="no /generate probe during the syncs (no pause figure; end to end with SGLang idle)",
@@ -777,8 +919,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.repeats < 1 or args.warmup < 0:
-        parser.error(f"--repeats must be at least 1 and --warmup at least 0, got {args.repeats}, {args.warmup}")
+    if args.repeats < 1 or args.warmup < 0 or args.adam_warmup < 0 or args.idle_probe_s < 0:
+        parser.error(
+            "--repeats must be at least 1 and --warmup, --adam-warmup, --idle-probe-s at least 0, got"
+            f" {args.repeats}, {args.warmup}, {args.adam_warmup}, {args.idle_probe_s}"
+        )
     for size in args.sizes.split(","):
         if size != "tiny":
             try:
@@ -898,13 +1043,7 @@ def write_json(args: argparse.Namespace, cases: list[Case], log_dir: Path) -> No
                 "tensors": c.tensors,
                 "median_s": c.medians(),
                 "ratios": c.ratios(),
-                "runs": {
-                    "physical": c.physical,
-                    "naive": c.naive,
-                    "ours": c.ours,
-                    "ours_nostage": c.ours_nostage,
-                    "ours_delta": c.ours_delta,
-                },
+                "runs": {kind: getattr(c, kind) for kind in Case.KINDS},
                 "error": c.error,
             }
             for c in cases

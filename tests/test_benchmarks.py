@@ -63,7 +63,47 @@ def test_sync_bench_delta_times_both_paths_on_the_same_weights(tmp_path: Path) -
     [full], [delta] = result["runs"]["ours"], result["runs"]["ours_delta"]
     assert delta["delta"] and delta["bytes_written"] < delta["full_bytes"]
     assert full["full_bytes"] == full["bytes_written"] == delta["full_bytes"]  # bf16 on both paths
+    # The same warm-up for both paths (at least the delta chain's full start), one timed sync each.
+    assert full["warmup_syncs"] == delta["warmup_syncs"] >= 1
+    # The delta path's physical limit, with that run's delta bytes and SGLang's load.
+    [limit] = result["runs"]["delta_limit"]
+    assert abs(limit["limit_with_load_s"] - limit["limit_s"] - delta["load_s"]) < 1e-9
+    ratios, med = result["ratios"], result["median_s"]
+    assert abs(ratios["delta/limit-delta"] - med["ours_delta.end_to_end_s"] / limit["limit_with_load_s"]) < 1e-9
     assert "Delta sync" in done.stdout
+
+
+def test_pause_is_measured_against_an_idle_baseline() -> None:
+    """The probe's arithmetic (``benchmarks/measures.py``): the longest probe overlapping a
+    window less the idle median, and how long probes were in flight over the load interval."""
+    sys.path.insert(0, str(BENCH))
+    import measures
+
+    idle = measures.idle_baseline([0.10, 0.12, 0.11, 0.50])
+    assert idle is not None and abs(idle - 0.115) < 1e-12
+    spans = [(0.0, 0.1), (0.1, 0.9), (0.9, 1.0), (2.0, 2.1)]
+    assert measures.pause_over(spans, 0.5, 1.5, idle) == 0.8 - idle  # the 0.8 s probe overlapped
+    assert measures.pause_over(spans, 1.2, 1.8, idle) is None  # no probe in flight then
+    assert measures.pause_over(spans, 0.0, 3.0, None) is None  # no baseline, no pause
+    assert measures.pause_over([(0.0, 0.05)], 0.0, 1.0, idle) == 0.0  # faster than idle: no pause
+    assert abs(measures.overlap_seconds(spans, 0.5, 2.05) - (0.4 + 0.1 + 0.05)) < 1e-12
+
+
+def test_physical_limits_time_every_part(tmp_path: Path) -> None:
+    """The limits write, fsync and read back the bytes (both ways, the faster counting) and
+    write the model into the stage's file system; nothing is left behind."""
+    sys.path.insert(0, str(BENCH))
+    import measures
+
+    path = tmp_path / "f"
+    assert measures.write_fsync(path, 3 << 20) > 0 and path.stat().st_size == 3 << 20
+    read = measures.read_back(path)
+    assert read["read_s"] == min(read["read_copy_s"], read["read_mmap_s"]) > 0
+    stage = tmp_path / "stage-fs"
+    limit = measures.delta_limit(tmp_path, 1 << 20, stage, 5 << 20)
+    parts = limit["delta_write_fsync_s"] + limit["delta_read_s"] + limit["stage_write_s"]
+    assert abs(limit["limit_s"] - parts) < 1e-12 and all(v > 0 for v in limit.values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f", "stage-fs"] and not list(stage.iterdir())
 
 
 def _dry_run(script: str, results: Path, **env: str) -> subprocess.CompletedProcess:
@@ -97,7 +137,11 @@ def test_gpu_delta_check_dry_runs_on_the_cpu_and_reports_a_delta_beside_full(tmp
     assert 0 < row["changed_fraction"] < 0.2 and 0 < row["bytes_ratio"] < 0.2, row
     for key in ("encode_s", "delta_write_s", "apply_s", "full_publish_s", "full_stage_s"):
         assert row[key] > 0, key
-    assert row["delta_sync_s"] == row["encode_s"] + row["delta_write_s"] + row["apply_s"]
+    for sample in row["samples"]:
+        assert sample["delta_sync_s"] == sample["encode_s"] + sample["delta_write_s"] + sample["apply_s"]
+    # Both paths wrote over a spare copy in the stage; both physical limits are there.
+    assert row["spare_every_time"] and row["repeats"] == len(row["samples"]) == 1
+    assert 0 < row["limit_delta_write_s"] < row["limit_full_write_s"] and 0 < row["limit_delta_s"] < row["limit_full_s"]
     assert "torch" in (results / "env.txt").read_text() and "done" in done.stdout
 
 
