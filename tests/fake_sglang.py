@@ -1,7 +1,7 @@
 """A fake SGLang server and sidecar in one in-process HTTP server, for the trainer's failure cases.
 
 `FakeRollout` speaks SGLang's `POST /generate` and the sidecar's `GET /wait` and `POST /sync`,
-with knobs for what real servers do only rarely (float token ids, stale or aborted answers, hung
+with knobs for what real servers do only rarely (float token ids, stale, older or aborted answers, hung
 requests, a sidecar that reports a rejection or a down SGLang), so those tests are fast and exact.
 `FakeRoutes` answers fixed JSON per path, or hangs first (a `/health` stuck behind a weight load),
 for the liveness probe. `CannedServer` answers from a raw socket with scripted bytes, for what no
@@ -39,6 +39,10 @@ class FakeRollout:
     float_token_ids: bool = False
     fixed_version: str | None = None
     stale_answers: int = 0
+    """How many /generate answers to label with SGLang's start-up version "default"."""
+    older_answers: int = 0
+    """How many /generate answers to label with the version before the newest one loaded
+    (``str(loaded - 1)``: this run's weights, older than the staleness bound allows)."""
     abort_answers: int = 0
     generate_delay_s: float = 0.0
     generate_status: int = 200
@@ -113,6 +117,9 @@ class FakeRollout:
         elif self.stale_answers > 0:
             self.stale_answers -= 1
             version = "default"
+        elif self.older_answers > 0:
+            self.older_answers -= 1
+            version = str(self.loaded - 1)
         else:
             version = str(self.loaded)
         finish = "length"

@@ -6,6 +6,11 @@ agrees with the manifest: the sidecar serves the adapter. A module left out of s
 (``exclude_modules``) is one SGLang cannot stack: the trainer's start-up check finds it in the
 state dict with the sidecar's own tensor checks and syncs merged, saying why, instead of
 publishing adapters every sidecar rejects (which ended the training with ``CheckpointRejected``).
+
+SGLang is a scripted /server_info (`fake_sglang.CannedServer`, the LoRA limits a `serve --lora`
+SGLang reports), so these run without a server: what they check is the trainer's own judgment of
+the adapter, which reads nothing else from SGLang. The fallback to merged sync in real runs
+through `serve --lora` is test_lora_grpo.py::test_adapters_sglang_cannot_serve_fall_back_to_merged_sync_with_the_reason.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ ALL = LoraLimits(enabled=True, max_rank=64, target_modules=frozenset({"all"}))
 
 
 @pytest.fixture
-def lora_server() -> Iterator[CannedServer]:
-    """An SGLang's ``/server_info`` that serves LoRA on every module it supports."""
+def lora_server_info() -> Iterator[CannedServer]:
+    """A scripted SGLang ``/server_info`` (no server behind it) that serves LoRA on every module it
+    supports. Not named ``lora_server``: conftest marks tests using that fixture name slow."""
     info = {"enable_lora": True, "max_lora_rank": 64, "lora_target_modules": ["all"]}
     server = CannedServer(lambda path, body, count: canned_reply(200, info) if path == "/server_info" else None)
     yield server
@@ -47,12 +53,12 @@ def peft_model(model_dir: Path, **lora: Any) -> torch.nn.Module:
 
 
 def test_a_target_module_the_model_lacks_is_left_out_of_the_published_config(
-    tiny_model_dir: Path, tmp_path: Path, lora_server: CannedServer
+    tiny_model_dir: Path, tmp_path: Path, lora_server_info: CannedServer
 ) -> None:
     model = peft_model(tiny_model_dir, target_modules=["q_proj", "v_proj", "c_attn"])
     config = peft_adapter_config(model)
     assert config is not None and "c_attn" in config["target_modules"]
-    assert adapter_sync_problem(model, None, [lora_server.url], None) is None
+    assert adapter_sync_problem(model, None, [lora_server_info.url], None) is None
     state = {name: t.detach() for name, t in get_peft_model_state_dict(model).items()}
     step = publish_adapter(tmp_path, 1, state, config, run_id="run1").path
     assert json.loads((step / ADAPTER_CONFIG_NAME).read_text())["target_modules"] == ["q_proj", "v_proj"]
@@ -63,15 +69,15 @@ def test_a_target_module_the_model_lacks_is_left_out_of_the_published_config(
 
 
 def test_a_target_left_out_of_some_blocks_syncs_merged_with_the_reason(
-    tiny_model_dir: Path, lora_server: CannedServer, caplog: pytest.LogCaptureFixture
+    tiny_model_dir: Path, lora_server_info: CannedServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     model = peft_model(
         tiny_model_dir, target_modules=["q_proj", "v_proj"], exclude_modules=r".*layers\.0\.self_attn\.v_proj"
     )
-    problem = adapter_sync_problem(model, None, [lora_server.url], None)
+    problem = adapter_sync_problem(model, None, [lora_server_info.url], None)
     assert problem is not None and "bad_adapter" in problem, problem
     assert "model.layers.0.self_attn is adapted in ['q_proj'] but not in ['v_proj']" in problem, problem
-    args = types.SimpleNamespace(adapter_sync=True, sglang_urls=[lora_server.url], sglang_api_token=None)
+    args = types.SimpleNamespace(adapter_sync=True, sglang_urls=[lora_server_info.url], sglang_api_token=None)
     caplog.set_level(logging.INFO, logger="trainer_hooks")
     assert choose_adapter_sync(None, model, None, args, "bfloat16") is None
     lines = [r.getMessage() for r in caplog.records if "LoRA adapter sync is not possible" in r.getMessage()]
@@ -88,6 +94,8 @@ def test_a_target_left_out_of_some_blocks_syncs_merged_with_the_reason(
     ids=["q-v", "attention-and-mlp", "one-layer"],
 )
 def test_adapters_the_sidecars_serve_still_sync_as_adapters(
-    tiny_model_dir: Path, lora_server: CannedServer, lora: dict[str, Any]
+    tiny_model_dir: Path, lora_server_info: CannedServer, lora: dict[str, Any]
 ) -> None:
-    assert adapter_sync_problem(peft_model(tiny_model_dir, **lora), None, [lora_server.url], None, "bfloat16") is None
+    assert (
+        adapter_sync_problem(peft_model(tiny_model_dir, **lora), None, [lora_server_info.url], None, "bfloat16") is None
+    )

@@ -3,6 +3,12 @@
 Templates are parsed and rendered, the launcher's command and environment are unit-tested
 against a fake `nvidia-smi` (tests/fake_nvidia.py), and the GPU example's device choice runs
 with torch as installed here (it sees no GPU).
+
+The liveness probe's test uses fake SGLang and sidecar routes (`fake_sglang.FakeRoutes`): a real
+SGLang's /health hangs only while a weight load holds its lock, and a real sidecar reports
+``loading_step`` only during that load, for however long the load happens to take on the machine;
+the fake holds /health for a set time and says whether a load is in flight, so both answers of
+the probe are checked on demand.
 """
 
 from __future__ import annotations
@@ -357,7 +363,7 @@ def test_liveness_counts_sglang_alive_during_a_load_and_dead_when_health_hangs_w
         assert main(argv) == 1
         assert time.monotonic() - t0 < 2.9
         err = capsys.readouterr().err
-        assert "/health failed: AnswerRefused" in err and "within 1 s" in err, err
+        assert "/health failed: AnswerTimedOut" in err and "within 1 s" in err, err
         sglang.routes["/health"] = (200, {}, 0.0)
         assert main(argv) == 0
         sidecar.close()  # a sidecar outage: /health alone decides

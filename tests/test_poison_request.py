@@ -1,11 +1,16 @@
 """A request that kills SGLang is retried once after the server comes back, then fails the step with
 SGLang's own error; it is never resent in a loop.
 
-The poison is real (no fake server): in SGLang 0.5.23, ``min_new_tokens > 0`` with a
+The poison is real (a real SGLang, no fake): in SGLang 0.5.23, ``min_new_tokens > 0`` with a
 ``stop_token_ids`` entry outside the vocabulary makes the min-new-tokens penalizer scatter out of
 bounds in the scheduler (``RuntimeError: index ... is out of bounds``), and the whole server exits.
 It has nothing to do with ``torch.compile`` (unlike ``repetition_penalty`` on CPU), so a launcher
 fix for that does not hide it.
+
+One test uses the fake SGLang (`fake_sglang.FakeRollout` answering /generate with 502 while its
+/health answers): a router in front of a server the request kills. A real SGLang that a request
+kills stops answering /health too, so a healthy front over a failing /generate cannot be had from
+it without a router, which these tests do not run.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""Weight versions the staleness bound cannot accept: newer than this run published (another run's
-checkpoint), missing, or not a version string; each retried until sync_timeout, then named for what
-it is rather than blamed on a replica that does not load checkpoints.
+"""Weight versions the staleness bound refuses: older than it allows, newer than this run published
+(another run's checkpoint), missing, or not a version string. Each is retried until sync_timeout,
+then named for what it is: an older version (or SGLang's start-up "default") is blamed on a replica
+that does not load checkpoints, the others are not.
 
 These drive the real `StaleRetryPolicy` and `SGLangEndpoints` against `fake_sglang.CannedServer`: a
-real SGLang server started by rollout-service always labels its answers with this run's versions,
-so another run's label, a missing field or a float cannot be had from it on demand.
+real SGLang server started by rollout-service labels its answers with the version its sidecar
+loaded last and catches up before sync_timeout, so an answer that stays older than required,
+another run's label, a missing field or a float cannot be had from it on demand.
 """
 
 from __future__ import annotations
@@ -123,6 +125,22 @@ def test_a_weight_version_that_is_not_a_version_string_is_named(labelled: Any, v
     assert f"a meta_info.weight_version that is not a version string (up to 8 decimal digits): ['{shown}']" in message
     assert "not started by `rollout-service serve`" in message
     assert "not loading checkpoints" not in message
+
+
+@pytest.mark.parametrize("version", ["4", 4, "0"], ids=["string", "int", "zero"])
+def test_a_version_older_than_the_staleness_bound_allows_is_refused_after_retries(labelled: Any, version: Any) -> None:
+    """Version 5 is required (max_staleness 0): an answer from this run's older weights is retried
+    until sync_timeout, then refused naming the old version and the replica that does not catch up."""
+    policy, server = labelled(version)
+    with pytest.raises(StaleWeightsError) as caught:
+        run(policy)
+    message = str(caught.value)
+    assert (
+        f"weights of version(s) ['{version}'], but the trainer published version 5 and max_staleness=0 "
+        "requires version >= 5; the replicas did not catch up" in message
+    )
+    assert "is not loading checkpoints" in message and "newer than any version" not in message
+    assert len(server.generate_requests) >= 2  # retried until sync_timeout
 
 
 def test_sglangs_start_up_version_is_still_blamed_on_a_replica_not_loading_checkpoints(labelled: Any) -> None:

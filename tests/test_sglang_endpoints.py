@@ -1,4 +1,13 @@
-"""Several SGLang endpoints: prompts split in order, dead endpoints skipped, all dead named."""
+"""Several SGLang endpoints: prompts split in order, dead endpoints skipped, all dead named.
+
+These run against the fake SGLang (`fake_sglang.FakeRollout`) and URLs nothing listens on. A dead
+endpoint needs no server; the split's order is read from the fake's completions, which start with
+their prompt's first token (a real SGLang's say nothing of which prompt they answer). The same
+split through two real SGLang servers, one dead URL between them, is
+test_serve_and_replicas.py::test_grpo_spreads_rollouts_over_two_real_servers_and_skips_a_dead_one
+(each live server answered some prompts, the dead one none); what the fake test adds is the exact
+split and that each group comes back in its prompt's place.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Tests against a real SGLang server on the CPU: the HTTP answers the rollout path relies on,
-agreement with transformers, and the launcher's start-up failure and shutdown behaviour."""
+agreement with transformers, and the launcher's start-up failure and shutdown behaviour; and the
+launcher's settings, which start no server (so they are not marked ``sglang`` and run in fast runs)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ import pytest
 
 from helpers import generate
 from rollout_service.sglang_launcher import SGLangServer, SGLangStartError
-
-pytestmark = pytest.mark.sglang
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -31,6 +30,7 @@ def _encode(model_dir: Path, texts: list[str]) -> list[list[int]]:
     return [tokenizer.encode(text) for text in texts]
 
 
+@pytest.mark.sglang
 def test_generate_batch_returns_int_token_ids_with_matching_logprobs(sglang_server_at_base, tiny_model_dir):
     prompts = _encode(tiny_model_dir, PROMPTS[:2])
     out = generate(
@@ -49,6 +49,7 @@ def test_generate_batch_returns_int_token_ids_with_matching_logprobs(sglang_serv
         assert meta["weight_version"] == "default"
 
 
+@pytest.mark.sglang
 def test_greedy_generation_matches_transformers(sglang_server_at_base, tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
@@ -81,25 +82,25 @@ def test_greedy_generation_matches_transformers(sglang_server_at_base, tiny_mode
     assert served == expected
 
 
+@pytest.mark.sglang
 def test_wait_healthy_reports_exit_code_and_log_when_model_path_is_bogus(tmp_path):
     bogus = tmp_path / "not-a-model"
     bogus.mkdir()
     (bogus / "README.txt").write_text("no config.json here\n")
     server = SGLangServer(bogus, device="cpu", python=sys.executable, log_path=tmp_path / "server.log")
     server.start()
-    started = time.monotonic()
     try:
         with pytest.raises(SGLangStartError) as caught:
             server.wait_healthy(timeout_s=300)
     finally:
         server.stop()
     message = str(caught.value)
-    assert "exited with code" in message
+    assert "exited with code" in message  # the exit ended the wait, not the 300 s timeout
     assert "last log lines" in message
     assert server.log_tail(40).strip() and server.log_tail(40).strip()[-200:] in message
-    assert time.monotonic() - started < 300
 
 
+@pytest.mark.sglang
 def test_stop_leaves_no_process_of_the_group_alive(tiny_model_dir, tmp_path):
     server = SGLangServer(tiny_model_dir, device="cpu", python=sys.executable, log_path=tmp_path / "server.log")
     server.start()
@@ -134,6 +135,7 @@ def _pgid_of(pid: int) -> int | None:
         return None
 
 
+@pytest.mark.sglang
 def test_idle_cpu_server_sleeps_instead_of_busy_polling(sglang_server_at_base):
     # The launcher passes --sleep-on-idle on CPU: an idle scheduler that busy-polls burns a whole
     # core (95% measured), which starves a trainer on the same CPU. Sleeping, it uses ~1%.
@@ -146,10 +148,14 @@ def test_idle_cpu_server_sleeps_instead_of_busy_polling(sglang_server_at_base):
     assert schedulers, [p.name() for p in children]
     time.sleep(1.0)
     before = [sum(p.cpu_times()[:2]) for p in schedulers]
+    t0 = time.monotonic()
     time.sleep(5.0)
     used = [sum(p.cpu_times()[:2]) - b for p, b in zip(schedulers, before)]
-    # Busy-polling would take most of the 5 s even on a loaded machine; sleeping takes ~0.05 s.
-    assert max(used) < 1.25, used
+    idle_s = time.monotonic() - t0
+    # Not a speed measure: whether the idle scheduler sleeps or spins. Spinning, it runs whenever it
+    # gets a core (half of the idle time or more even with two cores shared by four busy processes);
+    # sleeping, it runs ~1% of it. A fifth lies far from both.
+    assert max(used) < idle_s / 5, (used, idle_s)
     # The trainer reads the setting back and sees no reason to warn, even on every core.
     import torch
 
@@ -164,6 +170,7 @@ def test_idle_cpu_server_sleeps_instead_of_busy_polling(sglang_server_at_base):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.sglang
 def test_trainer_talks_to_an_sglang_started_with_an_api_key(tiny_model_dir, tmp_path):
     import time as _time
 

@@ -75,8 +75,8 @@ def test_stale_cached_listing_does_not_delay_a_step_the_trainer_names(
         waiter.notify(2)  # what the trainer does after each publication: POST /sync step-00000002
         waiter.wait(2, timeout_s=50)
         took = time.monotonic() - t0
+        # Loaded while the mount still listed no step 2: the name the trainer sent, not polling, found it.
         assert "step-00000002" not in os.listdir(mnt), "the listing was still stale when step 2 loaded"
-        assert took < 50
         status = sidecar.status()
         assert status["loaded_step"] == 2 and status["rejected"] == {}
         print(f"step 2 loaded {took:.2f} s after the trainer named it, through a stale listing")

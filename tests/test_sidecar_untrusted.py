@@ -278,21 +278,34 @@ def test_wait_answers_only_for_the_run_and_bytes_sglang_serves(
 
 
 def test_sync_api_bounds_bodies_and_answers_bad_input_with_400(sidecar_factory, checkpoint_root, tmp_path):
+    """POST /sync refuses a body over its 4 KiB bound (streamed or not) with 413 without buffering it,
+    stays healthy, and answers every malformed body or /wait query with 400."""
     sidecar = sidecar_factory("--token", "tok")
     auth = {"Authorization": "Bearer tok"}
     proc = psutil.Process(sidecar.proc.pid)
     rss_before = proc.memory_info().rss
+    blocks = 300
+    sent = 0
 
     def chunks():
+        nonlocal sent
         block = b"x" * (1 << 20)
-        for _ in range(300):
+        for _ in range(blocks):
+            sent += 1
             yield block
 
     try:
         r = httpx.post(f"{sidecar.url}/sync", content=chunks(), headers=auth, timeout=60)
-        assert r.status_code == 413 and len(r.content) < 1000, (r.status_code, r.content[:200])
     except httpx.HTTPError:
-        pass  # the server may close the connection once it has refused the body
+        # The sidecar closed the connection instead of answering: that must have been once it had
+        # refused the body (only what the loopback socket buffers hold, a few MiB, got out of the
+        # generator), and it must still answer.
+        assert sent < blocks // 5, f"the connection closed only after {sent} of {blocks} MiB were uploaded"
+        assert sidecar.get("/healthz").status_code == 200
+    else:
+        # uvicorn reads and drops the rest of a refused body, and httpx sends a whole body before it
+        # reads the answer, so this 413 comes after all of it (not buffered: the RSS check below).
+        assert r.status_code == 413 and len(r.content) < 1000, (r.status_code, r.content[:200])
     r = httpx.post(
         f"{sidecar.url}/sync",
         content=b"y" * (300 << 10),
@@ -329,9 +342,10 @@ def test_readyz_follows_a_frozen_sglang_and_a_freeze_is_not_a_restart(
         frozen_s = time.monotonic() - t0
         body = sidecar.get("/readyz").json()
         assert "not answered" in body["reason"], body
-        t0 = time.monotonic()
-        sidecar.get("/status", timeout=2)  # answering never waits on SGLang
-        assert time.monotonic() - t0 < 2
+        # /status never waits on SGLang: a call to the frozen SGLang takes the sidecar's 10 s request
+        # timeout (SidecarSettings.request_timeout_s) to fail, so /status must answer before that
+        # (8 s, not less: a loaded 2-core machine may be slow, but never 8 s slow for a local answer).
+        assert sidecar.get("/status", timeout=8).status_code == 200
     finally:
         os.killpg(group, signal.SIGCONT)
     print(f"/readyz turned 503 {frozen_s:.1f} s after SGLang froze")

@@ -450,11 +450,14 @@ def test_the_spare_copy_counts_as_room_for_the_next_one(tmp_path: Path, monkeypa
 
 
 # --- 7. a killed sidecar's stage in /dev/shm ---------------------------------------------------
-@pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm")
-def test_a_new_sidecar_reclaims_the_shm_stages_nobody_holds_and_only_those(tmp_path: Path, caplog) -> None:
+def test_a_new_sidecar_reclaims_the_shm_stages_nobody_holds_and_only_those(tmp_path: Path, caplog, monkeypatch) -> None:
+    from rollout_service.sidecar import stage_folder
+
     root, _ = delta_chain(tmp_path, 1)
     tag = uuid.uuid4().hex[:8]
-    shm = Path("/dev/shm")
+    shm = tmp_path / "shm"  # a /dev/shm of this test's own: never skipped, never touching the node's
+    shm.mkdir()
+    monkeypatch.setattr(stage_folder, "SHM_DIR", shm)
     gone, alive, foreign = (shm / f"rollout-stage-test-{tag}-{n}" for n in ("gone", "alive", "foreign"))
     holder = Stage(alive)
     killed = Stage(gone)

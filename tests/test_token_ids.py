@@ -1,4 +1,9 @@
-"""Token ids from SGLang reach TRL as integers: coerced when integral, refused otherwise."""
+"""Token ids from SGLang reach TRL as integers: coerced when integral, refused otherwise.
+
+The training run uses the fake SGLang (`fake_sglang.FakeRollout` with ``float_token_ids``): a real
+SGLang 0.5.23 always sends integer ids, so the float ids some servers and proxies send (JSON numbers
+re-encoded as ``5.0``) cannot be had from it.
+"""
 
 from __future__ import annotations
 
@@ -87,6 +92,9 @@ def test_grpo_trains_on_integer_token_tensors_when_the_server_sends_floats(
         trainer.train()
     finally:
         inputs.close()
-    assert torch.tensor([5.0]).dtype.is_floating_point  # what TRL would have built from the wire values
+    # The server did send float ids (what TRL would have built float tensors from) ...
+    wire = fake.answer(fake.generate_requests[0])
+    assert all(type(t) is float for item in wire for t in item["output_ids"]), wire[0]["output_ids"]
+    # ... and the model only ever saw integer ones.
     assert inputs.dtypes and all(d in (torch.int64, torch.int32) for d in inputs.dtypes), inputs.dtypes
     assert all(type(v) is int for record in trainer.vllm_generation.history for v in record.versions)

@@ -95,6 +95,20 @@ def test_stale_answers_are_retried_until_the_replica_catches_up(
     assert record.stale_retries == 1 and set(record.versions) == {record.published_version}
 
 
+def test_answers_from_an_older_version_are_retried_until_the_replica_catches_up(
+    tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout
+) -> None:
+    """An answer labelled with the version before the one required (max_staleness 0) is not
+    trained on: it is generated again, and only the required version's answers are kept."""
+    fake.older_answers = 1
+    trainer = make_trainer(tiny_model_dir, make_config(tmp_path, tmp_path, [fake.url], [fake.url], max_steps=1))
+    trainer.train()
+    [record] = trainer.vllm_generation.history
+    assert record.required_version == record.published_version == 1
+    assert record.stale_retries == 1 and len(fake.generate_requests) == 2
+    assert set(record.versions) == {record.published_version}
+
+
 def test_aborted_answers_are_generated_again(tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout) -> None:
     fake.abort_answers = 1
     trainer = make_trainer(tiny_model_dir, make_config(tmp_path, tmp_path, [fake.url], [fake.url], max_steps=1))

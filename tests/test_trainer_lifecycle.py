@@ -1,5 +1,15 @@
 """The trainer closes what it opens: when ``train()`` ends or fails, the SGLang backend's HTTP
-client, request threads and checkpoint worker are released, and a later call opens them again."""
+client, request threads and checkpoint worker are released, and a later call opens them again.
+
+These run against the fake SGLang and sidecar (`fake_sglang.FakeRollout`, whose /wait acknowledges
+any version). The failed run needs it: a real SGLang behind a real sidecar serves the published
+weights, so it cannot be made to keep answering with SGLang's start-up version until
+sync_timeout. The finished run and the reopened endpoints could run on a real server: a finished
+run with background publishing through a real SGLang and sidecar is
+test_grpo_through_sglang.py::test_background_sync_keeps_rollouts_within_max_staleness, which checks
+what it trained on but not what it released. What these add is the release itself (threads, HTTP
+client), which depends on nothing the server answers, so the fake keeps them in the fast runs.
+"""
 
 from __future__ import annotations
 

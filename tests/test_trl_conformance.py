@@ -7,13 +7,15 @@ The generation-changing fields are checked through real TRL GRPOTrainer runs on 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from rollout_unit import ready_unit
-from trainer_helpers import make_config, make_trainer
+from trainer_helpers import logged, make_config, make_trainer
 from trainer_hooks import GRPOConfig, RLOOConfig
 from trainer_hooks.config import adapt_trl_fields, collective_budget_s, translate_generation_kwargs
 
@@ -342,15 +344,84 @@ LOSS_SETTINGS = [
 ]
 
 
+LOSS_METRICS = {
+    **dict.fromkeys(["grpo", "bnpo", "dr_grpo", "dapo", "luspo"], "clip_ratio/region_mean"),
+    "cispo": "cispo_clip_ratio",
+    "vespo": "vespo/phi_seq_mean",
+    "sapo": None,
+}
+"""The metric only TRL's loss of that type logs (SAPO logs none of them)."""
+
+TRAINER_ATTRIBUTES = (
+    "loss_type",
+    "beta",
+    "num_iterations",
+    "epsilon_high",
+    "importance_sampling_level",
+    "top_entropy_quantile",
+    "entropy_coef",
+    "off_policy_mask_threshold",
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_min",
+    "scale_rewards",
+    "mask_truncated_completions",
+)
+"""The settings TRL's GRPOTrainer copies from its args onto itself (and reads from there)."""
+
+
+def _assert_settings_reached_trl(trainer: Any, overrides: dict[str, Any]) -> None:
+    """Each setting is what TRL's trainer runs with (its args, and the attribute TRL copies it to), and
+    where one is cheap to see, it did what only it does: a KL term, a loss type's own metric, the
+    entropy bonus, a synced reference model, fewer generations than steps."""
+    from trl.trainer.callbacks import SyncRefModelCallback
+
+    args = trainer.args
+    for name, value in overrides.items():
+        if name == "generation_kwargs":
+            continue
+        assert getattr(args, name) == value, (name, getattr(args, name))
+        if name in TRAINER_ATTRIBUTES:
+            assert getattr(trainer, name) == value, (name, getattr(trainer, name))
+    # loss_type: the metric of that loss and none of the others' ("dapo" is also TRL's default).
+    loss_type = overrides.get("loss_type", "dapo")
+    assert trainer.loss_type == loss_type
+    logged_keys = {key for entry in trainer.state.log_history for key in entry}
+    own = LOSS_METRICS[loss_type]
+    assert own is None or own in logged_keys, (loss_type, sorted(logged_keys))
+    assert not {m for m in LOSS_METRICS.values() if m and m != own} & logged_keys, (loss_type, sorted(logged_keys))
+    if loss_type == "vespo":  # adapted: TRL's VESPO needs a token-level IS mode with external rollouts
+        assert trainer.vllm_importance_sampling_mode == "token_truncate"
+    # beta > 0: a reference model and a logged KL term; beta 0 (the default) neither.
+    beta = overrides.get("beta", 0.0)
+    assert trainer.beta == beta and (trainer.ref_model is not None) == (beta > 0)
+    assert ("kl" in logged_keys) == (beta > 0), sorted(logged_keys)
+    # epsilon_high: the upper clip differs from epsilon (by default TRL makes them equal).
+    assert trainer.epsilon_high == overrides.get("epsilon_high", args.epsilon)
+    # entropy_coef: TRL logs the bonus coefficient on every step only while the bonus is on.
+    coef = overrides.get("entropy_coef", 0.0)
+    assert logged(trainer, "entropy_coef") == pytest.approx([coef] * trainer.state.global_step if coef else []), coef
+    # sync_ref_model: the reference model was mixed towards the policy after the step; without it,
+    # it stays the starting weights.
+    synced = any(isinstance(c, SyncRefModelCallback) for c in trainer.callback_handler.callbacks)
+    assert synced == bool(overrides.get("sync_ref_model"))
+    if trainer.ref_model is not None:
+        start = trainer.parameters_at_start
+        moved = any(not torch.equal(start[k], p.detach()) for k, p in trainer.ref_model.named_parameters())
+        assert moved == synced, "the reference model moved" if moved else "the reference model did not move"
+    # num_iterations / steps_per_generation: one generation serves several optimizer steps.
+    steps = trainer.state.global_step
+    assert steps == overrides.get("max_steps", 1)
+    per_generation = args.num_iterations * args.steps_per_generation
+    assert len(trainer.vllm_generation.history) == math.ceil(steps / per_generation), trainer.vllm_generation.history
+
+
 @pytest.mark.sglang
 @pytest.mark.parametrize("overrides", LOSS_SETTINGS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_loss_settings_train_on_sglang_rollouts(
     unit: Any, tiny_model_dir: Path, tmp_path: Path, overrides: dict[str, Any]
 ) -> None:
-    import math
-
-    import torch
-
+    """Each loss setting reaches TRL, does what only it does where that is cheap to see, and trains on
+    SGLang's completions (finite loss, a moved policy, IS ratios near 1)."""
     if overrides.get("mask_truncated_completions"):
         # The tiny model seldom ends a completion: make EOS likelier (SGLang's logit_bias) so that some
         # completions are not truncated and TRL keeps them in the loss.
@@ -367,8 +438,10 @@ def test_loss_settings_train_on_sglang_rollouts(
             if any(len(c) < 16 for c in ids) and any(len(c) == 16 for c in ids):
                 break
         assert any(len(c) < 16 for c in ids) and any(len(c) == 16 for c in ids), [len(c) for c in ids]
+        overrides = tried
     else:
         trainer, ids, _ = _train(unit, tiny_model_dir, tmp_path, **overrides)
+    _assert_settings_reached_trl(trainer, overrides)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses and all(math.isfinite(x) for x in losses), trainer.state.log_history
     # The policy moved (the loss produced a gradient through TRL on SGLang's completions) ...
@@ -386,8 +459,10 @@ def test_loss_settings_train_on_sglang_rollouts(
 
 @pytest.mark.sglang
 def test_rloo_fields_train_on_sglang_rollouts(unit: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
-    import math
-
+    """RLOO generates through the same SGLang backend as GRPO, on the synced weights and without
+    asking SGLang for logprobs (RLOO uses none); its own fields reach TRL's RLOOTrainer (beta=0
+    against its default 0.05: no reference model, no KL term), and greedy generation_kwargs reach
+    SGLang."""
     from trainer_hooks import RLOOTrainer
 
     trainer, ids, _ = _train(
@@ -404,6 +479,13 @@ def test_rloo_fields_train_on_sglang_rollouts(unit: Any, tiny_model_dir: Path, t
     assert all(all(c == g[0] for c in g) for g in _groups(ids))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses and all(math.isfinite(x) for x in losses)
+    assert trainer.args.normalize_advantages is True and trainer.normalize_advantages is True
+    assert tuple(trainer.args.reward_clip_range) == tuple(trainer.reward_clip_range) == (-1.0, 1.0)
+    assert trainer.args.beta == trainer.beta == 0.0 and trainer.ref_model is None
+    assert not logged(trainer, "kl"), trainer.state.log_history
+    generation = trainer.vllm_generation
+    assert generation.want_logprobs is False  # what the backend sends SGLang as return_logprob
+    assert generation.history and all(set(r.versions) == {r.published_version} for r in generation.history)
 
 
 def test_generation_kwargs_from_the_command_line_are_translated_too(tmp_path: Path) -> None:
