@@ -557,10 +557,10 @@ def atomic_step_dir(root: Path | str, step: int) -> Iterator[Path]:
         )
         raise FileExistsError(f"{final} is {what}; steps are immutable, publish a new step instead")
     tmp = root / f"{TEMP_PREFIX}{name}-{owner_tag()}-{uuid.uuid4().hex[:12]}"
-    dir_fd = open_work_folder(tmp)
+    dir_fd, published_mode = open_work_folder(tmp)
     try:
         yield tmp
-        release_work_folder(dir_fd)
+        release_work_folder(dir_fd, published_mode)
         fsync_dir(tmp)
         if os.path.lexists(final):
             raise FileExistsError(f"{final} was published by another writer meanwhile")

@@ -33,46 +33,40 @@ WORK_FOLDER_MODE = 0o700
 """A work folder's mode while it is written: its writer's alone, so that no other user of a
 shared root can plant a file or a link in it (a link written through would make the writer
 overwrite a file outside the root). :func:`open_work_folder` makes it; :func:`release_work_folder`
-gives it the mode a folder of this process gets from ``mkdir`` (``0o777`` less the umask, what
-published steps always had) just before it is renamed into place, so that readers running as
-other users can read it."""
+gives it back the mode ``mkdir`` gave it (the umask's or the root's default ACL's: what published
+steps always had) just before it is renamed into place, so that readers running as other users
+can read it."""
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 
 
-def open_work_folder(path: Path) -> int:
-    """Make the work folder ``path`` (:data:`WORK_FOLDER_MODE`) and return a descriptor of it (close
-    it): :func:`release_work_folder` changes the mode of the folder made here, not of whatever
-    someone may have put at its name since."""
-    os.mkdir(path, WORK_FOLDER_MODE)
+def open_work_folder(path: Path) -> tuple[int, int]:
+    """Make the work folder ``path`` and return ``(a descriptor of it, the mode it is to have once
+    published)``; close the descriptor. The folder is made as ``mkdir`` makes any (the umask, or
+    the root's default ACL, decide its mode: that is the published mode, what steps always had),
+    then set to :data:`WORK_FOLDER_MODE` until :func:`release_work_folder` puts that mode back on
+    the folder made here, not on whatever someone may have put at its name since."""
+    os.mkdir(path, 0o777)
     try:
-        return os.open(path, _DIR_FLAGS)
+        dir_fd = os.open(path, _DIR_FLAGS)
     except BaseException:
         os.rmdir(path)
         raise
-
-
-def release_work_folder(dir_fd: int) -> None:
-    """Give the work folder open as ``dir_fd`` the mode ``mkdir`` gives a folder of this process
-    (the umask's; a set-group-ID bit it inherited stays): done once nothing more is written in it,
-    before it is synced and renamed into place."""
-    special = stat.S_IMODE(os.fstat(dir_fd).st_mode) & ~0o777
-    os.fchmod(dir_fd, special | (0o777 & ~current_umask()))
-
-
-def current_umask() -> int:
-    """This process's umask, read where Linux shows it (``/proc/self/status``, since 4.7); elsewhere
-    set and put back at once (``os.umask`` is the only other way to learn it)."""
     try:
-        with open("/proc/self/status", encoding="ascii", errors="replace") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+        mode = stat.S_IMODE(os.fstat(dir_fd).st_mode)
+        os.fchmod(dir_fd, (mode & ~0o777) | WORK_FOLDER_MODE)
+    except BaseException:
+        os.close(dir_fd)
+        os.rmdir(path)
+        raise
+    return dir_fd, mode
+
+
+def release_work_folder(dir_fd: int, mode: int) -> None:
+    """Give the work folder open as ``dir_fd`` its published ``mode`` (from :func:`open_work_folder`):
+    done once nothing more is written in it, before it is synced and renamed into place. With a
+    default ACL on the root, ``fchmod`` sets the ACL's mask: putting the mode back restores it."""
+    os.fchmod(dir_fd, mode)
 
 
 def new_file(path: Path) -> io.FileIO:

@@ -385,6 +385,26 @@ def test_a_slow_background_write_that_makes_progress_is_waited_for(
     assert [c.step for c in list_checkpoints(root)] == [1]
 
 
+def test_a_background_sync_past_its_bound_while_it_waits_for_replicas_is_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once its write has ended, a job writes nothing while it waits for the replicas (and prunes):
+    bounded on their own, those phases say nothing of a blocked write, however long they take."""
+    root = tmp_path / "root"
+    pub = _bounded_publisher(root, monkeypatch, sync_timeout_s=1.0)
+
+    class SlowReplicas(NoWaiter):
+        def wait(self, version: int, timeout_s: float) -> list[Any]:
+            time.sleep(3.0)  # past the job's ~2 s bound, and 1 s without a byte written, three times
+            return []
+
+    pub.waiter = SlowReplicas()
+    pub.publish_in_background(1, [("w", torch.ones(4))])
+    pub.join()  # used to raise RootUnresponsive: "has written nothing for 1 s"
+    pub.close()
+    assert [c.step for c in list_checkpoints(root)] == [1]
+
+
 # --- the weight iterator drawn to its end ----------------------------------------------------
 
 

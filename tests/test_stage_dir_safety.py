@@ -562,3 +562,35 @@ def test_a_copy_the_prune_cannot_remove_does_not_keep_it_from_removing_the_other
         assert left == sorted([stuck, built[2]]), left
     finally:
         stage.close()
+
+
+def test_a_staged_copy_whose_manifest_the_stage_disk_cannot_read_is_the_stages_fault(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An I/O error reading a staged copy's manifest is the stage's disk failing: raised as such
+    (the build then reports stage_failed when the stage cannot write), not taken for a copy that
+    is absent and made again on the same failing disk; the reference's, the same."""
+    root, full_root = tmp_path / "root", tmp_path / "full"
+    model, writer = Model(lr=1e-6), DeltaCheckpointWriter(full_every=1)
+    publish_both(writer, root, full_root, 1, model)
+    stage = staging.Stage(tmp_path / "stage")
+    try:
+        manifest = Manifest.load(root / step_dir_name(1))
+        built = stage.build(root, root / step_dir_name(1), manifest, untrusted_files.Deadline(60))
+        stage.save_reference({"w": ("BF16", (4,))}, "test")
+        failing = {str(built.path / "manifest.json"), str(stage.path / staging.REFERENCE_NAME)}
+        real_read = os.read
+
+        def read(fd: int, n: int) -> bytes:
+            if os.readlink(f"/proc/self/fd/{fd}") in failing:
+                raise OSError(errno.EIO, "Input/output error")
+            return real_read(fd, n)
+
+        monkeypatch.setattr(untrusted_files.os, "read", read)
+        with pytest.raises(OSError) as err:
+            stage.find(1, manifest.fingerprint())
+        assert err.value.errno == errno.EIO
+        with pytest.raises(staging.StageError, match="check the stage directory's disk"):
+            stage.load_reference()
+    finally:
+        stage.close()

@@ -102,6 +102,9 @@ class _BackgroundJob:
     """Bytes written since, when last looked at."""
     moved_at: float = 0.0
     """``time.monotonic()`` when that count last moved (at first, when the job started)."""
+    write_done: bool = False
+    """Its write has ended: the wait for the replicas and retention that follow write nothing and
+    give up on their own (``sync_timeout`` each), so no bytes moving then says nothing."""
 
     def __post_init__(self) -> None:
         self.moved_at = self.moved_at or self.started
@@ -334,10 +337,15 @@ class CheckpointPublisher:
         ``bytes_to_write``: what the write writes at most, if known (bounds a background job's wait)."""
         self._start(version)
 
+        watched: list[_BackgroundJob] = []
+        """The job's watch record once submitted in the background: its write's end is marked there."""
+
         def job() -> SyncRecord:
             t1 = time.perf_counter()
             try:
                 result = self._write_under_root(write, version)
+                if watched:  # what follows (the replicas' wait, retention) gives up on its own
+                    watched[0].write_done = True
             finally:
                 if streamed is not None:
                     streamed.drain()
@@ -358,6 +366,7 @@ class CheckpointPublisher:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-sync")
             self._job = _BackgroundJob(version, bytes_to_write, time.monotonic(), bytes_written())
+            watched.append(self._job)
             self._future = self._pool.submit(job)
             return self._future
         future: Future[SyncRecord] = Future()
@@ -513,7 +522,7 @@ class CheckpointPublisher:
             job.look(now)
             waited, still = now - job.started, now - job.moved_at
             bound = background_sync_bound_s(self.sync_timeout_s, job.bytes_to_write)
-            if waited > bound and still > self.sync_timeout_s:
+            if waited > bound and still > self.sync_timeout_s and not job.write_done:
                 raise RootUnresponsive(
                     f"the checkpoint root {self.root} is not answering: the background sync of version"
                     f" {job.version} has written nothing for {still:.0f} s ({_written(job)} in {waited:.0f} s, past"

@@ -338,6 +338,8 @@ class Stage:
             return None
         try:
             manifest = Manifest.load(path, root=self.path)
+        except OSError:
+            raise  # the stage's own disk failing a read (UnreadableFile): its fault, not a missing copy
         except CheckpointError:
             return None
         if manifest.source_fingerprint() != fingerprint or manifest.step != step:
@@ -617,6 +619,8 @@ class Stage:
         except CheckpointError as exc:
             if exc.reason == "missing_file":
                 return None
+            if isinstance(exc, OSError):  # UnreadableFile: the stage's disk failed the read
+                raise StageError(f"cannot read {path}: {exc}; check the stage directory's disk") from None
             raise StageError(
                 f"cannot read {path} ({exc.reason}): the stage keeps a small regular file there;"
                 " remove what is there (the reference is learnt again)"
