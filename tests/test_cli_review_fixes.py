@@ -241,7 +241,10 @@ def test_run_sh_runs_the_command_in_the_callers_directory(tmp_path: Path) -> Non
         check=True,
     ).stdout.strip()
     if not venv or Path(venv).name != f"venv-{key}" or not (Path(venv) / ".complete").exists():
-        pytest.skip("not inside the environment scripts/run.sh builds: running it here would build a new one")
+        raise AssertionError(
+            "run the tests through scripts/run.sh (the README's test command): outside the environment it"
+            " builds, this test would build a new one"
+        )
     (tmp_path / "where.py").write_text("import os; print(os.getcwd())\n")
     done = subprocess.run(
         [str(REPO / "scripts" / "run.sh"), "python", "where.py"],

@@ -298,20 +298,30 @@ def test_a_delta_file_size_is_checked_before_a_buffer_is_sized_by_it(
         assert err.reason == reason and fname in str(err), err
 
 
-def test_a_delta_file_header_larger_than_its_bound_is_refused_unread(root: Path, tmp_path: Path) -> None:
+def _rewrite_delta_header(root: Path, rewrite: Callable[[bytes], bytes]) -> str:
+    """Give step 3's first delta file the header ``rewrite(its header)``, its manifest entry (size,
+    digest, total_bytes) updated as a consistent attacker would; the file's name."""
     top = _dir(root, 3)
     data = json.loads((top / MANIFEST_NAME).read_text())
     fname = next(f for f in data["files"] if f.startswith("delta-"))
     blob = (top / fname).read_bytes()
     (length,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + length])
-    header["__metadata__"] = {"pad": "x" * (17 << 20)}
-    raw = json.dumps(header).encode()
+    raw = rewrite(blob[8 : 8 + length])
     spoiled = struct.pack("<Q", len(raw)) + raw + blob[8 + length :]
     (top / fname).write_bytes(spoiled)
     data["total_bytes"] += len(spoiled) - data["files"][fname]["size"]
     data["files"][fname].update(size=len(spoiled), digest=_digest(spoiled))
     (top / MANIFEST_NAME).write_text(json.dumps(data))
+    return fname
+
+
+def test_a_delta_file_header_larger_than_its_bound_is_refused_unread(root: Path, tmp_path: Path) -> None:
+    def padded_metadata(raw: bytes) -> bytes:
+        header = json.loads(raw)
+        header["__metadata__"] = {"pad": "x" * (17 << 20)}
+        return json.dumps(header).encode()
+
+    fname = _rewrite_delta_header(root, padded_metadata)
     for err in build_and_materialize(root, tmp_path):
         assert err.reason == "delta_corrupt" and fname in str(err), err
 
@@ -319,17 +329,7 @@ def test_a_delta_file_header_larger_than_its_bound_is_refused_unread(root: Path,
 def test_a_delta_file_header_padded_past_what_its_tensors_need_is_refused_unread(root: Path, tmp_path: Path) -> None:
     """Under the 16 MiB cap, but far past a few entries' worth: each such file would be buffered
     whole (a shard's delta files are all held until it is rebuilt)."""
-    top = _dir(root, 3)
-    data = json.loads((top / MANIFEST_NAME).read_text())
-    fname = next(f for f in data["files"] if f.startswith("delta-"))
-    blob = (top / fname).read_bytes()
-    (length,) = struct.unpack("<Q", blob[:8])
-    raw = blob[8 : 8 + length] + b" " * (1 << 20)
-    spoiled = struct.pack("<Q", len(raw)) + raw + blob[8 + length :]
-    (top / fname).write_bytes(spoiled)
-    data["total_bytes"] += len(spoiled) - data["files"][fname]["size"]
-    data["files"][fname].update(size=len(spoiled), digest=_digest(spoiled))
-    (top / MANIFEST_NAME).write_text(json.dumps(data))
+    fname = _rewrite_delta_header(root, lambda raw: raw + b" " * (1 << 20))
     for err in build_and_materialize(root, tmp_path):
         assert err.reason == "delta_corrupt" and fname in str(err), err
 
