@@ -128,7 +128,7 @@ def logged(trainer: Any, key: str) -> list[float]:
 def test_grpo_with_peft_config_trains_through_adapter_sync_on_the_trainers_adapter(lora_unit, tiny_model_dir, tmp_path):
     from peft import LoraConfig
 
-    steps = {"learned": 16, "control": 8}
+    steps = {"learned": 24, "control": 8}
 
     def lora() -> Any:
         return LoraConfig(
@@ -160,7 +160,8 @@ def test_grpo_with_peft_config_trains_through_adapter_sync_on_the_trainers_adapt
     got, base = rewards(learned), rewards(control)
     print("rewards with adapter sync:", [round(x, 3) for x in got], "lr 0:", [round(x, 3) for x in base])
     late, early, still = sum(got[-4:]) / 4, sum(got[:4]) / 4, sum(base) / len(base)
-    # Margins: the control's step-to-step spread is ~0.03; trials reached +0.2 to +0.65 by step 12.
+    # Margins: the control's step-to-step spread is ~0.03; trials reached +0.2 to +0.65 by step 12, and
+    # one CI run only +0.145 by step 16 (a late take-off), so the run has 24 steps (most reach 1.0 by 14).
     assert late >= still + 0.15, (
         f"reward did not rise above the lr-0 control: last 4 steps {late:.3f}, control {still:.3f}"
     )

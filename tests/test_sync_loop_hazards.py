@@ -185,6 +185,27 @@ def test_a_step_named_link_into_a_hung_mount_does_not_stop_syncing(tmp_path: Pat
         run_with(c, during)
 
 
+def test_a_load_past_a_step_rejected_in_the_same_pass_is_ready_at_once(tmp_path: Path) -> None:
+    # An earlier listing saw step 99 (so it is the newest known); the next pass rejected it on the
+    # way to loading step 1. The replica serves the newest valid step from that moment, not only
+    # after the listing that follows the load (CI saw /readyz unready in that window).
+    root, c, client = make(tmp_path)
+    publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
+
+    async def during() -> None:
+        await until(lambda: c.state.loaded_step == 1 and c.readiness()[0])
+        c.state.newest_known_step = 99
+        c.state.rejected[99] = "bad_digest"
+        await c._wake_after_load(1)
+        assert c.state.ready and c.readiness()[0], c.readiness()
+        del c.state.rejected[99]  # a newer step known and not rejected still makes it unready
+        c.state.newest_known_step = 99
+        await c._wake_after_load(1)
+        assert not c.state.ready and "newest" in c.readiness()[1], c.readiness()
+
+    run_with(c, during)
+
+
 def test_a_restarted_sidecar_keeps_the_copy_sglang_may_still_be_loading(tmp_path: Path) -> None:
     root, first, client = make(tmp_path)
     publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)

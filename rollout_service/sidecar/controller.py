@@ -471,8 +471,15 @@ class SyncController:
     async def _wake_after_load(self, step: int) -> None:
         """Answer the ``/wait``s as soon as ``step`` is recorded as served, not after the
         housekeeping that follows a load (pruning the stage, the ack file, the root's listing
-        on shared storage: 0.1-0.2 s measured); the newest step known is at least ``step``."""
-        await self._wake_waiters(max(step, self.state.newest_known_step or step))
+        on shared storage: 0.1-0.2 s measured); the newest step known is at least ``step``.
+
+        A newer step known from an earlier listing counts only while it is not rejected: the pass
+        that loaded ``step`` went newest first, so any newer step it saw was rejected on the way
+        (else the replica would stay unready, a valid step served, until the next listing)."""
+        known = self.state.newest_known_step
+        if known is not None and known in self.state.rejected:
+            known = None
+        await self._wake_waiters(max(step, known or step))
 
     async def _check_server(self) -> None:
         now = time.monotonic()
