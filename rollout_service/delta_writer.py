@@ -117,7 +117,7 @@ class Absorbed:
 
     delta: bool
     """Still a delta candidate (same layout as the base)."""
-    blobs: dict[str, bytes]
+    blobs: dict[str, bytearray]
     frames: dict[str, list[int]]
     """Per changed tensor, the compressed size of each frame of its blob (0: part unchanged)."""
     dtype: str | None
@@ -128,6 +128,9 @@ class Absorbed:
     """Full only because full publishes measured faster (``costs``)."""
     probe: bool = False
     """A delta candidate only to measure deltas again (``costs``)."""
+    too_large: bool = False
+    """A delta candidate that passed ``max_ratio`` while encoding: written in full, measured as a
+    delta (its encode was paid for)."""
     shard_digests: list[str] | None = None
     """For a delta, each shard's digest (of the bytes a full publish writes), hashed by the
     encode threads for ``max_shard_bytes`` (a write with other shards hashes the held copy)."""
@@ -327,22 +330,38 @@ class DeltaCheckpointWriter:
         old, old_order = self._held, self._order
         held: dict[str, _Held] = {}
         order: list[str] = []
-        blobs: dict[str, bytes] = {}
+        blobs: dict[str, bytearray] = {}
         frames: dict[str, list[int]] = {}
         changed = 0
+        budget = self.max_ratio * sum(h.nbytes for h in old.values())
+        """Compressed bytes past which the version is full (``write`` would refuse the delta):
+        the encode stops holding blobs there, so a version where most bytes change never holds
+        more than ``max_ratio`` of a second model copy in RAM."""
+        encoded = 0
+        too_large = False
         pending: deque[tuple[str, list[Future[_Part]]]] = deque()
         hashing = _LayoutDigests(old_order, old, max_shard_bytes) if delta else None
         refusal: PublishRefused | None = None
 
         def settle(name: str, jobs: list[Future[_Part]]) -> None:
-            nonlocal changed, refusal
+            nonlocal changed, refusal, encoded, delta, hashing, why_full, too_large
             results = [job.result() for job in jobs]
             parts = [part for part, _ in results]
             if any(part is not None for part in parts):
-                blobs[name] = b"".join(part for part in parts if part is not None)
-                frames[name] = [0 if part is None else len(part) for part in parts]
-                changed += held[name].nbytes
                 held[name].digest = ""  # its held bytes changed: hashed again when written
+                if delta:
+                    blobs[name] = bytearray().join(part for part in parts if part is not None)
+                    frames[name] = [0 if part is None else len(part) for part in parts]
+                    changed += held[name].nbytes
+                    encoded += len(blobs[name])
+                if delta and encoded > budget:  # the held copy is the new version's either way
+                    delta, hashing, too_large = False, None, True
+                    why_full = (
+                        f"the delta passed checkpoint_delta_max_ratio {self.max_ratio:g} of the full size while"
+                        f" encoding ({encoded / 1e6:.1f} MB by {name!r})"
+                    )
+                    blobs.clear()
+                    frames.clear()
             bad = sum(count for _, count in results)
             if bad and refusal is None:
                 h = held[name]
@@ -423,6 +442,7 @@ class DeltaCheckpointWriter:
             changed_bytes=changed,
             auto_full=auto_full,
             probe=probe,
+            too_large=too_large,
             shard_digests=shard_digests,
             max_shard_bytes=max_shard_bytes,
         )
@@ -586,7 +606,7 @@ class DeltaCheckpointWriter:
         seconds = absorbed.seconds + (time.perf_counter() - t0)
         if self.costs is not None:
             # A delta candidate written in full (too big, base gone) is what a delta cost here.
-            self.costs.observe("delta" if absorbed.delta else kind, seconds, result.full_bytes)
+            self.costs.observe("delta" if absorbed.delta or absorbed.too_large else kind, seconds, result.full_bytes)
         self.last = DeltaStats(
             kind=kind,
             why_full=why_full,
@@ -731,7 +751,7 @@ class DeltaCheckpointWriter:
                     files[delta_file] = _write_shard(
                         tmp / delta_file,
                         [
-                            (n, torch.frombuffer(bytearray(absorbed.blobs[n]), dtype=torch.uint8))
+                            (n, torch.frombuffer(absorbed.blobs[n], dtype=torch.uint8))  # no copy
                             for n in members
                             if n in absorbed.blobs
                         ],

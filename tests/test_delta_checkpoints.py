@@ -74,6 +74,38 @@ def test_tensors_larger_than_a_chunk_are_encoded_in_place_bit_for_bit(tmp_path: 
         model.step()
 
 
+def test_a_version_past_max_ratio_stops_holding_its_delta_while_encoding(tmp_path: Path, monkeypatch) -> None:
+    # When most weights change, the compressed XORs would be close to a second model copy in RAM:
+    # the encode stops holding them once they pass max_ratio of the full size, and the version is
+    # written in full. The held copy is still the new version's: the next delta applies to it.
+    from rollout_service import delta_codec
+
+    encoded: list[int] = []
+    real = delta_codec.encode_frame
+
+    def counting(*args, **kwargs):
+        encoded.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(delta_codec, "encode_frame", counting)
+    root, full_root = tmp_path / "root", tmp_path / "full"
+    writer = DeltaCheckpointWriter(full_every=100, max_ratio=0.05, threads=1)
+    model = Model(lr=1e-2)  # every weight changes
+    assert publish_both(writer, root, full_root, 1, model)[0].kind == "full"
+    model.step()
+    encoded.clear()
+    assert publish_both(writer, root, full_root, 2, model)[0].kind == "full"
+    assert "while encoding" in writer.last.why_full and "0.05" in writer.last.why_full, writer.last.why_full
+    tensors = len(model.tensors())
+    assert len(encoded) <= 3 < tensors, f"{len(encoded)} of {tensors} tensors encoded after the budget was passed"
+    assert_same_files(root / step_dir_name(2), full_root / step_dir_name(2))
+    model.opt.param_groups[0]["lr"] = 1e-6  # a small step: a delta on the version written in full
+    model.step()
+    assert publish_both(writer, root, full_root, 3, model)[0].kind == "delta"
+    materialize(root, 3, tmp_path / "out3")
+    assert_same_files(tmp_path / "out3", full_root / step_dir_name(3))
+
+
 def test_the_writer_falls_back_to_full_with_a_reason(tmp_path: Path) -> None:
     root = tmp_path / "root"
     model = Model()
