@@ -15,7 +15,9 @@ On a machine with 2 GPUs (one for SGLang, one for training), from the repository
         --sglang-url http://127.0.0.1:30000 --sidecar-url http://127.0.0.1:8100
 
 With 8 GPUs, run ``serve`` on some of them (one unit per GPU, each with its own ports, all on
-the same ``--checkpoint-path``), pass every SGLang URL and sidecar URL, and launch the trainer
+the same ``--checkpoint-path``), pass every SGLang URL and sidecar URL (or, for replicas behind one
+Service, its URL and ``--expected-replicas N``: the trainer then counts the replicas' ack files, as
+the Kubernetes GPU overlay does), and launch the trainer
 with ``CUDA_VISIBLE_DEVICES=<the other GPUs> accelerate launch --num_processes N
 examples/grpo_tldr_gpu.py --device cuda ...`` (README, "Install on GPU machines"). ``--device cuda``
 fails at once when torch sees no GPU (e.g. an NVIDIA driver older than 580 under torch
@@ -116,7 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default="trl-lib/tldr", help="Hub name, JSON-lines file or saved dataset folder")
     p.add_argument("--checkpoint-path", required=True, help="the directory the sidecars watch")
     p.add_argument("--sglang-url", action="append", required=True, help="repeat for several servers")
-    p.add_argument("--sidecar-url", action="append", required=True, help="one per SGLang server")
+    wait = p.add_mutually_exclusive_group(required=True)
+    wait.add_argument(
+        "--sidecar-url",
+        action="append",
+        help="one per SGLang server: each one's GET /wait confirms each checkpoint (not a Service that"
+        " spreads calls over several replicas: use --expected-replicas there)",
+    )
+    wait.add_argument(
+        "--expected-replicas",
+        type=int,
+        help="wait until this many replicas acknowledge each checkpoint in the checkpoint path's acks/"
+        " folder (replicas behind one Service or load balancer)",
+    )
     p.add_argument(
         "--device",
         default="auto",
@@ -162,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         output_dir=a.output_dir,
         checkpoint_path=a.checkpoint_path,
         sglang_urls=a.sglang_url,
-        sidecar_urls=a.sidecar_url,
+        sidecar_urls=a.sidecar_url or [],
+        expected_replicas=a.expected_replicas,
         max_staleness=0,
         checkpoint_dtype=checkpoint_dtype,
         keep_checkpoints=3,

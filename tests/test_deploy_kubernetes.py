@@ -193,3 +193,18 @@ def test_kubernetes_resources_per_overlay():
             assert pod["securityContext"]["runAsNonRoot"] is True
             uid = pod["securityContext"]["runAsUser"]
             assert str(uid) == dockerfile_stages(DOCKER_DIR / "sidecar.Dockerfile")[0]["args"]["APP_UID"]
+
+
+def test_a_trainer_beside_several_rollout_replicas_waits_for_each_one():
+    # GET /wait through the `rollout` Service asks one replica (the client keeps one connection),
+    # so with several replicas the trainer counts their ack files, as many as the Deployment runs.
+    for kustomization in K8S_KUSTOMIZATIONS:
+        manifests = render_kustomization(kustomization)
+        replicas = by_kind(manifests, "Deployment")["rollout"]["spec"]["replicas"]
+        trainer = find_container(pod_specs(manifests)["trainer"], "trainer")
+        argv = k8s_argv(trainer, k8s_env(trainer, manifests))
+        if replicas > 1:
+            assert "--sidecar-url" not in argv, f"{kustomization}: /wait through the Service with {replicas} replicas"
+            assert argv[argv.index("--expected-replicas") + 1] == str(replicas), kustomization
+        else:
+            assert "--sidecar-url" in argv or "--expected-replicas" in argv, kustomization
