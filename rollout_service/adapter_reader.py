@@ -16,11 +16,12 @@ sync and merged sync. Everything under the root is untrusted.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .checkpoint_format import _MODULE_RE as MODULE_NAME_RE  # the pattern readers parse target_modules with
 from .checkpoint_format import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_FILES,
@@ -43,9 +44,33 @@ LORA_PARTS = ("lora_A", "lora_B")
 UNSERVED_MODULES = frozenset({"embed_tokens", "lm_head"})
 """Modules whose LoRA weights SGLang 0.5.23 lays out otherwise than a linear layer's (an
 embedding's ``lora_embedding_A``) or does not serve: such adapters sync merged instead."""
-MODEL_CHANGING_KEYS = ("layer_replication", "target_parameters", "use_qalora", "lora_bias", "trainable_token_indices")
+MODEL_CHANGING_KEYS = (
+    "layer_replication",
+    "target_parameters",
+    "use_qalora",
+    "lora_bias",
+    "trainable_token_indices",
+    "alora_invocation_tokens",
+    "arrow_config",
+    "kasa_config",
+    "monteclora_config",
+    "use_bdlora",
+)
 """PEFT options that, when set, make the trained model differ from base + ``alpha/r * B @ A`` on
-the target modules, which is all SGLang serves."""
+the target modules, which is all SGLang serves. PEFT 0.21's LoRA variants among them: aLoRA
+(``alora_invocation_tokens``) applies the adapter only to the tokens after its invocation tokens,
+SGLang to every token; Arrow routes between adapters; KaSA truncates the base weights' smallest
+singular components and adds a learned diagonal; MonteCLoRA samples perturbations of ``lora_A``
+in every forward; BD-LoRA makes ``lora_A`` or ``lora_B`` block-diagonal."""
+BASE_KEEPING_INITS = (True, False, "gaussian", "eva", "orthogonal", "mica")
+"""The ``init_lora_weights`` values that leave the base weights as they are (PEFT 0.21's
+``LoraLayer.update_layer``; MiCA only freezes ``lora_B``, its forward is plain LoRA's): the others
+(``pissa``, ``pissa_niter_<n>``, ``olora``, ``corda``, ``loftq``, ``lora_ga``) subtract the
+adapter's starting product from the base weights, or quantize them, so the trainer trains on
+another base than the one SGLang serves, and a value of a later PEFT is not known to keep them.
+Those adapters sync merged."""
+MAX_TARGET_MODULES = 64
+"""The most module names an adapter may target (its manifest's ``adapter.target_modules``)."""
 ADAPTER_DTYPES = ("F32", "F16", "BF16")
 """The dtypes of LoRA weights (safetensors tags), defined once: the only ones ``adapter_writer``
 publishes and the only ones readers accept (``dtype_unloadable``). PEFT trains adapters in these;
@@ -131,6 +156,13 @@ def adapter_support_problem(config: Mapping[str, Any], limits: LoraLimits) -> st
     for key in MODEL_CHANGING_KEYS:
         if config.get(key):
             return f"{key}={_shown(config[key])} changes the model beyond what SGLang's LoRA serving applies"
+    init = config.get("init_lora_weights", True)
+    if not any(init is keep if isinstance(keep, bool) else init == keep for keep in BASE_KEEPING_INITS):
+        return (
+            f"init_lora_weights={_shown(init)} is not one of {list(BASE_KEEPING_INITS)}, the initializations"
+            " that leave the base weights as they are (PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA change them):"
+            " the trainer would train on another base than the one SGLang serves"
+        )
     if config.get("use_rslora"):
         return "use_rslora=True scales by alpha/sqrt(r); SGLang scales every adapter by alpha/r"
     if config.get("rank_pattern") or config.get("alpha_pattern"):
@@ -158,6 +190,9 @@ def adapter_support_problem(config: Mapping[str, Any], limits: LoraLimits) -> st
     ):
         return f"target_modules={_shown(modules)} is not a list of module names"
     names = module_names(modules)
+    problem = target_module_problem(names)
+    if problem is not None:
+        return problem
     unserved_here = sorted(names & UNSERVED_MODULES)
     if unserved_here:
         return f"target modules {unserved_here}: SGLang's LoRA serves linear layers inside the model only"
@@ -179,6 +214,27 @@ def module_names(modules: Any) -> set[str]:
     """Module names as SGLang matches them: PEFT resolves ``all-linear`` to full paths
     (``model.layers.0.mlp.up_proj``); the last component is the module's name."""
     return {str(m).rsplit(".", 1)[-1] for m in modules}
+
+
+def target_module_problem(names: Collection[str]) -> str | None:
+    """Why module names (:func:`module_names`) cannot be an adapter's ``target_modules`` as its
+    manifest holds them, which readers parse strictly (``checkpoint_format``: 1 to
+    :data:`MAX_TARGET_MODULES` names of letters, digits and ``_``, not starting with a digit);
+    None when they can. A layer inside an ``nn.Sequential`` or ``nn.ModuleList`` is named by its
+    index: PEFT's ``fc.0`` is module ``0``, which no reader (and no ``--lora-target-modules``)
+    takes. Checked on the PEFT config at the trainer's start-up and by :func:`publish_adapter
+    <rollout_service.adapter_writer.publish_adapter>`, so such an adapter syncs merged rather than
+    being published as a step every replica rejects."""
+    odd = sorted(n for n in names if not MODULE_NAME_RE.fullmatch(n))
+    if odd:
+        return (
+            f"target modules {_shown(odd)} are not module names SGLang can target (up to 64 letters, digits"
+            " and '_', not starting with a digit): a layer inside an nn.Sequential or nn.ModuleList is"
+            " named by its index ('fc.0' is module '0'); adapt layers that have names of their own"
+        )
+    if len(names) > MAX_TARGET_MODULES:
+        return f"{len(names)} target modules: an adapter targets at most {MAX_TARGET_MODULES} module names"
+    return None
 
 
 def stacking_problem(modules: set[str]) -> str | None:
@@ -270,7 +326,7 @@ def validate_adapter(
         where=f"{name}/{ADAPTER_CONFIG_NAME}",
         reason="bad_adapter_config",
     )
-    _check_config_matches(config, info, where=f"{name}/{ADAPTER_CONFIG_NAME}")
+    check_config_matches(config, info, where=f"{name}/{ADAPTER_CONFIG_NAME}")
     problem = adapter_support_problem(config, limits)
     if problem is not None:
         raise CheckpointError("adapter_unservable", f"{name}: {problem}")
@@ -368,9 +424,10 @@ def implied_reference(specs: TensorSpecs) -> TensorSpecs:
     return {served: ("F32", (out_dim, in_dim)) for served, (out_dim, in_dim) in dims.items()}
 
 
-def _check_config_matches(config: Mapping[str, Any], info: AdapterInfo, where: str) -> None:
+def check_config_matches(config: Mapping[str, Any], info: AdapterInfo, where: str) -> None:
     """The adapter's own config says what its manifest says: rank, alpha and target modules
-    (SGLang reads the config, the sidecar judged the manifest)."""
+    (SGLang reads the config, the sidecar judged the manifest). ``adapter_writer`` checks the
+    config it writes with it too."""
     rank = _config_number(config, "r", where, below=MAX_ADAPTER_RANK + 1, integer=True)
     alpha = _config_number(config, "lora_alpha", where, below=MAX_LORA_ALPHA)
     if rank != info.rank or float(alpha) != info.alpha:

@@ -6,7 +6,8 @@ with names like ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight
 manifest, through the same hidden work folder, fsyncs and single rename as a full checkpoint
 (:func:`~rollout_service.checkpoint_writer.atomic_step_dir`), so readers see an adapter step
 completely or not at all. An adapter every reader would reject (NaN/Inf weights, a tensor name
-no reader parses, a weight of a dtype outside ``ADAPTER_DTYPES``) is refused
+no reader parses, a weight of a dtype outside ``ADAPTER_DTYPES``, a manifest or config readers
+refuse: :func:`adapter_step_problem`) is refused
 with :class:`~rollout_service.checkpoint_writer.PublishRefused` before anything of it is written.
 """
 
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .adapter_reader import ADAPTER_DTYPES
+from .adapter_reader import ADAPTER_DTYPES, check_config_matches, target_module_problem
 from .checkpoint_format import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_WEIGHTS_NAME,
@@ -31,7 +32,10 @@ from .checkpoint_format import (
     MAX_BASE_VALUES,
     AdapterInfo,
     BaseTensor,
+    CheckpointError,
+    Manifest,
     normalize_dtype,
+    parse_json_object,
     step_dir_name,
 )
 from .checkpoint_reader import TensorSpecs
@@ -47,6 +51,7 @@ from .checkpoint_writer import (
     check_run_id,
     check_tensor_names,
     count_non_finite_bytes,
+    new_manifest,
     non_finite_refusal,
     shard_prefix,
     write_manifest,
@@ -89,6 +94,57 @@ def published_config(config: Mapping[str, Any], target_modules: list[str]) -> di
     change (:func:`adapter_info`), as the manifest says. PEFT's own list may name modules the
     model lacks or a pattern; readers require the config and the manifest to agree."""
     return {**config, "target_modules": list(target_modules)}
+
+
+def adapter_step_problem(
+    info: AdapterInfo,
+    config: Mapping[str, Any],
+    *,
+    step: int = 1,
+    tensor_count: int = 1,
+    base_model: str | None = None,
+    dtype: str | None = None,
+    run_id: str | None = None,
+) -> tuple[str, str] | None:
+    """(rule, why) when readers would refuse the adapter step describing ``info`` with the
+    published ``config`` (:func:`published_config`); None when they would not.
+
+    Checked the way readers check it: the manifest :func:`publish_adapter` would write (the files
+    aside, which the writer makes itself) parsed by :meth:`Manifest.from_json`, and
+    ``adapter_config.json`` as written compared with it as the sidecar does
+    (:func:`~rollout_service.adapter_reader.check_config_matches`). What PEFT
+    allows and readers refuse (a ``lora_alpha`` of 0 or from 1e6, a rank past
+    ``MAX_ADAPTER_RANK``, a module inside an ``nn.Sequential``, whose name is its index) would
+    otherwise be a visible step every replica rejects. Rules: ``target_modules`` (see
+    :func:`~rollout_service.adapter_reader.target_module_problem`), ``adapter_manifest`` and
+    ``adapter_config``. The trainer asks this at start-up, to sync merged instead."""
+    problem = target_module_problem(info.target_modules)
+    if problem is not None:
+        return "target_modules", problem
+    probe = new_manifest(
+        step,
+        {},
+        tensor_count=tensor_count,
+        kind="adapter",
+        adapter=info,
+        base_model=base_model,
+        dtype=dtype,
+        run_id=run_id,
+    )
+    try:
+        Manifest.from_json(probe.to_json(), where="its manifest")
+    except CheckpointError as exc:
+        return "adapter_manifest", str(exc)
+    try:
+        text = adapter_config_json(config)
+    except (TypeError, ValueError) as exc:  # an object PEFT never puts in its config
+        return "adapter_config", f"{ADAPTER_CONFIG_NAME} cannot be written as JSON: {exc}"
+    try:
+        written = parse_json_object(text, where=ADAPTER_CONFIG_NAME, reason="bad_adapter_config")
+        check_config_matches(written, info, where=ADAPTER_CONFIG_NAME)
+    except CheckpointError as exc:
+        return "adapter_config", str(exc)
+    return None
 
 
 def adapter_specs(tensors: Mapping[str, torch.Tensor], dtype: str | None = None) -> TensorSpecs:
@@ -191,7 +247,9 @@ def publish_adapter(
     (:func:`~rollout_service.checkpoint_writer.check_tensor_name`, rule ``tensor_name``), a tensor
     that is not float32/float16/bfloat16 as written (rule ``dtype``), and with ``check_finite``
     (the default; False only to make adapters that readers must reject, in tests) a tensor holding
-    NaN/Inf as written, after the cast (rule ``non_finite``): all before the work folder is made.
+    NaN/Inf as written, after the cast (rule ``non_finite``), a manifest or config readers refuse
+    (:func:`adapter_step_problem`: rules ``target_modules``, ``adapter_manifest``,
+    ``adapter_config``): all before the work folder is made.
     A header larger than readers accept (``header_too_large``) is refused as the work folder's
     file is written, and the folder removed. ``base_values`` (a few of the base model's tensors:
     their dtype in the trainer and the digest of their values, :mod:`~rollout_service.base_values`)
@@ -221,25 +279,23 @@ def publish_adapter(
         _refuse_non_finite(prepared)  # an adapter is small: one pass before anything is made
     _refuse_large_header(prepared)
     tags = {_TAGS[t.dtype] for _, t in prepared}
+    fields = {"base_model": base_model, "dtype": target or (tags.pop() if len(tags) == 1 else None), "run_id": run_id}
+    published = published_config(config, info.target_modules)
+    refused = adapter_step_problem(info, published, step=step, tensor_count=len(prepared), **fields)
+    if refused is not None:
+        rule, why = refused
+        raise PublishRefused(
+            f"adapter step {step}: {why}. Every replica would reject the step; nothing was published",
+            tensor="",
+            rule=rule,
+        )
     with atomic_step_dir(root, step) as tmp:
         files = {
             ADAPTER_WEIGHTS_NAME: _write_shard(tmp / ADAPTER_WEIGHTS_NAME, prepared),
-            ADAPTER_CONFIG_NAME: write_small(
-                tmp / ADAPTER_CONFIG_NAME, adapter_config_json(published_config(config, info.target_modules))
-            ),
+            ADAPTER_CONFIG_NAME: write_small(tmp / ADAPTER_CONFIG_NAME, adapter_config_json(published)),
         }
         write_seconds = time.perf_counter() - t0
-        manifest = write_manifest(
-            tmp,
-            step,
-            files,
-            base_model=base_model,
-            dtype=target or (tags.pop() if len(tags) == 1 else None),
-            tensor_count=len(prepared),
-            run_id=run_id,
-            kind="adapter",
-            adapter=info,
-        )
+        manifest = write_manifest(tmp, step, files, tensor_count=len(prepared), kind="adapter", adapter=info, **fields)
     final = Path(root) / step_dir_name(step)
     total = time.perf_counter() - t0
     log.info(

@@ -28,7 +28,13 @@ import torch
 from accelerate.utils import is_peft_model
 
 from rollout_service.adapter_reader import LoraLimits, adapter_support_problem, check_adapter_tensors
-from rollout_service.adapter_writer import adapter_info, adapter_specs, publish_adapter, published_config
+from rollout_service.adapter_writer import (
+    adapter_info,
+    adapter_specs,
+    adapter_step_problem,
+    publish_adapter,
+    published_config,
+)
 from rollout_service.base_values import SAMPLE_ELEMENTS, pick_base_tensors, values_digest
 from rollout_service.bounded_http import client as bounded_client
 from rollout_service.bounded_http import request
@@ -109,10 +115,13 @@ def published_adapter_problem(
     published, though its PEFT config passes; None when they would not.
 
     A PEFT config and the tensors it makes can differ: its ``target_modules`` may name modules the
-    model lacks (the published config names the tensors' modules: :func:`published_config`), and
+    model lacks (the published config names the tensors' modules: :func:`published_config`), a
+    module inside an ``nn.Sequential`` is named by its index, which no manifest takes, and
     ``exclude_modules`` can leave a module out of some blocks only, which SGLang cannot stack. So
-    the state dict's names, dtypes and shapes get the sidecar's own checks
-    (:func:`check_adapter_tensors`) against this model's base weights."""
+    the step's manifest and config get the checks :func:`publish_adapter` makes before it writes
+    (:func:`adapter_step_problem`: it would refuse every version), and the state dict's names,
+    dtypes and shapes the sidecar's own checks (:func:`check_adapter_tensors`) against this model's
+    base weights."""
     from peft import get_peft_model_state_dict
 
     model = unwrap_model(model)
@@ -120,6 +129,9 @@ def published_adapter_problem(
     try:
         info = adapter_info(tensors, config)
         published = published_config(config, info.target_modules)
+        refused = adapter_step_problem(info, published, tensor_count=len(tensors))
+        if refused is not None:  # publish_adapter would refuse every version (PublishRefused)
+            return f"every sidecar would reject the adapter's step ({refused[0]}): {refused[1]}"
         for url, limits in servers:
             problem = adapter_support_problem(published, limits)
             if problem is not None:

@@ -20,9 +20,14 @@ The sync loop (``controller.py``) hands every step whose manifest says ``kind: "
 3. confirms that SGLang lists the adapter (``/v1/models``), then marks N as served and acks it,
    as a full load does (``/wait``, ack files);
 4. unloads the adapters loaded before the newest ``--lora-keep`` loads (by load order, never the
-   served one: a root reused by another run starts again at low steps). SGLang's unload
-   refuses new requests for that adapter at once and waits for the requests already using it,
-   so no request in flight loses its adapter; the unload runs beside the loop, never blocking it.
+   served one: a root reused by another run starts again at low steps). SGLang's unload takes
+   the name out of its registry and waits for the requests already using the adapter, so no
+   request in flight loses it; the unload runs beside the loop, never blocking it. It does not
+   refuse a later request that names the adapter: SGLang 0.5.23 loads it again by itself, from
+   the path it last loaded it from (``tokenizer_manager._resolve_lora_path``; with a stage, the
+   staged copy, so the request fails once the copy is pruned), and the adapter then stays loaded
+   untracked (a restarted sidecar adopts it and retires it in turn). The trainer names the newest
+   version every replica acknowledged, which ``--lora-keep`` keeps loaded.
 
 An adapter changes the base model SGLang was started with: after a full checkpoint was loaded
 into the server (its weight version is a step), adapters are refused (``adapter_base_replaced``)
@@ -306,7 +311,14 @@ class AdapterSync:
         trainer's requests name this very adapter (``adapter_name_for``), so the old one must
         go before the new one loads. The new files are first loaded under a trial name (and
         unloaded again beside the loop): files SGLang refuses (``SGLangLoadRejected``) then
-        leave the adapter being served untouched. Only files SGLang just took replace it."""
+        leave the adapter being served untouched. Only files SGLang just took replace it.
+
+        A request naming ``name`` while it is unloaded makes SGLang load it again by itself, from
+        the path it last loaded it from (``tokenizer_manager._resolve_lora_path``), and the load
+        here is then refused as "already loaded". When SGLang lists ``name`` from ``path`` (no
+        stage: the step's folder, whose files the trial load just took), it serves what this load
+        would have: that counts as loaded. From another path (an older publication's staged copy)
+        the refusal stands."""
         client = self.c.client
         trial = name + TRIAL_SUFFIX
         if trial in loaded:  # left by a sidecar stopped in the middle of a replacement
@@ -314,7 +326,14 @@ class AdapterSync:
         await client.load_lora_adapter(trial, path)
         self._unload_beside(trial, "its files were only tried before they replaced the served ones")
         await client.unload_lora_adapter(name)
-        await client.load_lora_adapter(name, path)
+        try:
+            await client.load_lora_adapter(name, path)
+        except SGLangLoadRejected as exc:
+            if "already loaded" not in str(exc) or (await client.loaded_adapters()).get(name) != path:
+                raise
+            log.info(
+                "SGLang loaded adapter %r from %s again by itself (a request named it): not loaded twice", name, path
+            )
 
     async def _forget_unless_listed(self, name: str) -> None:
         """After a refused load: :meth:`_forget` ``name`` when SGLang no longer lists it (its
@@ -340,11 +359,18 @@ class AdapterSync:
             state.loaded_fingerprint = state.loaded_run_id = None
 
     def _validate(self, path: Path, limits: LoraLimits) -> AdapterReport:
-        """(Blocking.) Validate ``path`` where it is published (its bytes too, without a stage)."""
+        """(Blocking.) Validate ``path`` where it is published (its bytes too, without a stage).
+
+        Without a stage SGLang reads the published step itself, so the report's manifest is the
+        one a copy of it would carry (:meth:`Manifest.as_copy`, as ``controller._prepare`` does
+        for a full step): its :meth:`~Manifest.source_fingerprint`, which the served step is
+        recorded by, is then the published manifest's :meth:`~Manifest.fingerprint` also when that
+        manifest names a source of its own (``extra.reconstructed_from``, which readers accept).
+        Otherwise the loop would take the served step for republished at every pass."""
         c = self.c
         s = c.settings
         assert c._reference is not None
-        return validate_adapter(
+        report = validate_adapter(
             path,
             root=c.root,
             reference=c._reference,
@@ -353,6 +379,9 @@ class AdapterSync:
             check_digests=s.check_digests and c.stage is None,
             timeout_s=s.validate_timeout_s,
         )
+        if c.stage is None:
+            report.manifest = report.manifest.as_copy()
+        return report
 
     def _stage(self, report: AdapterReport, limits: LoraLimits) -> AdapterReport:
         """(Blocking.) Copy a validated adapter into the stage, checking every byte, and validate the copy."""
@@ -370,7 +399,9 @@ class AdapterSync:
             check_finite=s.check_finite,
             timeout_s=remaining,
         )
-        if staged.manifest.fingerprint() != report.manifest.fingerprint():
+        # The copy carries the published manifest as_copy(): it stands for that publication (as
+        # controller._prepare compares a full step's copy).
+        if staged.manifest.source_fingerprint() != report.manifest.fingerprint():
             raise CheckpointError(
                 "changed_while_staging", f"{report.path.name}'s manifest changed while it was being staged"
             )

@@ -147,8 +147,9 @@ class SGLangClient:
         return await self._adapter_call("/load_lora_adapter", {"lora_name": name, "lora_path": path})
 
     async def unload_lora_adapter(self, name: str) -> dict:
-        """``/unload_lora_adapter``: SGLang refuses new requests for it at once and frees it once
-        the requests already using it have finished (it waits for them)."""
+        """``/unload_lora_adapter``: SGLang frees it once the requests already using it have
+        finished (it waits for them); a later request naming it makes SGLang load it again from
+        the path it last loaded it from (SGLang 0.5.23), so a name is never refused after this."""
         return await self._adapter_call("/unload_lora_adapter", {"lora_name": name})
 
     async def _adapter_call(self, route: str, body: dict) -> dict:
