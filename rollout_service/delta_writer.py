@@ -861,7 +861,7 @@ _Part = tuple[bytes | None, int]
 """What an encode job returns: a part's frame (None: unchanged) and its NaN/Inf values."""
 
 
-def _undo_frames(h: _Held, blob: bytes, sizes: list[int]) -> None:
+def _undo_frames(h: _Held, blob: bytes | bytearray, sizes: list[int]) -> None:
     """Put a tensor's held bytes back to the version before: XOR each changed part with its
     frame (``zstd(new XOR old)``) again. Only after a refused version (rare): one thread."""
     scratch = delta_codec.new_scratch()

@@ -12,12 +12,20 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 MAX_TOKEN_CHARS = 4096
 """Longest accepted token: HTTP servers refuse much larger headers."""
 
+PLACEHOLDER_PREFIX = "REPLACE_WITH_"
+"""How the example credentials start (deploy/compose/.env.example, the example Kubernetes Secret)."""
+
+GENERATE_TOKEN = """python3 -c 'import secrets; print(secrets.token_hex(32))'"""
+"""The command the deployment docs give for making a token."""
+
 
 def check_token(token: str | None, name: str) -> str | None:
     """``token`` when an HTTP header can carry it; else ValueError naming the setting ``name``.
 
     A header is latin-1 on the wire and a bearer token a single word: a token must be printable
     ASCII without spaces, at most :data:`MAX_TOKEN_CHARS` characters. None or "" (no token) passes.
+    An example file's placeholder (:data:`PLACEHOLDER_PREFIX`) is refused: it is published, so a
+    deployment that kept it would guard its endpoints with a token everyone knows.
     """
     if not token:
         return token
@@ -25,6 +33,11 @@ def check_token(token: str | None, name: str) -> str | None:
         raise ValueError(f"{name} must be a string, got {type(token).__name__}")
     if len(token) > MAX_TOKEN_CHARS:
         raise ValueError(f"{name} is {len(token)} characters long; use a token of at most {MAX_TOKEN_CHARS}")
+    if token.startswith(PLACEHOLDER_PREFIX):
+        raise ValueError(
+            f"{name} is still the example's placeholder ({PLACEHOLDER_PREFIX}...), which anyone can read in"
+            f" this project's files: generate a token, e.g. `{GENERATE_TOKEN}`, and set that instead"
+        )
     bad = next((c for c in token if not "!" <= c <= "~"), None)
     if bad is not None:
         raise ValueError(

@@ -23,6 +23,7 @@ from rollout_service.cli import SERVE_SIDECAR_SETTINGS, SIDECAR_SETTINGS, build_
 from rollout_service.cli_env import declared_bounds, declared_settings
 from rollout_service.http_auth import MAX_TOKEN_CHARS, bearer_headers
 from rollout_service.sidecar import app as app_module
+from rollout_service.sidecar import request_heads
 from rollout_service.sidecar.app import SYNC_BODY_KEYS, SafeJSONResponse, create_app
 from rollout_service.sidecar.settings import SidecarSettings
 
@@ -303,3 +304,78 @@ def test_connections_past_the_limit_are_answered_503(tmp_path: Path, monkeypatch
         finally:
             for conn in idle:
                 conn.close()
+
+
+def closed_by_server(conn: socket.socket) -> bool:
+    conn.settimeout(5)
+    try:
+        return conn.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_connections_that_send_no_request_head_in_time_are_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Connections that sent nothing, or dripped a header line now and then (each byte restarted
+    # uvicorn's keep-alive timer), held every slot for ever: /healthz answered 503 to everyone.
+    monkeypatch.setattr(app_module, "MAX_CONNECTIONS", 4)
+    monkeypatch.setattr(request_heads, "REQUEST_HEAD_TIMEOUT_S", 1.0)
+    app = create_app(settings(tmp_path))
+    with served(app, settings(tmp_path)) as port:
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        dripping = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        for conn in dripping:
+            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                for conn in dripping:
+                    with contextlib.suppress(OSError):
+                        conn.sendall(b"X-Slow: 1\r\n")
+                with socket.create_connection(("127.0.0.1", port)) as conn:
+                    conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    if answer_status(conn, 10) == 200:
+                        break
+                assert time.monotonic() < deadline, "connections that send no request kept every slot"
+                time.sleep(0.3)
+            assert all(closed_by_server(conn) for conn in silent + dripping)
+        finally:
+            for conn in silent + dripping:
+                conn.close()
+
+
+def request_on(conn: socket.socket, path: str) -> int:
+    """One request on a kept-alive connection; its status once the whole answer is read."""
+    conn.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    conn.settimeout(30)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(4096)
+        assert chunk, "the server closed a connection that was in use"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(
+        int(v) for k, _, v in (h.partition(b":") for h in head.split(b"\r\n")[1:]) if k.lower() == b"content-length"
+    )
+    while len(body) < length:
+        chunk = conn.recv(4096)
+        assert chunk, "the server closed a connection that was in use"
+        body += chunk
+    return int(head.split(b" ", 2)[1])
+
+
+def test_a_request_being_answered_and_a_kept_alive_connection_in_use_are_not_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(request_heads, "REQUEST_HEAD_TIMEOUT_S", 1.0)
+    app = create_app(settings(tmp_path))
+    with served(app, settings(tmp_path)) as port, socket.create_connection(("127.0.0.1", port)) as conn:
+        # A /wait longer than the bound is answered (at its own timeout), on a connection that then
+        # serves requests spaced within the bound for three times as long.
+        assert request_on(conn, "/wait?version=5&timeout=2.5") == 504
+        for _ in range(8):
+            assert request_on(conn, "/healthz") == 200
+            time.sleep(0.4)
+        time.sleep(3)  # idle past the bound (and uvicorn's keep-alive): closed
+        assert closed_by_server(conn)

@@ -83,6 +83,9 @@ class ReplicaView:
     run_id: str | None = None
     current: bool | None = None
     """False when the replica's served checkpoint is no longer the published one."""
+    wait_ended: str | None = None
+    """Why the replica's last ``GET /wait`` ended before its step was served other than by its
+    timeout (e.g. ``root_unresponsive``: its checkpoint root did not answer), and what to do."""
 
     def describe(self) -> str:
         if self.unreachable:
@@ -96,6 +99,8 @@ class ReplicaView:
             parts.append("SGLang not healthy")
         if self.last_error:
             parts.append(f"last error: {self.last_error}")
+        if self.wait_ended:
+            parts.append(f"GET /wait: {self.wait_ended}")
         return f"{self.name} ({', '.join(parts)})"
 
 
@@ -201,7 +206,7 @@ class SidecarWaiter:
             view.unreachable = f"{type(exc).__name__}: {exc}"
             _pause_until(until)
             return False
-        view.unreachable = None
+        view.unreachable = view.wait_ended = None
         body = _json_or_none(r)
         if body is not None:
             _update_view(view, body)
@@ -219,8 +224,8 @@ class SidecarWaiter:
         rejected = ReplicaReport.from_dict(body, replica_id=view.name).rejected if body is not None else {}
         reason = rejected.get(str(version))
         if reason is not None:
-            raise CheckpointRejected(
-                f"replica {view.name} rejected checkpoint {step_dir_name(version)} ({reason}): "
+            raise CheckpointRejected(  # bounded, like every field of a report that reaches a message
+                f"replica {view.name} rejected checkpoint {step_dir_name(version)} ({reason[:200]}): "
                 f"{view.last_error or 'see the sidecar log'}. The trainer will not wait for a checkpoint the "
                 "replica refuses to load: fix the cause (e.g. tensor names or dtype differ from what the "
                 "replica serves) and restart training"
@@ -232,6 +237,10 @@ class SidecarWaiter:
                 f" {str(fatal.get('message'))[:300]}): fix it and restart that replica's sidecar (and"
                 " training, if it stopped); the trainer does not wait out sync_timeout for it"
             )
+        error = body.get("error") if body is not None else None
+        if body is not None and isinstance(error, str) and error != "wait_timeout":
+            # Ended early, e.g. root_unresponsive: asked again, and named in progress and timeout messages.
+            view.wait_ended = f"{error[:80]}: {str(body.get('detail'))[:300]}"
         if time.monotonic() - asked < wait_s / 2:  # answered early (not ready, the root not answering...)
             time.sleep(min(0.5, slice_s))  # ask again soon, not in a tight loop
         return False
@@ -357,14 +366,7 @@ class AckFileWaiter:
                 log.warning("%s", snapshot.cut_short)
                 warned = True
             views = snapshot.live
-            done = [
-                v
-                for v in views
-                if v.loaded_step is not None
-                and v.loaded_step >= version
-                and (self.run_id is None or v.run_id == self.run_id)
-                and v.current is not False
-            ]
+            done = [v for v in views if self._acked(v, version)]
             if len(done) >= self.expected:
                 return views
             now = time.monotonic()
@@ -387,6 +389,19 @@ class AckFileWaiter:
                 )
                 next_report = now + PROGRESS_EVERY_S
             time.sleep(max(0.0, min(POLL_INTERVAL_S, deadline - time.monotonic())))
+
+    def _acked(self, view: ReplicaView, version: int) -> bool:
+        """Whether an ack says its replica serves ``version`` or newer of this run, now: a sidecar
+        keeps ``loaded_step`` while its SGLang is down (it reloads it when SGLang is back), so an ack
+        with ``sglang_healthy`` false serves nothing (as its ``GET /wait`` says); an ack without
+        the field (an older sidecar) counts by its step."""
+        return (
+            view.loaded_step is not None
+            and view.loaded_step >= version
+            and (self.run_id is None or view.run_id == self.run_id)
+            and view.current is not False
+            and view.healthy is not False
+        )
 
     def protected_versions(self) -> set[int]:
         """Steps live replicas report as loaded or loading (``RootUnresponsive`` if the root hangs;
@@ -415,7 +430,7 @@ class AckFileWaiter:
         return _AckSnapshot(live, dead, listing.cut_short)
 
     def _situation(self, snapshot: _AckSnapshot, version: int) -> str:
-        lagging = [v.describe() for v in snapshot.live if v.loaded_step is None or v.loaded_step < version]
+        lagging = [v.describe() for v in snapshot.live if not self._acked(v, version)]
         text = f"Live replicas: {len(snapshot.live)}."
         if lagging:
             text += f" Lagging: {'; '.join(lagging)}."

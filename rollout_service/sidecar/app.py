@@ -173,7 +173,8 @@ def create_app(settings: SidecarSettings) -> FastAPI:
                 },
                 status_code=503,
             )
-        task = asyncio.ensure_future(controller.wait_for_step(version, timeout, run_id=run))
+        why: dict[str, str] = {}
+        task = asyncio.ensure_future(controller.wait_for_step(version, timeout, run_id=run, why=why))
         waiting.add(task)
         try:
             while not task.done():
@@ -192,13 +193,13 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         body["waited_for"] = version
         body["waited_for_run"] = run
         if not ok:  # the /status body, and like every error answer the kind under "error"
-            body["error"] = (
-                "checkpoint_rejected"
-                if reason is not None
-                else "replica_fatal"
-                if controller.state.fatal is not None
-                else "wait_timeout"
-            )
+            if reason is not None:
+                body["error"] = "checkpoint_rejected"
+            elif controller.state.fatal is not None:
+                body["error"] = "replica_fatal"
+            else:  # wait_timeout, or why a look at the root ended the wait early (root_unresponsive...)
+                body["error"] = why.get("error", "wait_timeout")
+                body["detail"] = why.get("detail")
         return SafeJSONResponse(body, status_code=200 if ok else 504)
 
     @app.post("/sync", dependencies=[Depends(require_token)])
@@ -296,6 +297,8 @@ def uvicorn_config(app: FastAPI, settings: SidecarSettings) -> Any:
     :data:`SHUTDOWN_GRACE_S` for open requests."""
     import uvicorn
 
+    from .request_heads import HeadTimeoutH11Protocol
+
     return uvicorn.Config(
         app,
         host=settings.host,
@@ -303,4 +306,5 @@ def uvicorn_config(app: FastAPI, settings: SidecarSettings) -> Any:
         log_level="info",
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         limit_concurrency=MAX_CONNECTIONS,
+        http=HeadTimeoutH11Protocol,  # a connection that sends no request head is closed in time
     )

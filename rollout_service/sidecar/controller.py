@@ -204,15 +204,26 @@ class SyncController:
             and (run_id is None or s.loaded_run_id == run_id)
         )
 
-    async def wait_for_step(self, step: int, timeout_s: float, run_id: str | None = None) -> bool:
+    async def wait_for_step(
+        self, step: int, timeout_s: float, run_id: str | None = None, *, why: dict[str, str] | None = None
+    ) -> bool:
         """Wait until SGLang serves ``step`` or newer (of ``run_id`` when given).
 
         False on timeout, at once when ``step`` itself was rejected (it will never load), and
         when the look at the served step fails (EIO, ESTALE: not confirmed now; asked again).
+        ``why``, when given, gets the ``error`` and ``detail`` of a False that is neither a
+        rejection nor a fatal error (those the state names): ``wait_timeout``, or the root's part
+        when a look at it ended the wait early, so that a 504 says which (see ``GET /wait``).
         """
         assert self._changed is not None
+        why = {} if why is None else why
         deadline = time.monotonic() + timeout_s
         while True:
+            why.update(
+                error="wait_timeout",
+                detail=f"step {step} was not served within the wait's {timeout_s:g} s (GET /status says what"
+                " the replica serves and loads); ask again or wait longer",
+            )
             async with self._changed:
                 try:
                     await asyncio.wait_for(
@@ -229,6 +240,7 @@ class SyncController:
                 return False  # nothing loads any more: /status says why (looking again would spin)
             # A look at the root below stops when the wait does (at least 1 s to answer).
             budget = max(1.0, deadline - time.monotonic())
+            look = f"/wait's look at step {step}"
             try:
                 if not self.serves(step, run_id):
                     # Rejected: unless its directory was replaced since (then wait on for it).
@@ -236,8 +248,7 @@ class SyncController:
                     reason = self.state.rejected.get(step)
                     try:
                         identity = await asyncio.wait_for(
-                            self.root_gate.call(_rejection_identity, path, reason, what=f"/wait's look at step {step}"),
-                            budget,
+                            self.root_gate.call(_rejection_identity, path, reason, what=look), budget
                         )
                     except OSError:
                         return False  # not read: the rejection stands
@@ -246,14 +257,39 @@ class SyncController:
                     continue
                 # Confirm against the root now, not the last pass: the served step may be gone.
                 checked = (self.state.loaded_step, self._served_path)
+                look = f"/wait's look at the served step {checked[0]}"
                 presence = await asyncio.wait_for(
-                    self.root_gate.call(self._loaded_presence, what="/wait's look at the served step"), budget
+                    self.root_gate.call(self._loaded_presence, checked[0], what="/wait's look at the served step"),
+                    budget,
                 )
-            except (RootUnresponsive, asyncio.TimeoutError):
-                return False  # /status says why
+            except RootUnresponsive as exc:
+                why.update(
+                    error=RootUnresponsive.reason,
+                    detail=f"{look} could not be made: {exc}. Ask again (the trainer does); nothing is"
+                    " confirmed while the root does not answer",
+                )
+                return False
+            except asyncio.TimeoutError:
+                why.update(
+                    error=RootUnresponsive.reason,
+                    detail=f"{look} did not come back within {budget:.1f} s (the wait's time left): the checkpoint"
+                    f" root {self.root} is slow. Ask again with a longer timeout, and check its file system"
+                    " (NFS server, mount)",
+                )
+                return False
             if presence == "same":
-                return True
+                # Looked at while the loop went on: what was checked must still be what is served
+                # (SGLang may have restarted with its start-up weights meanwhile). Else wait on.
+                if (self.state.loaded_step, self._served_path) == checked and self.serves(step, run_id):
+                    return True
+                continue
             if presence == "unknown":
+                why.update(
+                    error="root_read_failed",
+                    detail=f"{look} failed (an I/O error or a stale NFS handle): step {checked[0]} is not"
+                    " confirmed now. Ask again (the trainer does); if it persists, check the checkpoint root's"
+                    " file system",
+                )
                 return False  # not confirmed now: the caller asks again
             if (self.state.loaded_step, self._served_path) == checked:  # not a step loaded meanwhile
                 self.state.loaded_current = False
@@ -648,13 +684,21 @@ class SyncController:
                 self._named.pop(step, None)
         return [found[k] for k in sorted(found)]
 
-    def _loaded_presence(self) -> str:
+    def _loaded_presence(self, checked: int | None = None) -> str:
         """``same``, ``changed`` (republished), ``gone`` or ``unknown`` (a look that failed:
         EIO, a stale NFS handle; the step is looked at again at the next pass, not reloaded),
-        for the served checkpoint."""
+        for the served checkpoint.
+
+        ``checked``: the served step a caller checked before this look (``/wait``). The look runs
+        on a thread while the loop goes on: when the sidecar serves another step, or nothing
+        (SGLang restarted), by then, that step is ``gone``, never ``same``. Without it (the
+        loop's own scan), nothing served is ``same``: there is nothing to reload."""
         step = self.state.loaded_step
+        if checked is not None and step != checked:
+            return "gone"
         if step is None:
             return "same"
+        fingerprint = self.state.loaded_fingerprint
         path = self.root / step_dir_name(step)
         try:
             os.lstat(path)  # a direct lookup: a stale cached listing cannot make it vanish
@@ -668,7 +712,9 @@ class SyncController:
             if exc.reason == "missing_manifest":
                 return "gone"
             return "unknown" if exc.reason == "unreadable" else "changed"
-        return "same" if manifest.fingerprint() == self.state.loaded_fingerprint else "changed"
+        if checked is not None and self.state.loaded_step != checked:
+            return "gone"  # unloaded while this look ran
+        return "same" if manifest.fingerprint() == fingerprint else "changed"
 
     def _forget_unlisted(self, listed: list[PublishedCheckpoint]) -> None:
         """(On the loop.) Rejections of steps the root no longer holds end: junk that was
