@@ -194,7 +194,7 @@ def test_wait_names_the_rejection_of_the_step_waited_for_whatever_else_was_rejec
     app = create_app(settings)
     controller = app.state.controller
     for step in range(90_000_000, 90_000_100):
-        (root / f"step-{step:08d}").write_bytes(b"")
+        (root / f"step-{step:08d}").mkdir()  # listed (a file is not: its rejection would be dropped)
         controller.state.rejected[step] = "missing_manifest"
     controller.state.rejected[5] = "digest_mismatch"
     controller._rejected_at[5] = controller_module._publication_identity(path)
