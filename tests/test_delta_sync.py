@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 
 from delta_helpers import as_published, evolving_state, publish_chain
@@ -174,7 +175,18 @@ def test_restart_mid_chain_late_joiner_and_a_corrupt_delta(
         timeout=300,
     )
     status = sidecar3.wait_step(4)
-    assert status["last_sync"]["chain_length"] == 3  # full 1 -> deltas 2, 3, 4
+    last = status["last_sync"]
+    assert last["chain_length"] == 3  # full 1 -> deltas 2, 3, 4
+    # /status and /metrics say what that sync did: the chain, the bytes it read from shared
+    # storage (the full step and three deltas: more than one delta, at most the four steps), the
+    # time it spent rebuilding in the stage, and what the stage holds.
+    read_from_root = sum(Manifest.load(checkpoint_root / step_dir_name(s)).total_bytes for s in range(1, 5))
+    assert last["kind"] == "delta" and 0 < last["apply_s"] <= last["validate_s"], last
+    assert Manifest.load(checkpoint_root / step_dir_name(4)).total_bytes < last["bytes_read"] <= read_from_root, last
+    assert sidecar3.metric("rollout_sidecar_last_sync_chain_length") == 3
+    assert sidecar3.metric("rollout_sidecar_last_sync_bytes_read") == last["bytes_read"]
+    assert sidecar3.metric("rollout_sidecar_last_sync_seconds", phase="apply") == pytest.approx(last["apply_s"])
+    assert sidecar3.metric("rollout_sidecar_stage_bytes") == status["stage_bytes"] > 0
     # A corrupt delta is rejected with a reason, the last good step keeps serving, and the next
     # full step recovers. (Flipping a byte of a published step races the sidecar: a corrupt copy
     # is made aside and renamed in.)
@@ -201,6 +213,27 @@ def test_restart_mid_chain_late_joiner_and_a_corrupt_delta(
     publish_chain(checkpoint_root, tiny_model_dir, range(8, 9), writer=restarted, run_id="r2")
     status = sidecar3.wait_step(8)
     assert status["last_sync"]["kind"] == "delta" and status["last_sync"]["chain_length"] == 1
+    # A truncated delta, then a delta whose base step is missing from the root: each rejected with
+    # its reason while step 8 keeps serving. (Both made in a side root with the chain copied in,
+    # then renamed into the checkpoint root.)
+    side2 = tmp_path / "side2"
+    for s in (7, 8):
+        shutil.copytree(checkpoint_root / step_dir_name(s), side2 / step_dir_name(s))
+    publish_chain(side2, tiny_model_dir, range(9, 11), writer=restarted, run_id="r2")
+    assert [Manifest.load(side2 / step_dir_name(s)).kind for s in (9, 10)] == ["delta", "delta"]
+    cut = sorted((side2 / step_dir_name(9)).glob("delta-*.safetensors"))[0]
+    with open(cut, "r+b") as f:
+        f.truncate(cut.stat().st_size // 2)
+    (side2 / step_dir_name(9)).rename(checkpoint_root / step_dir_name(9))
+    status = _wait_rejected(sidecar3, 9)
+    assert status["rejected"].get("9") in ("truncated", "size_mismatch"), status["rejected"]
+    (checkpoint_root / step_dir_name(9)).rename(tmp_path / "gone-9")  # the chain's link 9 is missing
+    (side2 / step_dir_name(10)).rename(checkpoint_root / step_dir_name(10))
+    status = _wait_rejected(sidecar3, 10)
+    assert status["rejected"].get("10") == "broken_chain", status["rejected"]
+    assert status["loaded_step"] == 8 and status["last_sync"]["step"] == 8
+    out = generate(sglang_server.url, PROMPT, max_new_tokens=8, ignore_eos=True)
+    assert out["meta_info"]["weight_version"] == "8"
 
 
 def test_a_delta_without_a_stage_is_rejected_with_what_to_do(sidecar_factory, checkpoint_root, tiny_model_dir):
