@@ -69,6 +69,8 @@ BASE_KEEPING_INITS = (True, False, "gaussian", "eva", "orthogonal", "mica")
 adapter's starting product from the base weights, or quantize them, so the trainer trains on
 another base than the one SGLang serves, and a value of a later PEFT is not known to keep them.
 Those adapters sync merged."""
+CASELESS_INITS = ("gaussian", "mica")
+"""The ``init_lora_weights`` values PEFT 0.21 compares lowercased (``"Gaussian"`` is Gaussian)."""
 MAX_TARGET_MODULES = 64
 """The most module names an adapter may target (its manifest's ``adapter.target_modules``)."""
 ADAPTER_DTYPES = ("F32", "F16", "BF16")
@@ -157,6 +159,8 @@ def adapter_support_problem(config: Mapping[str, Any], limits: LoraLimits) -> st
         if config.get(key):
             return f"{key}={_shown(config[key])} changes the model beyond what SGLang's LoRA serving applies"
     init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower() in CASELESS_INITS:
+        init = init.lower()  # as PEFT reads them
     if not any(init is keep if isinstance(keep, bool) else init == keep for keep in BASE_KEEPING_INITS):
         return (
             f"init_lora_weights={_shown(init)} is not one of {list(BASE_KEEPING_INITS)}, the initializations"

@@ -336,7 +336,8 @@ class DeltaCheckpointWriter:
         budget = self.max_ratio * sum(h.nbytes for h in old.values())
         """Compressed bytes past which the version is full (``write`` would refuse the delta):
         the encode stops holding blobs there, so a version where most bytes change never holds
-        more than ``max_ratio`` of a second model copy in RAM."""
+        more than ``max_ratio`` of a second model copy in RAM. (A version refused after that, for
+        NaN/Inf, cannot be undone from its frames: the next version is then full.)"""
         encoded = 0
         too_large = False
         pending: deque[tuple[str, list[Future[_Part]]]] = deque()
@@ -354,7 +355,9 @@ class DeltaCheckpointWriter:
                     frames[name] = [0 if part is None else len(part) for part in parts]
                     changed += held[name].nbytes
                     encoded += len(blobs[name])
-                if delta and encoded > budget:  # the held copy is the new version's either way
+                if delta and encoded > budget and refusal is None and not any(c for _, c in results):
+                    # (The held copy is the new version's either way. Not once the version is
+                    # refused: the undo below needs the frames to give the next delta its base.)
                     delta, hashing, too_large = False, None, True
                     why_full = (
                         f"the delta passed checkpoint_delta_max_ratio {self.max_ratio:g} of the full size while"

@@ -18,6 +18,7 @@ import torch
 from delta_helpers import CONFIG, RUN, Model, assert_same_files, publish_both
 from rollout_service.checkpoint_format import CheckpointError, Manifest, step_dir_name
 from rollout_service.checkpoint_reader import list_checkpoints, validate_checkpoint
+from rollout_service.checkpoint_writer import publish_checkpoint
 from rollout_service.delta_apply import materialize
 from rollout_service.delta_choice import PublishCosts
 from rollout_service.delta_writer import DeltaCheckpointWriter
@@ -104,6 +105,34 @@ def test_a_version_past_max_ratio_stops_holding_its_delta_while_encoding(tmp_pat
     assert publish_both(writer, root, full_root, 3, model)[0].kind == "delta"
     materialize(root, 3, tmp_path / "out3")
     assert_same_files(tmp_path / "out3", full_root / step_dir_name(3))
+
+
+def test_a_refused_version_past_max_ratio_still_leaves_the_next_version_a_delta(tmp_path: Path) -> None:
+    # A version refused for NaN whose in-flight encodes then passed max_ratio switched to full and
+    # skipped the undo: the held copy was lost and the next, small, change was published in full.
+    # (Refused only after it passed max_ratio, a version has dropped its frames: the next is full.)
+    from rollout_service.checkpoint_writer import PublishRefused
+
+    root = tmp_path / "root"
+    writer = DeltaCheckpointWriter(full_every=100, max_ratio=0.05, threads=2)
+    g = torch.Generator().manual_seed(0)
+    v1 = {f"t{i}": torch.randn(256, 64, generator=g) for i in range(8)}
+
+    def publish(step: int, state: dict) -> str:
+        return writer.publish(root, step, list(state.items()), config=CONFIG, dtype="bfloat16", run_id=RUN).kind
+
+    assert publish(1, v1) == "full"
+    v2 = {k: v + torch.randn(v.shape, generator=g) for k, v in v1.items()}  # every weight changes
+    v2["t0"][0, 0] = float("nan")  # refused at the first tensor, before the encodes pass max_ratio
+    with pytest.raises(PublishRefused):
+        publish(2, v2)
+    v3 = {k: v.clone() for k, v in v1.items()}
+    v3["t5"][0, :4] += 1.0
+    assert publish(3, v3) == "delta", writer.last.why_full
+    materialize(root, 3, tmp_path / "out3")
+    full = tmp_path / "full"
+    publish_checkpoint(full, 3, list(v3.items()), config=CONFIG, dtype="bfloat16", run_id=RUN)
+    assert_same_files(tmp_path / "out3", full / step_dir_name(3))
 
 
 def test_the_writer_falls_back_to_full_with_a_reason(tmp_path: Path) -> None:

@@ -198,6 +198,10 @@ def test_a_load_past_a_step_rejected_in_the_same_pass_is_ready_at_once(tmp_path:
         c.state.rejected[99] = "bad_digest"
         await c._wake_after_load(1)
         assert c.state.ready and c.readiness()[0], c.readiness()
+        c.state.newest_known_step, c._passed_over = 99, {5}  # step 5 failed for now, not rejected
+        await c._wake_after_load(1)
+        assert not c.state.ready, "a newer step the pass passed over is still to load"
+        c._passed_over = set()
         del c.state.rejected[99]  # a newer step known and not rejected still makes it unready
         c.state.newest_known_step = 99
         await c._wake_after_load(1)

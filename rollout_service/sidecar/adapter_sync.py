@@ -74,6 +74,16 @@ def is_adapter_step(path: Path, root: Path) -> bool:
         return False
 
 
+REPLACE_TRIES = 3
+"""Unload-and-load rounds :meth:`AdapterSync._replace` makes while requests keep making SGLang
+load the old files again under the name (then the step is tried again at the next pass)."""
+
+
+class _ReplaceRaced(Exception):
+    """Requests kept SGLang loading an adapter's old files again while it was being replaced: the
+    new files loaded fine under the trial name, so the step is not at fault (tried again)."""
+
+
 class _BaseUnreadable(Exception):
     """The served model's folder could not be read for the adapter base check: the operator's
     folder is at fault, not the step."""
@@ -248,6 +258,10 @@ class AdapterSync:
             await self._forget_unless_listed(name)
             c._reject(ckpt, "sglang_rejected", str(exc))
             return False
+        except _ReplaceRaced as exc:  # SGLang serves the old files under the name, as before
+            c.metrics.syncs.labels("failed", "adapter_replace_raced").inc()
+            c._error("adapter_replace_raced", str(exc), step=ckpt.step)
+            return False
         except SGLangUnavailable as exc:
             c.died_during_load(ckpt, exc)
             return False
@@ -318,22 +332,35 @@ class AdapterSync:
         here is then refused as "already loaded". When SGLang lists ``name`` from ``path`` (no
         stage: the step's folder, whose files the trial load just took), it serves what this load
         would have: that counts as loaded. From another path (an older publication's staged copy)
-        the refusal stands."""
+        the old files are unloaded and the new ones loaded again, :data:`REPLACE_TRIES` rounds at
+        most; then :class:`_ReplaceRaced` (not the step's fault: tried again at the next pass)."""
         client = self.c.client
         trial = name + TRIAL_SUFFIX
         if trial in loaded:  # left by a sidecar stopped in the middle of a replacement
             await client.unload_lora_adapter(trial)
         await client.load_lora_adapter(trial, path)
         self._unload_beside(trial, "its files were only tried before they replaced the served ones")
-        await client.unload_lora_adapter(name)
-        try:
-            await client.load_lora_adapter(name, path)
-        except SGLangLoadRejected as exc:
-            if "already loaded" not in str(exc) or (await client.loaded_adapters()).get(name) != path:
-                raise
-            log.info(
-                "SGLang loaded adapter %r from %s again by itself (a request named it): not loaded twice", name, path
-            )
+        again: str | None = None
+        for _ in range(REPLACE_TRIES):
+            await client.unload_lora_adapter(name)
+            try:
+                await client.load_lora_adapter(name, path)
+                return
+            except SGLangLoadRejected as exc:
+                if "already loaded" not in str(exc):
+                    raise
+                again = (await client.loaded_adapters()).get(name)
+            if again == path:
+                log.info(
+                    "SGLang loaded adapter %r from %s again by itself (a request named it): not loaded twice",
+                    name,
+                    path,
+                )
+                return
+        raise _ReplaceRaced(
+            f"requests kept SGLang loading adapter {name!r} again from {again} while it was replaced"
+            f" ({REPLACE_TRIES} rounds of unload and load); its new files loaded fine: tried again at the next pass"
+        )
 
     async def _forget_unless_listed(self, name: str) -> None:
         """After a refused load: :meth:`_forget` ``name`` when SGLang no longer lists it (its

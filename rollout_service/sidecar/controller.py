@@ -126,6 +126,8 @@ class SyncController:
         self._detected_at: dict[int, float] = {}
         self._crashes: dict[int, int] = {}
         self._loaded_before: set[int] = set()
+        self._passed_over: set[int] = set()
+        """Steps this pass tried before the one it loads that failed without a rejection."""
         self._unconfirmed: tuple[int, float] | None = None
         """A step SGLang took but did not confirm (its load timed out, or SGLang stopped answering
         right after it), and until when (monotonic) no other load is sent: SGLang would run it
@@ -511,9 +513,11 @@ class SyncController:
 
         A newer step known from an earlier listing counts only while it is not rejected: the pass
         that loaded ``step`` went newest first, so any newer step it saw was rejected on the way
-        (else the replica would stay unready, a valid step served, until the next listing)."""
+        (else the replica would stay unready, a valid step served, until the next listing); unless
+        it passed over a newer step that failed without a rejection (a hung root cut its check
+        short): that one is still to load, so the replica is not ready yet."""
         known = self.state.newest_known_step
-        if known is not None and known in self.state.rejected:
+        if known is not None and known in self.state.rejected and not any(p > step for p in self._passed_over):
             known = None
         await self._wake_waiters(max(step, known or step))
 
@@ -641,6 +645,7 @@ class SyncController:
         if presence != "unknown":  # (a look that failed says nothing: as the last pass found)
             self.state.loaded_current = presence == "same"
         loaded = self.state.loaded_step
+        self._passed_over = set()
         for ckpt in reversed(checkpoints):
             if loaded is not None and ckpt.step == loaded and presence in ("same", "unknown"):
                 return
@@ -651,6 +656,8 @@ class SyncController:
             outcome = await self._try_load(ckpt)
             if outcome is None or outcome:
                 return
+            if ckpt.step not in self.state.rejected:
+                self._passed_over.add(ckpt.step)  # failed for now, not rejected: still to load
             if not self.state.sglang_healthy or self._validation_stuck() or self.root_gate.problem is not None:
                 return  # an older step would wait on the same storage: end the pass
 
