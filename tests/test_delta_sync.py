@@ -186,7 +186,11 @@ def test_restart_mid_chain_late_joiner_and_a_corrupt_delta(
     assert sidecar3.metric("rollout_sidecar_last_sync_chain_length") == 3
     assert sidecar3.metric("rollout_sidecar_last_sync_bytes_read") == last["bytes_read"]
     assert sidecar3.metric("rollout_sidecar_last_sync_seconds", phase="apply") == pytest.approx(last["apply_s"])
-    assert sidecar3.metric("rollout_sidecar_stage_bytes") == status["stage_bytes"] > 0
+    deadline = time.monotonic() + 30  # measured after the load is answered (with the stage's prune)
+    while (held := sidecar3.status()["stage_bytes"]) is None:
+        assert time.monotonic() < deadline, "/status never reported the stage's bytes"
+        time.sleep(0.2)
+    assert held > 0 and sidecar3.metric("rollout_sidecar_stage_bytes") > 0
     # A corrupt delta is rejected with a reason, the last good step keeps serving, and the next
     # full step recovers. (Flipping a byte of a published step races the sidecar: a corrupt copy
     # is made aside and renamed in.)

@@ -185,6 +185,22 @@ def test_a_step_named_link_into_a_hung_mount_does_not_stop_syncing(tmp_path: Pat
         run_with(c, during)
 
 
+def test_a_load_that_ends_a_long_pass_is_ready_at_once(tmp_path: Path) -> None:
+    # A pass validating and staging a step on slow storage runs no health check: SGLang's last
+    # answer was older than /readyz's freshness when the load ended, so /readyz said SGLang had
+    # not answered recently right after /wait confirmed the step (CI saw 503 there).
+    root, c, client = make(tmp_path)
+    publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
+
+    async def during() -> None:
+        await until(lambda: c.state.loaded_step == 1 and c.readiness()[0])
+        c.state.sglang_seen_at = time.time() - 60  # the long pass
+        await c._wake_after_load(1)
+        assert c.readiness()[0], c.readiness()
+
+    run_with(c, during)
+
+
 def test_a_load_past_a_step_rejected_in_the_same_pass_is_ready_at_once(tmp_path: Path) -> None:
     # An earlier listing saw step 99 (so it is the newest known); the next pass rejected it on the
     # way to loading step 1. The replica serves the newest valid step from that moment, not only

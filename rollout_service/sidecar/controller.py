@@ -509,13 +509,16 @@ class SyncController:
     async def _wake_after_load(self, step: int) -> None:
         """Answer the ``/wait``s as soon as ``step`` is recorded as served, not after the
         housekeeping that follows a load (pruning the stage, the ack file, the root's listing
-        on shared storage: 0.1-0.2 s measured); the newest step known is at least ``step``.
+        on shared storage: 0.1-0.2 s measured); the newest step known is at least ``step``. SGLang
+        just answered (the load): a pass longer than the health check's freshness (validating and
+        staging a large step) does not leave ``/readyz`` saying SGLang has not answered recently.
 
         A newer step known from an earlier listing counts only while it is not rejected: the pass
         that loaded ``step`` went newest first, so any newer step it saw was rejected on the way
         (else the replica would stay unready, a valid step served, until the next listing); unless
         it passed over a newer step that failed without a rejection (a hung root cut its check
         short): that one is still to load, so the replica is not ready yet."""
+        self.state.sglang_seen_at = time.time()  # it answered the load: a long pass is no silence
         known = self.state.newest_known_step
         if known is not None and known in self.state.rejected and not any(p > step for p in self._passed_over):
             known = None
