@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checkpoint_format import _MODULE_RE as MODULE_NAME_RE  # the pattern readers parse target_modules with
 from .checkpoint_format import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_FILES,
@@ -29,6 +28,8 @@ from .checkpoint_format import (
     MANIFEST_NAME,
     MAX_ADAPTER_HEADER_BYTES,
     MAX_ADAPTER_RANK,
+    MAX_TARGET_MODULES,
+    MODULE_NAME_RE,
     AdapterInfo,
     CheckpointError,
     Manifest,
@@ -71,8 +72,6 @@ another base than the one SGLang serves, and a value of a later PEFT is not know
 Those adapters sync merged."""
 CASELESS_INITS = ("gaussian", "mica")
 """The ``init_lora_weights`` values PEFT 0.21 compares lowercased (``"Gaussian"`` is Gaussian)."""
-MAX_TARGET_MODULES = 64
-"""The most module names an adapter may target (its manifest's ``adapter.target_modules``)."""
 ADAPTER_DTYPES = ("F32", "F16", "BF16")
 """The dtypes of LoRA weights (safetensors tags), defined once: the only ones ``adapter_writer``
 publishes and the only ones readers accept (``dtype_unloadable``). PEFT trains adapters in these;

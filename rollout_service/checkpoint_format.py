@@ -431,7 +431,10 @@ MAX_FILE_BYTES = 1 << 44
 RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
 _DIGEST_RE = re.compile(r"xxh3_128:[0-9a-f]{32}", re.ASCII)
 _FINGERPRINT_RE = re.compile(r"[0-9a-f]{32}", re.ASCII)
-_MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}", re.ASCII)
+MODULE_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}", re.ASCII)
+"""A module name an adapter's ``adapter.target_modules`` may hold (what SGLang can target)."""
+MAX_TARGET_MODULES = 64
+"""The most module names an adapter's ``adapter.target_modules`` may hold."""
 
 
 def parse_json_object(text: str | bytes, *, where: str, reason: str, unique_keys: bool = True) -> dict[str, Any]:
@@ -564,10 +567,10 @@ class _FieldReader:
         modules = a.get("target_modules")
         if (
             not isinstance(modules, list)
-            or not 0 < len(modules) <= 64
-            or not all(isinstance(m, str) and _MODULE_RE.fullmatch(m) for m in modules)
+            or not 0 < len(modules) <= MAX_TARGET_MODULES
+            or not all(isinstance(m, str) and MODULE_NAME_RE.fullmatch(m) for m in modules)
         ):
-            raise self._bad("adapter.target_modules", "a list of 1-64 module names", modules)
+            raise self._bad("adapter.target_modules", f"a list of 1-{MAX_TARGET_MODULES} module names", modules)
         base_values = None
         if "base_values" in a:
             raw = self.obj(a["base_values"], "adapter.base_values")

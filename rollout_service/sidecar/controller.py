@@ -261,7 +261,7 @@ class SyncController:
                 checked = (self.state.loaded_step, self._served_path)
                 look = f"/wait's look at the served step {checked[0]}"
                 presence = await asyncio.wait_for(
-                    self.root_gate.call(self._loaded_presence, checked[0], what="/wait's look at the served step"),
+                    self.root_gate.call(self._loaded_presence, checked[0], what=look),
                     budget,
                 )
             except RootUnresponsive as exc:
