@@ -40,7 +40,7 @@ from .cli_env import (
     add_env_argument,
     number_type,
 )
-from .http_urls import bindable_port
+from .http_urls import bindable_port, listening_sockets
 from .lora_serving import DEFAULT_MAX_RANK, DEFAULT_TARGET_MODULES, add_lora_flags, lora_from_args, module_list
 from .serve import RestartPolicy, run_serve
 from .sglang_launcher import API_KEY_OPTIONS, SGLangServer, SGLangServerConfig, flag_value, free_port, server_url
@@ -435,8 +435,7 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
     from .sidecar.app import run_sidecar
 
     settings = SIDECAR_SETTINGS.build(args)
-    bindable_port(settings.host, settings.port, "--host/--port")
-    run_sidecar(settings)
+    run_sidecar(settings, listening_sockets(settings.host, settings.port, "--host/--port"))
     return 0
 
 
@@ -450,7 +449,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     previous = _handle_signals(signal.SIGTERM, signal.SIGINT)
     try:
         try:
-            server, settings, policy = _serve_setup(args)
+            server, settings, policy, listeners = _serve_setup(args)
         except KeyboardInterrupt:
             signum = _interrupted_by.pop() if _interrupted_by else signal.SIGINT
             print(
@@ -458,7 +457,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 0
-        return run_serve(server, settings, policy)
+        return run_serve(server, settings, policy, listeners=listeners)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -471,13 +470,16 @@ def _handle_signals(*signums: int) -> dict[int, Any]:
     return {sig: signal.signal(sig, _interrupt) for sig in signums}
 
 
-def _serve_setup(args: argparse.Namespace) -> tuple[SGLangServer, SidecarSettings, RestartPolicy]:
-    """``serve``'s SGLang server, sidecar settings and restart policy, every setting checked first:
-    SGLang's (``--device``, ``--sglang-host``, ``--sglang-log``, the arguments after ``--``), the
-    restart budget, the key, the ports; then the checkpoint root is made, the sidecar's settings
-    checked against it, and the server object made (which may ask torch about CUDA, for minutes, and
-    makes its temporary log). A failure or a signal after the root was made removes what was made
-    for it."""
+def _serve_setup(
+    args: argparse.Namespace,
+) -> tuple[SGLangServer, SidecarSettings, RestartPolicy, list[socket.socket]]:
+    """``serve``'s SGLang server, sidecar settings, restart policy and the sidecar's listening
+    sockets, every setting checked first: SGLang's (``--device``, ``--sglang-host``,
+    ``--sglang-log``, the arguments after ``--``), the restart budget, the key, the ports (the
+    sidecar's is bound here and held, so that SGLang's start-up cannot take it); then the checkpoint
+    root is made, the sidecar's settings checked against it, and the server object made (which may
+    ask torch about CUDA, for minutes, and makes its temporary log). A failure or a signal after the
+    port was bound closes it, and removes what was made for the root."""
     sglang_args, api_key = _one_sglang_api_key(
         list(args.sglang_args or []), SERVE_SIDECAR_SETTINGS.values(args)["sglang_api_key"]
     )
@@ -491,17 +493,20 @@ def _serve_setup(args: argparse.Namespace) -> tuple[SGLangServer, SidecarSetting
     policy = SERVE_RESTART_SETTINGS.build(args)
     sidecar = SERVE_SIDECAR_SETTINGS.values(args)
     port = config.port if config.port is not None else free_port(config.host)
-    _check_serve_ports(config.host, port, sidecar["host"], sidecar["port"])
-    made = _make_root(Path(args.checkpoint_path), sidecar["root_timeout_s"])
+    listeners = _check_serve_ports(config.host, port, sidecar["host"], sidecar["port"])
+    made: list[Path] = []
     try:
+        made = _make_root(Path(args.checkpoint_path), sidecar["root_timeout_s"])
         settings = SERVE_SIDECAR_SETTINGS.build(args, sglang_url=server_url(config.host, port), sglang_api_key=api_key)
         server = SGLangServer(**{**sglang, "port": port})
     except BaseException:
+        for sock in listeners:
+            sock.close()
         for folder in made:  # deepest first; only while empty
             with contextlib.suppress(OSError):
                 folder.rmdir()
         raise
-    return server, settings, policy
+    return server, settings, policy, listeners
 
 
 def _make_root(root: Path, bound_s: float) -> list[Path]:
@@ -577,14 +582,14 @@ def _one_sglang_api_key(sglang_args: list[str], sidecar_key: str | None) -> tupl
     return sglang_args, key
 
 
-def _check_serve_ports(sglang_host: str, sglang_port: int, host: str, port: int) -> None:
+def _check_serve_ports(sglang_host: str, sglang_port: int, host: str, port: int) -> list[socket.socket]:
     """Both servers of ``serve`` can listen where they are told to, before SGLang's minutes of
-    start-up: SGLang does not always exit when it cannot bind, and the sidecar would find out
-    only once SGLang is up."""
+    start-up (SGLang does not always exit when it cannot bind); the sidecar's listening sockets,
+    held from here on (`listening_sockets`)."""
     if sglang_port == port and _same_addresses(sglang_host, host):
         raise ValueError(f"--port and --sidecar-port are both {port}: SGLang and the sidecar each need their own")
     bindable_port(sglang_host, sglang_port, "--sglang-host/--port")
-    bindable_port(host, port, "--host/--sidecar-port")
+    return listening_sockets(host, port, "--host/--sidecar-port")
 
 
 Registrar = Callable[[Any, Any], None]

@@ -1,6 +1,7 @@
 """Checking the server addresses settings give: URLs (``--sglang-url``, ``sglang_urls``,
 ``sidecar_urls``) and the hosts a server binds to (``--host``, ``--sglang-host``), and whether
-a server could listen there now (:func:`bindable_port`), before minutes of start-up are spent.
+a server could listen there now (:func:`bindable_port`), or the sockets it will serve on, held from
+the check on (:func:`listening_sockets`), before minutes of start-up are spent.
 
 A prefix check alone let through addresses that fail later, far from the setting that named
 them: ``http://::1:30000`` (an IPv6 host needs brackets), a port past 65535, a URL with a
@@ -82,22 +83,60 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def bindable_port(host: str, port: int, what: str) -> int:
-    """Bind ``host:port`` (port 0: one the OS picks) the way a server does, let it go, and return
-    the port; a ``ValueError`` naming ``what`` (the settings that gave them) when nothing can
-    listen there: a name that does not resolve, another machine's address, a port in use."""
+LISTEN_BACKLOG = 2048
+"""Connections the kernel queues for a held listener (uvicorn's own default backlog)."""
+
+
+def listening_sockets(host: str, port: int, what: str) -> list[socket.socket]:
+    """Sockets listening on ``port`` at every address ``host`` resolves to, bound the way asyncio's
+    servers (uvicorn) bind them; port 0: one the OS picks, on the first address only.
+
+    A server that is handed these (``uvicorn.Server.run(sockets=...)``) owns its port from this
+    check on: nothing started meanwhile can take it. ``serve`` checked a free sidecar port and bound
+    it only after SGLang's start-up, and SGLang's own ports (picked by the OS during that start-up)
+    once took it. Until the server runs, a client's connection waits in the kernel's queue. The
+    sockets are not inherited by child processes (SGLang). A ``ValueError`` naming ``what`` (the
+    settings that gave them) when nothing can listen there: a name that does not resolve, another
+    machine's address, a port in use."""
+    held: list[socket.socket] = []
     try:
-        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind) as sock:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        unique = list(dict.fromkeys((family, kind, address[:2]) for family, kind, _, _, address in infos))
+        for family, kind, address in unique[:1] if port == 0 else unique:
+            sock = socket.socket(family, kind)
+            held.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no conflict
             if family == socket.AF_INET6:  # as asyncio's servers (uvicorn) bind: IPv4 listeners are no conflict
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
-            return int(sock.getsockname()[1])
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL or len(unique) == 1:
+                    raise
+                held.pop().close()  # as asyncio: an address family this machine has not enabled
+                continue
+            sock.listen(LISTEN_BACKLOG)
+        if not held:
+            raise OSError(errno.EADDRNOTAVAIL, "no address of this machine")
+        return held
     except OSError as exc:
+        for sock in held:
+            sock.close()
         if exc.errno == errno.EADDRINUSE:
             raise ValueError(f"{what}: port {port} on {host} is in use by another process; pick another port") from None
         raise ValueError(
             f"{what}: nothing can listen on {host!r} ({exc.strerror or exc}); give an address of this machine,"
             " e.g. 127.0.0.1 (this machine only), 0.0.0.0 (every interface) or ::1"
         ) from None
+
+
+def bindable_port(host: str, port: int, what: str) -> int:
+    """Listen on ``host:port`` (port 0: one the OS picks) the way a server does, let it go, and
+    return the port; a ``ValueError`` as :func:`listening_sockets` when nothing can listen there.
+    A server started later may find the port taken meanwhile: hold :func:`listening_sockets` instead."""
+    sockets = listening_sockets(host, port, what)
+    try:
+        return int(sockets[0].getsockname()[1])
+    finally:
+        for sock in sockets:
+            sock.close()

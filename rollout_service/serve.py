@@ -20,7 +20,8 @@ with code 3.
 
 Exit codes: 0 after SIGTERM or SIGINT (also during SGLang's first start), 2 when SGLang does not
 start, 3 after the restart budget was spent, 4 when the sidecar's HTTP server cannot start (its
-port cannot be bound, or its start-up failed).
+port cannot be bound, or its start-up failed). The CLI binds the sidecar's port before SGLang starts
+and hands the listening sockets to the HTTP server, so SGLang's start-up cannot take it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import collections
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -356,8 +358,17 @@ class Supervisor(threading.Thread):
         self._on_give_up(RESTART_BUDGET_SPENT, message)
 
 
-def run_serve(server: SGLangServer, settings: SidecarSettings, policy: RestartPolicy) -> int:
+def run_serve(
+    server: SGLangServer,
+    settings: SidecarSettings,
+    policy: RestartPolicy,
+    listeners: list[socket.socket] | None = None,
+) -> int:
     """Start SGLang, then the sidecar in the foreground; return the exit code.
+
+    ``listeners``: the sidecar's listening sockets, bound before SGLang starts (see
+    `http_urls.listening_sockets`); they are closed on return. Without them the HTTP server binds
+    ``settings.host:port`` once SGLang is up.
 
     0 after a signal (SIGTERM or SIGINT, also during SGLang's first start), 2 when SGLang does not
     start, 3 when stopped after the restart budget was spent or the supervisor failed (the sidecar
@@ -366,7 +377,7 @@ def run_serve(server: SGLangServer, settings: SidecarSettings, policy: RestartPo
     """
     import uvicorn
 
-    from .sidecar.app import create_app, uvicorn_config
+    from .sidecar.app import create_app, listen_url, uvicorn_config
 
     exit_code = 0
     controller: Any = None
@@ -393,11 +404,11 @@ def run_serve(server: SGLangServer, settings: SidecarSettings, policy: RestartPo
             if signals.serve_with(http):
                 supervisor.stop_when(lambda: bool(http.should_exit))
                 supervisor.start()
-                log.info("sidecar on http://%s:%d (readiness: /readyz)", settings.host, settings.port)
+                log.info("sidecar on %s (readiness: /readyz)", listen_url(settings))
                 # uvicorn re-raises the signal that stopped it once it has shut down; with our
                 # handlers installed that lands here instead of killing us before SGLang is stopped.
                 try:
-                    http.run()
+                    http.run(sockets=listeners)
                 except SystemExit as exc:  # uvicorn's sys.exit(3): port not bound, lifespan failed
                     log.error(
                         "the sidecar's HTTP server could not start on %s:%d (uvicorn exit code %s: the"
@@ -422,6 +433,8 @@ def run_serve(server: SGLangServer, settings: SidecarSettings, policy: RestartPo
                 _remove_stage(controller)
     finally:
         signals.restore()
+        for sock in listeners or ():
+            sock.close()
     return exit_code
 
 

@@ -50,7 +50,9 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> dict:
     """``serve`` with `run_serve` replaced by a recorder: what it would have started, nothing started."""
     seen: dict = {}
 
-    def recorder(server, settings, policy):
+    def recorder(server, settings, policy, listeners):
+        for sock in listeners:
+            sock.close()
         seen["command"], seen["settings"], seen["server"] = server.command(), settings, server
         return 0
 

@@ -43,7 +43,9 @@ def test_two_different_keys_are_refused_without_showing_either(passthrough):
 def _serve(monkeypatch, tmp_path: Path, *argv: str, env: dict[str, str] | None = None):
     seen = {}
 
-    def recorder(server, settings, policy):
+    def recorder(server, settings, policy, listeners):
+        for sock in listeners:
+            sock.close()
         seen["command"], seen["key"] = server.command(), settings.sglang_api_key
         return 0
 

@@ -6,14 +6,15 @@
   used to be back by then). This needs an SGLang that ignores SIGTERM for the stop to take long
   enough to signal into, so it is a fake SGLang process (`FAKE_SGLANG`): a real one stops in
   seconds.
-- A sidecar port taken after `serve` checked it: exit 4, not uvicorn's 3 (serve's "restart
-  budget spent").
+- The sidecar's port is held from `serve`'s check on: SGLang's start-up cannot take it (exit 4,
+  `test_sidecar_port_held.py` has the rest).
 - A restarted SGLang is stopped with SIGTERM and drains (it used to be SIGKILLed by its
   parent-death signal when the supervisor thread that started it ended).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -22,6 +23,7 @@ import sys
 import threading
 import time
 
+import httpx
 import psutil
 import pytest
 
@@ -103,7 +105,12 @@ def test_sigterm_while_sglang_first_starts_stops_it_and_exits_0(tiny_model_dir, 
 
 
 @pytest.mark.sglang
-def test_a_sidecar_port_taken_after_the_check_exits_4_not_3(tiny_model_dir, checkpoint_root, tmp_path):
+def test_the_sidecar_port_is_held_while_sglang_starts_and_sglang_does_not_inherit_it(
+    tiny_model_dir, checkpoint_root, tmp_path
+):
+    """CI once saw SGLang's start-up take the sidecar's port between `serve`'s check and the
+    sidecar's bind (exit 4). The port is now held from the check: nobody can take it meanwhile,
+    the sidecar answers on it, and SGLang's processes hold no copy of it."""
     sidecar_port = free_port()
     serve = CLIProcess(
         serve_argv(
@@ -111,27 +118,33 @@ def test_a_sidecar_port_taken_after_the_check_exits_4_not_3(tiny_model_dir, chec
             checkpoint_root,
             free_port(),
             sidecar_port,
-            "taken",
+            "held",
             "--stage-dir",
             str(tmp_path / "stage"),
         ),
         tmp_path / "serve.log",
     )
-    grab = socket.socket()
     try:
         _wait_for(lambda: "starting SGLang on" in serve.log_tail(200), 120, "SGLang's start", serve.log_tail)
-        grab.bind(("127.0.0.1", sidecar_port))  # someone else takes the port serve checked was free
-        grab.listen()
+        with socket.socket() as grab, pytest.raises(OSError) as caught:
+            grab.bind(("127.0.0.1", sidecar_port))  # someone else tries to take the port serve checked
+        assert caught.value.errno == errno.EADDRINUSE
         _wait_for(lambda: _sglang_processes(serve.proc.pid), 60, "SGLang to be launched", serve.log_tail)
-        sglang = _sglang_processes(serve.proc.pid)
-        code = serve.proc.wait(timeout=400)
-        log = serve.log_tail(200)
-        assert code == 4, log  # serve.EXIT_SIDECAR_FAILED
-        assert "the sidecar's HTTP server could not start" in log
-        _wait_for(lambda: not _alive(sglang), 30, "SGLang to be gone", serve.log_tail)
+        _wait_for(lambda: _answers(f"http://127.0.0.1:{sidecar_port}/healthz"), 400, "the sidecar", serve.log_tail)
+        for process in _sglang_processes(serve.proc.pid):
+            ports = {c.laddr.port for c in process.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+            assert sidecar_port not in ports, (process.pid, ports)
+        os.kill(serve.proc.pid, signal.SIGTERM)
+        assert serve.proc.wait(timeout=120) == 0, serve.log_tail(200)
     finally:
-        grab.close()
         serve.kill(signal.SIGKILL)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 @pytest.mark.sglang
@@ -212,7 +225,7 @@ def test_a_second_sigterm_while_stopping_sglang_does_not_kill_serve(checkpoint_r
     serve.start()
     assert serve.process is not None
     try:
-        _wait_for(lambda: "Uvicorn running on" in serve.log_tail(200), 120, "the sidecar", serve.log_tail)
+        _wait_for(lambda: "Application startup complete" in serve.log_tail(200), 120, "the sidecar", serve.log_tail)
         fake_sglang = _sglang_processes(serve.process.pid, str(fake))
         assert fake_sglang
         os.kill(serve.process.pid, signal.SIGTERM)

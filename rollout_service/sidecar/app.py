@@ -12,6 +12,7 @@ import hmac
 import json
 import logging
 import re
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..checkpoint_format import MAX_STEP, RUN_ID_RE, CheckpointError
+from ..http_urls import url_host
 from .controller import SyncController
 from .root_gate import RootGate, RootUnresponsive
 from .settings import SidecarSettings, warn_unguarded_listeners
@@ -86,9 +88,9 @@ def create_app(settings: SidecarSettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = asyncio.create_task(controller.run(), name="sidecar-sync-loop")
         task.add_done_callback(controller.loop_ended)
-        watcher.start()
-        controller.state.watch_mode = watcher.mode  # inotify may have been out of instances
-        try:
+        try:  # a watcher that cannot start fails the start-up; the loop must stop with it, or exit hangs
+            watcher.start()
+            controller.state.watch_mode = watcher.mode  # inotify may have been out of instances
             yield
         finally:
             watcher.stop()
@@ -284,12 +286,23 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def run_sidecar(settings: SidecarSettings) -> None:
-    """Serve the sidecar with uvicorn until interrupted."""
+def run_sidecar(settings: SidecarSettings, listeners: list[socket.socket] | None = None) -> None:
+    """Serve the sidecar with uvicorn until interrupted: on ``listeners`` (sockets already
+    listening, see `http_urls.listening_sockets`), else on ``settings.host:port``."""
     import uvicorn
 
     warn_unguarded_listeners(settings)
-    uvicorn.Server(uvicorn_config(create_app(settings), settings)).run()
+    log.info("sidecar on %s (readiness: /readyz)", listen_url(settings))
+    try:
+        uvicorn.Server(uvicorn_config(create_app(settings), settings)).run(sockets=listeners)
+    finally:
+        for sock in listeners or ():
+            sock.close()
+
+
+def listen_url(settings: SidecarSettings) -> str:
+    """The address the sidecar listens on, for its start-up log line."""
+    return f"http://{url_host(settings.host)}:{settings.port}"
 
 
 def uvicorn_config(app: FastAPI, settings: SidecarSettings) -> Any:
