@@ -68,32 +68,30 @@ def test_a_host_name_is_held_on_every_address_it_resolves_to():
 
 
 def test_a_connection_made_before_the_server_runs_is_answered_once_it_does(tmp_path: Path):
-    """The held socket queues a client that comes during SGLang's start-up; the sidecar answers it."""
+    """A client that connects while the port is held (SGLang still starting) waits in the kernel's
+    queue and is answered by the sidecar once it serves on the held sockets: one request, no retry."""
     root = tmp_path / "root"
     root.mkdir()
-    port = free_port()
     code = (
-        "import sys, time; from rollout_service import http_urls, cli;"
-        f" held = http_urls.listening_sockets('127.0.0.1', {port}, 'x'); time.sleep(3);"
-        " [s.close() for s in held];"  # the CLI holds its own from here: stand-in for a slow start-up
-        f" sys.exit(cli.main(['sidecar', '--checkpoint-path', {str(root)!r}, '--sglang-url',"
-        f" 'http://127.0.0.1:{free_port()}', '--port', '{port}', '--stage-dir', {str(tmp_path / 'stage')!r}]))"
+        "import sys, time; from rollout_service import http_urls; from rollout_service.sidecar import app, settings;"
+        " held = http_urls.listening_sockets('127.0.0.1', 0, 'x');"
+        " print(held[0].getsockname()[1], flush=True); time.sleep(3);"  # stand-in for SGLang's start-up
+        f" app.run_sidecar(settings.SidecarSettings(checkpoint_path={str(root)!r},"
+        f" sglang_url='http://127.0.0.1:{free_port()}', port=held[0].getsockname()[1],"
+        f" stage_dir={str(tmp_path / 'stage')!r}), held)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                answer = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=30)
-                break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline and proc.poll() is None, "the sidecar never answered"
-                time.sleep(0.2)
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        started = time.monotonic()
+        answer = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=60)  # sent while only held
         assert answer.status_code == 200, answer.text
+        assert time.monotonic() - started > 1.0  # it did wait for the server
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=60)
-    assert "sidecar on http://127.0.0.1:" in out, out
+    assert out.count('"GET /healthz HTTP/1.1" 200') == 1, out  # the one request, served
 
 
 def test_a_sidecar_whose_start_up_fails_on_its_held_port_exits_4_and_frees_the_port(
