@@ -36,6 +36,8 @@ from typing import Any
 import httpcore
 import httpx
 
+from .number_text import digits_value
+
 NO_COMPRESSION = {"Accept-Encoding": "identity"}
 SMALL_ANSWER_BYTES = 4 << 20
 """The default size limit: a status, a replica report, a weight update's answer."""
@@ -279,7 +281,7 @@ def content_encoding(response: httpx.Response) -> str | None:
 def declared_length(response: httpx.Response) -> int | None:
     """The ``Content-Length`` the answer declares (ASCII digits only), or None."""
     declared = response.headers.get("content-length", "")
-    return int(declared) if declared.isascii() and declared.isdigit() else None
+    return digits_value(declared)
 
 
 def _timeout(timeout_s: float) -> httpx.Timeout:

@@ -30,7 +30,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint_format import MAX_ADAPTER_RANK, CheckpointError, Manifest
+from .checkpoint_format import MAX_ADAPTER_RANK, MAX_STEP, CheckpointError, Manifest
 from .cli_env import (
     SHARD_MB_RANGE,
     TIMEOUT_S,
@@ -67,6 +67,8 @@ SEED = number_type(int, 0, 2**32 - 1)
 """The type of ``make-tiny-model --seed``."""
 LORA_RANK = number_type(int, 1, MAX_ADAPTER_RANK)
 """The type of ``validate --max-lora-rank``."""
+STEP = number_type(int, 0, MAX_STEP)
+"""The type of ``publish --step`` and ``materialize --step``."""
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
@@ -620,7 +622,7 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
     )
     p.add_argument("--model-dir", required=True, help="HF model directory to publish")
     p.add_argument("--checkpoint-path", required=True, help="checkpoint root directory")
-    p.add_argument("--step", required=True, type=int, help="step number (0..99999999)")
+    p.add_argument("--step", required=True, type=STEP, help="step number (0..99999999)")
     p.add_argument(
         "--dtype",
         default=None,
@@ -687,7 +689,7 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         " PEFT adapter directory for the base model.",
     )
     p.add_argument("root", help="checkpoint root (the trainer's checkpoint_path)")
-    p.add_argument("--step", required=True, type=int, help="the step (version) to rebuild")
+    p.add_argument("--step", required=True, type=STEP, help="the step (version) to rebuild (0..99999999)")
     p.add_argument("--out", required=True, help="new directory to write the model into")
     p.add_argument("--timeout", type=SECONDS, default=None, help="give up after this many seconds (default: no limit)")
     p.set_defaults(func=_cmd_materialize)

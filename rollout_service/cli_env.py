@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .number_text import text_parser
 from .redaction import redact_text
 
 ENV_PREFIX = "ROLLOUT_"
@@ -176,8 +177,10 @@ def number_type(kind: Callable[[str], Any], low: float, high: float) -> Callable
     setting's empty text) passes.
     """
 
+    parse = text_parser(kind)
+
     def convert(text: str) -> Any:
-        value = kind(text)
+        value = parse(text)
         problem = None if value is None else range_problem(value, low, high)
         if problem:
             raise argparse.ArgumentTypeError(problem)
@@ -310,7 +313,7 @@ def _text_converter(hint: Any, where: str) -> Callable[[str], Any]:
         hint = rest[0] if len(rest) == 1 else hint
     if hint not in _TEXT_TYPES:
         raise TypeError(f"{where}: no text conversion for {hint!r}; declare setting(..., parse=...)")
-    convert: Callable[[str], Any] = hint
+    convert: Callable[[str], Any] = text_parser(hint)
     if not optional or hint is str:
         return convert
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from .checkpoint_format import ACKS_DIR, MAX_STEP, TEMP_PREFIX, CheckpointError
 from .full_writes import write_all
+from .number_text import step_from_text
 from .untrusted_files import read_small
 
 log = logging.getLogger(__name__)
@@ -60,9 +61,7 @@ def step_for_version(version: Any) -> int | None:
         return None
     if isinstance(version, int):
         return version if 0 <= version <= MAX_STEP else None
-    if isinstance(version, str) and version.isascii() and version.isdigit() and len(version) <= 8:
-        return int(version)
-    return None
+    return step_from_text(version)
 
 
 def adapter_name_for(step: int, run_id: str | None) -> str:
@@ -77,8 +76,7 @@ def step_for_adapter_name(name: Any) -> int | None:
         not isinstance(name, str)
         or len(name) < 9
         or name[0] != "v"
-        or not name[1:9].isascii()
-        or not name[1:9].isdigit()
+        or step_from_text(name[1:9]) is None
         or (len(name) > 9 and name[9] != "-")
     ):
         return None

@@ -207,6 +207,52 @@ def test_a_bad_variable_is_refused_naming_it(clean_env, dirs, capsys, name):
     assert f"environment variable {spec.env}='not-a-number' is not valid for {spec.flag}" in capsys.readouterr().err
 
 
+NUMBERS = sorted(
+    name
+    for name, hint in typing.get_type_hints(SidecarSettings).items()
+    if name in SETTINGS and {int, float} & set(typing.get_args(hint) or (hint,))
+)
+LAX_NUMBERS = ["1_0", "\u0663", "\u00b2", "0x10", "1 0"]
+"""Texts Python's int() or float() reads as another number than a person means (or crashes on):
+an underscore, an Arabic-Indic digit, a superscript, hex; a flag or variable refuses each."""
+
+
+@pytest.mark.parametrize("text", LAX_NUMBERS)
+@pytest.mark.parametrize("name", NUMBERS)
+def test_a_number_setting_takes_plain_decimal_digits_only(clean_env, dirs, capsys, name, text):
+    (spec,) = [s for s in SIDECAR_SETTINGS.flags if s.field == name]
+    argv = ["sidecar", *required_argv(dirs)]
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([*argv, spec.flag, text])
+    assert exc.value.code == 2 and f"argument {spec.flag}: invalid" in capsys.readouterr().err
+    clean_env.setenv(spec.env, text)
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv)
+    assert exc.value.code == 2 and f"environment variable {spec.env}={text!r} is not valid" in capsys.readouterr().err
+
+
+def test_a_number_setting_still_takes_a_sign_spaces_a_fraction_and_an_exponent(clean_env, dirs):
+    clean_env.setenv("ROLLOUT_PORT", " 8105\n")  # a variable written by a YAML block scalar
+    args = build_parser().parse_args(["sidecar", *required_argv(dirs), "--poll", "+2.5e0"])
+    built = SIDECAR_SETTINGS.build(args)
+    assert (built.port, built.poll_interval_s) == (8105, 2.5)
+    for flag in ("--poll", "--health-interval"):
+        with pytest.raises(SystemExit):  # read, then refused as not finite
+            build_parser().parse_args(["sidecar", *required_argv(dirs), flag, "nan"])
+
+
+@pytest.mark.parametrize(("command", "text"), [("publish", "7_0"), ("materialize", "\u0667"), ("publish", "-1")])
+def test_a_step_flag_is_refused_unless_it_is_a_step_in_digits(capsys, command, text):
+    argv = {
+        "publish": ["publish", "--model-dir", "m", "--checkpoint-path", "c"],
+        "materialize": ["materialize", "root", "--out", "o"],
+    }[command]
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args([*argv, "--step", text])
+    assert exc.value.code == 2 and "argument --step:" in capsys.readouterr().err
+    assert build_parser().parse_args([*argv, "--step", "70"]).step == 70
+
+
 def test_the_bad_variable_cases_cover_numbers_and_switches():
     assert {"port", "poll_interval_s", "lora_keep", "check_digests", "stage"} <= set(NOT_TEXT)
 

@@ -152,6 +152,38 @@ def test_wait_that_times_out_names_its_kind_under_error_beside_the_status_body(t
     assert ReplicaReport.from_dict(body).replica_id == "r"  # what the trainer's replica wait reads
 
 
+@pytest.mark.parametrize("text", ["7_0", "\u0667", "+7", " 7", "7 ", "-1", "0x7", "123456789", "", "7.0"])
+def test_wait_takes_a_step_in_plain_digits_only(tmp_path: Path, text: str) -> None:
+    # Python's int() reads "7_0" as 70 and "\u0667" (Arabic-Indic seven) as 7: a /wait for
+    # either would wait for a step the client did not name.
+    with TestClient(create_app(settings(tmp_path))) as client:
+        r = client.get("/wait", params={"version": text, "timeout": "0.2"})
+        assert r.status_code == 400 and r.json()["error"] == "bad_request", r.text
+        assert "query.version" in r.json()["detail"]
+        r = client.get("/wait", params={"version": "0070", "timeout": "0.2"})
+    assert r.status_code == 504 and r.json()["waited_for"] == 70, r.text
+
+
+def test_step_texts_from_sglang_and_adapter_names_are_plain_digits() -> None:
+    from rollout_service.protocol import step_for_adapter_name, step_for_version
+
+    assert [step_for_version(t) for t in ("70", "00000070", "7_0", "\u0667", "\u00b2", " 7", "123456789")] == [
+        70,
+        70,
+        None,
+        None,
+        None,
+        None,
+        None,
+    ]
+    assert [step_for_adapter_name(n) for n in ("v00000007-r", "v0000_007", "v0000000\u0667", "v00000007")] == [
+        7,
+        None,
+        None,
+        7,
+    ]
+
+
 # ------------------------------------------------------------------------------- number settings
 
 

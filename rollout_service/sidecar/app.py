@@ -22,8 +22,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..checkpoint_format import MAX_STEP, RUN_ID_RE, CheckpointError
+from ..checkpoint_format import RUN_ID_RE, CheckpointError
 from ..http_urls import url_host
+from ..number_text import STEP_PATTERN, digits_value
 from .controller import SyncController
 from .root_gate import RootGate, RootUnresponsive
 from .settings import SidecarSettings, warn_unguarded_listeners
@@ -157,7 +158,12 @@ def create_app(settings: SidecarSettings) -> FastAPI:
     @app.get("/wait")
     async def wait(
         request: Request,
-        version: int = Query(..., ge=0, le=MAX_STEP, description="checkpoint step to wait for"),
+        version_text: str = Query(
+            ...,
+            alias="version",
+            pattern=f"^{STEP_PATTERN}$",
+            description="checkpoint step to wait for (1-8 ASCII digits)",
+        ),
         timeout: float = Query(60.0, gt=0, le=MAX_WAIT_S),
         run: str | None = Query(
             None,
@@ -166,6 +172,7 @@ def create_app(settings: SidecarSettings) -> FastAPI:
             description="the publishing run's id (manifest run_id): only a checkpoint of that run counts",
         ),
     ) -> Response:
+        version = int(version_text)
         if len(waiting) >= MAX_WAITERS:
             return SafeJSONResponse(
                 {
@@ -273,9 +280,10 @@ async def _read_body(request: Request, limit: int) -> bytes:
     )
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
-            raise HTTPException(status_code=400, detail="Content-Length must be a number")
-        if int(declared) > limit:
+        length = digits_value(declared)
+        if length is None:
+            raise HTTPException(status_code=400, detail="Content-Length must be a number in ASCII digits")
+        if length > limit:
             raise too_large
     chunks, size = [], 0
     async for chunk in request.stream():
