@@ -19,11 +19,12 @@ STEP_PATTERN = rf"[0-9]{{1,{MAX_STEP_DIGITS}}}"
 """A checkpoint step as text (matched whole): ASCII digits only (``step-00000012``'s number,
 a weight version, ``/wait?version=``)."""
 _STEP_RE = re.compile(STEP_PATTERN, re.ASCII)
+_SPACES = " \t\r\n"
+"""What may surround a typed number (ASCII only: ``str.strip()`` would also take NBSP and U+3000)."""
 _INT_RE = re.compile(r"[+-]?[0-9]{1,30}", re.ASCII)
-_FLOAT_RE = re.compile(
-    r"[+-]?(?:(?:[0-9]{1,30}(?:\.[0-9]{0,30})?|\.[0-9]{1,30})(?:[eE][+-]?[0-9]{1,4})?|nan|inf|infinity)",
-    re.ASCII | re.IGNORECASE,
-)
+SECONDS_PATTERN = r"(?:[0-9]{1,30}(?:\.[0-9]{0,30})?|\.[0-9]{1,30})(?:[eE][+-]?[0-9]{1,4})?"
+"""A non-negative decimal number (matched whole), as a request gives a duration: ``/wait?timeout=``."""
+_FLOAT_RE = re.compile(rf"[+-]?(?:{SECONDS_PATTERN}|nan|inf|infinity)", re.ASCII | re.IGNORECASE)
 
 
 def step_from_text(text: object) -> int | None:
@@ -32,15 +33,15 @@ def step_from_text(text: object) -> int | None:
 
 
 def digits_value(text: str) -> int | None:
-    """A header's non-negative number (``Content-Length``: ASCII digits only), or None."""
-    return int(text) if text.isascii() and text.isdigit() else None
+    """A header's non-negative number (``Content-Length``: 1-19 ASCII digits), or None."""
+    return int(text) if 0 < len(text) <= 19 and text.isascii() and text.isdigit() else None
 
 
 def whole_number(text: str) -> int:
     """An integer typed by a person: an optional sign and ASCII digits (spaces around allowed).
 
     Raises ValueError otherwise (argparse then reports ``invalid int value: '7_0'``)."""
-    stripped = text.strip()
+    stripped = text.strip(_SPACES)
     if not _INT_RE.fullmatch(stripped):
         raise ValueError(f"not a whole number in plain digits: {text!r}")
     return int(stripped)
@@ -52,7 +53,7 @@ def decimal_number(text: str) -> float:
 
     Raises ValueError for anything else, ``1_000`` included (argparse then reports
     ``invalid float value: '1_000'``)."""
-    stripped = text.strip()
+    stripped = text.strip(_SPACES)
     if not _FLOAT_RE.fullmatch(stripped):
         raise ValueError(f"not a decimal number: {text!r}")
     return float(stripped)

@@ -88,7 +88,6 @@ def values(dirs: dict[str, Path]) -> dict[str, tuple[str, Any, str, Any]]:
         "validate_timeout_s": ("12", 12.0, "13", 13.0),
         "root_timeout_s": ("3", 3.0, "4.5", 4.5),
         "lora_keep": ("5", 5, "6", 6),
-        "prepare_niceness": ("3", 3, "0", 0),
     }
 
 

@@ -152,7 +152,7 @@ def test_wait_that_times_out_names_its_kind_under_error_beside_the_status_body(t
     assert ReplicaReport.from_dict(body).replica_id == "r"  # what the trainer's replica wait reads
 
 
-@pytest.mark.parametrize("text", ["7_0", "\u0667", "+7", " 7", "7 ", "-1", "0x7", "123456789", "", "7.0"])
+@pytest.mark.parametrize("text", ["7_0", "\u0667", "+7", " 7", "7 ", "7\n", "-1", "0x7", "123456789", "", "7.0"])
 def test_wait_takes_a_step_in_plain_digits_only(tmp_path: Path, text: str) -> None:
     # Python's int() reads "7_0" as 70 and "\u0667" (Arabic-Indic seven) as 7: a /wait for
     # either would wait for a step the client did not name.
@@ -162,6 +162,17 @@ def test_wait_takes_a_step_in_plain_digits_only(tmp_path: Path, text: str) -> No
         assert "query.version" in r.json()["detail"]
         r = client.get("/wait", params={"version": "0070", "timeout": "0.2"})
     assert r.status_code == 504 and r.json()["waited_for"] == 70, r.text
+
+
+@pytest.mark.parametrize("text", ["1_0", "\u0661", "nan", "inf", "-1", "0", "3601", " 1", "0x1"])
+def test_wait_takes_its_timeout_in_plain_decimal_digits_within_its_bound(tmp_path: Path, text: str) -> None:
+    with TestClient(create_app(settings(tmp_path))) as client:
+        r = client.get("/wait", params={"version": "1", "timeout": text})
+        assert r.status_code == 400 and r.json()["error"] == "bad_request", r.text
+        assert "query.timeout" in r.json()["detail"]
+        started = time.monotonic()
+        r = client.get("/wait", params={"version": "1", "timeout": ".2"})
+    assert r.status_code == 504 and time.monotonic() - started < 5, r.text
 
 
 def test_step_texts_from_sglang_and_adapter_names_are_plain_digits() -> None:

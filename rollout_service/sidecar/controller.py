@@ -61,7 +61,6 @@ from ..protocol import version_for_step
 from ..untrusted_files import Deadline
 from .acks import AckWriter
 from .adapter_sync import AdapterSync, is_adapter_step
-from .cpu_priority import lower_this_thread
 from .metrics import SidecarMetrics
 from .root_gate import RootGate, RootUnresponsive, in_daemon_thread
 from .served_model import adoptable, base_model_dir, find_reference
@@ -1026,7 +1025,6 @@ class SyncController:
         """Validate ``path`` and, with a stage, copy or rebuild it there and validate the copy
         (runs in a thread)."""
         s = self.settings
-        lower_this_thread(s.prepare_niceness)  # this thread (a root-gate call's own) ends with the work
         deadline = Deadline(s.validate_timeout_s)
         staged = self.stage is not None
         report = validate_checkpoint(

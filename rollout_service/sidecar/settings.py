@@ -25,9 +25,6 @@ _REPLICA_RE = re.compile(REPLICA_ID_PATTERN, re.ASCII)
 
 INTERVAL_S = (0.01, 3600.0)
 """Range of the sidecar's periods (health checks, polling, rescans, acks), in seconds."""
-PREPARE_NICENESS = 10
-"""The default ``--prepare-nice`` (docs/benchmarks.md §4q: at 1 GB on sshfs SGLang's pause over a delta
-sync's replica part fell from 2.1x to 1.3x its load, the apply took 8% longer)."""
 
 
 @dataclass
@@ -170,16 +167,6 @@ class SidecarSettings:
             " replica keeps serving what it loaded, and checks again at each pass (raise it if listing"
             " the root legitimately takes longer)",
             bounds=TIMEOUT_S,
-        ),
-    )
-    prepare_niceness: int = field(
-        default=PREPARE_NICENESS,
-        metadata=setting(
-            "--prepare-nice",
-            "nice value added to the threads that validate, stage and rebuild a checkpoint, so that"
-            " SGLang serving on the same cores comes first (0: same priority as the sidecar;"
-            " 19: only idle CPU, which can hold a sync back while rollouts keep every core busy)",
-            bounds=(0, 19),
         ),
     )
     lora_keep: int = field(
