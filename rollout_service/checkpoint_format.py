@@ -42,6 +42,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from .number_text import MAX_STEP_DIGITS
+
 FORMAT_VERSION = 2
 READABLE_FORMAT_VERSIONS = (1, 2)
 """1: full checkpoints only (no ``kind`` field); 2: ``kind`` full, delta or adapter."""
@@ -96,9 +98,9 @@ ADAPTER_FILES = (ADAPTER_CONFIG_NAME, ADAPTER_WEIGHTS_NAME)
 MAX_ADAPTER_RANK = 4096
 ACKS_DIR = "acks"
 TEMP_PREFIX = ".tmp-"
-STEP_DIR_RE = re.compile(r"^step-([0-9]{8})$", re.ASCII)  # not \d: other scripts' digits
+STEP_DIR_RE = re.compile(rf"^step-([0-9]{{{MAX_STEP_DIGITS}}})$", re.ASCII)  # not \d: other scripts' digits
 DIGEST_ALGORITHM = "xxh3_128"
-MAX_STEP = 10**8 - 1
+MAX_STEP = 10**MAX_STEP_DIGITS - 1
 
 # safetensors dtype tags, and the element size of each.
 DTYPE_SIZES = {

@@ -22,9 +22,9 @@ _STEP_RE = re.compile(STEP_PATTERN, re.ASCII)
 _SPACES = " \t\r\n"
 """What may surround a typed number (ASCII only: ``str.strip()`` would also take NBSP and U+3000)."""
 _INT_RE = re.compile(r"[+-]?[0-9]{1,30}", re.ASCII)
-SECONDS_PATTERN = r"(?:[0-9]{1,30}(?:\.[0-9]{0,30})?|\.[0-9]{1,30})(?:[eE][+-]?[0-9]{1,4})?"
-"""A non-negative decimal number (matched whole), as a request gives a duration: ``/wait?timeout=``."""
-_FLOAT_RE = re.compile(rf"[+-]?(?:{SECONDS_PATTERN}|nan|inf|infinity)", re.ASCII | re.IGNORECASE)
+_SECONDS = r"(?:[0-9]{1,30}(?:\.[0-9]{0,30})?|\.[0-9]{1,30})(?:[eE][+-]?[0-9]{1,4})?"
+_SECONDS_RE = re.compile(_SECONDS, re.ASCII)
+_FLOAT_RE = re.compile(rf"[+-]?(?:{_SECONDS}|nan|inf|infinity)", re.ASCII | re.IGNORECASE)
 
 
 def step_from_text(text: object) -> int | None:
@@ -35,6 +35,14 @@ def step_from_text(text: object) -> int | None:
 def digits_value(text: str) -> int | None:
     """A header's non-negative number (``Content-Length``: 1-19 ASCII digits), or None."""
     return int(text) if 0 < len(text) <= 19 and text.isascii() and text.isdigit() else None
+
+
+def plain_seconds(value: Any) -> Any:
+    """A request's duration as sent, checked before pydantic reads it as a float (which takes
+    ``"1_0"`` for 10): a non-negative decimal number in ASCII digits. Raises ValueError."""
+    if isinstance(value, str) and not _SECONDS_RE.fullmatch(value):
+        raise ValueError("must be a number of seconds in plain decimal digits, like 60 or 2.5")
+    return value
 
 
 def whole_number(text: str) -> int:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,15 @@ class Sidecar(CLIProcess):
         r = self.get(f"/wait?version={step}&timeout={timeout_s}", timeout=timeout_s + 30)
         assert r.status_code == 200, f"step {step} not loaded: {r.text}\n--- log ---\n{self.log_tail()}"
         return r.json()
+
+    def wait_stage_bytes(self, timeout_s: float = 30.0) -> int:
+        """The stage's bytes once /status reports them: measured after a load is answered and
+        the stage pruned, so the stage then holds its steady state."""
+        deadline = time.monotonic() + timeout_s
+        while (held := self.status()["stage_bytes"]) is None:
+            assert time.monotonic() < deadline, f"/status never reported the stage's bytes\n{self.log_tail()}"
+            time.sleep(0.1)
+        return held
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample's value from /metrics (0.0 when absent)."""
@@ -181,6 +191,22 @@ def transformers_greedy(model_dir: Path, state: dict, prompt: list[int], max_new
             ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
         )
     return out[0, len(prompt) :].tolist()
+
+
+def transformers_logprobs(model_dir: Path, state: dict, prompt: list[int], completion: list[int]) -> list[float]:
+    """The logprob transformers gives each token of ``completion`` after ``prompt``, with ``state``
+    loaded over the model's weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.load_state_dict(state, strict=False)
+    model.eval()
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [logprobs[len(prompt) - 1 + i, tok].item() for i, tok in enumerate(completion)]
 
 
 def run_loop_until(controller: Any, done: Any, timeout_s: float = 10.0) -> None:

@@ -17,7 +17,7 @@ from helpers import generate
 from rollout_service.checkpoint_format import Manifest, step_dir_name
 from rollout_service.checkpoint_writer import iter_unique_tensors, publish_checkpoint
 from rollout_service.delta_writer import DeltaCheckpointWriter
-from sidecar_helpers import transformers_greedy
+from sidecar_helpers import transformers_greedy, transformers_logprobs
 from trainer_helpers import make_config, make_trainer
 from trainer_hooks import checkpoint_publisher
 
@@ -100,7 +100,7 @@ def test_twenty_trained_versions_synced_as_deltas_serve_exactly_the_trainers_wei
     assert out["output_ids"] == want
     assert out["meta_info"]["weight_version"] == str(checks[-1][0])
     ours = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
-    theirs = _transformers_logprobs(tiny_model_dir, state, PROMPT, want)
+    theirs = transformers_logprobs(tiny_model_dir, state, PROMPT, want)
     assert max(abs(a - b) for a, b in zip(ours, theirs)) < 2e-3, (ours, theirs)
     # /status and /metrics say what the last sync was.
     status = sidecar.status()
@@ -125,19 +125,6 @@ def _files_held_by(pid: int | None, folder: Path) -> list[str]:
         paths = [m.path for m in proc.memory_maps(grouped=False)] + [f.path for f in proc.open_files()]
         held += [p for p in paths if p.startswith(str(folder.resolve()))]
     return held
-
-
-def _transformers_logprobs(model_dir: Path, state: dict, prompt: list[int], completion: list[int]) -> list[float]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.load_state_dict(state, strict=False)
-    model.eval()
-    ids = torch.tensor([prompt + completion])
-    with torch.no_grad():
-        logits = model(ids).logits[0].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return [logprobs[len(prompt) - 1 + i, tok].item() for i, tok in enumerate(completion)]
 
 
 def _wait_rejected(sidecar, step: int, timeout_s: float = 60.0) -> dict:
@@ -186,10 +173,7 @@ def test_restart_mid_chain_late_joiner_and_a_corrupt_delta(
     assert sidecar3.metric("rollout_sidecar_last_sync_chain_length") == 3
     assert sidecar3.metric("rollout_sidecar_last_sync_bytes_read") == last["bytes_read"]
     assert sidecar3.metric("rollout_sidecar_last_sync_seconds", phase="apply") == pytest.approx(last["apply_s"])
-    deadline = time.monotonic() + 30  # measured after the load is answered (with the stage's prune)
-    while (held := sidecar3.status()["stage_bytes"]) is None:
-        assert time.monotonic() < deadline, "/status never reported the stage's bytes"
-        time.sleep(0.2)
+    held = sidecar3.wait_stage_bytes()
     assert held > 0 and sidecar3.metric("rollout_sidecar_stage_bytes") > 0
     # A corrupt delta is rejected with a reason, the last good step keeps serving, and the next
     # full step recovers. (Flipping a byte of a published step races the sidecar: a corrupt copy

@@ -14,8 +14,7 @@ from pathlib import Path
 
 from delta_helpers import as_published, publish_chain
 from helpers import generate
-from sidecar_helpers import transformers_greedy
-from test_delta_sync import _transformers_logprobs
+from sidecar_helpers import transformers_greedy, transformers_logprobs
 
 PROMPT = [11, 42, 7, 99, 256, 3]
 NEW_TOKENS = 8
@@ -39,7 +38,7 @@ class Versions:
         if step not in self._expected:
             state = as_published(self.states[step])
             ids = transformers_greedy(self.model_dir, state, PROMPT, NEW_TOKENS)
-            self._expected[step] = (ids, _transformers_logprobs(self.model_dir, state, PROMPT, ids))
+            self._expected[step] = (ids, transformers_logprobs(self.model_dir, state, PROMPT, ids))
         return self._expected[step]
 
     def served_by(self, url: str) -> int:
@@ -75,10 +74,7 @@ def test_a_sidecar_killed_anywhere_in_delta_syncs_never_lets_sglang_serve_a_half
     assert sidecar.wait_step(3)["last_sync"]["kind"] == "delta"
     window = time.monotonic() - started
     assert versions.served_by(sglang_server.url) == 3
-    deadline = time.monotonic() + 30  # the stage is pruned after the load is answered, then measured
-    while sidecar.status()["stage_bytes"] is None:
-        assert time.monotonic() < deadline, "/status never reported the stage's bytes"
-        time.sleep(0.1)
+    sidecar.wait_stage_bytes()  # the stage is pruned after the load is answered, then measured
     steady = _stage_entries(stage)
     # The check can tell consecutive versions apart: a copy mixing two versions' tensors would not
     # pass as either (the logprobs of one version's completion differ by far more than the tolerance).

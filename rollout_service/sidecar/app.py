@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..checkpoint_format import RUN_ID_RE, CheckpointError
 from ..http_urls import url_host
-from ..number_text import SECONDS_PATTERN, STEP_PATTERN, digits_value
+from ..number_text import STEP_PATTERN, digits_value, plain_seconds
 from .controller import SyncController
 from .root_gate import RootGate, RootUnresponsive
 from .settings import SidecarSettings, warn_unguarded_listeners
@@ -165,7 +165,7 @@ def create_app(settings: SidecarSettings) -> FastAPI:
             pattern=f"^{STEP_PATTERN}$",
             description="checkpoint step to wait for (1-8 ASCII digits)",
         ),
-        timeout: Annotated[float, Query(gt=0, le=MAX_WAIT_S), BeforeValidator(_plain_seconds)] = 60.0,
+        timeout: Annotated[float, Query(gt=0, le=MAX_WAIT_S), BeforeValidator(plain_seconds)] = 60.0,
         run: str | None = Query(
             None,
             max_length=64,
@@ -236,16 +236,6 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         return Response(generate_latest(controller.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-_SECONDS_RE = re.compile(SECONDS_PATTERN, re.ASCII)
-
-
-def _plain_seconds(value: Any) -> Any:
-    """A request's duration as typed: decimal ASCII digits (pydantic's float() would read "1_0" as 10)."""
-    if isinstance(value, str) and not _SECONDS_RE.fullmatch(value):
-        raise ValueError("must be a number of seconds in plain decimal digits, like 60 or 2.5")
-    return value
 
 
 def _requested_checkpoint(raw: bytes) -> str | None:
