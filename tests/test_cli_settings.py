@@ -231,6 +231,18 @@ def test_a_number_setting_takes_plain_decimal_digits_only(clean_env, dirs, capsy
     assert exc.value.code == 2 and f"environment variable {spec.env}={text!r} is not valid" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flag", ["--port", "--max-total-tokens", "--max-restarts", "--restart-window", "--sidecar-port"]
+)
+def test_serves_number_flags_take_plain_decimal_digits_only(clean_env, dirs, capsys, flag):
+    argv = ["serve", "--model", "m", "--checkpoint-path", str(dirs["ckpt"])]
+    for text in ("1_0", "\u0663"):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args([*argv, flag, text])
+        assert exc.value.code == 2 and f"argument {flag}: invalid" in capsys.readouterr().err
+    assert build_parser().parse_args([*argv, flag, "100"]) is not None
+
+
 def test_a_number_setting_still_takes_a_sign_spaces_a_fraction_and_an_exponent(clean_env, dirs):
     clean_env.setenv("ROLLOUT_PORT", " 8105\n")  # a variable written by a YAML block scalar
     args = build_parser().parse_args(["sidecar", *required_argv(dirs), "--poll", "+2.5e0"])
