@@ -14,7 +14,8 @@ copies, so that a sync that takes 1.1x its limit has little left to gain, whatev
   pages, as the stage writes each version over its spare copy in steady state.
 
 The pause figures come from one-token ``/generate`` probes (spans of wall-clock time) sent back
-to back during a sync; :func:`pause_over` and :func:`overlap_seconds` are their arithmetic,
+to back during a sync; :func:`pause_over`, :func:`pause_started_in` and :func:`overlap_seconds`
+are their arithmetic,
 against an idle baseline timed just before the sync with nothing else running.
 """
 
@@ -171,6 +172,19 @@ def pause_over(spans: Iterable[tuple[float, float]], start: float, end: float, i
     """The longest probe overlapping [start, end], less the idle baseline (None: no probe
     overlapped, or no baseline)."""
     inside = [b - a for a, b in spans if a < end and b > start]
+    if not inside or idle is None:
+        return None
+    return max(0.0, max(inside) - idle)
+
+
+def pause_started_in(
+    spans: Iterable[tuple[float, float]], start: float, end: float, idle: float | None
+) -> float | None:
+    """The longest probe sent during [start, end], less the idle baseline (None: none was sent
+    then, or no baseline). A load holds back the requests that arrive while it runs; the probe
+    already in flight when it begins finishes on the old weights first, and what slowed that
+    one (the sidecar's rebuild on the same cores) is the sync's pause, not the load's."""
+    inside = [b - a for a, b in spans if start <= a <= end]
     if not inside or idle is None:
         return None
     return max(0.0, max(inside) - idle)

@@ -46,10 +46,13 @@ Before each timed sync the probe times one-token ``/generate`` requests for ``--
 seconds with nothing else running: their median is the idle baseline. During the timed sync a
 probe thread sends them back to back; the longest probe that overlapped the sync less that
 baseline is SGLang's ``pause``, from the publish's rename on ``replica_pause``, over the
-sidecar's recorded load interval ``load_pause`` (with ``load_probe_overlap_s``, the seconds of
-that interval probes were in flight). On a CPU test bed that probe keeps SGLang computing on the
-cores the sidecar and the trainer use; ``--no-probe`` measures end to end with SGLang idle (as
-where it generates on a GPU).
+sidecar's recorded load interval ``load_pause`` (``load_pause_sent``: only probes sent during
+it; with ``load_probe_overlap_s``, the seconds of that interval probes were in flight). Right
+after the timed sync, SGLang loads the copy it now serves once more through a bare
+``/update_weights_from_disk`` call, with the probe and nothing else running: ``bare_load_s`` and
+``bare_pause_s`` are SGLang's own floor, which the sync's pause over its load is read against.
+On a CPU test bed that probe keeps SGLang computing on the cores the sidecar and the trainer
+use; ``--no-probe`` measures end to end with SGLang idle (as where it generates on a GPU).
 
 Prints medians, the ratios ours/limit, ours/naive, delta/full, delta/limit and pause/load, and
 writes every run as JSON (``--json``, rewritten after each size). ``--no-sglang`` measures only
@@ -153,13 +156,20 @@ class Case:
                 if med.get(key):
                     out[name] = delta / med[key]
         # SGLang's pause against its own load from the stage, per path: the whole sync's, the
-        # replica's part (from the publish's rename on) and over the recorded load interval.
+        # replica's part (from the publish's rename on), over the recorded load interval (every
+        # probe in flight then, or only those sent then), and a bare load's (SGLang's floor).
         for kind, label in (("ours", "full"), ("ours_delta", "delta")):
-            load = med.get(f"{kind}.load_s")
-            for what in ("", "replica_", "load_"):
-                value = med.get(f"{kind}.{what}pause_s")
-                if value is not None and load:
-                    out[f"{label} {what}pause/load"] = value / load
+            for name, value_key, load_key in (
+                ("pause/load", "pause_s", "load_s"),
+                ("replica_pause/load", "replica_pause_s", "load_s"),
+                ("load_pause/load", "load_pause_s", "load_s"),
+                ("load_pause_sent/load", "load_pause_sent_s", "load_s"),
+                ("bare_pause/load", "bare_pause_s", "bare_load_s"),
+                ("bare_pause_sent/load", "bare_pause_sent_s", "bare_load_s"),
+            ):
+                value, base = med.get(f"{kind}.{value_key}"), med.get(f"{kind}.{load_key}")
+                if value is not None and base:
+                    out[f"{label} {name}"] = value / base
         return out
 
 
@@ -348,6 +358,7 @@ class Probe:
             "pause_s": self.pause(t0, acked),
             "replica_pause_s": self.pause(published, acked),
             "load_pause_s": self.pause(load_start, load_end),
+            "load_pause_sent_s": measures.pause_started_in(self.spans, load_start, load_end, self.idle),
             "load_probe_overlap_s": measures.overlap_seconds(self.spans, load_start, load_end),
         }
 
@@ -604,6 +615,8 @@ def sidecar_run(
                         shutil.rmtree(old)
             time.sleep(0.2)
         run.update(run=rep, warmup_syncs=warm, stage_spare=spare)
+        if server is not None and sidecar is not None and not args.no_probe and kind != "ours_nostage":
+            run.update(bare_load(server.url, sidecar, args))
         if kind == "ours_delta" and not run.get("delta"):
             raise RuntimeError(f"the timed delta run published in full: {writer.last if writer else None}")
         return run, stage
@@ -614,6 +627,28 @@ def sidecar_run(
             sidecar.stop()
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(stage, ignore_errors=True)  # the run's own stage (in /dev/shm: memory)
+
+
+def bare_load(url: str, sidecar: Any, args: argparse.Namespace) -> dict[str, float | None]:
+    """SGLang's own pause floor: the copy it serves, loaded again by a bare
+    ``/update_weights_from_disk`` call (same path, same weight version: nothing changes for the
+    sidecar) with the probe running and nothing else to do: no rebuild, no trainer. The timed
+    sync's pause over its load is read against this."""
+    last = sidecar.status().get("last_sync") or {}
+    time.sleep(0.5)  # the sidecar's housekeeping after the timed sync is done
+    probe = Probe(url, idle_probes(url, args.idle_probe_s))
+    with probe:
+        time.sleep(0.3)  # probes running before the load starts, as during a sync
+        start = time.time()
+        load_into_sglang(url, Path(last["path"]), last["weight_version"], args.sync_timeout)
+        end = time.time()
+        time.sleep(0.3)
+    return {
+        "bare_load_s": end - start,
+        "bare_pause_s": probe.pause(start, end),
+        "bare_pause_sent_s": measures.pause_started_in(probe.spans, start, end, probe.idle),
+        "bare_idle_probe_s": probe.idle,
+    }
 
 
 def stage_dir_for(args: argparse.Namespace, work: Path, run: str) -> Path:
@@ -788,7 +823,8 @@ def print_tables(cases: list[Case]) -> None:
         print("\nSGLang's pause during a sync (one-token /generate probes back to back; medians, seconds):")
         print(
             f"{'size':<6}{'storage':<16}{'path':<7}{'idle':>7}{'load':>7}{'pause':>7}{'/load':>7}{'r.pause':>8}"
-            f"{'/load':>7}{'ld.pause':>9}{'/load':>7}{'in load':>8}"
+            f"{'/load':>7}{'ld.pause':>9}{'/load':>7}{'in load':>8}{'ld.sent':>8}{'/load':>7}"
+            f"{'bare ld':>8}{'b.pause':>8}{'/load':>7}{'b.sent':>7}{'/load':>7}"
         )
         for c in pauses:
             m, r = c.medians(), c.ratios()
@@ -801,13 +837,22 @@ def print_tables(cases: list[Case]) -> None:
                     f"{ratio(r.get(f'{label} pause/load'), 7)}{fmt(m.get(f'{kind}.replica_pause_s'), 8)}"
                     f"{ratio(r.get(f'{label} replica_pause/load'), 7)}{fmt(m.get(f'{kind}.load_pause_s'), 9)}"
                     f"{ratio(r.get(f'{label} load_pause/load'), 7)}{fmt(m.get(f'{kind}.load_probe_overlap_s'), 8)}"
+                    f"{fmt(m.get(f'{kind}.load_pause_sent_s'), 8)}{ratio(r.get(f'{label} load_pause_sent/load'), 7)}"
+                    f"{fmt(m.get(f'{kind}.bare_load_s'), 8)}{fmt(m.get(f'{kind}.bare_pause_s'), 8)}"
+                    f"{ratio(r.get(f'{label} bare_pause/load'), 7)}{fmt(m.get(f'{kind}.bare_pause_sent_s'), 7)}"
+                    f"{ratio(r.get(f'{label} bare_pause_sent/load'), 7)}"
                 )
         print(
             "idle: median probe timed just before the sync with nothing else running (the baseline);"
             " pause: the longest probe during the sync (publish start -> acknowledged) less idle;"
             " r.pause: the same from the publish's rename on (the replica's part: what SGLang feels"
             " where the trainer runs elsewhere); ld.pause: over the sidecar's recorded load interval;"
-            " in load: seconds of that interval probes were in flight"
+            " in load: seconds of that interval probes were in flight; ld.sent: the longest probe"
+            " sent during that interval less idle (the one in flight when the load began finishes"
+            " on the old weights first: what slowed it was the rebuild beside it, counted in"
+            " r.pause); bare ld, b.pause, b.sent: SGLang loading the same staged copy again right"
+            " after, by a bare /update_weights_from_disk with the probe running and nothing else"
+            " to do (SGLang's own floor; its /load is over the bare load)"
         )
     if any(c.sglang for c in cases):
         print(

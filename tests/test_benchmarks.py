@@ -52,6 +52,11 @@ def test_sync_bench_reports_every_phase_and_both_baselines(tmp_path: Path) -> No
     assert all(med[f"ours_nostage.{p}"] >= 0 for p in phases)
     assert abs(ratios["ours/ours_nostage"] - med["ours.end_to_end_s"] / med["ours_nostage.end_to_end_s"]) < 1e-9
     assert "What verified staging costs" in done.stdout
+    # SGLang's own floor: the copy it serves loaded again by a bare call, with the probe running
+    # (not for the direct path, which has no staged copy of its own).
+    assert med["ours.bare_load_s"] > 0 and med["ours.bare_idle_probe_s"] > 0
+    assert abs(ratios["full bare_pause/load"] - med["ours.bare_pause_s"] / med["ours.bare_load_s"]) < 1e-9
+    assert "ours_nostage.bare_load_s" not in med
 
 
 def test_sync_bench_delta_times_both_paths_on_the_same_weights(tmp_path: Path) -> None:
@@ -87,6 +92,10 @@ def test_pause_is_measured_against_an_idle_baseline() -> None:
     assert measures.pause_over(spans, 0.0, 3.0, None) is None  # no baseline, no pause
     assert measures.pause_over([(0.0, 0.05)], 0.0, 1.0, idle) == 0.0  # faster than idle: no pause
     assert abs(measures.overlap_seconds(spans, 0.5, 2.05) - (0.4 + 0.1 + 0.05)) < 1e-12
+    # Only probes sent inside the window: the 0.8 s one was sent before 0.5, so it is not the load's.
+    assert measures.pause_started_in(spans, 0.5, 1.5, idle) == 0.0  # the one sent at 0.9 took 0.1 s
+    assert measures.pause_started_in(spans, 0.05, 1.5, idle) == 0.8 - idle  # sent at 0.1: inside
+    assert measures.pause_started_in(spans, 1.2, 1.8, idle) is None  # none sent then
 
 
 def test_physical_limits_time_every_part(tmp_path: Path) -> None:
