@@ -171,10 +171,7 @@ def idle_baseline(durations: Sequence[float]) -> float | None:
 def pause_over(spans: Iterable[tuple[float, float]], start: float, end: float, idle: float | None) -> float | None:
     """The longest probe overlapping [start, end], less the idle baseline (None: no probe
     overlapped, or no baseline)."""
-    inside = [b - a for a, b in spans if a < end and b > start]
-    if not inside or idle is None:
-        return None
-    return max(0.0, max(inside) - idle)
+    return _longest_over_idle([b - a for a, b in spans if a < end and b > start], idle)
 
 
 def pause_started_in(
@@ -184,10 +181,14 @@ def pause_started_in(
     then, or no baseline). A load holds back the requests that arrive while it runs; the probe
     already in flight when it begins finishes on the old weights first, and what slowed that
     one (the sidecar's rebuild on the same cores) is the sync's pause, not the load's."""
-    inside = [b - a for a, b in spans if start <= a <= end]
-    if not inside or idle is None:
+    return _longest_over_idle([b - a for a, b in spans if start <= a <= end], idle)
+
+
+def _longest_over_idle(durations: list[float], idle: float | None) -> float | None:
+    """The longest of ``durations`` less ``idle`` (never below 0); None without either."""
+    if not durations or idle is None:
         return None
-    return max(0.0, max(inside) - idle)
+    return max(0.0, max(durations) - idle)
 
 
 def overlap_seconds(spans: Iterable[tuple[float, float]], start: float, end: float) -> float:

@@ -346,6 +346,10 @@ class Probe:
         """Longest probe overlapping [start, end], less the idle baseline."""
         return measures.pause_over(self.spans, start, end, self.idle)
 
+    def pause_sent(self, start: float, end: float) -> float | None:
+        """Longest probe sent during [start, end], less the idle baseline."""
+        return measures.pause_started_in(self.spans, start, end, self.idle)
+
     def figures(self, t0: float, published: float, load_start: float, load_end: float, acked: float) -> dict:
         """The sync's pause figures: the whole sync's (publish start -> acknowledged), the
         replica's part (from the publish's rename on: what SGLang feels where the trainer runs on
@@ -358,7 +362,7 @@ class Probe:
             "pause_s": self.pause(t0, acked),
             "replica_pause_s": self.pause(published, acked),
             "load_pause_s": self.pause(load_start, load_end),
-            "load_pause_sent_s": measures.pause_started_in(self.spans, load_start, load_end, self.idle),
+            "load_pause_sent_s": self.pause_sent(load_start, load_end),
             "load_probe_overlap_s": measures.overlap_seconds(self.spans, load_start, load_end),
         }
 
@@ -634,7 +638,7 @@ def bare_load(url: str, sidecar: Any, args: argparse.Namespace) -> dict[str, flo
     ``/update_weights_from_disk`` call (same path, same weight version: nothing changes for the
     sidecar) with the probe running and nothing else to do: no rebuild, no trainer. The timed
     sync's pause over its load is read against this."""
-    last = sidecar.status().get("last_sync") or {}
+    last = sidecar.status()["last_sync"]  # the timed sync's
     time.sleep(0.5)  # the sidecar's housekeeping after the timed sync is done
     probe = Probe(url, idle_probes(url, args.idle_probe_s))
     with probe:
@@ -646,7 +650,7 @@ def bare_load(url: str, sidecar: Any, args: argparse.Namespace) -> dict[str, flo
     return {
         "bare_load_s": end - start,
         "bare_pause_s": probe.pause(start, end),
-        "bare_pause_sent_s": measures.pause_started_in(probe.spans, start, end, probe.idle),
+        "bare_pause_sent_s": probe.pause_sent(start, end),
         "bare_idle_probe_s": probe.idle,
     }
 
