@@ -213,6 +213,16 @@ def flag_value(args: Sequence[str], *names: str) -> str | None:
     return found[-1] if found else None
 
 
+def _count_flag(args: Sequence[str], default: int, *names: str) -> int | None:
+    """The whole number given to the last of ``names`` (``default`` when none is); None when it is
+    not plain ASCII digits (SGLang's own parser then refuses it with its message)."""
+    value = flag_value(args, *names)
+    if value is None:
+        return default
+    value = value.strip()
+    return int(value) if value.isascii() and value.isdigit() else None
+
+
 def _has_flag(args: Sequence[str], *names: str) -> bool:
     return any(a in names or a.split("=", 1)[0] in names for a in args)
 
@@ -315,15 +325,28 @@ def query_gpu_memory() -> list[GPUMemory]:
 
 
 def gpus_for_server(gpus: Sequence[GPUMemory], visible: str | None, base_gpu_id: int, count: int) -> list[GPUMemory]:
-    """The GPUs one SGLang server uses: `count` from `base_gpu_id` in CUDA_VISIBLE_DEVICES order."""
+    """The GPUs one SGLang server uses: `count` from `base_gpu_id` in CUDA_VISIBLE_DEVICES order.
+
+    Read as CUDA reads it: each item is an index (ASCII digits) or a ``GPU-``/``MIG-`` UUID
+    prefix, and the first item that names no GPU (empty, anything else, or matching none) hides
+    it and every item after it (CUDA's documented rule)."""
     if visible is not None and visible.strip() != "":
-        order = []
+        order: list[GPUMemory] = []
         for item in visible.split(","):
             item = item.strip()
-            match = [g for g in gpus if (item.isdigit() and g.index == int(item)) or g.uuid.startswith(item)]
-            order += match[:1]
+            if item.isascii() and item.isdigit():
+                match = [g for g in gpus if g.index == int(item)]
+            elif item[:4] in ("GPU-", "MIG-") and len(item) > 4:
+                match = [g for g in gpus if g.uuid.startswith(item)]
+            else:
+                match = []
+            if not match or match[0] in order:
+                break
+            order.append(match[0])
     else:
         order = sorted(gpus, key=lambda g: g.index)
+    if base_gpu_id < 0 or count < 1:
+        return []
     return order[base_gpu_id : base_gpu_id + count]
 
 
@@ -522,11 +545,14 @@ class SGLangServer:
             if self.device != "cuda" or _has_flag(args, "--mem-fraction-static"):
                 self._cuda_plan = (None, "")
             else:
-                tp = int(flag_value(args, "--tp-size", "--tp", "--tensor-parallel-size") or 1)
-                base = int(flag_value(args, "--base-gpu-id") or 0)
-                visible = {**os.environ, **self.config.env}.get("CUDA_VISIBLE_DEVICES")
-                mine = gpus_for_server(query_gpu_memory(), visible, base, tp)
-                self._cuda_plan = shared_gpu_mem_fraction(mine)
+                tp = _count_flag(args, 1, "--tp-size", "--tp", "--tensor-parallel-size")
+                base = _count_flag(args, 0, "--base-gpu-id")
+                if tp is None or base is None:  # not a count: SGLang's own parser refuses it, naming it
+                    self._cuda_plan = (None, "")
+                else:
+                    visible = {**os.environ, **self.config.env}.get("CUDA_VISIBLE_DEVICES")
+                    mine = gpus_for_server(query_gpu_memory(), visible, base, tp)
+                    self._cuda_plan = shared_gpu_mem_fraction(mine)
         return self._cuda_plan
 
     def environment(self) -> dict[str, str]:

@@ -348,6 +348,36 @@ def test_cuda_visible_devices_uuids_select_the_servers_gpu(fake_gpus, tmp_path):
     assert "--mem-fraction-static" in server.command()
 
 
+def test_cuda_visible_devices_is_read_as_cuda_reads_it_the_first_item_naming_no_gpu_hides_the_rest():
+    gpus = [sglang_launcher.GPUMemory(i, f"GPU-0000000{i}-fake", 100.0, 0.0) for i in range(3)]
+
+    def pick(visible, base=0, count=3):
+        return [g.index for g in sglang_launcher.gpus_for_server(gpus, visible, base, count)]
+
+    assert pick("2,0") == [2, 0] and pick(None) == [0, 1, 2] and pick(" ") == [0, 1, 2]
+    assert pick("GPU-00000001,2") == [1, 2]
+    # An empty item, another script's digits, a bare "GPU-" (which every UUID starts with), an
+    # index or UUID that is not there, a repeat: CUDA sees only the GPUs before it.
+    for visible in ("1,,2", "1,\u0662", "1,GPU-", "1,7,2", "1,GPU-ffff,2", "1,1,2", "1,-1,2"):
+        assert pick(visible) == [1], visible
+    assert pick("\u0661") == [] and pick("2,1", base=1, count=1) == [1]
+    assert pick("0,1", base=-1) == [] and pick("0,1", count=0) == []
+
+
+@pytest.mark.parametrize(
+    "extra", [["--tp-size", "two"], ["--tp", "\u0662"], ["--tensor-parallel-size=1.5"], ["--base-gpu-id", "-1"]]
+)
+def test_a_gpu_count_sglang_will_refuse_leaves_its_memory_share_to_sglang_instead_of_a_traceback(
+    fake_gpus, tmp_path, extra
+):
+    fake_gpus([{"memory_used": 90000}, {}])  # a busy GPU 0: a plan would add a fraction
+    server = SGLangServer(tmp_path, device="cuda", extra_args=extra, log_path=tmp_path / "s.log")
+    cmd = server.command()  # SGLang's own parser names the bad flag when it starts
+    assert "--mem-fraction-static" not in cmd and cmd[-len(extra) :] == extra
+    good = SGLangServer(tmp_path, device="cuda", extra_args=["--tp-size", " 2 "], log_path=tmp_path / "t.log")
+    assert "--mem-fraction-static" in good.command()
+
+
 # ------------------------------------------- 7. liveness that knows about weight loads in flight
 
 
