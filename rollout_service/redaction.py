@@ -11,12 +11,29 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-_CREDENTIAL_END = r"(?:(?<=api-key)|(?<=token)|(?<=secret)|(?<=password))"
+SGLANG_CREDENTIAL_OPTIONS = {"--api-key": "--ap", "--admin-api-key": "--ad", "--ssl-keyfile-password": "--ssl-keyfile-"}
+"""SGLang 0.5.23's options whose value is a credential, each with the shortest abbreviation its
+parser takes for it (argparse's ``allow_abbrev``: ``--api-ke KEY`` is ``--api-key KEY``)."""
+
+
+def spellings(option: str, shortest: str) -> tuple[str, ...]:
+    """``option`` and each abbreviation of it down to ``shortest``: SGLang's parser takes any
+    prefix of an option that no other option shares (argparse's ``allow_abbrev``)."""
+    return tuple(option[:n] for n in range(len(shortest), len(option) + 1))
+
+
+_ABBREVIATED = "|".join(
+    rf"(?<=(?<![\w-]){re.escape(s)})"
+    for option, shortest in SGLANG_CREDENTIAL_OPTIONS.items()
+    for s in spellings(option, shortest)
+)
+_CREDENTIAL_END = rf"(?:(?<=api-key)|(?<=token)|(?<=secret)|(?<=password)|{_ABBREVIATED})"
 SECRET_FLAG = re.compile(r"(?<![\w-])(?>--[\w-]+)" + _CREDENTIAL_END, re.IGNORECASE)
 """A command-line flag whose value is a credential: its name ends in ``api-key``, ``token``,
 ``secret`` or ``password`` (``--api-key``, ``--admin-api-key``; not ``--skip-tokenizer-init`` or
-``--max-total-tokens``). It starts only where no dash or word character comes before it and
-is atomic, so a long run of dashes is scanned once, not once per position."""
+``--max-total-tokens``), or it is SGLang's abbreviation of one (``--api-ke``, ``--ap``). It starts
+only where no dash or word character comes before it and is atomic, so a long run of dashes is
+scanned once, not once per position."""
 
 _SECRET_NAME_IN_TEXT = (
     r"(?<![\w-])(?>--[\w-]+)" + _CREDENTIAL_END + r"|\b(?>\w+)"
@@ -50,7 +67,7 @@ def shown_command(cmd: Sequence[str]) -> list[str]:
             shown.append(f"{flag}=***" if eq else arg)
             hide_next = not eq
         else:
-            shown.append(arg)
+            shown.append(_hide_remembered(arg))
     return shown
 
 
@@ -68,11 +85,16 @@ def remember_secret(value: str | None) -> None:
         _remembered.add(value)
 
 
+def _hide_remembered(text: str) -> str:
+    for secret in sorted(_remembered, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
 def redact_text(text: str) -> str:
     """``text`` (a log tail, an error message) with every credential's value as ``***``;
     ``None``/``False`` values are kept (no credential to hide)."""
-    for secret in sorted(_remembered, key=len, reverse=True):
-        text = text.replace(secret, "***")
+    text = _hide_remembered(text)
 
     def hide(match: re.Match[str]) -> str:
         if match["bearer"] is not None:

@@ -36,7 +36,7 @@ from .process_group import (
     log_path_problem,
     log_tail,
 )
-from .redaction import shown_command
+from .redaction import SGLANG_CREDENTIAL_OPTIONS, shown_command, spellings
 
 logger = logging.getLogger(__name__)
 
@@ -227,12 +227,6 @@ def _has_flag(args: Sequence[str], *names: str) -> bool:
     return any(a in names or a.split("=", 1)[0] in names for a in args)
 
 
-def spellings(option: str, shortest: str) -> tuple[str, ...]:
-    """``option`` and each abbreviation of it down to ``shortest``: SGLang's parser takes any
-    prefix of an option that no other option shares (argparse's ``allow_abbrev``)."""
-    return tuple(option[:n] for n in range(len(shortest), len(option) + 1))
-
-
 OWN_SGLANG_OPTIONS: dict[str, tuple[str, ...]] = {
     "model_path": (*spellings("--model-path", "--model-p"), "--model"),
     "host": spellings("--host", "--ho"),
@@ -244,7 +238,7 @@ Given again in ``extra_args`` (after ``serve --``) one would win, argparse keepi
 would listen elsewhere than `SGLangServer.url` (where the supervisor and the sidecar look) or
 serve another model than the one the sidecar checks checkpoints against."""
 
-API_KEY_OPTIONS = spellings("--api-key", "--ap")
+API_KEY_OPTIONS = spellings("--api-key", SGLANG_CREDENTIAL_OPTIONS["--api-key"])
 """SGLang's ``--api-key`` as its parser takes it."""
 
 

@@ -172,6 +172,49 @@ def test_a_credential_in_a_command_line_error_is_hidden(capsys: pytest.CaptureFi
     assert exit_info.value.code == 2 and "unrecognized arguments: --api-key ***" in err and "SECRETX" not in err
 
 
+@pytest.mark.parametrize("flag", ["--api-ke", "--ap", "--admin-api-k", "--ad", "--ssl-keyfile-passw"])
+def test_sglangs_abbreviations_of_a_credential_flag_are_hidden_in_the_logged_command_and_in_errors(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SGLang's parser takes ``--api-ke KEY`` for ``--api-key KEY``: its value is a credential too."""
+    assert shown_command(["sglang", flag, "KEY-VALUE-1", f"{flag}=KEY-VALUE-2", "--port", "1"]) == [
+        "sglang",
+        flag,
+        "***",
+        f"{flag}=***",
+        "--port",
+        "1",
+    ]
+    from rollout_service.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "m", "--checkpoint-path", "/nonexistent", flag, "KEY-VALUE-3"])
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {flag} ***" in err and "KEY-VALUE" not in err
+    # Flags that only look alike keep their values.
+    assert shown_command(["--apple", "v", "--snap", "w", "--a", "x"]) == ["--apple", "v", "--snap", "w", "--a", "x"]
+
+
+def test_the_credential_options_listed_are_sglangs_with_the_abbreviations_its_parser_takes() -> None:
+    """The table the redaction reads (`SGLANG_CREDENTIAL_OPTIONS`) against SGLang's own parser:
+    every option it has whose value is a credential, and the shortest prefix it takes for each."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from rollout_service.redaction import SECRET_FLAG, SGLANG_CREDENTIAL_OPTIONS
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    options = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    credentials = {o for o in options if o.endswith(("api-key", "password", "secret", "auth-token"))}
+    assert credentials == set(SGLANG_CREDENTIAL_OPTIONS)
+    for option, shortest in SGLANG_CREDENTIAL_OPTIONS.items():
+        assert [o for o in options if o.startswith(shortest)] == [option], option
+        assert len([o for o in options if o.startswith(shortest[:-1])]) > 1, option  # the shortest
+        assert SECRET_FLAG.fullmatch(shortest) and not SECRET_FLAG.fullmatch(shortest[:-1])
+
+
 def test_a_process_name_that_is_not_utf8_does_not_stop_the_group_walk() -> None:
     """Linux cuts a process name at 15 bytes, mid-character too: reading /proc must not raise."""
     import os
