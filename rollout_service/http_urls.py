@@ -30,19 +30,28 @@ def _without_userinfo(text: str) -> str:
     return _USERINFO_RE.sub(r"\g<scheme>***@", text)
 
 
+def _shown(text: str) -> str:
+    """``text`` as an error may repeat it: no ``user:password@``, and nothing from a ``?`` or
+    ``#`` on (a query may hold a key), shown as ``?...``."""
+    cut = min((i for i in (text.find("?"), text.find("#")) if i >= 0), default=len(text))
+    return _without_userinfo(text[:cut]) + ("?..." if cut < len(text) else "")
+
+
 def check_http_url(url: str, name: str) -> str:
     """``url`` without its trailing ``/``, if it is an ``http(s)://host[:port][/path]`` address;
     else a ``ValueError`` naming the setting ``name`` and what to write instead."""
     url = str(url).strip().rstrip("/")
-    shown = _without_userinfo(url)  # an error message never repeats a password
-    if not url.startswith(("http://", "https://")):
+    shown = _shown(url)  # an error message never repeats a password or a query
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
         raise ValueError(f"{name} must start with http:// or https://, got {shown!r}")
+    url = f"{scheme.lower()}://{rest}"
     try:
         parsed = httpx.URL(url)
         port = parsed.port
     except (httpx.InvalidURL, ValueError) as exc:
         raise ValueError(
-            f"{name} is not a valid URL ({_without_userinfo(str(exc))}): {shown!r}; write"
+            f"{name} is not a valid URL ({_shown(str(exc))}): {shown!r}; write"
             " http://HOST:PORT, an IPv6 host in brackets (http://[::1]:30000)"
         ) from None
     if not parsed.host:

@@ -279,3 +279,27 @@ def test_a_url_with_a_query_or_fragment_is_refused_without_repeating_it(url: str
     with pytest.raises(ValueError, match="query or fragment") as refused:
         check_http_url(url, "--sglang-url")
     assert "hunter2" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://sglang:99999/?api_key=hunter2",  # a port out of range
+        "http://[::1/?api_key=hunter2",  # not parsable
+        "ftp://sglang:1/?api_key=hunter2",  # another scheme
+        "http://:1/#hunter2",  # no host
+        "http://sglang:99999#hunter2?x",
+    ],
+)
+def test_no_error_refusing_a_url_repeats_its_query_or_fragment(url: str) -> None:
+    """Whatever else is wrong with the URL, the error that names it shows ``?...`` for its query."""
+    with pytest.raises(ValueError) as refused:
+        check_http_url(url, "--sglang-url")
+    assert "hunter2" not in str(refused.value) and "?..." in str(refused.value), str(refused.value)
+
+
+def test_a_url_scheme_is_accepted_in_any_case_and_given_back_in_lower_case() -> None:
+    assert check_http_url("HTTP://Sglang:30000/", "--sglang-url") == "http://Sglang:30000"
+    assert check_http_url("Https://h:1/v1", "--sglang-url") == "https://h:1/v1"
+    with pytest.raises(ValueError, match="must start with http:// or https://"):
+        check_http_url("httpx://h:1", "--sglang-url")
