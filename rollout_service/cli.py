@@ -46,6 +46,7 @@ from .serve import RestartPolicy, run_serve
 from .sglang_launcher import API_KEY_OPTIONS, SGLangServer, SGLangServerConfig, flag_value, free_port, server_url
 from .sidecar.root_gate import answered_within
 from .sidecar.settings import SidecarSettings
+from .user_paths import setting_path
 
 if TYPE_CHECKING:  # checkpoint_reader imports safetensors: only the commands that read checkpoints do
     from .checkpoint_reader import TensorSpecs
@@ -498,7 +499,7 @@ def _serve_setup(
     listeners = _check_serve_ports(config.host, port, sidecar["host"], sidecar["port"])
     made: list[Path] = []
     try:
-        made = _make_root(Path(args.checkpoint_path), sidecar["root_timeout_s"])
+        made = _make_root(setting_path(args.checkpoint_path, "--checkpoint-path"), sidecar["root_timeout_s"])
         settings = SERVE_SIDECAR_SETTINGS.build(args, sglang_url=server_url(config.host, port), sglang_api_key=api_key)
         server = SGLangServer(**{**sglang, "port": port})
     except BaseException:

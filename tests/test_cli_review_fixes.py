@@ -558,3 +558,35 @@ def test_stop_still_ends_the_children_of_a_leader_that_exited_and_was_reaped(tmp
     assert not _gone(child) and os.getpgid(child) == group.pid
     group.stop(timeout_s=5)
     _wait_for(lambda: _gone(child), 10, "the child the leader left in its group to end")
+
+
+def test_a_tilde_checkpoint_path_from_the_environment_is_one_folder_for_serve_and_its_sidecar(
+    capsys, tmp_path: Path, recorded: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``~`` in ROLLOUT_CHECKPOINT_PATH reaches the program unexpanded: serve made ``./~/ckpt``
+    while its sidecar watched ``$HOME/ckpt`` (and refused it: not a directory)."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("ROLLOUT_CHECKPOINT_PATH", "~/ckpt")
+    monkeypatch.chdir(work)
+    rc = main(["serve", "--model", str(tmp_path), "--device", "cpu"])
+    assert rc == 0, capsys.readouterr().err
+    assert recorded["settings"].checkpoint_path == home / "ckpt" and (home / "ckpt").is_dir()
+    assert list(work.iterdir()) == []  # no folder named '~' in the working directory
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint-path", "--stage-dir"])
+def test_a_tilde_of_a_user_with_no_home_is_refused_naming_the_flag_not_a_traceback(
+    capsys, tmp_path: Path, flag: str
+) -> None:
+    paths = {"--checkpoint-path": str(tmp_path), "--stage-dir": str(tmp_path / "stage")}
+    paths[flag] = "~no_such_user_zz91/x"
+    argv = ["sidecar", "--sglang-url", "http://127.0.0.1:1"]
+    argv += [a for pair in paths.items() for a in pair]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc != 0 and f"{flag} '~no_such_user_zz91/x' starts with ~" in err and "Traceback" not in err, err
+    with pytest.raises(ValueError, match="no_such_user_zz91"):
+        SidecarSettings(checkpoint_path="~no_such_user_zz91/x", sglang_url="http://127.0.0.1:1", replica_id="r")

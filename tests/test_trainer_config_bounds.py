@@ -296,3 +296,26 @@ def test_a_junk_server_info_falls_back_to_merged_sync_with_the_reason(junk_serve
     assert isinstance(limits, str)
     assert limits.startswith(f"cannot read {junk_server_info}/server_info (ValueError:")
     assert "lora_target_modules=5" in limits
+
+
+# --- paths of any type and with ~ -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [123, b"/tmp/ckpt", ["/tmp/ckpt"], "~no_such_user_zz91/ckpt"])
+def test_a_checkpoint_path_that_is_no_usable_path_is_refused_naming_the_field(tmp_path: Path, value: Any) -> None:
+    with pytest.raises(ValueError, match=r"checkpoint_path") as refused:
+        make_config(tmp_path, tmp_path, URLS, SIDECARS, checkpoint_path=value)
+    assert "~" not in str(value) or "no home directory" in str(refused.value)
+
+
+def test_a_log_path_given_as_a_path_object_or_with_tilde_is_read_like_a_string(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = config(tmp_path, sglang_log_paths=tmp_path / "one.log")
+    assert cfg.sglang_log_paths == [str(tmp_path / "one.log")]
+    assert config(tmp_path, sglang_log_paths=["~/two.log"]).sglang_log_paths == [str(tmp_path / "two.log")]
+    with pytest.raises(ValueError, match="sglang_log_paths must be a path or a list of paths"):
+        config(tmp_path, sglang_log_paths=7)
+    with pytest.raises(ValueError, match=r"sglang_log_paths entry .*no home directory"):
+        config(tmp_path, sglang_log_paths=["~no_such_user_zz91/x.log"])

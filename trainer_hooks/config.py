@@ -37,6 +37,7 @@ from rollout_service.http_auth import check_token
 from rollout_service.http_urls import check_http_url
 from rollout_service.protocol import ACK_INTERVAL_S, MIN_HEARTBEAT_MAX_AGE_S
 from rollout_service.sidecar.root_gate import answered_within
+from rollout_service.user_paths import setting_path
 
 from .checkpoint_dtype import publishable_dtype
 from .sampling_checks import check_sampling_values
@@ -259,8 +260,13 @@ class SGLangRolloutArguments:
                 "use vllm_mode='server' (the default of trainer_hooks' config)."
             )
         self.sglang_urls = _normalize_urls(self.sglang_urls, "sglang_urls")
-        if isinstance(self.sglang_log_paths, str):
+        if isinstance(self.sglang_log_paths, (str, os.PathLike)):
             self.sglang_log_paths = [self.sglang_log_paths]
+        elif self.sglang_log_paths is not None and not isinstance(self.sglang_log_paths, (list, tuple)):
+            raise ValueError(
+                f"sglang_log_paths must be a path or a list of paths (one per sglang_urls entry), got"
+                f" {type(self.sglang_log_paths).__name__}"
+            )
         self.sglang_log_paths = [_check_log_path(p) for p in (self.sglang_log_paths or [])]
         if self.sglang_log_paths and len(self.sglang_log_paths) not in (1, len(self.sglang_urls)):
             raise ValueError(
@@ -313,7 +319,7 @@ class SGLangRolloutArguments:
                 "checkpoint_path is required: the shared directory the trainer publishes checkpoints into "
                 "and the SGLang sidecars watch (the --checkpoint-path of `rollout-service serve`)"
             )
-        self.checkpoint_path = os.fspath(Path(self.checkpoint_path).expanduser().absolute())
+        self.checkpoint_path = os.fspath(setting_path(self.checkpoint_path, "checkpoint_path"))
         if is_main_process:
             path, bound = Path(self.checkpoint_path), self.sync_timeout
             answered, _ = answered_within(lambda: check_checkpoint_dir(path), bound, f"checking {path}")
@@ -380,7 +386,7 @@ def _check_log_path(path: object) -> str:
     not exist yet is fine: SGLang may create it later."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise ValueError(f"sglang_log_paths entries must be file paths, got {path!r}")
-    expanded = os.fspath(Path(path).expanduser())
+    expanded = os.fspath(setting_path(path, "sglang_log_paths entry"))
     try:
         mode = os.stat(expanded).st_mode
     except OSError:

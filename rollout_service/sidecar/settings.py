@@ -16,6 +16,7 @@ from ..cli_env import TIMEOUT_S, bounds_metadata, check_bounds, setting
 from ..http_auth import LOOPBACK_HOSTS, check_token
 from ..http_urls import check_bind_host, check_http_url
 from ..protocol import ACK_INTERVAL_S, REPLICA_ID_PATTERN
+from ..user_paths import setting_path
 from .root_gate import answered_within
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,7 @@ class SidecarSettings:
     def __post_init__(self) -> None:
         # Absolute from here on: paths built from the root are confined to it by resolve_inside,
         # which reads a relative path as relative to the root (a relative root would double).
-        self.checkpoint_path = Path(self.checkpoint_path).expanduser().absolute()
+        self.checkpoint_path = setting_path(self.checkpoint_path, "--checkpoint-path")
         check_bounds(self)  # every number: finite and in its declared range, or a ValueError naming its flag
         check_bind_host(self.host, "--host")
         check_token(self.token, "--token")
@@ -204,7 +205,7 @@ class SidecarSettings:
 
             self.stage_dir = default_stage_dir(self.replica_id)
         else:
-            self.stage_dir = Path(self.stage_dir).expanduser().absolute()
+            self.stage_dir = setting_path(self.stage_dir, "--stage-dir")
         self._check_root()
 
     def _check_root(self) -> None:
