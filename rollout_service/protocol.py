@@ -181,6 +181,18 @@ def heartbeat_problem(value: Any, *, now: float, max_age_s: float | None = None)
     return None
 
 
+_TEMP_SUFFIX_HEX = 8
+"""Random hex digits that end an :func:`atomic_replace` temporary file's name."""
+
+
+def is_owned_temp(name: str, owner: str) -> bool:
+    """Whether ``name`` is a temporary file :func:`atomic_replace` made for ``owner``, and no one
+    else's (``.tmp-a-1234abcd`` is replica ``a``'s; ``.tmp-a-b-1234abcd`` is replica ``a-b``'s)."""
+    prefix = f"{TEMP_PREFIX}{owner}-"
+    rest = name[len(prefix) :]
+    return name.startswith(prefix) and len(rest) == _TEMP_SUFFIX_HEX and all(c in "0123456789abcdef" for c in rest)
+
+
 def atomic_replace(dir_fd: int, name: str, data: bytes, *, owner: str = "") -> None:
     """Replace file ``name`` in the directory open as ``dir_fd`` with ``data``, atomically.
 
@@ -188,7 +200,7 @@ def atomic_replace(dir_fd: int, name: str, data: bytes, *, owner: str = "") -> N
     are fsynced, and the temporary file is renamed over ``name``; a crash leaves either the
     old file or the new one, plus at most the temporary file.
     """
-    tmp = f"{TEMP_PREFIX}{owner + '-' if owner else ''}{uuid.uuid4().hex[:8]}"
+    tmp = f"{TEMP_PREFIX}{owner + '-' if owner else ''}{uuid.uuid4().hex[:_TEMP_SUFFIX_HEX]}"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _NOFOLLOW, 0o644, dir_fd=dir_fd)
         try:

@@ -34,7 +34,7 @@ from rollout_service.checkpoint_format import CONFIG_NAME
 from rollout_service.checkpoint_writer import publish_checkpoint
 from rollout_service.sidecar import acks as acks_module
 from rollout_service.sidecar import controller as controller_module
-from rollout_service.sidecar.acks import AckWriter
+from rollout_service.sidecar.acks import AckWriter, write_ack
 from rollout_service.sidecar.controller import MAX_DETECTED, SyncController
 from rollout_service.sidecar.settings import SidecarSettings
 from rollout_service.sidecar.sglang_client import ServerView, SGLangErrorAnswer, SGLangLoadTimedOut
@@ -306,12 +306,26 @@ def test_the_start_up_clean_up_of_the_acks_folder_is_bounded(tmp_path: Path, mon
     folder = tmp_path / "acks"
     folder.mkdir()
     for i in range(300):
-        (folder / f".tmp-r0-{i}").write_bytes(b"")
+        (folder / f".tmp-r0-{i:08x}").write_bytes(b"")
     assert writer.clean_up_leftovers(budget_s=0.0) == 0  # out of time before the first
     monkeypatch.setattr(acks_module, "MAX_CLEANUP_ENTRIES", 100)
     assert writer.clean_up_leftovers() == 100  # no more entries looked at than the bound
     monkeypatch.undo()
     assert writer.clean_up_leftovers() == 200
+
+
+def test_a_replicas_start_up_removes_its_own_temporary_ack_files_not_those_of_a_replica_whose_id_extends_it(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "acks"
+    folder.mkdir()
+    mine, theirs = ".tmp-a-0123abcd", ".tmp-a-b-0123abcd"  # replica "a-b" writes its ack right now
+    for name in (mine, theirs, ".tmp-a-0123abcd0", ".tmp-a-xyz"):
+        (folder / name).write_bytes(b"")
+    assert AckWriter(tmp_path, "a").clean_up_leftovers() == 1
+    assert sorted(p.name for p in folder.iterdir()) == [".tmp-a-0123abcd0", theirs, ".tmp-a-xyz"]
+    write_ack(tmp_path, "a-b", {"loaded_step": 1})
+    assert AckWriter(tmp_path, "a-b").clean_up_leftovers() == 1 and not (folder / theirs).exists()
 
 
 def test_a_failed_look_at_the_served_step_does_not_reload_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

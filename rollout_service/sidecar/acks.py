@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint_format import ACKS_DIR, TEMP_PREFIX
-from ..protocol import ReplicaReport, atomic_replace, read_acks  # noqa: F401 (read_acks: re-export)
+from ..protocol import ReplicaReport, atomic_replace, is_owned_temp, read_acks  # noqa: F401 (read_acks: re-export)
 
 STALE_TEMP_S = 3600.0
 MAX_CLEANUP_ENTRIES = 10_000
@@ -90,7 +90,7 @@ class AckWriter:
                     continue
                 try:
                     st = os.lstat(name, dir_fd=dir_fd)
-                    if name.startswith(f"{TEMP_PREFIX}{self.replica_id}-") or now - st.st_mtime > STALE_TEMP_S:
+                    if is_owned_temp(name, self.replica_id) or now - st.st_mtime > STALE_TEMP_S:
                         os.unlink(name, dir_fd=dir_fd)
                         removed += 1
                 except OSError:
