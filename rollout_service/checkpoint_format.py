@@ -308,6 +308,19 @@ class Manifest:
         booleans or floats where integers belong and out-of-range numbers are all refused.
         """
         data = parse_json_object(text, where=where, reason="bad_manifest")
+        try:
+            return cls._from_data(data, where)
+        except CheckpointError:
+            raise
+        except (TypeError, ValueError, OverflowError, KeyError, AttributeError, RecursionError) as exc:
+            # A check above missed a shape of bad input: it is still this manifest's rejection,
+            # never an exception that stops the reader's caller (a sidecar's loop).
+            raise CheckpointError(
+                "bad_manifest", f"{where}: a field this reader cannot use ({type(exc).__name__}: {str(exc)[:200]})"
+            ) from None
+
+    @classmethod
+    def _from_data(cls, data: dict[str, Any], where: str) -> Manifest:
         version = data.get("format_version")
         if version not in READABLE_FORMAT_VERSIONS or isinstance(version, bool):
             raise CheckpointError(
@@ -366,14 +379,18 @@ class Manifest:
         if run_id is not None and not (isinstance(run_id, str) and RUN_ID_RE.fullmatch(run_id)):
             raise CheckpointError("bad_manifest", f"{where}: run_id must be 1-64 letters, digits, '_' or '-'")
         base_model = data["base_model"]
-        if base_model is not None and not isinstance(base_model, str):
-            raise CheckpointError("bad_manifest", f"{where}: base_model must be a string or null")
+        if base_model is not None and not (isinstance(base_model, str) and len(base_model) <= MAX_BASE_MODEL_CHARS):
+            raise CheckpointError(
+                "bad_manifest",
+                f"{where}: base_model must be null or a string of at most {MAX_BASE_MODEL_CHARS} characters",
+            )
         digest_algorithm = data["digest_algorithm"]
         if digest_algorithm != DIGEST_ALGORITHM:
             raise CheckpointError("bad_manifest", f"{where}: digest_algorithm must be {DIGEST_ALGORITHM!r}")
         created_at = data["created_at"]
-        if isinstance(created_at, bool) or not isinstance(created_at, (int, float)) or not math.isfinite(created_at):
-            raise CheckpointError("bad_manifest", f"{where}: created_at must be a finite number")
+        # Compared before any conversion: float() of a JSON integer of hundreds of digits overflows.
+        if isinstance(created_at, bool) or not isinstance(created_at, (int, float)) or not abs(created_at) < 1e12:
+            raise CheckpointError("bad_manifest", f"{where}: created_at must be a finite number of seconds (a time)")
         total_bytes = field_of.integer(data["total_bytes"], "total_bytes", MAX_FILE_BYTES * MAX_MANIFEST_FILES)
         listed = sum(e.size for e in files.values())
         if total_bytes != listed:  # readers size the stage's room and progress by it
@@ -392,7 +409,7 @@ class Manifest:
             files=files,
             digest_algorithm=digest_algorithm,
             format_version=version,
-            extra=field_of.tree(data.get("extra") or {}, "extra"),
+            extra=field_of.tree(data.get("extra", {}), "extra"),
             run_id=run_id,
             kind=kind,
             delta=delta,
@@ -424,10 +441,12 @@ class Manifest:
 
 
 MAX_MANIFEST_FILES = 10_000
-MAX_TREE_DEPTH, MAX_TREE_NODES = 32, 10_000
+MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_CHARS = 32, 10_000, 1 << 16
 """Nesting and size allowed in a manifest's free-form ``writer`` and ``extra`` objects: deeper
 JSON parses but cannot be serialized again (Python's recursion limit), and a reader holds every
-manifest of a delta chain."""
+manifest of a delta chain (1000 links of 64 KiB of text each: 64 MB, not 1000 x 16 MiB)."""
+MAX_BASE_MODEL_CHARS = 4096
+"""The longest ``base_model`` (a hub id or a path: PATH_MAX is 4096), for the same reason."""
 MAX_FILE_BYTES = 1 << 44
 """16 TiB: larger than any real shard, small enough that sizes cannot overflow sums."""
 RUN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}", re.ASCII)
@@ -522,12 +541,16 @@ class _FieldReader:
         (fingerprints, stage copies)."""
         top = self.obj(value, name)
         todo: list[tuple[Any, int]] = [(top, 1)]
-        nodes = 0
+        nodes = chars = 0
         while todo:
             node, depth = todo.pop()
             nodes += 1
             if nodes > MAX_TREE_NODES:
                 raise self._bad(name, f"JSON of at most {MAX_TREE_NODES} values", "...")
+            if isinstance(node, str) or isinstance(node, dict):
+                chars += len(node) if isinstance(node, str) else sum(len(k) for k in node)
+                if chars > MAX_TREE_CHARS:
+                    raise self._bad(name, f"JSON of at most {MAX_TREE_CHARS} characters of text", "...")
             if isinstance(node, float) and not math.isfinite(node):
                 raise self._bad(name, "JSON with finite numbers only", node)
             if isinstance(node, (dict, list)):

@@ -39,6 +39,7 @@ from .checkpoint_format import (
     MAX_SHARD_HEADER_BYTES,
     RUN_ID_RE,
     TEMP_PREFIX,
+    CheckpointError,
     FileEntry,
     Manifest,
     new_run_id,
@@ -513,6 +514,14 @@ def manifest_bytes(manifest: Manifest) -> bytes:
             tensor="",
             rule="manifest_too_large",
         )
+    try:  # what readers would refuse is never published (a base_model too long, a writer field)
+        Manifest.from_json(raw)
+    except CheckpointError as exc:
+        raise PublishRefused(
+            f"the manifest of step {manifest.step} would be refused by every reader ({exc}). Nothing was published",
+            tensor="",
+            rule="bad_manifest",
+        ) from None
     return raw
 
 

@@ -233,3 +233,22 @@ def test_a_refused_full_version_makes_the_next_publish_full_and_correct(tmp_path
     materialize(root, 2, out)
     assert_same_files(out, _publish_reference(full_root, 2, model))
     assert step_dir_name(2) in {p.name for p in root.iterdir()}
+
+
+def test_a_manifest_readers_would_refuse_is_never_published(tmp_path: Path) -> None:
+    """A base_model longer than readers take (a manifest field, not a tensor): refused by the
+    writers with the reader's reason, nothing published, for full and delta publishes alike."""
+    root = tmp_path / "root"
+    publish_checkpoint(root, 1, state(), config=CONFIG, run_id=RUN)
+    before = sorted(p.name for p in root.iterdir())
+    with pytest.raises(PublishRefused, match="base_model") as info:
+        publish_checkpoint(root, 2, state(seed=1), config=CONFIG, run_id=RUN, base_model="m" * 5000)
+    assert info.value.rule == "bad_manifest"
+    assert_nothing_new(root, before)
+    writer = DeltaCheckpointWriter()
+    writer.publish(root, 2, state(torch.bfloat16), config=CONFIG, run_id=RUN)
+    before = sorted(p.name for p in root.iterdir())
+    with pytest.raises(PublishRefused, match="base_model"):
+        writer.publish(root, 3, state(torch.bfloat16, seed=1), config=CONFIG, run_id=RUN, base_model="m" * 5000)
+    assert_nothing_new(root, before)
+    assert publish_checkpoint(root, 3, state(), config=CONFIG, run_id=RUN, base_model="m" * 4096).step == 3

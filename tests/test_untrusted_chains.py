@@ -12,6 +12,7 @@ sidecar-level cases are in ``test_sidecar_untrusted.py``.
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import struct
@@ -179,6 +180,17 @@ TEXT_EDITS: dict[str, Callable[[str], str]] = {
     ),
     "an infinite number in extra": lambda t: t.replace('"extra": {}', '"extra": {"x": 1e400}', 1),
     "created_at infinite": lambda t: t.replace('"created_at": ', '"created_at": 1e400, "_": ', 1),
+    "created_at an integer past any float": lambda t: t.replace('"created_at": ', f'"created_at": {10**400}, "_": ', 1),
+    "extra a list": lambda t: t.replace('"extra": {}', '"extra": []', 1),
+    "extra false": lambda t: t.replace('"extra": {}', '"extra": false', 1),
+    "extra null": lambda t: t.replace('"extra": {}', '"extra": null', 1),
+    "extra with a megabyte of text": lambda t: t.replace('"extra": {}', '"extra": {"x": "' + "a" * (1 << 20) + '"}', 1),
+    "extra with long keys": lambda t: t.replace(
+        '"extra": {}', '"extra": ' + json.dumps({"k" * 40_000 + str(i): 0 for i in range(2)}), 1
+    ),
+    "base_model of a megabyte": lambda t: re.sub(
+        r'"base_model": (null|"[^"]*")', '"base_model": "' + "m" * (1 << 20) + '"', t, count=1
+    ),
     "a key twice": lambda t: t.replace('"step": ', '"step": 1, "step": ', 1),
     "dtype a list": lambda t: t.replace('"dtype": "BF16"', '"dtype": ["BF16"]', 1),
     "dtype an object": lambda t: t.replace('"dtype": "BF16"', '"dtype": {"BF16": 1}', 1),

@@ -183,6 +183,7 @@ BAD_MANIFESTS = {
     "deep_nesting": lambda m: "[" * 100_000 + "]" * 100_000,
     "infinity_size": lambda m: json.dumps(m).replace(f'"total_bytes": {m["total_bytes"]}', '"total_bytes": Infinity'),
     "nan_created_at": lambda m: json.dumps(m).replace(f'"created_at": {m["created_at"]}', '"created_at": NaN'),
+    "huge_int_created_at": lambda m: json.dumps({**m, "created_at": 10**400}),
     "non_utf8": lambda m: b"\xff\xfe" + json.dumps(m).encode(),
     "files_is_a_list": lambda m: json.dumps({**m, "files": [1, 2]}),
     "size_is_a_string": lambda m: json.dumps(
