@@ -12,8 +12,8 @@ sidecar-level cases are in ``test_sidecar_untrusted.py``.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import struct
 import time
