@@ -1050,8 +1050,9 @@ class SyncController:
         remaining = max(0.001, s.validate_timeout_s - (time.monotonic() - deadline.started))
         try:
             # A rebuild onto a staged copy checked the tensors its deltas changed; the others are
-            # that copy's, checked when it was staged: no second read of the whole model. A full
-            # copy, or a chain replayed from a full step copied in, is checked whole.
+            # that copy's, checked when this process staged it: no second read of the whole model.
+            # A full copy, a chain replayed from a full step copied in, and a copy found staged
+            # (a killed sidecar may have renamed it into place before its check) are checked whole.
             staged_report = validate_checkpoint(
                 built.path,
                 root=self.stage.path,
@@ -1067,6 +1068,8 @@ class SyncController:
         except BaseException:
             self._remove_copy(built)
             raise
+        if s.check_finite:  # checked whole just now, or a rebuild on a copy checked whole before
+            self.stage.mark_finite(built.path)
         staged_report.digests_checked = True
         return staged_report, built
 

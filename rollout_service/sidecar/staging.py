@@ -43,6 +43,7 @@ reference.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -121,6 +122,8 @@ class StagedBuild:
     copy, checked when it was staged, with ``check_finite``); else the caller checks the copy."""
 
 
+MAX_FINITE_MARKS = 16
+"""Copies :meth:`Stage.mark_finite` remembers (a stage holds two or three at a time)."""
 SHM_MIN_FREE_BYTES = 8 << 30
 """/dev/shm is chosen by default only when this much is free (a container's default /dev/shm
 is 64 MiB; two copies of a 7B bf16 model need ~30 GB)."""
@@ -157,8 +160,22 @@ class Stage:
         self.path = Path(path)
         self._spare: Path | None = None
         """A copy nobody serves any more, whose files the next copy or rebuild writes over."""
+        self._finite: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """Names of the copies this process checked whole for NaN/Inf (:meth:`mark_finite`): only
+        such a copy lets a rebuild on it, or its reuse, skip the whole check. A copy found here
+        after a restart may have been renamed into place by a process killed before its check."""
         self._lock = -1
         self._open()
+
+    def mark_finite(self, path: Path) -> None:
+        """Record that the copy at ``path`` holds no NaN/Inf in any tensor (checked by the caller)."""
+        self._finite[path.name] = None
+        self._finite.move_to_end(path.name)
+        while len(self._finite) > MAX_FINITE_MARKS:
+            self._finite.popitem(last=False)
+
+    def _known_finite(self, path: Path) -> bool:
+        return path.name in self._finite
 
     def _open(self) -> None:
         """Make (or adopt) the folder, check it is this user's, take its lock, clear leftovers."""
@@ -473,9 +490,9 @@ class Stage:
         self._ensure_held()
         with self._stage_faults(f"staging {source_dir.name}"):
             staged = self._reuse(manifest, deadline)
-            if staged is not None:  # checked as a whole when it was staged, as its kind asked
+            if staged is not None:  # its bytes checked again; NaN/Inf only if this process checked it
                 return StagedBuild(
-                    staged, manifest.kind, 0, time.perf_counter() - t0, 0, check_finite and manifest.kind == "delta"
+                    staged, manifest.kind, 0, time.perf_counter() - t0, 0, check_finite and self._known_finite(staged)
                 )
             if manifest.kind != "delta":
                 path = self.copy_in(root, source_dir, manifest, deadline)
@@ -544,9 +561,10 @@ class Stage:
             if made is not None:
                 remove_entry(made)
             raise
-        # A copied-in full step was not checked for NaN/Inf (only its digests): the tensors no
-        # delta changed are its own, so the caller checks the whole rebuilt copy.
-        checked = check_finite and chain.start_is_staged
+        # A copied-in full step was not checked for NaN/Inf (only its digests), nor a staged copy
+        # this process did not check (one renamed into place before a crash): the tensors no delta
+        # changed are that copy's, so the caller then checks the whole rebuilt copy.
+        checked = check_finite and chain.start_is_staged and self._known_finite(chain.start.path)
         return StagedBuild(current.path, "delta", bytes_read, time.perf_counter() - t0, len(chain.deltas), checked)
 
     def _apply_link(
