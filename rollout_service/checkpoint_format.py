@@ -650,6 +650,10 @@ class _FieldReader:
         if len(raw_tensors) > 10**7:
             raise self._bad("delta.tensors", "at most 10**7 entries", len(raw_tensors))
         tensors = {}
+        shard_of_file: dict[str, str] = {}
+        """Each delta file's shard: a delta file holds the blobs of one shard's tensors (as the
+        writer lays them out), so rebuilding a shard reads one file of that shard's size, never
+        a file every shard shares (read and held whole once per shard)."""
         for tname, e in raw_tensors.items():
             at = f"delta.tensors[{tname[:80]!r}]"
             e = self.obj(e, at)
@@ -670,6 +674,13 @@ class _FieldReader:
             frames = None
             if delta_file is not None:
                 self.file_name(delta_file, f"{at}.delta_file")
+                if shard_of_file.setdefault(delta_file, shard) != shard:
+                    raise self._bad(
+                        f"{at}.delta_file",
+                        f"a delta file of its own shard's tensors ({delta_file[:80]!r} also holds"
+                        f" {shard_of_file[delta_file][:80]!r}'s)",
+                        delta_file,
+                    )
                 frames = self.frames(e.get("frames"), f"{at}.frames", dtype, shape, frame_bytes)
             tensors[tname] = DeltaTensor(
                 shard=shard,

@@ -645,3 +645,18 @@ def test_a_model_config_with_a_key_twice_is_read_as_transformers_reads_it(tmp_pa
 
     path = publish_checkpoint(tmp_path / "root", 1, [("w", torch.ones(4))], config=config).path
     assert validate_checkpoint(path, root=tmp_path / "root").manifest.step == 1
+
+
+def test_a_delta_file_holding_several_shards_tensors_is_refused(root: Path) -> None:
+    """The writer gives each shard its own delta file; one file named by every shard's tensors
+    would be read (and held whole) once per shard it serves."""
+    data = json.loads((_dir(root, 3) / MANIFEST_NAME).read_text())
+    changed = [t for t in data["delta"]["tensors"].values() if t.get("delta_file")]
+    shards = {t["shard"] for t in changed}
+    assert len(shards) > 1, "the fixture's delta must change tensors of several shards"
+    Manifest.from_json(json.dumps(data))  # as written: accepted
+    for t in changed:
+        t["delta_file"] = changed[0]["delta_file"]
+    with pytest.raises(CheckpointError) as refused:
+        Manifest.from_json(json.dumps(data))
+    assert refused.value.reason == "bad_manifest" and "delta_file" in str(refused.value)
