@@ -220,7 +220,7 @@ def _count_flag(args: Sequence[str], default: int, *names: str) -> int | None:
     if value is None:
         return default
     value = value.strip()
-    return int(value) if value.isascii() and value.isdigit() else None
+    return int(value) if value.isascii() and value.isdigit() and len(value) <= 9 else None
 
 
 def _has_flag(args: Sequence[str], *names: str) -> bool:
@@ -313,13 +313,14 @@ def query_gpu_memory() -> list[GPUMemory]:
     for row in query("--query-gpu=index,uuid,memory.total,memory.used"):
         try:
             gpus.append(GPUMemory(int(row[0]), row[1], float(row[2]), float(row[3]), tuple(apps.get(row[1], ()))))
-        except (IndexError, ValueError):
-            continue
+        except (IndexError, ValueError):  # "[N/A]": leaving it out would shift every GPU after it
+            logger.info("nvidia-smi's row %r cannot be read: SGLang keeps its own GPU memory share", row)
+            return []
     return gpus
 
 
-def gpus_for_server(gpus: Sequence[GPUMemory], visible: str | None, base_gpu_id: int, count: int) -> list[GPUMemory]:
-    """The GPUs one SGLang server uses: `count` from `base_gpu_id` in CUDA_VISIBLE_DEVICES order.
+def gpus_for_server(gpus: Sequence[GPUMemory], visible: str | None, ids: Sequence[int]) -> list[GPUMemory]:
+    """The GPUs at positions ``ids`` (:func:`server_gpu_ids`) of CUDA_VISIBLE_DEVICES' order.
 
     Read as CUDA reads it: each item is an index (ASCII digits) or a ``GPU-``/``MIG-`` UUID
     prefix, and the first item that names no GPU (empty, anything else, or matching none) hides
@@ -328,7 +329,7 @@ def gpus_for_server(gpus: Sequence[GPUMemory], visible: str | None, base_gpu_id:
         order: list[GPUMemory] = []
         for item in visible.split(","):
             item = item.strip()
-            if item.isascii() and item.isdigit():
+            if item.isascii() and item.isdigit() and len(item) <= 6:
                 match = [g for g in gpus if g.index == int(item)]
             elif item[:4] in ("GPU-", "MIG-") and len(item) > 4:
                 match = [g for g in gpus if g.uuid.startswith(item)]
@@ -339,9 +340,47 @@ def gpus_for_server(gpus: Sequence[GPUMemory], visible: str | None, base_gpu_id:
             order.append(match[0])
     else:
         order = sorted(gpus, key=lambda g: g.index)
-    if base_gpu_id < 0 or count < 1:
-        return []
-    return order[base_gpu_id : base_gpu_id + count]
+    return [order[i] for i in ids if 0 <= i < len(order)]
+
+
+GPU_LAYOUT_OPTIONS: dict[str, tuple[tuple[str, ...], int]] = {
+    "tp": ((*spellings("--tp-size", "--tp"), *spellings("--tensor-parallel-size", "--te")), 1),
+    "pp": ((*spellings("--pp-size", "--pp-s"), *spellings("--pipeline-parallel-size", "--pi")), 1),
+    "dp": ((*spellings("--dp-size", "--dp"), *spellings("--data-parallel-size", "--da")), 1),
+    "base": (spellings("--base-gpu-id", "--bas"), 0),
+    "step": (spellings("--gpu-id-step", "--gp"), 1),
+    "nnodes": (spellings("--nnodes", "--nn"), 1),
+}
+"""SGLang 0.5.23's options that place a server's workers on GPUs, as its parser takes them (each
+abbreviation no other option shares), and their defaults."""
+MAX_SERVER_GPUS = 4096
+
+
+def server_gpu_ids(args: Sequence[str]) -> list[int] | None:
+    """The GPUs (positions in CUDA_VISIBLE_DEVICES' order) one SGLang 0.5.23 server with the
+    arguments ``args`` puts its workers on: ``dp`` groups (one, with ``--enable-dp-attention``)
+    of ``pp x tp`` workers from ``--base-gpu-id``, ``--gpu-id-step`` apart, as its data-parallel
+    controller and engine place them. None when a value is not a count (SGLang's parser refuses
+    it, naming it) or the server spans nodes (``--nnodes``)."""
+    values = {}
+    for key, (names, default) in GPU_LAYOUT_OPTIONS.items():
+        value = _count_flag(args, default, *names)
+        if value is None:
+            return None
+        values[key] = value
+    tp, pp, dp, base, step = (values[k] for k in ("tp", "pp", "dp", "base", "step"))
+    if values["nnodes"] != 1 or min(tp, pp, dp, step) < 1:
+        return None
+    groups = dp if dp > 1 and not _has_flag(args, "--enable-dp-attention") else 1
+    if tp * pp * groups > MAX_SERVER_GPUS:
+        return None
+    ids = {
+        base + group * tp * pp * step + pp_rank * tp + tp_rank * step
+        for group in range(groups)
+        for pp_rank in range(pp)
+        for tp_rank in range(tp)
+    }
+    return sorted(ids)
 
 
 SHARED_GPU_USED_MIB = 1024.0
@@ -539,14 +578,12 @@ class SGLangServer:
             if self.device != "cuda" or _has_flag(args, "--mem-fraction-static"):
                 self._cuda_plan = (None, "")
             else:
-                tp = _count_flag(args, 1, "--tp-size", "--tp", "--tensor-parallel-size")
-                base = _count_flag(args, 0, "--base-gpu-id")
-                if tp is None or base is None:  # not a count: SGLang's own parser refuses it, naming it
+                ids = server_gpu_ids(args)
+                if ids is None:  # not a count (SGLang's own parser refuses it, naming it), or several nodes
                     self._cuda_plan = (None, "")
                 else:
                     visible = {**os.environ, **self.config.env}.get("CUDA_VISIBLE_DEVICES")
-                    mine = gpus_for_server(query_gpu_memory(), visible, base, tp)
-                    self._cuda_plan = shared_gpu_mem_fraction(mine)
+                    self._cuda_plan = shared_gpu_mem_fraction(gpus_for_server(query_gpu_memory(), visible, ids))
         return self._cuda_plan
 
     def environment(self) -> dict[str, str]:

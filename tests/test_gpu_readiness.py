@@ -352,7 +352,7 @@ def test_cuda_visible_devices_is_read_as_cuda_reads_it_the_first_item_naming_no_
     gpus = [sglang_launcher.GPUMemory(i, f"GPU-0000000{i}-fake", 100.0, 0.0) for i in range(3)]
 
     def pick(visible, base=0, count=3):
-        return [g.index for g in sglang_launcher.gpus_for_server(gpus, visible, base, count)]
+        return [g.index for g in sglang_launcher.gpus_for_server(gpus, visible, range(base, base + count))]
 
     assert pick("2,0") == [2, 0] and pick(None) == [0, 1, 2] and pick(" ") == [0, 1, 2]
     assert pick("GPU-00000001,2") == [1, 2]
@@ -361,7 +361,7 @@ def test_cuda_visible_devices_is_read_as_cuda_reads_it_the_first_item_naming_no_
     for visible in ("1,,2", "1,\u0662", "1,GPU-", "1,7,2", "1,GPU-ffff,2", "1,1,2", "1,-1,2"):
         assert pick(visible) == [1], visible
     assert pick("\u0661") == [] and pick("2,1", base=1, count=1) == [1]
-    assert pick("0,1", base=-1) == [] and pick("0,1", count=0) == []
+    assert pick("0,1", base=-1, count=1) == [] and pick("0,1", count=0) == [] and pick("1" * 400) == []
 
 
 @pytest.mark.parametrize(
@@ -376,6 +376,62 @@ def test_a_gpu_count_sglang_will_refuse_leaves_its_memory_share_to_sglang_instea
     assert "--mem-fraction-static" not in cmd and cmd[-len(extra) :] == extra
     good = SGLangServer(tmp_path, device="cuda", extra_args=["--tp-size", " 2 "], log_path=tmp_path / "t.log")
     assert "--mem-fraction-static" in good.command()
+
+
+@pytest.mark.parametrize(
+    "extra, ids",
+    [
+        ([], [0]),
+        (["--tp-size", "2"], [0, 1]),
+        (["--tp", "2", "--base-gpu-id", "2"], [2, 3]),
+        (["--pp-size", "2"], [0, 1]),
+        (["--dp-size", "2"], [0, 1]),
+        (["--dp-size", "2", "--enable-dp-attention"], [0]),
+        (["--tp-si", "2", "--data-parallel-size=2"], [0, 1, 2, 3]),
+        (["--tp-size", "2", "--gpu-id-step", "2"], [0, 2]),
+        (["--tp-size", "2", "--dp-size", "2", "--gpu-id-step", "2"], [0, 2, 4, 6]),
+        (["--tp-size", "2", "--pp-size", "2", "--base-gpu-id", "1"], [1, 2, 3, 4]),
+        (["--nnodes", "2", "--tp-size", "2"], None),
+        (["--tp-size", "1" * 12], None),
+        (["--gpu-id-step", "0"], None),
+    ],
+)
+def test_the_gpus_a_server_uses_are_placed_as_sglang_places_its_workers(extra, ids):
+    assert sglang_launcher.server_gpu_ids(extra) == ids
+
+
+def test_a_busy_gpu_that_only_pipeline_or_data_parallel_ranks_reach_gets_a_memory_share(fake_gpus, tmp_path):
+    fake_gpus([{}, {"memory_used": 90000}])  # GPU 1 holds a trainer
+    for extra in (["--pp-size", "2"], ["--dp-size", "2"], ["--tp-si", "2"], ["--base-gpu-id", "1"]):
+        server = SGLangServer(tmp_path, device="cuda", extra_args=extra, log_path=tmp_path / "s.log")
+        assert "--mem-fraction-static" in server.command(), extra
+    alone = SGLangServer(tmp_path, device="cuda", extra_args=["--dp-size", "2", "--enable-dp-attention"])
+    assert "--mem-fraction-static" not in alone.command()  # dp attention: the dp ranks share GPU 0
+
+
+def test_a_gpu_row_nvidia_smi_cannot_read_leaves_the_memory_share_to_sglang(fake_gpus, tmp_path):
+    """Leaving the row out shifted every GPU after it: the free GPU 0 was planned as the busy GPU 1."""
+    fake_gpus([{"memory_total": "[N/A]"}, {"memory_used": 90000}])
+    assert sglang_launcher.query_gpu_memory() == []
+    server = SGLangServer(tmp_path, device="cuda", log_path=tmp_path / "s.log")
+    assert "--mem-fraction-static" not in server.command()
+
+
+def test_the_gpu_placement_options_listed_are_sglangs_with_the_abbreviations_its_parser_takes():
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    actions = {o: a for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    for key, (names, default) in sglang_launcher.GPU_LAYOUT_OPTIONS.items():
+        full = [n for n in names if n in actions]
+        assert full and len({actions[n].dest for n in full}) == 1, key  # one setting, under each name
+        assert actions[full[0]].default == default and actions[full[0]].type is int, key
+        for name in names:  # every abbreviation listed is one SGLang takes for that setting only
+            assert {actions[o].dest for o in actions if o.startswith(name)} == {actions[full[0]].dest}, name
+        assert set(full) == set(actions[full[0]].option_strings), key  # no alias left out
 
 
 # ------------------------------------------- 7. liveness that knows about weight loads in flight
