@@ -363,6 +363,7 @@ class Manifest:
                 raise CheckpointError(
                     "bad_manifest", f"{where}: a delta must apply to an earlier step (chain_start <= base_step < step)"
                 )
+            _check_delta_files(delta, files, where)
         elif data.get("delta") is not None:
             raise CheckpointError("bad_manifest", f"{where}: a {kind} checkpoint has no delta field")
         adapter = None
@@ -490,6 +491,23 @@ def parse_json_object(text: str | bytes, *, where: str, reason: str, unique_keys
     if not isinstance(data, dict):
         raise CheckpointError(reason, f"{where} must hold a JSON object")
     return data
+
+
+def _check_delta_files(delta: DeltaInfo, files: dict[str, FileEntry], where: str) -> None:
+    """A delta lists the files its tensors name, the config and the index, and each shard of the
+    full checkpoint holds a tensor (as the writer lays them out): so a chain's walk, which holds
+    every link's manifest, holds no more file entries than tensor entries (``MAX_CHAIN_TENSORS``)."""
+    named = {t.delta_file for t in delta.tensors.values() if t.delta_file is not None}
+    unnamed = sorted(set(files) - named - {CONFIG_NAME, INDEX_NAME})
+    if unnamed:
+        raise CheckpointError(
+            "bad_manifest", f"{where} lists {len(unnamed)} file(s) no tensor of the delta names: {unnamed[:3]}"
+        )
+    empty = sorted(set(delta.target_files) - {t.shard for t in delta.tensors.values()} - {CONFIG_NAME, INDEX_NAME})
+    if empty:
+        raise CheckpointError(
+            "bad_manifest", f"{where}: delta.target_files lists {len(empty)} shard(s) holding no tensor: {empty[:3]}"
+        )
 
 
 class _FieldReader:

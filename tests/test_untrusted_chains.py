@@ -660,3 +660,20 @@ def test_a_delta_file_holding_several_shards_tensors_is_refused(root: Path) -> N
     with pytest.raises(CheckpointError) as refused:
         Manifest.from_json(json.dumps(data))
     assert refused.value.reason == "bad_manifest" and "delta_file" in str(refused.value)
+
+
+@pytest.mark.parametrize("where", ["files", "target_files"])
+def test_a_delta_listing_files_none_of_its_tensors_needs_is_refused(root: Path, where: str) -> None:
+    """A chain's walk holds every link's manifest: a link may list no more files than its tensors
+    name (10,000 padding entries per link, 1000 links, were gigabytes held)."""
+    data = json.loads((_dir(root, 3) / MANIFEST_NAME).read_text())
+    entry = dict(next(iter(data["files"].values())))
+    padding = {f"pad-{i:05d}.safetensors": entry for i in range(50)}
+    if where == "files":
+        data["files"].update(padding)
+        data["total_bytes"] += 50 * entry["size"]
+    else:
+        data["delta"]["target_files"].update(padding)
+    with pytest.raises(CheckpointError) as refused:
+        Manifest.from_json(json.dumps(data))
+    assert refused.value.reason == "bad_manifest" and "pad-00000" in str(refused.value)
