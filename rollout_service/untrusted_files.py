@@ -11,6 +11,7 @@ or a 10 GB "manifest" cannot exhaust memory. :class:`Deadline` bounds a whole va
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import stat
@@ -61,15 +62,16 @@ def open_regular(
     """Yield ``(fd, fstat)`` of ``path``: inside ``root``, a regular file, at most ``max_bytes``.
 
     Raises ``CheckpointError`` with ``path_escape``, ``missing_file``, ``not_a_regular_file``,
-    ``too_large`` or ``unreadable``. The descriptor is closed on exit. ``O_NOFOLLOW`` guards only
-    the last component, so where the file opened really lies is checked again on the open
-    descriptor: a folder swapped for a link out of the root between the check and the open
-    is refused too.
+    ``too_large`` or ``unreadable``. The descriptor is closed on exit. The resolved path is
+    opened one component at a time from the root, none followed if it is a link
+    (:func:`_open_beneath`): a folder swapped for a link out of the root between the check and the
+    open is refused without a look where it points (a hung mount there would block the open for
+    good), and where the file opened lies is checked again on its descriptor.
     """
     real = resolve_inside(root, path)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(real, flags)
+        fd = _open_beneath(root, real, flags, where)
     except FileNotFoundError:
         raise CheckpointError("missing_file", f"{where} does not exist") from None
     except OSError as exc:
@@ -269,6 +271,44 @@ def _open_for_overwrite(path: Path) -> io.FileIO:
     return io.FileIO(fd, "wb", closefd=True)
 
 
+def _open_beneath(root: Path, real: Path, flags: int, where: str) -> int:
+    """Open ``real`` (a resolved path inside ``root``) walking down from the root's real folder,
+    each folder on the way opened with ``O_NOFOLLOW | O_DIRECTORY`` relative to the one before: a
+    component that became a link (or anything but a folder) since ``real`` was resolved raises
+    ``CheckpointError('path_escape')`` without being followed. (Linux's ``openat2`` with
+    ``RESOLVE_BENEATH`` does this in one call; Python has no binding for it.)"""
+    top = os.path.realpath(root)
+    try:
+        parts = Path(real).relative_to(top).parts
+    except ValueError:
+        raise _swapped(where) from None
+    if not parts:
+        return os.open(real, flags)
+    folder_flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    dir_fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            try:
+                below = os.open(part, folder_flags, dir_fd=dir_fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise _swapped(where) from None
+                raise
+            os.close(dir_fd)
+            dir_fd = below
+        return os.open(parts[-1], flags, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _swapped(where: str) -> CheckpointError:
+    return CheckpointError(
+        "path_escape",
+        f"{where} was opened outside the checkpoint root (a folder on its path was replaced by a"
+        " link while it was opened); only files inside the root are read",
+    )
+
+
 def _check_opened_inside(fd: int, root: Path, where: str) -> None:
     """Where ``fd`` really is must lie inside ``root`` (Linux names it in ``/proc/self/fd``;
     elsewhere the check before the open stands alone)."""
@@ -277,11 +317,7 @@ def _check_opened_inside(fd: int, root: Path, where: str) -> None:
     except OSError:
         return
     if not is_inside(opened, root):
-        raise CheckpointError(
-            "path_escape",
-            f"{where} was opened outside the checkpoint root (a folder on its path was replaced by a"
-            " link while it was opened); only files inside the root are read",
-        )
+        raise _swapped(where)
 
 
 def fd_path(fd: int) -> str:

@@ -139,6 +139,43 @@ def test_a_folder_swapped_for_a_link_out_of_the_root_after_the_check_is_refused(
     assert json.loads(untrusted_files.read_small(root, path / "manifest.json", where="m"))["step"] == 1
 
 
+def test_a_folder_swapped_for_a_link_right_after_the_check_is_refused_without_opening_anything_there(
+    tmp_path, monkeypatch
+):
+    """The swap lands between the check and the open: nothing where the link points is opened (on
+    a hung mount there, an open would block the reader in the kernel for good)."""
+    from rollout_service import untrusted_files
+
+    root = tmp_path / "root"
+    path = publish(root, 1)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "manifest.json").write_text("{}")
+    check = untrusted_files.resolve_inside
+
+    def check_then_swap(root_, candidate):
+        resolved = check(root_, candidate)  # a real folder inside the root when checked
+        os.rename(path, tmp_path / "moved")
+        path.symlink_to(outside)
+        return resolved
+
+    opened = []
+    real_open = os.open
+
+    def tracing_open(target, flags, *args, **kwargs):
+        fd = real_open(target, flags, *args, **kwargs)
+        opened.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return fd
+
+    monkeypatch.setattr(untrusted_files, "resolve_inside", check_then_swap)
+    monkeypatch.setattr(os, "open", tracing_open)
+    with pytest.raises(CheckpointError) as err:
+        untrusted_files.read_small(root, path / "manifest.json", where="step-00000001/manifest.json")
+    monkeypatch.undo()
+    assert err.value.reason == "path_escape" and "elsewhere" not in str(err.value)
+    assert not [p for p in opened if "elsewhere" in p], opened
+
+
 def test_manifest_symlinked_out_of_the_root_is_refused_and_not_disclosed(tmp_path):
     root = tmp_path / "root"
     path = publish(root, 1)
