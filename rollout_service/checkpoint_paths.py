@@ -115,7 +115,14 @@ def _within(path: str, folder: str) -> bool:
 
 def check_plain_file_name(name: str, where: str) -> None:
     """A manifest file name must be a bare name: no directories, no '..', no hidden names,
-    no NUL byte, at most 255 bytes (what one directory entry can hold)."""
+    no NUL byte, at most 255 bytes (what one directory entry can hold), and text a file
+    system can name (JSON's ``"\ud800"`` is a lone surrogate, which no UTF-8 name holds)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CheckpointError(
+            "bad_manifest", f"{where} lists the file name {name!r}, which holds a lone surrogate (no UTF-8 text)"
+        ) from None
     if (
         not name
         or name != os.path.basename(name)

@@ -677,3 +677,13 @@ def test_a_delta_listing_files_none_of_its_tensors_needs_is_refused(root: Path, 
     with pytest.raises(CheckpointError) as refused:
         Manifest.from_json(json.dumps(data))
     assert refused.value.reason == "bad_manifest" and "pad-00000" in str(refused.value)
+
+
+def test_a_file_name_holding_a_lone_surrogate_is_refused_naming_it(root: Path) -> None:
+    text = (_dir(root, 1) / MANIFEST_NAME).read_text()
+    data = json.loads(text)
+    name = next(iter(data["files"]))
+    spoiled = json.dumps(data).replace(json.dumps(name), '"model-\\ud800.safetensors"', 1)
+    with pytest.raises(CheckpointError) as refused:
+        Manifest.from_json(spoiled)
+    assert refused.value.reason == "bad_manifest" and "lone surrogate" in str(refused.value)
