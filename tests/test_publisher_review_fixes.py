@@ -41,7 +41,7 @@ from rollout_service.delta_writer import DeltaCheckpointWriter
 from rollout_service.sidecar.acks import write_ack
 from test_publish_failures import _publisher
 from trainer_helpers import NoWaiter
-from trainer_hooks import checkpoint_publisher
+from trainer_hooks import checkpoint_publisher, checkpoint_retention
 from trainer_hooks.checkpoint_publisher import CheckpointPublisher
 from trainer_hooks.checkpoint_retention import chain_dependencies, prune_checkpoints
 from trainer_hooks.replica_wait import AckFileWaiter
@@ -441,3 +441,35 @@ def test_a_step_name_held_by_something_else_is_not_called_published(tmp_path: Pa
     with pytest.raises(FileExistsError, match="already published"):
         publish_checkpoint(root, 4, [("w", torch.ones(2))], config=CONFIG)
     assert json.loads((root / step_dir_name(4) / "manifest.json").read_text())["step"] == 4
+
+
+def test_a_slow_removal_of_an_old_step_does_not_fail_the_next_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Removing an old step's files can outlast the sync's bound (a million stray files on NFS, a
+    mount that hangs): inside a look at the root it made the next sync find the root "not
+    answering", and training ended. The step leaves the root's view at once; its files are removed
+    on a thread of their own. (The removal is held on an event: a hang, deterministically.)"""
+    release = threading.Event()
+    removing = threading.Event()
+    real_remove_tree = checkpoint_retention.remove_tree
+
+    def hung_remove_tree(path: Path) -> None:
+        removing.set()
+        release.wait(60)
+        real_remove_tree(path)
+
+    monkeypatch.setattr(checkpoint_retention, "remove_tree", hung_remove_tree)
+    root = tmp_path / "root"
+    publisher = _publisher(root, keep=1, sync_timeout_s=0.05)
+    publisher.publish_and_wait(publisher.next_version(), Model().tensors())
+    publisher.publish_and_wait(publisher.next_version(), Model().tensors())  # deletes step 1
+    assert removing.wait(10) and not (root / step_dir_name(1)).exists()
+    time.sleep(1.5)  # past any bound a look at the root waits for an earlier one
+    assert publisher.next_version() == 3  # the root answers, whatever the removal is at
+    publisher.publish_and_wait(3, Model().tensors())  # and the next publish (its own prune) goes on
+    release.set()
+    deadline = time.monotonic() + 30
+    while [p for p in root.iterdir() if p.name.startswith(".tmp-deleting-")]:
+        assert time.monotonic() < deadline, "the deleted steps' files were never removed"
+        time.sleep(0.1)

@@ -243,6 +243,7 @@ locked(root / "step-00000001")
 publisher = CheckpointPublisher(root, NoWaiter(), config={"model_type": "x"}, dtype=None,
                                 max_shard_bytes=1 << 20, keep=1, sync_timeout_s=5, heartbeat_max_age_s=60)
 publisher.publish_and_wait(5, [("w", torch.zeros(4))])
+publisher.close()  # (waits for the removal of the deleted steps' files, which logs its failures)
 print(json.dumps({
     "steps": [c.step for c in list_checkpoints(root)],
     "stale_left": stale.exists(),

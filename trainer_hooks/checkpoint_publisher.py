@@ -56,7 +56,13 @@ from rollout_service.protocol import AcksCutShort, read_acks
 from rollout_service.sidecar.root_gate import RootUnresponsive
 
 from .checkpoint_dtype import target_dtype
-from .checkpoint_retention import StepEntries, list_step_entries, newest_checkpoints, prune_checkpoints
+from .checkpoint_retention import (
+    HiddenRemover,
+    StepEntries,
+    list_step_entries,
+    newest_checkpoints,
+    prune_checkpoints,
+)
 from .replica_wait import ReplicaWaiter, RootLooks
 
 log = logging.getLogger(__name__)
@@ -222,6 +228,9 @@ class CheckpointPublisher:
         """Pinned host buffers of the last background snapshot, reused by the next one."""
         self._looks = RootLooks(self.root)
         """Looks at the root (its listing, its identity) that give up after ``sync_timeout_s``."""
+        self._remover = HiddenRemover()
+        """Removes deleted steps' files beside training, not in a look at the root: a slow removal
+        would otherwise make the next sync's look find the root "not answering"."""
         self._root_identity = self._on_root(self._prepare_root, "making it and removing stale temporary entries")
         """(device, inode) of the root as it was at the start: a root unmounted or replaced since is
         not published into (a folder at the same path is not what the replicas watch)."""
@@ -540,8 +549,10 @@ class CheckpointPublisher:
                 next_report = now + JOIN_PROGRESS_EVERY_S
 
     def close(self) -> None:
-        """Wait for the background job and stop the worker thread (raises the job's error). A job
-        stuck in the storage (``RootUnresponsive``) is left to its thread."""
+        """Wait for the background job and stop the worker thread (raises the job's error), then
+        for the removal of deleted steps' files, at most ``sync_timeout_s`` (what is left stays
+        under hidden names, removed by a later trainer). A job stuck in the storage
+        (``RootUnresponsive``) is left to its thread."""
         stuck = False
         try:
             self.join()
@@ -552,6 +563,15 @@ class CheckpointPublisher:
             if self._pool is not None:
                 self._pool.shutdown(wait=not stuck)
                 self._pool = None
+            left = 0 if stuck else self._remover.join(self.sync_timeout_s)
+            if left:
+                log.warning(
+                    "%d deleted old checkpoint(s) under %s are still being removed after %g s; they stay"
+                    " under hidden names (.tmp-deleting-*), which a later trainer removes",
+                    left,
+                    self.root,
+                    self.sync_timeout_s,
+                )
 
     @property
     def busy(self) -> bool:
@@ -635,7 +655,7 @@ class CheckpointPublisher:
             protected = {newest} | self.waiter.protected_versions()
             for ack in read_acks(self.root, max_age_s=self.heartbeat_max_age_s, whole=True).values():
                 protected.update(s for s in (ack.get("loaded_step"), ack.get("loading_step")) if isinstance(s, int))
-            return prune_checkpoints(self.root, keep, protected)
+            return prune_checkpoints(self.root, keep, protected, remove=self._remover)
 
         try:
             pruned = self._on_root(prune, "deleting old checkpoints")

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,8 +101,23 @@ def warn_once(root: Path, what: str, names: list[str], message: str) -> None:
         log.warning(message, root, shown + more)
 
 
-def prune_checkpoints(root: Path | str, keep: int, protected: set[int] | frozenset[int] = frozenset()) -> list[int]:
+Remover = Callable[[Path, str], None]
+"""Removes the hidden copy (first argument) of a deleted step (named by the second)."""
+
+
+def prune_checkpoints(
+    root: Path | str,
+    keep: int,
+    protected: set[int] | frozenset[int] = frozenset(),
+    *,
+    remove: Remover | None = None,
+) -> list[int]:
     """Delete all but the newest ``keep`` checkpoints under ``root``, sparing ``protected`` steps.
+
+    Each deleted step leaves the root's view at once (renamed to a hidden name); its files are
+    then removed by ``remove`` (default: here and now). A trainer hands them to a thread of their
+    own (:class:`HiddenRemover`): removing a tree of a million stray files on NFS can take longer
+    than the sync's bound, which must not count as a root that does not answer.
 
     Returns the deleted steps, oldest first.
     """
@@ -134,7 +151,7 @@ def prune_checkpoints(root: Path | str, keep: int, protected: set[int] | frozens
             log.warning("could not delete old checkpoint %s: %s", ckpt.path, exc)
             continue
         removed.append(ckpt.step)  # gone from the root's view, whatever happens to its files
-        _remove_hidden(hidden, ckpt.path.name)
+        (remove or remove_hidden)(hidden, ckpt.path.name)
     if removed:
         log.info(
             "deleted old checkpoint step(s) %s under %s (keeping %d, protected %s)",
@@ -179,7 +196,56 @@ def newest_checkpoints(root: Path, published: list[PublishedCheckpoint], count: 
     return newest
 
 
-def _remove_hidden(hidden: Path, name: str) -> None:
+REMOVER_IDLE_S = 5.0
+"""A :class:`HiddenRemover`'s thread ends after this long with nothing to remove."""
+
+
+class HiddenRemover:
+    """Removes deleted steps' hidden copies on a thread of its own, one at a time, in order.
+
+    A removal that hangs (a hung mount) holds only this thread; the copies queued behind it stay
+    under their hidden names, which a later trainer removes once they are an hour old."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Path, str]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Condition()
+        self._left = 0
+        """Copies queued or being removed."""
+
+    def __call__(self, hidden: Path, name: str) -> None:
+        with self._lock:
+            self._left += 1
+            self._queue.put((hidden, name))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="checkpoint-remover", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                hidden, name = self._queue.get(timeout=REMOVER_IDLE_S)
+            except queue.Empty:
+                with self._lock:  # (a copy put meanwhile finds no thread, and starts one)
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            try:
+                remove_hidden(hidden, name)
+            finally:
+                with self._lock:
+                    self._left -= 1
+                    self._lock.notify_all()
+
+    def join(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for the removals asked for so far; the number still left."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._left == 0, timeout_s)
+            return self._left
+
+
+def remove_hidden(hidden: Path, name: str) -> None:
     """Remove the hidden copy of a deleted step; a failure (a folder someone made read-only, a
     tree too deep to walk) is logged with what to do, and retention goes on with the next step."""
     try:
