@@ -20,13 +20,14 @@ import re
 import stat
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from .checkpoint_format import ACKS_DIR, MAX_STEP, TEMP_PREFIX, CheckpointError
 from .full_writes import write_all
 from .number_text import step_from_text
+from .shown_values import shown, shown_text
 from .untrusted_files import read_small
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,8 @@ ACK_INTERVAL_S = 5.0
 MIN_HEARTBEAT_MAX_AGE_S = 3 * ACK_INTERVAL_S
 """The least age after which a reader may count an ack's heartbeat as dead: three missed writes
 (a shorter one takes a live replica, between two writes, for a dead one)."""
+MAX_REPORTED_REJECTIONS = 100
+"""Entries of a report's ``rejected`` (and of its ``last_error``) a reader keeps."""
 MAX_CLOCK_SKEW_S = 300.0
 """How far in the future an ack's heartbeat may lie (the sidecar's clock ahead of the reader's);
 further, the ack is a stray or forged file and counts as dead, or it would count as live forever."""
@@ -132,7 +135,11 @@ class ReplicaReport:
             sglang_healthy=typed("sglang_healthy", (bool,), False),
             sglang_url=typed("sglang_url", (str,)),
             last_error=error,
-            rejected={str(k): str(v) for k, v in rejected.items()} if isinstance(rejected, dict) else {},
+            rejected={
+                shown_text(k, 40): shown_text(v, 300) for k, v in list(rejected.items())[:MAX_REPORTED_REJECTIONS]
+            }
+            if isinstance(rejected, dict)
+            else {},
             heartbeat=_seconds(data.get("heartbeat")),
         )
 
@@ -158,7 +165,7 @@ def _describe(value: Any) -> str:
         return "missing"
     if isinstance(value, int) and not isinstance(value, bool):
         return f"an integer of {value.bit_length()} bits"
-    return f"{type(value).__name__} {str(value)[:40]!r}"
+    return f"{type(value).__name__} {shown_text(value, 40)!r}"
 
 
 def heartbeat_problem(value: Any, *, now: float, max_age_s: float | None = None) -> str | None:
@@ -308,9 +315,39 @@ def _ack_listing_stop(directory: Path, count: int, deadline: float | None) -> st
 
 
 def _read_ack(directory: Path, name: str) -> dict[str, Any] | None:
-    """The JSON object in ack file ``name``, or None when it is not a small regular JSON object file."""
+    """The fields a reader uses of the JSON object in ack file ``name`` (:func:`_ack_fields`), or
+    None when it is not a small regular JSON object file."""
     try:
         data = json.loads(read_small(directory, directory / name, where=name, max_bytes=MAX_ACK_BYTES))
     except (CheckpointError, OSError, ValueError, RecursionError):
         return None
-    return data if isinstance(data, dict) else None
+    return _ack_fields(data) if isinstance(data, dict) else None
+
+
+_ACK_FIELDS = frozenset(f.name for f in fields(ReplicaReport)) | {"loaded_run_id", "loaded_fingerprint"}
+MAX_ACK_TEXT = 1024
+"""Characters kept of a string in an ack (a replica writes ids, versions and short messages)."""
+
+
+def _ack_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """What a reader keeps of an ack file's object: the fields a :class:`ReplicaReport` has, each a
+    number, ``None``, a string (cut to :data:`MAX_ACK_TEXT`) or, one level down (``last_error``,
+    ``rejected``), an object of at most :data:`MAX_REPORTED_REJECTIONS` such values. So a read of
+    10,000 forged acks holds kilobytes each, not the megabytes 64 KiB of ``{}`` parse to, and
+    nothing is nested deep enough to fail when quoted (``RecursionError``)."""
+
+    def flat(value: Any) -> Any:
+        if value is None or isinstance(value, (bool, int, float)):
+            return value
+        if isinstance(value, str):
+            return value[:MAX_ACK_TEXT]
+        return shown(value)  # a container: described, not kept
+
+    kept: dict[str, Any] = {}
+    for key in _ACK_FIELDS & data.keys():
+        value = data[key]
+        if isinstance(value, dict):
+            kept[key] = {k[:MAX_ACK_TEXT]: flat(v) for k, v in list(value.items())[:MAX_REPORTED_REJECTIONS]}
+        else:
+            kept[key] = flat(value)
+    return kept

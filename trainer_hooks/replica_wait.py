@@ -32,6 +32,7 @@ from rollout_service.bounded_http import client as bounded_client
 from rollout_service.checkpoint_format import ACKS_DIR, step_dir_name
 from rollout_service.http_auth import bearer_headers
 from rollout_service.protocol import AcksCutShort, ReplicaReport, heartbeat_problem, list_acks
+from rollout_service.shown_values import shown_text
 from rollout_service.sidecar.root_gate import RootUnresponsive, answered_within
 
 log = logging.getLogger(__name__)
@@ -233,14 +234,14 @@ class SidecarWaiter:
         fatal = body.get("fatal") if body is not None else None
         if isinstance(fatal, dict):
             raise ReplicaFailed(
-                f"replica {view.name} cannot load any checkpoint ({str(fatal.get('reason'))[:80]}:"
-                f" {str(fatal.get('message'))[:300]}): fix it and restart that replica's sidecar (and"
+                f"replica {view.name} cannot load any checkpoint ({shown_text(fatal.get('reason'), 80)}:"
+                f" {shown_text(fatal.get('message'), 300)}): fix it and restart that replica's sidecar (and"
                 " training, if it stopped); the trainer does not wait out sync_timeout for it"
             )
         error = body.get("error") if body is not None else None
         if body is not None and isinstance(error, str) and error != "wait_timeout":
             # Ended early, e.g. root_unresponsive: asked again, and named in progress and timeout messages.
-            view.wait_ended = f"{error[:80]}: {str(body.get('detail'))[:300]}"
+            view.wait_ended = f"{error[:80]}: {shown_text(body.get('detail'), 300)}"
         if time.monotonic() - asked < wait_s / 2:  # answered early (not ready, the root not answering...)
             time.sleep(min(0.5, slice_s))  # ask again soon, not in a tight loop
         return False
@@ -458,7 +459,7 @@ def _unconfirmed(view: ReplicaView, version: int, run_id: str | None) -> str | N
     if view.loaded_step is None or view.loaded_step < version:
         return f"it reports loaded_step {view.loaded_step}, not {version} or newer"
     if run_id is not None and view.run_id != run_id:
-        return f"it serves run {str(view.run_id)[:40]}, not this run ({run_id[:40]})"
+        return f"it serves run {shown_text(view.run_id, 40)}, not this run ({run_id[:40]})"
     if view.current is False:
         return "it reports its loaded checkpoint is no longer the published one"
     return None
@@ -472,4 +473,6 @@ def _update_view(view: ReplicaView, body: dict[str, Any]) -> None:
     view.healthy = report.sglang_healthy if "sglang_healthy" in body else None
     error = report.last_error
     # Bounded: it goes into every progress line and timeout message (a report may carry megabytes).
-    view.last_error = None if error is None else f"{str(error.get('reason'))[:80]}: {str(error.get('message'))[:500]}"
+    view.last_error = (
+        None if error is None else f"{shown_text(error.get('reason'), 80)}: {shown_text(error.get('message'), 500)}"
+    )

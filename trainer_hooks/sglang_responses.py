@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_service.protocol import step_for_version
+from rollout_service.shown_values import shown
 
 LOGPROB_TOLERANCE = 1e-4
 """How far above 0 a logprob may be (float rounding of log 1) before it is refused as impossible."""
@@ -68,15 +69,19 @@ def coerce_token_id(value: Any, where: str, vocab_size: int | None = None) -> in
     raise (ids from ``2**31`` on when ``vocab_size`` is unknown).
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise SGLangResponseError(f"{where}: expected an integer token id, found {value!r} ({type(value).__name__})")
+        raise SGLangResponseError(
+            f"{where}: expected an integer token id, found {shown(value)} ({type(value).__name__})"
+        )
     if isinstance(value, numbers.Integral):
         token = int(value)
     else:
         number = float(value)
         if not math.isfinite(number) or not number.is_integer():
-            raise SGLangResponseError(f"{where}: expected an integer token id, found the non-integral number {value!r}")
+            raise SGLangResponseError(
+                f"{where}: expected an integer token id, found the non-integral number {shown(value)}"
+            )
         if abs(number) > MAX_EXACT_FLOAT:
-            raise SGLangResponseError(f"{where}: the float {value!r} is too large to be an exact token id")
+            raise SGLangResponseError(f"{where}: the float {shown(value)} is too large to be an exact token id")
         token = int(number)
     if vocab_size is None:
         if not 0 <= token < MAX_TOKEN_ID:
@@ -109,7 +114,7 @@ def parse_logprob(value: Any, where: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise SGLangResponseError(f"{where}: expected a number as logprob, found {value!r}")
+        raise SGLangResponseError(f"{where}: expected a number as logprob, found {shown(value)}")
     try:
         number = float(value)
     except OverflowError:  # an integer past float's range: no server's logprob
@@ -198,7 +203,7 @@ def parse_rescore_response(data: Any, *, count: int, vocab_size: int | None = No
             for i, entry in enumerate(entries):
                 at = f"{where} input_token_logprobs[{i}]"
                 if not isinstance(entry, (list, tuple)) or len(entry) < 2:
-                    raise SGLangResponseError(f"{at} is {entry!r}, expected [logprob, token_id, ...]")
+                    raise SGLangResponseError(f"{at} is {shown(entry)}, expected [logprob, token_id, ...]")
                 token_ids.append(coerce_token_id(entry[1], at, vocab_size))
                 logprobs.append(parse_logprob(entry[0], at))
         raw_version = meta.get("weight_version")
@@ -207,7 +212,7 @@ def parse_rescore_response(data: Any, *, count: int, vocab_size: int | None = No
                 token_ids=token_ids,
                 logprobs=logprobs,
                 weight_version=parse_weight_version(raw_version),
-                raw_weight_version=None if raw_version is None else str(raw_version),
+                raw_weight_version=_raw_version(raw_version),
             )
         )
     return out
@@ -230,7 +235,7 @@ def _check_prompt_tokens(item: dict[str, Any], length: int, where: str) -> None:
     reported = item["meta_info"].get("prompt_tokens")
     if reported is not None and (isinstance(reported, bool) or reported != length):
         raise SGLangResponseError(
-            f"{where}: meta_info.prompt_tokens is {reported!r} but the prompt sent has {length} tokens; "
+            f"{where}: meta_info.prompt_tokens is {shown(reported)} but the prompt sent has {length} tokens; "
             "the answer is for another prompt"
         )
 
@@ -277,9 +282,20 @@ def _parse_item(
         token_ids=token_ids,
         logprobs=logprobs,
         weight_version=parse_weight_version(raw_version),
-        raw_weight_version=None if raw_version is None else str(raw_version),
+        raw_weight_version=_raw_version(raw_version),
         finish_reason=finish if isinstance(finish, str) else None,
     )
+
+
+def _raw_version(value: Any) -> str | None:
+    """A ``meta_info.weight_version`` as text for comparisons and messages: bounded, whatever it holds."""
+    if value is None:
+        return None
+    if isinstance(value, str) and len(value) <= 64:
+        return value
+    if isinstance(value, int) and value.bit_length() <= 64:
+        return str(value)
+    return shown(value, 64)
 
 
 def _token_ids(raw: list[Any], where: str, vocab_size: int | None) -> list[int]:
@@ -313,7 +329,7 @@ def _checked_logprobs(
     for i, entry in enumerate(entries):
         if not isinstance(entry, (list, tuple)) or len(entry) < 2:
             raise SGLangResponseError(
-                f"{where}: output_token_logprobs[{i}] is {entry!r}, expected [logprob, token_id, ...]"
+                f"{where}: output_token_logprobs[{i}] is {shown(entry)}, expected [logprob, token_id, ...]"
             )
         token = coerce_token_id(entry[1], f"{where} output_token_logprobs[{i}]", vocab_size)
         if token != token_ids[i]:

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_service.shown_values import shown_text
+
 from .adapter_publish import AdapterPublisher, label_with_adapter
 from .checkpoint_publisher import CheckpointPublisher
 from .replica_wait import ReplicaFailed, ReplicaSyncTimeout, ReplicaWaiter
@@ -158,7 +160,7 @@ class StaleRetryPolicy:
                     "%d prompt(s) answered with weights outside the staleness bound (versions %s, need %s .. %s); "
                     "waiting for the replicas and retrying (attempt %d)",
                     len(retry) - aborted,
-                    stale_versions,
+                    _some(set(stale_versions)),
                     required,
                     self.publisher.latest_version,
                     retries,
@@ -204,7 +206,7 @@ class StaleRetryPolicy:
         if outside.malformed:
             parts.append(
                 "a meta_info.weight_version that is not a version string (up to 8 decimal digits): "
-                f"{sorted(outside.malformed)}; a server behind {urls} not started by `rollout-service serve` "
+                f"{_some(outside.malformed)}; a server behind {urls} not started by `rollout-service serve` "
                 "(whose sidecar labels each checkpoint it loads with its version)"
             )
         return (
@@ -253,9 +255,15 @@ class _Outside:
             elif raw == SGLANG_START_VERSION:
                 self.older.add(raw)
             else:
-                self.malformed.add(raw)
+                self.malformed.add(shown_text(raw, 64))  # into a log line at every retry: bounded
         return found
 
     def labels(self) -> list[str]:
         """Every refused label, for the log ("missing" for an answer without one)."""
         return sorted(self.older | self.newer | self.malformed) + (["missing"] if self.missing else [])
+
+
+def _some(values: set[str], most: int = 5) -> str:
+    """Up to ``most`` of ``values``, sorted, and how many more (a message names a few, not thousands)."""
+    first = sorted(values)[:most]
+    return f"{first}" + (f" and {len(values) - most} more" if len(values) > most else "")
