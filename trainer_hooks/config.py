@@ -260,14 +260,15 @@ class SGLangRolloutArguments:
                 "use vllm_mode='server' (the default of trainer_hooks' config)."
             )
         self.sglang_urls = _normalize_urls(self.sglang_urls, "sglang_urls")
-        if isinstance(self.sglang_log_paths, (str, os.PathLike)):
-            self.sglang_log_paths = [self.sglang_log_paths]
-        elif self.sglang_log_paths is not None and not isinstance(self.sglang_log_paths, (list, tuple)):
+        given: Any = self.sglang_log_paths  # (typed list[str]; a user may pass one path, or a Path)
+        if isinstance(given, (str, os.PathLike)):
+            given = [given]
+        elif given is not None and not isinstance(given, (list, tuple)):
             raise ValueError(
                 f"sglang_log_paths must be a path or a list of paths (one per sglang_urls entry), got"
-                f" {type(self.sglang_log_paths).__name__}"
+                f" {type(given).__name__}"
             )
-        self.sglang_log_paths = [_check_log_path(p) for p in (self.sglang_log_paths or [])]
+        self.sglang_log_paths = [_check_log_path(p) for p in (given or [])]
         if self.sglang_log_paths and len(self.sglang_log_paths) not in (1, len(self.sglang_urls)):
             raise ValueError(
                 f"sglang_log_paths has {len(self.sglang_log_paths)} entries for {len(self.sglang_urls)} sglang_urls: "
