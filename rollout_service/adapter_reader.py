@@ -38,6 +38,7 @@ from .checkpoint_format import (
 )
 from .checkpoint_paths import resolve_inside
 from .checkpoint_reader import TensorSpecs, read_every_byte, read_safetensors_specs
+from .shown_values import shown
 from .untrusted_files import NO_DEADLINE, Deadline, any_failure_is_the_steps, open_regular, read_small
 
 PEFT_PREFIX = "base_model.model."
@@ -101,25 +102,23 @@ class LoraLimits:
         is not JSON (the trainer then syncs merged checkpoints and logs why).
         """
         if not isinstance(info, Mapping):
-            raise ValueError(f"/server_info is not a JSON object: {_shown(info)}")
+            raise ValueError(f"/server_info is not a JSON object: {shown(info)}")
         enabled = info.get("enable_lora")
         if enabled is not None and not isinstance(enabled, bool):
-            raise ValueError(f"/server_info enable_lora={_shown(enabled)} is not true, false or null")
+            raise ValueError(f"/server_info enable_lora={shown(enabled)} is not true, false or null")
         paths = info.get("lora_paths")
         if paths is not None and not isinstance(paths, (list, dict, str)):
-            raise ValueError(f"/server_info lora_paths={_shown(paths)} is not a list, an object or null")
+            raise ValueError(f"/server_info lora_paths={shown(paths)} is not a list, an object or null")
         rank = info.get("max_lora_rank")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
-            raise ValueError(f"/server_info max_lora_rank={_shown(rank)} is not a positive integer or null")
+            raise ValueError(f"/server_info max_lora_rank={shown(rank)} is not a positive integer or null")
         modules = info.get("lora_target_modules")
         if isinstance(modules, str):
             modules = [modules]
         if modules is not None and (
             not isinstance(modules, list) or not all(isinstance(m, str) and m for m in modules)
         ):
-            raise ValueError(
-                f"/server_info lora_target_modules={_shown(modules)} is not a list of module names or null"
-            )
+            raise ValueError(f"/server_info lora_target_modules={shown(modules)} is not a list of module names or null")
         return cls(
             enabled=bool(enabled) or bool(paths),
             max_rank=rank,
@@ -151,18 +150,18 @@ def adapter_support_problem(config: Mapping[str, Any], limits: LoraLimits) -> st
         return "the adapter uses DoRA (use_dora=True), which SGLang does not serve"
     if config.get("modules_to_save"):
         return (
-            f"modules_to_save={_shown(config['modules_to_save'])} trains whole modules, which SGLang's"
+            f"modules_to_save={shown(config['modules_to_save'])} trains whole modules, which SGLang's"
             " LoRA adapters cannot carry"
         )
     for key in MODEL_CHANGING_KEYS:
         if config.get(key):
-            return f"{key}={_shown(config[key])} changes the model beyond what SGLang's LoRA serving applies"
+            return f"{key}={shown(config[key])} changes the model beyond what SGLang's LoRA serving applies"
     init = config.get("init_lora_weights", True)
     if isinstance(init, str) and init.lower() in CASELESS_INITS:
         init = init.lower()  # as PEFT reads them
     if not any(init is keep if isinstance(keep, bool) else init == keep for keep in BASE_KEEPING_INITS):
         return (
-            f"init_lora_weights={_shown(init)} is not one of {list(BASE_KEEPING_INITS)}, the initializations"
+            f"init_lora_weights={shown(init)} is not one of {list(BASE_KEEPING_INITS)}, the initializations"
             " that leave the base weights as they are (PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA change them):"
             " the trainer would train on another base than the one SGLang serves"
         )
@@ -179,7 +178,7 @@ def adapter_support_problem(config: Mapping[str, Any], limits: LoraLimits) -> st
         return f"rank {rank} is above the server's --max-lora-rank {limits.max_rank}"
     alpha = config.get("lora_alpha", 8)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < MAX_LORA_ALPHA:
-        return f"lora_alpha={_shown(alpha)} is not a positive number below {MAX_LORA_ALPHA:g}"
+        return f"lora_alpha={shown(alpha)} is not a positive number below {MAX_LORA_ALPHA:g}"
     modules = config.get("target_modules")
     if isinstance(modules, str):
         return (
@@ -191,7 +190,7 @@ def adapter_support_problem(config: Mapping[str, Any], limits: LoraLimits) -> st
         or not modules
         or not all(isinstance(m, str) and m for m in modules)
     ):
-        return f"target_modules={_shown(modules)} is not a list of module names"
+        return f"target_modules={shown(modules)} is not a list of module names"
     names = module_names(modules)
     problem = target_module_problem(names)
     if problem is not None:
@@ -206,11 +205,6 @@ def adapter_support_problem(config: Mapping[str, Any], limits: LoraLimits) -> st
             f" {sorted(limits.target_modules)}"
         )
     return stacking_problem(names)
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def module_names(modules: Any) -> set[str]:
@@ -231,7 +225,7 @@ def target_module_problem(names: Collection[str]) -> str | None:
     odd = sorted(n for n in names if not MODULE_NAME_RE.fullmatch(n))
     if odd:
         return (
-            f"target modules {_shown(odd)} are not module names SGLang can target (up to 64 letters, digits"
+            f"target modules {shown(odd)} are not module names SGLang can target (up to 64 letters, digits"
             " and '_', not starting with a digit): a layer inside an nn.Sequential or nn.ModuleList is"
             " named by its index ('fc.0' is module '0'); adapt layers that have names of their own"
         )
@@ -442,7 +436,7 @@ def check_config_matches(config: Mapping[str, Any], info: AdapterInfo, where: st
     modules = config.get("target_modules")
     if not isinstance(modules, list) or module_names(modules) != set(info.target_modules):
         raise CheckpointError(
-            "bad_adapter_config", f"{where} targets {_shown(modules)}; the manifest says {info.target_modules}"
+            "bad_adapter_config", f"{where} targets {shown(modules)}; the manifest says {info.target_modules}"
         )
 
 
@@ -456,7 +450,7 @@ def _config_number(config: Mapping[str, Any], key: str, where: str, *, below: fl
     if isinstance(value, bool) or not isinstance(value, kinds) or not 0 < value < below:
         raise CheckpointError(
             "bad_adapter_config",
-            f"{where} has {key}={_shown(value)}: it must be {'an integer' if integer else 'a number'} above 0"
+            f"{where} has {key}={shown(value)}: it must be {'an integer' if integer else 'a number'} above 0"
             f" and below {below:g}, as PEFT writes it; republish the adapter",
         )
     return value

@@ -565,7 +565,7 @@ class _FieldReader:
             nodes += 1
             if nodes > MAX_TREE_NODES:
                 raise self._bad(name, f"JSON of at most {MAX_TREE_NODES} values", "...")
-            if isinstance(node, str) or isinstance(node, dict):
+            if isinstance(node, (str, dict)):
                 chars += len(node) if isinstance(node, str) else sum(len(k) for k in node)
                 if chars > MAX_TREE_CHARS:
                     raise self._bad(name, f"JSON of at most {MAX_TREE_CHARS} characters of text", "...")

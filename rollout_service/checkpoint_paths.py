@@ -75,10 +75,10 @@ def _confined_realpath(root: Path | str, candidate: Path | str) -> Path | None:
             cur = os.path.dirname(cur)
             continue
         nxt = os.path.join(cur, part)
-        if _within(real_root, nxt):  # the root or one of its parents: real folders
+        if path_within(real_root, nxt):  # the root or one of its parents: real folders
             cur = nxt
             continue
-        inside = _within(nxt, real_root)
+        inside = path_within(nxt, real_root)
         if entered and not inside:
             return None  # a link (or "..") in the root that leads out of it: not looked at
         entered |= inside
@@ -100,7 +100,7 @@ def _confined_realpath(root: Path | str, candidate: Path | str) -> Path | None:
             pending = target + pending
             continue
         cur = nxt
-    return Path(cur) if _within(cur, real_root) else None
+    return Path(cur) if path_within(cur, real_root) else None
 
 
 def _parts(path: str) -> list[str]:
@@ -108,7 +108,7 @@ def _parts(path: str) -> list[str]:
     return [part for part in path.split("/") if part not in ("", ".")]
 
 
-def _within(path: str, folder: str) -> bool:
+def path_within(path: str, folder: str) -> bool:
     """``path`` is ``folder`` or below it, as written (both absolute and normalised)."""
     return path == folder or path.startswith(folder.rstrip("/") + "/")
 
@@ -118,16 +118,10 @@ def check_plain_file_name(name: str, where: str) -> None:
     no NUL byte, at most 255 bytes (what one directory entry can hold), and text a file
     system can name (JSON's ``"\ud800"`` is a lone surrogate, which no UTF-8 name holds)."""
     try:
-        name.encode("utf-8")
+        size = len(name.encode("utf-8"))
     except UnicodeEncodeError:
         raise CheckpointError(
             "bad_manifest", f"{where} lists the file name {name!r}, which holds a lone surrogate (no UTF-8 text)"
         ) from None
-    if (
-        not name
-        or name != os.path.basename(name)
-        or name.startswith(".")
-        or "\x00" in name
-        or len(name.encode("utf-8", "surrogatepass")) > 255
-    ):
+    if not name or name != os.path.basename(name) or name.startswith(".") or "\x00" in name or size > 255:
         raise CheckpointError("path_escape", f"{where} lists the file name {name!r}; only bare file names are allowed")

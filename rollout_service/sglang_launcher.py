@@ -28,6 +28,7 @@ from typing import Any
 from .cli_env import check_bounds, declared_settings, setting
 from .http_urls import bindable_port, check_bind_host, url_host
 from .lora_serving import LoraServing
+from .number_text import digits_value
 from .process_group import (
     LOG_TAIL_LINES,
     ProcessGroup,
@@ -217,10 +218,7 @@ def _count_flag(args: Sequence[str], default: int, *names: str) -> int | None:
     """The whole number given to the last of ``names`` (``default`` when none is); None when it is
     not plain ASCII digits (SGLang's own parser then refuses it with its message)."""
     value = flag_value(args, *names)
-    if value is None:
-        return default
-    value = value.strip()
-    return int(value) if value.isascii() and value.isdigit() and len(value) <= 9 else None
+    return default if value is None else digits_value(value.strip())
 
 
 def _has_flag(args: Sequence[str], *names: str) -> bool:
@@ -329,8 +327,8 @@ def gpus_for_server(gpus: Sequence[GPUMemory], visible: str | None, ids: Sequenc
         order: list[GPUMemory] = []
         for item in visible.split(","):
             item = item.strip()
-            if item.isascii() and item.isdigit() and len(item) <= 6:
-                match = [g for g in gpus if g.index == int(item)]
+            if (index := digits_value(item)) is not None:
+                match = [g for g in gpus if g.index == index]
             elif item[:4] in ("GPU-", "MIG-") and len(item) > 4:
                 match = [g for g in gpus if g.uuid.startswith(item)]
             else:

@@ -45,4 +45,8 @@ def shown_text(value: Any, limit: int = SHOWN_CHARS) -> str:
 
 
 def _flat(value: Any) -> bool:
-    return value is None or isinstance(value, (bool, numbers.Number)) or (isinstance(value, str) and len(value) <= 80)
+    return (
+        value is None
+        or isinstance(value, (bool, numbers.Number))
+        or (isinstance(value, str) and len(value) <= SHOWN_CHARS)
+    )

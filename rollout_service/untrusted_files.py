@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint_format import CheckpointError
-from .checkpoint_paths import is_inside, resolve_inside
+from .checkpoint_paths import path_within, resolve_inside
 from .digest import format_digest, new_hasher
 from .full_writes import write_all
 
@@ -69,9 +69,10 @@ def open_regular(
     good), and where the file opened lies is checked again on its descriptor.
     """
     real = resolve_inside(root, path)
+    top = os.path.realpath(root)
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = _open_beneath(root, real, flags, where)
+        fd = _open_beneath(top, real, flags, where)
     except FileNotFoundError:
         raise CheckpointError("missing_file", f"{where} does not exist") from None
     except OSError as exc:
@@ -87,7 +88,7 @@ def open_regular(
             ) from None
         raise CheckpointError("unreadable", f"{where} cannot be opened: {exc.strerror}") from None
     try:
-        _check_opened_inside(fd, root, where)
+        _check_opened_inside(fd, top, where)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(
@@ -271,13 +272,12 @@ def _open_for_overwrite(path: Path) -> io.FileIO:
     return io.FileIO(fd, "wb", closefd=True)
 
 
-def _open_beneath(root: Path, real: Path, flags: int, where: str) -> int:
-    """Open ``real`` (a resolved path inside ``root``) walking down from the root's real folder,
-    each folder on the way opened with ``O_NOFOLLOW | O_DIRECTORY`` relative to the one before: a
+def _open_beneath(top: str, real: Path, flags: int, where: str) -> int:
+    """Open ``real`` (a resolved path inside ``top``, the root's real folder) walking down from
+    ``top``, each folder on the way opened with ``O_NOFOLLOW | O_DIRECTORY`` relative to the one before: a
     component that became a link (or anything but a folder) since ``real`` was resolved raises
     ``CheckpointError('path_escape')`` without being followed. (Linux's ``openat2`` with
     ``RESOLVE_BENEATH`` does this in one call; Python has no binding for it.)"""
-    top = os.path.realpath(root)
     try:
         parts = Path(real).relative_to(top).parts
     except ValueError:
@@ -309,14 +309,14 @@ def _swapped(where: str) -> CheckpointError:
     )
 
 
-def _check_opened_inside(fd: int, root: Path, where: str) -> None:
-    """Where ``fd`` really is must lie inside ``root`` (Linux names it in ``/proc/self/fd``;
-    elsewhere the check before the open stands alone)."""
+def _check_opened_inside(fd: int, top: str, where: str) -> None:
+    """Where ``fd`` really is must lie inside ``top``, the root's real folder (Linux names it in
+    ``/proc/self/fd``; elsewhere the check before the open stands alone)."""
     try:
         opened = os.readlink(fd_path(fd))
     except OSError:
         return
-    if not is_inside(opened, root):
+    if not path_within(opened, top):
         raise _swapped(where)
 
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .shown_values import shown
+
 
 def setting_path(value: object, name: str) -> Path:
     """``value`` (a ``str`` or ``os.PathLike``) as an absolute path with ``~`` expanded; a
     ``ValueError`` naming the setting ``name`` when it is another type or its ``~`` names no home."""
     text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
     if not isinstance(text, str):
-        raise ValueError(f"{name} must be a path (a str or pathlib.Path), got {type(value).__name__} {value!r:.80}")
+        raise ValueError(f"{name} must be a path (a str or pathlib.Path), got {type(value).__name__} {shown(value)}")
     try:
         return Path(text).expanduser().absolute()
     except RuntimeError:  # ~user of no such user, or ~ with HOME unset and no passwd entry

@@ -25,8 +25,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_service.shown_values import shown_text
-
 from .adapter_publish import AdapterPublisher, label_with_adapter
 from .checkpoint_publisher import CheckpointPublisher
 from .replica_wait import ReplicaFailed, ReplicaSyncTimeout, ReplicaWaiter
@@ -255,7 +253,7 @@ class _Outside:
             elif raw == SGLANG_START_VERSION:
                 self.older.add(raw)
             else:
-                self.malformed.add(shown_text(raw, 64))  # into a log line at every retry: bounded
+                self.malformed.add(raw)  # bounded where it is parsed (sglang_responses._raw_version)
         return found
 
     def labels(self) -> list[str]:
