@@ -23,13 +23,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout_service.checkpoint_format import MAX_STEP, step_dir_name
+from rollout_service.checkpoint_format import MAX_STEP, Manifest, step_dir_name
 from rollout_service.checkpoint_reader import list_checkpoints
 from rollout_service.checkpoint_writer import publish_checkpoint
 from rollout_service.tree_removal import remove_tree
 from trainer_helpers import NoWaiter
 from trainer_hooks.checkpoint_publisher import CheckpointPublisher
-from trainer_hooks.checkpoint_retention import chain_dependencies, prune_checkpoints
+from trainer_hooks.checkpoint_retention import (
+    chain_dependencies,
+    list_step_entries,
+    newest_checkpoints,
+    prune_checkpoints,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DEPTH = 3000
@@ -156,6 +161,46 @@ def test_numbering_skips_a_name_a_stray_entry_holds(tmp_path: Path) -> None:
     assert publisher.next_version() == 4
     publisher.publish_and_wait(4, [("w", torch.zeros(4))])
     assert _real_steps(tmp_path) == [1, 4]
+
+
+def test_folders_holding_another_steps_manifest_are_read_once_not_at_every_publish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many folders above the newest step, each a copy of another step's checkpoint: numbering
+    passes over them, and reads each manifest once per process, not at every sync (thousands of
+    reads on shared storage per sync, within the sync's bound); a folder that becomes its step's
+    checkpoint is seen at once."""
+    _publish(tmp_path, range(1, 2))
+    bogus = range(10, 60)
+    for s in bogus:
+        shutil.copytree(tmp_path / step_dir_name(1), tmp_path / step_dir_name(s))
+    loads: list[str] = []
+    real_load = Manifest.load.__func__  # type: ignore[attr-defined]
+
+    def counting_load(cls, path, **kw):  # type: ignore[no-untyped-def]
+        loads.append(Path(path).name)
+        return real_load(cls, path, **kw)
+
+    monkeypatch.setattr(Manifest, "load", classmethod(counting_load))
+    publisher = _publisher(tmp_path, keep=None)
+    assert publisher.next_version() == 2  # they do not steer the numbering
+    assert len(loads) == len(bogus) + 1
+    loads.clear()
+    assert publisher.next_version() == 2
+    assert loads == [step_dir_name(1)]  # only the real one, the newest that counts
+    top = tmp_path / step_dir_name(bogus[-1])
+    shutil.rmtree(top)
+    _publish(tmp_path, range(bogus[-1], bogus[-1] + 1))  # now a real checkpoint of its step
+    loads.clear()
+    assert publisher.next_version() == bogus[-1] + 1
+    assert loads == [top.name]
+    published = list_step_entries(tmp_path).published
+    assert [c.step for c in newest_checkpoints(tmp_path, published, 3)] == [bogus[-1], 1]
+    manifest = json.loads((tmp_path / step_dir_name(1) / "manifest.json").read_text())
+    manifest["step"] = bogus[0]
+    (tmp_path / step_dir_name(bogus[0]) / "manifest.json").write_text(json.dumps(manifest))
+    found = newest_checkpoints(tmp_path, published, 3)  # a rewritten manifest is read again
+    assert [c.step for c in found] == [bogus[-1], bogus[0], 1]
 
 
 def test_a_published_last_step_stops_numbering_with_what_to_do(tmp_path: Path) -> None:

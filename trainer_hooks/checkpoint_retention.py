@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import stat
 import threading
 import uuid
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout_service.checkpoint_format import (
+    MANIFEST_NAME,
     TEMP_PREFIX,
     CheckpointError,
     Manifest,
@@ -176,13 +178,7 @@ def newest_checkpoints(root: Path, published: list[PublishedCheckpoint], count: 
     for ckpt in reversed(published):
         if len(newest) >= count:
             break
-        try:
-            names_its_step = Manifest.load(ckpt.path, root=root).step == ckpt.step
-        except CheckpointError as exc:
-            names_its_step = exc.reason in UNREADABLE_NOW
-        except ValueError:
-            names_its_step = False
-        if names_its_step:
+        if _names_its_step(root, ckpt):
             newest.append(ckpt)
         else:
             passed.append(ckpt.path.name)
@@ -194,6 +190,51 @@ def newest_checkpoints(root: Path, published: list[PublishedCheckpoint], count: 
         " and version numbering pass over them (remove them if nothing needs them)",
     )
     return newest
+
+
+MAX_PASSED_OVER = 100_000
+"""Folders remembered as not holding their step's manifest (past it the memory starts afresh)."""
+_passed_over: dict[tuple[str, str], tuple[int, ...]] = {}
+_passed_over_lock = threading.Lock()
+
+
+def _names_its_step(root: Path, ckpt: PublishedCheckpoint) -> bool:
+    """Whether ``ckpt``'s manifest is its step's, or cannot be read now (it may be).
+
+    A folder found not to be is remembered with its manifest's identity (``lstat``: inode, size,
+    times), so the next publish spends one ``lstat`` on it, not a read and a parse: a stray
+    process that left thousands of such folders above the newest step must not turn every
+    sync's numbering into thousands of manifest reads on shared storage."""
+    key = (str(root), ckpt.path.name)
+    identity = _identity(ckpt.path / MANIFEST_NAME)
+    with _passed_over_lock:
+        if identity is not None and _passed_over.get(key) == identity:
+            return False
+    try:
+        if Manifest.load(ckpt.path, root=root).step == ckpt.step:
+            return True
+    except CheckpointError as exc:
+        if exc.reason in UNREADABLE_NOW:
+            return True
+    except ValueError:
+        pass
+    if identity is not None:
+        with _passed_over_lock:
+            if len(_passed_over) >= MAX_PASSED_OVER:
+                _passed_over.clear()
+            _passed_over[key] = identity
+    return False
+
+
+def _identity(path: Path) -> tuple[int, ...] | None:
+    """What changes when the file at ``path`` is replaced or rewritten (None: not a file now)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 REMOVER_IDLE_S = 5.0
