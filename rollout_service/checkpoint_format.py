@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .number_text import MAX_STEP_DIGITS
+from .shown_values import shown_text
 
 FORMAT_VERSION = 2
 READABLE_FORMAT_VERSIONS = (1, 2)
@@ -134,11 +135,16 @@ DTYPE_NAMES = {
 }
 
 
+MAX_ERROR_CHARS = 4096
+"""A :class:`CheckpointError`'s message is cut here: it quotes untrusted names (a tensor named by
+100,000 characters), and goes into logs, ``/status`` and the replica's ack file."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint is unusable. ``reason`` is a short stable code for metrics and logs."""
 
     def __init__(self, reason: str, message: str):
-        super().__init__(message)
+        super().__init__(shown_text(message, MAX_ERROR_CHARS))
         self.reason = reason
 
 

@@ -39,6 +39,7 @@ from .digest import format_digest, new_hasher
 from .finite import count_non_finite
 from .full_writes import write_all
 from .safetensors_header import read_header
+from .shown_values import shown
 from .untrusted_files import NO_DEADLINE, Deadline, any_failure_is_the_steps, fd_path, open_regular, read_small
 
 TensorSpecs = dict[str, tuple[str, tuple[int, ...]]]
@@ -102,6 +103,11 @@ def latest_checkpoint(root: Path | str) -> PublishedCheckpoint | None:
     """The highest-step published checkpoint (the directory listing is the truth)."""
     found = list_checkpoints(root)
     return found[-1] if found else None
+
+
+def _some(names: list[str]) -> str:
+    """The first three of ``names`` for a message, each quoted and cut (untrusted names)."""
+    return ", ".join(shown(n) for n in names[:3])
 
 
 CASTABLE_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
@@ -215,13 +221,13 @@ def compare_specs(found: TensorSpecs, expected: TensorSpecs, *, where: str, allo
     if missing:
         raise CheckpointError(
             "missing_tensor",
-            f"{where} lacks {len(missing)} tensor(s) the reference has, e.g. {missing[:3]}",
+            f"{where} lacks {len(missing)} tensor(s) the reference has, e.g. {_some(missing)}",
         )
     extra = sorted(set(found) - set(expected))
     if extra:
         raise CheckpointError(
             "extra_tensor",
-            f"{where} has {len(extra)} tensor(s) the reference lacks, e.g. {extra[:3]}",
+            f"{where} has {len(extra)} tensor(s) the reference lacks, e.g. {_some(extra)}",
         )
     for name in sorted(expected):
         dtype, shape = found[name]
@@ -229,7 +235,7 @@ def compare_specs(found: TensorSpecs, expected: TensorSpecs, *, where: str, allo
         if shape != want_shape:
             raise CheckpointError(
                 "shape_mismatch",
-                f"{where}: tensor {name} has shape {list(shape)}, the reference has {list(want_shape)}"
+                f"{where}: tensor {shown(name)} has shape {list(shape)}, the reference has {list(want_shape)}"
                 " (resized embeddings or another architecture: SGLang cannot load it into the"
                 " served model; start the server from a matching model)",
             )
@@ -238,7 +244,7 @@ def compare_specs(found: TensorSpecs, expected: TensorSpecs, *, where: str, allo
         ):
             raise CheckpointError(
                 "dtype_mismatch",
-                f"{where}: tensor {name} has dtype {dtype}, the reference has {want_dtype}",
+                f"{where}: tensor {shown(name)} has dtype {dtype}, the reference has {want_dtype}",
             )
 
 

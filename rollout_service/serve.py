@@ -375,9 +375,7 @@ def run_serve(
     stays up until then, reporting why), 4 when the sidecar's HTTP server cannot start (`EXIT_SIDECAR_FAILED`).
     SIGTERM and SIGINT are handled from before SGLang's first start until SGLang is stopped.
     """
-    import uvicorn
-
-    from .sidecar.app import create_app, listen_url, uvicorn_config
+    from .sidecar.app import create_app, http_server, listen_url
 
     exit_code = 0
     controller: Any = None
@@ -400,7 +398,7 @@ def run_serve(
             supervisor.startup()
             app = create_app(settings)
             controller = app.state.controller
-            http = uvicorn.Server(uvicorn_config(app, settings))
+            http = http_server(app, settings)
             if signals.serve_with(http):
                 supervisor.stop_when(lambda: bool(http.should_exit))
                 supervisor.start()

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint_format import ACKS_DIR, TEMP_PREFIX
-from ..protocol import ReplicaReport, atomic_replace, is_owned_temp, read_acks  # noqa: F401 (read_acks: re-export)
+from ..protocol import MAX_ACK_BYTES, ReplicaReport, atomic_replace, is_owned_temp, read_acks  # noqa: F401 (read_acks: re-export)
+from ..shown_values import shown_text
 
 STALE_TEMP_S = 3600.0
 MAX_CLEANUP_ENTRIES = 10_000
@@ -57,8 +58,14 @@ class AckWriter:
             os.close(root_fd)
 
     def write(self, report: ReplicaReport) -> None:
-        """Atomically replace this replica's ack file with ``report`` and a fresh heartbeat."""
-        self.write_fields(report.to_dict())
+        """Atomically replace this replica's ack file with ``report`` and a fresh heartbeat.
+
+        A report that would not fit what readers read (:data:`MAX_ACK_BYTES`) is written with its
+        ``last_error`` message cut short: an ack readers skip counts the replica as dead."""
+        fields = report.to_dict()
+        if len(json.dumps(fields)) > MAX_ACK_BYTES - 256 and isinstance(report.last_error, dict):
+            fields["last_error"] = {**report.last_error, "message": shown_text(report.last_error.get("message"))}
+        self.write_fields(fields)
 
     def write_fields(self, fields: dict[str, Any]) -> None:
         """Write report fields as they are (tools and tests may leave some out)."""

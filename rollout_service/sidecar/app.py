@@ -108,6 +108,8 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         default_response_class=SafeJSONResponse,
     )
     app.state.controller = controller
+    app.state.stopping = False
+    """Set when the HTTP server starts to shut down (:func:`http_server`): held ``/wait``s answer."""
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -192,6 +194,11 @@ def create_app(settings: SidecarSettings) -> FastAPI:
                 if not task.done() and await request.is_disconnected():
                     task.cancel()  # the client left: hold nothing for it
                     return Response(status_code=499)
+                if not task.done() and app.state.stopping:  # answered, not cut off by the shutdown
+                    return SafeJSONResponse(
+                        {"error": "shutting_down", "detail": "the sidecar is stopping; ask another replica or again"},
+                        status_code=503,
+                    )
             ok = task.result()
         finally:
             waiting.discard(task)
@@ -298,12 +305,11 @@ async def _read_body(request: Request, limit: int) -> bytes:
 def run_sidecar(settings: SidecarSettings, listeners: list[socket.socket] | None = None) -> None:
     """Serve the sidecar with uvicorn until interrupted: on ``listeners`` (sockets already
     listening, see `http_urls.listening_sockets`), else on ``settings.host:port``."""
-    import uvicorn
 
     warn_unguarded_listeners(settings)
     log.info("sidecar on %s (readiness: /readyz)", listen_url(settings))
     try:
-        uvicorn.Server(uvicorn_config(create_app(settings), settings)).run(sockets=listeners)
+        http_server(create_app(settings), settings).run(sockets=listeners)
     finally:
         for sock in listeners or ():
             sock.close()
@@ -312,6 +318,20 @@ def run_sidecar(settings: SidecarSettings, listeners: list[socket.socket] | None
 def listen_url(settings: SidecarSettings) -> str:
     """The address the sidecar listens on, for its start-up log line."""
     return f"http://{url_host(settings.host)}:{settings.port}"
+
+
+def http_server(app: FastAPI, settings: SidecarSettings) -> Any:
+    """The sidecar's uvicorn server (``sidecar`` and ``serve``). Its shutdown first tells the app
+    (``app.state.stopping``), so that a ``/wait`` held then answers 503 ``shutting_down`` within
+    a second rather than being cancelled after the grace period (a 500 and a traceback)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            app.state.stopping = True
+            await super().shutdown(sockets=sockets)
+
+    return Server(uvicorn_config(app, settings))
 
 
 def uvicorn_config(app: FastAPI, settings: SidecarSettings) -> Any:

@@ -57,7 +57,8 @@ from ..checkpoint_reader import (
     list_checkpoints,
     validate_checkpoint,
 )
-from ..protocol import version_for_step
+from ..protocol import MAX_ACK_TEXT, version_for_step
+from ..shown_values import shown_text
 from ..untrusted_files import Deadline
 from .acks import AckWriter
 from .adapter_sync import AdapterSync, is_adapter_step
@@ -119,7 +120,11 @@ class SyncController:
             stage_dir=None if settings.stage_dir is None else str(settings.stage_dir),
         )
         self.root_gate = RootGate(self.root, settings.root_timeout_s, on_change=self._root_problem)
-        """Every look at the root outside a validation passes through it, under a time bound."""
+        """Every look at the root by the loop and the ack writer passes through it, under a time bound."""
+        self.wait_gate = RootGate(self.root, settings.root_timeout_s)
+        """``/wait``'s looks (no token needed): a gate of their own, so that clients waiting by the
+        dozen on a slow root cannot take the threads the sync loop and the ack heartbeat need (a
+        heartbeat that stops makes trainers count this replica dead)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._changed: asyncio.Condition | None = None
@@ -250,7 +255,7 @@ class SyncController:
                     reason = self.state.rejected.get(step)
                     try:
                         identity = await asyncio.wait_for(
-                            self.root_gate.call(_rejection_identity, path, reason, what=look), budget
+                            self.wait_gate.call(_rejection_identity, path, reason, what=look), budget
                         )
                     except OSError:
                         return False  # not read: the rejection stands
@@ -261,7 +266,7 @@ class SyncController:
                 checked = (self.state.loaded_step, self._served_path)
                 look = f"/wait's look at the served step {checked[0]}"
                 presence = await asyncio.wait_for(
-                    self.root_gate.call(self._loaded_presence, checked[0], what=look),
+                    self.wait_gate.call(self._loaded_presence, checked[0], what=look),
                     budget,
                 )
             except RootUnresponsive as exc:
@@ -562,6 +567,8 @@ class SyncController:
             self.metrics.sglang_restarts.inc()  # counted only when the weights were really lost
             self.state.loaded_step = None
             self.state.loaded_fingerprint = self.state.loaded_run_id = None
+            self.state.ready = False  # not until a step is served again (the pass may take minutes)
+            self.metrics.ready.set(0)
         if self.state.loaded_step is None and view.weight_version is not None:
             adopted = await self.root_gate.call(
                 adoptable, view, self.root, self.stage, what="looking for the step SGLang already serves"
@@ -635,7 +642,25 @@ class SyncController:
                 return  # SGLang may still be loading that step: a load sent now would run after it
             self._unconfirmed = None
         if self.state.sglang_healthy and self._reference is not None and self.state.fatal is None and staged_ok:
-            await self._sync_newest()
+            watch = asyncio.create_task(self._watch_sglang_during_pass(), name="sidecar-sglang-watch")
+            try:
+                await self._sync_newest()
+            finally:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
+
+    async def _watch_sglang_during_pass(self) -> None:
+        """While a pass validates and stages a step (minutes for a large or junk step), keep
+        ``sglang_seen_at`` fresh from SGLang's answers every ``health_interval``: ``/readyz``
+        must not call a serving replica unready because the loop is busy (anyone who can write
+        the root could otherwise take every replica out of service for ``--validate-timeout``).
+        Only a cheap ``/model_info``; an SGLang that stops answering goes stale as before."""
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            view = await self.client.view(deep=False)
+            if view.healthy:  # (what it serves is checked between passes, as always)
+                self.state.sglang_seen_at = time.time()
 
     async def _sync_newest(self) -> None:
         """Serve the newest valid checkpoint in the root (if SGLang does not already)."""
@@ -1093,6 +1118,7 @@ class SyncController:
             self.metrics.stage_bytes.set(self.state.stage_bytes)
 
     def _reject(self, ckpt: PublishedCheckpoint, reason: str, message: str) -> None:
+        message = shown_text(message, MAX_ACK_TEXT)
         log.error("rejected checkpoint step %d (%s): %s", ckpt.step, reason, message)
         self.state.rejected[ckpt.step] = reason
         self._rejected_at[ckpt.step] = self._identity_seen.get(ckpt.step)
@@ -1100,6 +1126,9 @@ class SyncController:
         self._error(reason, message, step=ckpt.step)
 
     def _error(self, reason: str, message: str, step: int | None = None) -> None:
+        """Record the last error (``/status``, the ack file): its message cut as ack readers cut it
+        (it may quote untrusted names and answers of any length)."""
+        message = shown_text(message, MAX_ACK_TEXT)
         self.state.last_error = {"reason": reason, "message": message, "step": step, "at": time.time()}
 
     async def _maybe_ack(self, force: bool = False) -> None:

@@ -1,0 +1,197 @@
+"""The sidecar's answers and state under untrusted input and load (a review of its HTTP API).
+
+- An error quoting an untrusted name of any length (a tensor named by 100,000 characters) is
+  cut: the ack file stays readable (else trainers count the replica dead) and ``/status`` small.
+- ``/wait`` (no token needed) looks at the root through a gate of its own: clients waiting by the
+  dozen on a slow root do not take the threads the ack heartbeat needs.
+- A ``/wait`` held when the server stops answers 503 ``shutting_down``, not a 500.
+- A long pass (validating a large or junk step) does not make ``/readyz`` call a serving
+  replica unready while SGLang answers; an SGLang that came back on other weights is unready
+  at once.
+
+The SGLang here is a canned HTTP server (``FakeRoutes``): these are the sidecar's own answers
+and state, and the real server cannot be made to answer slowly or change weights on cue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from fake_sglang import FakeRoutes, dead_url
+from rollout_service.checkpoint_format import MAX_ERROR_CHARS, CheckpointError
+from rollout_service.checkpoint_reader import PublishedCheckpoint, read_model_specs, validate_checkpoint
+from rollout_service.checkpoint_writer import publish_checkpoint
+from rollout_service.protocol import MAX_ACK_BYTES, read_acks
+from rollout_service.sidecar import controller as controller_module
+from rollout_service.sidecar.app import create_app, http_server
+from rollout_service.sidecar.controller import SyncController
+from rollout_service.sidecar.root_gate import RootUnresponsive
+from rollout_service.sidecar.settings import SidecarSettings
+
+CONFIG = {"model_type": "qwen2", "hidden_size": 8}
+
+
+def settings(root: Path, **overrides: Any) -> SidecarSettings:
+    values: dict[str, Any] = {"sglang_url": dead_url(), "replica_id": "r0", "stage": False, **overrides}
+    return SidecarSettings(checkpoint_path=root, **values)
+
+
+def _tensors(extra: str | None = None) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    tensors = [("a.weight", torch.randn(8, 8, generator=g)), ("b.weight", torch.randn(8, generator=g))]
+    return tensors + ([(extra, torch.zeros(1))] if extra else [])
+
+
+def test_a_rejection_quoting_a_huge_tensor_name_keeps_the_ack_readable_and_status_small(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    publish_checkpoint(root, 1, _tensors(), config=CONFIG, run_id="run1")
+    publish_checkpoint(root, 2, _tensors("x" * 100_000 + ".weight"), config=CONFIG, run_id="run1")
+    with pytest.raises(CheckpointError) as caught:
+        validate_checkpoint(
+            root / "step-00000002", root=root, reference=read_model_specs(root / "step-00000001"), allow_float_cast=True
+        )
+    assert caught.value.reason == "extra_tensor"
+    message = str(caught.value)
+    assert "1 tensor(s) the reference lacks" in message and len(message) <= MAX_ERROR_CHARS + 3
+    controller = create_app(settings(root)).state.controller
+    controller._reject(PublishedCheckpoint(step=2, path=root / "step-00000002"), "extra_tensor", "y" * 200_000)
+    controller.acks.write(controller.state.report())
+    assert (root / "acks" / "r0.json").stat().st_size < MAX_ACK_BYTES
+    assert read_acks(root)["r0"]["rejected"] == {"2": "extra_tensor"}
+    assert len(json.dumps(controller.state.to_dict())) < 8192
+
+
+def test_an_ack_too_large_for_readers_is_written_with_its_error_message_cut(tmp_path: Path) -> None:
+    controller = create_app(settings(tmp_path)).state.controller
+    controller.state.last_error = {"reason": "x", "message": "z" * (2 * MAX_ACK_BYTES), "step": 3, "at": 0.0}
+    controller.acks.write(controller.state.report())
+    ack = read_acks(tmp_path)["r0"]
+    assert ack["last_error"]["reason"] == "x" and ack["last_error"]["message"].startswith("zzz")
+
+
+def test_waits_on_a_slow_root_leave_the_loops_threads_free(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every /wait look hangs: the ack heartbeat's and the loop's looks still get a thread."""
+    step = tmp_path / "step-00000005"
+    step.mkdir()
+    (step / "manifest.json").write_text("{}")
+    release = threading.Event()
+
+    def hung(path: Path, reason: str | None) -> None:
+        release.wait(30)
+        return None
+
+    monkeypatch.setattr(controller_module, "_rejection_identity", hung)
+    controller = SyncController(settings(tmp_path, root_timeout_s=1.0))
+
+    async def scenario() -> tuple[list[bool], Any]:
+        controller._changed = asyncio.Condition()
+        controller.state.rejected[5] = "bad_manifest"
+        waits = [asyncio.create_task(controller.wait_for_step(5, 3.0)) for _ in range(12)]
+        await asyncio.sleep(1.5)  # the looks are in flight, past their bound
+        ack: RootUnresponsive | None = None
+        try:
+            await controller.root_gate.call(controller.acks.write, controller.state.report(), what="ack")
+        except RootUnresponsive as exc:
+            ack = exc
+        release.set()
+        return list(await asyncio.gather(*waits)), ack
+
+    try:
+        results, ack = asyncio.run(scenario())
+    finally:
+        release.set()
+    assert ack is None, f"the ack writer found no thread: {ack}"
+    assert results == [False] * 12  # the rejection stands (the looks did not answer)
+    assert controller.root_gate.problem is None
+
+
+def test_a_wait_held_at_shutdown_answers_503_shutting_down(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = http_server(create_app(settings(tmp_path, port=port)), settings(tmp_path, port=port))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if server.started:
+            break
+        time.sleep(0.05)
+    answers: list[httpx.Response] = []
+    waiter = threading.Thread(
+        target=lambda: answers.append(httpx.get(f"http://127.0.0.1:{port}/wait?version=1&timeout=60", timeout=60))
+    )
+    waiter.start()
+    time.sleep(1.0)
+    server.should_exit = True
+    waiter.join(30)
+    thread.join(30)
+    assert len(answers) == 1
+    assert answers[0].status_code == 503 and answers[0].json()["error"] == "shutting_down"
+
+
+def _pass_ready_controller(tmp_path: Path, sglang_url: str, pass_s: float) -> SyncController:
+    """A controller whose next pass takes ``pass_s`` (validating a large step), SGLang healthy."""
+    controller = SyncController(settings(tmp_path, sglang_url=sglang_url, health_interval_s=0.2))
+    controller.state.sglang_healthy = True
+    controller.state.sglang_seen_at = time.time()
+    controller._reference = {}
+
+    async def long_pass() -> None:
+        await asyncio.sleep(pass_s)
+
+    controller._sync_newest = long_pass  # type: ignore[method-assign]
+    return controller
+
+
+def test_sglang_answering_during_a_long_pass_stays_fresh_for_readiness(tmp_path: Path) -> None:
+    sglang = FakeRoutes({"/model_info": (200, {"weight_version": "3", "model_path": "/m"}, 0.0)})
+    try:
+        controller = _pass_ready_controller(tmp_path, sglang.url, pass_s=4.0)
+        asyncio.run(controller._sync_pass())
+        assert controller.state.sglang_seen_at is not None
+        assert time.time() - controller.state.sglang_seen_at < 1.5  # refreshed during the pass (fresh: 3 s)
+    finally:
+        sglang.close()
+
+
+def test_sglang_silent_during_a_long_pass_goes_stale(tmp_path: Path) -> None:
+    controller = _pass_ready_controller(tmp_path, dead_url(), pass_s=1.5)
+    before = controller.state.sglang_seen_at
+    asyncio.run(controller._sync_pass())
+    assert controller.state.sglang_seen_at == before
+
+
+def test_sglang_back_on_other_weights_makes_the_replica_unready_at_once(tmp_path: Path) -> None:
+    sglang = FakeRoutes({"/model_info": (200, {"weight_version": "999", "model_path": "/m"}, 0.0)})
+    try:
+        controller = SyncController(settings(tmp_path, sglang_url=sglang.url))
+        controller._was_healthy = True
+        controller._last_deep = time.monotonic()
+        controller._reference = {}
+        state = controller.state
+        state.loaded_step, state.ready, state.sglang_healthy = 3, True, True
+        controller.metrics.ready.set(1)
+        asyncio.run(controller._check_server())
+        assert state.loaded_step is None
+        assert state.ready is False and controller.readiness()[0] is False
+        assert controller.metrics.ready._value.get() == 0
+    finally:
+        sglang.close()
+
+
+def test_status_over_http_is_small_after_a_huge_rejection(tmp_path: Path) -> None:
+    app = create_app(settings(tmp_path))
+    app.state.controller._error("extra_tensor", "n" * 1_000_000, step=2)
+    with TestClient(app) as client:
+        assert len(client.get("/status").content) < 8192
