@@ -38,6 +38,7 @@ from rollout_service.sidecar.app import create_app, http_server
 from rollout_service.sidecar.controller import SyncController
 from rollout_service.sidecar.root_gate import RootUnresponsive
 from rollout_service.sidecar.settings import SidecarSettings
+from rollout_service.sidecar.sync_record import SyncRecord
 
 CONFIG = {"model_type": "qwen2", "hidden_size": 8}
 
@@ -195,3 +196,113 @@ def test_status_over_http_is_small_after_a_huge_rejection(tmp_path: Path) -> Non
     app.state.controller._error("extra_tensor", "n" * 1_000_000, step=2)
     with TestClient(app) as client:
         assert len(client.get("/status").content) < 8192
+
+
+class _Manifest:
+    """What ``_record_sync`` reads of a manifest."""
+
+    run_id = "run"
+
+    def source_fingerprint(self) -> str:
+        return "fp"
+
+
+def _metric_lines(client: TestClient) -> list[str]:
+    return [
+        line
+        for line in client.get("/metrics").text.splitlines()
+        if line.startswith(("rollout_sidecar_last_sync", "rollout_sidecar_detection_latency_seconds_count"))
+    ]
+
+
+def test_last_sync_metrics_describe_the_last_sync_alone(tmp_path: Path) -> None:
+    app = create_app(settings(tmp_path))
+    controller = app.state.controller
+    first = SyncRecord(
+        step=1, weight_version="1", path="/x/1", detect_s=0.4, validate_s=2.0, load_s=3.0, total_s=5.4,
+        finished_at=time.time(), kind="full", bytes_read=10**9, apply_s=1.5,
+    )  # fmt: skip
+    again = SyncRecord(
+        step=2,
+        weight_version="2",
+        path="/x/2",
+        detect_s=None,
+        validate_s=0.1,
+        load_s=0.2,
+        total_s=None,
+        finished_at=time.time(),
+        kind="full",
+    )  # fmt: skip  (a step loaded before: no publish latencies; no stage: no bytes counted)
+    with TestClient(app) as client:
+        controller._record_sync(_Manifest(), first)
+        lines = _metric_lines(client)
+        assert 'rollout_sidecar_last_sync_seconds{phase="detect"} 0.4' in lines
+        assert "rollout_sidecar_last_sync_bytes_read 1e+09" in lines
+        assert "rollout_sidecar_detection_latency_seconds_count 1.0" in lines
+        controller._record_sync(_Manifest(), again)
+        lines = _metric_lines(client)
+    phases = {line.split('"')[1] for line in lines if line.startswith("rollout_sidecar_last_sync_seconds{")}
+    assert phases == {"validate", "load"}  # as /status's last_sync: no detect, apply or total
+    assert "rollout_sidecar_last_sync_bytes_read NaN" in lines
+    assert "rollout_sidecar_detection_latency_seconds_count 1.0" in lines  # the reload is no detection
+
+
+def test_detection_latency_and_adapter_bytes_come_from_the_loaded_syncs_record(tmp_path: Path) -> None:
+    """Detection is observed from a sync that loaded (its record's ``detect_s``, made exact on
+    whole-second file systems), not at each load attempt; an adapter's staged bytes count."""
+    controller = SyncController(settings(tmp_path))
+    controller._reject(PublishedCheckpoint(step=2, path=tmp_path / "step-00000002"), "sglang_rejected", "no")
+    assert controller.metrics.detection_latency._sum.get() == 0
+    controller.metrics.record_sync(
+        SyncRecord(step=3, weight_version="3", path="/x", detect_s=0.25, validate_s=0.1, load_s=0.1,
+                   total_s=0.5, finished_at=0.0, kind="adapter", bytes_read=1234)
+    )  # fmt: skip
+    assert controller.metrics.detection_latency._sum.get() == 0.25
+    assert controller.metrics.synced_bytes.labels("adapter")._value.get() == 1234
+
+
+@pytest.mark.parametrize(
+    ("method", "url", "named"),
+    [
+        ("GET", "/wait?version=1&timout=5", "'timout'"),
+        ("GET", "/status?verbose=1", "'verbose'"),
+        ("POST", "/sync?checkpoint=../x", "'checkpoint'"),
+        ("GET", "/readyz?x=1", "'x'"),
+    ],
+)
+def test_an_unknown_query_parameter_is_refused_naming_it(tmp_path: Path, method: str, url: str, named: str) -> None:
+    with TestClient(create_app(settings(tmp_path))) as client:
+        r = client.request(method, url)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == "bad_request" and named in r.json()["detail"]
+
+
+def test_known_query_parameters_still_work(tmp_path: Path) -> None:
+    with TestClient(create_app(settings(tmp_path))) as client:
+        r = client.get("/wait?version=1&timeout=0.2&run=abc")
+    assert r.status_code == 504 and r.json()["error"] == "wait_timeout"
+
+
+def test_a_sync_lookup_answers_within_its_bound_when_every_thread_is_busy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow (not hung) root: each look takes 0.7 s, the bound is 1 s. The ninth request waits
+    for one of the eight threads; it must be answered within the bound, not after two of them."""
+    from rollout_service.sidecar import app as app_module
+
+    monkeypatch.setattr(app_module, "ROOT_LOOKUP_TIMEOUT_S", 1.0)
+    app = create_app(settings(tmp_path))
+
+    def slow(checkpoint: str) -> Path:
+        time.sleep(0.7)
+        return tmp_path / checkpoint
+
+    monkeypatch.setattr(app.state.controller, "request_checkpoint", slow)
+
+    async def scenario() -> list[int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://sidecar") as client:
+            posts = [client.post("/sync", json={"checkpoint": f"step-{i:08d}"}) for i in range(1, 10)]
+            return [r.status_code for r in await asyncio.gather(*posts)]
+
+    assert sorted(asyncio.run(scenario())) == [202] * 8 + [503]

@@ -209,6 +209,7 @@ class AdapterSync:
                     run_id=report.manifest.run_id,
                     staged=c.stage is not None,
                     kind="adapter",
+                    bytes_read=report.manifest.total_bytes if c.stage is not None else None,
                 ),
             )
             log.info(

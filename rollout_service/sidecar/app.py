@@ -104,6 +104,9 @@ def create_app(settings: SidecarSettings) -> FastAPI:
     app = FastAPI(
         title="rollout-service sidecar",
         lifespan=lifespan,
+        dependencies=[Depends(_known_query)],
+        docs_url=None,  # its page loads scripts from a CDN; /openapi.json describes the API
+        redoc_url=None,
         description="Loads each new checkpoint from shared storage into SGLang.",
         default_response_class=SafeJSONResponse,
     )
@@ -225,10 +228,18 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         if checkpoint is None:
             controller.notify("api")
             return SafeJSONResponse({"triggered": True}, status_code=202)
-        try:
-            path = await lookups.call(controller.request_checkpoint, checkpoint, what="POST /sync's lookup")
+        try:  # one bound in all: waiting for a free thread and the look itself
+            path = await asyncio.wait_for(
+                lookups.call(controller.request_checkpoint, checkpoint, what="POST /sync's lookup"), lookups.timeout_s
+            )
         except RootUnresponsive as exc:
             return SafeJSONResponse({"error": RootUnresponsive.reason, "detail": str(exc)}, status_code=503)
+        except asyncio.TimeoutError:
+            detail = (
+                f"looking up {checkpoint[:200]!r} under the checkpoint root took more than {lookups.timeout_s:g} s"
+                " (the root is slow or busy); ask again, or send no body to load the newest step"
+            )
+            return SafeJSONResponse({"error": RootUnresponsive.reason, "detail": detail}, status_code=503)
         except CheckpointError as exc:
             return SafeJSONResponse({"error": exc.reason, "detail": str(exc)}, status_code=400)
         except (OSError, ValueError) as exc:
@@ -243,6 +254,23 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         return Response(generate_latest(controller.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+QUERY_PARAMETERS = {"/wait": ("version", "timeout", "run")}
+"""The query parameters each route takes (any other route takes none)."""
+
+
+def _known_query(request: Request) -> None:
+    """Refuse (400) a query parameter the route does not take: a misspelt one (``timout=5``)
+    would otherwise be ignored without a word, and the request do something else than asked."""
+    allowed = QUERY_PARAMETERS.get(request.url.path, ())
+    unknown = sorted(set(request.query_params.keys()) - set(allowed))
+    if unknown:
+        named = ", ".join(repr(name[:64]) for name in unknown[:5])
+        takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
+        raise HTTPException(
+            status_code=400, detail=f"unknown query parameter(s) for {request.url.path[:200]}: {named}; {takes}"
+        )
 
 
 def _requested_checkpoint(raw: bytes) -> str | None:

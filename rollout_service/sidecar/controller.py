@@ -826,9 +826,6 @@ class SyncController:
                 )
                 return False
             validate_s = time.perf_counter() - t0
-            load_started = time.time()
-            if published is not None:
-                self.metrics.detection_latency.observe(max(0.0, load_started - published))
             t1 = time.perf_counter()
             version = version_for_step(step)
             try:
@@ -1033,11 +1030,7 @@ class SyncController:
         if self.state.last_error is not None and self.state.last_error.get("step") == step:
             self.state.last_error = None
         self.metrics.syncs.labels("loaded", "ok").inc()
-        for phase in ("detect_s", "validate_s", "apply_s", "load_s", "total_s"):
-            value = getattr(record, phase)
-            if value is not None:
-                self.metrics.last_sync_seconds.labels(phase[:-2]).set(value)
-        self.metrics.record_sync(record.kind, record.bytes_read, record.chain_length)
+        self.metrics.record_sync(record)
 
     def _set_loaded(self, step: int, manifest: Manifest, served_path: str) -> None:
         self.state.loaded_step = step

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from .sync_record import SyncRecord
+
 NAMESPACE = "rollout_sidecar"
+SYNC_PHASES = ("detect", "validate", "apply", "load", "total")
+"""The phases of :class:`SyncRecord` (its ``<phase>_s`` fields) ``last_sync_seconds`` shows."""
 
 
 class SidecarMetrics:
@@ -34,14 +41,14 @@ class SidecarMetrics:
         )
         self.detection_latency = Histogram(
             "detection_latency_seconds",
-            "Publish finished (step directory renamed into place) -> load started",
+            "Publish finished (step directory renamed into place) -> seen by the sidecar, for steps that loaded",
             namespace=NAMESPACE,
             registry=r,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
         )
         self.sglang_restarts = Counter(
             "sglang_restarts",
-            "Times SGLang was seen to come back with lost weights or after being down",
+            "Times SGLang was seen to come back with lost weights (a restart)",
             namespace=NAMESPACE,
             registry=r,
         )
@@ -63,7 +70,7 @@ class SidecarMetrics:
         )
         self.last_sync_bytes_read = Gauge(
             "last_sync_bytes_read",
-            "Bytes the last successful sync read from shared storage",
+            "Bytes the last successful sync read from shared storage (NaN: not counted, SGLang read them)",
             namespace=NAMESPACE,
             registry=r,
         )
@@ -85,10 +92,22 @@ class SidecarMetrics:
         self.loaded_version.set(-1)
         self.root_responsive.set(1)
 
-    def record_sync(self, kind: str, bytes_read: int | None, chain_length: int) -> None:
+    def record_sync(self, record: SyncRecord) -> None:
+        """A sync that loaded: every ``last_sync`` series describes it alone, as ``/status``
+        does (a phase it has no time for, or bytes it did not count, is dropped or NaN, never
+        left from an earlier sync)."""
+        for phase in SYNC_PHASES:
+            value = getattr(record, f"{phase}_s")
+            if value is None:
+                with contextlib.suppress(KeyError):
+                    self.last_sync_seconds.remove(phase)
+            else:
+                self.last_sync_seconds.labels(phase).set(value)
+        if record.detect_s is not None:
+            self.detection_latency.observe(record.detect_s)
         for k in ("full", "delta", "adapter"):
-            self.last_sync_kind.labels(k).set(1 if k == kind else 0)
-        if bytes_read is not None:
-            self.synced_bytes.labels(kind).inc(bytes_read)
-            self.last_sync_bytes_read.set(bytes_read)
-        self.chain_length.set(chain_length)
+            self.last_sync_kind.labels(k).set(1 if k == record.kind else 0)
+        if record.bytes_read is not None:
+            self.synced_bytes.labels(record.kind).inc(record.bytes_read)
+        self.last_sync_bytes_read.set(math.nan if record.bytes_read is None else record.bytes_read)
+        self.chain_length.set(record.chain_length)
