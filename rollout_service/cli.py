@@ -38,10 +38,13 @@ from .cli_env import (
     RedactingArgumentParser,
     SettingFlags,
     add_env_argument,
+    given_as,
     number_type,
+    range_text,
 )
 from .http_urls import bindable_port, listening_sockets
 from .lora_serving import DEFAULT_MAX_RANK, DEFAULT_TARGET_MODULES, add_lora_flags, lora_from_args, module_list
+from .publish_dtypes import PUBLISHABLE_DTYPES, publishable_dtype_argument
 from .serve import RestartPolicy, run_serve
 from .sglang_launcher import API_KEY_OPTIONS, SGLangServer, SGLangServerConfig, flag_value, free_port, server_url
 from .sidecar.root_gate import answered_within
@@ -64,12 +67,26 @@ SECONDS = number_type(float, *TIMEOUT_S)
 """The type of the one-shot commands' ``--timeout`` flags: finite, positive, at most a week."""
 SHARD_MB = number_type(float, *SHARD_MB_RANGE)
 """The type of ``publish --max-shard-mb``: from about 1 KiB to 1 TiB."""
-SEED = number_type(int, 0, 2**32 - 1)
+SEED_RANGE = (0, 2**32 - 1)
+"""The seeds ``make-tiny-model --seed`` takes (numpy's)."""
+SEED = number_type(int, *SEED_RANGE)
 """The type of ``make-tiny-model --seed``."""
 LORA_RANK = number_type(int, 1, MAX_ADAPTER_RANK)
 """The type of ``validate --max-lora-rank``."""
 STEP = number_type(int, 0, MAX_STEP)
 """The type of ``publish --step`` and ``materialize --step``."""
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""The ``--log-level`` names (any case; Python's aliases WARN and FATAL too)."""
+
+
+def log_level(name: str) -> str:
+    """The type of ``--log-level``: ``name`` as one of :data:`LOG_LEVELS`, else an
+    ``ArgumentTypeError`` listing them (also for ``ROLLOUT_LOG_LEVEL``, which argparse's
+    ``choices`` would not check)."""
+    level = {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(name.upper(), name.upper())
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"invalid choice: {level!r} (choose from {', '.join(LOG_LEVELS)})")
+    return level
 
 
 def _cmd_publish(args: argparse.Namespace) -> int:
@@ -86,6 +103,8 @@ def _cmd_publish(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             max_shard_bytes=int(args.max_shard_mb * (1 << 20)),
         )
+    except OSError as exc:
+        raise _publish_error(exc, Path(args.checkpoint_path), Path(args.model_dir)) from None
     except KeyboardInterrupt:
         manifest = _published_here(step_dir, since=started)
         if manifest is None:
@@ -118,6 +137,36 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _publish_error(exc: OSError, root: Path, model_dir: Path) -> OSError:
+    """``exc`` from ``publish`` as an error naming the flag of the path it is about: the root
+    (``--checkpoint-path``: it, a folder above it or a file written in it, or a write error that
+    names no file), else ``--model-dir`` (a file read there); ``exc`` itself when neither."""
+    if _about_path(exc, root, area=root):
+        hint = _write_hint(exc, root, "--checkpoint-path", "that is a directory or can be made one")
+        return OSError(f"cannot write --checkpoint-path {root}: {exc.strerror or exc} ({hint})")
+    if exc.filename is not None and _within(os.path.abspath(os.fsdecode(exc.filename)), model_dir):
+        return OSError(f"cannot read --model-dir {model_dir}: {_os_error_text(exc)}")
+    return exc
+
+
+def _about_path(exc: OSError, path: Path, *, area: Path) -> bool:
+    """Whether ``exc`` is about writing ``path``: it names ``path``, a folder above it, or a file
+    in ``area`` (where the command writes: its work folders), or it names no file and is an
+    error only writing gives."""
+    if exc.filename is None:
+        return exc.errno in _WRITE_ERRNOS
+    name = os.path.abspath(os.fsdecode(exc.filename))
+    return _within(name, area) or _within(os.path.abspath(path), Path(name))
+
+
+def _os_error_text(exc: OSError) -> str:
+    """``Permission denied: /x/y`` for ``[Errno 13] Permission denied: '/x/y'``: the reason and the
+    file, without the errno number (the message itself for an error that has no errno)."""
+    if not exc.strerror:
+        return str(exc)
+    return f"{exc.strerror}: {os.fsdecode(exc.filename)}" if exc.filename is not None else exc.strerror
+
+
 def _print_published(
     path: Path, step: int, weight_version: str, total_bytes: int, tensors: int, files: int, **extra: Any
 ) -> None:
@@ -145,8 +194,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     try:
         reference = _reference_specs(Path(args.reference)) if args.reference else None
     except (OSError, CheckpointError) as exc:
-        code = f" ({exc.reason})" if isinstance(exc, CheckpointError) else ""
-        print(f"error: cannot read --reference {args.reference}{code}: {exc}", file=sys.stderr)
+        why = f" ({exc.reason}): {exc}" if isinstance(exc, CheckpointError) else f": {_os_error_text(exc)}"
+        print(f"error: cannot read --reference {args.reference}{why}", file=sys.stderr)
         return 2
     try:
         summary = _validate_step(args, reference)
@@ -165,6 +214,9 @@ def _reference_specs(path: Path) -> TensorSpecs:
     from .checkpoint_reader import published_step_specs, read_model_specs
 
     path = path.absolute()
+    if not path.is_dir():
+        what = "is not a directory" if os.path.lexists(path) else "does not exist"
+        raise NotADirectoryError(f"{path} {what}: give a model folder or a published step's folder")
     if not (path / MANIFEST_NAME).exists():
         return read_model_specs(path)
     manifest = Manifest.load(path, root=path.parent)
@@ -193,7 +245,7 @@ def _validate_step(args: argparse.Namespace, reference: TensorSpecs | None) -> d
         args.dir,
         root=args.root,
         reference=reference,
-        allow_float_cast=args.allow_float_cast,
+        allow_float_cast=not args.exact_dtypes,
         check_digests=args.digests,
         check_finite=args.check_finite,
         timeout_s=args.timeout,
@@ -388,15 +440,21 @@ def _materialized_at(out: Path, root: Path, step: int) -> Manifest | None:
     return manifest if manifest.source_fingerprint() == published.fingerprint() else None
 
 
-def _write_hint(exc: OSError, folder: Path) -> str:
-    """What to do when writing into ``folder`` (``--out``'s parent) failed with ``exc``."""
+def _write_hint(
+    exc: OSError, folder: Path, flag: str = "--out", need: str = "whose parent is a directory or can be made one"
+) -> str:
+    """What to do when writing into ``folder`` (``--out``'s parent, the ``--checkpoint-path``
+    root) failed with ``exc``; ``need``: what ``flag`` must name instead."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return f"a full disk or quota: free room in {folder} or name another --out"
+        return f"a full disk or quota: free room in {folder} or name another {flag}"
     if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        return f"{folder} is read-only or not writable by this user: name another --out"
-    if exc.errno in (errno.ENOTDIR, errno.ENOENT):
-        return f"a part of {folder} is not a directory: name an --out whose parent is a directory or can be made one"
-    return "name another --out"
+        return f"{folder} is read-only or not writable by this user: name another {flag}"
+    a_flag = ("an " if flag.lstrip("-")[:1] in ("a", "e", "i", "o", "u") else "a ") + flag
+    if exc.errno in (errno.ENOTDIR, errno.EEXIST):
+        return f"a part of {folder} is not a directory: name {a_flag} {need}"
+    if exc.errno == errno.ENOENT:
+        return f"a part of {folder} is missing and cannot be made there: name {a_flag} {need}"
+    return f"name another {flag}"
 
 
 _WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
@@ -421,7 +479,14 @@ def _within(name: str, folder: Path) -> bool:
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from .tiny_model import make_tiny_model
 
-    path = make_tiny_model(Path(args.out), tied=args.tied, seed=args.seed)
+    out = Path(args.out)
+    try:
+        path = make_tiny_model(out, tied=args.tied, seed=args.seed)
+    except OSError as exc:
+        if exc.errno is None or not _about_path(exc, out, area=out.absolute().parent):
+            raise  # the model's own messages (an --out that is not empty) name it already
+        hint = _write_hint(exc, out.absolute().parent, "--out", "whose parent is a directory or can be made one")
+        raise OSError(f"cannot write --out {out}: {exc.strerror or exc} ({hint})") from None
     print(path)
     return 0
 
@@ -496,7 +561,13 @@ def _serve_setup(
     policy = SERVE_RESTART_SETTINGS.build(args)
     sidecar = SERVE_SIDECAR_SETTINGS.values(args)
     port = config.port if config.port is not None else free_port(config.host)
-    listeners = _check_serve_ports(config.host, port, sidecar["host"], sidecar["port"])
+    listeners = _check_serve_ports(
+        config.host,
+        port,
+        sidecar["host"],
+        sidecar["port"],
+        given=(_port_given(args, "port"), _port_given(args, "sidecar_port")),
+    )
     made: list[Path] = []
     try:
         made = _make_root(setting_path(args.checkpoint_path, "--checkpoint-path"), sidecar["root_timeout_s"])
@@ -585,12 +656,28 @@ def _one_sglang_api_key(sglang_args: list[str], sidecar_key: str | None) -> tupl
     return sglang_args, key
 
 
-def _check_serve_ports(sglang_host: str, sglang_port: int, host: str, port: int) -> list[socket.socket]:
+def _port_given(args: argparse.Namespace, dest: str) -> str:
+    """Where ``serve``'s ``--port`` or ``--sidecar-port`` came from, for an error: ``--port from
+    ROLLOUT_PORT``, ``--port given``, ``--port by default``."""
+    flag = "--" + dest.replace("_", "-")
+    source = given_as(args, dest)
+    if source is None:
+        return f"{flag} by default" if getattr(args, dest) is not None else f"{flag} empty: a free port"
+    return f"{flag} given" if source == flag else f"{flag} from {source}"
+
+
+def _check_serve_ports(
+    sglang_host: str, sglang_port: int, host: str, port: int, given: tuple[str, str] = ("", "")
+) -> list[socket.socket]:
     """Both servers of ``serve`` can listen where they are told to, before SGLang's minutes of
     start-up (SGLang does not always exit when it cannot bind); the sidecar's listening sockets,
-    held from here on (`listening_sockets`)."""
+    held from here on (`listening_sockets`). ``given``: where each port came from (`_port_given`)."""
     if sglang_port == port and _same_addresses(sglang_host, host):
-        raise ValueError(f"--port and --sidecar-port are both {port}: SGLang and the sidecar each need their own")
+        sources = f" ({', '.join(given)})" if all(given) else ""
+        raise ValueError(
+            f"--port and --sidecar-port are both {port}{sources}: SGLang and the sidecar each need their own"
+            " (in serve, --port/ROLLOUT_PORT is SGLang's port and --sidecar-port/ROLLOUT_SIDECAR_PORT the sidecar's)"
+        )
     bindable_port(sglang_host, sglang_port, "--sglang-host/--port")
     return listening_sockets(host, port, "--host/--sidecar-port")
 
@@ -601,16 +688,16 @@ Registrar = Callable[[Any, Any], None]
 
 def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentParser:
     """The parser of these commands, plus those `extra_commands` register."""
-    parser = RedactingArgumentParser(
+    parser = _CommandsParser(
         prog="rollout-service",
         description="SGLang rollouts for TRL GRPO, synced through safetensors checkpoints on shared storage.",
     )
     parser.add_argument(
         "--log-level",
-        default="INFO",
-        type=lambda name: {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(name.upper(), name.upper()),
-        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
-        help="logging level (default INFO)",
+        dest=_TOP_LOG_LEVEL,
+        default=None,
+        type=log_level,
+        help="logging level (default INFO; also taken after the command, and from ROLLOUT_LOG_LEVEL)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=EnvArgumentParser)
 
@@ -623,13 +710,20 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
     )
     p.add_argument("--model-dir", required=True, help="HF model directory to publish")
     p.add_argument("--checkpoint-path", required=True, help="checkpoint root directory")
-    p.add_argument("--step", required=True, type=STEP, help="step number (0..99999999)")
+    p.add_argument("--step", required=True, type=STEP, help=f"step number ({range_text(0, MAX_STEP)})")
     p.add_argument(
         "--dtype",
         default=None,
-        help="convert floating tensors to this dtype (bfloat16, float16, float32; default: keep each tensor's dtype)",
+        type=publishable_dtype_argument,
+        help=f"convert floating tensors to this dtype ({', '.join(PUBLISHABLE_DTYPES)}, or bf16, fp16, half,"
+        " fp32; default: keep each tensor's dtype)",
     )
-    p.add_argument("--max-shard-mb", type=SHARD_MB, default=2048, help="max shard size in MiB (default 2048)")
+    p.add_argument(
+        "--max-shard-mb",
+        type=SHARD_MB,
+        default=2048,
+        help=f"max shard size in MiB ({range_text(*SHARD_MB_RANGE)}; default 2048)",
+    )
     p.set_defaults(func=_cmd_publish)
 
     p = sub.add_parser(
@@ -650,22 +744,28 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         " step is checked on its own, an adapter step against its own shapes and the LoRA limits)",
     )
     p.add_argument(
-        "--allow-float-cast", action="store_true", help="accept floating dtypes that differ from the reference"
+        "--exact-dtypes",
+        action="store_true",
+        help="refuse floating dtypes that differ from --reference's (default: accept them, as the sidecar"
+        " does: SGLang casts F64/F32/F16/BF16 on load; integer, boolean and FP8 tensors must always match)",
     )
+    # The default since validate accepts what the sidecar accepts; kept for the command lines that pass it.
+    p.add_argument("--allow-float-cast", action="store_false", dest="exact_dtypes", help=argparse.SUPPRESS)
     p.add_argument("--digests", action="store_true", help="also re-read every byte and check digests")
     p.add_argument("--check-finite", action="store_true", help="also read every weight and refuse NaN/Inf values")
     p.add_argument(
         "--timeout",
         type=SECONDS,
         default=600.0,
-        help="give up (INVALID, validation_timeout) after this many seconds (default 600)",
+        help=f"give up (INVALID, validation_timeout) after this many seconds ({range_text(*TIMEOUT_S)}; default 600)",
     )
     p.add_argument("--root", default=None, help="checkpoint root that paths must stay inside (default: DIR's parent)")
     p.add_argument(
         "--max-lora-rank",
         type=LORA_RANK,
         default=DEFAULT_MAX_RANK,
-        help=f"adapter steps: the largest rank the server serves (default {DEFAULT_MAX_RANK}, as `serve --lora`)",
+        help=f"adapter steps: the largest rank the server serves ({range_text(1, MAX_ADAPTER_RANK)}; default"
+        f" {DEFAULT_MAX_RANK}, as `serve --lora`)",
     )
     p.add_argument(
         "--lora-target-modules",
@@ -690,9 +790,16 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         " PEFT adapter directory for the base model.",
     )
     p.add_argument("root", help="checkpoint root (the trainer's checkpoint_path)")
-    p.add_argument("--step", required=True, type=STEP, help="the step (version) to rebuild (0..99999999)")
+    p.add_argument(
+        "--step", required=True, type=STEP, help=f"the step (version) to rebuild ({range_text(0, MAX_STEP)})"
+    )
     p.add_argument("--out", required=True, help="new directory to write the model into")
-    p.add_argument("--timeout", type=SECONDS, default=None, help="give up after this many seconds (default: no limit)")
+    p.add_argument(
+        "--timeout",
+        type=SECONDS,
+        default=None,
+        help=f"give up after this many seconds ({range_text(*TIMEOUT_S)}; default: no limit)",
+    )
     p.set_defaults(func=_cmd_materialize)
 
     p = sub.add_parser(
@@ -702,7 +809,9 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
     )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tied", action="store_true", help="tie input and output embeddings")
-    p.add_argument("--seed", type=SEED, default=0, help="seed of the random weights (default 0)")
+    p.add_argument(
+        "--seed", type=SEED, default=0, help=f"seed of the random weights ({range_text(*SEED_RANGE)}; default 0)"
+    )
     p.set_defaults(func=_cmd_make_tiny_model)
 
     p = sub.add_parser(
@@ -715,7 +824,9 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
     )
     p.add_argument("--sglang-url", default="http://127.0.0.1:30000", help="SGLang server (default %(default)s)")
     p.add_argument("--sidecar-url", default="http://127.0.0.1:8100", help="its sidecar (default %(default)s)")
-    p.add_argument("--timeout", type=SECONDS, default=8.0, help="seconds for each HTTP call (default 8)")
+    p.add_argument(
+        "--timeout", type=SECONDS, default=8.0, help=f"seconds for each HTTP call ({range_text(*TIMEOUT_S)}; default 8)"
+    )
     p.set_defaults(func=_cmd_liveness)
 
     p = sub.add_parser(
@@ -743,12 +854,42 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
     SERVE_SIDECAR_SETTINGS.add_to(p)
     SERVE_RESTART_SETTINGS.add_to(p)
     add_lora_flags(p)
-    p.usage = p.format_usage().removeprefix("usage: ").rstrip() + " [-- SGLANG_ARGS ...]"
     p.set_defaults(func=_cmd_serve, sglang_args=[])
 
     for register in extra_commands:
         register(sub, add_env_argument)
+    for command in sub.choices.values():
+        add_env_argument(
+            command,
+            "--log-level",
+            type=log_level,
+            default="INFO",
+            help=f"logging level: {', '.join(LOG_LEVELS)} (also taken before the command)",
+        )
+    serve = sub.choices["serve"]
+    serve.usage = serve.format_usage().removeprefix("usage: ").rstrip() + " [-- SGLANG_ARGS ...]"
     return parser
+
+
+_TOP_LOG_LEVEL = "log_level_before_command"
+"""The dest of ``--log-level`` given before the command (``rollout-service --log-level DEBUG serve``)."""
+
+
+class _CommandsParser(RedactingArgumentParser):
+    """The top-level parser: ``--log-level`` is taken before the command and after it (and from
+    ``ROLLOUT_LOG_LEVEL``, read by the command's parser); the one after the command wins, then the
+    one before, then the variable."""
+
+    def parse_known_args(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        namespace: argparse.Namespace | None = None,
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        before = vars(parsed).pop(_TOP_LOG_LEVEL, None)
+        if before is not None and given_as(parsed, "log_level") != "--log-level":
+            parsed.log_level = before
+        return parsed, extras
 
 
 def main(argv: list[str] | None = None, extra_commands: Sequence[Registrar] = ()) -> int:

@@ -23,6 +23,9 @@ How values are read (the same for every setting):
 - A help text may name another setting's flag on the same command as ``{field}``
   (``{port}``: ``--port`` on ``sidecar``, ``--sidecar-port`` on ``serve``).
 - A value that does not convert is refused (exit 2) with a message naming the variable.
+- Where each value came from, the flag or the variable, is recorded in the parse
+  (:func:`given_as`), so that a later check can name it (``ROLLOUT_PORT``, not only ``--port``)
+  and tell a setting given from its default.
 - A number setting declares its range (``setting(..., bounds=(low, high))``; a knob without a flag
   :func:`bounds_metadata`): a value that is not a finite number in it is refused by the flag (exit 2, naming
   the flag or the variable) and by the dataclass (:func:`check_bounds`, a ValueError naming the
@@ -139,12 +142,17 @@ def range_problem(value: Any, low: float, high: float) -> str | None:
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if number and (isinstance(value, int) or math.isfinite(value)) and low <= value <= high:
         return None
-    return f"must be a finite number from {_number(low)} to {_number(high)}, got {value!r}"
+    return f"must be a finite number from {range_text(low, high)}, got {value!r}"
 
 
 def _number(value: float) -> str:
     """``604800`` for 604800.0, ``0.01`` for 0.01: a bound as a person writes it."""
     return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else f"{value:g}"
+
+
+def range_text(low: float, high: float) -> str:
+    """``0.01 to 604800``: a number flag's range as ``--help`` shows it (and its errors name it)."""
+    return f"{_number(low)} to {_number(high)}"
 
 
 def check_range(name: str, value: Any, low: float, high: float) -> None:
@@ -263,7 +271,7 @@ class SettingFlags:
                 span = declared_bounds(f)
                 if span is not None:
                     parse = number_type(parse, *span)
-                    help_text += f" ({_number(span[0])} to {_number(span[1])})"
+                    help_text += f" ({range_text(*span)})"
                 default = None if required else field_default
                 spec = SettingFlag(f.name, flag, help_text, default, required, parse, invert=False)
             self.flags.append(spec)
@@ -409,10 +417,14 @@ class EnvArgumentParser(RedactingArgumentParser):
         return parsed, extras
 
     def apply_env(self, namespace: argparse.Namespace, environ: Mapping[str, str]) -> None:
-        """Replace every env-backed flag not given on the command line by its variable or default."""
+        """Replace every env-backed flag not given on the command line by its variable or default,
+        and record where each value that is no default came from (:func:`given_as`)."""
         missing = []
+        given: dict[str, str] = getattr(namespace, _GIVEN, {})
+        setattr(namespace, _GIVEN, given)
         for spec in self.env_flags:
             if getattr(namespace, spec.dest, None) is not _FROM_ENV_OR_DEFAULT:
+                given[spec.dest] = spec.flag
                 continue
             raw = environ.get(spec.env)
             if raw is not None and raw != "":
@@ -420,6 +432,7 @@ class EnvArgumentParser(RedactingArgumentParser):
                     value = spec.value_from(raw)
                 except ValueError as exc:
                     self.error(str(exc))
+                given[spec.dest] = spec.env
             elif spec.required:
                 missing.append(f"{spec.flag} (or {spec.env})")
                 continue
@@ -428,6 +441,17 @@ class EnvArgumentParser(RedactingArgumentParser):
             setattr(namespace, spec.dest, value)
         if missing:
             self.error(f"the following arguments are required: {', '.join(missing)}")
+
+
+_GIVEN = "env_flags_given"
+"""The namespace attribute where :class:`EnvArgumentParser` records where values came from."""
+
+
+def given_as(args: argparse.Namespace, dest: str) -> str | None:
+    """Where the env-backed flag ``dest`` got its value: its flag (``--port``) when given on the
+    command line, its variable (``ROLLOUT_PORT``) when read from it; None when it holds its default."""
+    given: dict[str, str] = getattr(args, _GIVEN, {})
+    return given.get(dest)
 
 
 def add_env_argument(

@@ -538,6 +538,7 @@ class DeltaCheckpointWriter:
         run_id: str | None = None,
     ) -> PublishResult:
         """Publish the absorbed version as ``step``: a delta when it can, else in full."""
+        root = Path(root).absolute()  # a relative root would double when its manifests are read (resolve_inside)
         absorbed = self._absorbed
         if absorbed is None:
             raise RuntimeError("write() needs a version taken in by absorb() first")
@@ -559,7 +560,7 @@ class DeltaCheckpointWriter:
                         f" {self.max_ratio:g}"
                     ),
                 )
-            elif (gone := _chain_gone(Path(root), base)) is not None:
+            elif (gone := _chain_gone(root, base)) is not None:
                 kind, why_full = "full", gone
             else:
                 if config is None:
@@ -593,7 +594,7 @@ class DeltaCheckpointWriter:
                 new_base = _Base(step, result.fingerprint, step, 0, result.fingerprint)
             else:
                 assert base is not None and plan is not None
-                result = self._write_delta(Path(root), step, base, absorbed, plan, max_shard_bytes=max_shard_bytes)
+                result = self._write_delta(root, step, base, absorbed, plan, max_shard_bytes=max_shard_bytes)
                 new_base = _Base(
                     step,
                     result.fingerprint,

@@ -15,7 +15,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from .checkpoint_format import MAX_ADAPTER_RANK
-from .cli_env import SettingFlags, add_env_argument, check_bounds, setting
+from .cli_env import SettingFlags, add_env_argument, check_bounds, given_as, setting
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_MAX_RANK = 64
@@ -27,10 +27,11 @@ CPU_BACKEND = "torch_native"
 
 
 def module_list(text: str) -> tuple[str, ...]:
-    """``"q_proj,v_proj"`` (or space-separated) -> ``("q_proj", "v_proj")``."""
+    """``"q_proj,v_proj"`` (or space-separated) -> ``("q_proj", "v_proj")``; an
+    ``ArgumentTypeError`` (a ``ValueError`` argparse would replace by "invalid value") for none."""
     modules = tuple(m for m in text.replace(",", " ").split() if m)
     if not modules:
-        raise ValueError("give at least one module name, e.g. q_proj,v_proj")
+        raise argparse.ArgumentTypeError(f"no module name in {text!r}: give at least one, e.g. q_proj,v_proj")
     return modules
 
 
@@ -44,13 +45,15 @@ class LoraServing:
 
     max_rank: int = field(
         default=DEFAULT_MAX_RANK,
-        metadata=setting("--max-lora-rank", "largest adapter rank SGLang can serve", bounds=(1, MAX_ADAPTER_RANK)),
+        metadata=setting(
+            "--max-lora-rank", "(with --lora) largest adapter rank SGLang can serve", bounds=(1, MAX_ADAPTER_RANK)
+        ),
     )
     target_modules: tuple[str, ...] = field(
         default=DEFAULT_TARGET_MODULES,
         metadata=setting(
             "--lora-target-modules",
-            "comma-separated modules adapters may change, or 'all'",
+            "(with --lora) comma-separated modules adapters may change, or 'all'",
             parse=module_list,
         ),
     )
@@ -58,14 +61,16 @@ class LoraServing:
         default=DEFAULT_MAX_LORAS_PER_BATCH,
         metadata=setting(
             "--max-loras-per-batch",
-            "adapters SGLang keeps in its batch pool, the base model included; at least max_staleness + 2",
+            "(with --lora) adapters SGLang keeps in its batch pool, the base model included; at least"
+            " max_staleness + 2",
             bounds=(2, MAX_LORAS_PER_BATCH),
         ),
     )
     backend: str | None = field(
         default=None,
         metadata=setting(
-            "--lora-backend", "SGLang's --lora-backend (default: torch_native on CPU, SGLang's choice on CUDA)"
+            "--lora-backend",
+            "(with --lora) SGLang's --lora-backend (default: torch_native on CPU, SGLang's choice on CUDA)",
         ),
     )
     """None: ``torch_native`` on the CPU, SGLang's default on CUDA."""
@@ -110,8 +115,18 @@ def add_lora_flags(p: argparse.ArgumentParser) -> None:
 
 
 def lora_from_args(args: argparse.Namespace) -> LoraServing | None:
-    """The settings ``add_lora_flags`` parsed, or None without ``--lora``."""
+    """The settings ``add_lora_flags`` parsed, or None without ``--lora``; a ValueError naming
+    the LoRA settings given without ``--lora`` (on the command line or as variables), which
+    would otherwise be dropped unseen."""
+    settings = SettingFlags(LoraServing)
     if not getattr(args, "lora", False):
+        given = [source for spec in settings.flags if (source := given_as(args, spec.dest)) is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} only used with --lora, which is off:"
+                " add --lora (or ROLLOUT_LORA=1) to serve LoRA adapters, or remove "
+                + ("it" if len(given) == 1 else "them")
+            )
         return None
-    lora: LoraServing = SettingFlags(LoraServing).build(args)
+    lora: LoraServing = settings.build(args)
     return lora

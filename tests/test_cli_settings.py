@@ -300,6 +300,7 @@ def test_serve_restart_and_lora_settings_are_derived_from_their_dataclasses(clea
     assert SERVE_RESTART_SETTINGS.build(args) == RestartPolicy(max_restarts=2, startup_timeout_s=1200.0)
     assert lora_from_args(args) == LoraServing(max_rank=8, target_modules=("q_proj", "v_proj"))
     clean_env.setenv("ROLLOUT_LORA", "0")
+    clean_env.delenv("ROLLOUT_LORA_TARGET_MODULES")  # a LoRA setting without --lora is refused
     assert lora_from_args(build_parser().parse_args(argv)) is None
 
 

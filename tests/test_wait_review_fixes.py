@@ -215,7 +215,7 @@ def test_a_wait_a_look_at_the_root_ended_early_names_why(tmp_path: Path) -> None
         async def unresponsive(*args: Any, what: str) -> Any:
             raise RootUnresponsive(f"the checkpoint root {root} is not answering: {what} did not come back")
 
-        c.root_gate.call = unresponsive
+        c.wait_gate.call = unresponsive  # /wait looks at the root through its own gate
         body = client.get("/wait", params={"version": 1, "timeout": 30, "run": RUN}).json()
         assert body["error"] == "root_unresponsive" and "is not answering" in body["detail"], body
 

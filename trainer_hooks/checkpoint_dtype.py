@@ -3,8 +3,9 @@
 :func:`checkpoint_dtype` picks its name once, at start-up (the ``checkpoint_dtype`` setting, else
 the model's configured dtype, else its first floating parameter's); :func:`target_dtype` is the
 torch dtype a name stands for, which the publishers cast floating tensors to before copying them.
-Checkpoints are published in :data:`PUBLISHABLE_DTYPES` only: a model in another dtype (float64,
-float8) needs ``checkpoint_dtype`` set to the one SGLang serves.
+Checkpoints are published in :data:`PUBLISHABLE_DTYPES` only (defined in
+``rollout_service.publish_dtypes``, which ``publish --dtype`` uses too): a model in another dtype
+(float64, float8) needs ``checkpoint_dtype`` set to the one SGLang serves.
 """
 
 from __future__ import annotations
@@ -12,32 +13,14 @@ from __future__ import annotations
 import torch
 
 from rollout_service.checkpoint_format import normalize_dtype
+from rollout_service.publish_dtypes import PUBLISHABLE_DTYPES as PUBLISHABLE_DTYPES  # defined once, there
+from rollout_service.publish_dtypes import publishable_dtype as publishable_dtype
 
 _DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 """torch's names of the safetensors tags (what ``normalize_dtype`` returns) a model may be in."""
 
-_FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-"""safetensors tags of the dtypes checkpoints may be cast to."""
-
-PUBLISHABLE_DTYPES = ("bfloat16", "float16", "float32")
-"""The dtype names checkpoints can be published in (``bf16``, ``half``, ... are other spellings)."""
-
-
-def publishable_dtype(name: object, field: str = "checkpoint_dtype") -> str:
-    """``name`` as one of :data:`PUBLISHABLE_DTYPES` (any spelling ``normalize_dtype`` accepts);
-    a ValueError naming ``field``, the value and the allowed dtypes otherwise."""
-    tag = None
-    if isinstance(name, str):
-        try:
-            tag = normalize_dtype(name)
-        except ValueError:
-            tag = None
-    if tag not in _FLOAT_DTYPES:
-        raise ValueError(
-            f"{field}={name!r} is not a dtype checkpoints can be published in: use one of "
-            f"{', '.join(PUBLISHABLE_DTYPES)} (or bf16, fp16, half, fp32)"
-        )
-    return _DTYPE_NAMES[tag]
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+"""The torch dtype of each of :data:`PUBLISHABLE_DTYPES`."""
 
 
 def checkpoint_dtype(requested: str | None, model: torch.nn.Module) -> str:
@@ -78,4 +61,4 @@ def target_dtype(name: str | None) -> torch.dtype | None:
     """The torch dtype of a checkpoint dtype name ("bfloat16", "bf16", ...), None to keep each tensor's."""
     if name is None:
         return None
-    return _FLOAT_DTYPES[normalize_dtype(publishable_dtype(name, "dtype"))]  # type: ignore[index]
+    return _TORCH_DTYPES[publishable_dtype(name, "dtype")]

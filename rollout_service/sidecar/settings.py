@@ -88,7 +88,9 @@ class SidecarSettings:
     check_digests: bool = field(
         default=False,
         metadata=setting(
-            "--check-digests", "re-read every byte and check digests before loading (slower, catches bit rot)"
+            "--check-digests",
+            "with --no-stage only: re-read every byte and check digests before SGLang loads the step (slower,"
+            " catches bit rot); staging (the default) checks every byte it copies anyway",
         ),
     )
     health_interval_s: float = field(
@@ -197,9 +199,14 @@ class SidecarSettings:
             )
         self.sglang_url = check_http_url(self.sglang_url, "--sglang-url")
         if self.reference_dir is not None:
-            self.reference_dir = Path(self.reference_dir)
+            self.reference_dir = setting_path(self.reference_dir, "--reference-dir")
         if not self.stage:
-            self.stage_dir = None
+            if self.stage_dir is not None:
+                raise ValueError(
+                    f"--no-stage and --stage-dir {self.stage_dir} are both given (ROLLOUT_NO_STAGE,"
+                    " ROLLOUT_STAGE_DIR): without a stage SGLang reads the checkpoint root and no stage"
+                    " directory is used; drop --stage-dir to load from the root, or --no-stage to stage"
+                )
         elif self.stage_dir is None:
             from .staging import default_stage_dir
 
@@ -209,27 +216,33 @@ class SidecarSettings:
         self._check_root()
 
     def _check_root(self) -> None:
-        """The root is a directory and the stage is a folder of its own (see
-        :func:`stage_dir_conflict`); looked at for at most ``root_timeout_s`` (a hung network
-        file system: start anyway, ``/readyz`` says why nothing loads, and the stage is checked on
-        the paths as written)."""
+        """The root and ``--reference-dir`` (when given) are directories and the stage is a
+        folder of its own (see :func:`stage_dir_conflict`); looked at for at most
+        ``root_timeout_s`` (a hung network file system: start anyway, ``/readyz`` says why
+        nothing loads, and the stage is checked on the paths as written)."""
         root, stage, reference = self.checkpoint_path, self.stage_dir, self.reference_dir
 
-        def look() -> tuple[bool, str | None]:
-            return root.is_dir(), stage_dir_conflict(stage, root, reference, is_inside)
+        def look() -> tuple[bool, bool, str | None]:
+            reference_ok = reference is None or reference.is_dir()
+            return root.is_dir(), reference_ok, stage_dir_conflict(stage, root, reference, is_inside)
 
         answered, found = answered_within(look, self.root_timeout_s, "checking the root")
         if not answered or found is None:
             log.warning(
-                "checkpoint path %s did not answer within --root-timeout %g s; starting anyway",
+                "checkpoint path %s or --reference-dir did not answer within --root-timeout %g s; starting anyway",
                 root,
                 self.root_timeout_s,
             )
-            found = (True, stage_dir_conflict(stage, root, reference, _inside_as_written))
-        is_dir, conflict = found
+            found = (True, True, stage_dir_conflict(stage, root, reference, _inside_as_written))
+        is_dir, reference_ok, conflict = found
         if not is_dir:
             raise ValueError(
                 f"checkpoint path {root} is not a directory; create it or mount the shared checkpoint volume there"
+            )
+        if not reference_ok:
+            raise ValueError(
+                f"--reference-dir {reference} is not a directory: give the folder of the model SGLang serves, as"
+                " this machine sees it (or leave it unset: the sidecar then reads SGLang's model_path)"
             )
         if conflict:
             raise ValueError(conflict)
