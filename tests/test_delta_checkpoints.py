@@ -364,6 +364,36 @@ def test_the_stage_replays_a_chain_and_then_applies_one_delta_per_sync(tmp_path:
         stage.close()
 
 
+@pytest.mark.parametrize("damage", ["zeroed header", "bad dtype tag", "cut short"])
+def test_a_staged_base_damaged_where_the_delta_reads_first_is_replayed_not_rejected(
+    tmp_path: Path, damage: str
+) -> None:
+    """A staged copy a host crash left damaged (zeroed blocks, unsynced; a cut file): the next delta
+    fails on the base's header or layout before any digest, which is the base's fault, not the step's:
+    the chain is replayed from its full step (a rejection would stop training at every later delta)."""
+    root, full_root, _ = _chain(tmp_path, versions=4)
+    stage = Stage(tmp_path / "stage")
+    try:
+        two = stage.build(root, root / step_dir_name(2), Manifest.load(root / step_dir_name(2)), Deadline(60))
+        stage.prune({two.path})
+        shard = sorted(two.path.glob("model*.safetensors"))[0]
+        data = bytearray(shard.read_bytes())
+        if damage == "zeroed header":
+            data[:4096] = bytes(4096)
+        elif damage == "bad dtype tag":
+            at = data.index(b'"dtype":"') + len(b'"dtype":"')
+            data[at : at + 2] = b"Q9"
+        else:
+            data = data[: len(data) // 2]
+        shard.write_bytes(bytes(data))
+        three = stage.build(root, root / step_dir_name(3), Manifest.load(root / step_dir_name(3)), Deadline(60))
+        assert three.chain_length == 2  # replayed: full step 1, then deltas 2 and 3
+        assert_same_files(three.path, full_root / step_dir_name(3))
+        assert not two.path.exists()
+    finally:
+        stage.close()
+
+
 def test_retention_never_breaks_a_chain(tmp_path: Path) -> None:
     root, _, _ = _chain(tmp_path, versions=7, full_every=3)  # full 1, 4, 7; deltas 2-3, 5-6
     kinds = {c.step: Manifest.load(c.path).kind for c in list_checkpoints(root)}

@@ -502,7 +502,9 @@ class Stage:
             try:
                 return self._apply_chain(root, chain, deadline, t0, check_finite)
             except CheckpointError as exc:
-                if exc.reason != "base_mismatch" or not chain.start_is_staged:
+                if not chain.start_is_staged or not (
+                    exc.reason == "base_mismatch" or self._damaged(chain.start, deadline)
+                ):
                     raise
                 log.warning(
                     "the staged copy %s is damaged (%s); replaying the chain from its full step",
@@ -511,6 +513,19 @@ class Stage:
                 )
                 remove_entry(chain.start.path)
                 return self._apply_chain(root, resolve_chain(root, link, None, deadline), deadline, t0, check_finite)
+
+    def _damaged(self, start: ChainLink, deadline: Deadline) -> bool:
+        """Whether the staged copy ``start`` no longer holds the bytes its manifest lists (every
+        byte read). A delta refused with another reason than ``base_mismatch`` (a header or a
+        layout that does not parse: a copy a host crash left with zeroed blocks) may be refused
+        for its base's sake: then the chain is replayed, not the step rejected."""
+        try:
+            _check_copy(self.path, start.path, start.manifest, start.manifest.files, deadline)
+        except CheckpointError as exc:
+            if exc.reason == "validation_timeout":
+                raise
+            return True
+        return False
 
     def _reuse(self, manifest: Manifest, deadline: Deadline) -> Path | None:
         """The copy of this very publication staged before (a re-sync after SGLang restarted),
