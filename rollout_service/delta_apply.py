@@ -290,6 +290,8 @@ def reconstruct(
 
 APPLY_THREADS = max(1, min(8, os.cpu_count() or 1))
 """Tensors of a shard are rebuilt on this many threads (zstd, numpy and file I/O release the GIL)."""
+IN_FLIGHT_PARTS = 4 * APPLY_THREADS
+"""Parts of a shard submitted and not yet done at most (the rest start as those end)."""
 _buffers = threading.local()
 
 
@@ -394,6 +396,10 @@ def _rebuild_shard(
                 # In file order: each part waits for the earlier ones to be hashed. A part starts as
                 # soon as its frame is read: the delta file streams in while the threads rebuild.
                 for index, ((off, n, frame, dtype, part_where), needs) in enumerate(zip(parts, part_needs)):
+                    if index >= IN_FLIGHT_PARTS:  # a bounded window: and once a part failed, no more start
+                        wait([rebuilt[index - IN_FLIGHT_PARTS]])
+                        if any(job.done() and job.exception() is not None for job in rebuilt):
+                            break
                     if needs is not None:
                         needs[0].read_upto(needs[1])
                     rebuilt.append(

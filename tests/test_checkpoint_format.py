@@ -169,7 +169,7 @@ def test_wrong_shape_and_dtype_are_rejected(tmp_path):
     state["model.norm.weight"] = torch.ones(17)
     path = publish(tmp_path, 2, state).path
     expect_error(
-        "shape_mismatch", r"model.norm.weight has shape \[17\], the reference has \[16\]", path, reference=reference
+        "shape_mismatch", r"'model.norm.weight' has shape \[17\], the reference has \[16\]", path, reference=reference
     )
     path = publish(tmp_path, 3, make_state(3, torch.bfloat16)).path
     expect_error("dtype_mismatch", r"has dtype BF16, the reference has F32", path, reference=reference)
@@ -180,7 +180,7 @@ def test_wrong_shape_and_dtype_are_rejected(tmp_path):
     # A checkpoint whose floating tensors disagree has no single dtype in its manifest ...
     assert Manifest.load(path).dtype is None
     # ... and a reference catches the odd one.
-    expect_error("dtype_mismatch", r"model.norm.weight has dtype F16", path, reference=reference)
+    expect_error("dtype_mismatch", r"'model.norm.weight' has dtype F16", path, reference=reference)
 
 
 def test_manifest_size_mismatch_is_rejected(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from delta_helpers import CONFIG, RUN, Model, assert_same_files, publish_both, stage_through
-from rollout_service import delta_codec
+from rollout_service import checkpoint_format, delta_codec
 from rollout_service.checkpoint_format import (
     DELTA_CODEC,
     MANIFEST_NAME,
@@ -120,6 +120,7 @@ def _edit_manifest(step_dir: Path, edit) -> None:
         (lambda d: d.update(frame_bytes=17), "bad_manifest", "load"),
         (lambda d: d.update(frame_bytes=4097), "bad_manifest", "load"),  # parts of half a bf16 element
         (lambda d: d.update(frame_bytes=3 << 12), "bad_manifest", "load"),  # not a power of two
+        (lambda d: d.update(frame_bytes=1 << 19), "bad_manifest", "load"),  # too many parts to a tensor
         (lambda d: d.update(codec="xor+zstd"), "bad_manifest", "load"),
         # Sizes that do not add up to the blob, and sizes that cut it in the wrong places.
         (
@@ -243,6 +244,7 @@ def test_no_spare_is_kept_when_the_stage_would_run_short_of_room(tmp_path: Path,
 
 def test_the_rebuild_follows_the_frame_size_the_manifest_names(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(delta_codec, "CHUNK_BYTES", 64 << 10)  # a writer with 64 KiB frames
+    monkeypatch.setattr(checkpoint_format, "MIN_FRAME_BYTES", 64 << 10)  # (readers refuse them)
     root, full_root = tmp_path / "root", tmp_path / "full"
     model = Model(lr=1e-6, shapes={"embed": (1000, 96), "norm": (64,)})  # 192 KB: 3 frames
     writer = DeltaCheckpointWriter(full_every=100)

@@ -22,7 +22,7 @@ import torch
 import xxhash
 
 from delta_helpers import CONFIG, RUN, Model, assert_same_files, publish_both, stage_through
-from rollout_service import delta_apply, delta_codec
+from rollout_service import checkpoint_format, delta_apply, delta_codec
 from rollout_service.checkpoint_format import MANIFEST_NAME, CheckpointError, Manifest, step_dir_name
 from rollout_service.delta_writer import DeltaCheckpointWriter
 from rollout_service.digest import file_digest
@@ -150,6 +150,7 @@ def chain(tmp_path: Path, monkeypatch):
     """Steps 1 (full) to 3 (deltas) of a model with 4 KiB frames, and their full twins; the
     rebuild runs on two threads so that parts wait on each other."""
     monkeypatch.setattr(delta_codec, "CHUNK_BYTES", FRAME)
+    monkeypatch.setattr(checkpoint_format, "MIN_FRAME_BYTES", FRAME)  # (readers refuse them)
     monkeypatch.setattr(delta_apply, "APPLY_THREADS", 2)
     root, full_root = tmp_path / "root", tmp_path / "full"
     model = Model(lr=1e-4, shapes={"embed": (512, 64), "mlp": (256, 64), "norm": (64,)})
@@ -282,6 +283,7 @@ def test_a_later_part_that_fails_is_the_reason_given_not_the_earlier_parts_it_st
     """A NaN in the last part of a tensor fails that part while the first part is still at
     work: the first part then stops (Abandoned), and the reason given is the NaN."""
     monkeypatch.setattr(delta_codec, "CHUNK_BYTES", FRAME)
+    monkeypatch.setattr(checkpoint_format, "MIN_FRAME_BYTES", FRAME)  # (readers refuse them)
     monkeypatch.setattr(delta_apply, "APPLY_THREADS", 2)
     root = tmp_path / "root"
     model = Model(lr=1e-4, shapes={"embed": (512, 64), "norm": (64,)})
@@ -305,6 +307,35 @@ def test_a_later_part_that_fails_is_the_reason_given_not_the_earlier_parts_it_st
         with pytest.raises(CheckpointError) as info:
             stage.build(root, two, Manifest.load(two), Deadline(60), check_finite=True)
         assert info.value.reason == "non_finite" and "embed" in str(info.value), info.value
+        assert _no_final_copy(stage, 2)
+    finally:
+        stage.close()
+
+
+def test_once_a_part_fails_no_more_parts_start(tmp_path: Path, monkeypatch) -> None:
+    """Parts are submitted through a bounded window, and none after one failed: a delta of many
+    small frames, bad at its first, costs a window of parts, not one job per part of the shard."""
+    monkeypatch.setattr(delta_codec, "CHUNK_BYTES", FRAME)
+    monkeypatch.setattr(checkpoint_format, "MIN_FRAME_BYTES", FRAME)  # (readers refuse them)
+    root = tmp_path / "root"
+    model = Model(lr=1e-4, shapes={"embed": (1024, 64), "norm": (64,)})  # 32 parts of 4 KiB
+    writer = DeltaCheckpointWriter(full_every=100, check_finite=False)
+    writer.publish(root, 1, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN)
+    model.step()
+    with torch.no_grad():
+        model.params["embed"][0, 0] = float("nan")  # in the first part
+    assert writer.publish(root, 2, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN).kind == "delta"
+    stage = _stage_to(tmp_path, root, 2)
+    started: list[int] = []
+    real = delta_apply._rebuild_part
+    monkeypatch.setattr(delta_apply, "_rebuild_part", lambda *a: started.append(a[-1]) or real(*a))
+    monkeypatch.setattr(delta_apply, "IN_FLIGHT_PARTS", 2)
+    two = root / step_dir_name(2)
+    try:
+        with pytest.raises(CheckpointError) as info:
+            stage.build(root, two, Manifest.load(two), Deadline(60), check_finite=True)
+        assert info.value.reason == "non_finite" and "embed" in str(info.value), info.value
+        assert len(started) <= 3, started  # of 33 parts
         assert _no_final_copy(stage, 2)
     finally:
         stage.close()

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from delta_helpers import CONFIG, RUN, Model
-from rollout_service import checkpoint_paths, delta_apply, delta_codec
+from rollout_service import checkpoint_format, checkpoint_paths, delta_apply, delta_codec
 from rollout_service.checkpoint_format import (
     MANIFEST_NAME,
     MAX_CHAIN_LENGTH,
@@ -421,7 +421,8 @@ def test_unchanged_tensors_are_rebuilt_in_large_parts_whatever_frame_size_a_delt
 ) -> None:
     """A delta naming 4 KiB frames made one job per 4 KiB of every tensor, changed or not."""
     root = tmp_path / "root"
-    monkeypatch.setattr(delta_codec, "CHUNK_BYTES", 4 << 10)  # a writer with the smallest frames
+    monkeypatch.setattr(delta_codec, "CHUNK_BYTES", 4 << 10)  # a writer with 4 KiB frames
+    monkeypatch.setattr(checkpoint_format, "MIN_FRAME_BYTES", 4 << 10)  # (readers refuse them)
     model = Model(lr=1e-3, shapes={"big": (1024, 512), "small": (8, 8)})
     writer = DeltaCheckpointWriter(full_every=100)
     model.step()
