@@ -84,6 +84,10 @@ manifest until it is applied. The writer's 16 MiB frames make ~900 per link for 
 (1000 links: 0.9M) and ~8,300 for 70B (a chain of up to ~500 links); a chain of 4 KiB frames
 (one manifest of a 1 GiB model lists 262k) is refused after 16 links instead of holding ~2 MiB of
 parsed manifest per link, up to 2 GB."""
+MAX_CHAIN_FREE_TEXT = 4 << 20
+"""The most characters of free-form JSON (``writer``, ``extra``) the manifests of one chain may
+hold in all. Each may hold a tree of 10,000 nodes and 64 KiB of text, ~2.2 MB once parsed: 1,000
+such links held ~2.2 GB (3.5 GB RSS) in a walk. The writer puts ~200 characters there per link."""
 MAX_CHAIN_TENSORS = 1 << 19
 """The most tensor entries the manifests of one chain may list in all (each link lists every
 tensor of the model, changed or not; ~600 bytes each once parsed, so ~300 MB at most). A 7B

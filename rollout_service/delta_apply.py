@@ -36,6 +36,7 @@ from . import delta_codec
 from .checkpoint_format import (
     MANIFEST_NAME,
     MAX_CHAIN_FRAMES,
+    MAX_CHAIN_FREE_TEXT,
     MAX_CHAIN_LENGTH,
     MAX_CHAIN_TENSORS,
     TEMP_PREFIX,
@@ -112,7 +113,7 @@ def resolve_chain(
     cur = link
     top = link.manifest.delta
     top_layout = _layout(top) if top is not None else []
-    frames_held = tensors_held = 0
+    frames_held = tensors_held = text_held = 0
     while cur.manifest.kind == "delta":
         delta = cur.manifest.delta
         assert delta is not None and top is not None
@@ -140,6 +141,14 @@ def resolve_chain(
                 " often (checkpoint_full_every) or larger frames; the replica keeps its weights until the"
                 " next full step",
             )
+        text_held += len(json.dumps([cur.manifest.writer, cur.manifest.extra]))
+        if text_held > MAX_CHAIN_FREE_TEXT:
+            raise CheckpointError(
+                "broken_chain",
+                f"{link.path.name}: the manifests of its delta chain hold more than {MAX_CHAIN_FREE_TEXT} characters"
+                f" of writer and extra data ({len(deltas)} steps so far); the replica keeps its weights until the"
+                " next full step",
+            )
         tensors_held += len(delta.tensors)
         if tensors_held > MAX_CHAIN_TENSORS:
             raise CheckpointError(
@@ -151,6 +160,11 @@ def resolve_chain(
         if find_staged is not None:
             staged = find_staged(delta.base_step, delta.base_fingerprint)
             if staged is not None:
+                if staged[1].run_id != cur.manifest.run_id:  # as a base read from the root is checked
+                    raise CheckpointError(
+                        "broken_chain",
+                        f"{cur.path.name} and its base {step_dir_name(delta.base_step)} belong to different runs",
+                    )
                 return Chain(ChainLink(*staged), True, deltas)
         base_path = root / step_dir_name(delta.base_step)
         try:

@@ -147,6 +147,10 @@ class _Base:
     """The fingerprint of the chain's full step (``step``'s own when it is full)."""
     between: tuple[int, ...] = ()
     """The deltas published between the full step and ``step``: a delta on ``step`` needs them all."""
+    run_id: str = ""
+    """The chain's run: a delta of another run is refused by readers (its base is another run's)."""
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    """The chain's shard plan: a delta's target shards are its base's (another size makes others)."""
 
 
 @dataclass
@@ -544,14 +548,22 @@ class DeltaCheckpointWriter:
             raise RuntimeError("write() needs a version taken in by absorb() first")
         self._absorbed = None
         base = self._pending_base
-        run_id = check_run_id(run_id)
+        # No run id given: the chain's own (a fresh one per call made every delta another run's).
+        run_id = check_run_id(run_id if run_id is not None or base is None else base.run_id)
         full_bytes = self._full_data_bytes()
         kind, why_full = ("delta", "") if absorbed.delta else ("full", absorbed.why_full)
         plan: _DeltaPlan | None = None
         if kind == "delta":
             assert base is not None
             delta_bytes = sum(len(b) for b in absorbed.blobs.values())
-            if delta_bytes > self.max_ratio * full_bytes:
+            if base.run_id != run_id:
+                kind, why_full = "full", f"the run id changed ({base.run_id} -> {run_id}): a new run starts a new chain"
+            elif base.max_shard_bytes != max_shard_bytes:
+                kind, why_full = (
+                    "full",
+                    f"max_shard_bytes changed ({base.max_shard_bytes} -> {max_shard_bytes}): the shards differ",
+                )
+            elif delta_bytes > self.max_ratio * full_bytes:
                 kind, why_full = (
                     "full",
                     (
@@ -591,7 +603,15 @@ class DeltaCheckpointWriter:
                     run_id=run_id,
                     check_finite=False,  # absorb counted every held byte that changed (check_finite)
                 )
-                new_base = _Base(step, result.fingerprint, step, 0, result.fingerprint)
+                new_base = _Base(
+                    step,
+                    result.fingerprint,
+                    step,
+                    0,
+                    result.fingerprint,
+                    run_id=run_id,
+                    max_shard_bytes=max_shard_bytes,
+                )
             else:
                 assert base is not None and plan is not None
                 result = self._write_delta(root, step, base, absorbed, plan, max_shard_bytes=max_shard_bytes)
@@ -602,6 +622,8 @@ class DeltaCheckpointWriter:
                     base.deltas_since_full + 1,
                     base.chain_fingerprint,
                     base.between + ((base.step,) if base.step != base.chain_start else ()),
+                    run_id=run_id,
+                    max_shard_bytes=max_shard_bytes,
                 )
         except BaseException:
             self._base = None  # the held bytes are of a version that was not published

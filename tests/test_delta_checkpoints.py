@@ -394,6 +394,72 @@ def test_a_staged_base_damaged_where_the_delta_reads_first_is_replayed_not_rejec
         stage.close()
 
 
+def _build_each(stage_dir: Path, root: Path, steps: range) -> list[str]:
+    """Stage ``steps`` one after the other; what each gave (its kind, or the reason it was refused)."""
+    stage = Stage(stage_dir)
+    outcomes = []
+    try:
+        for s in steps:
+            path = root / step_dir_name(s)
+            try:
+                built = stage.build(root, path, Manifest.load(path), Deadline(60))
+                stage.prune({built.path})
+                outcomes.append(built.kind)
+            except CheckpointError as exc:
+                outcomes.append(exc.reason)
+    finally:
+        stage.close()
+    return outcomes
+
+
+def test_a_writer_given_no_run_id_keeps_its_chains_run_and_late_joiners_rebuild_it(tmp_path: Path) -> None:
+    """Without a run id each publish drew a fresh one: every delta was another run's than its base,
+    which a staged replica applied and a late joiner refused (two replicas, two answers)."""
+    root, model, writer = tmp_path / "root", Model(), DeltaCheckpointWriter(full_every=100)
+    for s in (1, 2, 3):
+        model.step()
+        assert writer.publish(root, s, model.tensors(), config=CONFIG, dtype="bfloat16").kind == (
+            "full" if s == 1 else "delta"
+        )
+    assert len({Manifest.load(root / step_dir_name(s)).run_id for s in (1, 2, 3)}) == 1
+    assert _build_each(tmp_path / "staged", root, range(1, 4)) == ["full", "delta", "delta"]
+    assert _build_each(tmp_path / "late", root, range(3, 4)) == ["delta"]
+    model.step()  # another run id given: a new chain
+    assert writer.publish(root, 4, model.tensors(), config=CONFIG, dtype="bfloat16", run_id="other").kind == "full"
+    assert "run id changed" in writer.last.why_full
+
+
+def test_a_delta_on_a_base_of_another_run_is_refused_by_staged_and_late_replicas_alike(tmp_path: Path) -> None:
+    root, full_root, _ = _chain(tmp_path, versions=3)
+    staged = Stage(tmp_path / "stage")
+    try:
+        two = staged.build(root, root / step_dir_name(2), Manifest.load(root / step_dir_name(2)), Deadline(60))
+        staged.prune({two.path})
+        three = root / step_dir_name(3)
+        manifest = Manifest.load(three)
+        forged = manifest.__class__.from_json(manifest.to_json().replace(f'"{manifest.run_id}"', '"another-run"'))
+        assert forged.run_id == "another-run"
+        with pytest.raises(CheckpointError) as staged_answer:
+            staged.build(root, three, forged, Deadline(60))
+    finally:
+        staged.close()
+    assert staged_answer.value.reason == "broken_chain" and "different runs" in str(staged_answer.value)
+
+
+def test_a_changed_shard_size_publishes_in_full_and_every_step_stays_rebuildable(tmp_path: Path) -> None:
+    """A delta's target shards are planned by the new size, its base's by the old: such a delta
+    could be rebuilt by no replica (delta_layout_mismatch), nor any delta chained on it."""
+    root, model, writer = tmp_path / "root", Model(), DeltaCheckpointWriter(full_every=100)
+    sizes = {1: 40_000, 2: 10**9, 3: 10**9}
+    for s, size in sizes.items():
+        model.step()
+        writer.publish(root, s, model.tensors(), config=CONFIG, dtype="bfloat16", max_shard_bytes=size, run_id=RUN)
+        if s == 2:
+            assert writer.last.kind == "full" and "max_shard_bytes changed" in writer.last.why_full
+    assert len(Manifest.load(root / step_dir_name(1)).files) > 2  # (sharded: the sizes really differ)
+    assert _build_each(tmp_path / "stage", root, range(1, 4)) == ["full", "full", "delta"]
+
+
 def test_retention_never_breaks_a_chain(tmp_path: Path) -> None:
     root, _, _ = _chain(tmp_path, versions=7, full_every=3)  # full 1, 4, 7; deltas 2-3, 5-6
     kinds = {c.step: Manifest.load(c.path).kind for c in list_checkpoints(root)}

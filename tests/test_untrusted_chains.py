@@ -688,3 +688,23 @@ def test_a_file_name_holding_a_lone_surrogate_is_refused_naming_it(root: Path) -
     with pytest.raises(CheckpointError) as refused:
         Manifest.from_json(spoiled)
     assert refused.value.reason == "bad_manifest" and "lone surrogate" in str(refused.value)
+
+
+def test_a_chain_whose_manifests_hold_too_much_free_text_is_refused_before_it_is_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A link's ``writer`` and ``extra`` may each hold 10,000 nodes and 64 KiB of text (~2.2 MB
+    parsed): 1,000 such links held ~2.2 GB in one walk. The text a chain holds in all is bounded;
+    here the bound is lowered to what two and a half links of the test model's writer hold."""
+    root, model, writer = tmp_path / "root", Model(), DeltaCheckpointWriter(full_every=100)
+    for step in (1, 2, 3, 4):
+        model.step()
+        writer.publish(root, step, model.tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN)
+    four = Manifest.load(root / step_dir_name(4))
+    per_link = len(json.dumps([four.writer, four.extra]))
+    monkeypatch.setattr(delta_apply, "MAX_CHAIN_FREE_TEXT", int(2.5 * per_link))
+    three = ChainLink(root / step_dir_name(3), Manifest.load(root / step_dir_name(3)))
+    assert len(resolve_chain(root, three).deltas) == 2
+    with pytest.raises(CheckpointError) as err:
+        resolve_chain(root, ChainLink(root / step_dir_name(4), four))
+    assert err.value.reason == "broken_chain" and "writer and extra" in str(err.value)
