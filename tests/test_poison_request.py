@@ -7,10 +7,15 @@ bounds in the scheduler (``RuntimeError: index ... is out of bounds``), and the 
 It has nothing to do with ``torch.compile`` (unlike ``repetition_penalty`` on CPU), so a launcher
 fix for that does not hide it.
 
-One test uses the fake SGLang (`fake_sglang.FakeRollout` answering /generate with 502 while its
-/health answers): a router in front of a server the request kills. A real SGLang that a request
-kills stops answering /health too, so a healthy front over a failing /generate cannot be had from
-it without a router, which these tests do not run.
+The trainer refuses that stop token when it is built (it knows the model's vocabulary), so the
+test puts the poison into the backend's sampling parameters after construction: it stands for a
+request that kills SGLang which no check foresees.
+
+One test uses the fake SGLang (`fake_sglang.FakeRollout` answering /generate with 500 while its
+/health answers): a server behind a healthy front that the request kills. A real SGLang that a
+request kills stops answering /health too, so a healthy front over a failing /generate cannot be
+had from it without a router, which these tests do not run. (A proxy's or router's 502 and 504 are
+not counted: tests/test_trainer_review_fixes.py.)
 """
 
 from __future__ import annotations
@@ -43,11 +48,11 @@ def test_a_request_that_kills_sglang_is_sent_twice_then_fails_the_step_naming_it
             [unit.sglang_url],
             [unit.sidecar_url],
             sglang_log_paths=[str(sglang_log)],
-            generation_kwargs=POISON,
             max_steps=2,
             sync_timeout=400.0,
         )
         trainer = make_trainer(tiny_model_dir, config)
+        trainer.vllm_generation.sampling_params.update(POISON)  # past the trainer's own vocabulary check
         started = time.monotonic()
         with pytest.raises(SGLangPoisonRequestError) as caught:
             trainer.train()
@@ -99,10 +104,10 @@ def test_last_error_lines_are_the_end_of_the_last_traceback() -> None:
 def test_a_request_failing_behind_a_healthy_front_is_sent_twice_not_until_the_deadline(
     tmp_path: Path, fake: FakeRollout
 ) -> None:
-    # A router in front of a server the request kills: 5xx on /generate while its own /health answers.
+    # A healthy front (a router) over a server the request kills: 500 on /generate, its own /health answers.
     from trainer_hooks.sglang_endpoints import SGLangEndpoints
 
-    fake.generate_status = 502
+    fake.generate_status = 500
     log = tmp_path / "sglang.log"
     log.write_text(
         "[t] Scheduler hit an exception: Traceback (most recent call last):\n"
@@ -128,4 +133,4 @@ def test_a_request_failing_behind_a_healthy_front_is_sent_twice_not_until_the_de
     assert len(fake.generate_requests) == 2
     message = str(caught.value)
     assert "failed (5xx or a broken connection) on the same request" in message and '"top_k": 3' in message
-    assert "HTTP 502" in message and "ValueError: the poison" in message and str(log) in message
+    assert "HTTP 500" in message and "ValueError: the poison" in message and str(log) in message

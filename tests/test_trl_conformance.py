@@ -171,10 +171,12 @@ def test_ddp_timeout_is_raised_above_the_main_process_http_budget(
 
 def test_on_cpu_the_request_timeout_is_fitted_under_torchs_default_watchdog(tmp_path: Path) -> None:
     # use_cpu=True: transformers passes no ddp_timeout, so torch's 1800 s default is the watchdog.
+    # 1800 s - 300 s margin - sync_timeout, shared by the two rounds one generate may run (first, in flight).
     config = _config(tmp_path, sync_timeout=600)
     adapt_trl_fields(config, world_size=2)
-    assert config.sglang_request_timeout == 900 and config.ddp_timeout == 1800
-    with pytest.raises(ValueError, match=r"use_cpu=True and 2 processes .*lower sync_timeout below 1440"):
+    assert config.sglang_request_timeout == 450 and config.ddp_timeout == 1800
+    # A sync writes (60 s + its bytes), waits and prunes (sync_timeout each): 60 + 2 x 720 + 300 = 1800.
+    with pytest.raises(ValueError, match=r"use_cpu=True and 2 processes .*lower sync_timeout to at most 720 s"):
         adapt_trl_fields(_config(tmp_path, sync_timeout=1700), world_size=2)
 
 

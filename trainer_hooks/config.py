@@ -40,6 +40,7 @@ from rollout_service.sidecar.root_gate import answered_within
 from rollout_service.user_paths import setting_path
 
 from .checkpoint_dtype import publishable_dtype
+from .checkpoint_publisher import background_sync_bound_s
 from .sampling_checks import check_sampling_values
 
 log = logging.getLogger(__name__)
@@ -728,19 +729,62 @@ _IGNORED_VLLM_FIELDS = {  # field: (TRL default, what to use with SGLang)
 TORCH_DEFAULT_PG_TIMEOUT_S = 1800.0
 """torch.distributed's default process-group timeout (used when transformers passes none)."""
 COLLECTIVE_MARGIN_S = 300.0
-"""Room in the collective budget for gathering and writing a checkpoint on the main process."""
+"""Room in the collective budget for gathering and copying the weights on the main process."""
+MIN_FITTED_REQUEST_TIMEOUT_S = 60.0
+"""The shortest ``sglang_request_timeout`` the config lowers it to (with ``use_cpu=True``)."""
 
 
-def collective_budget_s(sync_timeout: float, request_timeout: float, rescoring: bool) -> float:
-    """The longest the main process can work alone (HTTP, replica waits) while the other processes
-    wait in a collective for its result or error.
+def _requests_per_round(rescoring: bool) -> int:
+    """Requests one round of generation makes one after the other: 2 when completions are rescored."""
+    return 2 if rescoring else 1
 
-    One ``generate`` retries until ``sync_timeout`` and a request in flight at that moment may run
-    ``sglang_request_timeout`` more; a second request of the same length rescores completions when
-    the sampling parameters change the distribution (docs/trl-conformance.md). A sync writes and
-    then waits ``sync_timeout``.
-    """
-    return sync_timeout + request_timeout * (2 if rescoring else 1) + COLLECTIVE_MARGIN_S
+
+def generation_budget_s(sync_timeout: float, request_timeout: float, rescoring: bool) -> float:
+    """The longest one ``generate`` runs: a first round (each request up to ``sglang_request_timeout``,
+    two in a row when completions are rescored), retries for ``sync_timeout`` after the first failure
+    in it (:class:`~trainer_hooks.sglang_endpoints.RetryBudget`), and one round in flight when that
+    runs out."""
+    return sync_timeout + 2 * _requests_per_round(rescoring) * request_timeout
+
+
+def sync_budget_s(sync_timeout: float, background_syncs: bool, checkpoint_bytes: int = 0) -> float:
+    """The longest one sync keeps the other processes waiting: its write, the replicas' wait and
+    retention (:func:`~trainer_hooks.checkpoint_publisher.background_sync_bound_s`); with background
+    syncs (``max_staleness > 0``), the wait for the previous sync before anything is taken in, which
+    gives up ``sync_timeout`` past that bound when the write is stuck. ``checkpoint_bytes``: what a
+    checkpoint writes (0 while the model is not known: the config is built before it)."""
+    bound = background_sync_bound_s(sync_timeout, checkpoint_bytes)
+    return bound + (sync_timeout if background_syncs else 0.0)
+
+
+def collective_budget_s(
+    sync_timeout: float,
+    request_timeout: float,
+    rescoring: bool,
+    *,
+    background_syncs: bool = False,
+    checkpoint_bytes: int = 0,
+) -> float:
+    """The longest the main process can work alone (HTTP, replica waits, checkpoint writes) while the
+    other processes wait in a collective for its result or error: the longer of one ``generate``
+    (:func:`generation_budget_s`) and one sync (:func:`sync_budget_s`), plus
+    :data:`COLLECTIVE_MARGIN_S` (docs/trl-conformance.md, "The collective budget")."""
+    generation = generation_budget_s(sync_timeout, request_timeout, rescoring)
+    sync = sync_budget_s(sync_timeout, background_syncs, checkpoint_bytes)
+    return max(generation, sync) + COLLECTIVE_MARGIN_S
+
+
+def syncs_in_background(config: Any) -> bool:
+    """Whether ``config`` lets syncs run in the background (``max_staleness > 0``; an invalid value,
+    refused later by the config's own checks, counts as no)."""
+    value = getattr(config, "max_staleness", 0)
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def process_group_timeout_s(config: Any) -> float:
+    """The collective watchdog's timeout: ``ddp_timeout``, or torch's default with ``use_cpu=True``
+    (transformers then starts the process group without ``ddp_timeout``)."""
+    return TORCH_DEFAULT_PG_TIMEOUT_S if getattr(config, "use_cpu", False) else float(config.ddp_timeout)
 
 
 def distribution_changing_keys(params: dict[str, Any]) -> list[str]:
@@ -797,54 +841,79 @@ def adapt_trl_fields(config: Any, *, world_size: int) -> None:
         )
         config.vllm_importance_sampling_mode = "token_truncate"
     if world_size > 1:
-        rescoring = rescoring_needed(params)
-        budget = collective_budget_s(config.sync_timeout, config.sglang_request_timeout, rescoring)
-        if getattr(config, "use_cpu", False):
-            # transformers starts the process group without ddp_timeout when use_cpu=True, so torch's
-            # default (30 min) is the watchdog: fit the request timeout under it instead.
-            if budget > TORCH_DEFAULT_PG_TIMEOUT_S:
-                fitted = (TORCH_DEFAULT_PG_TIMEOUT_S - config.sync_timeout - COLLECTIVE_MARGIN_S) / (
-                    2 if rescoring else 1
-                )
-                if fitted < 60:
-                    raise ValueError(
-                        f"with use_cpu=True and {world_size} processes the process group runs with torch's default "
-                        f"timeout ({TORCH_DEFAULT_PG_TIMEOUT_S:g} s; transformers does not pass ddp_timeout then), "
-                        "which "
-                        f"sync_timeout={config.sync_timeout:g} s leaves no room for SGLang requests under: lower "
-                        "sync_timeout below "
-                        f"{TORCH_DEFAULT_PG_TIMEOUT_S - COLLECTIVE_MARGIN_S - 60 * (2 if rescoring else 1):g} s"
-                    )
-                log.warning(
-                    "sglang_request_timeout=%g s -> %d s: with use_cpu=True transformers starts the %d-process group "
-                    "with torch's default timeout (%g s, ddp_timeout is not used), and the main process must report a "
-                    "stuck request before that watchdog aborts the other processes (sync_timeout %g s + requests"
-                    " + %g s)",
-                    config.sglang_request_timeout,
-                    int(fitted),
-                    world_size,
-                    TORCH_DEFAULT_PG_TIMEOUT_S,
-                    config.sync_timeout,
-                    COLLECTIVE_MARGIN_S,
-                )
-                config.sglang_request_timeout = float(int(fitted))
-            return
-        if config.ddp_timeout < budget:
-            new = int(math.ceil(budget))
-            log.warning(
-                "ddp_timeout=%s s -> %d s: with %d processes the others wait in a collective while the main process "
-                "talks to SGLang for up to sync_timeout (%g s) + sglang_request_timeout (%g s)%s + %g s, and a "
-                "shorter ddp_timeout would end a stuck request in a collective abort (NCCL/gloo watchdog) instead of "
-                "the trainer's own error. To keep a shorter ddp_timeout, lower sglang_request_timeout and sync_timeout",
-                config.ddp_timeout,
-                new,
-                world_size,
-                config.sync_timeout,
-                config.sglang_request_timeout,
-                " x2 (rescoring)" if rescoring else "",
-                COLLECTIVE_MARGIN_S,
-            )
-            config.ddp_timeout = new
+        _fit_collective_budget(config, world_size, rescoring_needed(params))
+
+
+def _fit_collective_budget(config: Any, world_size: int, rescoring: bool) -> None:
+    """Make the process group's timeout cover :func:`collective_budget_s`: raise ``ddp_timeout``, or
+    with ``use_cpu=True`` (torch's default timeout, which transformers does not let ``ddp_timeout``
+    change) lower ``sglang_request_timeout``, refusing a ``sync_timeout`` that leaves no room."""
+    background = syncs_in_background(config)
+    budget = collective_budget_s(
+        config.sync_timeout, config.sglang_request_timeout, rescoring, background_syncs=background
+    )
+    if getattr(config, "use_cpu", False):
+        if budget > TORCH_DEFAULT_PG_TIMEOUT_S:
+            _fit_request_timeout_under_torchs_default(config, world_size, rescoring, background)
+        return
+    if config.ddp_timeout < budget:
+        new = int(math.ceil(budget))
+        log.warning(
+            "ddp_timeout=%s s -> %d s: with %d processes the others wait in a collective while the main process "
+            "talks to SGLang (one generate: sync_timeout %g s + 2 rounds of sglang_request_timeout %g s%s) or "
+            "publishes a checkpoint (%g s%s), + %g s, and a shorter ddp_timeout would end a stuck request in a "
+            "collective abort (NCCL/gloo watchdog) instead of the trainer's own error. To keep a shorter "
+            "ddp_timeout, lower sglang_request_timeout and sync_timeout",
+            config.ddp_timeout,
+            new,
+            world_size,
+            config.sync_timeout,
+            config.sglang_request_timeout,
+            " x2 (rescoring)" if rescoring else "",
+            sync_budget_s(config.sync_timeout, background),
+            " with the wait for the previous background sync" if background else "",
+            COLLECTIVE_MARGIN_S,
+        )
+        config.ddp_timeout = new
+
+
+def _fit_request_timeout_under_torchs_default(config: Any, world_size: int, rescoring: bool, background: bool) -> None:
+    """With ``use_cpu=True``: lower ``sglang_request_timeout`` so that :func:`collective_budget_s`
+    fits under torch's default process-group timeout, or refuse a ``sync_timeout`` too long for it."""
+    room = TORCH_DEFAULT_PG_TIMEOUT_S - COLLECTIVE_MARGIN_S
+    requests = 2 * _requests_per_round(rescoring)
+    limit = min(room - MIN_FITTED_REQUEST_TIMEOUT_S * requests, _longest_sync_timeout(room, background))
+    if config.sync_timeout > limit:
+        raise ValueError(
+            f"with use_cpu=True and {world_size} processes the process group runs with torch's default timeout "
+            f"({TORCH_DEFAULT_PG_TIMEOUT_S:g} s; transformers does not pass ddp_timeout then), which "
+            f"sync_timeout={config.sync_timeout:g} s leaves no room under for SGLang requests and checkpoint syncs"
+            + (" (with max_staleness > 0 a sync first waits for the previous one)" if background else "")
+            + f": lower sync_timeout to at most {int(limit)} s"
+            + (", or set max_staleness=0" if background else "")
+        )
+    fitted = float(int((room - config.sync_timeout) / requests))
+    log.warning(
+        "sglang_request_timeout=%g s -> %d s: with use_cpu=True transformers starts the %d-process group "
+        "with torch's default timeout (%g s, ddp_timeout is not used), and the main process must report a "
+        "stuck request before that watchdog aborts the other processes (sync_timeout %g s + %d requests + %g s)",
+        config.sglang_request_timeout,
+        int(fitted),
+        world_size,
+        TORCH_DEFAULT_PG_TIMEOUT_S,
+        config.sync_timeout,
+        requests,
+        COLLECTIVE_MARGIN_S,
+    )
+    config.sglang_request_timeout = fitted
+
+
+def _longest_sync_timeout(room: float, background: bool) -> float:
+    """The longest ``sync_timeout`` whose :func:`sync_budget_s` fits in ``room`` seconds (it grows
+    linearly with ``sync_timeout``)."""
+    base = sync_budget_s(0.0, background)
+    per_second = sync_budget_s(1.0, background) - base
+    return (room - base) / per_second
 
 
 def _world_size() -> int:

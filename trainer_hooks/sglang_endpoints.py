@@ -7,7 +7,9 @@ times out, or answers 5xx or something that is not JSON is marked dead for a whi
 warning) and its chunk goes to the endpoints that remain; an overloaded one (HTTP 429 or 503)
 is asked again after its ``Retry-After`` (bounded by the deadline). When none remains the call
 keeps retrying until its deadline and then raises :class:`SGLangUnavailableError` naming every
-endpoint and its last error. A 4xx answer (bad sampling parameters, prompt too long) is the
+endpoint and its last error. The retry budget (:class:`RetryBudget`) counts from the first
+failure, not from the call's start: a round of generation longer than the budget still gets its
+retries (another endpoint takes a dead one's prompts). A 4xx answer (bad sampling parameters, prompt too long) is the
 request's fault and raises at once, as does a redirect (``sglang_urls`` must name the server
 itself).
 
@@ -19,8 +21,9 @@ a limit derived from the request (``BODY_LIMIT_BASE_BYTES`` plus ``BODY_BYTES_PE
 token it may return).
 
 A request that kills its server (the connection drops mid-request and ``/health`` then fails,
-or a 5xx other than 503 comes back) is a *poison* candidate (an overloaded server, a timeout or
-an answer that cannot be decoded, such as a proxy's broken gzip, is not): the trainer waits for
+or a 5xx other than 502, 503 and 504 comes back) is a *poison* candidate (an overloaded server, a
+timeout, a proxy's or router's 502/504 or an answer that cannot be decoded, such as a proxy's
+broken gzip, is not; each distinct prompt counts once per failure): the trainer waits for
 a server to come back (``rollout-service serve`` restarts SGLang) and sends those prompts once
 more; when a server dies on them again the call raises :class:`SGLangPoisonRequestError` naming
 the sampling parameters and SGLang's own last error lines (from ``log_paths``, else the sidecars'
@@ -115,8 +118,9 @@ class _EndpointFailed(Exception):
         """The server refused (4xx) to rescore what it had just generated."""
         self.sent = sent
         """True when the server may have died on the request (a poison candidate): it reached the
-        server and the connection then broke, or a 5xx other than 503 came back; not for a refused
-        connection, a timeout, an overloaded server or an answer that could not be decoded."""
+        server and the connection then broke, or a 5xx other than 502, 503 or 504 came back; not for a
+        refused connection, a timeout (504 included), an overloaded server, a proxy's 502 or an answer
+        that could not be decoded."""
         self.retry_after = retry_after
         """Seconds to leave an overloaded endpoint (HTTP 429/503) alone; None for other failures."""
 
@@ -130,6 +134,40 @@ ADAPTER_RETRY_S = 2.0
 loads it again within a sync pass)."""
 POISON_RETRIES = 1
 """How often prompts whose request killed a server are sent again (then the call fails)."""
+GATEWAY_STATUSES = (502, 504)
+"""What a proxy or router in front of SGLang answers when its upstream is unreachable or slow (Bad
+Gateway, Gateway Timeout): retried as a timeout is, never counted as a request that killed a server."""
+
+
+@dataclass
+class RetryBudget:
+    """Until when failed work is retried: ``deadline``, or ``retry_s`` after the first failure,
+    whichever is later. A round of generation may take longer than ``retry_s`` (up to
+    ``sglang_request_timeout``); counted from the call's start, the budget would be spent before the
+    first failure could be retried. Shared by one call's rounds, it is extended once only, so the call
+    ends at most ``retry_s`` after its first round plus one round in flight then."""
+
+    deadline: float
+    """``time.monotonic()`` value past which no new round starts."""
+    retry_s: float
+    """How long failed work is retried after the first failure."""
+    failed_at: float | None = None
+    """``time.monotonic()`` of the first failure (None: none yet)."""
+
+    @classmethod
+    def until(cls, deadline: float) -> RetryBudget:
+        """A budget of the time ``deadline`` leaves now, granted again from the first failure."""
+        return cls(deadline, max(0.0, deadline - time.monotonic()))
+
+    def note_failure(self) -> None:
+        """Start the retry budget at this failure, if it is the first one."""
+        if self.failed_at is None:
+            self.failed_at = time.monotonic()
+            self.deadline = max(self.deadline, self.failed_at + self.retry_s)
+
+    def ran_out(self) -> bool:
+        """Whether the deadline has passed."""
+        return time.monotonic() >= self.deadline
 
 
 @dataclass
@@ -254,25 +292,28 @@ class SGLangEndpoints:
         sampling_params: dict[str, Any],
         *,
         want_logprobs: bool,
-        deadline: float,
+        deadline: float | RetryBudget,
         rescore: bool = False,
         lora_path: str | None = None,
     ) -> list[list[Completion]]:
         """Generate ``sampling_params["n"]`` completions for each prompt; groups in prompt order.
 
-        ``deadline`` (a ``time.monotonic()`` value) bounds how long the call keeps retrying
-        when every endpoint is down; each request is bounded by ``request_timeout_s`` (twice with
-        ``rescore``: two requests) on top. ``rescore``: replace the logprobs by the model's own
-        (temperature 1, no grammar or penalties), or by None where they cannot be read back.
-        ``lora_path``: the name of the LoRA adapter every prompt is generated (and rescored) with.
+        ``deadline`` bounds how long the call keeps retrying failed prompts: a :class:`RetryBudget`
+        (shared with the caller, which retries too), or a ``time.monotonic()`` value, whose time left
+        now is granted again from the first failure (:meth:`RetryBudget.until`). Each request is bounded
+        by ``request_timeout_s`` (twice with ``rescore``: two requests) on top. ``rescore``: replace
+        the logprobs by the model's own (temperature 1, no grammar or penalties), or by None where they
+        cannot be read back. ``lora_path``: the name of the LoRA adapter every prompt is generated (and
+        rescored) with.
         """
+        budget = deadline if isinstance(deadline, RetryBudget) else RetryBudget.until(deadline)
         n = int(sampling_params.get("n", 1))
         results: list[list[Completion] | None] = [None] * len(prompts)
         pending = list(range(len(prompts)))
         while pending:
             live = self._live_endpoints()
             if not live:
-                self._wait_for_an_endpoint(deadline)
+                self._wait_for_an_endpoint(budget.deadline)
                 continue
             chunks = _split(pending, len(live))
             client, pool = self._open()
@@ -306,10 +347,12 @@ class SGLangEndpoints:
                 try:
                     groups = future.result()
                 except _EndpointFailed as exc:
+                    budget.note_failure()
                     if exc.rescore_refused:
                         self._count_rescore_refusal(endpoint, exc.reason)
                     if exc.retry_after is not None:
-                        self._mark_dead(endpoint, exc.reason, for_s=min(exc.retry_after, deadline - time.monotonic()))
+                        left = budget.deadline - time.monotonic()
+                        self._mark_dead(endpoint, exc.reason, for_s=min(exc.retry_after, left))
                         failed.extend(chunk)
                         continue
                     # Sent, then the connection broke or a 5xx came back: the request may be what failed
@@ -327,13 +370,14 @@ class SGLangEndpoints:
                     results[i] = group
             for endpoint, chunk in owners.values():  # not done by wait_until
                 # Its own deadline checks end it soon; its answer, if any, is dropped.
+                budget.note_failure()
                 self._mark_dead(
                     endpoint,
                     f"no complete answer within the timeout (sglang_request_timeout={self._request_timeout_s:g} s)",
                 )
                 failed.extend(chunk)
             pending = sorted(failed)
-            if pending and time.monotonic() >= deadline:
+            if pending and budget.ran_out():
                 raise self._unavailable_error()
         return [group for group in results if group is not None]
 
@@ -370,10 +414,10 @@ class SGLangEndpoints:
         died: bool = True,
     ) -> None:
         """Record that the server at ``url`` died (or failed with 5xx) serving ``prompts``; raise
-        when one of them has now failed a server more than ``POISON_RETRIES`` times."""
+        when one of them has now failed a server more than ``POISON_RETRIES`` times. A prompt that
+        occurs several times in the batch (a dataset with duplicates) counts once per failure."""
         counts = []
-        for prompt in prompts:
-            key = tuple(prompt)
+        for key in {tuple(prompt) for prompt in prompts}:
             self._crashes[key] = self._crashes.get(key, 0) + 1
             counts.append(self._crashes[key])
         if max(counts) > POISON_RETRIES:
@@ -534,6 +578,12 @@ class SGLangEndpoints:
                 + f": {text[:300]}",
                 retry_after=max(RETRY_PAUSE_S, OVERLOAD_RETRY_S if retry_after is None else retry_after),
             )
+        if status in GATEWAY_STATUSES:  # a proxy's or router's: its upstream is down or slow, not this request
+            raise _EndpointFailed(
+                url,
+                f"{what}HTTP {status} from a proxy or router in front of SGLang (its upstream did not answer in time"
+                f" or is down; retried, not counted as a request that killed a server): {text[:300]}",
+            )
         if status >= 500:
             raise _EndpointFailed(url, f"{what}HTTP {status}: {text[:300]}", sent=True)
         if adapter is not None and status == 400 and _adapter_missing(text, adapter):
@@ -658,13 +708,25 @@ class SGLangEndpoints:
                     e.dead_until = 0.0
 
     def _unavailable_error(self) -> SGLangUnavailableError:
+        """The error when prompts are left unanswered after the retry budget: each endpoint's last
+        error, or that its last request was answered, or that it was never tried."""
         with self._lock:
-            details = "; ".join(f"{e.url}: {e.last_error or 'not tried'}" for e in self._endpoints)
+            details = "; ".join(f"{e.url}: {_endpoint_state(e)}" for e in self._endpoints)
         return SGLangUnavailableError(
-            f"no SGLang endpoint answered POST /generate successfully before the deadline (sync_timeout): {details}."
+            "some prompts got no answer from any SGLang endpoint before the retry budget ran out (sync_timeout"
+            f" after the first failure): {details}."
             " Check the errors quoted there, that the servers run (`rollout-service serve`), are reachable from the"
             " trainer, and that sglang_urls is right"
         )
+
+
+def _endpoint_state(endpoint: _Endpoint) -> str:
+    """How ``endpoint`` last fared, for :meth:`SGLangEndpoints._unavailable_error` (under its lock)."""
+    if endpoint.last_error:
+        return endpoint.last_error
+    if endpoint.prompts_answered:
+        return "answered its last request (no error)"
+    return "not tried"
 
 
 def _adapter_missing(text: str, adapter: str) -> bool:

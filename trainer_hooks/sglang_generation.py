@@ -9,7 +9,8 @@ TRL's GRPO and RLOO trainers talk to their generation backend through exactly tw
     (collective under FSDP / ZeRO-3); the main process publishes them as the next checkpoint
     version under ``checkpoint_path`` and waits until every expected replica serves it. With
     ``max_staleness > 0`` the write and the wait run in a background thread (after the first
-    version, which is always waited for).
+    version, which is always waited for, and except within :meth:`SGLangGeneration.syncing_in_foreground`,
+    which evaluation uses: it generates with the newest weights).
 
 ``generate(prompts, images, num_generations, profiler)``
     ``prompts`` are this process's prompt token ids, each repeated ``num_generations`` times in a
@@ -37,9 +38,10 @@ retries in :mod:`trainer_hooks.stale_retry`, the logged metrics in :mod:`trainer
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from typing import Any
 
@@ -171,6 +173,8 @@ class SGLangGeneration:
         """One record per ``generate`` call on the main process (tests and debugging read it)."""
         self.metrics = RolloutMetrics()
         self._synced_step: int | None = None
+        self._foreground = False
+        """Within :meth:`syncing_in_foreground`: every sync waits for the replicas before it returns."""
 
     # --- TRL's server-mode start-up check --------------------------------------------------
     @property
@@ -184,6 +188,8 @@ class SGLangGeneration:
 
         Every process must call it (weights are gathered collectively). Raises on every process
         when the main process fails (write error, replicas not acknowledging in ``sync_timeout``).
+        With ``max_staleness > 0`` the write and the wait run in the background, except within
+        :meth:`syncing_in_foreground`.
         """
         step = self.current_step() if self.current_step is not None else None
         if step is not None and step == self._synced_step:
@@ -198,7 +204,7 @@ class SGLangGeneration:
             assert self.publisher is not None and self.rollouts is not None
             try:
                 version = self.publisher.next_version()
-                if self.rollouts.publishes_in_background():
+                if self.rollouts.publishes_in_background() and not self._foreground:
                     gather_s = self.publisher.publish_in_background(version, tensors)
                     log.info(
                         "publishing version %d in the background (copy %.3f s); rollouts may use weights "
@@ -305,6 +311,20 @@ class SGLangGeneration:
         if self.publisher is not None:
             self.metrics.add_syncs(self.publisher.drain_records())
         return self.metrics.drain()
+
+    @contextlib.contextmanager
+    def syncing_in_foreground(self) -> Iterator[None]:
+        """Within it, every sync publishes and waits for the replicas before it returns, also with
+        ``max_staleness > 0``; a background sync still in flight is finished first (its error raised
+        on every process). Evaluation runs within it (:meth:`~trainer_hooks.trainer.GRPOTrainer.evaluate`):
+        its rollouts come from the newest weights, not from up to ``max_staleness`` versions before
+        them, and it leaves no sync running behind it. Every process must enter it."""
+        self.finish_pending_sync()
+        self._foreground = True
+        try:
+            yield
+        finally:
+            self._foreground = False
 
     def finish_pending_sync(self) -> None:
         """Wait for a background sync to finish; raise its error on every process."""

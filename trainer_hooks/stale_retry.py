@@ -10,8 +10,10 @@ string) is not within the bound either.
 - :meth:`~StaleRetryPolicy.generate` sends the unique prompt groups to SGLang and generates again
   every group that came back aborted (a restart or a weight update cut it off) or from weights
   outside the bound, after waiting for the replicas to catch up, until ``sync_timeout`` runs
-  out; then it raises :class:`StaleWeightsError` (answers outside the bound, saying which kind)
-  or ``RuntimeError`` (aborts).
+  out, counted from the first failure (an abort, an answer outside the bound, or an endpoint's
+  failure: :class:`~trainer_hooks.sglang_endpoints.RetryBudget`), so a round of generation longer
+  than ``sync_timeout`` still gets its retries; then it raises :class:`StaleWeightsError` (answers
+  outside the bound, saying which kind) or ``RuntimeError`` (aborts).
 - :meth:`~StaleRetryPolicy.publishes_in_background` says whether a sync may publish without
   waiting for the replicas (``max_staleness > 0``, after the first version).
 
@@ -28,7 +30,7 @@ from typing import Any
 from .adapter_publish import AdapterPublisher, label_with_adapter
 from .checkpoint_publisher import CheckpointPublisher
 from .replica_wait import ReplicaFailed, ReplicaSyncTimeout, ReplicaWaiter
-from .sglang_endpoints import SGLangEndpoints
+from .sglang_endpoints import RetryBudget, SGLangEndpoints
 from .sglang_responses import Completion
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,8 @@ class StaleRetryPolicy:
         publisher: the trainer's checkpoint publisher (which versions were published).
         waiter: how to wait for the replicas to serve a version.
         max_staleness: how many versions older than the newest published one a rollout may be.
-        sync_timeout_s: how long one ``generate`` call may retry.
+        sync_timeout_s: how long one ``generate`` call may retry, from its first failure (or its
+            start, when that is later).
         adapters: with LoRA adapter sync, the adapter publisher whose newest served adapter the
             requests name (its version labels the completions).
     """
@@ -103,11 +106,12 @@ class StaleRetryPolicy:
         self, unique: list[list[int]], params: dict[str, Any], *, want_logprobs: bool, rescore: bool
     ) -> tuple[list[list[Completion]], GenerationRecord]:
         """One group of ``params["n"]`` completions per prompt of ``unique``, each complete and
-        within the staleness bound; raises when ``sync_timeout_s`` ran out first (see the module
-        docstring). ``want_logprobs`` and ``rescore`` are passed to the endpoints."""
+        within the staleness bound; raises when ``sync_timeout_s`` ran out first, counted from the
+        first failure (see the module docstring). ``want_logprobs`` and ``rescore`` are passed to the
+        endpoints."""
         self.publisher.raise_if_failed()
         started = time.monotonic()
-        deadline = started + self.sync_timeout_s
+        budget = RetryBudget(started + self.sync_timeout_s, self.sync_timeout_s)
         self.endpoints.forget_crashes()
         groups: list[list[Completion] | None] = [None] * len(unique)
         todo = list(range(len(unique)))
@@ -118,7 +122,7 @@ class StaleRetryPolicy:
                 [unique[i] for i in todo],
                 params,
                 want_logprobs=want_logprobs,
-                deadline=deadline,
+                deadline=budget,
                 rescore=rescore,
                 lora_path=None if adapter is None else adapter[1],
             )
@@ -138,12 +142,14 @@ class StaleRetryPolicy:
             stale_versions = outside.labels()
             if not retry:
                 break
-            if time.monotonic() >= deadline:
+            budget.note_failure()
+            if budget.ran_out():
                 if stale_versions:
                     raise StaleWeightsError(self._outside_message(len(retry) - aborted, outside, required))
                 raise RuntimeError(
-                    f"SGLang kept aborting {aborted} prompt group(s) until sync_timeout={self.sync_timeout_s:g} s ran "
-                    f"out; check the SGLang server logs behind {self.endpoints.urls}"
+                    f"SGLang kept aborting {aborted} prompt group(s) for sync_timeout={self.sync_timeout_s:g} s after"
+                    f" the first failure ({retries + 1} attempt(s)); check the SGLang server logs behind"
+                    f" {self.endpoints.urls}"
                 )
             retries += 1
             if aborted:
@@ -164,7 +170,7 @@ class StaleRetryPolicy:
                     retries,
                 )
             self._wait_for_replicas(
-                required if stale_versions else None, deadline, pause=min(STALE_RETRY_PAUSE_S * retries, 5.0)
+                required if stale_versions else None, budget.deadline, pause=min(STALE_RETRY_PAUSE_S * retries, 5.0)
             )
             todo = retry
         done = [g for g in groups if g is not None]
@@ -210,7 +216,7 @@ class StaleRetryPolicy:
         return (
             f"SGLang kept answering {prompts} prompt(s) with "
             + "; and with ".join(parts)
-            + f" (retried until sync_timeout={self.sync_timeout_s:g} s ran out)"
+            + f" (retried for sync_timeout={self.sync_timeout_s:g} s after the first failure)"
         )
 
     def _wait_for_replicas(self, version: int | None, deadline: float, pause: float) -> None:

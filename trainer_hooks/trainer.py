@@ -9,6 +9,7 @@ builds :class:`~trainer_hooks.sglang_generation.SGLangGeneration` from the same 
 SGLang endpoints, replica waiter, checkpoint publisher, adapter sync, staleness policy).
 Everything else stays TRL's: the reward pipeline, evaluation and the importance-sampling
 correction (gated on ``use_vllm``) run unchanged on SGLang's completions and logprobs.
+Evaluation syncs in the foreground (``evaluate`` below): it generates with the newest weights.
 
 The seam is private to TRL and changes between minor versions, so construction fails on TRL
 versions this was not tested with. Sync and rollout metrics (``sglang/sync_*_s``,
@@ -40,11 +41,21 @@ from rollout_service.delta_choice import PublishCosts
 from rollout_service.delta_writer import DeltaCheckpointWriter
 
 from .adapter_publish import AdapterPublisher, choose_adapter_sync
-from .checkpoint_dtype import checkpoint_dtype
+from .checkpoint_dtype import checkpoint_dtype, target_dtype
 from .checkpoint_publisher import CheckpointPublisher
-from .config import GRPOConfig, RLOOConfig, SGLangRolloutArguments
+from .config import (
+    GRPOConfig,
+    RLOOConfig,
+    SGLangRolloutArguments,
+    collective_budget_s,
+    config_sampling_params,
+    process_group_timeout_s,
+    rescoring_needed,
+    syncs_in_background,
+)
 from .cpu_contention import warn_if_sharing_the_cpu
 from .replica_wait import AckFileWaiter, ReplicaWaiter, SidecarWaiter
+from .sampling_checks import check_token_ids_in_vocab
 from .sglang_endpoints import SGLangEndpoints
 from .sglang_generation import SGLangGeneration
 from .stale_retry import StaleRetryPolicy
@@ -86,10 +97,15 @@ def build_sglang_generation(
     adapter sync when it applies, and the staleness policy; a warning when the trainer shares the
     CPU with a busy-polling SGLang. The other processes get none of them. ``sampling`` is
     :class:`SGLangGeneration`'s sampling arguments (``temperature``, ..., ``generation_kwargs``).
+
+    Raises ValueError (on every process, before anything is wired) for a ``stop_token_ids`` entry or
+    ``logit_bias`` key in ``generation_kwargs`` outside the model's vocabulary.
     """
+    vocab_size = model_vocab_size(model)
+    check_token_ids_in_vocab(sampling.get("generation_kwargs") or {}, vocab_size)
     publisher = rollouts = adapters = None
     if accelerator.is_main_process:
-        publisher, rollouts, adapters = _wire_main_process(model, accelerator, args)
+        publisher, rollouts, adapters = _wire_main_process(model, accelerator, args, vocab_size)
     return SGLangGeneration(
         model,
         accelerator,
@@ -113,18 +129,32 @@ def _as_the_main_process_says(accelerator: Any, value: bool) -> bool:
     return bool(box[0])
 
 
-def _wire_main_process(
-    model: torch.nn.Module, accelerator: Any, args: SGLangRolloutArguments
-) -> tuple[CheckpointPublisher, StaleRetryPolicy, AdapterPublisher | None]:
+def _base_model(model: torch.nn.Module) -> Any:
+    """The model under its wrappers (DDP, FSDP, DeepSpeed) and its PEFT adapter: its config and name."""
     base = unwrap_model(model)
-    if is_peft_model(base):  # the base model's config and name
-        base = base.get_base_model()
+    return base.get_base_model() if is_peft_model(base) else base
+
+
+def model_vocab_size(model: torch.nn.Module | None) -> int | None:
+    """How many token ids ``model`` embeds (:func:`_vocab_size` of its base model's text config);
+    None when that is not known (no model: the non-main processes of some callers pass none)."""
+    if not isinstance(model, torch.nn.Module):
+        return None
+    base = _base_model(model)
     config = base.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return _vocab_size(base, text_config)
+
+
+def _wire_main_process(
+    model: torch.nn.Module, accelerator: Any, args: SGLangRolloutArguments, vocab_size: int | None
+) -> tuple[CheckpointPublisher, StaleRetryPolicy, AdapterPublisher | None]:
+    base = _base_model(model)
+    config = base.config
     endpoints = SGLangEndpoints(
         args.sglang_urls,
         request_timeout_s=args.sglang_request_timeout,
-        vocab_size=_vocab_size(base, text_config),
+        vocab_size=vocab_size,
         api_key=args.sglang_api_token,
         log_paths=getattr(args, "sglang_log_paths", None) or (),
         status_urls=args.sidecar_urls or (),
@@ -139,6 +169,7 @@ def _wire_main_process(
         waiter = AckFileWaiter(Path(root), args.expected_replicas, max_age_s=args.replica_heartbeat_max_age)
     warn_if_sharing_the_cpu(endpoints)
     dtype = checkpoint_dtype(args.checkpoint_dtype, base)
+    _warn_if_a_sync_outlasts_the_process_group(args, base, dtype, accelerator.num_processes)
     config_dict = json.loads(config.to_json_string())
     config_dict["dtype"] = dtype
     publisher = CheckpointPublisher(
@@ -163,6 +194,37 @@ def _wire_main_process(
         adapters=adapters,
     )
     return publisher, rollouts, adapters
+
+
+def _warn_if_a_sync_outlasts_the_process_group(args: Any, base: Any, dtype: str, processes: int) -> None:
+    """Warn when writing this model's checkpoint could keep the other processes waiting in a
+    collective past the process group's timeout: the config's budget (:func:`collective_budget_s`)
+    was computed before the model, and so its checkpoint's size, was known."""
+    if processes <= 1:
+        return
+    target = target_dtype(dtype)
+    itemsize = target.itemsize if target is not None else 4
+    checkpoint_bytes = sum(int(getattr(p, "ds_numel", p.numel())) for p in base.parameters()) * itemsize
+    budget = collective_budget_s(
+        args.sync_timeout,
+        args.sglang_request_timeout,
+        rescoring_needed(config_sampling_params(args)),
+        background_syncs=syncs_in_background(args),
+        checkpoint_bytes=checkpoint_bytes,
+    )
+    timeout = process_group_timeout_s(args)
+    if budget > timeout:
+        logger.warning(
+            "a checkpoint of this model (%.1f GB) is given up to %.0f s to write and sync (at 10 MB/s) while the "
+            "other %d process(es) wait in a collective, longer than the process group's timeout (%g s): on slow "
+            "storage the collective watchdog may abort them before the trainer's own error. Raise ddp_timeout to "
+            "%d s (with use_cpu=True, lower sync_timeout instead)",
+            checkpoint_bytes / 1e9,
+            budget,
+            processes - 1,
+            timeout,
+            int(budget) + 1,
+        )
 
 
 def delta_writer_for(args: Any, dtype: str) -> DeltaCheckpointWriter | None:
@@ -287,6 +349,17 @@ class _SGLangBackendMixin:
             raise
         self.vllm_generation.close()
         return output
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's ``evaluate``, its rollouts generated with the newest weights.
+
+        With ``max_staleness > 0`` a sync runs in the background and rollouts may use weights up to
+        ``max_staleness`` versions old: right for training, wrong for evaluation, which after
+        ``train()`` would score the weights from before the final steps and leave a sync running
+        that nothing waits for. So a background sync still in flight is finished first, and the
+        syncs TRL makes during evaluation publish and wait for the replicas before generating."""
+        with self.vllm_generation.syncing_in_foreground():
+            return super().evaluate(*args, **kwargs)  # type: ignore[misc]
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"  # type: ignore[attr-defined]
