@@ -67,7 +67,7 @@ def test_a_write_with_other_shards_than_the_encode_hashed_hashes_the_copy(tmp_pa
     root, full_root = tmp_path / "root", tmp_path / "full"
     model = Model(lr=1e-3, shapes=SHAPES)
     writer = DeltaCheckpointWriter(full_every=100)
-    publish_both(writer, root, full_root, 1, model, max_shard_bytes=1 << 30)
+    publish_both(writer, root, full_root, 1, model, max_shard_bytes=SHARD)  # the base: two shards
     model.step()
     writer.absorb(model.tensors(), dtype="bfloat16", max_shard_bytes=1 << 30)  # hashed for one shard
     result = writer.write(root, 2, config=CONFIG, max_shard_bytes=SHARD, run_id=RUN)  # written as two

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -57,6 +58,23 @@ class FakeClock:
 
     def sleep(self, seconds: float) -> None:
         self.advance(max(0.0, seconds))
+
+
+@pytest.fixture(autouse=True)
+def closed_endpoints(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every ``SGLangEndpoints`` a test makes is closed after it: its request threads would
+    otherwise outlive the test (and count as left running in later tests' checks)."""
+    made: list[SGLangEndpoints] = []
+    real_init = SGLangEndpoints.__init__
+
+    def init(self: SGLangEndpoints, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(SGLangEndpoints, "__init__", init)
+    yield
+    for endpoints in made:
+        endpoints.close()
 
 
 @pytest.fixture

@@ -214,6 +214,7 @@ def test_closing_the_endpoints_ends_a_request_a_failed_generate_left_running(ser
     """One endpoint refuses the batch (``generate`` raises at once), the other never answers: its
     request is left running. ``close()`` cuts it off, where it used to run to its own timeout
     (and held the process's exit that long)."""
+    before = set(threading.enumerate())  # (threads of other tests' endpoints are not this one's)
     refusing = canned(servers, lambda path, body, count: canned_reply(400, {"error": "bad sampling params"}))
     silent = canned(servers, lambda path, body, count: lambda conn, stopped: stopped.wait(60))
     endpoints = SGLangEndpoints([refusing.url, silent.url], request_timeout_s=60)
@@ -221,11 +222,12 @@ def test_closing_the_endpoints_ends_a_request_a_failed_generate_left_running(ser
         endpoints.generate(
             [[1, 2], [3, 4]], {"n": 1, "max_new_tokens": 2}, want_logprobs=False, deadline=time.monotonic() + 5
         )
-    assert [t for t in threading.enumerate() if t.name.startswith("sglang-generate")], "nothing left running"
+    ours = [t for t in set(threading.enumerate()) - before if t.name.startswith("sglang-generate")]
+    assert ours, "nothing left running"
     t0 = time.monotonic()
     endpoints.close()
     took = time.monotonic() - t0
-    left = [t.name for t in threading.enumerate() if t.name.startswith("sglang-generate") and t.is_alive()]
+    left = [t.name for t in ours if t.is_alive()]
     assert not left and took < 5, (left, took)
     assert not endpoints.is_open
 
