@@ -405,6 +405,13 @@ def _rebuild_shard(
         os.ftruncate(out.fileno(), target.size)
         digests = OrderedDigests(prefix, part_tensors, len(tensors))
         rebuilt: list[Future[None]] = []
+        failed = threading.Event()
+        """Set by the first part that raises (a done callback: the window checks it in O(1))."""
+
+        def note_failure(job: Future[None]) -> None:
+            if not job.cancelled() and job.exception() is not None:
+                failed.set()
+
         with ThreadPoolExecutor(APPLY_THREADS, thread_name_prefix="delta-apply") as pool:
             try:
                 # In file order: each part waits for the earlier ones to be hashed. A part starts as
@@ -412,7 +419,7 @@ def _rebuild_shard(
                 for index, ((off, n, frame, dtype, part_where), needs) in enumerate(zip(parts, part_needs)):
                     if index >= IN_FLIGHT_PARTS:  # a bounded window: and once a part failed, no more start
                         wait([rebuilt[index - IN_FLIGHT_PARTS]])
-                        if any(job.done() and job.exception() is not None for job in rebuilt):
+                        if failed.is_set():
                             break
                     if needs is not None:
                         needs[0].read_upto(needs[1])
@@ -433,6 +440,7 @@ def _rebuild_shard(
                             index,
                         )
                     )
+                    rebuilt[-1].add_done_callback(note_failure)
                 for source in delta_files.values():
                     source.finish()  # the delta files' own size and digest, before any result counts
                 wait(rebuilt)

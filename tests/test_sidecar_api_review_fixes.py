@@ -306,3 +306,21 @@ def test_a_sync_lookup_answers_within_its_bound_when_every_thread_is_busy(
             return [r.status_code for r in await asyncio.gather(*posts)]
 
     assert sorted(asyncio.run(scenario())) == [202] * 8 + [503]
+
+
+def test_sglang_back_on_other_weights_during_a_long_pass_makes_the_replica_unready(tmp_path: Path) -> None:
+    """The watch during a pass refreshes readiness only while SGLang serves what this replica
+    loaded (or is loading): one restarted on its start-up weights is unready at once."""
+    sglang = FakeRoutes({"/model_info": (200, {"weight_version": "999", "model_path": "/m"}, 0.0)})
+    try:
+        controller = _pass_ready_controller(tmp_path, sglang.url, pass_s=1.5)
+        state = controller.state
+        state.loaded_step, state.ready = 3, True
+        before = state.sglang_seen_at
+        asyncio.run(controller._sync_pass())
+        assert state.ready is False and state.sglang_seen_at == before
+        sglang.routes["/model_info"] = (200, {"weight_version": "3", "model_path": "/m"}, 0.0)
+        asyncio.run(controller._sync_pass())
+        assert state.sglang_seen_at is not None and state.sglang_seen_at > before
+    finally:
+        sglang.close()

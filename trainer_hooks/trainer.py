@@ -42,7 +42,7 @@ from rollout_service.delta_writer import DeltaCheckpointWriter
 
 from .adapter_publish import AdapterPublisher, choose_adapter_sync
 from .checkpoint_dtype import checkpoint_dtype, target_dtype
-from .checkpoint_publisher import CheckpointPublisher
+from .checkpoint_publisher import WRITE_ALLOWANCE_BYTES_PER_S, CheckpointPublisher
 from .config import (
     GRPOConfig,
     RLOOConfig,
@@ -215,12 +215,13 @@ def _warn_if_a_sync_outlasts_the_process_group(args: Any, base: Any, dtype: str,
     timeout = process_group_timeout_s(args)
     if budget > timeout:
         logger.warning(
-            "a checkpoint of this model (%.1f GB) is given up to %.0f s to write and sync (at 10 MB/s) while the "
+            "a checkpoint of this model (%.1f GB) is given up to %.0f s to write and sync (at %g MB/s) while the "
             "other %d process(es) wait in a collective, longer than the process group's timeout (%g s): on slow "
             "storage the collective watchdog may abort them before the trainer's own error. Raise ddp_timeout to "
             "%d s (with use_cpu=True, lower sync_timeout instead)",
             checkpoint_bytes / 1e9,
             budget,
+            WRITE_ALLOWANCE_BYTES_PER_S / 1e6,
             processes - 1,
             timeout,
             int(budget) + 1,

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BeforeValidator
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -256,14 +257,11 @@ def create_app(settings: SidecarSettings) -> FastAPI:
     return app
 
 
-QUERY_PARAMETERS = {"/wait": ("version", "timeout", "run")}
-"""The query parameters each route takes (any other route takes none)."""
-
-
 def _known_query(request: Request) -> None:
-    """Refuse (400) a query parameter the route does not take: a misspelt one (``timout=5``)
+    """Refuse (400) a query parameter the route does not declare: a misspelt one (``timout=5``)
     would otherwise be ignored without a word, and the request do something else than asked."""
-    allowed = QUERY_PARAMETERS.get(request.url.path, ())
+    route = request.scope.get("route")
+    allowed = [p.alias for p in route.dependant.query_params] if isinstance(route, APIRoute) else []
     unknown = sorted(set(request.query_params.keys()) - set(allowed))
     if unknown:
         named = ", ".join(repr(name[:64]) for name in unknown[:5])

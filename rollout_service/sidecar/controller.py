@@ -655,12 +655,21 @@ class SyncController:
         ``sglang_seen_at`` fresh from SGLang's answers every ``health_interval``: ``/readyz``
         must not call a serving replica unready because the loop is busy (anyone who can write
         the root could otherwise take every replica out of service for ``--validate-timeout``).
-        Only a cheap ``/model_info``; an SGLang that stops answering goes stale as before."""
+        Only a cheap ``/model_info``; an SGLang that stops answering goes stale as before, and one
+        that answers with weights this replica neither serves nor loads (it restarted on its
+        start-up weights) makes the replica unready at once (the pass after this one reloads)."""
         while True:
             await asyncio.sleep(self.settings.health_interval_s)
             view = await self.client.view(deep=False)
-            if view.healthy:  # (what it serves is checked between passes, as always)
-                self.state.sglang_seen_at = time.time()
+            if not view.healthy:
+                continue
+            s = self.state
+            expected = {version_for_step(step) for step in (s.loaded_step, s.loading_step) if step is not None}
+            if self.adapters.serving or s.loaded_step is None or view.weight_version in expected:
+                s.sglang_seen_at = time.time()
+            else:
+                s.ready = False
+                self.metrics.ready.set(0)
 
     async def _sync_newest(self) -> None:
         """Serve the newest valid checkpoint in the root (if SGLang does not already)."""
