@@ -34,7 +34,12 @@ from trainer_hooks.config import (
     translate_generation_kwargs,
 )
 from trainer_hooks.sampling_checks import check_token_ids_in_vocab
-from trainer_hooks.sglang_endpoints import SGLangEndpoints, SGLangUnavailableError
+from trainer_hooks.sglang_endpoints import (
+    POISON_RETRIES,
+    SGLangEndpoints,
+    SGLangPoisonRequestError,
+    SGLangUnavailableError,
+)
 from trainer_hooks.stale_retry import StaleRetryPolicy
 
 REQUEST_TIMEOUT_S = 3600.0
@@ -281,6 +286,21 @@ def test_a_gateway_error_is_retried_and_never_counted_as_a_poison_request(clock:
     servers = Servers(behave, health=200)
     groups = servers.endpoints("router").generate([[1, 2]], PARAMS, want_logprobs=True, deadline=clock.now + 60)
     assert len(groups) == 1 and len(servers.requests) == 3
+
+
+def test_a_gateway_error_from_a_server_that_died_counts_as_a_poison_request(clock: FakeClock) -> None:
+    """Behind nginx, a request that kills SGLang comes back as 502 and /health then fails through
+    the proxy too: that request is what killed it, and it is not sent a third time (each send
+    would kill the server again, spending its supervisor's restart budget)."""
+
+    def behave(host: str, body: dict[str, Any], count: int) -> httpx.Response:
+        return httpx.Response(502, text="<html>502 Bad Gateway</html>")
+
+    servers = Servers(behave, health=502)
+    endpoints = servers.endpoints("proxy")
+    with pytest.raises(SGLangPoisonRequestError, match="502"):
+        endpoints.generate([[1, 2]], PARAMS, want_logprobs=True, deadline=clock.now + 600)
+    assert len(servers.requests) == POISON_RETRIES + 1
 
 
 # --- 4. sampling values SGLang refuses or crashes on -----------------------------------------------------

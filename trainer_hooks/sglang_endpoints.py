@@ -20,10 +20,11 @@ waiting for a request past it, treating its endpoint as failed), and its answer 
 a limit derived from the request (``BODY_LIMIT_BASE_BYTES`` plus ``BODY_BYTES_PER_TOKEN`` per
 token it may return).
 
-A request that kills its server (the connection drops mid-request and ``/health`` then fails,
-or a 5xx other than 502, 503 and 504 comes back) is a *poison* candidate (an overloaded server, a
-timeout, a proxy's or router's 502/504 or an answer that cannot be decoded, such as a proxy's
-broken gzip, is not; each distinct prompt counts once per failure): the trainer waits for
+A request that kills its server (the connection drops mid-request, or a proxy in front answers
+502/504, and ``/health`` then fails; or a 5xx other than 502, 503 and 504 comes back) is a
+*poison* candidate (an overloaded server, a timeout, a proxy's or router's 502/504 while
+``/health`` answers, or an answer that cannot be decoded, such as a proxy's broken gzip, is
+not; each distinct prompt counts once per failure): the trainer waits for
 a server to come back (``rollout-service serve`` restarts SGLang) and sends those prompts once
 more; when a server dies on them again the call raises :class:`SGLangPoisonRequestError` naming
 the sampling parameters and SGLang's own last error lines (from ``log_paths``, else the sidecars'
@@ -110,6 +111,7 @@ class _EndpointFailed(Exception):
         sent: bool = False,
         retry_after: float | None = None,
         rescore_refused: bool = False,
+        gateway: bool = False,
     ):
         super().__init__(reason)
         self.url = url
@@ -123,6 +125,9 @@ class _EndpointFailed(Exception):
         that could not be decoded."""
         self.retry_after = retry_after
         """Seconds to leave an overloaded endpoint (HTTP 429/503) alone; None for other failures."""
+        self.gateway = gateway
+        """A proxy's or router's 502/504: a poison candidate only when the server behind it then
+        fails its health check (a request that killed it comes back as 502 through nginx)."""
 
 
 HEALTH_PROBE_TIMEOUT_S = 5.0
@@ -357,10 +362,10 @@ class SGLangEndpoints:
                         continue
                     # Sent, then the connection broke or a 5xx came back: the request may be what failed
                     # (a router in front of a dead server answers 5xx while its own /health is fine).
-                    died = exc.sent and not self._answers_health(endpoint.url)
+                    died = (exc.sent or exc.gateway) and not self._answers_health(endpoint.url)
                     self._mark_dead(endpoint, exc.reason + (" (the server died)" if died else ""))
                     failed.extend(chunk)
-                    if exc.sent:
+                    if exc.sent or died:
                         self._count_crash(
                             endpoint.url, [prompts[i] for i in chunk], sampling_params, exc.reason, died=died
                         )
@@ -582,7 +587,9 @@ class SGLangEndpoints:
             raise _EndpointFailed(
                 url,
                 f"{what}HTTP {status} from a proxy or router in front of SGLang (its upstream did not answer in time"
-                f" or is down; retried, not counted as a request that killed a server): {text[:300]}",
+                f" or is down; retried, counted as a request that killed a server only if /health then fails):"
+                f" {text[:300]}",
+                gateway=True,
             )
         if status >= 500:
             raise _EndpointFailed(url, f"{what}HTTP {status}: {text[:300]}", sent=True)
