@@ -324,3 +324,31 @@ def test_sglang_back_on_other_weights_during_a_long_pass_makes_the_replica_unrea
         assert state.sglang_seen_at is not None and state.sglang_seen_at > before
     finally:
         sglang.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        (503, {"error": "shutting_down", "detail": "the sidecar is stopping"}),
+        (503, {"error": "too_many_waits", "detail": "256 /wait requests are held already"}),
+        (400, {"error": "bad_request", "detail": "unknown query parameter(s)"}),
+    ],
+)
+def test_an_error_answer_to_wait_keeps_what_the_replica_last_reported_serving(answer: tuple[int, Any]) -> None:
+    """Only a /status body (200, 504) says what a replica serves: an error's body, which names
+    no step, must not clear it, or retention stops protecting the step the replica serves."""
+    from fake_sglang import CannedServer, canned_reply
+    from trainer_hooks.replica_wait import ReplicaSyncTimeout, SidecarWaiter
+
+    status_body = {"replica_id": "r0", "loaded_step": 4, "error": "wait_timeout", "detail": "not yet"}
+    sidecar = CannedServer(
+        lambda path, body, count: canned_reply(504, status_body) if count == 1 else canned_reply(*answer)
+    )
+    waiter = SidecarWaiter([sidecar.url])
+    try:
+        with pytest.raises(ReplicaSyncTimeout):
+            waiter.wait(5, timeout_s=1.5)
+    finally:
+        sidecar.stop()
+    assert len(sidecar.requests) >= 2
+    assert waiter.protected_versions() == {4}

@@ -209,7 +209,7 @@ class SidecarWaiter:
             return False
         view.unreachable = view.wait_ended = None
         body = _json_or_none(r)
-        if body is not None:
+        if body is not None and r.status_code in (200, 504):  # a /status body (others: an error's only)
             _update_view(view, body)
         if r.status_code == 200:
             unconfirmed = "its body is not a JSON object" if body is None else _unconfirmed(view, version, self.run_id)
