@@ -352,3 +352,30 @@ def test_an_error_answer_to_wait_keeps_what_the_replica_last_reported_serving(an
         sidecar.stop()
     assert len(sidecar.requests) >= 2
     assert waiter.protected_versions() == {4}
+
+
+def test_a_pass_ends_even_when_the_watch_misses_its_cancellation(tmp_path: Path) -> None:
+    """Python 3.11's ``asyncio.wait_for`` (under every HTTP call) returns the call's answer instead
+    of raising when a cancellation arrives as the call completes: the watch then went on polling
+    SGLang and the pass waited for it for good (seen in CI: a sidecar stuck after SGLang
+    restarted). Here the watch's call swallows every cancellation; the pass still ends."""
+    from rollout_service.sidecar.sglang_client import ServerView
+
+    controller = _pass_ready_controller(tmp_path, dead_url(), pass_s=0.5)
+    calls: list[float] = []
+
+    async def stubborn_view(deep: bool = False) -> ServerView:
+        calls.append(time.monotonic())
+        try:
+            await asyncio.sleep(0.3)
+        except asyncio.CancelledError:
+            pass  # as wait_for does when its call has just completed
+        return ServerView(healthy=True, weight_version=None)
+
+    controller.client.view = stubborn_view  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        await asyncio.wait_for(controller._sync_pass(), 10)
+
+    asyncio.run(scenario())
+    assert calls  # the watch ran during the pass

@@ -642,15 +642,21 @@ class SyncController:
                 return  # SGLang may still be loading that step: a load sent now would run after it
             self._unconfirmed = None
         if self.state.sglang_healthy and self._reference is not None and self.state.fatal is None and staged_ok:
-            watch = asyncio.create_task(self._watch_sglang_during_pass(), name="sidecar-sglang-watch")
+            done = asyncio.Event()
+            watch = asyncio.create_task(self._watch_sglang_during_pass(done), name="sidecar-sglang-watch")
             try:
                 await self._sync_newest()
             finally:
+                # Told by the event, not only cancelled: in Python 3.11 ``asyncio.wait_for`` (under
+                # every HTTP call) drops a cancellation that arrives as its call completes, and the
+                # pass would then wait for a watch that never ends.
+                done.set()
                 watch.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watch
+                await asyncio.wait({watch})
+                if not watch.cancelled() and watch.exception() is not None:
+                    log.warning("watching SGLang during a pass failed: %r", watch.exception())
 
-    async def _watch_sglang_during_pass(self) -> None:
+    async def _watch_sglang_during_pass(self, done: asyncio.Event) -> None:
         """While a pass validates and stages a step (minutes for a large or junk step), keep
         ``sglang_seen_at`` fresh from SGLang's answers every ``health_interval``: ``/readyz``
         must not call a serving replica unready because the loop is busy (anyone who can write
@@ -658,10 +664,13 @@ class SyncController:
         Only a cheap ``/model_info``; an SGLang that stops answering goes stale as before, and one
         that answers with weights this replica neither serves nor loads (it restarted on its
         start-up weights) makes the replica unready at once (the pass after this one reloads)."""
-        while True:
-            await asyncio.sleep(self.settings.health_interval_s)
+        while not done.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), self.settings.health_interval_s)
+            if done.is_set():
+                return
             view = await self.client.view(deep=False)
-            if not view.healthy:
+            if not view.healthy or done.is_set():
                 continue
             s = self.state
             expected = {version_for_step(step) for step in (s.loaded_step, s.loading_step) if step is not None}
