@@ -1129,12 +1129,12 @@ class SyncController:
             self.metrics.stage_bytes.set(self.state.stage_bytes)
 
     def _reject(self, ckpt: PublishedCheckpoint, reason: str, message: str) -> None:
-        message = shown_text(message, MAX_ACK_TEXT)
-        log.error("rejected checkpoint step %d (%s): %s", ckpt.step, reason, message)
+        self._error(reason, message, step=ckpt.step)
+        assert self.state.last_error is not None
+        log.error("rejected checkpoint step %d (%s): %s", ckpt.step, reason, self.state.last_error["message"])
         self.state.rejected[ckpt.step] = reason
         self._rejected_at[ckpt.step] = self._identity_seen.get(ckpt.step)
         self.metrics.syncs.labels("rejected", reason).inc()
-        self._error(reason, message, step=ckpt.step)
 
     def _error(self, reason: str, message: str, step: int | None = None) -> None:
         """Record the last error (``/status``, the ack file): its message cut as ack readers cut it
