@@ -139,6 +139,8 @@ DTYPE_NAMES = {
     "bf16": "BF16",
     "float64": "F64",
 }
+DTYPE_NAME_OF_TAG = {tag: name for name, tag in DTYPE_NAMES.items() if name.startswith(("float", "bfloat"))}
+"""torch's name of each tag in :data:`DTYPE_NAMES` (its spelled-out name there: ``BF16`` -> ``bfloat16``)."""
 
 
 MAX_ERROR_CHARS = 4096

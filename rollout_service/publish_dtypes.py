@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 
-from .checkpoint_format import normalize_dtype
+from .checkpoint_format import DTYPE_NAME_OF_TAG, normalize_dtype
 
 PUBLISHABLE_DTYPES = ("bfloat16", "float16", "float32")
 """The dtype names checkpoints can be published in (``bf16``, ``half``, ... are other spellings)."""
 
-_NAME_OF_TAG = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+_NAME_OF_TAG = {tag: name for tag, name in DTYPE_NAME_OF_TAG.items() if name in PUBLISHABLE_DTYPES}
 """The safetensors tag of each of :data:`PUBLISHABLE_DTYPES`, and its name."""
 
 NOT_PUBLISHABLE = (

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from rollout_service.checkpoint_format import normalize_dtype
+from rollout_service.checkpoint_format import DTYPE_NAME_OF_TAG, normalize_dtype
 from rollout_service.publish_dtypes import PUBLISHABLE_DTYPES as PUBLISHABLE_DTYPES  # defined once, there
 from rollout_service.publish_dtypes import publishable_dtype as publishable_dtype
 
-_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
-"""torch's names of the safetensors tags (what ``normalize_dtype`` returns) a model may be in."""
-
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_TORCH_DTYPES = {name: getattr(torch, name) for name in PUBLISHABLE_DTYPES}
 """The torch dtype of each of :data:`PUBLISHABLE_DTYPES`."""
 
 
@@ -48,7 +45,7 @@ def _model_dtype(model: torch.nn.Module) -> str:
         configured = str(configured).removeprefix("torch.")
     if isinstance(configured, str) and configured not in ("auto", ""):
         try:
-            return _DTYPE_NAMES[normalize_dtype(configured)]  # type: ignore[index]
+            return DTYPE_NAME_OF_TAG[normalize_dtype(configured)]  # type: ignore[index]
         except (KeyError, ValueError):
             pass
     for param in model.parameters():

@@ -42,6 +42,7 @@ from rollout_service.user_paths import setting_path
 from .checkpoint_dtype import publishable_dtype
 from .checkpoint_publisher import background_sync_bound_s
 from .sampling_checks import check_sampling_values
+from .sglang_endpoints import requests_per_round
 
 log = logging.getLogger(__name__)
 
@@ -734,17 +735,12 @@ MIN_FITTED_REQUEST_TIMEOUT_S = 60.0
 """The shortest ``sglang_request_timeout`` the config lowers it to (with ``use_cpu=True``)."""
 
 
-def _requests_per_round(rescoring: bool) -> int:
-    """Requests one round of generation makes one after the other: 2 when completions are rescored."""
-    return 2 if rescoring else 1
-
-
 def generation_budget_s(sync_timeout: float, request_timeout: float, rescoring: bool) -> float:
     """The longest one ``generate`` runs: a first round (each request up to ``sglang_request_timeout``,
     two in a row when completions are rescored), retries for ``sync_timeout`` after the first failure
     in it (:class:`~trainer_hooks.sglang_endpoints.RetryBudget`), and one round in flight when that
     runs out."""
-    return sync_timeout + 2 * _requests_per_round(rescoring) * request_timeout
+    return sync_timeout + 2 * requests_per_round(rescoring) * request_timeout
 
 
 def sync_budget_s(sync_timeout: float, background_syncs: bool, checkpoint_bytes: int = 0) -> float:
@@ -881,7 +877,7 @@ def _fit_request_timeout_under_torchs_default(config: Any, world_size: int, resc
     """With ``use_cpu=True``: lower ``sglang_request_timeout`` so that :func:`collective_budget_s`
     fits under torch's default process-group timeout, or refuse a ``sync_timeout`` too long for it."""
     room = TORCH_DEFAULT_PG_TIMEOUT_S - COLLECTIVE_MARGIN_S
-    requests = 2 * _requests_per_round(rescoring)
+    requests = 2 * requests_per_round(rescoring)
     limit = min(room - MIN_FITTED_REQUEST_TIMEOUT_S * requests, _longest_sync_timeout(room, background))
     if config.sync_timeout > limit:
         raise ValueError(

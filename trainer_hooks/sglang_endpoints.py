@@ -90,6 +90,13 @@ ERROR_TEXT_BYTES = 4096
 """How much of an error answer is read (to quote it)."""
 
 
+def requests_per_round(rescoring: bool) -> int:
+    """Requests one round of :meth:`SGLangEndpoints.generate` sends an endpoint one after the other,
+    each bounded by the request timeout: 2 when the completions are rescored (``/generate``, then the
+    rescore), else 1. ``trainer_hooks.config`` sizes its timeouts with it too."""
+    return 2 if rescoring else 1
+
+
 class SGLangUnavailableError(RuntimeError):
     """No SGLang endpoint answered before the deadline."""
 
@@ -342,7 +349,7 @@ class SGLangEndpoints:
                 if chunk
             ]
             failed: list[int] = []
-            requests = 2 if rescore and want_logprobs else 1
+            requests = requests_per_round(rescore and want_logprobs)
             wait_until = time.monotonic() + requests * self._request_timeout_s + WAIT_GRACE_S
             owners = {future: (endpoint, chunk) for endpoint, chunk, future in futures}
             # In the order they end: a request refused at once raises at once, not after an earlier
