@@ -41,6 +41,8 @@ PICKED = 4
 
 _READERS = {"BF16": "<u2", "F16": "<f2", "F32": "<f4", "F64": "<f8"}
 """The numpy dtype each floating safetensors dtype is read as (bfloat16 as its bits)."""
+DIGESTIBLE_DTYPES = frozenset(_READERS)
+"""The safetensors dtypes a base tensor's values digest can be taken of (:func:`values_digest`)."""
 
 
 def values_digest(values: np.ndarray, held_as: str) -> str:

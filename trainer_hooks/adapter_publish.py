@@ -35,12 +35,12 @@ from rollout_service.adapter_writer import (
     publish_adapter,
     published_config,
 )
-from rollout_service.base_values import SAMPLE_ELEMENTS, pick_base_tensors, values_digest
+from rollout_service.base_values import DIGESTIBLE_DTYPES, SAMPLE_ELEMENTS, pick_base_tensors, values_digest
 from rollout_service.bounded_http import client as bounded_client
 from rollout_service.bounded_http import request
 from rollout_service.checkpoint_format import BaseTensor, CheckpointError
 from rollout_service.checkpoint_reader import TensorSpecs
-from rollout_service.checkpoint_writer import PublishResult
+from rollout_service.checkpoint_writer import _TORCH_TO_TAG, PublishResult
 from rollout_service.http_auth import bearer_headers
 from rollout_service.protocol import adapter_name_for
 
@@ -197,7 +197,7 @@ def base_values_of(model: torch.nn.Module) -> dict[str, BaseTensor]:
         }
 
 
-_HELD_AS = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_HELD_AS = {dtype: tag for dtype, tag in _TORCH_TO_TAG.items() if tag in DIGESTIBLE_DTYPES}
 """The base tensor dtypes an adapter step can record (others, e.g. quantized weights, are not picked)."""
 
 
