@@ -224,6 +224,54 @@ def atomic_replace(dir_fd: int, name: str, data: bytes, *, owner: str = "") -> N
         raise
 
 
+ACK_EXPIRY_S = 24 * 3600.0
+"""An ack whose heartbeat is older than this is a replica gone for good (Kubernetes names each
+replica after its pod, so every pod ever started leaves a file): :func:`remove_expired_acks`
+removes it, so that ``acks`` does not grow past :data:`MAX_ACK_ENTRIES`, where it is no longer
+read whole and retention stops."""
+
+
+def remove_expired_acks(root: Path, acks: dict[str, dict[str, Any]], *, now: float) -> list[str]:
+    """Remove the ack files among ``acks`` (a :func:`list_acks` result) whose heartbeat is older
+    than :data:`ACK_EXPIRY_S`; return the replica ids removed. Each file is read again just
+    before it goes (a replica back meanwhile keeps its ack), and removed through the folder's
+    descriptor (a folder swapped for a link is not followed). Failures are logged, never raised."""
+    expired = [
+        name
+        for name, ack in acks.items()
+        if (seconds := _seconds(ack.get("heartbeat"))) is not None and now - seconds > ACK_EXPIRY_S
+    ]
+    if not expired:
+        return []
+    directory = Path(root) / ACKS_DIR
+    removed: list[str] = []
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | _NOFOLLOW)
+    except OSError as exc:
+        log.warning("could not open %s to remove the acks of replicas gone for a day: %s", directory, exc)
+        return []
+    try:
+        for name in expired:
+            try:
+                again = _read_ack(directory, f"{name}.json")
+            except _AckUnreadable:
+                continue
+            seconds = None if again is None else _seconds(again.get("heartbeat"))
+            if seconds is None or now - seconds <= ACK_EXPIRY_S:
+                continue
+            try:
+                os.unlink(f"{name}.json", dir_fd=dir_fd)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                log.warning("could not remove %s, the ack of a replica gone for a day: %s", directory / name, exc)
+                continue
+            removed.append(name)
+    finally:
+        os.close(dir_fd)
+    return removed
+
+
 class AcksCutShort(RuntimeError):
     """``<root>/acks`` was not read to its end (see :func:`list_acks`): an ack may have been
     missed, so what the replicas hold is not known whole. Raised for callers that must not act on
@@ -275,11 +323,15 @@ def list_acks(root: Path, *, deadline: float | None = None) -> AckListing:
     are listed, and none once ``deadline`` (a ``time.monotonic()`` value) has passed; either way
     :attr:`AckListing.cut_short` says so. An ack among stray files is thus found whenever the
     folder holds at most :data:`MAX_ACK_ENTRIES` entries and there is time to read them; past
-    that, entries come in the file system's order and an ack may be missed. A missing folder, or
-    one that is not a directory (a symlink), holds no acks.
+    that, entries come in the file system's order and an ack may be missed. An ack file the
+    storage fails to open or read (``EIO``, ``ESTALE`` while a sidecar replaces it over NFS, no
+    permission) may be a live replica's: it also makes ``cut_short`` say so (the rest are read).
+    A file that is read but is not an ack (not a small regular JSON object) is skipped. A missing
+    folder, or one that is not a directory (a symlink), holds no acks.
     """
     directory = Path(root) / ACKS_DIR
     listing = AckListing()
+    unread: list[str] = []
     try:
         if not stat.S_ISDIR(os.lstat(directory).st_mode):
             return listing
@@ -289,13 +341,23 @@ def list_acks(root: Path, *, deadline: float | None = None) -> AckListing:
                 if listing.cut_short is not None:
                     break
                 if ACK_FILE_RE.fullmatch(entry.name):
-                    ack = _read_ack(directory, entry.name)
+                    try:
+                        ack = _read_ack(directory, entry.name)
+                    except _AckUnreadable as exc:
+                        unread.append(f"{entry.name} ({exc})")
+                        continue
                     if ack is not None:
                         listing.acks[entry.name[: -len(".json")]] = ack
     except (FileNotFoundError, NotADirectoryError):
         pass
     except OSError as exc:
         listing.cut_short = f"{directory} could not be listed ({exc}): check the checkpoint root's file system"
+    if listing.cut_short is None and unread:
+        listing.cut_short = (
+            f"{len(unread)} ack file(s) in {directory} could not be read: {'; '.join(unread[:3])}. An ack there may"
+            " be a live replica's: check the storage, or fix the file (its permissions) or remove it if no sidecar"
+            " writes it"
+        )
     return listing
 
 
@@ -314,12 +376,23 @@ def _ack_listing_stop(directory: Path, count: int, deadline: float | None) -> st
     return None
 
 
+class _AckUnreadable(Exception):
+    """An ack file the storage failed to open or read: what it says is not known."""
+
+
 def _read_ack(directory: Path, name: str) -> dict[str, Any] | None:
     """The fields a reader uses of the JSON object in ack file ``name`` (:func:`_ack_fields`), or
-    None when it is not a small regular JSON object file."""
+    None when it is not a small regular JSON object file (or is gone). Raises
+    :class:`_AckUnreadable` when the storage failed to open or read it."""
     try:
         data = json.loads(read_small(directory, directory / name, where=name, max_bytes=MAX_ACK_BYTES))
-    except (CheckpointError, OSError, ValueError, RecursionError):
+    except CheckpointError as exc:
+        if exc.reason == "unreadable":
+            raise _AckUnreadable(str(exc)) from None
+        return None
+    except OSError as exc:
+        raise _AckUnreadable(str(exc)) from None
+    except (ValueError, RecursionError):
         return None
     return _ack_fields(data) if isinstance(data, dict) else None
 

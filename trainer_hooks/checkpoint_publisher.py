@@ -52,7 +52,7 @@ from rollout_service.checkpoint_reader import PublishedCheckpoint
 from rollout_service.checkpoint_writer import PublishResult, cleanup_stale_temp_dirs, publish_checkpoint
 from rollout_service.delta_writer import DeltaCheckpointWriter
 from rollout_service.full_writes import bytes_written
-from rollout_service.protocol import AcksCutShort, read_acks
+from rollout_service.protocol import ACK_EXPIRY_S, AcksCutShort, fresh_acks, list_acks, remove_expired_acks
 from rollout_service.sidecar.root_gate import RootUnresponsive
 
 from .checkpoint_dtype import target_dtype
@@ -651,10 +651,22 @@ class CheckpointPublisher:
 
         def prune() -> list[int]:
             # What the replicas still need: unknown (the acks unreadable, or not all read) means
-            # nothing is pruned.
+            # nothing is pruned. The acks of replicas gone for a day go first (also when the
+            # folder was not read whole: what was read of it shrinks).
+            listing = list_acks(self.root)
+            gone = remove_expired_acks(self.root, listing.acks, now=time.time())
+            if gone:
+                log.info(
+                    "removed the ack files of %d replica(s) not heard from for %.0f h: %s",
+                    len(gone),
+                    ACK_EXPIRY_S / 3600,
+                    ", ".join(gone[:10]) + (", ..." if len(gone) > 10 else ""),
+                )
+            if listing.cut_short is not None:
+                raise AcksCutShort(listing.cut_short)
             protected = {newest} | self.waiter.protected_versions()
-            for ack in read_acks(self.root, max_age_s=self.heartbeat_max_age_s, whole=True).values():
-                protected.update(s for s in (ack.get("loaded_step"), ack.get("loading_step")) if isinstance(s, int))
+            for ack in fresh_acks(listing.acks, now=time.time(), max_age_s=self.heartbeat_max_age_s).values():
+                protected.update(s for s in (ack.get("loaded_step"), ack.get("loading_step")) if _is_step(s))
             return prune_checkpoints(self.root, keep, protected, remove=self._remover)
 
         try:
@@ -693,6 +705,11 @@ class CheckpointPublisher:
             why,
             PRUNE_SKIPPED_LOG_EVERY_S,
         )
+
+
+def _is_step(value: Any) -> bool:
+    """Whether an ack's field holds a step number (an int, not a bool: JSON ``true`` is no step)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _written(job: _BackgroundJob) -> str:
