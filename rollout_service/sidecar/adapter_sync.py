@@ -79,14 +79,41 @@ REPLACE_TRIES = 3
 load the old files again under the name (then the step is tried again at the next pass)."""
 
 
+NAME_TAKEN = ("already loaded", "incomplete unload")
+"""What SGLang 0.5.23 says when it refuses a load for its name, not its files: the scheduler has
+an adapter under it (``lora_manager``: "... because it is already loaded"), or an unload of it took
+it off ``/v1/models`` but failed in the scheduler (``tokenizer_control_mixin``: "... has an
+incomplete unload. Retry the unload before loading it again.")."""
+
+
 class _ReplaceRaced(Exception):
     """Requests kept SGLang loading an adapter's old files again while it was being replaced: the
     new files loaded fine under the trial name, so the step is not at fault (tried again)."""
 
 
+class _TrialInTheWay(Exception):
+    """The trial name (:data:`TRIAL_SUFFIX`) is still taken in SGLang by an earlier replacement's
+    trial that SGLang would not unload (or did not answer the unload of): the bookkeeping of the
+    name, not the step's files, is at fault (tried again at the next pass)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 class _BaseUnreadable(Exception):
     """The served model's folder could not be read for the adapter base check: the operator's
     folder is at fault, not the step."""
+
+
+def _trial_stuck(trial: str, refused: SGLangLoadRejected) -> str:
+    """The error of a trial name SGLang keeps taken (:class:`_TrialInTheWay`), saying what to do."""
+    return (
+        f"SGLang keeps the trial name {trial!r} taken (left by an earlier replacement whose unload SGLang"
+        f" refused, or it would not free it now): {refused}. The step's files are not at fault: tried again"
+        f" at the next pass. Should this go on, unload it by hand (POST /unload_lora_adapter"
+        f' {{"lora_name": "{trial}"}}) or restart SGLang'
+    )
 
 
 class AdapterSync:
@@ -106,6 +133,8 @@ class AdapterSync:
         self.serving: str | None = None
         """The adapter the served step names (None when the served step is a full checkpoint)."""
         self._unloads: set[asyncio.Task] = set()
+        """The unloads running beside the loop (:meth:`_unload_beside`; each task is named after its
+        adapter): a name is not loaded or unloaded again before its unload ended (:meth:`_settle`)."""
         self._base_unknown_logged = False
 
     async def still_served(self) -> bool:
@@ -239,6 +268,7 @@ class AdapterSync:
         controller's ``died_during_load``: rejected once it killed SGLang ``MAX_CRASHES_PER_STEP``
         times)."""
         c = self.c
+        await self._settle(name, name + TRIAL_SUFFIX)
         try:
             listed = await c.client.loaded_adapters()
         except SGLangUnavailable as exc:  # before any load: not the step's doing
@@ -262,6 +292,12 @@ class AdapterSync:
         except _ReplaceRaced as exc:  # SGLang serves the old files under the name, as before
             c.metrics.syncs.labels("failed", "adapter_replace_raced").inc()
             c._error("adapter_replace_raced", str(exc), step=ckpt.step)
+            return False
+        except _TrialInTheWay as exc:  # SGLang serves the old files under the name, as before
+            if exc.reason == "sglang_unavailable":
+                c.state.sglang_healthy = False
+            c.metrics.syncs.labels("failed", exc.reason).inc()
+            c._error(exc.reason, str(exc), step=ckpt.step)
             return False
         except SGLangUnavailable as exc:
             c.died_during_load(ckpt, exc)
@@ -334,12 +370,31 @@ class AdapterSync:
         stage: the step's folder, whose files the trial load just took), it serves what this load
         would have: that counts as loaded. From another path (an older publication's staged copy)
         the old files are unloaded and the new ones loaded again, :data:`REPLACE_TRIES` rounds at
-        most; then :class:`_ReplaceRaced` (not the step's fault: tried again at the next pass)."""
+        most; then :class:`_ReplaceRaced` (not the step's fault: tried again at the next pass).
+
+        The trial name is this sidecar's bookkeeping: a trial an earlier replacement left loaded
+        (its unload beside the loop refused or unanswered, or a sidecar stopped in between) is
+        unloaded first (:meth:`_clear_trial`), also when only the trial load's refusal shows it
+        (:data:`NAME_TAKEN`: an unload that failed in SGLang's scheduler took it off ``/v1/models``
+        but not out of the scheduler, or ``loaded`` was read before it came back). A trial that cannot be
+        unloaded is :class:`_TrialInTheWay`, never a refusal of the step's files. (An unload of
+        it still running beside the loop was waited for before ``loaded`` was read: ``_settle``.)"""
         client = self.c.client
         trial = name + TRIAL_SUFFIX
-        if trial in loaded:  # left by a sidecar stopped in the middle of a replacement
-            await client.unload_lora_adapter(trial)
-        await client.load_lora_adapter(trial, path)
+        if trial in loaded:  # left by an earlier replacement, or a sidecar stopped in the middle of one
+            await self._clear_trial(trial)
+        try:
+            await client.load_lora_adapter(trial, path)
+        except SGLangLoadRejected as exc:
+            if not await self._name_taken(trial, exc):
+                raise  # the files were refused
+            await self._clear_trial(trial)  # the name was taken, the files not looked at
+            try:
+                await client.load_lora_adapter(trial, path)
+            except SGLangLoadRejected as second:
+                if not await self._name_taken(trial, second):
+                    raise
+                raise _TrialInTheWay("adapter_trial_in_the_way", _trial_stuck(trial, second)) from None
         self._unload_beside(trial, "its files were only tried before they replaced the served ones")
         again: str | None = None
         for _ in range(REPLACE_TRIES):
@@ -362,6 +417,49 @@ class AdapterSync:
             f"requests kept SGLang loading adapter {name!r} again from {again} while it was replaced"
             f" ({REPLACE_TRIES} rounds of unload and load); its new files loaded fine: tried again at the next pass"
         )
+
+    async def _clear_trial(self, trial: str) -> None:
+        """Unload ``trial``, an earlier replacement's trial. Its unload being refused is not the
+        step's fault: when SGLang no longer lists it (unloaded meanwhile), fine; when it still
+        does, or SGLang does not answer, :class:`_TrialInTheWay` (tried again at the next pass)."""
+        client = self.c.client
+        try:
+            await client.unload_lora_adapter(trial)
+            log.info("unloaded adapter %r (a trial left by an earlier replacement)", trial)
+            return
+        except SGLangLoadRejected as exc:
+            refused = exc
+        except SGLangUnavailable as exc:
+            raise _TrialInTheWay(
+                "sglang_unavailable",
+                f"SGLang did not answer the unload of {trial!r}, left by an earlier replacement: {exc};"
+                " tried again at the next pass",
+            ) from None
+        try:
+            still = trial in await client.loaded_adapters()
+        except SGLangUnavailable as exc:
+            raise _TrialInTheWay("sglang_unavailable", f"{exc} (after SGLang refused to unload {trial!r})") from None
+        if not still:
+            log.info("adapter %r, left by an earlier replacement, is gone (%s)", trial, refused)
+            return
+        raise _TrialInTheWay("adapter_trial_in_the_way", _trial_stuck(trial, refused))
+
+    async def _name_taken(self, name: str, refused: SGLangLoadRejected) -> bool:
+        """Whether SGLang refused a load of ``name`` for the name, not for the files: it says so
+        (:data:`NAME_TAKEN`: its scheduler still has the name, though an unload already took it off
+        ``/v1/models``), or it lists the name."""
+        if any(words in str(refused) for words in NAME_TAKEN):
+            return True
+        return name in await self.c.client.loaded_adapters()
+
+    async def _settle(self, *names: str) -> None:
+        """Wait for the unloads of ``names`` still running beside the loop (:meth:`_unload_beside`),
+        so that what SGLang lists afterwards no longer changes under a load or unload of them.
+        Bounded: each is one call of the client's, under its load timeout."""
+        pending = {t for t in self._unloads if t.get_name() in names and not t.done()}
+        if pending:
+            log.info("waiting for the unload of %s, still running, before the name is used again", ", ".join(names))
+            await asyncio.wait(pending)
 
     async def _forget_unless_listed(self, name: str) -> None:
         """After a refused load: :meth:`_forget` ``name`` when SGLang no longer lists it (its
@@ -506,7 +604,7 @@ class AdapterSync:
     def _unload_beside(self, name: str, why: str) -> None:
         """Unload ``name`` in a task of its own: SGLang's unload waits for the requests using the
         adapter, which the loop must not wait for."""
-        task = asyncio.get_running_loop().create_task(self._unload(name, why))
+        task = asyncio.get_running_loop().create_task(self._unload(name, why), name=name)
         self._unloads.add(task)
         task.add_done_callback(self._unloads.discard)
 
