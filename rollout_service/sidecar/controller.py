@@ -380,7 +380,9 @@ class SyncController:
             log.warning("could not clean up leftover ack files: %s", exc)
         if self.settings.stage_dir is not None:
             try:
-                self.stage = await asyncio.to_thread(Stage, self.settings.stage_dir)
+                self.stage = await asyncio.to_thread(
+                    Stage, self.settings.stage_dir, fallback=self.settings.stage_fallback
+                )
             except StageError as exc:
                 self.report_fatal("stage_failed", str(exc))
         self._heartbeat_task = asyncio.create_task(self._heartbeat(), name="sidecar-ack-heartbeat")
@@ -469,6 +471,8 @@ class SyncController:
         self._error("loop_error", message)
 
     async def _publish_state(self) -> None:
+        if self.stage is not None:  # where it is now: a default /dev/shm stage moves to disk for a large model
+            self.state.stage_dir = str(self.stage.path)
         try:
             candidates, identities = await self.root_gate.call(self._listing, what="listing the root")
         except RootUnresponsive:

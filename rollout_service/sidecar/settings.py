@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
@@ -140,7 +141,8 @@ class SidecarSettings:
             " root) where each checkpoint is copied and every byte verified before SGLang reads it; it"
             " needs room for two copies of the model, three while a replica more than one delta behind"
             " catches up (default: /dev/shm/rollout-stage-REPLICA when /dev/shm has 8 GiB free, else"
-            " $XDG_CACHE_HOME (default ~/.cache)/rollout-service/stage/REPLICA)",
+            " $XDG_CACHE_HOME (default ~/.cache)/rollout-service/stage/REPLICA; the former moves to the"
+            " latter at the first step that does not fit in /dev/shm)",
         ),
     )
     """None with stage=True: /dev/shm when it has room, else $XDG_CACHE_HOME (default ~/.cache).
@@ -200,6 +202,12 @@ class SidecarSettings:
         self.sglang_url = check_http_url(self.sglang_url, "--sglang-url")
         if self.reference_dir is not None:
             self.reference_dir = setting_path(self.reference_dir, "--reference-dir")
+        self.stage_fallback: Path | None = None
+        """Where the stage moves when a step does not fit in it (see ``Stage``): the local-disk
+        default, set only when ``--stage-dir`` was not given and /dev/shm was chosen at start-up,
+        before the model's size is known. None: the stage stays where it is (a given ``--stage-dir``
+        is the user's choice: a step that does not fit there is refused, saying so). Derived, not a
+        field: no flag sets it."""
         if not self.stage:
             if self.stage_dir is not None:
                 raise ValueError(
@@ -208,9 +216,13 @@ class SidecarSettings:
                     " directory is used; drop --stage-dir to load from the root, or --no-stage to stage"
                 )
         elif self.stage_dir is None:
-            from .staging import default_stage_dir
+            from .stage_folder import is_default_shm_stage
+            from .staging import default_stage_dir, disk_stage_dir
 
             self.stage_dir = default_stage_dir(self.replica_id)
+            if is_default_shm_stage(self.stage_dir):
+                with contextlib.suppress(ValueError):  # no home for it: the stage stays in /dev/shm
+                    self.stage_fallback = disk_stage_dir(self.replica_id)
         else:
             self.stage_dir = setting_path(self.stage_dir, "--stage-dir")
         self._check_root()
@@ -246,6 +258,10 @@ class SidecarSettings:
             )
         if conflict:
             raise ValueError(conflict)
+        if self.stage_fallback is not None and stage_dir_conflict(
+            self.stage_fallback, root, reference, _inside_as_written
+        ):
+            self.stage_fallback = None  # not a folder of its own (the root under ~/.cache?): the stage stays put
 
 
 def unguarded_listeners(settings: SidecarSettings, sglang_host: str | None = None) -> list[str]:

@@ -36,6 +36,11 @@ so this roughly halves what staging a version costs there. The spare is named ``
 restart removes it. Its bytes are never trusted: every byte written over them is checked
 against the published digests like any other. They count as room for the next copy.
 
+A stage the user did not choose (no ``--stage-dir``: ``/dev/shm`` picked at start-up, when the
+model's size is not known yet) moves to the local-disk default at the first step that does not
+fit there (:meth:`Stage._move`), instead of refusing every step for good. A stage given with
+``--stage-dir`` stays where it was given: a step that does not fit is refused, saying so.
+
 The stage also keeps ``reference.json``: the tensor names, shapes and dtypes of the model
 SGLang serves, learnt at the first load, so a restarted sidecar checks against the same
 reference.
@@ -53,9 +58,10 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn, TypeVar
 
 from ..checkpoint_format import (
     MANIFEST_NAME,
@@ -94,9 +100,19 @@ from .stage_folder import (
     take_lock,
 )
 
-__all__ = ["LOCK_NAME", "MARKER_NAME", "REFERENCE_NAME", "Stage", "StageError", "StagedBuild", "default_stage_dir"]
+__all__ = [
+    "LOCK_NAME",
+    "MARKER_NAME",
+    "REFERENCE_NAME",
+    "Stage",
+    "StageError",
+    "StagedBuild",
+    "default_stage_dir",
+    "disk_stage_dir",
+]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SPARE_PREFIX = f"{TEMP_PREFIX}spare-"
 SPACE_MARGIN_BYTES = 64 << 20
@@ -140,24 +156,48 @@ def default_stage_dir(replica_id: str, needed_bytes: int = SHM_MIN_FREE_BYTES //
             free = 0
         if free > 2 * needed_bytes + SPACE_MARGIN_BYTES:
             return SHM_DIR / f"{SHM_STAGE_PREFIX}{replica_id}"
+    try:
+        return disk_stage_dir(replica_id)
+    except ValueError as exc:
+        raise ValueError(
+            f"/dev/shm has no room for the stage ({SHM_DIR} free: not"
+            f" {(2 * needed_bytes + SPACE_MARGIN_BYTES) >> 20} MiB) and {exc}"
+        ) from None
+
+
+def disk_stage_dir(replica_id: str) -> Path:
+    """``$XDG_CACHE_HOME/rollout-service/stage/<replica>`` (``XDG_CACHE_HOME`` defaults to
+    ``~/.cache``): the default stage without /dev/shm, and the one a default /dev/shm stage moves
+    to when a step does not fit there. ``ValueError`` when there is no home directory for it."""
     cache = os.environ.get("XDG_CACHE_HOME", "").strip()
     if not cache:
         try:
             cache = str(Path.home() / ".cache")
         except RuntimeError:  # a user id with no home (no passwd entry, HOME unset)
             raise ValueError(
-                f"/dev/shm has no room for the stage and there is no home directory for the default"
-                f" ({SHM_DIR} free: not {(2 * needed_bytes + SPACE_MARGIN_BYTES) >> 20} MiB): pass"
-                " --stage-dir with a node-local folder (or set XDG_CACHE_HOME)"
+                "there is no home directory for the stage's local-disk default: pass --stage-dir with a"
+                " node-local folder (or set XDG_CACHE_HOME)"
             ) from None
     return Path(cache) / "rollout-service" / "stage" / replica_id
 
 
-class Stage:
-    """One replica's staging directory."""
+class _NoRoom(StageError):
+    """A step does not fit a stage that may move (:meth:`Stage._move`): caught there, never seen outside."""
 
-    def __init__(self, path: Path):
+
+class Stage:
+    """One replica's staging directory.
+
+    ``fallback``: for a stage the user did not choose (the default in /dev/shm), the local-disk
+    folder it moves to when a step does not fit (:meth:`_move`); None: it stays where it is."""
+
+    def __init__(self, path: Path, *, fallback: Path | None = None):
         self.path = Path(path)
+        self._fallback = None if fallback is None else Path(fallback)
+        self._left: Path | None = None
+        """The stage this one moved from, still holding the copy SGLang serves, until :meth:`prune`
+        (a load from the new folder) or :meth:`remove` removes it."""
+        self._left_lock = -1
         self._spare: Path | None = None
         """A copy nobody serves any more, whose files the next copy or rebuild writes over."""
         self._finite: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -194,7 +234,7 @@ class Stage:
                 mark_as_stage(self.path)
                 self._clear_leftovers()
             except BaseException:
-                self.close()
+                self._unlock()
                 raise
             if is_default_shm_stage(self.path):
                 reclaim_shm_leftovers(self.path)
@@ -228,12 +268,36 @@ class Stage:
             " cleaner, or systemd-logind's RemoveIPC=yes?); making and locking it again",
             self.path,
         )
-        self.close()
+        self._unlock()
         self._spare = None
         self._open()
 
     def close(self) -> None:
-        """Release the stage's lock (idempotent)."""
+        """Remove the stage's hidden work and release its locks (idempotent). The staged copies
+        stay (a restarted sidecar adopts the one SGLang serves); the hidden ``.tmp-*`` work (the
+        spare copy, a copy or removal cut short) is of no use to anyone after this process (the
+        next start removes it) and in /dev/shm holds up to a model's worth of RAM until then."""
+        if self._lock >= 0:
+            self._spare = None
+            for entry in self._hidden_work():
+                try:
+                    remove_entry(entry)
+                except OSError as exc:
+                    log.warning("could not remove %s from the stage (the next start does): %s", entry, exc)
+        self._unlock()
+        if self._left_lock >= 0:
+            os.close(self._left_lock)
+            self._left_lock = -1
+
+    def _hidden_work(self) -> list[Path]:
+        """The stage's hidden ``.tmp-*`` entries ([] when the folder cannot be listed)."""
+        try:
+            return [e for e in self.path.iterdir() if e.name.startswith(TEMP_PREFIX)]
+        except OSError:
+            return []
+
+    def _unlock(self) -> None:
+        """Release the stage's own lock (idempotent)."""
         if self._lock >= 0:
             os.close(self._lock)
             self._lock = -1
@@ -243,26 +307,17 @@ class Stage:
         again (``serve`` stopped SGLang): a stage in /dev/shm is RAM until someone deletes it.
         Returns the bytes freed. Works after :meth:`close` too: the lock is taken again first,
         and a stage another sidecar locked meanwhile is left alone (``StageError``). Entries
-        the stage did not make stay, and so does the directory then."""
+        the stage did not make stay, and so does the directory then. The stage this one moved
+        from (:meth:`_move`), if still there, is removed too."""
         self.close()
-        try:
-            lock = open_own_file(self.path / LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, "lock")
-        except FileNotFoundError:
-            return 0
-        except OSError as exc:
-            raise StageError(
-                f"cannot open {self.path / LOCK_NAME}: {exc.strerror}; left {self.path} in place"
-            ) from None
-        try:
+        freed = 0
+        left, self._left = self._left, None
+        if left is not None:
             try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise StageError(
-                    f"another sidecar uses the stage directory {self.path} now; left it in place"
-                ) from None
-            return empty_stage(self.path)
-        finally:
-            os.close(lock)
+                freed += _remove_unheld(left)
+            except (OSError, StageError) as exc:
+                log.warning("could not remove %s, the stage this sidecar moved from: %s", left, exc)
+        return freed + _remove_unheld(self.path)
 
     def prune(self, keep: set[Path], *, keep_spare: bool = True) -> None:
         """Remove staged copies other than ``keep`` (the one SGLang serves); one of them may
@@ -270,6 +325,8 @@ class Stage:
         stage's own copies and work are looked at: nothing else in the folder is touched."""
         self._ensure_held()
         keep_real = {Path(os.path.realpath(p)) for p in keep}
+        if self._left is not None and Path(os.path.realpath(self._left)) not in {p.parent for p in keep_real}:
+            self._drop_left()
         for entry in self.path.iterdir():
             if not is_work_name(entry.name) or (keep_spare and entry == self._spare):
                 continue
@@ -283,6 +340,22 @@ class Stage:
                     log.warning("could not remove %s from the stage (tried again at the next prune): %s", entry, exc)
         if not keep_spare:
             self._spare = None
+
+    def _drop_left(self) -> None:
+        """Remove the stage this one moved from (:meth:`_move`) and release its lock: nothing is
+        served from it any more, and in /dev/shm its copies are RAM."""
+        left, lock = self._left, self._left_lock
+        assert left is not None
+        self._left, self._left_lock = None, -1
+        try:
+            freed = empty_stage(left) if lock >= 0 else _remove_unheld(left)
+        except (OSError, StageError) as exc:
+            log.warning("could not remove %s, the stage this sidecar moved from: %s; delete it by hand", left, exc)
+        else:
+            log.info("removed %s, the stage this sidecar moved from (%.1f MB freed)", left, freed / 1e6)
+        finally:
+            if lock >= 0:
+                os.close(lock)
 
     def prune_before_first_load(self, served: str | None) -> None:
         """Prune as a sidecar that has loaded nothing yet must: beside the copy SGLang serves
@@ -339,10 +412,11 @@ class Stage:
             remove_entry(spare)
 
     def owns(self, path: str | Path | None) -> bool:
+        """Whether ``path`` is an entry of this stage (or of the one it moved from, while kept)."""
         if not path:
             return False
-        real = Path(os.path.realpath(path))
-        return real.parent == Path(os.path.realpath(self.path))
+        parent = Path(os.path.realpath(path)).parent
+        return any(parent == Path(os.path.realpath(p)) for p in (self.path, self._left) if p is not None)
 
     def usage_bytes(self) -> int:
         """Bytes of the files in the stage (staged copies and work in progress)."""
@@ -384,11 +458,13 @@ class Stage:
         need = (nbytes if peak is None else peak) + SPACE_MARGIN_BYTES
         free, total = self._room()
         if nbytes + SPACE_MARGIN_BYTES > total:
-            raise CheckpointError(
-                "too_large_for_stage",
-                f"step {manifest_step} needs {(nbytes + SPACE_MARGIN_BYTES) >> 20} MiB in the stage, more than the"
-                f" {total >> 20} MiB its file system holds: its manifest lists files larger than"
-                " the model (or give --stage-dir a file system with room for two copies of the model)",
+            self._no_room(
+                CheckpointError(
+                    "too_large_for_stage",
+                    f"step {manifest_step} needs {(nbytes + SPACE_MARGIN_BYTES) >> 20} MiB in the stage, more than the"
+                    f" {total >> 20} MiB its file system holds: its manifest lists files larger than"
+                    " the model (or give --stage-dir a file system with room for two copies of the model)",
+                )
             )
         if free < need:
             room = (
@@ -396,10 +472,64 @@ class Stage:
                 if peak is None
                 else "three copies of the model, or wait for the next full step"
             )
-            raise StageError(
-                f"the stage directory {self.path} has {free >> 20} MiB free (its spare copy counted), step"
-                f" {manifest_step} needs {need >> 20} MiB{why}: give --stage-dir a folder with room for {room}"
+            self._no_room(
+                StageError(
+                    f"the stage directory {self.path} has {free >> 20} MiB free (its spare copy counted), step"
+                    f" {manifest_step} needs {need >> 20} MiB{why}: give --stage-dir a folder with room for {room}"
+                )
             )
+
+    def _no_room(self, exc: Exception) -> NoReturn:
+        """Raise ``exc`` (no room for a step); in a stage that may move, ``_NoRoom`` saying why."""
+        if self._fallback is not None:
+            raise _NoRoom(str(exc)) from None
+        raise exc
+
+    def _moving(self, make: Callable[[], T]) -> T:
+        """``make()``; when the step does not fit a stage that may move, move it (:meth:`_move`)
+        and ``make()`` there, from the start: nothing of the step was written yet."""
+        try:
+            return make()
+        except _NoRoom as exc:
+            self._move(str(exc))
+        return make()
+
+    def _move(self, why: str) -> None:
+        """Move to the local-disk ``fallback``: a step does not fit the default /dev/shm stage
+        (``why``), which the user did not choose, and would be refused there for good. Every copy
+        is made in the new folder from now on (a delta whose base was staged in the old one is
+        replayed from its full step). The old folder stays locked, holding the copy SGLang serves,
+        until a load from the new one (:meth:`prune`) or :meth:`remove` removes it; its spare
+        copy goes now. Logged once: a stage moves at most once."""
+        target = self._fallback
+        assert target is not None
+        old_path, old_lock = self.path, self._lock
+        reference = None
+        with contextlib.suppress(StageError):
+            reference = self.load_reference()
+        self.path, self._lock = target, -1
+        try:
+            self._open()
+        except (OSError, StageError) as exc:
+            self.path, self._lock = old_path, old_lock
+            raise StageError(f"{why}; and the stage's local-disk default {target} cannot be used: {exc}") from None
+        spare, self._spare = self._spare, None
+        self._fallback, self._left, self._left_lock = None, old_path, old_lock
+        self._finite.clear()  # names of copies checked in the old folder, not of those here
+        with contextlib.suppress(OSError):
+            if spare is not None:
+                remove_entry(spare)
+        with contextlib.suppress(OSError, StageError):  # it is learnt again otherwise
+            if reference is not None:
+                self.save_reference(*reference)
+        log.warning(
+            "%s. No --stage-dir was given, so the stage moves to %s (the default when /dev/shm has no room)"
+            " and stages every step there from now on; %s is removed once a step loads from there. Pass"
+            " --stage-dir to choose the stage's folder",
+            why,
+            self.path,
+            old_path,
+        )
 
     def _check_chain_room(self, chain: Chain) -> None:
         """Room for the whole chain, before anything is written: the copies made here are the
@@ -485,7 +615,13 @@ class Stage:
 
         ``check_finite`` makes a rebuild refuse NaN/Inf in the tensors a delta changes (a full
         copy is checked by validating it afterwards). The stage's own failures (no room, a
-        write that fails) raise ``StageError``; the checkpoint's, ``CheckpointError``."""
+        write that fails) raise ``StageError``; the checkpoint's, ``CheckpointError``. A step
+        that does not fit a stage that may move is built where it moves to (:meth:`_move`)."""
+        return self._moving(lambda: self._build(root, source_dir, manifest, deadline, check_finite))
+
+    def _build(
+        self, root: Path, source_dir: Path, manifest: Manifest, deadline: Deadline, check_finite: bool
+    ) -> StagedBuild:
         t0 = time.perf_counter()
         self._ensure_held()
         with self._stage_faults(f"staging {source_dir.name}"):
@@ -495,7 +631,7 @@ class Stage:
                     staged, manifest.kind, 0, time.perf_counter() - t0, 0, check_finite and self._known_finite(staged)
                 )
             if manifest.kind != "delta":
-                path = self.copy_in(root, source_dir, manifest, deadline)
+                path = self._copy_in(root, source_dir, manifest, deadline)
                 return StagedBuild(path, manifest.kind, manifest.total_bytes, time.perf_counter() - t0, 0)
             link = ChainLink(source_dir, manifest)
             chain = resolve_chain(root, link, self.find, deadline)
@@ -563,7 +699,7 @@ class Stage:
             if chain.start_is_staged:
                 current = chain.start
             else:
-                made = self.copy_in(root, chain.start.path, chain.start.manifest, deadline)
+                made = self._copy_in(root, chain.start.path, chain.start.manifest, deadline)
                 bytes_read += chain.start.manifest.total_bytes
                 current = ChainLink(made, Manifest.load(made, root=self.path))
             for link in chain.deltas:
@@ -604,7 +740,11 @@ class Stage:
 
     def copy_in(self, root: Path, source_dir: Path, manifest: Manifest, deadline: Deadline) -> Path:
         """Copy the checkpoint's files here, verifying sizes and digests; return the copy.
-        A failing write in the stage raises ``StageError`` (see :meth:`_stage_faults`)."""
+        A failing write in the stage raises ``StageError`` (see :meth:`_stage_faults`); a
+        step that does not fit a stage that may move is copied where it moves to."""
+        return self._moving(lambda: self._copy_in(root, source_dir, manifest, deadline))
+
+    def _copy_in(self, root: Path, source_dir: Path, manifest: Manifest, deadline: Deadline) -> Path:
         with self._stage_faults(f"copying {source_dir.name}"):
             self._check_room(manifest.step, manifest.total_bytes)
             final = self._name_for(manifest.step, manifest.fingerprint())
@@ -664,6 +804,26 @@ class Stage:
             return specs, str(data.get("source"))
         except (ValueError, KeyError, TypeError, IndexError, AttributeError):
             return None
+
+
+def _remove_unheld(path: Path) -> int:
+    """Take the lock of the stage folder ``path`` (one this process no longer holds) and empty it
+    (:func:`empty_stage`): the bytes freed, 0 when it is gone. ``StageError`` when another
+    sidecar holds it (left in place)."""
+    try:
+        lock = open_own_file(path / LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, "lock")
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        raise StageError(f"cannot open {path / LOCK_NAME}: {exc.strerror}; left {path} in place") from None
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StageError(f"another sidecar uses the stage directory {path} now; left it in place") from None
+        return empty_stage(path)
+    finally:
+        os.close(lock)
 
 
 def _copy_step(path: Path) -> int | None:
