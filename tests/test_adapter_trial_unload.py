@@ -45,6 +45,8 @@ class SchedulerSGLang:
         """How long a trial's unload takes to reach the lock (other adapter updates hold it)."""
         self.failing_unloads = 0
         """How many more unloads of a trial fail in the scheduler."""
+        self.failing_name_unloads = 0
+        """How many more unloads of a served (not trial) name fail in the scheduler."""
         self.refused_paths: set[str] = set()
         """Adapter files the scheduler refuses (bad files)."""
         self.calls: list[tuple[str, str]] = []
@@ -96,6 +98,9 @@ class SchedulerSGLang:
                 self.pending.add(name)
             if name.endswith(TRIAL_SUFFIX) and self.failing_unloads > 0:
                 self.failing_unloads -= 1
+                raise self._refused("/unload_lora_adapter", f"failed to unload LoRA adapter {name} in the scheduler")
+            if not name.endswith(TRIAL_SUFFIX) and self.failing_name_unloads > 0:
+                self.failing_name_unloads -= 1
                 raise self._refused("/unload_lora_adapter", f"failed to unload LoRA adapter {name} in the scheduler")
             self.pending.discard(name)
             del self.scheduler[name]
@@ -235,3 +240,41 @@ def test_files_sglang_refuses_are_still_rejected_and_the_served_adapter_stays(re
     assert not loaded
     assert replica.controller.state.rejected == {7: "sglang_rejected"}, replica.controller.state.last_error
     assert fake.registry == served == fake.scheduler
+
+
+def test_a_served_adapter_whose_unload_fails_once_is_still_replaced(replica: Replica) -> None:
+    """The served name's own unload fails once in SGLang's scheduler (its new files loaded fine
+    under the trial name): SGLang then refuses its load ("incomplete unload"), which is the name's
+    state, not the files'. The next round unloads it again and loads the new files; the step is
+    not rejected (it was: the unload's refusal was taken for the files')."""
+    fake = replica.fake
+    fake.failing_name_unloads = 1
+
+    async def scenario() -> None:
+        loaded, path = await replica.republish_and_load()
+        assert loaded, replica.controller.state.last_error
+        await replica.unloads_done()
+        assert fake.registry == {replica.name: path} == fake.scheduler
+        assert fake.calls.count(("unload", replica.name)) == 2, fake.calls
+
+    asyncio.run(scenario())
+    replica.assert_not_rejected()
+
+
+def test_a_served_adapter_sglang_will_not_unload_is_tried_again_and_forgotten(replica: Replica) -> None:
+    """The served name's unload keeps failing in SGLang's scheduler: the step is tried again at the
+    next pass (``adapter_replace_raced``), not rejected, and the name SGLang no longer lists is
+    not taken for served (the health check would count its absence as an SGLang restart)."""
+    fake = replica.fake
+    fake.failing_name_unloads = 10
+
+    async def scenario() -> None:
+        loaded, _ = await replica.republish_and_load()
+        assert not loaded
+        await replica.unloads_done()
+
+    asyncio.run(scenario())
+    replica.assert_not_rejected()
+    assert replica.controller.state.last_error is not None
+    assert "adapter_replace_raced" in str(replica.controller.state.last_error)
+    assert replica.name not in replica.controller.adapters.loaded

@@ -289,7 +289,8 @@ class AdapterSync:
             await self._forget_unless_listed(name)
             c._reject(ckpt, "sglang_rejected", str(exc))
             return False
-        except _ReplaceRaced as exc:  # SGLang serves the old files under the name, as before
+        except _ReplaceRaced as exc:  # the old files under the name, as before (or none: then forgotten)
+            await self._forget_unless_listed(name)
             c.metrics.syncs.labels("failed", "adapter_replace_raced").inc()
             c._error("adapter_replace_raced", str(exc), step=ckpt.step)
             return False
@@ -397,14 +398,20 @@ class AdapterSync:
                 raise _TrialInTheWay("adapter_trial_in_the_way", _trial_stuck(trial, second)) from None
         self._unload_beside(trial, "its files were only tried before they replaced the served ones")
         again: str | None = None
+        refused: SGLangLoadRejected | None = None
         for _ in range(REPLACE_TRIES):
-            await client.unload_lora_adapter(name)
+            try:
+                await client.unload_lora_adapter(name)
+            except SGLangLoadRejected as exc:  # gone already, or its unload failed in SGLang: the load tells
+                refused = exc
+                log.warning("SGLang refused to unload adapter %r before its new files replace it: %s", name, exc)
             try:
                 await client.load_lora_adapter(name, path)
                 return
             except SGLangLoadRejected as exc:
-                if "already loaded" not in str(exc):
+                if not any(words in str(exc) for words in NAME_TAKEN):
                     raise
+                refused = exc
                 again = (await client.loaded_adapters()).get(name)
             if again == path:
                 log.info(
@@ -414,8 +421,9 @@ class AdapterSync:
                 )
                 return
         raise _ReplaceRaced(
-            f"requests kept SGLang loading adapter {name!r} again from {again} while it was replaced"
-            f" ({REPLACE_TRIES} rounds of unload and load); its new files loaded fine: tried again at the next pass"
+            f"SGLang kept the name {name!r} taken while the adapter was replaced ({REPLACE_TRIES} rounds of unload"
+            f" and load; requests loading its old files from {again} again, or an unload SGLang could not finish;"
+            f" last refusal: {refused}); its new files loaded fine: tried again at the next pass"
         )
 
     async def _clear_trial(self, trial: str) -> None:
