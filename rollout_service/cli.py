@@ -93,6 +93,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
     from .checkpoint_format import step_dir_name
     from .model_dir_source import publish_model_dir
 
+    _check_publish_paths(Path(args.model_dir), Path(args.checkpoint_path))
     step_dir = Path(args.checkpoint_path) / step_dir_name(args.step)
     started = time.time()
     try:
@@ -135,6 +136,30 @@ def _cmd_publish(args: argparse.Namespace) -> int:
         seconds=round(result.total_seconds, 3),
     )
     return 0
+
+
+def _check_publish_paths(model_dir: Path, root: Path) -> None:
+    """Refuse (ValueError, before anything is written) a ``--checkpoint-path`` that is
+    ``--model-dir`` or inside it (the step would be written into the model it reads), or that is
+    inside a published step or a materialized model (a folder holding a manifest: readers would
+    see a step inside a step, and a retention pass of the outer root could remove it)."""
+    from .checkpoint_format import MANIFEST_NAME
+    from .checkpoint_paths import is_inside
+
+    if is_inside(root, model_dir):
+        raise ValueError(
+            f"--checkpoint-path {root} is --model-dir {model_dir} or inside it: publish into a checkpoint"
+            " root outside the model directory"
+        )
+    real = Path(os.path.realpath(root))
+    for folder in (real, *real.parents):
+        if os.path.isfile(folder / MANIFEST_NAME):
+            where = "is" if folder == real else "is inside"
+            raise ValueError(
+                f"--checkpoint-path {root} {where} {folder}, which holds a {MANIFEST_NAME} (a published step"
+                " or a materialized model): give the checkpoint root itself, the folder that holds the step-*"
+                " directories"
+            )
 
 
 def _publish_error(exc: OSError, root: Path, model_dir: Path) -> OSError:

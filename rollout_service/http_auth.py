@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlparse
+import ipaddress
+from urllib.parse import urlparse, urlsplit
 
 from .redaction import remember_secret
 
@@ -23,14 +24,20 @@ def check_token(token: str | None, name: str) -> str | None:
     """``token`` when an HTTP header can carry it; else ValueError naming the setting ``name``.
 
     A header is latin-1 on the wire and a bearer token a single word: a token must be printable
-    ASCII without spaces, at most :data:`MAX_TOKEN_CHARS` characters. None or "" (no token) passes.
+    ASCII without spaces, at most :data:`MAX_TOKEN_CHARS` characters. None (no token) passes; ""
+    is refused: an empty ``--token ''`` would silently mean no authentication at all.
     An example file's placeholder (:data:`PLACEHOLDER_PREFIX`) is refused: it is published, so a
     deployment that kept it would guard its endpoints with a token everyone knows.
     """
-    if not token:
+    if token is None:
         return token
     if not isinstance(token, str):
         raise ValueError(f"{name} must be a string, got {type(token).__name__}")
+    if not token:
+        raise ValueError(
+            f"{name} is empty, which would mean no token at all: give a token (e.g. the output of"
+            f" `{GENERATE_TOKEN}`), or leave {name} unset to run without one"
+        )
     if len(token) > MAX_TOKEN_CHARS:
         raise ValueError(f"{name} is {len(token)} characters long; use a token of at most {MAX_TOKEN_CHARS}")
     if token.startswith(PLACEHOLDER_PREFIX):
@@ -59,3 +66,30 @@ def bearer_headers(token: str | None) -> dict[str, str]:
 def is_loopback_url(url: str | None) -> bool:
     """True for a URL whose host is this machine (the server runs here)."""
     return bool(url) and urlparse(url).hostname in LOOPBACK_HOSTS
+
+
+def is_loopback_host(host: str | None) -> bool:
+    """Whether ``host`` (a bind address, or a name from a URL or a Host header, without port or
+    brackets) is this machine only: ``localhost``, ``127.0.0.0/8``, ``::1``."""
+    if not host:
+        return False
+    name = host.lower().removesuffix(".")  # "localhost." is localhost
+    if name in LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def is_loopback_authority(value: str) -> bool:
+    """Whether a Host header's ``value`` (``127.0.0.1:8100``, ``[::1]:8100``, ``localhost``) names
+    this machine only; anything else (another name, user info, a bad port) is not."""
+    if not value or any(c in value for c in "@/?#\\") or any(not "!" <= c <= "~" for c in value):
+        return False
+    try:
+        parts = urlsplit(f"//{value}")
+        parts.port  # noqa: B018 - a port that is no number raises ValueError
+    except ValueError:
+        return False
+    return is_loopback_host(parts.hostname)

@@ -108,3 +108,15 @@ def redact_text(text: str) -> str:
         return f"{match['name']}{match['closing']}{match['sep']}{quote}***{quote}"
 
     return _SECRET_IN_TEXT.sub(hide, text)
+
+
+HIDDEN_QUERY = "?..."
+"""What a logged request target shows of its query string (:func:`shown_request_target`)."""
+
+
+def shown_request_target(target: str) -> str:
+    """A request's path and query (``/sync?token=SECRET``) as an access log may show it: the
+    query string's text replaced by ``?...`` (a client may put a credential there, which the
+    API refuses but the log line would keep), the path through :func:`redact_text`."""
+    path, has_query, _ = target.partition("?")
+    return redact_text(path) + (HIDDEN_QUERY if has_query else "")

@@ -287,7 +287,8 @@ def test_publish_into_a_file_names_checkpoint_path_without_an_errno(capsys, tmp_
     model.mkdir()
     save_file({"a.weight": torch.randn(4, 8)}, str(model / "model.safetensors"))
     (model / "config.json").write_text(json.dumps(CONFIG))
-    into = model / "config.json"
+    into = tmp_path / "a-file"  # outside the model: a root inside --model-dir is refused before any write
+    into.write_text("not a folder")
     rc, err = run(capsys, "publish", "--model-dir", str(model), "--checkpoint-path", str(into), "--step", "1")
     assert rc == 2 and err.startswith(f"error: cannot write --checkpoint-path {into}: File exists"), err
     assert "[Errno" not in err

@@ -55,7 +55,7 @@ def test_status_renders_error_text_that_is_not_unicode(tmp_path: Path) -> None:
     state = app.state.controller.state
     state.last_error = {"reason": "unlisted_file", "message": f"step-00000003/{NOT_UTF8} is not in the manifest"}
     state.rejected = {3: f"unlisted_file: {NOT_UTF8}"}
-    response = TestClient(app).get("/status")
+    response = TestClient(app, base_url="http://127.0.0.1").get("/status")
     assert response.status_code == 200
     body = strict_json(response.content)
     assert body["last_error"]["message"] == "step-00000003/\\udcff.safetensors is not in the manifest"
@@ -65,7 +65,7 @@ def test_status_renders_error_text_that_is_not_unicode(tmp_path: Path) -> None:
 def test_readyz_renders_a_reason_that_is_not_unicode(tmp_path: Path) -> None:
     app = create_app(settings(tmp_path))
     app.state.controller.state.fatal = {"reason": "stage_failed", "message": f"cannot stage {NOT_UTF8}"}
-    response = TestClient(app).get("/readyz")
+    response = TestClient(app, base_url="http://127.0.0.1").get("/readyz")
     assert response.status_code == 503
     assert strict_json(response.content)["reason"] == "stage_failed: cannot stage \\udcff.safetensors"
 
@@ -80,7 +80,7 @@ def test_the_response_class_keeps_valid_text_and_escapes_only_surrogates() -> No
 
 def test_sync_refuses_an_unknown_key_naming_it_and_the_accepted_ones(tmp_path: Path) -> None:
     (tmp_path / "step-00000001").mkdir()
-    client = TestClient(create_app(settings(tmp_path)))
+    client = TestClient(create_app(settings(tmp_path)), base_url="http://127.0.0.1")
     refused = client.post("/sync", json={"checkpont": "step-00000001"})
     assert refused.status_code == 400 and refused.json()["error"] == "bad_request"  # every error names its kind
     detail = refused.json()["detail"]
@@ -95,7 +95,7 @@ def test_sync_names_what_a_step_name_is_when_it_is_no_directory(tmp_path: Path) 
     os.mkfifo(tmp_path / "step-00000002")
     (tmp_path / "step-00000003").write_text("not a checkpoint")
     (tmp_path / "step-00000004").symlink_to(tmp_path / "step-00000004")  # a loop
-    client = TestClient(create_app(settings(tmp_path)))
+    client = TestClient(create_app(settings(tmp_path)), base_url="http://127.0.0.1")
     for step in (2, 3):
         r = client.post("/sync", json={"checkpoint": f"step-0000000{step}"})
         assert r.status_code == 400 and "is not a directory" in r.json()["detail"], r.text
@@ -121,7 +121,9 @@ def test_sync_answers_503_when_the_root_does_not_answer(tmp_path: Path, monkeypa
 
     monkeypatch.setattr(app.state.controller, "request_checkpoint", blocked)
     try:
-        with TestClient(app) as client:  # one event loop for all the requests, as uvicorn runs
+        with TestClient(
+            app, base_url="http://127.0.0.1"
+        ) as client:  # one event loop for all the requests, as uvicorn runs
             r = client.post("/sync", json={"checkpoint": "step-00000001"})
             assert r.status_code == 503 and r.json()["error"] == "root_unresponsive", r.text
             assert client.get("/healthz").status_code == 200
@@ -142,7 +144,7 @@ def test_sync_answers_503_when_the_root_does_not_answer(tmp_path: Path, monkeypa
 def test_wait_that_times_out_names_its_kind_under_error_beside_the_status_body(tmp_path: Path) -> None:
     from rollout_service.protocol import ReplicaReport
 
-    with TestClient(create_app(settings(tmp_path))) as client:
+    with TestClient(create_app(settings(tmp_path)), base_url="http://127.0.0.1") as client:
         r = client.get("/wait?version=1&timeout=0.3")
     assert r.status_code == 504, r.text
     body = r.json()
@@ -156,7 +158,7 @@ def test_wait_that_times_out_names_its_kind_under_error_beside_the_status_body(t
 def test_wait_takes_a_step_in_plain_digits_only(tmp_path: Path, text: str) -> None:
     # Python's int() reads "7_0" as 70 and "\u0667" (Arabic-Indic seven) as 7: a /wait for
     # either would wait for a step the client did not name.
-    with TestClient(create_app(settings(tmp_path))) as client:
+    with TestClient(create_app(settings(tmp_path)), base_url="http://127.0.0.1") as client:
         r = client.get("/wait", params={"version": text, "timeout": "0.2"})
         assert r.status_code == 400 and r.json()["error"] == "bad_request", r.text
         assert "query.version" in r.json()["detail"]
@@ -166,7 +168,7 @@ def test_wait_takes_a_step_in_plain_digits_only(tmp_path: Path, text: str) -> No
 
 @pytest.mark.parametrize("text", ["1_0", "\u0661", "nan", "inf", "-1", "0", "3601", " 1", "0x1"])
 def test_wait_takes_its_timeout_in_plain_decimal_digits_within_its_bound(tmp_path: Path, text: str) -> None:
-    with TestClient(create_app(settings(tmp_path))) as client:
+    with TestClient(create_app(settings(tmp_path)), base_url="http://127.0.0.1") as client:
         r = client.get("/wait", params={"version": "1", "timeout": text})
         assert r.status_code == 400 and r.json()["error"] == "bad_request", r.text
         assert "query.timeout" in r.json()["detail"]
@@ -279,7 +281,7 @@ def test_a_token_no_header_can_carry_is_refused(tmp_path: Path, field: str, flag
 
 def test_a_printable_token_authenticates(tmp_path: Path) -> None:
     token = "A-z_0.9~+/=!#$%&'*^`|" + "x" * 100
-    client = TestClient(create_app(settings(tmp_path, token=token)))
+    client = TestClient(create_app(settings(tmp_path, token=token)), base_url="http://127.0.0.1")
     wrong = client.post("/sync", headers=bearer_headers("wrong"))
     assert wrong.status_code == 401 and wrong.json()["error"] == "unauthorized"
     assert client.post("/sync", headers=bearer_headers(token)).status_code == 202
@@ -322,7 +324,9 @@ def test_a_sync_body_that_stops_coming_is_answered_408(tmp_path: Path, monkeypat
     monkeypatch.setattr(app_module, "BODY_TIMEOUT_S", 1.0)
     app = create_app(settings(tmp_path))
     with served(app, settings(tmp_path)) as port, socket.create_connection(("127.0.0.1", port)) as conn:
-        conn.sendall(b"POST /sync HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n{")
+        conn.sendall(
+            b"POST /sync HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n{"
+        )
         t0 = time.monotonic()
         assert answer_status(conn, 10) == 408
         assert time.monotonic() - t0 < 5
@@ -336,13 +340,13 @@ def test_connections_past_the_limit_are_answered_503(tmp_path: Path, monkeypatch
         time.sleep(0.5)
         try:
             with socket.create_connection(("127.0.0.1", port)) as conn:
-                conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                 assert answer_status(conn, 10) == 503
             for conn in idle:
                 conn.close()
             time.sleep(0.5)
             with socket.create_connection(("127.0.0.1", port)) as conn:
-                conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
                 assert answer_status(conn, 10) == 200
         finally:
             for conn in idle:
@@ -369,7 +373,7 @@ def test_connections_that_send_no_request_head_in_time_are_closed(
         silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
         dripping = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
         for conn in dripping:
-            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         try:
             deadline = time.monotonic() + 30
             while True:
@@ -377,7 +381,7 @@ def test_connections_that_send_no_request_head_in_time_are_closed(
                     with contextlib.suppress(OSError):
                         conn.sendall(b"X-Slow: 1\r\n")
                 with socket.create_connection(("127.0.0.1", port)) as conn:
-                    conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    conn.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
                     if answer_status(conn, 10) == 200:
                         break
                 assert time.monotonic() < deadline, "connections that send no request kept every slot"
@@ -390,7 +394,7 @@ def test_connections_that_send_no_request_head_in_time_are_closed(
 
 def request_on(conn: socket.socket, path: str) -> int:
     """One request on a kept-alive connection; its status once the whole answer is read."""
-    conn.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    conn.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
     conn.settimeout(30)
     data = b""
     while b"\r\n\r\n" not in data:

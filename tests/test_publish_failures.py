@@ -228,7 +228,7 @@ def test_unreadable_acks_skip_pruning_but_not_the_sync(tmp_path: Path, monkeypat
     def acks_unreadable(*args: Any, **kwargs: Any) -> dict:
         raise OSError(errno.EIO, "Input/output error", str(root / "acks"))
 
-    monkeypatch.setattr(checkpoint_publisher, "read_acks", acks_unreadable)
+    monkeypatch.setattr(checkpoint_publisher, "list_acks", acks_unreadable)
     with caplog.at_level(logging.WARNING):
         record = pub.publish_and_wait(2, [("w", torch.full((8,), 2.0))])
     assert record.version == 2 and pub.confirmed_version == 2

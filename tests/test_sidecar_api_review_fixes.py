@@ -194,7 +194,7 @@ def test_sglang_back_on_other_weights_makes_the_replica_unready_at_once(tmp_path
 def test_status_over_http_is_small_after_a_huge_rejection(tmp_path: Path) -> None:
     app = create_app(settings(tmp_path))
     app.state.controller._error("extra_tensor", "n" * 1_000_000, step=2)
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:
         assert len(client.get("/status").content) < 8192
 
 
@@ -233,7 +233,7 @@ def test_last_sync_metrics_describe_the_last_sync_alone(tmp_path: Path) -> None:
         finished_at=time.time(),
         kind="full",
     )  # fmt: skip  (a step loaded before: no publish latencies; no stage: no bytes counted)
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:
         controller._record_sync(_Manifest(), first)
         lines = _metric_lines(client)
         assert 'rollout_sidecar_last_sync_seconds{phase="detect"} 0.4' in lines
@@ -271,14 +271,14 @@ def test_detection_latency_and_adapter_bytes_come_from_the_loaded_syncs_record(t
     ],
 )
 def test_an_unknown_query_parameter_is_refused_naming_it(tmp_path: Path, method: str, url: str, named: str) -> None:
-    with TestClient(create_app(settings(tmp_path))) as client:
+    with TestClient(create_app(settings(tmp_path)), base_url="http://127.0.0.1") as client:
         r = client.request(method, url)
     assert r.status_code == 400, r.text
     assert r.json()["error"] == "bad_request" and named in r.json()["detail"]
 
 
 def test_known_query_parameters_still_work(tmp_path: Path) -> None:
-    with TestClient(create_app(settings(tmp_path))) as client:
+    with TestClient(create_app(settings(tmp_path)), base_url="http://127.0.0.1") as client:
         r = client.get("/wait?version=1&timeout=0.2&run=abc")
     assert r.status_code == 504 and r.json()["error"] == "wait_timeout"
 
@@ -301,7 +301,7 @@ def test_a_sync_lookup_answers_within_its_bound_when_every_thread_is_busy(
 
     async def scenario() -> list[int]:
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://sidecar") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
             posts = [client.post("/sync", json={"checkpoint": f"step-{i:08d}"}) for i in range(1, 10)]
             return [r.status_code for r in await asyncio.gather(*posts)]
 

@@ -198,7 +198,7 @@ def test_wait_names_the_rejection_of_the_step_waited_for_whatever_else_was_rejec
         controller.state.rejected[step] = "missing_manifest"
     controller.state.rejected[5] = "digest_mismatch"
     controller._rejected_at[5] = controller_module._publication_identity(path)
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:
         answer = client.get("/wait?version=5&timeout=2")
     assert answer.status_code == 504 and answer.json()["error"] == "checkpoint_rejected"
     assert answer.json()["rejected"]["5"] == "digest_mismatch"

@@ -314,9 +314,12 @@ def test_sync_api_bounds_bodies_and_answers_bad_input_with_400(sidecar_factory, 
     )
     assert r.status_code == 413 and b"yyyy" not in r.content
     assert proc.memory_info().rss - rss_before < 50 << 20, "a large body must not be buffered"
+    as_json = {**auth, "content-type": "application/json"}
     for body in (b"{not json", b"[1, 2]", b"\xff\xfe", b'{"checkpoint": 5}', b"[" * 3000):
-        r = httpx.post(f"{sidecar.url}/sync", content=body, headers=auth, timeout=30)
+        r = httpx.post(f"{sidecar.url}/sync", content=body, headers=as_json, timeout=30)
         assert r.status_code == 400, (body[:20], r.status_code, r.text)
+    r = httpx.post(f"{sidecar.url}/sync", content=b'{"checkpoint": "step-00000001"}', headers=auth, timeout=30)
+    assert r.status_code == 415, (r.status_code, r.text)  # a body not sent as JSON (a browser's text/plain)
     outside = tmp_path / "secret-place"
     outside.mkdir()
     (checkpoint_root / "step-00000004").symlink_to(outside)

@@ -200,7 +200,7 @@ def _sidecar_app(tmp: Path) -> tuple[Path, Any]:
 def test_a_wait_a_look_at_the_root_ended_early_names_why(tmp_path: Path) -> None:
     root, app = _sidecar_app(tmp_path)
     c = app.state.controller
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:
         publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
         assert client.get("/wait", params={"version": 1, "timeout": 30, "run": RUN}).status_code == 200
 

@@ -142,7 +142,7 @@ def test_with_no_inotify_instance_left_the_sidecar_polls_and_says_so(tmp_path):
             assert wait_for(seen, "created:step-00000001", timeout_s=5.0), seen
         finally:
             watcher.stop()
-        with TestClient(create_app(settings)) as client:  # starts the app's own watcher
+        with TestClient(create_app(settings), base_url="http://127.0.0.1") as client:  # starts the app's own watcher
             assert client.get("/status").json()["watch_mode"].startswith("polling (inotify:")
 
 

@@ -13,7 +13,8 @@ import json
 import logging
 import re
 import socket
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
@@ -25,8 +26,10 @@ from pydantic import BeforeValidator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..checkpoint_format import RUN_ID_RE, CheckpointError
+from ..http_auth import is_loopback_authority, is_loopback_host
 from ..http_urls import url_host
 from ..number_text import STEP_PATTERN, digits_value, plain_seconds
+from ..redaction import shown_request_target
 from .controller import SyncController
 from .root_gate import RootGate, RootUnresponsive
 from .settings import SidecarSettings, warn_unguarded_listeners
@@ -38,9 +41,12 @@ MAX_WAIT_S = 3600.0
 HTTP_ERRORS = {
     400: "bad_request",
     401: "unauthorized",
+    403: "forbidden",
     404: "not_found",
     405: "method_not_allowed",
     413: "body_too_large",
+    415: "unsupported_media_type",
+    421: "misdirected_request",
 }
 """Every error answer names its kind under ``error`` (the others: ``path_escape``, ``root_unresponsive``...)."""
 MAX_WAITERS = 256
@@ -64,6 +70,12 @@ MAX_SYNC_BODY_BYTES = 4096
 larger bodies are refused before they are read."""
 SYNC_BODY_KEYS = ("checkpoint",)
 """The keys a ``POST /sync`` body may have; any other (a typo) is refused."""
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+"""Methods that change nothing; any other (``POST /sync``) is a mutating request."""
+BODY_MEDIA_TYPE = "application/json"
+"""The Content-Type a ``POST /sync`` body must have: a browser sends a cross-site body of this type
+only after a CORS preflight, which the sidecar does not answer (a ``text/plain`` one it sends
+without asking)."""
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -105,7 +117,7 @@ def create_app(settings: SidecarSettings) -> FastAPI:
     app = FastAPI(
         title="rollout-service sidecar",
         lifespan=lifespan,
-        dependencies=[Depends(_known_query)],
+        dependencies=[Depends(_same_site_guard(settings)), Depends(_known_query)],
         docs_url=None,  # its page loads scripts from a CDN; /openapi.json describes the API
         redoc_url=None,
         description="Loads each new checkpoint from shared storage into SGLang.",
@@ -225,7 +237,10 @@ def create_app(settings: SidecarSettings) -> FastAPI:
 
     @app.post("/sync", dependencies=[Depends(require_token)])
     async def sync(request: Request) -> JSONResponse:
-        checkpoint = _requested_checkpoint(await _bounded_body(request, MAX_SYNC_BODY_BYTES))
+        raw = await _bounded_body(request, MAX_SYNC_BODY_BYTES)
+        if raw:
+            _require_json_body(request)
+        checkpoint = _requested_checkpoint(raw)
         if checkpoint is None:
             controller.notify("api")
             return SafeJSONResponse({"triggered": True}, status_code=202)
@@ -257,18 +272,87 @@ def create_app(settings: SidecarSettings) -> FastAPI:
     return app
 
 
+def _same_site_guard(settings: SidecarSettings) -> Callable[[Request], None]:
+    """The check every request passes first: what a web page a browser shows cannot do.
+
+    - Bound to a loopback address, the sidecar answers only requests whose ``Host`` names this
+      machine (``localhost``, ``127.0.0.0/8``, ``::1``, any port): a page of a name that its DNS
+      later points at 127.0.0.1 (DNS rebinding) is the same origin for the browser, which then
+      lets it read ``/status`` (421).
+    - Without a token, a mutating request (``POST /sync``) that carries ``Origin`` is refused
+      (403): browsers send that header with a page's cross-site requests, which need no CORS
+      preflight for an empty or form body; the trainer's client sends none.
+    """
+    loopback_only = is_loopback_host(settings.host)
+
+    def guard(request: Request) -> None:
+        host = request.headers.get("host")
+        if loopback_only and host is not None and not is_loopback_authority(host):
+            raise HTTPException(
+                status_code=421,
+                detail=f"Host {host[:100]!r} is not this machine: bound to the loopback address {settings.host},"
+                " the sidecar answers only loopback names (localhost, 127.0.0.1, [::1]); to serve other names,"
+                " bind it to an address they reach (--host) and set --token",
+            )
+        if not settings.token and request.method not in SAFE_METHODS and "origin" in request.headers:
+            raise HTTPException(
+                status_code=403,
+                detail="this request carries an Origin header (a browser's cross-site request): browsers'"
+                " cross-site requests are not served without a token; send it without Origin, or set --token",
+            )
+
+    return guard
+
+
 def _known_query(request: Request) -> None:
     """Refuse (400) a query parameter the route does not declare: a misspelt one (``timout=5``)
-    would otherwise be ignored without a word, and the request do something else than asked."""
+    would otherwise be ignored without a word, and the request do something else than asked;
+    and one given more than once (``version=1&version=2``: only the last would count)."""
     route = request.scope.get("route")
     allowed = [p.alias for p in route.dependant.query_params] if isinstance(route, APIRoute) else []
-    unknown = sorted(set(request.query_params.keys()) - set(allowed))
+    given = Counter(name for name, _ in request.query_params.multi_items())
+    unknown = sorted(set(given) - set(allowed))
     if unknown:
         named = ", ".join(repr(name[:64]) for name in unknown[:5])
         takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
         raise HTTPException(
             status_code=400, detail=f"unknown query parameter(s) for {request.url.path[:200]}: {named}; {takes}"
         )
+    repeated = sorted(name for name, count in given.items() if count > 1)
+    if repeated:
+        named = ", ".join(repr(name[:64]) for name in repeated[:5])
+        raise HTTPException(
+            status_code=400,
+            detail=f"query parameter(s) given more than once for {request.url.path[:200]}: {named}; give each once",
+        )
+
+
+def _require_json_body(request: Request) -> None:
+    """Refuse (415) a body whose Content-Type is not :data:`BODY_MEDIA_TYPE` (any parameters,
+    such as ``charset``, allowed)."""
+    given = request.headers.get("content-type")
+    if given is None or given.split(";", 1)[0].strip().lower() != BODY_MEDIA_TYPE:
+        got = "none" if given is None else repr(given[:100])
+        raise HTTPException(
+            status_code=415,
+            detail=f"a request body must be sent as Content-Type: {BODY_MEDIA_TYPE} (got {got}),"
+            ' e.g. {"checkpoint": "step-00000003"}; or send no body to load the newest step',
+        )
+
+
+class _RepeatedKey(Exception):
+    """A JSON object names one key twice (:func:`_unique_keys`)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook``: the object, or :class:`_RepeatedKey` for a key given
+    twice (JSON takes the last one without a word)."""
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _RepeatedKey(key)
+        found[key] = value
+    return found
 
 
 def _requested_checkpoint(raw: bytes) -> str | None:
@@ -277,7 +361,11 @@ def _requested_checkpoint(raw: bytes) -> str | None:
         return None
     example = 'e.g. {"checkpoint": "step-00000003"}'
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except _RepeatedKey as exc:
+        raise HTTPException(
+            status_code=400, detail=f"the key {str(exc)[:64]!r} is given more than once in the body; give each key once"
+        ) from None
     except (ValueError, RecursionError):
         raise HTTPException(status_code=400, detail=f"body must be JSON, {example}") from None
     if not isinstance(data, dict):
@@ -367,7 +455,7 @@ def uvicorn_config(app: FastAPI, settings: SidecarSettings) -> Any:
 
     from .request_heads import HeadTimeoutH11Protocol
 
-    return uvicorn.Config(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -376,3 +464,23 @@ def uvicorn_config(app: FastAPI, settings: SidecarSettings) -> Any:
         limit_concurrency=MAX_CONNECTIONS,
         http=HeadTimeoutH11Protocol,  # a connection that sends no request head is closed in time
     )
+    access_log = logging.getLogger(ACCESS_LOGGER)  # configured by the Config just made: filter it now
+    if not any(isinstance(f, AccessLogQueryFilter) for f in access_log.filters):
+        access_log.addFilter(AccessLogQueryFilter())
+    return config
+
+
+ACCESS_LOGGER = "uvicorn.access"
+"""uvicorn's access log: one line per request, ``client - "METHOD target HTTP/1.1" status``."""
+
+
+class AccessLogQueryFilter(logging.Filter):
+    """Shows no query string's text in uvicorn's access log (``POST /sync?...`` for
+    ``POST /sync?token=SECRET``: the API refuses such a request, but the line would keep the
+    secret); method, path and status stay."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            record.args = (*args[:2], shown_request_target(args[2]), *args[3:])
+        return True
