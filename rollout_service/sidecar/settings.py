@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
 import re
@@ -14,7 +13,7 @@ from pathlib import Path
 
 from ..checkpoint_paths import is_inside
 from ..cli_env import TIMEOUT_S, bounds_metadata, check_bounds, setting
-from ..http_auth import LOOPBACK_HOSTS, check_token
+from ..http_auth import check_token, is_loopback_host
 from ..http_urls import check_bind_host, check_http_url
 from ..protocol import ACK_INTERVAL_S, REPLICA_ID_PATTERN
 from ..user_paths import setting_path
@@ -270,12 +269,12 @@ def unguarded_listeners(settings: SidecarSettings, sglang_host: str | None = Non
     it starts SGLang on), SGLang on one without an API key. One warning each, for
     :func:`warn_unguarded_listeners`; none where the deploy files' secrets are set (variables too)."""
     found = []
-    if not _loopback(settings.host) and not settings.token:
+    if not is_loopback_host(settings.host) and not settings.token:
         found.append(
             f"the sidecar listens on {settings.host} without a token: anyone who can reach it can trigger"
             " syncs. Set --token (or ROLLOUT_TOKEN)."
         )
-    if sglang_host is not None and not _loopback(sglang_host) and not settings.sglang_api_key:
+    if sglang_host is not None and not is_loopback_host(sglang_host) and not settings.sglang_api_key:
         found.append(
             f"SGLang listens on {sglang_host} without an API key: anyone who can reach it can generate and"
             " POST /update_weights_from_disk with any path, past the sidecar's checks. Set --sglang-api-key"
@@ -289,14 +288,6 @@ def warn_unguarded_listeners(settings: SidecarSettings, sglang_host: str | None 
     (:func:`unguarded_listeners`): started anyway, as a trusted network may intend."""
     for message in unguarded_listeners(settings, sglang_host):
         log.warning("%s", message)
-
-
-def _loopback(host: str) -> bool:
-    """Whether ``host`` is this machine only (``localhost``, ``127.0.0.0/8``, ``::1``)."""
-    try:
-        return host in LOOPBACK_HOSTS or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 SHARED_FOLDERS = ("/", "/tmp", "/var/tmp", "/dev/shm")
