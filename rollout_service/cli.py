@@ -45,7 +45,7 @@ from .cli_env import (
 from .http_urls import bindable_port, listening_sockets
 from .lora_serving import DEFAULT_MAX_RANK, DEFAULT_TARGET_MODULES, add_lora_flags, lora_from_args, module_list
 from .publish_dtypes import PUBLISHABLE_DTYPES, publishable_dtype_argument
-from .serve import RestartPolicy, run_serve
+from .serve import STOP_SIGNALS, RestartPolicy, run_serve
 from .sglang_launcher import API_KEY_OPTIONS, SGLangServer, SGLangServerConfig, flag_value, free_port, server_url
 from .sidecar.root_gate import answered_within
 from .sidecar.settings import SidecarSettings
@@ -535,11 +535,11 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     """``serve``: every setting checked before anything is made or started, then `run_serve`.
 
-    SIGTERM and SIGINT are handled from here on, not only once `run_serve` installs its handlers:
-    the set-up can take minutes (``--device auto`` asks torch in a child process whether it sees
-    CUDA), and a signal then stops ``serve`` with exit code 0 too, the probe child killed and the
-    checkpoint root it made removed."""
-    previous = _handle_signals(signal.SIGTERM, signal.SIGINT)
+    SIGTERM, SIGINT and SIGHUP (`serve.STOP_SIGNALS`) are handled from here on, not only once
+    `run_serve` installs its handlers: the set-up can take minutes (``--device auto`` asks torch
+    in a child process whether it sees CUDA), and a signal then stops ``serve`` with exit code 0
+    too, the probe child killed and the checkpoint root it made removed."""
+    previous = _handle_signals(*STOP_SIGNALS)
     try:
         try:
             server, settings, policy, listeners = _serve_setup(args)

@@ -96,17 +96,8 @@ LISTEN_BACKLOG = 2048
 """Connections the kernel queues for a held listener (uvicorn's own default backlog)."""
 
 
-def listening_sockets(host: str, port: int, what: str) -> list[socket.socket]:
-    """Sockets listening on ``port`` at every address ``host`` resolves to, bound the way asyncio's
-    servers (uvicorn) bind them; port 0: one the OS picks, on the first address only.
-
-    A server that is handed these (``uvicorn.Server.run(sockets=...)``) owns its port from this
-    check on: nothing started meanwhile can take it. ``serve`` checked a free sidecar port and bound
-    it only after SGLang's start-up, and SGLang's own ports (picked by the OS during that start-up)
-    once took it. Until the server runs, a client's connection waits in the kernel's queue. The
-    sockets are not inherited by child processes (SGLang). A ``ValueError`` naming ``what`` (the
-    settings that gave them) when nothing can listen there: a name that does not resolve, another
-    machine's address, a port in use."""
+def _listen(host: str, port: int) -> list[socket.socket]:
+    """`listening_sockets` without its messages: the ``OSError`` of the bind that failed."""
     held: list[socket.socket] = []
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -128,9 +119,26 @@ def listening_sockets(host: str, port: int, what: str) -> list[socket.socket]:
         if not held:
             raise OSError(errno.EADDRNOTAVAIL, "no address of this machine")
         return held
-    except OSError as exc:
+    except BaseException:
         for sock in held:
             sock.close()
+        raise
+
+
+def listening_sockets(host: str, port: int, what: str) -> list[socket.socket]:
+    """Sockets listening on ``port`` at every address ``host`` resolves to, bound the way asyncio's
+    servers (uvicorn) bind them; port 0: one the OS picks, on the first address only.
+
+    A server that is handed these (``uvicorn.Server.run(sockets=...)``) owns its port from this
+    check on: nothing started meanwhile can take it. ``serve`` checked a free sidecar port and bound
+    it only after SGLang's start-up, and SGLang's own ports (picked by the OS during that start-up)
+    once took it. Until the server runs, a client's connection waits in the kernel's queue. The
+    sockets are not inherited by child processes (SGLang). A ``ValueError`` naming ``what`` (the
+    settings that gave them) when nothing can listen there: a name that does not resolve, another
+    machine's address, a port in use."""
+    try:
+        return _listen(host, port)
+    except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise ValueError(f"{what}: port {port} on {host} is in use by another process; pick another port") from None
         raise ValueError(
@@ -149,3 +157,16 @@ def bindable_port(host: str, port: int, what: str) -> int:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether a server could not listen on ``host:port`` now because another socket holds the port
+    (``EADDRINUSE``, as :func:`listening_sockets` binds: TIME_WAIT is no conflict). Any other
+    failure (an address not of this machine) is not this function's to report: False."""
+    try:
+        sockets = _listen(host, port)
+    except OSError as exc:
+        return exc.errno == errno.EADDRINUSE
+    for sock in sockets:
+        sock.close()
+    return False

@@ -33,6 +33,12 @@ LOG_TAIL_BYTES = 256 * 1024
 """The most of a log's end any reader takes (its last lines, the last error in it)."""
 PROGRESS_EVERY_S = 10.0
 POLL_S = 0.5
+PROGRESS_CAP_FACTOR = 3.0
+"""`ProcessGroup.wait_http` waits past its timeout while the log shows progress, but never longer
+than this many times the timeout in all: a process that logs forever and never answers (a hung
+rendezvous that keeps printing that it waits) ends the wait too."""
+PROC_SCAN_S = 2.0
+"""The most time one look through ``/proc`` for the holders of a socket takes (`port_listeners`)."""
 
 
 class ProcessStartError(RuntimeError):
@@ -185,6 +191,123 @@ def descendant_groups(pid: int) -> set[int]:
         todo.extend(children.get(current, []))
     found.discard(groups.get(pid, pid))
     return found
+
+
+_TCP_LISTEN = "0A"
+"""A listening socket's state in ``/proc/net/tcp`` (``TCP_LISTEN``)."""
+
+
+def listening_inodes(port: int) -> set[int] | None:
+    """The inodes of the TCP sockets (IPv4 and IPv6) listening on ``port`` in this network
+    namespace, from ``/proc/net/tcp`` and ``/proc/net/tcp6``; None when neither can be read (not
+    Linux, no ``/proc``)."""
+    found: set[int] = set()
+    readable = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, "rb") as f:
+                lines = f.read().decode("ascii", errors="replace").splitlines()[1:]
+        except OSError:
+            continue
+        readable = True
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != _TCP_LISTEN:
+                continue
+            _address, _sep, hex_port = fields[1].rpartition(":")
+            try:
+                if int(hex_port, 16) == port and int(fields[9]) != 0:
+                    found.add(int(fields[9]))
+            except ValueError:
+                continue
+    return found if readable else None
+
+
+def socket_inodes(pid: int) -> set[int] | None:
+    """The inodes of the sockets process ``pid`` holds (its ``/proc/<pid>/fd`` links that read
+    ``socket:[N]``); empty when it is gone, None when its descriptors cannot be read (another
+    user's process)."""
+    found: set[int] = set()
+    try:
+        entries = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return found
+    except OSError:
+        return None
+    for name in entries:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:  # closed meanwhile, or the process ended
+            continue
+        if target.startswith("socket:[") and target.endswith("]"):
+            try:
+                found.add(int(target[8:-1]))
+            except ValueError:
+                continue
+    return found
+
+
+def port_listeners(port: int, exclude: set[int] | frozenset[int] = frozenset()) -> list[int] | None:
+    """The processes (pids, ``exclude`` left out) that hold a socket listening on TCP ``port``,
+    from ``/proc``; None when ``/proc`` cannot tell. The look takes at most `PROC_SCAN_S`: the
+    processes not looked at by then are not listed."""
+    inodes = listening_inodes(port)
+    if not inodes:
+        return None
+    try:
+        entries = [name for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return None
+    deadline = time.monotonic() + PROC_SCAN_S
+    found = []
+    for name in entries:
+        if time.monotonic() > deadline:
+            break
+        pid = int(name)
+        if pid not in exclude and (socket_inodes(pid) or set()) & inodes:
+            found.append(pid)
+    return found
+
+
+def describe_pids(pids: Sequence[int] | None) -> str:
+    """``pid 123 (python3)`` for each of ``pids``; "pid not known" when there are none."""
+    if not pids:
+        return "pid not known"
+    shown = []
+    for pid in list(pids)[:4]:
+        try:
+            with open(f"/proc/{pid}/comm", "rb") as f:
+                name = f.read().decode("utf-8", errors="replace").strip()
+        except OSError:
+            name = ""
+        shown.append(f"pid {pid}" + (f" ({name})" if name else ""))
+    return ", ".join(shown) + (f" and {len(pids) - 4} more" if len(pids) > 4 else "")
+
+
+LOG_ROTATE_BYTES = 64 * 1024 * 1024
+"""A log past this size is moved to ``<log>.1`` when its process is (re)started (`rotate_log`)."""
+
+
+def rotate_log(path: str | os.PathLike[str], max_bytes: int = LOG_ROTATE_BYTES) -> Path | None:
+    """Move the log ``path`` to ``<path>.1`` (replacing an older one) when it is a regular file of
+    more than ``max_bytes``; returns where it went, or None when it stays (small, missing, or not a
+    regular file: a FIFO, and any link, is never moved: renaming ``/dev/stdout`` would move the
+    link, not the file it names). A log that cannot be moved stays, with a warning: the process
+    still starts, appending to it."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or info.st_size <= max_bytes:
+        return None
+    older = Path(f"{os.fspath(path)}.1")
+    try:
+        os.replace(path, older)
+    except OSError as exc:
+        logger.warning("could not move the log %s (%.0f MiB) to %s: %s", path, info.st_size / 2**20, older, exc)
+        return None
+    logger.info("moved the log %s (%.0f MiB) to %s; a new one starts", path, info.st_size / 2**20, older)
+    return older
 
 
 def log_end(path: str | os.PathLike[str], max_bytes: int = LOG_TAIL_BYTES) -> str:
@@ -352,6 +475,9 @@ class ProcessGroup:
         """Processes seen in this run's groups while they were provably its own: pid -> start ticks."""
         self._other_groups: set[int] = set()
         """Process groups that descendants started of their own, seen while the leader ran."""
+        self.stranger: str | None = None
+        """Set by `wait_http` with ``listen_port`` when another process than this run's answered
+        there (``pid 123 (python3)``): it holds the port. Reset by `start()`."""
 
     @property
     def pid(self) -> int | None:
@@ -383,7 +509,7 @@ class ProcessGroup:
             )
         finally:
             os.close(log)
-        self._known, self._other_groups = {}, set()
+        self._known, self._other_groups, self.stranger = {}, set(), None
 
     def is_running(self) -> bool:
         """True while the main process has not exited."""
@@ -441,6 +567,67 @@ class ProcessGroup:
             return False
         return True
 
+    def member_pids(self) -> set[int] | None:
+        """The live (not zombie) processes of this run's groups: the leader's, those descendants
+        started of their own; None when ``/proc`` cannot be listed."""
+        if self.process is None:
+            return set()
+        groups = {self.process.pid, *self._other_groups}
+        running = self.process.returncode is None  # not reaped: its group id and descendants are its own
+        if running:
+            groups |= descendant_groups(self.process.pid)
+        members = _group_processes(groups)
+        if members is None:
+            return None
+        return {
+            pid
+            for pid, _ppid, state, _group, started in members
+            if state != "Z" and (running or self._known.get(pid) == started)
+        }
+
+    def listens_on(self, port: int) -> bool | None:
+        """Whether a process of this run (`member_pids`) holds a socket listening on TCP ``port``;
+        None when ``/proc`` cannot tell (not Linux, ``/proc/net/tcp`` unreadable or listing no
+        listener on the port, this run's descriptors unreadable)."""
+        inodes = listening_inodes(port)
+        if not inodes:
+            return None
+        pids = self.member_pids()
+        if pids is None:
+            return None
+        unknown = False
+        for pid in pids:
+            held = socket_inodes(pid)
+            if held is None:
+                unknown = True
+            elif held & inodes:
+                return True
+        return None if unknown else False
+
+    def _answered_by_us(self, url: str, port: int) -> bool:
+        """Whether the answer just read from ``url`` came from this run: a process of it listens on
+        ``port`` (`listens_on`). When ``/proc`` cannot tell, the answer is taken (as before this
+        check existed). Another process's answer sets `stranger` and is logged once."""
+        ours = self.listens_on(port)
+        if ours is None:
+            logger.debug("cannot tell from /proc which process listens on port %d: taking the answer of %s", port, url)
+            return True
+        if ours:
+            return True
+        if self.stranger is None:
+            self.stranger = describe_pids(port_listeners(port, exclude=self.member_pids() or set()))
+            logger.warning(
+                "%s answered, but port %d is held by another process (%s), not by %s (process group %s):"
+                " not taken for %s's answer; waiting",
+                url,
+                port,
+                self.stranger,
+                self.name,
+                self.pid,
+                self.name,
+            )
+        return False
+
     def send_signal(self, sig: int) -> None:
         """Send ``sig`` to the process group, if it is still this run's (`_owns`)."""
         if self.process is not None:
@@ -461,12 +648,19 @@ class ProcessGroup:
         timeout_hint: str = "a slow machine may need a larger timeout",
         request_timeout_s: float = 5.0,
         failed: Callable[[httpx.Client], str | None] | None = None,
+        listen_port: int | None = None,
     ) -> float:
         """Block until GET `url` answers `status`; returns the seconds waited.
 
         With `progress_grace_s`, the wait goes on past `timeout_s` for as long as the log (and
         `progress_logs`) keeps growing (a first start that downloads a model or compiles kernels
-        prints progress) and ends once they have been silent for `progress_grace_s`.
+        prints progress) and ends once they have been silent for `progress_grace_s`, or at the
+        latest `PROGRESS_CAP_FACTOR` (3) times `timeout_s` after it began, however much is logged.
+
+        With `listen_port` (the port of `url`), an answer counts only when the socket listening on
+        that port belongs to a process of this run (`listens_on`): another process that took the
+        port (a second server started with the same port) is not taken for this one, and the wait
+        goes on (`stranger` names it). Where ``/proc`` cannot tell, any answer counts.
 
         `failed` is asked on every poll whether the process reported that it cannot become
         ready (e.g. a sidecar's fatal error in `/status`); a message ends the wait at once.
@@ -481,6 +675,7 @@ class ProcessGroup:
             raise RuntimeError(f"wait_http() called before start() of {self.name}")
         logs = [self.log_path, *progress_logs]
         started = time.monotonic()
+        cap_s = PROGRESS_CAP_FACTOR * timeout_s
         next_report = started + PROGRESS_EVERY_S
         size, last_growth = _total_size(logs), started
         with httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=min(2.0, request_timeout_s))) as client:
@@ -492,11 +687,12 @@ class ProcessGroup:
                         f" last log lines:\n{self.log_tail()}"
                     )
                 try:
-                    if client.get(url).status_code == status:
+                    answered = client.get(url).status_code == status
+                    if answered and (listen_port is None or self._answered_by_us(url, listen_port)):
                         waited = time.monotonic() - started
                         logger.info("%s answered at %s after %.0f s", self.name, url, waited)
                         return waited
-                    why = failed(client) if failed is not None else None
+                    why = failed(client) if failed is not None and not answered else None
                 except httpx.HTTPError:
                     why = None
                 if why:
@@ -509,12 +705,17 @@ class ProcessGroup:
                 if current != size:
                     size, last_growth = current, now
                 if now - started > timeout_s:
-                    if progress_grace_s is None or now - last_growth >= progress_grace_s:
-                        silent = (
-                            f" and its log {self.log_path} showed no progress for {now - last_growth:.0f} s"
-                            if progress_grace_s is not None
-                            else ""
-                        )
+                    capped = now - started >= cap_s
+                    if progress_grace_s is None or now - last_growth >= progress_grace_s or capped:
+                        if progress_grace_s is None:
+                            silent = ""
+                        elif now - last_growth >= progress_grace_s:
+                            silent = f" and its log {self.log_path} showed no progress for {now - last_growth:.0f} s"
+                        else:
+                            silent = (
+                                f" nor within {cap_s:.0f} s ({PROGRESS_CAP_FACTOR:.0f} times that), the most a start"
+                                f" may take while its log {self.log_path} keeps growing"
+                            )
                         raise StartTimeoutError(
                             f"{url} did not answer within {timeout_s:.0f} s{silent} ({self.name}, process"
                             f" {self.pid} still running; log {self.log_path}); {timeout_hint}."
@@ -523,11 +724,12 @@ class ProcessGroup:
                     if now >= next_report:
                         logger.info(
                             "%s at %s is still starting after %.0f s (past the %.0f s timeout) and its"
-                            " log shows progress; waiting",
+                            " log shows progress; waiting (at most %.0f s in all)",
                             self.name,
                             url,
                             now - started,
                             timeout_s,
+                            cap_s,
                         )
                         next_report = now + PROGRESS_EVERY_S
                 elif now >= next_report:

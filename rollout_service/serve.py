@@ -3,8 +3,8 @@
 The counterpart of ``trl vllm-serve``. SGLang runs as a child process group; a
 supervisor thread restarts it when it dies (with exponential back-off) and the
 sidecar, seeing the server come back with its base weights, re-applies the newest
-checkpoint before reporting ready again. Ctrl-C or SIGTERM stops the sidecar and
-the whole SGLang process group.
+checkpoint before reporting ready again. Ctrl-C, SIGTERM or SIGHUP (a closed terminal or
+SSH session) stops the sidecar and the whole SGLang process group.
 
 Restarts are budgeted as systemd's ``StartLimitBurst``/``StartLimitIntervalSec`` do: at
 most ``max_restarts`` within any ``restart_window_s`` seconds, not counting the time the
@@ -18,16 +18,19 @@ up to say why: ``/readyz`` answers 503 with ``fatal`` (reason ``restart_budget_s
 SGLang's last log lines) and ``/status`` shows the same in ``fatal``. SIGTERM then exits
 with code 3.
 
-Exit codes: 0 after SIGTERM or SIGINT (also during SGLang's first start), 2 when SGLang does not
-start, 3 after the restart budget was spent, 4 when the sidecar's HTTP server cannot start (its
-port cannot be bound, or its start-up failed). The CLI binds the sidecar's port before SGLang starts
-and hands the listening sockets to the HTTP server, so SGLang's start-up cannot take it.
+Exit codes: 0 after SIGTERM, SIGINT or SIGHUP (also during SGLang's first start), 2 when a setting
+is refused (the CLI's ``error: ...``: among them a sidecar port or SGLang port in use, found when
+the settings are checked, before SGLang starts) or SGLang does not start, 3 after the restart
+budget was spent, 4 when the sidecar's HTTP server cannot start once SGLang is up (its start-up
+failed). The CLI binds the sidecar's port when it checks it and hands the listening sockets to the
+HTTP server, so SGLang's start-up cannot take it.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import re
 import signal
 import socket
 import threading
@@ -50,9 +53,12 @@ supervised, so the sidecar reports it as after a spent budget (/readyz 503, `fat
 silently on."""
 STARTUP_HINT = "raise `serve --startup-timeout` (ROLLOUT_STARTUP_TIMEOUT)"
 EXIT_SIDECAR_FAILED = 4
-"""``serve``'s exit code when the sidecar's HTTP server cannot start (uvicorn exits 3 for that,
-which is ``serve``'s code for a spent restart budget)."""
+"""``serve``'s exit code when the sidecar's HTTP server cannot start once SGLang is up (uvicorn exits
+3 for that, which is ``serve``'s code for a spent restart budget). A port in use is not among the
+causes when the CLI runs ``serve``: it binds the port when it checks the settings (exit 2)."""
 SHUTDOWN_JOIN_S = 60.0
+_LOG_LINES = re.compile(r"[;.]?\s*last log lines:\n", re.IGNORECASE)
+"""Where a start error's quote of SGLang's log begins."""
 
 
 @dataclass
@@ -64,8 +70,10 @@ class RestartPolicy:
     at most ``max_restarts`` failed restarts in a row (`record_failure`); back-off doubles from
     ``backoff_s`` up to ``max_backoff_s`` and resets after a successful restart. Each start waits
     ``startup_timeout_s`` for ``/health``, longer while the log shows progress (until it has been
-    silent for ``progress_grace_s``). The fields declared with ``setting`` are ``serve``'s flags
-    and ``ROLLOUT_*`` variables (see ``rollout_service.cli_env``).
+    silent for ``progress_grace_s``), but never more than 3 times ``startup_timeout_s`` in all
+    (`process_group.PROGRESS_CAP_FACTOR`: a server that logs forever and never answers is stopped
+    too). The fields declared with ``setting`` are ``serve``'s flags and ``ROLLOUT_*`` variables
+    (see ``rollout_service.cli_env``).
     """
 
     max_restarts: int = field(
@@ -93,7 +101,8 @@ class RestartPolicy:
         metadata=setting(
             "--startup-timeout",
             "seconds to wait for SGLang's /health at each start; the wait goes on while SGLang's"
-            " log shows progress (a first download, kernel compilation, CUDA graphs)",
+            " log shows progress (a first download, kernel compilation, CUDA graphs), up to 3 times"
+            " this in all",
             bounds=(1.0, TIMEOUT_S[1]),
         ),
     )
@@ -189,6 +198,10 @@ class Supervisor(threading.Thread):
         self._interrupted = False
         """Set by `interrupt()` (a signal handler): no start, and the start under way ends."""
         self._stop_when: Callable[[], bool] = lambda: False
+        self._last_failure: str | None = None
+        """Why the latest restart failed (None after one that succeeded): the budget's give-up
+        message says it, since a restart that failed before SGLang ran (its port taken) left
+        nothing in SGLang's log."""
 
     def startup(self) -> None:
         """Start SGLang and wait until `/health` answers, with the policy's start-up timeouts.
@@ -317,7 +330,9 @@ class Supervisor(threading.Thread):
                 if self._stopping.is_set():
                     return
                 failed = policy.record_failure()
+                self._last_failure = f"{type(exc).__name__}: {exc}"
                 if isinstance(exc, SGLangStartError):
+                    self._last_failure = _LOG_LINES.split(str(exc), maxsplit=1)[0]  # the tail is quoted below
                     log.error("SGLang restart failed (%d in a row): %s", failed, exc)
                 else:
                     log.exception("SGLang restart failed (%d in a row)", failed)
@@ -329,6 +344,7 @@ class Supervisor(threading.Thread):
             finally:
                 policy.discount(policy.clock() - began)
             policy.record_success()
+            self._last_failure = None
             backoff = policy.backoff_s
             log.info("SGLang is back at %s; the sidecar re-applies the newest checkpoint", self.server.url)
             try:
@@ -350,8 +366,9 @@ class Supervisor(threading.Thread):
                 f" within the last {policy.restart_window_s:.0f} s, not counting the time the restarts"
                 f" took (the budget is {policy.describe()}; --max-restarts, --restart-window)"
             )
+        last = f" The last restart failed: {self._last_failure}." if self._last_failure else ""
         message = (
-            f"{why}; not restarting it. Fix the cause and restart `serve`. SGLang's last log lines"
+            f"{why}; not restarting it.{last} Fix the cause and restart `serve`. SGLang's last log lines"
             f" (log {self.server.log_path}):\n{self.server.log_tail(40)}"
         )
         log.error("%s", message)
@@ -370,10 +387,11 @@ def run_serve(
     `http_urls.listening_sockets`); they are closed on return. Without them the HTTP server binds
     ``settings.host:port`` once SGLang is up.
 
-    0 after a signal (SIGTERM or SIGINT, also during SGLang's first start), 2 when SGLang does not
-    start, 3 when stopped after the restart budget was spent or the supervisor failed (the sidecar
-    stays up until then, reporting why), 4 when the sidecar's HTTP server cannot start (`EXIT_SIDECAR_FAILED`).
-    SIGTERM and SIGINT are handled from before SGLang's first start until SGLang is stopped.
+    0 after a signal (SIGTERM, SIGINT or SIGHUP, also during SGLang's first start), 2 when SGLang
+    does not start, 3 when stopped after the restart budget was spent or the supervisor failed (the
+    sidecar stays up until then, reporting why), 4 when the sidecar's HTTP server cannot start
+    (`EXIT_SIDECAR_FAILED`: its start-up failed; or, without ``listeners``, its port cannot be bound).
+    SIGTERM, SIGINT and SIGHUP are handled from before SGLang's first start until SGLang is stopped.
     """
     from .sidecar.app import create_app, http_server, listen_url
 
@@ -436,13 +454,20 @@ def run_serve(
     return exit_code
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The signals that stop ``serve`` cleanly (SGLang stopped first): SIGHUP too, which a closed
+terminal or SSH session sends, and whose default action would end ``serve`` at once, SGLang
+SIGKILLed behind it by its parent-death signal and nothing cleaned up."""
+
+
 class _Signals:
-    """``serve``'s SIGTERM and SIGINT handlers, from before SGLang's first start until it is stopped.
+    """``serve``'s `STOP_SIGNALS` handlers, from before SGLang's first start until it is stopped.
 
     While SGLang first starts (`Supervisor.startup()` in the main thread) a signal interrupts the
     start: SGLang's group gets SIGTERM (SIGKILL for a second signal), so the wait for ``/health``
     ends and ``serve`` stops cleanly. Once the sidecar's HTTP server exists a signal stops it
-    (uvicorn's own handlers take over while it runs, and re-raise the signal here afterwards).
+    (uvicorn's own handlers take over SIGTERM and SIGINT while it runs, and re-raise the signal
+    here afterwards; SIGHUP, which uvicorn leaves alone, comes here and stops it the same way).
     While stopping, further signals are only logged: a second SIGTERM must not kill ``serve``
     between SIGTERM and SIGKILL of SGLang. The handlers do no more than set flags and send
     signals (they may run while the main thread holds any lock). Only the main thread can set
@@ -458,7 +483,7 @@ class _Signals:
 
     def install(self) -> None:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

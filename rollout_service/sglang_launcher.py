@@ -26,16 +26,20 @@ from types import TracebackType
 from typing import Any
 
 from .cli_env import check_bounds, declared_settings, setting
-from .http_urls import bindable_port, check_bind_host, url_host
+from .http_urls import bindable_port, check_bind_host, port_in_use, url_host
 from .lora_serving import LoraServing
 from .number_text import digits_value
 from .process_group import (
+    LOG_ROTATE_BYTES,
     LOG_TAIL_LINES,
     ProcessGroup,
     ProcessStartError,
+    describe_pids,
     kill_me_with_parent,
     log_path_problem,
     log_tail,
+    port_listeners,
+    rotate_log,
 )
 from .redaction import SGLANG_CREDENTIAL_OPTIONS, shown_command, spellings
 
@@ -238,6 +242,13 @@ serve another model than the one the sidecar checks checkpoints against."""
 
 API_KEY_OPTIONS = spellings("--api-key", SGLANG_CREDENTIAL_OPTIONS["--api-key"])
 """SGLang's ``--api-key`` as its parser takes it."""
+
+LOG_LEVEL_HTTP_OPTIONS = spellings("--log-level-http", "--log-level-")
+"""SGLang 0.5.23's ``--log-level-http`` as its parser takes it (``--log-level`` is another option)."""
+HTTP_LOG_LEVEL = "warning"
+"""The ``--log-level-http`` SGLang is started with unless the arguments after ``--`` give one: at
+SGLang's default (its ``--log-level``, info) every request is an access line in its log, and the
+sidecar polls SGLang every few seconds, for days."""
 
 
 def _setting_flag(name: str) -> str:
@@ -456,7 +467,8 @@ class SGLangServerConfig:
         metadata=setting(
             "--sglang-log",
             "file SGLang's output is appended to (a FIFO or /dev/stdout only while something reads it; default:"
-            " a temporary file, removed when SGLang stops unless it failed)",
+            " a temporary file, removed when SGLang stops unless it failed); a file past 64 MiB is moved to"
+            " FILE.1 when SGLang (re)starts",
             parse=log_file,
         ),
     )
@@ -533,10 +545,13 @@ class SGLangServer:
     def command(self) -> list[str]:
         """The command line that `start()` runs."""
         cfg = self.config
+        # On every device, and ahead of the device's flags (the deploy manifests repeat those).
+        quiet = [] if _has_flag(cfg.extra_args, *LOG_LEVEL_HTTP_OPTIONS) else ["--log-level-http", HTTP_LOG_LEVEL]
         cmd = [
             cfg.python,
             "-m",
             "sglang.launch_server",
+            *quiet,
             "--model-path",
             os.fspath(cfg.model_path),
             "--host",
@@ -611,8 +626,14 @@ class SGLangServer:
     def start(self) -> None:
         """Launch the server process group; returns at once (see `wait_healthy`).
 
-        Raises SGLangStartError when CUDA is not usable, or when `interrupt()` was called (before
-        the launch, however long the CUDA checks took); ValueError when the log cannot be opened.
+        Each start first checks that SGLang's port can be listened on: another process holding it
+        (another ``serve`` with the same ``--port``) fails the start at once, named, rather than
+        minutes later when SGLang, its model loaded, cannot bind. A log of more than
+        `LOG_ROTATE_BYTES` (64 MiB) is moved to ``<log>.1`` first (`rotate_log`).
+
+        Raises SGLangStartError when CUDA is not usable, when the port is in use, or when
+        `interrupt()` was called (before the launch, however long the CUDA checks took); ValueError
+        when the log cannot be opened.
         """
         if self.is_running():
             raise RuntimeError(f"SGLang server already running with pid {self.pid}; stop() it first")
@@ -644,6 +665,10 @@ class SGLangServer:
         )
         env = self.environment()
         self._refuse_if_interrupted()  # the checks above can take long (nvidia-smi): a signal may have come
+        taken = self.port_problem()
+        if taken:
+            raise SGLangStartError(f"SGLang was not started: {taken}; stop that process, or give serve another --port")
+        rotate_log(self.log_path, LOG_ROTATE_BYTES)
         self._group = ProcessGroup(
             cmd,
             self.log_path,
@@ -683,6 +708,19 @@ class SGLangServer:
         """True while the server's main process has not exited."""
         return self._group is not None and self._group.is_running()
 
+    def port_problem(self) -> str | None:
+        """``port P on HOST is in use by another process (pid ...)`` when a process that is not this
+        server's holds SGLang's port now, so that SGLang cannot listen there; else None."""
+        host, port = self.config.host, self.port
+        if not port_in_use(host, port):
+            return None
+        ours: set[int] = set()
+        if self._group is not None and self._group.is_running():
+            if self._group.listens_on(port) is not False:
+                return None  # this server holds it (or /proc cannot tell who does)
+            ours = self._group.member_pids() or set()
+        return f"port {port} on {host} is in use by another process ({describe_pids(port_listeners(port, ours))})"
+
     def wait_healthy(
         self,
         timeout_s: float = 300.0,
@@ -694,7 +732,13 @@ class SGLangServer:
 
         With `progress_grace_s`, the wait goes on past `timeout_s` for as long as the server log
         keeps growing (a first start that downloads the model, compiles kernels or captures CUDA
-        graphs prints progress) and ends once the log has been silent for `progress_grace_s`.
+        graphs prints progress) and ends once the log has been silent for `progress_grace_s`, or at
+        the latest `PROGRESS_CAP_FACTOR` (3) times `timeout_s` after it began.
+
+        Only this server's answer counts: SGLang listens on its port only once its model is loaded,
+        and another process that took the port meanwhile may answer ``/health`` too; its answers
+        are not taken for SGLang's (`ProcessGroup.wait_http`'s ``listen_port``), and the error then
+        says that the port was taken and by whom.
 
         Raises:
             SGLangStartError: the process exited first (with its exit code) or the time ran out;
@@ -704,11 +748,32 @@ class SGLangServer:
             raise RuntimeError("wait_healthy() called before start()")
         try:
             self._group.wait_http(
-                f"{self.url}/health", timeout_s, progress_grace_s=progress_grace_s, timeout_hint=timeout_hint
+                f"{self.url}/health",
+                timeout_s,
+                progress_grace_s=progress_grace_s,
+                timeout_hint=timeout_hint,
+                listen_port=self.port,
             )
         except ProcessStartError as exc:
             self._keep_log = self._keep_log or not self._interrupted  # the message names the log
-            raise SGLangStartError(str(exc)) from None
+            raise SGLangStartError(self._taken_note() + str(exc)) from None
+
+    def _taken_note(self) -> str:
+        """What a failed wait's message starts with when SGLang's port was taken by another process
+        (it answered in SGLang's place, or holds the port now); "" otherwise."""
+        if self._interrupted or self._group is None:
+            return ""
+        stranger = self._group.stranger
+        if stranger is not None:
+            return (
+                f"port {self.port} on {self.config.host} was taken by another process ({stranger}), which"
+                " answered /health in SGLang's place; its answers were not taken for SGLang's: "
+            )
+        try:
+            problem = self.port_problem()
+        except OSError:
+            return ""
+        return f"{problem}, taken while SGLang started, so SGLang could not listen there: " if problem else ""
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Terminate the whole process group: SIGTERM, then SIGKILL after `timeout_s`.
@@ -735,10 +800,11 @@ class SGLangServer:
                     "SGLang failed; its log is kept at %s (a temporary file: delete it when done)", self.log_path
                 )
             return
-        try:
-            self.log_path.unlink(missing_ok=True)
-        except OSError as exc:
-            logger.warning("could not remove SGLang's temporary log %s: %s", self.log_path, exc.strerror or exc)
+        for path in (self.log_path, Path(f"{self.log_path}.1")):  # .1: the part `rotate_log` moved
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                logger.warning("could not remove SGLang's temporary log %s: %s", path, exc.strerror or exc)
 
     def restart(self, timeout_s: float, **wait_kwargs: Any) -> None:
         """Stop the server (if running), start it again on the same port and wait healthy.
