@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import torch
 
@@ -707,7 +707,7 @@ class CheckpointPublisher:
         )
 
 
-def _is_step(value: Any) -> bool:
+def _is_step(value: Any) -> TypeGuard[int]:
     """Whether an ack's field holds a step number (an int, not a bool: JSON ``true`` is no step)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
