@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 from urllib.parse import urlparse, urlsplit
 
 from .redaction import remember_secret
@@ -68,18 +69,28 @@ def is_loopback_url(url: str | None) -> bool:
     return bool(url) and urlparse(url).hostname in LOOPBACK_HOSTS
 
 
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
+"""Names /etc/hosts gives this machine's loopback addresses (Debian, Red Hat)."""
+
+
 def is_loopback_host(host: str | None) -> bool:
     """Whether ``host`` (a bind address, or a name from a URL or a Host header, without port or
-    brackets) is this machine only: ``localhost``, ``127.0.0.0/8``, ``::1``."""
+    brackets) is this machine only: ``localhost`` (:data:`LOOPBACK_NAMES`), ``127.0.0.0/8`` in any
+    form the C library reads (``127.1``), ``::1``, ``::ffff:127.0.0.1``."""
     if not host:
         return False
     name = host.lower().removesuffix(".")  # "localhost." is localhost
-    if name in LOOPBACK_HOSTS:
+    if name in LOOPBACK_HOSTS or name in LOOPBACK_NAMES:
         return True
     try:
-        return ipaddress.ip_address(name).is_loopback
+        address = ipaddress.ip_address(name)
     except ValueError:
-        return False
+        try:  # the short IPv4 forms a browser and curl accept ("127.1")
+            return name.replace(".", "").isdigit() and socket.inet_aton(name)[0] == 127
+        except OSError:
+            return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))
 
 
 def is_loopback_authority(value: str) -> bool:

@@ -317,3 +317,23 @@ def test_an_empty_token_flag_is_refused_by_the_command(tmp_path: Path, monkeypat
     assert args.token == ""
     with pytest.raises(ValueError, match="^--token is empty"):
         SIDECAR_SETTINGS.build(args)
+
+
+@pytest.mark.parametrize(
+    "authority",
+    ["127.1:8100", "[::ffff:127.0.0.1]:8100", "localhost.localdomain", "LOCALHOST.:8100", "[::1]", "127.0.0.2"],
+)
+def test_every_spelling_of_a_loopback_host_is_this_machine(authority: str) -> None:
+    """Short IPv4 forms (``curl http://127.1:8100``), IPv4-mapped IPv6 and /etc/hosts' loopback
+    names reach a loopback-bound sidecar: refusing them (421) broke clients the DNS-rebinding
+    guard has no reason to refuse."""
+    from rollout_service.http_auth import is_loopback_authority
+
+    assert is_loopback_authority(authority)
+
+
+@pytest.mark.parametrize("authority", ["127.0.0.1.evil.example", "evil.example:8100", "[::ffff:10.0.0.1]", "1.2"])
+def test_names_that_only_look_loopback_are_not(authority: str) -> None:
+    from rollout_service.http_auth import is_loopback_authority
+
+    assert not is_loopback_authority(authority)

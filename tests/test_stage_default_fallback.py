@@ -267,6 +267,27 @@ def test_a_given_stage_does_not_move(tmp_path: Path, monkeypatch) -> None:
         small.remove()
 
 
+def test_a_step_too_large_for_shm_is_still_rejected_when_the_disk_default_cannot_be_used(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The default stage cannot move (its disk default is a file, not a folder it can make): a
+    step larger than the whole /dev/shm is rejected as before (``too_large_for_stage``), with the
+    move's failure logged; it was a ``StageError`` (tried again at every pass, for ever)."""
+    root, _, size = chain(tmp_path, 1)
+    shm = small_shm(tmp_path, monkeypatch, size)
+    disk = disk_default(tmp_path)
+    disk.parent.mkdir(parents=True)
+    disk.write_text("not a folder")
+    stage = Stage(shm / "rollout-stage-r0", fallback=disk)
+    try:
+        with pytest.raises(CheckpointError) as err:
+            build(stage, root, 1)
+        assert err.value.reason == "too_large_for_stage"
+        assert stage.path == shm / "rollout-stage-r0"
+    finally:
+        stage.remove()
+
+
 # --- hidden work left at exit --------------------------------------------------------------------
 def test_a_closed_stage_leaves_no_hidden_work_behind_only_its_copies(tmp_path: Path) -> None:
     """The spare copy (a whole model: RAM in /dev/shm) and work a removal or copy left are of

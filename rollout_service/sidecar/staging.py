@@ -182,7 +182,12 @@ def disk_stage_dir(replica_id: str) -> Path:
 
 
 class _NoRoom(StageError):
-    """A step does not fit a stage that may move (:meth:`Stage._move`): caught there, never seen outside."""
+    """A step does not fit a stage that may move (:meth:`Stage._move`): caught there, never seen
+    outside (when the move fails, ``original``, the error the stage would have raised, is)."""
+
+    def __init__(self, original: Exception):
+        super().__init__(str(original))
+        self.original = original
 
 
 class Stage:
@@ -482,7 +487,7 @@ class Stage:
     def _no_room(self, exc: Exception) -> NoReturn:
         """Raise ``exc`` (no room for a step); in a stage that may move, ``_NoRoom`` saying why."""
         if self._fallback is not None:
-            raise _NoRoom(str(exc)) from None
+            raise _NoRoom(exc) from None
         raise exc
 
     def _moving(self, make: Callable[[], T]) -> T:
@@ -491,7 +496,11 @@ class Stage:
         try:
             return make()
         except _NoRoom as exc:
-            self._move(str(exc))
+            try:
+                self._move(str(exc))
+            except StageError as failed:  # the step is judged as where it is: rejected, or tried again
+                log.warning("%s", failed)
+                raise exc.original from None
         return make()
 
     def _move(self, why: str) -> None:
