@@ -16,6 +16,7 @@ import httpx
 
 from helpers import free_port
 from rollout_service.process_group import ProcessGroup, ProcessStartError
+from rollout_service.sidecar.sglang_client import ServerView
 
 START_TIMEOUT_S = 60.0
 
@@ -228,3 +229,24 @@ def run_loop_until(controller: Any, done: Any, timeout_s: float = 10.0) -> None:
                 await loop
 
     asyncio.run(scenario())
+
+
+class AcceptingSGLang:
+    """A fake SGLang client as the sync loop sees it: healthy, serving ``model_path``, every load
+    accepted (for tests of what the sidecar does around a load, not of SGLang's load itself)."""
+
+    def __init__(self, model_path: Path):
+        self.version: str | None = None
+        self.model_path = str(model_path)
+        self.loads: list[str] = []
+
+    async def view(self, deep: bool = False) -> ServerView:
+        return ServerView(True, self.version, self.model_path)
+
+    async def load_from_disk(self, path: str, version: str) -> dict:
+        self.loads.append(path)
+        self.version, self.model_path = version, path
+        return {}
+
+    async def aclose(self) -> None:
+        pass

@@ -17,21 +17,12 @@ from rollout_service.checkpoint_format import ACKS_DIR
 from rollout_service.checkpoint_reader import list_checkpoints
 from rollout_service.sidecar.acks import write_ack
 from rollout_service.untrusted_files import UnreadableFile
-from trainer_helpers import NoWaiter
+from trainer_helpers import bare_publisher
 from trainer_hooks.checkpoint_publisher import CheckpointPublisher
 
 
 def _publisher(root: Path, keep: int) -> CheckpointPublisher:
-    return CheckpointPublisher(
-        root,
-        NoWaiter(),
-        config={"model_type": "x"},
-        dtype=None,
-        max_shard_bytes=1 << 20,
-        keep=keep,
-        sync_timeout_s=30,
-        heartbeat_max_age_s=60,
-    )
+    return bare_publisher(root, keep, sync_timeout_s=30)
 
 
 def _publish(publisher: CheckpointPublisher) -> int:

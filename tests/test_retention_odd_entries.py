@@ -27,7 +27,7 @@ from rollout_service.checkpoint_format import MAX_STEP, Manifest, step_dir_name
 from rollout_service.checkpoint_reader import list_checkpoints
 from rollout_service.checkpoint_writer import publish_checkpoint
 from rollout_service.tree_removal import remove_tree
-from trainer_helpers import NoWaiter
+from trainer_helpers import bare_publisher
 from trainer_hooks.checkpoint_publisher import CheckpointPublisher
 from trainer_hooks.checkpoint_retention import (
     chain_dependencies,
@@ -47,16 +47,7 @@ def _publish(root: Path, steps: range) -> None:
 
 
 def _publisher(root: Path, keep: int | None = 2) -> CheckpointPublisher:
-    return CheckpointPublisher(
-        root,
-        NoWaiter(),
-        config={"model_type": "x"},
-        dtype=None,
-        max_shard_bytes=1 << 20,
-        keep=keep,
-        sync_timeout_s=5,
-        heartbeat_max_age_s=60,
-    )
+    return bare_publisher(root, keep)
 
 
 def _real_steps(root: Path) -> list[int]:

@@ -28,33 +28,12 @@ from rollout_service.delta_writer import DeltaCheckpointWriter
 from rollout_service.sidecar import stage_folder, staging
 from rollout_service.sidecar.controller import SyncController
 from rollout_service.sidecar.settings import SidecarSettings
-from rollout_service.sidecar.sglang_client import ServerView
 from rollout_service.sidecar.staging import LOCK_NAME, SPACE_MARGIN_BYTES, Stage, StageError
 from rollout_service.untrusted_files import Deadline
-from sidecar_helpers import run_loop_until
+from sidecar_helpers import AcceptingSGLang, run_loop_until
 
 DiskUsage = namedtuple("DiskUsage", "total used free")
 REAL_DEFAULT_STAGE_DIR = staging.default_stage_dir
-
-
-class FakeClient:
-    """SGLang as the sync loop sees it: healthy, serving ``model_path``, every load accepted."""
-
-    def __init__(self, model_path: Path):
-        self.version: str | None = None
-        self.model_path = str(model_path)
-        self.loads: list[str] = []
-
-    async def view(self, deep: bool = False) -> ServerView:
-        return ServerView(True, self.version, self.model_path)
-
-    async def load_from_disk(self, path: str, version: str) -> dict:
-        self.loads.append(path)
-        self.version, self.model_path = version, path
-        return {}
-
-    async def aclose(self) -> None:
-        pass
 
 
 def small_shm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, total: int) -> Path:
@@ -99,7 +78,7 @@ def build(stage: Stage, root: Path, step: int) -> staging.StagedBuild:
     return stage.build(root, path, Manifest.load(path), Deadline(60))
 
 
-def controller_for(tmp_path: Path, root: Path, **kw) -> tuple[SyncController, FakeClient]:
+def controller_for(tmp_path: Path, root: Path, **kw) -> tuple[SyncController, AcceptingSGLang]:
     reference = tmp_path / "ref"
     publish_checkpoint(reference, 0, Model().tensors(), config=CONFIG, dtype="bfloat16", run_id=RUN)
     settings = SidecarSettings(
@@ -112,7 +91,7 @@ def controller_for(tmp_path: Path, root: Path, **kw) -> tuple[SyncController, Fa
         poll_interval_s=0.05,
         **kw,
     )
-    client = FakeClient(reference / step_dir_name(0))
+    client = AcceptingSGLang(reference / step_dir_name(0))
     return SyncController(settings, client=client), client
 
 

@@ -34,36 +34,15 @@ from rollout_service.delta_writer import DeltaCheckpointWriter
 from rollout_service.sidecar import staging
 from rollout_service.sidecar.controller import SyncController
 from rollout_service.sidecar.settings import SidecarSettings
-from rollout_service.sidecar.sglang_client import ServerView
 from rollout_service.sidecar.staging import LOCK_NAME, REFERENCE_NAME, Stage, StageError
 from rollout_service.untrusted_files import Deadline
-from sidecar_helpers import run_loop_until
+from sidecar_helpers import AcceptingSGLang, run_loop_until
 
 DiskUsage = namedtuple("DiskUsage", "total used free")
 
 
 # --- helpers ---------------------------------------------------------------------------------
-class FakeClient:
-    """SGLang as the sync loop sees it: healthy, serving ``model_path``, every load accepted."""
-
-    def __init__(self, model_path: Path):
-        self.version: str | None = None
-        self.model_path = str(model_path)
-        self.loads: list[str] = []
-
-    async def view(self, deep: bool = False) -> ServerView:
-        return ServerView(True, self.version, self.model_path)
-
-    async def load_from_disk(self, path: str, version: str) -> dict:
-        self.loads.append(path)
-        self.version, self.model_path = version, path
-        return {}
-
-    async def aclose(self) -> None:
-        pass
-
-
-def controller_for(root: Path, stage_dir: Path, reference: Path) -> tuple[SyncController, FakeClient]:
+def controller_for(root: Path, stage_dir: Path, reference: Path) -> tuple[SyncController, AcceptingSGLang]:
     settings = SidecarSettings(
         checkpoint_path=root,
         sglang_url="http://127.0.0.1:9",
@@ -74,7 +53,7 @@ def controller_for(root: Path, stage_dir: Path, reference: Path) -> tuple[SyncCo
         rescan_interval_s=0.05,
         poll_interval_s=0.05,
     )
-    client = FakeClient(reference)
+    client = AcceptingSGLang(reference)
     return SyncController(settings, client=client), client
 
 

@@ -121,6 +121,23 @@ class NoWaiter:
         return set()
 
 
+def bare_publisher(root: Path, keep: int | None = 2, sync_timeout_s: float = 5.0) -> Any:
+    """A ``CheckpointPublisher`` of small untyped tensors into ``root``, with no replicas to wait
+    for (:class:`NoWaiter`): retention and numbering tests."""
+    from trainer_hooks.checkpoint_publisher import CheckpointPublisher
+
+    return CheckpointPublisher(
+        root,
+        NoWaiter(),
+        config={"model_type": "x"},
+        dtype=None,
+        max_shard_bytes=1 << 20,
+        keep=keep,
+        sync_timeout_s=sync_timeout_s,
+        heartbeat_max_age_s=60,
+    )
+
+
 def logged(trainer: Any, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry]
 
