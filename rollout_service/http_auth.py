@@ -66,7 +66,7 @@ def bearer_headers(token: str | None) -> dict[str, str]:
 
 def is_loopback_url(url: str | None) -> bool:
     """True for a URL whose host is this machine (the server runs here)."""
-    return bool(url) and urlparse(url).hostname in LOOPBACK_HOSTS
+    return bool(url) and is_loopback_host(urlparse(str(url)).hostname)
 
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})

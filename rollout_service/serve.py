@@ -330,11 +330,11 @@ class Supervisor(threading.Thread):
                 if self._stopping.is_set():
                     return
                 failed = policy.record_failure()
-                self._last_failure = f"{type(exc).__name__}: {exc}"
                 if isinstance(exc, SGLangStartError):
                     self._last_failure = _LOG_LINES.split(str(exc), maxsplit=1)[0]  # the tail is quoted below
                     log.error("SGLang restart failed (%d in a row): %s", failed, exc)
                 else:
+                    self._last_failure = f"{type(exc).__name__}: {exc}"
                     log.exception("SGLang restart failed (%d in a row)", failed)
                 try:  # one that hangs past the start-up timeout still runs: stop it, so it counts
                     self._stop_server()

@@ -86,6 +86,11 @@ it off ``/v1/models`` but failed in the scheduler (``tokenizer_control_mixin``: 
 incomplete unload. Retry the unload before loading it again.")."""
 
 
+def _says_name_taken(refused: SGLangLoadRejected) -> bool:
+    """Whether SGLang's refusal of a load names the name, not the files (:data:`NAME_TAKEN`)."""
+    return any(words in str(refused) for words in NAME_TAKEN)
+
+
 class _ReplaceRaced(Exception):
     """Requests kept SGLang loading an adapter's old files again while it was being replaced: the
     new files loaded fine under the trial name, so the step is not at fault (tried again)."""
@@ -409,7 +414,7 @@ class AdapterSync:
                 await client.load_lora_adapter(name, path)
                 return
             except SGLangLoadRejected as exc:
-                if not any(words in str(exc) for words in NAME_TAKEN):
+                if not _says_name_taken(exc):
                     raise
                 refused = exc
                 again = (await client.loaded_adapters()).get(name)
@@ -456,7 +461,7 @@ class AdapterSync:
         """Whether SGLang refused a load of ``name`` for the name, not for the files: it says so
         (:data:`NAME_TAKEN`: its scheduler still has the name, though an unload already took it off
         ``/v1/models``), or it lists the name."""
-        if any(words in str(refused) for words in NAME_TAKEN):
+        if _says_name_taken(refused):
             return True
         return name in await self.c.client.loaded_adapters()
 
