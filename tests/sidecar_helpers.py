@@ -6,9 +6,11 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -250,3 +252,31 @@ class AcceptingSGLang:
 
     async def aclose(self) -> None:
         pass
+
+
+@contextlib.contextmanager
+def uvicorn_served(app: Any, settings_: Any) -> Iterator[int]:
+    """The sidecar's ``app`` under uvicorn as ``sidecar`` runs it (its config from ``settings_``),
+    on a free port of 127.0.0.1, in a thread; yields the port."""
+    import dataclasses
+    import threading
+
+    import uvicorn
+
+    from rollout_service.sidecar.app import uvicorn_config
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(app, dataclasses.replace(settings_, port=port)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)

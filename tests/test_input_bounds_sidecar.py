@@ -12,7 +12,6 @@ import socket
 import threading
 import time
 import typing
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from rollout_service.sidecar import app as app_module
 from rollout_service.sidecar import request_heads
 from rollout_service.sidecar.app import SYNC_BODY_KEYS, SafeJSONResponse, create_app
 from rollout_service.sidecar.settings import SidecarSettings
+from sidecar_helpers import uvicorn_served
 
 NOT_UTF8 = os.fsdecode(b"\xff.safetensors")
 """A file name that is not UTF-8, as Python reads it: with a lone surrogate."""
@@ -106,7 +106,6 @@ def test_sync_names_what_a_step_name_is_when_it_is_no_directory(tmp_path: Path) 
 
 
 def test_sync_answers_503_when_the_root_does_not_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import threading
 
     from rollout_service.sidecar import app as app_module
 
@@ -290,28 +289,9 @@ def test_a_printable_token_authenticates(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------ connections are bounded
 
 
-@contextlib.contextmanager
-def served(app: Any, settings_: SidecarSettings) -> Iterator[int]:
+def served(app: Any, settings_: SidecarSettings) -> contextlib.AbstractContextManager[int]:
     """The sidecar's app under uvicorn as ``sidecar`` runs it (its config), on a free port."""
-    import uvicorn
-
-    from rollout_service.sidecar.app import uvicorn_config
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(app, dataclasses.replace(settings_, port=port)))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    return uvicorn_served(app, settings_)
 
 
 def answer_status(conn: socket.socket, timeout_s: float) -> int:

@@ -6,12 +6,8 @@ an empty token is refused."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import socket
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +16,9 @@ from fastapi.testclient import TestClient
 
 from rollout_service.cli import main
 from rollout_service.http_auth import check_token
-from rollout_service.sidecar.app import create_app, uvicorn_config
+from rollout_service.sidecar.app import create_app
 from rollout_service.sidecar.settings import SidecarSettings
+from sidecar_helpers import uvicorn_served
 
 SECRET = "s3cret-query-value-4711"
 LOOPBACK_BASE = "http://127.0.0.1:8100"
@@ -51,27 +48,9 @@ class Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-@contextlib.contextmanager
-def served(settings_: SidecarSettings) -> Iterator[int]:
+def served(settings_: SidecarSettings) -> contextlib.AbstractContextManager[int]:
     """The app under uvicorn with the sidecar's own config, on a free port."""
-    import uvicorn
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    settings_ = dataclasses.replace(settings_, port=port)
-    server = uvicorn.Server(uvicorn_config(create_app(settings_), settings_))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    return uvicorn_served(create_app(settings_), settings_)
 
 
 def exchange(port: int, head: str) -> bytes:
