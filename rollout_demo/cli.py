@@ -39,7 +39,13 @@ def register_demo(sub: Any, add_env: Callable[..., Any]) -> None:
         " summary.json and demo.png to --output-dir. Needs the [trainer] extra.",
     )
     add_env(p, "--output-dir", default="runs/demo", help="where summary.json and demo.png go")
-    add_env(p, "--model", default=None, help="HF model directory (default: the tiny local model)")
+    add_env(
+        p,
+        "--model",
+        default=None,
+        help="HF model directory or Hub id (default: the tiny local model, built once into"
+        " ~/.cache/rollout-service/tiny-models)",
+    )
     for flag, kind, default, (low, high), what in DEMO_NUMBERS:
         add_env(p, flag, type=number_type(kind, low, high), default=default, help=f"{what} ({low:g} to {high:g})")
     add_env(
@@ -74,11 +80,22 @@ def register_demo(sub: Any, add_env: Callable[..., Any]) -> None:
     add_env(
         p,
         "--device",
+        type=demo_device,
         default="cpu",
-        help="where the trainer runs ('cpu' or a GPU: 'cuda') and the device of the SGLang server the demo starts",
+        help="where the trainer runs, 'cpu' or 'cuda' (a GPU), and the device of the SGLang server the demo starts",
     )
     add_env(p, "--seed", type=service_cli.SEED, default=0, help="random seed")
     p.set_defaults(func=_cmd_demo)
+
+
+DEMO_DEVICES = ("cpu", "cuda")
+
+
+def demo_device(text: str) -> str:
+    """``--device``: the trainer's device and the SGLang server's, one of :data:`DEMO_DEVICES`."""
+    if text not in DEMO_DEVICES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device the demo runs on: use 'cpu' or 'cuda'")
+    return text
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

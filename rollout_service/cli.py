@@ -806,13 +806,16 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         help="rebuild any retained full or delta step as a plain HF model directory",
         description="Rebuild step N under ROOT (a full step, or a delta step and the"
         " chain it applies to) as a plain HF model directory OUT: safetensors shards,"
-        " index, config.json, every byte checked against the digests of a full"
+        " index, config.json and the step's manifest.json (no tokenizer: the trainer publishes"
+        " none; copy the base model's), every byte checked against the digests of a full"
         " publish, and the model validated as `validate` checks a full step (compared with"
         " its own tensors: any dtype it was published in) before OUT appears (only when"
         " complete; it must not exist). A run that is killed leaves a hidden folder beside OUT,"
         " which the next run into OUT removes. For evaluating a version with"
         " any tool. An adapter step is refused (adapter_step): its folder already is a"
-        " PEFT adapter directory for the base model.",
+        " PEFT adapter directory for the base model. Exit status: 0 done (a JSON summary on"
+        " stdout), 1 the step cannot be rebuilt (`error: cannot materialize STEP under ROOT"
+        " (<reason>): ...`, e.g. missing_manifest, delta_corrupt), 2 a usage error or OUT exists or cannot be written.",
     )
     p.add_argument("root", help="checkpoint root (the trainer's checkpoint_path)")
     p.add_argument(

@@ -456,7 +456,10 @@ class SGLangServerConfig:
     max_total_tokens: int = field(
         default=16384,
         metadata=setting(
-            "--max-total-tokens", "KV cache size on CPU (bounded, or SGLang reserves ~15 GB)", bounds=(16, 1 << 31)
+            "--max-total-tokens",
+            "KV cache size in tokens, CPU only (bounded, or SGLang reserves ~15 GB); ignored on CUDA, where"
+            " SGLang sizes it from --mem-fraction-static (pass `-- --max-total-tokens N` to set it there)",
+            bounds=(16, 1 << 31),
         ),
     )
     python: str = sys.executable

@@ -8,8 +8,9 @@
 #     docker build -f deploy/docker/rollout.Dockerfile --target cpu -t rollout-service/rollout-cpu:0.1.0 .
 #
 # The default command, `rollout-service serve`, runs SGLang and its sidecar as one supervised unit
-# configured by ROLLOUT_* variables; compose and Kubernetes override it to run SGLang alone
-# (`python3 -m sglang.launch_server ...`) beside the slim sidecar image. No secrets are baked in:
+# configured by ROLLOUT_* variables (compose's `cpu` profile runs it so); compose's `gpu` profile
+# and Kubernetes override it to run SGLang alone (`python3 -m sglang.launch_server ...`) beside
+# the slim sidecar image. No secrets are baked in:
 # the sidecar token comes from ROLLOUT_TOKEN at run time.
 
 ARG SGLANG_VERSION=0.5.23
