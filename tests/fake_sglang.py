@@ -273,7 +273,8 @@ def canned_reply(status: int, body: Any, *, headers: str = "", content_type: str
 def canned_answer(body: dict[str, Any], *, version: Any = "5", prompt_tokens: bool = True) -> list[dict[str, Any]]:
     """What SGLang answers to a ``/generate`` body: per prompt and sample, two tokens (the prompt's
     first, then 7) with logprobs -0.5, ``version`` as ``weight_version`` and ``prompt_tokens``."""
-    n = int(body["sampling_params"].get("n", 1))
+    params = body["sampling_params"]
+    n = int((params[0] if isinstance(params, list) else params).get("n", 1))  # one n for all, as SGLang's
     out = []
     for prompt in body["input_ids"]:
         for _ in range(n):

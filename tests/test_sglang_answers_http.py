@@ -31,8 +31,11 @@ PARAMS = {"n": 1, "max_new_tokens": 4}
 
 
 def serve(servers: list[CannedServer], answer: Any) -> CannedServer:
-    """A canned server answering POST /generate with ``answer(body, count)`` (GET /health: 200)."""
-    server = CannedServer(lambda path, body, count: answer(body, count) if path == "/generate" else None)
+    """A canned server answering POST /generate with ``answer(body, count)``, ``count`` its
+    /generate requests so far (GETs, e.g. /health or the length limits: 200 with ``{}``)."""
+    server = CannedServer(
+        lambda path, body, count: answer(body, len(server.generate_requests)) if path == "/generate" else None
+    )
     servers.append(server)
     return server
 

@@ -77,7 +77,9 @@ class SGLangRolloutArguments:
         max_staleness: how many checkpoint versions older than the newest published one a
             completion's weights may be. 0: every rollout uses the newest weights (publish and
             wait before generating). k > 0: publishing and waiting run in a background thread
-            while rollouts continue on weights at most k versions old.
+            while rollouts continue on weights at most k versions old, which GRPO's
+            importance-sampling correction weighs back (a warning when nothing does: RLOO, the
+            correction off, or NaN logprobs; :func:`uncorrected_staleness`).
         checkpoint_dtype: floating dtype of published checkpoints ("bfloat16", "float16",
             "float32"); default: the model's configured dtype (what SGLang serves).
         checkpoint_max_shard_mb: largest safetensors shard written, in MiB (times 2**20 bytes).
@@ -807,12 +809,43 @@ def greedy(params: dict[str, Any]) -> bool:
     return params.get("top_k") == 1 or (temperature is not None and 0 <= temperature < 1e-6)
 
 
+def uncorrected_staleness(config: Any, params: dict[str, Any]) -> str | None:
+    """Why nothing corrects rollouts from older weights (``max_staleness > 0``), or None when TRL's
+    importance-sampling correction does: RLOO has none; GRPO's can be turned off; and with
+    ``temperature != 1`` greedy or distribution-changing sampling hands TRL NaN logprobs
+    (``SGLangGeneration.logprob_source`` "none": ratio 1)."""
+    if not syncs_in_background(config):
+        return None
+    if not hasattr(config, "vllm_importance_sampling_correction"):
+        return f"RLOO ({type(config).__name__}) has no importance-sampling correction"
+    if not config.vllm_importance_sampling_correction:
+        return "vllm_importance_sampling_correction=False"
+    if float(config.temperature) != 1.0 and (greedy(params) or rescoring_needed(params)):
+        return (
+            f"with temperature={config.temperature:g} and greedy or distribution-changing sampling"
+            f" ({', '.join(distribution_changing_keys(params)) or 'top_k=1'}) the logprobs handed to TRL are NaN,"
+            " which turns its correction off (docs/trl-conformance.md)"
+        )
+    return None
+
+
 def adapt_trl_fields(config: Any, *, world_size: int) -> None:
     """Refuse or adapt the TRL fields that do not work as in TRL's own generation (before TRL's
     ``__post_init__``, which starts the process group with ``ddp_timeout``)."""
     config.generation_kwargs = translate_generation_kwargs(config.generation_kwargs)
     params = config_sampling_params(config)  # every sampling value checked, as SGLang will get them
     _warn_about_sampling(config, params)
+    why = uncorrected_staleness(config, params)
+    if why is not None:
+        log.warning(
+            "max_staleness=%d lets rollouts come from weights up to %d versions older than the policy being "
+            "trained, and nothing corrects for that here: %s. The loss then treats those samples as on-policy "
+            "(a biased gradient, shown in no metric). Set max_staleness=0, or keep the correction on%s",
+            config.max_staleness,
+            config.max_staleness,
+            why,
+            "" if why.startswith("RLOO") else " (GRPO: vllm_importance_sampling_correction=True, temperature=1.0)",
+        )
     for name in ("use_transformers_continuous_batching", "use_transformers_paged"):
         if getattr(config, name, False):
             raise ValueError(

@@ -63,6 +63,7 @@ from rollout_service.bounded_http import client as bounded_client
 from rollout_service.http_auth import bearer_headers
 from rollout_service.process_group import LOG_TAIL_BYTES, log_end
 
+from .context_limits import ContextLimits, read_context_limits
 from .sglang_responses import Completion, parse_generate_response, parse_rescore_response
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,8 @@ class SGLangEndpoints:
         self._status_urls = [u.rstrip("/") for u in status_urls]
         self._crashes: dict[tuple[int, ...], int] = {}
         """Per prompt: how many servers died while serving it (see :meth:`forget_crashes`)."""
+        self._limits: dict[str, ContextLimits] = {}
+        """Per endpoint URL: its length limits, read at its first request (again after it failed)."""
 
     def forget_crashes(self) -> None:
         """Start counting server deaths per prompt afresh (the trainer calls it once per generate)."""
@@ -506,6 +509,16 @@ class SGLangEndpoints:
         max_new_tokens = sampling_params.get("max_new_tokens")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             max_new_tokens = None
+        else:  # a prompt near the context length gets fewer new tokens, not a 400 for the batch
+            limits = self._context_limits(client, url)
+            rescoring = rescore and want_logprobs
+            caps = (
+                None
+                if limits is None
+                else limits.caps([len(p) for p in input_ids], max_new_tokens, rescoring=rescoring)
+            )
+            if caps is not None:
+                payload["sampling_params"] = [{**sampling_params, "max_new_tokens": cap} for cap in caps]
         tokens = len(input_ids) * n * (UNKNOWN_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens)
         data = self._request(client, url, payload, tokens=tokens)
         groups = parse_generate_response(
@@ -521,6 +534,18 @@ class SGLangEndpoints:
         if rescore and want_logprobs:
             self._rescore(client, url, input_ids, groups, lora_path)
         return groups
+
+    def _context_limits(self, client: httpx.Client, url: str) -> ContextLimits | None:
+        """``url``'s length limits (:mod:`~trainer_hooks.context_limits`), read once; None while
+        they cannot be read (the request then goes as it is)."""
+        with self._lock:
+            known = self._limits.get(url)
+        if known is None:
+            known = read_context_limits(client, url, headers=self._headers, timeout_s=SETTINGS_TIMEOUT_S)
+            if known is not None:
+                with self._lock:
+                    self._limits[url] = known
+        return known
 
     def _request(
         self, client: httpx.Client, url: str, payload: dict[str, Any], *, tokens: int, rescoring: bool = False
@@ -680,6 +705,7 @@ class SGLangEndpoints:
         ``DEAD_RETRY_S``."""
         for_s = max(0.0, DEAD_RETRY_S if for_s is None else for_s)
         with self._lock:
+            self._limits.pop(endpoint.url, None)  # a restarted server may have other limits
             endpoint.failures += 1
             endpoint.last_error = reason
             endpoint.dead_until = time.monotonic() + for_s

@@ -1,0 +1,99 @@
+"""How many new tokens an SGLang server lets each prompt have, so that one long prompt does not
+fail a whole batch.
+
+SGLang 0.5.23 refuses a whole ``POST /generate`` (HTTP 400, "Requested token count exceeds the
+model's maximum context length") when any one prompt's length plus ``max_new_tokens`` exceeds the
+model's context length (``TokenizerManager._validate_one_request``). vLLM, behind TRL's own server
+mode, instead generates such a prompt up to the context length and reports the completion as
+truncated (no EOS: ``mask_truncated_completions`` applies). TRL sends one ``max_completion_length``
+for every prompt, and its tool loop sends prompt + completion + tool result again with the same
+budget, so near-limit prompts are normal there. :meth:`ContextLimits.caps` gives each prompt the
+``max_new_tokens`` that fits, as vLLM does.
+
+A rescore (``SGLangEndpoints``'s prefill-only request of prompt + completion) is an *input*, which
+SGLang's scheduler refuses from ``max_req_input_len`` tokens on (the context length less a few
+tokens of its own, or less when the KV cache is smaller): with rescoring, completions are capped so
+that prompt + completion stays under it.
+
+Both numbers are read once per endpoint: the context length from ``GET /v1/models``
+(``max_model_len`` of the base model's card, the number the 400 compares with) and
+``max_req_input_len`` from ``GET /server_info``. A server that does not say (a router, an older
+SGLang) gets the request as before. A prompt that alone fills the context still gets SGLang's own
+400, as vLLM refuses it too.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from rollout_service.bounded_http import request
+
+log = logging.getLogger(__name__)
+
+MAX_CONTEXT_TOKENS = 1 << 31
+"""The largest context length taken from a server's answer (a larger one is not believed)."""
+
+
+@dataclass(frozen=True)
+class ContextLimits:
+    """One server's length limits; None where it did not say."""
+
+    context_len: int | None
+    """Prompt + ``max_new_tokens`` may be at most this (``/v1/models`` ``max_model_len``)."""
+    max_input_len: int | None
+    """An input must be shorter than this (``/server_info`` ``max_req_input_len``)."""
+
+    def caps(self, prompt_lengths: list[int], max_new_tokens: int, *, rescoring: bool) -> list[int] | None:
+        """Per prompt, the ``max_new_tokens`` to send it with; None when every prompt may have
+        ``max_new_tokens`` as it is (the request is then sent unchanged)."""
+        limit = self.context_len
+        if rescoring and self.max_input_len is not None:
+            # prompt + completion, rescored as an input, must stay under max_input_len
+            limit = self.max_input_len - 1 if limit is None else min(limit, self.max_input_len - 1)
+        if limit is None:
+            return None
+        caps = [max(0, min(max_new_tokens, limit - n)) for n in prompt_lengths]
+        return caps if any(c < max_new_tokens for c in caps) else None
+
+
+def read_context_limits(
+    client: httpx.Client, url: str, *, headers: dict[str, str], timeout_s: float
+) -> ContextLimits | None:
+    """``url``'s limits; None when it could not be asked (no answer: ask again next time)."""
+    answers: list[Any] = []
+    for path in ("/v1/models", "/server_info"):
+        try:
+            answer = request(client, "GET", f"{url}{path}", headers=headers, timeout_s=timeout_s)
+        except httpx.HTTPError:
+            return None
+        try:
+            answers.append(answer.json() if answer.status_code == 200 else None)
+        except ValueError:
+            answers.append(None)
+    models, info = answers
+    max_input = _positive(info.get("max_req_input_len")) if isinstance(info, dict) else None
+    limits = ContextLimits(_base_model_len(models), max_input)
+    log.debug("SGLang at %s: context length %s, longest input %s", url, limits.context_len, limits.max_input_len)
+    return limits
+
+
+def _base_model_len(models: Any) -> int | None:
+    """``max_model_len`` of the base model's card (the one without a ``parent``: LoRA adapters'
+    cards have one) in a ``/v1/models`` answer."""
+    cards = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(cards, list):
+        return None
+    for card in cards:
+        if isinstance(card, dict) and card.get("parent") is None:
+            return _positive(card.get("max_model_len"))
+    return None
+
+
+def _positive(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_CONTEXT_TOKENS:
+        return None
+    return value
