@@ -380,14 +380,15 @@ def test_the_trainer_refuses_the_stop_token_that_kills_sglang(tiny_model_dir: Pa
 # --- 5. evaluation generates with the newest weights --------------------------------------------------
 
 
+@pytest.mark.parametrize("how", ["evaluate", "predict"])
 def test_evaluate_after_train_syncs_the_final_weights_before_generating(
-    tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout
+    tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout, how: str
 ) -> None:
-    """After train() with max_staleness=1, evaluate() must generate with the final step's weights and
-    leave no sync running. The fake sidecar's /wait confirms a version when it is asked (fake_sglang's
-    FakeRollout, not a real SGLang: none is started here); a sync in the background is held back until
-    evaluate() returned, as a slow replica would be, so one left in the background shows in the
-    versions that answered and in the publisher still busy."""
+    """After train() with max_staleness=1, evaluate() (and predict(), session 26) must generate with the
+    final step's weights and leave no sync running. The fake sidecar's /wait confirms a version when it
+    is asked (fake_sglang's FakeRollout, not a real SGLang: none is started here); a sync in the
+    background is held back until evaluate() returned, as a slow replica would be, so one left in the
+    background shows in the versions that answered and in the publisher still busy."""
     trainer = make_trainer(
         tiny_model_dir, make_config(tmp_path, tmp_path, [fake.url], [fake.url], max_steps=2, max_staleness=1)
     )
@@ -405,7 +406,10 @@ def test_evaluate_after_train_syncs_the_final_weights_before_generating(
     publisher.waiter.wait = wait
     before, seen = publisher.latest_version, len(generation.history)
     try:
-        trainer.evaluate(eval_dataset=prompts_dataset(4))
+        if how == "evaluate":
+            trainer.evaluate(eval_dataset=prompts_dataset(4))
+        else:
+            trainer.predict(prompts_dataset(4))
         busy = publisher.busy
     finally:
         evaluated.set()

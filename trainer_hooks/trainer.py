@@ -362,6 +362,11 @@ class _SGLangBackendMixin:
         with self.vllm_generation.syncing_in_foreground():
             return super().evaluate(*args, **kwargs)  # type: ignore[misc]
 
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's ``predict``, its rollouts generated with the newest weights (as :meth:`evaluate`'s)."""
+        with self.vllm_generation.syncing_in_foreground():
+            return super().predict(*args, **kwargs)  # type: ignore[misc]
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"  # type: ignore[attr-defined]
         for key, values in self.vllm_generation.drain_metrics().items():
