@@ -141,6 +141,9 @@ class SyncController:
         self._identity_seen: dict[int, tuple[int, ...] | None] = {}
         """Each step's publication identity as seen before its last validation started: a
         rejection stands until it changes (taken before, so a change during validation counts)."""
+        self._rescanned_last: int | None = None
+        """The rejected step whose files a listing looked at last: the next listing goes on from
+        the one below it (see :meth:`_listing`), so that every rejected step gets its turn."""
         self._listing_problem: str | None = None
         """Why the root's last listing failed although the root answered (too_many_entries)."""
         self._root_hung_in_validation = False
@@ -717,16 +720,62 @@ class SyncController:
 
     def _listing(self) -> tuple[list[PublishedCheckpoint], dict[int, tuple[int, ...] | None]]:
         """(Blocking: on the root.) The candidates, and the publication identity of each one that
-        was rejected (the loop decides from it whether the rejection still stands)."""
+        was rejected (the loop decides from it whether the rejection still stands).
+
+        Each rejected step's folder and manifest are looked at every time (two ``lstat``: a
+        republished step, or a folder whose entries changed, is looked at anew at once). Its
+        files' part (a ``stat`` of each entry: a file completed in place changes nothing else)
+        is read only while the folder and manifest are as they were at the rejection, and for
+        at most :data:`RESCAN_ENTRIES` entries per listing, all steps together, taking turns
+        (newest first): junk steps rejected by the hundred, each with thousands of files, would
+        otherwise make every listing, run twice a pass under ``--root-timeout``, read them all
+        again. A step whose files were not read this time keeps its rejection until its turn."""
         candidates = self._candidates()
-        rejected = set(self.state.rejected)
+        rejected = dict(self.state.rejected)
         identities: dict[int, tuple[int, ...] | None] = {}
+        to_rescan: list[PublishedCheckpoint] = []
         for c in candidates:
-            if c.step in rejected:
-                try:
-                    identities[c.step] = _rejection_identity(c.path, self.state.rejected.get(c.step))
-                except OSError:
-                    pass  # not read (EIO, ESTALE...): the rejection stands, its crash count too
+            if c.step not in rejected:
+                continue
+            try:
+                shallow: tuple[int, ...] | None = _read_identity(c.path, files=False)
+            except FileNotFoundError:
+                shallow = None  # gone, or half replaced: looked at anew
+            except OSError:
+                continue  # not read (EIO, ESTALE...): the rejection stands, its crash count too
+            identities[c.step] = shallow
+            then = self._rejected_at.get(c.step)
+            if (
+                shallow is not None
+                and rejected[c.step] not in FOLDER_REASONS
+                and then is not None
+                and len(then) > len(shallow)
+                and then[: len(shallow)] == shallow
+            ):
+                to_rescan.append(c)  # as it was: only its files can tell
+        to_rescan.reverse()  # newest first, from the one after the step looked at last, around
+        last = self._rescanned_last
+        if last is not None:
+            to_rescan = [c for c in to_rescan if c.step < last] + [c for c in to_rescan if c.step >= last]
+        budget = RESCAN_ENTRIES
+        for c in to_rescan:
+            if budget <= 0:
+                break
+            first = budget == RESCAN_ENTRIES  # (read whole, however many it holds: none waits forever)
+            try:
+                files, looked = _files_identity(c.path, limit=MAX_CHECKPOINT_ENTRIES if first else budget)
+            except FileNotFoundError:
+                files, looked = None, 0
+                identities[c.step] = None  # gone, or half replaced: looked at anew
+            except OSError:
+                files, looked = None, 0  # not read (EIO, ESTALE...): it stands until its next turn
+            budget -= max(looked, 1)
+            if files is None and looked:
+                break  # more entries than this listing has left to look at: first in turn next time
+            self._rescanned_last = c.step
+            shallow = identities[c.step]
+            if files is not None and shallow is not None:
+                identities[c.step] = (*shallow, files)
         return candidates, identities
 
     def _candidates(self) -> list[PublishedCheckpoint]:
@@ -1164,12 +1213,25 @@ class SyncController:
 
 
 FOLDER_REASONS = frozenset(
-    {"bad_manifest", "missing_manifest", "path_escape", "not_a_checkpoint", "missing_checkpoint"}
+    {
+        "bad_manifest",
+        "missing_manifest",
+        "path_escape",
+        "not_a_checkpoint",
+        "missing_checkpoint",
+        "too_many_entries",
+    }
 )
-"""Rejections about the step's folder or its manifest alone: they end when either changes.
-Every other reason is about what the files hold (a shard, the config or the index seen before
-its bytes were all there) and ends when any file of the step changes too: a checkpoint copied
-in file by file, in any order, loads once complete."""
+"""Rejections about the step's folder or its manifest alone: they end when either changes (the
+folder's own ``lstat`` changes when an entry is added, removed or renamed in it: all that can
+change how many it holds). Every other reason is about what the files hold (a shard, the config
+or the index seen before its bytes were all there) and ends when any file of the step changes
+too: a checkpoint copied in file by file, in any order, loads once complete."""
+
+RESCAN_ENTRIES = MAX_CHECKPOINT_ENTRIES
+"""Entries of rejected steps' folders one listing looks at, all steps together (see
+:meth:`SyncController._listing`; the first step it reads is read whole, up to
+``MAX_CHECKPOINT_ENTRIES``): a listing's cost does not grow with the junk rejected."""
 
 
 def _read_identity(path: Path, files: bool = True) -> tuple[int, ...]:
@@ -1183,14 +1245,26 @@ def _read_identity(path: Path, files: bool = True) -> tuple[int, ...]:
     shallow = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, m.st_ino, m.st_size, m.st_mtime_ns, m.st_ctime_ns)
     if not files:
         return shallow
-    seen = []
+    files_part, _ = _files_identity(path)
+    assert files_part is not None
+    return (*shallow, files_part)
+
+
+def _files_identity(path: Path, limit: int = MAX_CHECKPOINT_ENTRIES) -> tuple[int | None, int]:
+    """(Blocking.) The files' part of :func:`_read_identity` (the first ``MAX_CHECKPOINT_ENTRIES``
+    entries of the folder ``path``: a folder holding more was rejected for it), and how many
+    entries were looked at; None instead of the part when the folder holds more than ``limit``
+    (below ``MAX_CHECKPOINT_ENTRIES``): given up on after ``limit``. Raises ``OSError``."""
+    seen: list[tuple[str, int, int, int, int]] = []
     with os.scandir(path) as entries:
-        for i, entry in enumerate(entries):
-            if i >= MAX_CHECKPOINT_ENTRIES:
+        for entry in entries:
+            if len(seen) >= MAX_CHECKPOINT_ENTRIES:
                 break
+            if len(seen) >= limit:
+                return None, len(seen)
             f = entry.stat(follow_symlinks=False)
             seen.append((entry.name, f.st_ino, f.st_size, f.st_mtime_ns, f.st_ctime_ns))
-    return (*shallow, hash(tuple(sorted(seen))))
+    return hash(tuple(sorted(seen))), len(seen)
 
 
 def _publication_identity(path: Path) -> tuple[int, ...] | None:
