@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import mmap
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,12 +39,15 @@ from .checkpoint_paths import resolve_inside
 from .digest import format_digest, new_hasher
 from .finite import count_non_finite
 from .full_writes import write_all
-from .safetensors_header import read_header
+from .safetensors_header import count_entries, read_header
 from .shown_values import shown
 from .untrusted_files import NO_DEADLINE, Deadline, any_failure_is_the_steps, fd_path, open_regular, read_small
 
 TensorSpecs = dict[str, tuple[str, tuple[int, ...]]]
 """tensor name -> (safetensors dtype tag, shape)"""
+HeaderCheck = Callable[[memoryview], None]
+"""Looks at a safetensors header's JSON (the bytes after its length field) before safetensors
+parses it, and raises ``CheckpointError`` to stop the parse (see :func:`_specs_of_fd`)."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,11 @@ whose loading needs scales)."""
 
 
 def read_safetensors_specs(
-    path: Path, *, root: Path | None = None, max_header_bytes: int = MAX_SHARD_HEADER_BYTES
+    path: Path,
+    *,
+    root: Path | None = None,
+    max_header_bytes: int = MAX_SHARD_HEADER_BYTES,
+    check: HeaderCheck | None = None,
 ) -> TensorSpecs:
     """Tensor names, dtypes and shapes of one safetensors file, from its header only.
 
@@ -126,15 +134,23 @@ def read_safetensors_specs(
     A header longer than ``max_header_bytes`` is refused (``header_too_large``) from its length
     field, before any of it is read: a kind of file with smaller headers (an adapter's) gives
     its own cap, so a crafted one cannot make the parse take seconds and hundreds of MB.
+    ``check`` sees the header's JSON before safetensors parses it (as :func:`_specs_of_fd`).
     """
     path = Path(path)
     with open_regular(root if root is not None else path.parent, path, where=path.name) as (fd, _):
-        return _specs_of_fd(fd, path.name, max_header_bytes)
+        return _specs_of_fd(fd, path.name, max_header_bytes, check)
 
 
-def _specs_of_fd(fd: int, where: str, max_header_bytes: int = MAX_SHARD_HEADER_BYTES) -> TensorSpecs:
+def _specs_of_fd(
+    fd: int, where: str, max_header_bytes: int = MAX_SHARD_HEADER_BYTES, check: HeaderCheck | None = None
+) -> TensorSpecs:
+    """The specs of the safetensors file behind ``fd``, from safetensors' parse of its header.
+    ``check`` sees the header's JSON first (a header whose length field is refused, or runs past
+    the file, is not shown to it: safetensors refuses it): the way to refuse a header that
+    declares more, or other, tensors than it may before safetensors and this function make
+    objects of all of them (see :func:`_full_specs`)."""
     try:
-        with _header_copy(fd, where, max_header_bytes) as path, safe_open(path, framework="numpy") as f:
+        with _header_copy(fd, where, max_header_bytes, check) as path, safe_open(path, framework="numpy") as f:
             return {k: (str(f.get_slice(k).get_dtype()), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
     except CheckpointError:
         raise
@@ -147,18 +163,25 @@ def _specs_of_fd(fd: int, where: str, max_header_bytes: int = MAX_SHARD_HEADER_B
 
 
 @contextlib.contextmanager
-def _header_copy(fd: int, where: str, max_header_bytes: int) -> Iterator[str]:
+def _header_copy(fd: int, where: str, max_header_bytes: int, check: HeaderCheck | None = None) -> Iterator[str]:
     """A path to a private copy of the safetensors file behind ``fd``: its first 8 bytes and
-    header, then a hole up to the file's size (no memory, no disk).
+    header, then a hole up to the file's size (no memory, no disk). ``check``, when given, sees
+    the header's JSON first (read from the copy), unless the length field leaves none to see.
 
     safetensors maps the file it opens and parses the header from the map: a root file
     truncated by someone else meanwhile (a large header takes a while) would kill this
     process with SIGBUS. Nobody else can truncate the copy, and safetensors still checks the
-    header against the file's size. Without ``memfd_create`` the file itself is opened.
+    header against the file's size. Without ``memfd_create`` the file itself is opened (and
+    ``check`` sees a copy of its header read with ``pread``).
     """
     size = os.fstat(fd).st_size
     keep = _header_end(fd, where, size, max_header_bytes)
     if not hasattr(os, "memfd_create"):
+        if check is not None and keep > 8:
+            header = memoryview(bytearray(keep - 8))
+            _pread_exactly(fd, header, 8, where, size)
+            check(header)
+            del header
         yield fd_path(fd)
         return
     copy = os.memfd_create("safetensors-header", getattr(os, "MFD_CLOEXEC", 0))
@@ -170,6 +193,11 @@ def _header_copy(fd: int, where: str, max_header_bytes: int) -> Iterator[str]:
                 _pread_exactly(fd, piece, offset, where, size)
                 write_all(out.fileno(), piece)
         os.ftruncate(copy, size)
+        if check is not None and keep > 8:
+            # The copy's pages, mapped: the header is not held a second time to be looked at.
+            with mmap.mmap(copy, keep, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
+                with view[8:keep] as header:
+                    check(header)
         yield fd_path(copy)
     finally:
         os.close(copy)
@@ -369,7 +397,7 @@ def _validate(
         shards: list[str] = []  # nothing loadable: the files are compressed XORs
         checks.append("delta files hold the blobs the manifest names")
     else:
-        shards, specs = _full_specs(root, real_dir, name, manifest, deadline)
+        shards, specs = _full_specs(root, real_dir, name, manifest, deadline, reference)
         checks.append("safetensors headers cover their files")
         if len(shards) > 1 or INDEX_NAME in manifest.files:
             checks.append("index matches shards")
@@ -427,23 +455,39 @@ def published_step_specs(
 
 
 def _full_specs(
-    root: Path, real_dir: Path, name: str, manifest: Manifest, deadline: Deadline
+    root: Path, real_dir: Path, name: str, manifest: Manifest, deadline: Deadline, reference: TensorSpecs | None = None
 ) -> tuple[list[str], TensorSpecs]:
-    """The shards of a full checkpoint and its tensors' specs, from the shards' headers."""
+    """The shards of a full checkpoint and its tensors' specs, from the shards' headers.
+
+    What a junk step costs is bounded by what the manifest says, and with a ``reference`` by
+    the reference: the shards' entries must add up to ``tensor_count`` before any shard is
+    read, and each shard's header is counted (:func:`~rollout_service.safetensors_header.count_entries`)
+    before safetensors parses it: it must declare exactly the tensors its entry says
+    (``bad_manifest``), all of them names of the reference (``extra_tensor``, at the first shard
+    that has another). So at most one shard's header is in memory at a time, and only a header
+    that holds what it should is parsed, into specs that add up to at most ``tensor_count`` (and
+    the reference's count); shapes, dtypes and missing tensors are compared afterwards
+    (:func:`compare_specs`).
+    """
     shards = sorted(f for f in manifest.files if f.endswith(".safetensors"))
     if not shards:
         raise CheckpointError("missing_file", f"{name}: the manifest lists no .safetensors file")
+    listed = sum(manifest.files[f].tensors for f in shards)
+    if listed != manifest.tensor_count:
+        raise CheckpointError(
+            "bad_manifest",
+            f"{name}: the manifest's shard entries hold {listed} tensors, tensor_count says {manifest.tensor_count}",
+        )
     specs: TensorSpecs = {}
     owner: dict[str, str] = {}
     for fname in shards:
-        deadline.check(f"{name}/{fname}")
-        with open_regular(root, real_dir / fname, where=f"{name}/{fname}") as (fd, _):
-            file_specs = _specs_of_fd(fd, f"{name}/{fname}")
-        if len(file_specs) != manifest.files[fname].tensors:
-            raise CheckpointError(
-                "bad_manifest",
-                f"{name}/{fname} holds {len(file_specs)} tensors, the manifest says {manifest.files[fname].tensors}",
-            )
+        where = f"{name}/{fname}"
+        deadline.check(where)
+        want = manifest.files[fname].tensors
+        with open_regular(root, real_dir / fname, where=where) as (fd, _):
+            file_specs = _specs_of_fd(fd, where, check=_shard_check(where, want, reference))
+        if len(file_specs) != want:  # a name given twice: safetensors keeps one
+            raise CheckpointError("bad_manifest", f"{where} holds {len(file_specs)} tensors, the manifest says {want}")
         for tname in file_specs:
             if tname in owner:
                 raise CheckpointError(
@@ -451,21 +495,36 @@ def _full_specs(
                 )
             owner[tname] = fname
         specs.update(file_specs)
-    if len(specs) != manifest.tensor_count:
-        raise CheckpointError(
-            "bad_manifest",
-            f"{name}: shards hold {len(specs)} tensors, the manifest says {manifest.tensor_count}",
-        )
     if len(shards) > 1 or INDEX_NAME in manifest.files:
         _check_index(root, real_dir, name, owner)
     return shards, specs
+
+
+def _shard_check(where: str, want: int, reference: TensorSpecs | None) -> HeaderCheck:
+    """A shard's header must declare ``want`` tensors (``bad_manifest``), every one a name of
+    ``reference`` when there is one (``extra_tensor``): counted before it is parsed."""
+
+    def check(header: memoryview) -> None:
+        found = count_entries(header, where, limit=want, known=reference)
+        if found.unknown:
+            more = "" if found.complete else " or more"
+            raise CheckpointError(
+                "extra_tensor",
+                f"{where} has {found.unknown}{more} tensor(s) the reference lacks, e.g. {_some(list(found.examples))}",
+            )
+        if found.count != want:
+            held = found.count if found.complete else f"more than {want}"
+            raise CheckpointError("bad_manifest", f"{where} holds {held} tensors, the manifest says {want}")
+
+    return check
 
 
 def _delta_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, deadline: Deadline) -> TensorSpecs:
     """The specs of the checkpoint a delta rebuilds, after checking its files against them.
 
     Every ``delta-*.safetensors`` must hold exactly the ``U8`` blobs the manifest assigns to
-    it (one per changed tensor), every target shard must be described, and each target shard's
+    it (one per changed tensor: its header is counted against them before it is parsed, as a
+    full step's shards are), every target shard must be described, and each target shard's
     size must be its tensors' bytes (from their dtypes and shapes) and a header of at most
     ``MAX_SHARD_HEADER_BYTES``.
     """
@@ -506,13 +565,19 @@ def _delta_specs(root: Path, real_dir: Path, name: str, manifest: Manifest, dead
                 f" bytes, so it must be a little larger (a header of at most {MAX_SHARD_HEADER_BYTES} bytes)",
             )
     for fname in sorted(f for f in manifest.files if f.endswith(".safetensors")):
-        deadline.check(f"{name}/{fname}")
-        with open_regular(root, real_dir / fname, where=f"{name}/{fname}") as (fd, _):
-            file_specs = _specs_of_fd(fd, f"{name}/{fname}")
-        if set(file_specs) != expected.get(fname, set()):
-            raise CheckpointError(
-                "delta_corrupt", f"{name}/{fname} holds other tensors than the manifest assigns to it"
-            )
+        where = f"{name}/{fname}"
+        deadline.check(where)
+        assigned = expected.get(fname, set())
+
+        def check(header: memoryview, where: str = where, assigned: set[str] = assigned) -> None:
+            found = count_entries(header, where, limit=len(assigned), known=assigned)
+            if found.unknown or found.count != len(assigned):
+                raise CheckpointError("delta_corrupt", f"{where} holds other tensors than the manifest assigns to it")
+
+        with open_regular(root, real_dir / fname, where=where) as (fd, _):
+            file_specs = _specs_of_fd(fd, where, check=check)
+        if set(file_specs) != assigned:
+            raise CheckpointError("delta_corrupt", f"{where} holds other tensors than the manifest assigns to it")
         odd = sorted(k for k, (dt, shape) in file_specs.items() if dt != "U8" or len(shape) != 1)
         if odd:
             raise CheckpointError("delta_corrupt", f"{name}/{fname}: {odd[0]} is not a U8 blob")

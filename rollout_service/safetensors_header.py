@@ -18,14 +18,20 @@ file one of them accepts is one SGLang's loader would open the same way:
 Whether SGLang can *load* a file stays for safetensors itself to say
 (:func:`~rollout_service.checkpoint_reader.read_safetensors_specs` asks it, on a private copy of
 the header); this module never maps a file, so a file truncated meanwhile is an error, not a
-``SIGBUS``.
+``SIGBUS``. Before a checkpoint's header is handed to safetensors (or parsed here), the reader
+counts its entries with :func:`count_entries`: one entry at a time, stopping past the number the
+manifest or the reference allows, so a header of a million crafted entries is refused for the
+few bytes of each it looked at, not for the gigabytes a parse of all of them takes.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from .checkpoint_format import DTYPE_SIZES, MAX_SHARD_HEADER_BYTES, CheckpointError, parse_json_object
@@ -136,6 +142,113 @@ def parse_entries(
             reason, f"{where}: the header's tensors end at byte {at}, the file has {size} (truncated or padded)"
         )
     return tuple(entries)
+
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_scan = json.JSONDecoder().scan_once
+"""``(value, end)`` of the JSON value at an index of a text (C code, strict: no control
+characters in strings); raises ``StopIteration(index)`` where none starts."""
+MAX_UNKNOWN_SHOWN = 3
+"""Names outside those a file may hold that :func:`count_entries` collects before it stops."""
+
+
+@dataclass(frozen=True)
+class EntryCount:
+    """What :func:`count_entries` found in a header: ``count`` tensors (``__metadata__`` aside),
+    ``unknown`` of them not among the names it was given (``examples``: their names). ``complete``
+    is False when it stopped early: past its limit (``count`` is then ``limit + 1``) or at the
+    :data:`MAX_UNKNOWN_SHOWN`-th unknown name."""
+
+    count: int
+    unknown: int = 0
+    examples: tuple[str, ...] = ()
+    complete: bool = True
+
+
+def count_entries(
+    raw: bytes | bytearray | memoryview,
+    where: str,
+    *,
+    limit: int,
+    known: Collection[str] | None = None,
+    reason: str = "header_invalid",
+) -> EntryCount:
+    """Count the tensors safetensors header JSON ``raw`` (the bytes after the length field)
+    declares, without building them: each entry is read and dropped in turn, and the count stops
+    at ``limit + 1``. So a header is measured against what it may hold (a manifest's count, a
+    reference's names) for the memory of one entry, before anything parses all of it:
+    safetensors' parse of a 100 MB header of 1.35M tiny entries takes ~10 s and ~0.5 GB, and the
+    Python specs made from it as much again.
+
+    ``known``: the names the file may hold; the others are counted in ``unknown`` and the count
+    stops at the :data:`MAX_UNKNOWN_SHOWN`-th. More entries with known names than ``known``
+    holds is a name given twice, refused (``reason``), as is JSON that is not an object of
+    entries. What the entries say (dtypes, shapes, offsets) is not looked at: that is for the
+    parse that follows, which then has at most ``limit`` entries to read (with ``known`` and no
+    unknown name, at most ``len(known)``).
+
+    The bytes are read as latin-1 (one character per byte, a copy the size of ``raw``): JSON's
+    structure is ASCII and no byte of a multi-byte UTF-8 character is, so the structure read is
+    the file's; a name with non-ASCII characters is decoded again from its own bytes as UTF-8.
+    """
+    text = str(raw, "latin-1")
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(reason, f"{where}: its safetensors header is not a JSON object of tensors ({what})")
+
+    def skip_whitespace(i: int) -> int:
+        return _WHITESPACE.match(text, i).end()  # type: ignore[union-attr]  # matches empty text too
+
+    i = skip_whitespace(0)
+    if text[i : i + 1] != "{":
+        raise bad("it does not start with '{'")
+    i = skip_whitespace(i + 1)
+    if text[i : i + 1] == "}":
+        return EntryCount(0)
+    count = unknown = 0
+    examples: list[str] = []
+    try:
+        while True:
+            if text[i : i + 1] != '"':
+                raise bad(f"a name was expected at byte {i}")
+            start = i
+            name, i = _scan(text, i)
+            if not name.isascii():
+                name = json.loads(text[start:i].encode("latin-1").decode("utf-8"))
+            if text[i : i + 1] != ":":
+                i = skip_whitespace(i)
+                if text[i : i + 1] != ":":
+                    raise bad(f"':' was expected at byte {i}")
+            i += 1
+            if text[i : i + 1] in " \t\n\r":
+                i = skip_whitespace(i)
+            _, i = _scan(text, i)
+            if name != "__metadata__":
+                count += 1
+                if count > limit:
+                    return EntryCount(count, unknown, tuple(examples), complete=False)
+                if known is not None and name not in known:
+                    unknown += 1
+                    examples.append(name)
+                    if unknown >= MAX_UNKNOWN_SHOWN:
+                        return EntryCount(count, unknown, tuple(examples), complete=False)
+                elif known is not None and count - unknown > len(known):
+                    raise bad(f"it names more than the {len(known)} tensors it may hold: a name is given twice")
+            if text[i : i + 1] not in (",", "}"):
+                i = skip_whitespace(i)
+            if text[i : i + 1] == "}":
+                return EntryCount(count, unknown, tuple(examples))
+            if text[i : i + 1] != ",":
+                raise bad(f"',' or '}}' was expected at byte {i}")
+            i += 1
+            if text[i : i + 1] != '"':
+                i = skip_whitespace(i)
+    except CheckpointError:
+        raise
+    except StopIteration as exc:  # the scanner's word for "no JSON value here"
+        raise bad(f"a value was expected at byte {exc.value}") from None
+    except (ValueError, RecursionError) as exc:  # invalid JSON or UTF-8, a number too long
+        raise bad(str(exc)[:200]) from None
 
 
 def read_header(
