@@ -52,7 +52,7 @@ from .digest import format_digest, new_hasher
 from .finite import count_non_finite
 from .full_writes import pwrite_all, write_all
 from .ordered_digests import Abandoned, OrderedDigests
-from .safetensors_header import header_length, parse_entries, read_header
+from .safetensors_header import count_entries, header_length, parse_entries, read_header
 from .tree_removal import remove_tree
 from .untrusted_files import Deadline, VerifiedRead, copy_verified, open_regular
 from .work_folders import owner_tag, remove_left_by_dead_writers
@@ -344,13 +344,24 @@ def _rebuild_shard(
             raise CheckpointError(
                 "base_mismatch", f"{base_where} has {st.st_size} bytes, its manifest says {base_entry.size}"
             )
-        header = read_header(fd, st.st_size, base_where)
+        known = frozenset(members)
+
+        def other_tensors() -> CheckpointError:
+            return CheckpointError(
+                "delta_layout_mismatch", f"{where}: the base shard holds other tensors than the delta says"
+            )
+
+        def same_names(raw: memoryview) -> None:  # counted before it is parsed: a junk base's
+            # header (up to 100 MB of tiny entries) would cost ~1 GB as Python objects
+            found = count_entries(raw, base_where, limit=len(members), known=known)
+            if found.unknown or found.count != len(members):
+                raise other_tensors()
+
+        header = read_header(fd, st.st_size, base_where, check=same_names)
         prefix = header.prefix
         order = {e.name: (e.dtype, list(e.shape), e.nbytes) for e in header.entries}
         if sorted(order) != sorted(members):
-            raise CheckpointError(
-                "delta_layout_mismatch", f"{where}: the base shard holds other tensors than the delta says"
-            )
+            raise other_tensors()
         delta_files: dict[str, _DeltaFile] = {}
         tensors: list[tuple[str, DeltaTensor]] = []
         parts: list[tuple[int, int, memoryview | None, str, str]] = []

@@ -31,7 +31,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from .checkpoint_format import DTYPE_SIZES, MAX_SHARD_HEADER_BYTES, CheckpointError, parse_json_object
@@ -259,11 +259,16 @@ def read_header(
     max_bytes: int = MAX_SHARD_HEADER_BYTES,
     reason: str = "header_invalid",
     foreign: bool = False,
+    check: Callable[[memoryview], None] | None = None,
 ) -> Header:
     """Read and check the header of the file behind ``fd`` (``size`` bytes, as ``fstat`` said
-    when it was opened) with ``pread``: no file position is used or moved."""
+    when it was opened) with ``pread``: no file position is used or moved. ``check`` sees the
+    header's JSON before it is parsed (e.g. :func:`count_entries` against the names it may hold)
+    and raises ``CheckpointError`` to stop there."""
     length = header_length(_pread(fd, min(8, size), 0, where, reason), size, where, max_bytes=max_bytes, reason=reason)
     prefix = _pread(fd, 8 + length, 0, where, reason)
+    if check is not None:
+        check(memoryview(prefix)[8:])
     return Header(prefix, parse_entries(memoryview(prefix)[8:], size, where, reason=reason, foreign=foreign))
 
 

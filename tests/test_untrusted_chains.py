@@ -708,3 +708,39 @@ def test_a_chain_whose_manifests_hold_too_much_free_text_is_refused_before_it_is
     with pytest.raises(CheckpointError) as err:
         resolve_chain(root, ChainLink(root / step_dir_name(4), four))
     assert err.value.reason == "broken_chain" and "writer and extra" in str(err.value)
+
+
+def test_a_base_shard_header_of_other_names_is_refused_before_it_is_parsed(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain's full step whose shard declares thousands of other (tiny) tensors: refused as
+    delta_layout_mismatch from a count of its header's names, before the header is parsed into
+    Python objects (a 100 MB header of tiny entries costs ~1 GB so; session 26)."""
+    from rollout_service import safetensors_header
+
+    base = _dir(root, 1)
+    manifest = json.loads((base / MANIFEST_NAME).read_text())
+    fname = sorted(f for f in manifest["files"] if f.endswith(".safetensors"))[0]
+    data = (base / fname).read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    junk = {f"junk.{i}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]} for i in range(20_000)}
+    raw = json.dumps(junk, separators=(",", ":")).encode()
+    spoiled = struct.pack("<Q", len(raw)) + raw
+    (base / fname).write_bytes(spoiled)
+
+    def edit(d: dict) -> None:
+        d["files"][fname].update(digest=_digest(spoiled), size=len(spoiled))
+        d["total_bytes"] = sum(f["size"] for f in d["files"].values())
+
+    spoil(root, 1, edit, monkeypatch)
+    parsed: list[int] = []
+    real_parse = safetensors_header.parse_entries
+
+    def parse(raw: Any, *args: Any, **kwargs: Any) -> Any:
+        parsed.append(len(raw))
+        return real_parse(raw, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors_header, "parse_entries", parse)
+    for err in build_and_materialize(root, tmp_path):
+        assert err.reason == "delta_layout_mismatch", err
+    assert len(raw) not in parsed  # the junk header was counted, never parsed
