@@ -68,7 +68,8 @@ def read_context_limits(
     for path in ("/v1/models", "/server_info"):
         try:
             answer = request(client, "GET", f"{url}{path}", headers=headers, timeout_s=timeout_s)
-        except httpx.HTTPError:
+        except Exception as exc:  # best effort (a transport may raise anything): the request goes as it is
+            log.debug("could not read SGLang's length limits at %s%s: %r", url, path, exc)
             return None
         try:
             answers.append(answer.json() if answer.status_code == 200 else None)
