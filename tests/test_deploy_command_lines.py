@@ -103,9 +103,11 @@ def test_cpu_dev_sglang_flags_are_the_launchers_cpu_flags():
 
 def test_docs_mention_only_real_rollout_variables():
     text = DOCS.read_text()
+    from rollout_demo.cli import build_parser as demo_parser
+
     known = set()
-    for command in ("sidecar", "serve"):
-        sub = cli_subcommands(build_parser())[command]
+    for parser, command in ((build_parser(), "sidecar"), (build_parser(), "serve"), (demo_parser(), "demo")):
+        sub = cli_subcommands(parser)[command]
         known |= {
             env_name(flag)
             for action in sub._actions
