@@ -149,7 +149,11 @@ MAX_ERROR_CHARS = 4096
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is unusable. ``reason`` is a short stable code for metrics and logs."""
+    """A checkpoint is unusable. ``reason`` is a short stable code for metrics and logs.
+
+    The message quotes names from the untrusted root: it is cut to :data:`MAX_ERROR_CHARS` and its
+    control characters (a newline, ESC, ``\\u2028``) are escaped (``shown_values.shown_text``), so
+    it is one line that forges no log line and moves no terminal cursor wherever it is shown."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(shown_text(message, MAX_ERROR_CHARS))

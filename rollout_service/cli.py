@@ -47,6 +47,7 @@ from .lora_serving import DEFAULT_MAX_RANK, DEFAULT_TARGET_MODULES, add_lora_fla
 from .publish_dtypes import PUBLISHABLE_DTYPES, publishable_dtype_argument
 from .serve import STOP_SIGNALS, RestartPolicy, run_serve
 from .sglang_launcher import API_KEY_OPTIONS, SGLangServer, SGLangServerConfig, flag_value, free_port, server_url
+from .shown_values import ShownLogFormatter, escape_controls
 from .sidecar.root_gate import answered_within
 from .sidecar.settings import SidecarSettings
 from .user_paths import setting_path
@@ -220,12 +221,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         reference = _reference_specs(Path(args.reference)) if args.reference else None
     except (OSError, CheckpointError) as exc:
         why = f" ({exc.reason}): {exc}" if isinstance(exc, CheckpointError) else f": {_os_error_text(exc)}"
-        print(f"error: cannot read --reference {args.reference}{why}", file=sys.stderr)
+        print(escape_controls(f"error: cannot read --reference {args.reference}{why}"), file=sys.stderr)
         return 2
     try:
         summary = _validate_step(args, reference)
     except CheckpointError as exc:  # every bad input arrives as one (see checkpoint_reader, adapter_reader)
-        print(f"INVALID ({exc.reason}): {exc}", file=sys.stderr)
+        print(escape_controls(f"INVALID ({exc.reason}): {exc}"), file=sys.stderr)
         return 1
     print(json.dumps(summary))
     return 0
@@ -414,7 +415,7 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
             args.step,
             out,
             timeout_s=args.timeout,
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
+            progress=lambda line: print(escape_controls(line), file=sys.stderr, flush=True),
         )
     except KeyboardInterrupt:
         done = None if existed else _materialized_at(out, args.root, args.step)
@@ -427,7 +428,9 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
         manifest = done
     except CheckpointError as exc:
         print(
-            f"error: cannot materialize {step_dir_name(args.step)} under {args.root} ({exc.reason}): {exc}",
+            escape_controls(
+                f"error: cannot materialize {step_dir_name(args.step)} under {args.root} ({exc.reason}): {exc}"
+            ),
             file=sys.stderr,
         )
         return 1
@@ -933,10 +936,9 @@ def main(argv: list[str] | None = None, extra_commands: Sequence[Registrar] = ()
         if not hasattr(args, "sglang_args"):
             parser.error("arguments after '--' are only accepted by `serve`")
         args.sglang_args = passthrough
-    logging.basicConfig(
-        level=getattr(logging, args.log_level),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler()
+    handler.setFormatter(log_formatter())
+    logging.basicConfig(level=getattr(logging, args.log_level), handlers=[handler])
     interruptible = (
         args.command not in SIGNAL_HANDLING_COMMANDS and threading.current_thread() is threading.main_thread()
     )
@@ -944,7 +946,7 @@ def main(argv: list[str] | None = None, extra_commands: Sequence[Registrar] = ()
     try:
         return int(args.func(args) or 0)
     except (OSError, ValueError) as exc:  # bad paths and values: a message, not a traceback
-        print(f"error: {exc}", file=sys.stderr)
+        print(escape_controls(f"error: {exc}"), file=sys.stderr)  # it may quote a name from the root
         return 2
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (timeout, Kubernetes, systemd): cleaned up on the way out
         signum = _interrupted_by.pop() if _interrupted_by else signal.SIGINT
@@ -953,6 +955,18 @@ def main(argv: list[str] | None = None, extra_commands: Sequence[Registrar] = ()
     finally:
         if interruptible:
             signal.signal(signal.SIGTERM, previous)
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""The commands' log lines (``sidecar`` and ``serve`` too: their loggers propagate to the root
+handler :func:`main` installs; uvicorn's own loggers keep uvicorn's handlers)."""
+
+
+def log_formatter() -> logging.Formatter:
+    """The formatter of the commands' log lines: :data:`LOG_FORMAT`, each record's message one line
+    with its control characters escaped (a name from the root holding a newline and a forged log
+    line, or a terminal escape, shows as ``\\n``/``\\x1b``); a traceback follows on lines of its own."""
+    return ShownLogFormatter(LOG_FORMAT)
 
 
 SIGNAL_HANDLING_COMMANDS = {"serve", "sidecar"}
