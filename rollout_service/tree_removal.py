@@ -19,8 +19,9 @@ from pathlib import Path
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
-def remove_tree(path: Path | str) -> None:
-    """Remove ``path`` and everything in it, never following a link, never recursing.
+def remove_tree(path: Path | str) -> int:
+    """Remove ``path`` and everything in it, never following a link, never recursing; return
+    the bytes of the files removed.
 
     ``shutil.rmtree`` recurses once per level (a tree 1000 levels deep, which any process
     writing under the root can make, raises ``RecursionError``) and stops at the first entry
@@ -30,21 +31,33 @@ def remove_tree(path: Path | str) -> None:
     ``OSError`` naming ``path``, how many entries failed and the first failure. A link or a
     file at ``path`` is unlinked (never what it points to).
     """
-    path = Path(path)
-    if not stat.S_ISDIR(os.lstat(path).st_mode):
-        os.unlink(path)
-        return
+    return _remove(None, Path(path), str(path))
+
+
+def remove_tree_at(dir_fd: int, name: str, shown: Path | str | None = None) -> int:
+    """:func:`remove_tree` of the entry ``name`` of the folder open as ``dir_fd``: the folder
+    it is looked up in stays the one opened, whatever is renamed or linked at its path meanwhile
+    (``shown``: the path messages name, default ``name``). Returns the bytes of the files removed."""
+    return _remove(dir_fd, name, str(name if shown is None else shown))
+
+
+def _remove(dir_fd: int | None, name: Path | str, shown: str) -> int:
+    st = os.lstat(name, dir_fd=dir_fd)
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=dir_fd)
+        return st.st_size
     failures: list[tuple[str, OSError]] = []
+    freed = [0]
     moved_prefix = f".rm-{uuid.uuid4().hex[:12]}-"
     counter = itertools.count()
-    top = os.open(path, _DIR_FLAGS)
+    top = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
     try:
-        pending = _empty_folder(top, None, moved_prefix, counter, failures)
+        pending = _empty_folder(top, None, moved_prefix, counter, failures, freed)
         while pending:
-            name, was = pending.pop()
+            moved, was = pending.pop()
             try:
-                pending.extend(_empty_folder(top, name, moved_prefix, counter, failures))
-                os.rmdir(name, dir_fd=top)
+                pending.extend(_empty_folder(top, moved, moved_prefix, counter, failures, freed))
+                os.rmdir(moved, dir_fd=top)
             except FileNotFoundError:
                 continue
             except OSError as exc:
@@ -55,27 +68,34 @@ def remove_tree(path: Path | str) -> None:
         where, first = failures[0]
         raise OSError(
             first.errno,
-            f"{len(failures)} entr{'y' if len(failures) == 1 else 'ies'} under {path} could not be removed"
+            f"{len(failures)} entr{'y' if len(failures) == 1 else 'ies'} under {shown} could not be removed"
             f" (first: {where!r}: {first.strerror or first})",
         )
-    os.rmdir(path)
+    os.rmdir(name, dir_fd=dir_fd)
+    return freed[0]
 
 
 def _empty_folder(
-    top: int, name: str | None, moved_prefix: str, counter: Iterator[int], failures: list[tuple[str, OSError]]
+    top: int,
+    name: str | None,
+    moved_prefix: str,
+    counter: Iterator[int],
+    failures: list[tuple[str, OSError]],
+    freed: list[int],
 ) -> list[tuple[str, str]]:
-    """Unlink the non-folders in ``name`` (a folder in ``top``; None: ``top`` itself) and move its
-    folders up into ``top`` under fresh names; return the folders left to empty, as (their name in
-    ``top``, the name they had, for messages)."""
+    """Unlink the non-folders in ``name`` (a folder in ``top``; None: ``top`` itself), adding their
+    bytes to ``freed[0]``, and move its folders up into ``top`` under fresh names; return the
+    folders left to empty, as (their name in ``top``, the name they had, for messages)."""
     fd = top if name is None else os.open(name, _DIR_FLAGS, dir_fd=top)
     folders: list[tuple[str, str]] = []
     try:
         with os.scandir(fd) as entries:
-            children = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
-        for child, is_dir in children:
+            children = [(e.name, e.is_dir(follow_symlinks=False), _size(e)) for e in entries]
+        for child, is_dir, size in children:
             try:
                 if not is_dir:
                     os.unlink(child, dir_fd=fd)
+                    freed[0] += size
                 elif name is None:
                     folders.append((child, child))
                 else:
@@ -90,3 +110,11 @@ def _empty_folder(
         if fd != top:
             os.close(fd)
     return folders
+
+
+def _size(entry: os.DirEntry[str]) -> int:
+    """The bytes of a non-folder ``entry`` (0 for a folder, or one gone meanwhile)."""
+    try:
+        return 0 if entry.is_dir(follow_symlinks=False) else entry.stat(follow_symlinks=False).st_size
+    except OSError:
+        return 0

@@ -8,7 +8,15 @@ marker says a folder is a stage: a folder that holds anything else and no marker
 older version staged into (only such names) is adopted. The stage's own files are opened without
 blocking and must be regular files (a FIFO left at ``.lock`` cannot hang the sidecar). A sidecar
 killed (SIGKILL, OOM) leaves its stage in ``/dev/shm``, which is RAM: :func:`reclaim_shm_leftovers`
-removes the marked ``/dev/shm/rollout-stage-*`` folders whose lock nobody holds.
+removes the marked ``/dev/shm/rollout-stage-*`` folders of this user's whose lock nobody holds,
+each opened once without following a link and emptied through that descriptor.
+
+``/dev/shm`` is every user's: another user may make the stage's (predictable) name first, as a
+folder or as a link, or put folders named like staged copies where the stage works. A stage
+folder must be this user's (or root's); a link at its name is followed only when this user (or
+root) made it and the folder it points to passes the same check, and the stage then works in that
+folder, resolved once (:func:`resolve_stage_path`). A staged copy is adopted only when it and every
+file in it are this user's, regular, and writable by nobody else (:func:`foreign_copy`).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from pathlib import Path
 
 from ..checkpoint_format import TEMP_PREFIX
 from ..full_writes import write_all
-from ..tree_removal import remove_tree
+from ..tree_removal import remove_tree, remove_tree_at
 from ..untrusted_files import _kind
 
 log = logging.getLogger(__name__)
@@ -44,6 +52,8 @@ LEFT_ALONE_NAMES = frozenset({"lost+found"})
 SHM_DIR = Path("/dev/shm")
 SHM_STAGE_PREFIX = "rollout-stage-"
 """Default stages are ``SHM_DIR / (SHM_STAGE_PREFIX + replica id)``."""
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
 class StageError(RuntimeError):
@@ -60,10 +70,13 @@ def _is_stage_name(name: str) -> bool:
     return is_work_name(name) or name in (LOCK_NAME, REFERENCE_NAME, MARKER_NAME) or name in LEFT_ALONE_NAMES
 
 
-def _is_marked(folder: Path) -> bool:
-    """Whether ``folder`` carries the stage marker (a regular file, not followed if a link)."""
+def _is_marked(folder: Path, dir_fd: int | None = None) -> bool:
+    """Whether ``folder`` (or the folder open as ``dir_fd``) carries the stage marker (a regular
+    file, not followed if a link)."""
     try:
-        return stat.S_ISREG(os.lstat(folder / MARKER_NAME).st_mode)
+        return stat.S_ISREG(
+            os.lstat(MARKER_NAME if dir_fd is not None else folder / MARKER_NAME, dir_fd=dir_fd).st_mode
+        )
     except OSError:
         return False
 
@@ -88,22 +101,135 @@ def check_is_stage(folder: Path) -> None:
         )
 
 
-def check_owner(folder: Path) -> None:
-    """``StageError`` unless ``folder`` belongs to this user (or to root, as a Kubernetes emptyDir
-    does). In a folder every user may write to (``/dev/shm``), another user could make the stage
-    folder first, under its predictable name, and then swap the verified copies SGLang loads."""
+def check_owner(folder: Path, *, link: Path | None = None) -> None:
+    """``StageError`` unless ``folder`` is a folder (not a link: see :func:`resolve_stage_path`)
+    that belongs to this user (or to root, as a Kubernetes emptyDir does). In a folder every user
+    may write to (``/dev/shm``), another user could make the stage folder first, under its
+    predictable name, and then swap the verified copies SGLang loads. ``link``: the link
+    ``folder`` was reached by, named in the message."""
+    via = f" (where the link {link} points)" if link is not None else ""
     try:
-        owner = os.stat(folder).st_uid
+        st = os.lstat(folder)
     except OSError as exc:
         raise StageError(
-            f"cannot look at the stage directory {folder}: {exc.strerror}; pass another --stage-dir"
+            f"cannot look at the stage directory {folder}{via}: {exc.strerror}; pass another --stage-dir"
         ) from None
-    if owner not in (os.geteuid(), 0):
+    if not stat.S_ISDIR(st.st_mode):
         raise StageError(
-            f"the stage directory {folder} belongs to user id {owner}, not to this sidecar's ({os.geteuid()}):"
-            " whoever owns it could replace the verified copies SGLang loads. Remove it (if nobody should"
-            " have made it) or pass a --stage-dir of this user's"
+            f"the stage directory {folder}{via} is {_kind(st.st_mode)}, not a folder (changed while the"
+            " sidecar looked at it?); pass a --stage-dir of this user's"
         )
+    if st.st_uid not in (os.geteuid(), 0):
+        raise StageError(
+            f"the stage directory {folder}{via} belongs to user id {st.st_uid}, not to this sidecar's"
+            f" ({os.geteuid()}): whoever owns it could replace the verified copies SGLang loads. Remove it (if"
+            " nobody should have made it) or pass a --stage-dir of this user's"
+        )
+
+
+def resolve_stage_path(path: Path) -> Path:
+    """The folder a stage at ``path`` works in: ``path`` itself, or, when ``path`` is a symbolic
+    link, the folder it points to, resolved here once (the stage then works there, whatever the
+    link is later changed to). ``StageError`` when the link was made by another user than this
+    one or root (another user can make ``/dev/shm/rollout-stage-<replica>`` first, as a link to a
+    folder that passes the owner check, and point it elsewhere later), or when its target does
+    not pass :func:`check_owner`."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise StageError(
+            f"cannot look at the stage directory {path}: {exc.strerror}; pass another --stage-dir"
+        ) from None
+    if not stat.S_ISLNK(st.st_mode):
+        return path
+    if st.st_uid not in (os.geteuid(), 0):
+        raise StageError(
+            f"the stage directory {path} is a symbolic link made by user id {st.st_uid}, not by this sidecar's"
+            f" user ({os.geteuid()}) or root: whoever made it could point it at a folder of theirs and replace"
+            " the verified copies SGLang loads. Remove it (if nobody should have made it) or pass a --stage-dir"
+            " of this user's"
+        )
+    target = Path(os.path.realpath(path))
+    check_owner(target, link=path)
+    log.info("the stage directory %s is a link to %s: the stage works in %s", path, target, target)
+    return target
+
+
+def foreign_copy(path: Path) -> str | None:
+    """Why the staged copy ``path`` may not be adopted (None when it may): it must be a folder
+    (not a link) of this user's, writable by nobody else, holding only regular files (no links,
+    no folders) of this user's, writable by nobody else. Anything else may have been put there,
+    or may be changed after it was verified, by someone else than this sidecar (a stage in
+    ``/dev/shm`` or in a folder root owns may hold other users' entries). ``FileNotFoundError``
+    when there is nothing at ``path``."""
+    euid = os.geteuid()
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            return f"it {_not_own(st, euid, is_dir=True)}"
+        fd = os.open(path, _DIR_FLAGS)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        return f"it cannot be looked at ({exc.strerror or exc})"
+    try:
+        why = _not_own(os.fstat(fd), euid, is_dir=True)
+        if why is not None:
+            return f"it {why}"
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                why = _not_own(entry.stat(follow_symlinks=False), euid, is_dir=False)
+                if why is not None:
+                    return f"its entry {entry.name!r} {why}"
+        return None
+    except OSError as exc:
+        return f"it cannot be looked at ({exc.strerror or exc})"
+    finally:
+        os.close(fd)
+
+
+def _not_own(st: os.stat_result, euid: int, *, is_dir: bool) -> str | None:
+    """Why an entry of a staged copy with this ``lstat`` is not this user's alone, or None."""
+    if not (stat.S_ISDIR(st.st_mode) if is_dir else stat.S_ISREG(st.st_mode)):
+        kind = "a regular file" if stat.S_ISREG(st.st_mode) else _kind(st.st_mode)
+        return f"is {kind}, not {'a folder' if is_dir else 'a regular file'}"
+    if st.st_uid != euid:
+        return f"belongs to user id {st.st_uid}, not to this sidecar's ({euid})"
+    if st.st_mode & _OTHERS_WRITE:
+        return f"may be written by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def seal_copy(folder: Path) -> None:
+    """Make the copy being made in ``folder`` (this process's own hidden work, before it is
+    renamed into place) and its files writable by nobody but this user, as :func:`foreign_copy`
+    wants of a copy it adopts (a umask of 002 would leave them group-writable: another user of the
+    group could change them after they were verified). ``StageError`` when that fails."""
+    try:
+        fd = os.open(folder, _DIR_FLAGS)
+        try:
+            _drop_others_write(fd)
+            with os.scandir(fd) as entries:
+                names = [e.name for e in entries if e.is_file(follow_symlinks=False)]
+            for name in names:
+                file_fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+                try:
+                    _drop_others_write(file_fd)
+                finally:
+                    os.close(file_fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise StageError(
+            f"cannot make the copy {folder} writable by this user only: {exc.strerror or exc}; check the stage"
+            " directory"
+        ) from None
+
+
+def _drop_others_write(fd: int) -> None:
+    mode = os.fstat(fd).st_mode
+    if mode & _OTHERS_WRITE:
+        os.fchmod(fd, stat.S_IMODE(mode) & ~_OTHERS_WRITE)
 
 
 def reusable_file(path: Path) -> bool:
@@ -133,18 +259,20 @@ def mark_as_stage(folder: Path) -> None:
         raise StageError(f"cannot write {path}: {exc.strerror}; pass a writable node-local --stage-dir") from None
 
 
-def open_own_file(path: Path, flags: int, what: str) -> int:
+def open_own_file(path: Path, flags: int, what: str, *, dir_fd: int | None = None) -> int:
     """A descriptor of the stage's own file ``path`` (its lock, its marker), opened with
     ``O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC`` so that a FIFO or a device left at its name cannot
     block the sidecar. ``StageError`` naming it unless it is a regular file; other open errors
-    stay ``OSError`` (``FileNotFoundError``: the folder is gone)."""
+    stay ``OSError`` (``FileNotFoundError``: the folder is gone). ``dir_fd``: the folder open
+    there, in which ``path.name`` is opened (``path`` names it in messages)."""
+    name = path if dir_fd is None else path.name
     try:
-        fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(name, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
     except FileNotFoundError:
         raise
     except OSError as exc:
         try:
-            mode = os.lstat(path).st_mode
+            mode = os.lstat(name, dir_fd=dir_fd).st_mode
         except OSError:
             raise exc from None
         if stat.S_ISREG(mode):
@@ -189,16 +317,55 @@ def take_lock(folder: Path) -> int:
 def empty_stage(folder: Path) -> int:
     """(Lock held.) Remove what a stage made in ``folder``, its lock last (while still held:
     nobody locks a file about to vanish), then the folder if nothing else is left. Returns the
-    bytes freed."""
-    freed = 0
-    for entry in list(folder.iterdir()):
-        if is_work_name(entry.name) or entry.name in (REFERENCE_NAME, MARKER_NAME):
-            freed += bytes_under(entry)
-            remove_entry(entry)
-    (folder / LOCK_NAME).unlink()
-    with contextlib.suppress(OSError):  # not empty: someone else's entries; leave them
-        folder.rmdir()
+    bytes freed. ``folder`` is opened once, without following a link, and emptied through that
+    descriptor (:func:`_empty_stage_at`)."""
+    parent = os.open(folder.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = os.open(folder.name, _DIR_FLAGS, dir_fd=parent)
+        try:
+            freed = _empty_stage_at(fd, folder)
+            _remove_folder_if_empty(parent, folder.name, os.fstat(fd))
+        finally:
+            os.close(fd)
+    finally:
+        os.close(parent)
     return freed
+
+
+def _empty_stage_at(dir_fd: int, folder: Path) -> int:
+    """(Lock held.) Remove the stage's entries from the folder open as ``dir_fd`` (``folder``
+    names it in messages), its lock last; each is looked up in, and removed from, that very
+    folder (never through a path someone could have changed into a link since). The bytes freed."""
+    with os.scandir(dir_fd) as entries:
+        names = [e.name for e in entries]
+    freed = 0
+    for name in names:
+        if is_work_name(name) or name in (REFERENCE_NAME, MARKER_NAME):
+            freed += _remove_entry_at(dir_fd, name, folder)
+    os.unlink(LOCK_NAME, dir_fd=dir_fd)
+    return freed
+
+
+def _remove_entry_at(dir_fd: int, name: str, folder: Path) -> int:
+    """:func:`remove_entry` of the entry ``name`` of the folder open as ``dir_fd``; the bytes freed."""
+    try:
+        if not stat.S_ISDIR(os.lstat(name, dir_fd=dir_fd).st_mode):
+            return remove_tree_at(dir_fd, name, folder / name)
+        if not name.startswith(TEMP_PREFIX):
+            hidden = f"{TEMP_PREFIX}deleting-{name}-{uuid.uuid4().hex[:8]}"
+            os.rename(name, hidden, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            name = hidden
+        return remove_tree_at(dir_fd, name, folder / name)
+    except FileNotFoundError:
+        return 0
+
+
+def _remove_folder_if_empty(parent_fd: int, name: str, emptied: os.stat_result) -> None:
+    """Remove the folder ``name`` of ``parent_fd`` if it is still the one emptied (and empty)."""
+    with contextlib.suppress(OSError):  # not empty (someone else's entries), or replaced: leave it
+        there = os.lstat(name, dir_fd=parent_fd)
+        if (there.st_dev, there.st_ino) == (emptied.st_dev, emptied.st_ino):
+            os.rmdir(name, dir_fd=parent_fd)
 
 
 RECLAIM_LOCK_NAME = ".rollout-stage-reclaim.lock"
@@ -248,42 +415,69 @@ def is_default_shm_stage(path: Path) -> bool:
 
 
 def reclaim_shm_leftovers(own: Path) -> None:
-    """Remove the stages in /dev/shm (``rollout-stage-*``) other than ``own`` that carry the
-    marker and whose lock nobody holds: left by a sidecar killed (SIGKILL, OOM) and restarted
-    under another replica id, they would hold RAM for good. Each removal is logged; a folder
-    without the marker, or locked, is never touched."""
+    """Remove the stages in /dev/shm (``rollout-stage-*``) other than ``own`` that are this
+    user's, carry the marker and whose lock nobody holds: left by a sidecar killed (SIGKILL, OOM)
+    and restarted under another replica id, they would hold RAM for good. Each removal is logged;
+    a folder without the marker, another user's, a link, or locked, is never touched."""
     try:
-        siblings = [p for p in SHM_DIR.iterdir() if p.name.startswith(SHM_STAGE_PREFIX) and p.name != own.name]
+        shm = os.open(SHM_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return
-    for folder in siblings:
-        try:
-            freed = _remove_if_unheld(folder)
-        except (OSError, StageError) as exc:
-            log.debug("left %s in place: %s", folder, exc)
-            continue
-        if freed is not None:
-            log.warning(
-                "removed %s (%.1f MB of /dev/shm): the stage of a sidecar that is gone (nobody holds its lock)",
-                folder,
-                freed / 1e6,
-            )
-
-
-def _remove_if_unheld(folder: Path) -> int | None:
-    """Empty and remove the marked stage ``folder`` if its lock can be taken; the bytes freed,
-    or None when it is not a marked stage or another sidecar holds it."""
-    if folder.is_symlink() or not folder.is_dir() or not _is_marked(folder):
-        return None
-    lock = open_own_file(folder / LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, "lock")
     try:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return None
-        return empty_stage(folder)
+            with os.scandir(shm) as entries:
+                siblings = [e.name for e in entries if e.name.startswith(SHM_STAGE_PREFIX) and e.name != own.name]
+        except OSError:
+            return
+        for name in siblings:
+            folder = SHM_DIR / name
+            try:
+                freed = _remove_if_unheld(shm, folder)
+            except (OSError, StageError) as exc:
+                log.debug("left %s in place: %s", folder, exc)
+                continue
+            if freed is not None:
+                log.warning(
+                    "removed %s (%.1f MB of /dev/shm): the stage of a sidecar that is gone (nobody holds its lock)",
+                    folder,
+                    freed / 1e6,
+                )
     finally:
-        os.close(lock)
+        os.close(shm)
+
+
+def _remove_if_unheld(parent_fd: int, folder: Path) -> int | None:
+    """Empty and remove the marked stage ``folder`` (the entry ``folder.name`` of the folder open
+    as ``parent_fd``) if it is this user's and its lock can be taken; the bytes freed, or None
+    when it is not a marked stage of this user's or another sidecar holds it.
+
+    The folder is opened once, without following a link, and everything after (its owner, its
+    marker, its lock, what is removed) goes through that descriptor: a folder swapped for a link
+    after it was looked at (its owner may rename it) cannot turn the removal on another folder."""
+    try:
+        fd = os.open(folder.name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError:  # a link (ELOOP), not a folder (ENOTDIR), gone, unreadable: not a stage to reclaim
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            log.debug("left %s in place: it belongs to user id %d, not to this sidecar's", folder, st.st_uid)
+            return None
+        if not _is_marked(folder, fd):
+            return None
+        lock = open_own_file(folder / LOCK_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, "lock", dir_fd=fd)
+        try:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return None
+            freed = _empty_stage_at(fd, folder)
+            _remove_folder_if_empty(parent_fd, folder.name, st)
+            return freed
+        finally:
+            os.close(lock)
+    finally:
+        os.close(fd)
 
 
 def bytes_under(path: Path) -> int:

@@ -89,13 +89,16 @@ from .stage_folder import (
     check_is_stage,
     check_owner,
     empty_stage,
+    foreign_copy,
     is_default_shm_stage,
     is_work_name,
     mark_as_stage,
     open_own_file,
     reclaim_shm_leftovers,
     remove_entry,
+    resolve_stage_path,
     reusable_file,
+    seal_copy,
     shm_stages_held,
     take_lock,
 )
@@ -223,15 +226,18 @@ class Stage:
         return path.name in self._finite
 
     def _open(self) -> None:
-        """Make (or adopt) the folder, check it is this user's, take its lock, clear leftovers."""
-        with shm_stages_held(self.path):  # no sibling reclaims this folder meanwhile
+        """Make (or adopt) the folder, check it is this user's, take its lock, clear leftovers.
+        A link at its path (this user's or root's, to a folder that passes the same check) is
+        resolved here, once: ``path`` becomes the folder it points to."""
+        named = self.path
+        with shm_stages_held(named):  # no sibling reclaims this folder meanwhile
             try:
-                self.path.mkdir(parents=True, exist_ok=True)
+                named.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise StageError(
-                    f"cannot create the stage directory {self.path}: {exc.strerror}; pass a writable"
-                    " node-local --stage-dir"
+                    f"cannot create the stage directory {named}: {exc.strerror}; pass a writable node-local --stage-dir"
                 ) from None
+            self.path = resolve_stage_path(named)
             check_owner(self.path)
             check_is_stage(self.path)  # before anything is written in it
             self._lock = take_lock(self.path)
@@ -241,8 +247,8 @@ class Stage:
             except BaseException:
                 self._unlock()
                 raise
-            if is_default_shm_stage(self.path):
-                reclaim_shm_leftovers(self.path)
+            if is_default_shm_stage(named):
+                reclaim_shm_leftovers(named)
 
     def _clear_leftovers(self) -> None:
         """Remove the hidden work (``.tmp-*``) a killed sidecar left."""
@@ -428,9 +434,23 @@ class Stage:
         return bytes_under(self.path)
 
     def find(self, step: int, fingerprint: str) -> tuple[Path, Manifest] | None:
-        """The staged full copy of the publication with this fingerprint, if one is here."""
+        """The staged full copy of the publication with this fingerprint, if one is here. Only a
+        copy of this user's alone is (:func:`~.stage_folder.foreign_copy`): a link, another user's
+        folder or file, or one others may write, is never reused nor rebuilt from (it is replaced
+        when the copy is made again), whatever its bytes are now."""
         path = self._name_for(step, fingerprint)
-        if not path.is_dir():
+        try:
+            why = foreign_copy(path)
+        except FileNotFoundError:
+            return None
+        if why is not None:
+            log.warning(
+                "%s in the stage directory %s is not used as a staged copy: %s (put there, or changed, by"
+                " another user?); the step is staged anew",
+                path.name,
+                self.path,
+                why,
+            )
             return None
         try:
             manifest = Manifest.load(path, root=self.path)
@@ -732,8 +752,7 @@ class Stage:
     ) -> ChainLink:
         """Rebuild ``link`` (a delta) from ``current`` (the copy of its base) into its own copy here."""
         final = self._name_for(link.manifest.step, link.manifest.fingerprint())
-        if os.path.lexists(final):
-            remove_entry(final)  # a copy from an earlier try (or anything else there): rebuild it
+        self._clear_name(final)  # a copy from an earlier try (or anything else there): rebuild it
         tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
@@ -741,11 +760,32 @@ class Stage:
             assert delta is not None
             self._fill_from_spare(tmp, sorted(delta.target_files))
             rebuilt = reconstruct(root, link, current, self.path, tmp, deadline, check_finite=check_finite)
+            seal_copy(tmp)
             os.rename(tmp, final)
         except BaseException:
             remove_entry(tmp)
             raise
         return ChainLink(final, rebuilt)
+
+    def _clear_name(self, final: Path) -> None:
+        """Remove whatever is at ``final``, the name a copy is about to take; ``StageError`` saying
+        whose it is when it cannot be removed (another user's, in a stage folder others may write)."""
+        if not os.path.lexists(final):
+            return
+        try:
+            remove_entry(final)
+        except PermissionError as exc:
+            try:
+                owner: int | None = os.lstat(final).st_uid
+            except OSError:
+                owner = None
+            whose = (
+                f": it belongs to user id {owner}, not to this sidecar's" if owner not in (None, os.geteuid()) else ""
+            )
+            raise StageError(
+                f"{final} is where the stage makes the copy of this step, and it cannot be removed"
+                f" ({exc.strerror or exc}){whose}; remove it, or pass a --stage-dir of this user's"
+            ) from None
 
     def copy_in(self, root: Path, source_dir: Path, manifest: Manifest, deadline: Deadline) -> Path:
         """Copy the checkpoint's files here, verifying sizes and digests; return the copy.
@@ -757,8 +797,7 @@ class Stage:
         with self._stage_faults(f"copying {source_dir.name}"):
             self._check_room(manifest.step, manifest.total_bytes)
             final = self._name_for(manifest.step, manifest.fingerprint())
-            if os.path.lexists(final):
-                remove_entry(final)  # a copy of the same bytes from an earlier try (or anything else): redo it
+            self._clear_name(final)  # a copy of the same bytes from an earlier try (or anything else): redo it
             tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir()
             try:
@@ -775,6 +814,7 @@ class Stage:
                         deadline=deadline,
                     )
                 (tmp / MANIFEST_NAME).write_text(manifest.as_copy().to_json())
+                seal_copy(tmp)
                 os.rename(tmp, final)
             except BaseException:
                 remove_entry(tmp)
