@@ -11,6 +11,7 @@ import stat
 from pathlib import Path
 
 from .checkpoint_format import CheckpointError
+from .shown_values import escape_controls
 
 MAX_LINK_HOPS = 40
 """Symbolic links followed in one resolution (the kernel's own limit, ELOOP)."""
@@ -115,8 +116,9 @@ def path_within(path: str, folder: str) -> bool:
 
 def check_plain_file_name(name: str, where: str) -> None:
     """A manifest file name must be a bare name: no directories, no '..', no hidden names,
-    no NUL byte, at most 255 bytes (what one directory entry can hold), and text a file
-    system can name (JSON's ``"\ud800"`` is a lone surrogate, which no UTF-8 name holds)."""
+    no NUL byte, no control character (:func:`~rollout_service.shown_values.escape_controls`),
+    at most 255 bytes (what one directory entry can hold), and text a file system can name
+    (JSON's ``"\ud800"`` is a lone surrogate, which no UTF-8 name holds)."""
     try:
         size = len(name.encode("utf-8"))
     except UnicodeEncodeError:
@@ -125,3 +127,7 @@ def check_plain_file_name(name: str, where: str) -> None:
         ) from None
     if not name or name != os.path.basename(name) or name.startswith(".") or "\x00" in name or size > 255:
         raise CheckpointError("path_escape", f"{where} lists the file name {name!r}; only bare file names are allowed")
+    if escape_controls(name) != name:  # no writer makes one; shown anywhere, it would need escaping
+        raise CheckpointError(
+            "bad_manifest", f"{where} lists the file name {name!r}, which holds control characters (a newline, ESC...)"
+        )

@@ -118,8 +118,9 @@ def test_materialize_shows_a_listed_file_named_like_a_log_line_on_one_line(tmp_p
     (step / "manifest.json").write_text(json.dumps(manifest))
     assert cli.main(["materialize", str(root), "--step", "1", "--out", str(tmp_path / "out")]) == 1
     lines = capsys.readouterr().err.splitlines()
-    assert lines[-1].startswith(f"error: cannot materialize step-00000001 under {root} (missing_file): "), lines
-    assert f"step-00000001/mo{FORGED_SHOWN}.safetensors" in lines[-1], lines
+    # refused for its name now (it was missing_file, the raw name quoted, before the name check)
+    assert lines[-1].startswith(f"error: cannot materialize step-00000001 under {root} (bad_manifest): "), lines
+    assert f"mo{FORGED_SHOWN}.safetensors" in lines[-1], lines
     assert not [line for line in lines if CONTROLS.search(line) or line.startswith("2030")], lines
 
 
@@ -237,3 +238,22 @@ def test_uvicorns_access_log_shows_no_control_character_of_a_request_path(tmp_pa
     assert len(shown) == 1 and "/x%0A2030-01-01%1B%5B2K%E2%80%A8" in shown[0], shown
     uncoloured = re.sub("\x1b\\[[0-9;]*m", "", shown[0])  # uvicorn colours level and status on a terminal
     assert not CONTROLS.search(uncoloured), shown
+
+
+@pytest.mark.parametrize("name", ["x\n2030.safetensors", "a\x1b[2K.safetensors", "b\u2028c.safetensors"])
+def test_a_manifest_listing_a_file_name_with_control_characters_is_refused(tmp_path: Path, name: str) -> None:
+    """No writer makes such a name; before, a shard so named validated (its name then needed
+    escaping wherever it was shown)."""
+    import json
+
+    from rollout_service.checkpoint_format import MANIFEST_NAME, Manifest
+
+    step = _publish(tmp_path / "root")
+    manifest = json.loads((step / MANIFEST_NAME).read_text())
+    manifest["files"][name] = manifest["files"].pop("model.safetensors")
+    (step / "model.safetensors").rename(step / name)
+    (step / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as refused:
+        Manifest.load(step)
+    assert refused.value.reason == "bad_manifest" and "holds control characters" in str(refused.value)
+    assert not CONTROLS.search(str(refused.value))
