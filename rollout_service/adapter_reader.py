@@ -38,6 +38,7 @@ from .checkpoint_format import (
 )
 from .checkpoint_paths import resolve_inside
 from .checkpoint_reader import TensorSpecs, read_every_byte, read_safetensors_specs
+from .safetensors_header import count_entries
 from .shown_values import shown
 from .untrusted_files import NO_DEADLINE, Deadline, any_failure_is_the_steps, open_regular, read_small
 
@@ -330,16 +331,26 @@ def validate_adapter(
     checks.append("config servable")
     weights = f"{name}/{ADAPTER_WEIGHTS_NAME}"
     deadline.check(weights)
+    listed = manifest.files[ADAPTER_WEIGHTS_NAME].tensors
+
+    def wrong_count(held: str) -> CheckpointError:
+        return CheckpointError(
+            "bad_manifest",
+            f"{weights} holds {held} tensors; the manifest says {manifest.tensor_count}"
+            f" (tensor_count) and {listed} (its file entry)",
+        )
+
+    def counted(header: memoryview) -> None:  # before it is parsed: ~100 MB of objects at the cap
+        found = count_entries(header, weights, limit=max(manifest.tensor_count, listed))
+        if found.count != manifest.tensor_count or found.count != listed:
+            raise wrong_count(f"{found.count}{'' if found.complete else ' or more'}")
+
     specs = read_safetensors_specs(
-        real_dir / ADAPTER_WEIGHTS_NAME, root=root, max_header_bytes=MAX_ADAPTER_HEADER_BYTES
+        real_dir / ADAPTER_WEIGHTS_NAME, root=root, max_header_bytes=MAX_ADAPTER_HEADER_BYTES, check=counted
     )
     deadline.check(weights)
-    if manifest.tensor_count != len(specs) or manifest.files[ADAPTER_WEIGHTS_NAME].tensors != len(specs):
-        raise CheckpointError(
-            "bad_manifest",
-            f"{weights} holds {len(specs)} tensors; the manifest says {manifest.tensor_count}"
-            f" (tensor_count) and {manifest.files[ADAPTER_WEIGHTS_NAME].tensors} (its file entry)",
-        )
+    if manifest.tensor_count != len(specs) or listed != len(specs):  # a name given twice: safetensors keeps one
+        raise wrong_count(str(len(specs)))
     odd_dtype = sorted(t for t, (dtype, _) in specs.items() if manifest.dtype is not None and dtype != manifest.dtype)
     if odd_dtype:
         raise CheckpointError(

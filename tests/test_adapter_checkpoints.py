@@ -466,3 +466,32 @@ def test_digests_are_checked_without_a_stage_when_asked(tmp_path):
     with pytest.raises(CheckpointError) as info:
         validate_adapter(path, root=tmp_path, reference=REFERENCE, limits=LIMITS, check_digests=True)
     assert info.value.reason == "digest_mismatch"
+
+
+def test_an_adapter_header_declaring_more_tensors_than_the_manifest_is_refused_before_it_is_parsed(
+    tmp_path, monkeypatch
+):
+    """A junk adapter file whose header lists thousands of tiny tensors (up to its 16 MiB cap:
+    ~100 MB as parsed objects): counted against the manifest first, never parsed (session 26)."""
+    import struct
+
+    import rollout_service.checkpoint_reader as reader
+    from rollout_service.digest import format_digest, new_hasher
+
+    path = publish(tmp_path).path
+    junk = {f"junk.{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(5000)}
+    raw = json.dumps(junk, separators=(",", ":")).encode()
+    data = struct.pack("<Q", len(raw)) + raw
+    (path / "adapter_model.safetensors").write_bytes(data)
+    manifest = json.loads((path / "manifest.json").read_text())
+    h = new_hasher()
+    h.update(data)
+    manifest["files"]["adapter_model.safetensors"].update(size=len(data), digest=format_digest(h))
+    manifest["total_bytes"] = sum(f["size"] for f in manifest["files"].values())
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    opened = []
+    real_open = reader.safe_open
+    monkeypatch.setattr(reader, "safe_open", lambda *a, **k: opened.append(a) or real_open(*a, **k))
+    err = rejected(tmp_path)
+    assert err.reason == "bad_manifest" and "or more tensors" in str(err), err
+    assert opened == []  # safetensors never parsed the junk header
