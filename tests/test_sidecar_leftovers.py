@@ -205,9 +205,12 @@ def test_wait_names_the_rejection_of_the_step_waited_for_whatever_else_was_rejec
     assert len(answer.json()["rejected"]) == MAX_REPORTED_REJECTIONS + 1
 
 
-def test_a_base_model_kept_under_the_root_is_still_a_reference(tmp_path, tiny_model_dir):
-    """Only a step directory of the root is read as a published step; a base model SGLang was
-    started from that happens to sit under the root is read as a model directory, as before."""
+def test_a_base_model_kept_under_the_root_is_no_reference_without_reference_dir(tmp_path, tiny_model_dir, caplog):
+    """A base model SGLang was started from that sits under the root is as untrusted as the
+    root's steps (anyone who can write the root can change it after SGLang read it): the served
+    tensors are not learnt from it, a warning names ``--reference-dir``, and with it given the
+    reference is that folder (session 26; it was read as a model directory before)."""
+    import logging
     import shutil
 
     from rollout_service.checkpoint_reader import read_model_specs
@@ -217,7 +220,12 @@ def test_a_base_model_kept_under_the_root_is_still_a_reference(tmp_path, tiny_mo
     root = tmp_path / "root"
     root.mkdir()
     shutil.copytree(tiny_model_dir, root / "base-model")
-    found = find_reference(ServerView(healthy=True, model_path=str(root / "base-model")), root, None, None)
+    base = str(root / "base-model")
+    view = ServerView(healthy=True, model_path=base, launch_model_path=base)
+    with caplog.at_level(logging.WARNING, logger="rollout_service.sidecar.served_model"):
+        assert find_reference(view, root, None, None) is None
+    assert any("--reference-dir" in r.getMessage() and base in r.getMessage() for r in caplog.records)
+    found = find_reference(view, root, None, tiny_model_dir)
     assert found is not None and found[0] == read_model_specs(tiny_model_dir)
 
 

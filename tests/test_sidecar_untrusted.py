@@ -577,13 +577,14 @@ def test_a_rejection_about_a_files_contents_ends_when_that_file_is_completed(che
     assert still_rejected()
 
 
-def test_a_restarted_sidecar_without_a_stage_learns_the_served_steps_tensors_from_its_manifest_only(
-    sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir
+def test_a_restarted_sidecar_without_a_stage_learns_the_served_tensors_from_the_launch_model_only(
+    sglang_server_at_base, sidecar_factory, checkpoint_root, tiny_model_dir
 ):
     """Without a stage SGLang serves a step of the root itself; a sidecar restarted beside it
-    learns the served tensors from that step's manifest-listed shards, never from a stray
-    ``.safetensors`` file dropped in the folder meanwhile (whose shapes would then reject every
-    good step, or let a bad one through)."""
+    learns the served tensors from the model SGLang was started from (``/server_info``), never
+    from the step's folder, which may have changed since SGLang read it: not from a stray
+    ``.safetensors`` file dropped there meanwhile (whose shapes would then reject every good step,
+    or let a bad one through; session 26: nor from the step's own, republished, shards)."""
     from safetensors.torch import save_file
 
     sidecar = sidecar_factory("--no-stage", replica_id="nostage")
@@ -595,7 +596,7 @@ def test_a_restarted_sidecar_without_a_stage_learns_the_served_steps_tensors_fro
     again = sidecar_factory("--no-stage", replica_id="nostage")
     publish_step(checkpoint_root, tiny_model_dir, 2)
     status = again.wait_step(2)
-    assert status["rejected"] == {} and "manifest's shards" in status["reference"], status
+    assert status["rejected"] == {} and str(tiny_model_dir) in status["reference"], status
 
 
 def test_without_a_stage_a_materialized_step_published_again_loads_once_and_stays_served(

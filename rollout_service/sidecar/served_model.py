@@ -8,18 +8,18 @@ a checkpoint that does not fit makes SGLang's load raise and kills the server.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
-from ..checkpoint_format import CheckpointError, Manifest, parse_step_dir_name, step_dir_name
+from ..checkpoint_format import CheckpointError, Manifest, step_dir_name
 from ..checkpoint_paths import is_inside
-from ..checkpoint_reader import TensorSpecs, published_step_specs, read_model_specs
+from ..checkpoint_reader import TensorSpecs, read_model_specs
 from ..protocol import step_for_version
 from .sglang_client import ServerView
 from .staging import Stage
 
-STEP_REFERENCE_TIMEOUT_S = 60.0
-"""Reading a served step's headers for its tensor list (its bytes are not read)."""
+log = logging.getLogger(__name__)
 
 
 def adoptable(view: ServerView, root: Path, stage: Stage | None) -> tuple[int, Manifest, Path] | None:
@@ -59,11 +59,20 @@ def find_reference(
     cannot be learnt (the caller reports it and loads nothing until then).
 
     In order: ``--reference-dir``; the reference kept in the stage, when SGLang serves a staged
-    copy or a step of the root (a checkpoint, not the base model); for a step of the root served
-    without a stage (``--no-stage``), that step read as a checkpoint (its manifest's files, their
-    headers checked: never whatever else lies in the untrusted folder); the local model directory
-    SGLang was started from (a Hub id: its snapshot in the local cache at ``revision``, the
-    one SGLang was started with).
+    copy or a step of the root (a checkpoint, not the base model); the local model directory
+    SGLang's weights came from (``/model_info``'s ``model_path``), when it lies outside the root
+    and the stage; else the model SGLang was started from (``/server_info``'s ``model_path``,
+    :attr:`ServerView.launch_model_path`), which fixes the names and shapes every weight update
+    must have. A Hub id is looked up as its snapshot in the local cache at ``revision`` (the one
+    SGLang was started with).
+
+    Never from a folder of the root: it is untrusted and mutable, so what lies there now need not
+    be what SGLang loaded (a step republished with other shapes after SGLang read it would make
+    its shapes the reference, and SGLang's load of the next step of those shapes raise). So a
+    sidecar restarted with ``--no-stage`` beside an SGLang serving a step of the root learns the
+    reference from SGLang's launch model; when that too lies in the root (SGLang was started from
+    a published step), or SGLang does not name it, nothing is learnt (``--reference-dir`` is
+    needed: a warning says so once).
     """
     if reference_dir is not None:
         return read_model_specs(reference_dir), str(reference_dir)
@@ -73,17 +82,46 @@ def find_reference(
     in_root = model_path is not None and is_inside(model_path, root)
     if persisted is not None and (ours or in_root):
         return persisted
-    if model_path and in_root and not ours and _is_step_dir(model_path, root):
-        try:
-            specs = published_step_specs(model_path, root=root, timeout_s=STEP_REFERENCE_TIMEOUT_S)
-        except CheckpointError:
-            return None
-        return specs, f"{model_path} (the published step SGLang serves: its manifest's shards)"
-    if model_path and not ours:
+    if model_path and not ours and not in_root:
         local = local_model_dir(model_path, revision)
         if local is not None:
             return read_model_specs(local), str(local)
+    launch = view.launch_model_path
+    if launch and is_inside(launch, root):
+        _warn_once(
+            f"SGLang was started from {launch}, a folder of the checkpoint root {root}: what lies there"
+            " now need not be what SGLang loaded (anyone who can write the root can change it), so the"
+            " served model's tensors are not learnt from it; pass --reference-dir with a trusted copy of"
+            " that model (or start SGLang from a folder outside the root); nothing is loaded until then"
+        )
+        return None
+    if launch and launch != model_path:
+        local = local_model_dir(launch, revision)
+        if local is not None:
+            return read_model_specs(local), f"{local} (the model SGLang was started from)"
+    if in_root:  # the caller's message names the step SGLang serves: say what was looked for
+        _warn_once(
+            f"SGLang serves {model_path}, a folder of the checkpoint root, whose content now need not be"
+            " what SGLang loaded, so the served model's tensors are learnt from the model SGLang was"
+            + (
+                " started from, which its /server_info does not name (asked again at the next deep health check)"
+                if launch is None
+                else f" started from, {launch}: not a local model directory, nor a Hub id in this"
+                " machine's Hugging Face cache"
+            )
+            + "; pass --reference-dir with that model's directory; nothing is loaded until then"
+        )
     return None
+
+
+_warned: set[str] = set()
+"""Warnings :func:`find_reference` has logged (it is tried again at every pass until it learns)."""
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned and len(_warned) < 32:
+        _warned.add(message)
+        log.warning("%s", message)
 
 
 def base_model_dir(
@@ -120,9 +158,3 @@ def local_model_dir(model_path: str, revision: str | None = None) -> Path | None
     except Exception:  # not cached, not a repo id: no reference from it
         return None
     return local if any(local.glob("*.safetensors")) else None
-
-
-def _is_step_dir(path: str, root: Path) -> bool:
-    """``path`` names a step directory right under ``root`` (not, say, a base model kept there)."""
-    p = Path(path)
-    return parse_step_dir_name(p.name) is not None and os.path.abspath(p.parent) == os.path.abspath(root)

@@ -31,11 +31,14 @@ class SGLangLoadRejected(RuntimeError):
 
 @dataclass
 class ServerView:
-    """What SGLang says about itself."""
+    """What SGLang says about itself: ``model_path`` is where its weights came from
+    (``/model_info``: it moves with every weight update), ``launch_model_path`` the model it was
+    started from (``/server_info``'s launch arguments, read on deep checks: None when unknown)."""
 
     healthy: bool
     weight_version: str | None = None
     model_path: str | None = None
+    launch_model_path: str | None = None
 
 
 class SGLangClient:
@@ -48,6 +51,9 @@ class SGLangClient:
         self._timeout = timeout_s
         self._load_timeout = load_timeout_s
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=bearer_headers(api_key), trust_env=False)
+        self._launch_model_path: str | None = None
+        """``/server_info``'s ``model_path`` at the last deep check (None: unknown, or SGLang was
+        seen down since: it may have been started on another model)."""
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -57,25 +63,42 @@ class SGLangClient:
 
         ``deep`` also calls ``/health``, which in SGLang 0.5.23 runs a one-token generation
         (it proves the scheduler works, but costs a forward pass, and ~1 s on a busy CPU), so
-        the sidecar does it only when SGLang (re)appears and every ``deep_health_interval``.
+        the sidecar does it only when SGLang (re)appears and every ``deep_health_interval``;
+        and ``/server_info``, for the model SGLang was started from (``launch_model_path``,
+        kept until the next deep check; forgotten when SGLang does not answer).
         """
         try:
             if deep:
                 health = await self._get("/health", self._timeout)
                 if health.status_code != 200:
+                    self._launch_model_path = None
                     return ServerView(healthy=False)
             info = await self._get("/model_info", self._timeout)
             data = info.json() if info.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
+            self._launch_model_path = None
             return ServerView(healthy=False)
         if not isinstance(data, dict):  # an answer that is not SGLang's: not a server to load into
+            self._launch_model_path = None
             return ServerView(healthy=False)
+        if deep:
+            self._launch_model_path = await self._launch_model()
         version, path = data.get("weight_version"), data.get("model_path")
         return ServerView(
             healthy=True,
             weight_version=None if version is None else str(version)[:200],
             model_path=path if isinstance(path, str) and "\0" not in path else None,
+            launch_model_path=self._launch_model_path,
         )
+
+    async def _launch_model(self) -> str | None:
+        """``/server_info``'s ``model_path``: SGLang's ``--model-path`` as it was started (its
+        launch arguments; a weight update changes ``/model_info``'s ``model_path`` only). None
+        when SGLang does not say (it stays healthy: this is only where a reference comes from)."""
+        try:
+            return _path_or_none((await self.server_info()).get("model_path"))
+        except SGLangUnavailable:
+            return None
 
     async def _get(self, route: str, timeout_s: float) -> Answer:
         return await arequest(self._http, "GET", route, timeout_s=timeout_s)
@@ -165,6 +188,11 @@ class SGLangClient:
                 f" {str(data.get('error_message') or data.get('message'))[:500]}"
             )
         return data
+
+
+def _path_or_none(path: Any) -> str | None:
+    """A path from SGLang's answer, or None when it is not a string a path can be."""
+    return path if isinstance(path, str) and path and "\0" not in path else None
 
 
 def _not_sglangs_answer(resp: Answer, base_url: str, what: str) -> None:
