@@ -33,6 +33,7 @@ import re
 import struct
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 
 from .checkpoint_format import DTYPE_SIZES, MAX_SHARD_HEADER_BYTES, CheckpointError, parse_json_object
 
@@ -145,7 +146,7 @@ def parse_entries(
 
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
-_scan = json.JSONDecoder().scan_once
+_scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 """``(value, end)`` of the JSON value at an index of a text (C code, strict: no control
 characters in strings); raises ``StopIteration(index)`` where none starts."""
 MAX_UNKNOWN_SHOWN = 3
