@@ -329,3 +329,21 @@ def test_against_a_real_sglang_a_republished_served_step_does_not_reach_it(
         timeout=300,
     )
     assert r.status_code == 200 and r.json().get("success"), r.text
+
+
+def test_a_hub_id_is_no_folder_of_the_root_wherever_the_sidecar_runs(tmp_path: Path, monkeypatch) -> None:
+    """SGLang started from a Hub id (``Org/Tiny``): resolved against a working directory inside
+    the root it looked like a folder of the root, and nothing was ever learnt (review of session
+    26's change). It is looked up in the Hugging Face cache as before."""
+    model = tmp_path / "snapshot"
+    model.mkdir()
+    save_file({"w": torch.zeros(2, 2)}, str(model / "model.safetensors"))
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    looked_up: list[str] = []
+    monkeypatch.setattr(served_model, "local_model_dir", lambda name, revision=None: looked_up.append(name) or model)
+    monkeypatch.chdir(root)  # e.g. `cd /checkpoints && rollout-service sidecar --checkpoint-path .`
+    view = ServerView(healthy=True, model_path="Org/Tiny", launch_model_path="Org/Tiny")
+    found = served_model.find_reference(view, Path("."), None, None)
+    assert found is not None and found[0] == {"w": ("F32", (2, 2))}, found
+    assert looked_up == ["Org/Tiny"]

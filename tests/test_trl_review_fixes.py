@@ -178,3 +178,48 @@ def test_no_warning_when_rollouts_are_on_policy_or_corrected(tmp_path: Path, cap
     with caplog.at_level(logging.WARNING, logger="trainer_hooks"):
         make_config(tmp_path, tmp_path, ["http://127.0.0.1:1"], ["http://127.0.0.1:2"], **extra, **overrides)
     assert _warnings(caplog) == []
+
+
+def test_limits_a_server_failed_to_give_are_asked_again_and_a_404_is_kept(servers) -> None:
+    """A proxy's 503 while its server warms up said nothing for good; before, it was kept as
+    "no limits" and every later long prompt failed the batch (review of session 26's change)."""
+    answers = {"/v1/models": [canned_reply(503, {"error": "warming up"}), canned_reply(200, MODELS_64)]}
+
+    def handler(path: str, body: Any, count: int) -> Any:
+        if path in answers:
+            queue = answers[path]
+            return queue.pop(0) if len(queue) > 1 else queue[0]
+        if path == "/server_info":
+            return canned_reply(404, {"detail": "Not Found"})
+        if path == "/generate":
+            return canned_reply(200, canned_answer(body))
+        return None
+
+    server = CannedServer(handler)
+    servers.append(server)
+    params = {"n": 1, "max_new_tokens": 20}
+    with closing(SGLangEndpoints([server.url], request_timeout_s=10)) as endpoints:
+        for _ in range(3):
+            endpoints.generate([[2] * 60], params, want_logprobs=True, deadline=time.monotonic() + 10)
+    sent = [body["sampling_params"] for body in server.generate_requests]
+    assert sent == [params, [{"n": 1, "max_new_tokens": 4}], [{"n": 1, "max_new_tokens": 4}]], sent
+    asked = [path for method, path, body in server.requests if method == "GET"]
+    assert asked.count("/v1/models") == 2 and asked.count("/server_info") == 1, asked
+
+
+def test_caps_leave_room_for_the_draft_slots_speculative_decoding_reserves(servers) -> None:
+    """SGLang 0.5.23 adds EAGLE's draft slots (max of topk x steps and the draft tokens) to each
+    input's count before the context check: without room for them the batch still got the 400."""
+    from trainer_hooks.context_limits import reserved_tokens
+
+    eagle = {"speculative_algorithm": "EAGLE", "speculative_eagle_topk": 4, "speculative_num_steps": 3}
+    assert reserved_tokens({**eagle, "speculative_num_draft_tokens": 8}) == 12
+    assert reserved_tokens({**eagle, "speculative_num_draft_tokens": 16}) == 16
+    assert reserved_tokens({"speculative_algorithm": None, "speculative_num_draft_tokens": 16}) == 0
+    assert reserved_tokens({"speculative_algorithm": "EAGLE", "speculative_eagle_topk": True}) == 0
+    server = limited_server(servers, models=MODELS_64, info={**eagle, "speculative_num_draft_tokens": 8})
+    with closing(SGLangEndpoints([server.url], request_timeout_s=10)) as endpoints:
+        endpoints.generate(
+            [[2] * 40], {"n": 1, "max_new_tokens": 20}, want_logprobs=True, deadline=time.monotonic() + 10
+        )
+    assert server.generate_requests[0]["sampling_params"] == [{"n": 1, "max_new_tokens": 12}]

@@ -15,6 +15,9 @@ SGLang's scheduler refuses from ``max_req_input_len`` tokens on (the context len
 tokens of its own, or less when the KV cache is smaller): with rescoring, completions are capped so
 that prompt + completion stays under it.
 
+With speculative decoding SGLang counts its draft slots on top of each input
+(:func:`reserved_tokens`), and the caps leave room for them.
+
 Both numbers are read once per endpoint: the context length from ``GET /v1/models``
 (``max_model_len`` of the base model's card, the number the 400 compares with) and
 ``max_req_input_len`` from ``GET /server_info``. A server that does not say (a router, an older
@@ -46,11 +49,14 @@ class ContextLimits:
     """Prompt + ``max_new_tokens`` may be at most this (``/v1/models`` ``max_model_len``)."""
     max_input_len: int | None
     """An input must be shorter than this (``/server_info`` ``max_req_input_len``)."""
+    reserved: int = 0
+    """Tokens SGLang counts on top of each input (speculative decoding's draft slots, see
+    :func:`reserved_tokens`): prompt + reserved + ``max_new_tokens`` must fit the context."""
 
     def caps(self, prompt_lengths: list[int], max_new_tokens: int, *, rescoring: bool) -> list[int] | None:
         """Per prompt, the ``max_new_tokens`` to send it with; None when every prompt may have
         ``max_new_tokens`` as it is (the request is then sent unchanged)."""
-        limit = self.context_len
+        limit = None if self.context_len is None else self.context_len - self.reserved
         if rescoring and self.max_input_len is not None:
             # prompt + completion, rescored as an input, must stay under max_input_len
             limit = self.max_input_len - 1 if limit is None else min(limit, self.max_input_len - 1)
@@ -63,7 +69,8 @@ class ContextLimits:
 def read_context_limits(
     client: httpx.Client, url: str, *, headers: dict[str, str], timeout_s: float
 ) -> ContextLimits | None:
-    """``url``'s limits; None when it could not be asked (no answer: ask again next time)."""
+    """``url``'s limits; None when it could not be asked (no answer, or one other than 200 and
+    404: ask again next time). A 404 means the server does not say (kept: no limit from it)."""
     answers: list[Any] = []
     for path in ("/v1/models", "/server_info"):
         try:
@@ -71,15 +78,34 @@ def read_context_limits(
         except Exception as exc:  # best effort (a transport may raise anything): the request goes as it is
             log.debug("could not read SGLang's length limits at %s%s: %r", url, path, exc)
             return None
-        try:
-            answers.append(answer.json() if answer.status_code == 200 else None)
-        except ValueError:
+        if answer.status_code == 404:  # an SGLang (or router) without it: no limit from it, for good
             answers.append(None)
+            continue
+        try:
+            if answer.status_code != 200:
+                raise ValueError(f"HTTP {answer.status_code}")
+            answers.append(answer.json())
+        except ValueError as exc:  # a proxy's 502/503, a broken body: asked again next time
+            log.debug("SGLang at %s answered %s with %s: its limits are asked again", url, path, exc)
+            return None
     models, info = answers
     max_input = _positive(info.get("max_req_input_len")) if isinstance(info, dict) else None
-    limits = ContextLimits(_base_model_len(models), max_input)
+    limits = ContextLimits(_base_model_len(models), max_input, reserved_tokens(info))
     log.debug("SGLang at %s: context length %s, longest input %s", url, limits.context_len, limits.max_input_len)
     return limits
+
+
+def reserved_tokens(info: Any) -> int:
+    """The tokens SGLang 0.5.23 adds to each input's count before comparing with the context
+    length (``compute_num_reserved_tokens``): with EAGLE-style speculative decoding, the larger of
+    ``speculative_eagle_topk x speculative_num_steps`` and the draft tokens; 0 without speculative
+    decoding. Taken for any ``speculative_algorithm`` (a few tokens too many for the others)."""
+    if not isinstance(info, dict) or not info.get("speculative_algorithm"):
+        return 0
+    topk, steps = _positive(info.get("speculative_eagle_topk")), _positive(info.get("speculative_num_steps"))
+    drafts = [_positive(info.get(k)) for k in ("speculative_num_draft_tokens", "max_speculative_num_draft_tokens")]
+    found = [topk * steps if topk and steps else None, *drafts]
+    return min(max((n for n in found if n is not None), default=0), MAX_CONTEXT_TOKENS)
 
 
 def _base_model_len(models: Any) -> int | None:

@@ -79,7 +79,7 @@ def find_reference(
     model_path = view.model_path
     persisted = stage.load_reference() if stage is not None else None
     ours = stage is not None and stage.owns(model_path)
-    in_root = model_path is not None and is_inside(model_path, root)
+    in_root = model_path is not None and _folder_inside(model_path, root)
     if persisted is not None and (ours or in_root):
         return persisted
     if model_path and not ours and not in_root:
@@ -87,7 +87,7 @@ def find_reference(
         if local is not None:
             return read_model_specs(local), str(local)
     launch = view.launch_model_path
-    if launch and is_inside(launch, root):
+    if launch and _folder_inside(launch, root):
         _warn_once(
             f"SGLang was started from {launch}, a folder of the checkpoint root {root}: what lies there"
             " now need not be what SGLang loaded (anyone who can write the root can change it), so the"
@@ -112,6 +112,16 @@ def find_reference(
             + "; pass --reference-dir with that model's directory; nothing is loaded until then"
         )
     return None
+
+
+def _folder_inside(model_path: str, root: Path) -> bool:
+    """Whether SGLang's ``model_path`` names a folder of the root: an absolute path inside it,
+    or a relative one that is a folder inside it from here. A Hub id (``Org/Model``, relative
+    and no folder here) is none, wherever the sidecar runs (resolved against a working directory
+    inside the root it would look like one, and the served model would never be learnt)."""
+    if not (os.path.isabs(model_path) or os.path.isdir(model_path)):
+        return False
+    return is_inside(model_path, root)
 
 
 _warned: set[str] = set()
