@@ -108,12 +108,7 @@ def check_owner(folder: Path, *, link: Path | None = None) -> None:
     predictable name, and then swap the verified copies SGLang loads. ``link``: the link
     ``folder`` was reached by, named in the message."""
     via = f" (where the link {link} points)" if link is not None else ""
-    try:
-        st = os.lstat(folder)
-    except OSError as exc:
-        raise StageError(
-            f"cannot look at the stage directory {folder}{via}: {exc.strerror}; pass another --stage-dir"
-        ) from None
+    st = _lstat_stage(folder, via)
     if not stat.S_ISDIR(st.st_mode):
         raise StageError(
             f"the stage directory {folder}{via} is {_kind(st.st_mode)}, not a folder (changed while the"
@@ -127,6 +122,17 @@ def check_owner(folder: Path, *, link: Path | None = None) -> None:
         )
 
 
+def _lstat_stage(path: Path, via: str = "") -> os.stat_result:
+    """``os.lstat`` of the stage directory ``path`` (``via``: how it was reached, for the
+    message); ``StageError`` naming it when it cannot be looked at."""
+    try:
+        return os.lstat(path)
+    except OSError as exc:
+        raise StageError(
+            f"cannot look at the stage directory {path}{via}: {exc.strerror}; pass another --stage-dir"
+        ) from None
+
+
 def resolve_stage_path(path: Path) -> Path:
     """The folder a stage at ``path`` works in: ``path`` itself, or, when ``path`` is a symbolic
     link, the folder it points to, resolved here once (the stage then works there, whatever the
@@ -134,12 +140,7 @@ def resolve_stage_path(path: Path) -> Path:
     one or root (another user can make ``/dev/shm/rollout-stage-<replica>`` first, as a link to a
     folder that passes the owner check, and point it elsewhere later), or when its target does
     not pass :func:`check_owner`."""
-    try:
-        st = os.lstat(path)
-    except OSError as exc:
-        raise StageError(
-            f"cannot look at the stage directory {path}: {exc.strerror}; pass another --stage-dir"
-        ) from None
+    st = _lstat_stage(path)
     if not stat.S_ISLNK(st.st_mode):
         return path
     if st.st_uid not in (os.geteuid(), 0):
