@@ -237,3 +237,33 @@ def test_a_valid_step_loads_past_junk_rejected_before_it_with_each_listing_bound
     run_with(c, during)
     assert per_listing and max(per_listing) <= small_share + 1, per_listing
     assert set(c.state.rejected) == set(junk) and client.loaded_versions()[-1] == "50"
+
+
+def test_a_wait_on_a_rejected_step_reads_none_of_its_entries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GET /wait`` needs no token: each call on a rejected step used to read every entry of its
+    folder (10^4 for junk), so a client asking again and again made the root do the listing's
+    work per request. A wait looks at the folder and manifest only (a file changed in place is
+    the loop's budgeted rescan's to see); a folder replaced since still ends the rejection."""
+    import asyncio
+
+    root = tmp_path / "root"
+    root.mkdir()
+    controller = controller_for(root)
+    path = junk_step(root, 7)
+    reject(controller, path, "truncated")
+    counter = EntryCounter(root, monkeypatch)
+
+    async def waits() -> list[bool]:
+        controller._changed = asyncio.Condition()
+        return [await controller.wait_for_step(7, 5.0) for _ in range(20)]
+
+    assert asyncio.run(waits()) == [False] * 20  # the rejection stands: answered at once
+    assert counter.take() == 0, "a /wait on a rejected step read its folder's entries"
+    time.sleep(0.01)
+    (path / "junk0").unlink()  # the folder changed: looked at anew by the wait (which then waits on)
+
+    async def one() -> bool:
+        controller._changed = asyncio.Condition()
+        return await controller.wait_for_step(7, 0.5)
+
+    assert asyncio.run(one()) is False and 7 not in controller.state.rejected

@@ -88,7 +88,7 @@ def test_waits_on_a_slow_root_leave_the_loops_threads_free(tmp_path: Path, monke
     (step / "manifest.json").write_text("{}")
     release = threading.Event()
 
-    def hung(path: Path, reason: str | None) -> None:
+    def hung(path: Path) -> None:
         release.wait(30)
         return None
 

@@ -253,12 +253,14 @@ class SyncController:
             look = f"/wait's look at step {step}"
             try:
                 if not self.serves(step, run_id):
-                    # Rejected: unless its directory was replaced since (then wait on for it).
+                    # Rejected: unless its directory was replaced since (then wait on for it). Its
+                    # folder and manifest only: a file changed in place is the loop's to see (its
+                    # listings read rejected steps' entries within one budget), not each request's
+                    # (/wait needs no token: a rejected step of 10^4 entries would be read per call).
                     path = self.root / step_dir_name(step)
-                    reason = self.state.rejected.get(step)
                     try:
                         identity = await asyncio.wait_for(
-                            self.wait_gate.call(_rejection_identity, path, reason, what=look), budget
+                            self.wait_gate.call(_rejection_identity, path, what=look), budget
                         )
                     except OSError:
                         return False  # not read: the rejection stands
@@ -1275,12 +1277,13 @@ def _publication_identity(path: Path) -> tuple[int, ...] | None:
         return None
 
 
-def _rejection_identity(path: Path, reason: str | None) -> tuple[int, ...] | None:
-    """(Blocking: on the root.) A rejected step's identity as :meth:`SyncController._still_rejected`
-    compares it: with its files' part (a scan of the folder) unless the reason is the folder's;
-    None when the step is gone. Raises ``OSError`` when it cannot be read (the rejection stands)."""
+def _rejection_identity(path: Path) -> tuple[int, ...] | None:
+    """(Blocking: on the root.) A rejected step's folder-and-manifest identity, as
+    :meth:`SyncController._still_rejected` compares it (without the files' part: no scan of the
+    folder); None when the step is gone. Raises ``OSError`` when it cannot be read (the rejection
+    stands)."""
     try:
-        return _read_identity(path, files=reason not in FOLDER_REASONS)
+        return _read_identity(path, files=False)
     except FileNotFoundError:
         return None  # gone, or half replaced: looked at anew
 
