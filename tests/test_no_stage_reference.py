@@ -225,6 +225,31 @@ def test_the_client_reads_the_launch_model_from_server_info(fake_sglang: Any, ro
     assert unknown.healthy and unknown.launch_model_path is None, "/server_info is not health"
 
 
+def test_one_failed_server_info_keeps_the_launch_model_while_sglang_answers(fake_sglang: Any, base_model: Path) -> None:
+    """A /server_info that fails once (a proxy's 5xx, a timeout on a busy CPU) while SGLang
+    answers /model_info is no new server: the launch model read before stays (forgetting it left
+    a sidecar learning its reference without one until the next deep check, loading nothing);
+    SGLang seen down forgets it (it may come back on another model)."""
+    fake = fake_sglang()
+
+    async def go() -> list[ServerView]:
+        client = SGLangClient(fake.server.url, timeout_s=3.0)
+        try:
+            seen = [await client.view(deep=True)]
+            fake.server_info_answers = False
+            seen.append(await client.view(deep=True))
+            fake.server.stop()
+            seen.append(await client.view(deep=True))
+            return seen
+        finally:
+            await client.aclose()
+
+    first, hiccup, down = asyncio.run(go())
+    assert first.launch_model_path == str(base_model)
+    assert hiccup.healthy and hiccup.launch_model_path == str(base_model)
+    assert not down.healthy and down.launch_model_path is None
+
+
 def run_sidecar(root: Path, fake: FakeSGLang, done: Any, **overrides: Any) -> SyncController:
     settings = SidecarSettings(
         checkpoint_path=root,

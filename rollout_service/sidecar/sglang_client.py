@@ -65,7 +65,8 @@ class SGLangClient:
         (it proves the scheduler works, but costs a forward pass, and ~1 s on a busy CPU), so
         the sidecar does it only when SGLang (re)appears and every ``deep_health_interval``;
         and ``/server_info``, for the model SGLang was started from (``launch_model_path``,
-        kept until the next deep check; forgotten when SGLang does not answer).
+        kept until a deep check reads another; forgotten when SGLang does not answer ``/health``
+        or ``/model_info``: it may have been restarted on another model).
         """
         try:
             if deep:
@@ -81,8 +82,8 @@ class SGLangClient:
         if not isinstance(data, dict):  # an answer that is not SGLang's: not a server to load into
             self._launch_model_path = None
             return ServerView(healthy=False)
-        if deep:
-            self._launch_model_path = await self._launch_model()
+        if deep:  # one /server_info that fails keeps what was read: the same server answered /model_info
+            self._launch_model_path = await self._launch_model() or self._launch_model_path
         version, path = data.get("weight_version"), data.get("model_path")
         return ServerView(
             healthy=True,
