@@ -296,6 +296,19 @@ def read_acks(root: Path, *, max_age_s: float | None = None, whole: bool = False
     return fresh_acks(listing.acks, now=time.time(), max_age_s=max_age_s)
 
 
+def read_ack(root: Path, replica_id: str) -> dict[str, Any] | None:
+    """One replica's ack payload, read as :func:`list_acks` reads each (bounded, no link
+    followed), or None when there is none or it cannot be read: a restarted sidecar reads its
+    own, for what it last said it served."""
+    directory = Path(root) / ACKS_DIR
+    try:
+        if not stat.S_ISDIR(os.lstat(directory).st_mode):
+            return None
+        return _read_ack(directory, f"{replica_id}.json")
+    except (OSError, _AckUnreadable):
+        return None
+
+
 def fresh_acks(acks: dict[str, dict[str, Any]], *, now: float, max_age_s: float) -> dict[str, dict[str, Any]]:
     """The acks of live replicas: those whose heartbeat :func:`heartbeat_problem` accepts."""
     return {

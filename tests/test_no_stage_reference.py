@@ -372,3 +372,64 @@ def test_a_hub_id_is_no_folder_of_the_root_wherever_the_sidecar_runs(tmp_path: P
     found = served_model.find_reference(view, Path("."), None, None)
     assert found is not None and found[0] == {"w": ("F32", (2, 2))}, found
     assert looked_up == ["Org/Tiny"]
+
+
+# --- adopting the step SGLang serves from the root --------------------------------------------
+
+
+def republished_in_place(root: Path, step: int) -> tuple[Path, str, str]:
+    """``step`` as SGLang read it, then republished with other values of the same shapes: the
+    path and the fingerprints of both publications."""
+    from rollout_service.checkpoint_format import Manifest
+
+    path = publish(root, step)
+    before = Manifest.load(path, root=root).fingerprint()
+    shutil.rmtree(path)
+    publish_checkpoint(root, step, state(32, seed=99).items(), config=CONFIG)
+    return path, before, Manifest.load(path, root=root).fingerprint()
+
+
+def last_ack(root: Path, step: int, fingerprint: str) -> None:
+    """What replica r0's ack said before its sidecar restarted."""
+    from rollout_service.sidecar.acks import AckWriter
+
+    AckWriter(root, "r0").write_fields({"loaded_step": step, "fingerprint": fingerprint, "ready": True})
+
+
+def test_a_restarted_no_stage_sidecar_reloads_a_served_step_republished_since(
+    fake_sglang: Any, root: Path, base_model: Path
+) -> None:
+    """SGLang serves step 5 from the root; step 5 was republished (same shapes, other values) while
+    no sidecar watched. The folder now holds what SGLang never read: adopting it made /status and
+    the ack name the new publication while SGLang served the old weights. It is loaded again."""
+    served, before, after = republished_in_place(root, 5)
+    last_ack(root, 5, before)
+    fake = fake_sglang(model_path=served, version="5")
+    controller = run_sidecar(root, fake, lambda c: c.state.loaded_step == 5 and bool(fake.loads))
+    assert fake.loads == [str(served)]
+    assert controller.state.loaded_fingerprint == after
+
+
+def test_a_restarted_no_stage_sidecar_without_its_ack_reloads_the_served_step(
+    fake_sglang: Any, root: Path, base_model: Path
+) -> None:
+    """No record of what was sent SGLang (no ack: a new replica id, an emptied acks folder):
+    the folder cannot vouch for what SGLang read, so the step is loaded again."""
+    served = publish(root, 5)
+    fake = fake_sglang(model_path=served, version="5")
+    controller = run_sidecar(root, fake, lambda c: c.state.loaded_step == 5 and bool(fake.loads))
+    assert fake.loads == [str(served)] and controller.state.loaded_step == 5
+
+
+def test_a_restarted_no_stage_sidecar_adopts_the_step_its_ack_says_it_served(
+    fake_sglang: Any, root: Path, base_model: Path
+) -> None:
+    """Its ack names this very publication: adopted, no reload."""
+    from rollout_service.checkpoint_format import Manifest
+
+    served = publish(root, 5)
+    fingerprint = Manifest.load(served, root=root).fingerprint()
+    last_ack(root, 5, fingerprint)
+    fake = fake_sglang(model_path=served, version="5")
+    controller = run_sidecar(root, fake, lambda c: c.state.loaded_step == 5 and c.state.ready)
+    assert fake.loads == [] and controller.state.loaded_fingerprint == fingerprint

@@ -57,7 +57,7 @@ from ..checkpoint_reader import (
     list_checkpoints,
     validate_checkpoint,
 )
-from ..protocol import MAX_ACK_TEXT, version_for_step
+from ..protocol import MAX_ACK_TEXT, read_ack, version_for_step
 from ..shown_values import shown_text
 from ..untrusted_files import Deadline
 from .acks import AckWriter
@@ -142,6 +142,10 @@ class SyncController:
         """Each step's publication identity as seen before its last validation started: a
         rejection stands until it changes (taken before, so a change during validation counts)."""
         self._rescanned_last: int | None = None
+        self._sent: tuple[int, str] | None = None
+        """The step and source fingerprint this sidecar last asked SGLang to load (at start: what
+        this replica's ack said it served): a step folder SGLang serves from the root is adopted
+        only as that publication (:func:`adoptable`)."""
         """The rejected step whose files a listing looked at last: the next listing goes on from
         the one below it (see :meth:`_listing`), so that every rejected step gets its turn."""
         self._listing_problem: str | None = None
@@ -383,6 +387,14 @@ class SyncController:
             )
         except (RootUnresponsive, OSError) as exc:
             log.warning("could not clean up leftover ack files: %s", exc)
+        try:  # before the first ack replaces it: what this replica served before a restart
+            self._sent = _served_in(
+                await self.root_gate.call(
+                    read_ack, self.root, self.settings.replica_id, what="reading this replica's last ack"
+                )
+            )
+        except RootUnresponsive as exc:
+            log.warning("could not read this replica's last ack: %s", exc)
         if self.settings.stage_dir is not None:
             try:
                 self.stage = await asyncio.to_thread(
@@ -580,7 +592,7 @@ class SyncController:
             self.metrics.ready.set(0)
         if self.state.loaded_step is None and view.weight_version is not None:
             adopted = await self.root_gate.call(
-                adoptable, view, self.root, self.stage, what="looking for the step SGLang already serves"
+                adoptable, view, self.root, self.stage, self._sent, what="looking for the step SGLang already serves"
             )
             if adopted is not None and self.state.loaded_step is None:  # on the loop: /status sees all or nothing
                 step, manifest, served = adopted
@@ -901,6 +913,7 @@ class SyncController:
             validate_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             version = version_for_step(step)
+            self._sent = (step, report.manifest.source_fingerprint())
             try:
                 await self.client.load_from_disk(str(report.path), version)
             except SGLangLoadRejected as exc:
@@ -1275,6 +1288,14 @@ def _publication_identity(path: Path) -> tuple[int, ...] | None:
         return _read_identity(path)
     except OSError:
         return None
+
+
+def _served_in(ack: dict[str, Any] | None) -> tuple[int, str] | None:
+    """The step and fingerprint an ack says its replica served, or None."""
+    step, fingerprint = (ack or {}).get("loaded_step"), (ack or {}).get("fingerprint")
+    if isinstance(step, int) and not isinstance(step, bool) and isinstance(fingerprint, str):
+        return step, fingerprint
+    return None
 
 
 def _rejection_identity(path: Path) -> tuple[int, ...] | None:

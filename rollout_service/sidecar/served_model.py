@@ -22,13 +22,18 @@ from .staging import Stage
 log = logging.getLogger(__name__)
 
 
-def adoptable(view: ServerView, root: Path, stage: Stage | None) -> tuple[int, Manifest, Path] | None:
+def adoptable(
+    view: ServerView, root: Path, stage: Stage | None, sent: tuple[int, str] | None = None
+) -> tuple[int, Manifest, Path] | None:
     """(Blocking: call it in a thread.) For a restarted sidecar beside a server that already
     serves a published step: that step, its manifest and the served path, or None.
 
     Adoptable when SGLang's ``model_path`` holds a manifest of that step whose fingerprint is
-    the published one (a staged copy, ours or another sidecar's, or the step directory
-    itself), or is a copy in this sidecar's own stage.
+    the published one (a staged copy, ours or another sidecar's), or is a copy in this
+    sidecar's own stage. The step directory itself (``--no-stage``) holds what was published
+    *now*, which need not be what SGLang read (a step republished since): it is adopted only
+    when ``sent`` (the step and fingerprint this sidecar last sent SGLang, or that its ack said
+    it served before a restart) is that publication; else the step is loaded again.
     """
     step = step_for_version(view.weight_version)
     if step is None or not view.model_path or not os.path.isdir(view.model_path):
@@ -45,9 +50,13 @@ def adoptable(view: ServerView, root: Path, stage: Stage | None) -> tuple[int, M
             published = Manifest.load(root / step_dir_name(step), root=root)
         except CheckpointError:
             return None
-        # The step directory itself (no stage) stands for itself; a copy names its source.
-        source = manifest.as_copy() if is_inside(served, root) else manifest
-        if published.fingerprint() != source.source_fingerprint():
+        # A copy names its source; the step directory itself stands for itself, and only as
+        # the publication this sidecar sent SGLang.
+        if is_inside(served, root):
+            manifest = manifest.as_copy()
+            if sent != (step, manifest.source_fingerprint()):
+                return None
+        if published.fingerprint() != manifest.source_fingerprint():
             return None
     return step, manifest, served
 
