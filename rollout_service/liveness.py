@@ -3,8 +3,10 @@
 SGLang's ``/health`` waits on the weight-update lock, so while a large
 ``/update_weights_from_disk`` runs (minutes for a big model from network storage) it does not
 answer, and a Kubernetes liveness probe on ``/health`` would restart SGLang in the middle of the
-load. The sidecar knows when a load is in flight (``loading_step`` in its ``/status``): then
-SGLang counts as alive. Otherwise ``/health`` decides. When the sidecar cannot be reached, or
+load. The sidecar knows when a load is in flight (``sglang_loading_step`` in its ``/status``:
+SGLang's load call itself, not the validation and staging before it, during which an SGLang that
+died or hung must still be restarted; an older sidecar's ``loading_step``): then SGLang counts as
+alive. Otherwise ``/health`` decides. When the sidecar cannot be reached, or
 answers anything but a well-formed ``/status`` in time, only ``/health`` decides (a sidecar
 outage never hides a dead SGLang, nor kills a live one).
 
@@ -26,7 +28,7 @@ import httpx
 
 from .bounded_http import arequest
 from .http_urls import check_http_url
-from .protocol import ReplicaReport
+from .protocol import ReplicaReport, step_for_version
 
 STATUS_LIMIT_BYTES = 1 << 20
 """The sidecar's ``/status``: a few kB (its rejections are capped); more is not a sidecar."""
@@ -65,7 +67,11 @@ async def _loading_step(client: httpx.AsyncClient, sidecar_url: str, timeout_s: 
         answer = await arequest(client, "GET", f"{sidecar_url}/status", timeout_s=timeout_s, limit=STATUS_LIMIT_BYTES)
         if answer.status_code != 200:
             return None
+        data = answer.json()
+        if isinstance(data, dict) and "sglang_loading_step" in data:  # SGLang's load call itself
+            return step_for_version(data["sglang_loading_step"])
+        # (An older sidecar reports only loading_step: validating, staging or loading.)
         # ReplicaReport reads a step only if it is one (an int in range), never raising.
-        return ReplicaReport.from_dict(answer.json()).loading_step
+        return ReplicaReport.from_dict(data).loading_step
     except Exception:  # any failure means "sidecar unknown": /health decides
         return None

@@ -310,7 +310,8 @@ def test_a_sync_lookup_answers_within_its_bound_when_every_thread_is_busy(
 
 def test_sglang_back_on_other_weights_during_a_long_pass_makes_the_replica_unready(tmp_path: Path) -> None:
     """The watch during a pass refreshes readiness only while SGLang serves what this replica
-    loaded (or is loading): one restarted on its start-up weights is unready at once."""
+    loaded (or is loading): one restarted on its start-up weights is unready at once, and the
+    step it held is no longer counted as served (see tests/test_sglang_lost_during_pass.py)."""
     sglang = FakeRoutes({"/model_info": (200, {"weight_version": "999", "model_path": "/m"}, 0.0)})
     try:
         controller = _pass_ready_controller(tmp_path, sglang.url, pass_s=1.5)
@@ -318,7 +319,9 @@ def test_sglang_back_on_other_weights_during_a_long_pass_makes_the_replica_unrea
         state.loaded_step, state.ready = 3, True
         before = state.sglang_seen_at
         asyncio.run(controller._sync_pass())
-        assert state.ready is False and state.sglang_seen_at == before
+        assert state.ready is False and state.loaded_step is None
+        assert not controller.serves(3)
+        state.loaded_step, before = 3, state.sglang_seen_at
         sglang.routes["/model_info"] = (200, {"weight_version": "3", "model_path": "/m"}, 0.0)
         asyncio.run(controller._sync_pass())
         assert state.sglang_seen_at is not None and state.sglang_seen_at > before

@@ -316,3 +316,45 @@ def test_names_that_only_look_loopback_are_not(authority: str) -> None:
     from rollout_service.http_auth import is_loopback_authority
 
     assert not is_loopback_authority(authority)
+
+
+# ---------------------------------------------- 5: what POST /sync promises, and trailing slashes
+
+
+def test_a_trailing_slash_is_no_redirect_that_names_a_foreign_host(tmp_path: Path) -> None:
+    """Starlette's trailing-slash redirect was answered before the Host guard ran: a 307 to
+    ``http://<any Host>/wait``. No redirect now: a 404 that names nothing."""
+    with client(tmp_path) as c:
+        for path in ("/wait/", "/status/", "/sync/"):
+            r = c.get(path, headers={"host": "attacker.example:8100"}, follow_redirects=False)
+            assert r.status_code in (404, 405, 421), (path, r.status_code)
+            assert "attacker.example" not in r.headers.get("location", "") and "attacker.example" not in r.text
+
+
+def test_sync_naming_a_step_the_loop_would_not_load_is_a_409_saying_why(tmp_path: Path) -> None:
+    """``POST /sync`` naming an older step than the served one answered 202 "triggered", and
+    nothing loaded it (the sidecar serves the newest valid step). Such a step, and a rejected
+    step unchanged since, is a 409 naming why; a rejected step republished since is looked at."""
+    from rollout_service.sidecar import controller as controller_module
+
+    for step in (1, 2, 3):
+        (tmp_path / f"step-0000000{step}").mkdir(exist_ok=True)
+        (tmp_path / f"step-0000000{step}" / "manifest.json").write_text("{}")
+    app = create_app(settings(tmp_path))
+    controller = app.state.controller
+    controller.state.loaded_step = 2
+    controller.state.rejected[3] = "shape_mismatch"
+    controller._rejected_at[3] = controller_module._read_identity(tmp_path / "step-00000003")
+    with TestClient(app, base_url=LOOPBACK_BASE) as c:
+        older = c.post("/sync", json={"checkpoint": "step-00000001"})
+        assert older.status_code == 409 and older.json()["error"] == "older_than_served", older.text
+        assert "newest valid step" in older.json()["detail"] and "new step" in older.json()["detail"]
+        rejected = c.post("/sync", json={"checkpoint": "step-00000003"})
+        assert rejected.status_code == 409 and rejected.json()["error"] == "checkpoint_rejected", rejected.text
+        assert "shape_mismatch" in rejected.json()["detail"]
+        (tmp_path / "step-00000003" / "manifest.json").unlink()  # republished: looked at anew
+        (tmp_path / "step-00000003" / "manifest.json").write_text('{"step": 3}')
+        assert c.post("/sync", json={"checkpoint": "step-00000003"}).status_code == 202
+        assert c.post("/sync", json={"checkpoint": "step-00000002"}).status_code == 202  # the served one: a rescan
+        controller.state.loaded_current = False  # the served step is gone: an older one may be loaded
+        assert c.post("/sync", json={"checkpoint": "step-00000001"}).status_code == 202

@@ -283,12 +283,13 @@ class AdapterSync:
             return False
         before = set(listed) if self._adopted else await self._adopt(listed)
         try:
-            if name in before and self._has_publication(name, fingerprint, path):
-                log.info("SGLang already has adapter %r from %s: not loaded again", name, ckpt.path.name)
-            elif name in before:  # republished, or loaded by an earlier process: maybe other files
-                await self._replace(name, path, before)
-            else:
-                await c.client.load_lora_adapter(name, path)
+            with c.sglang_loading(ckpt.step):
+                if name in before and self._has_publication(name, fingerprint, path):
+                    log.info("SGLang already has adapter %r from %s: not loaded again", name, ckpt.path.name)
+                elif name in before:  # republished, or loaded by an earlier process: maybe other files
+                    await self._replace(name, path, before)
+                else:
+                    await c.client.load_lora_adapter(name, path)
             confirmed = name in await c.client.loaded_adapters()
         except SGLangLoadRejected as exc:
             await self._forget_unless_listed(name)

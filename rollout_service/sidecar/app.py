@@ -30,7 +30,7 @@ from ..http_auth import is_loopback_authority, is_loopback_host
 from ..http_urls import url_host
 from ..number_text import STEP_PATTERN, digits_value, plain_seconds
 from ..redaction import shown_request_target
-from .controller import SyncController
+from .controller import NOT_LOADABLE_NOW, SyncController
 from .root_gate import RootGate, RootUnresponsive
 from .settings import SidecarSettings, warn_unguarded_listeners
 from .watcher import CheckpointWatcher
@@ -118,6 +118,7 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         title="rollout-service sidecar",
         lifespan=lifespan,
         dependencies=[Depends(_same_site_guard(settings)), Depends(_known_query)],
+        redirect_slashes=False,  # a redirect is answered before the Host guard runs (it would name any Host)
         docs_url=None,  # its page loads scripts from a CDN; /openapi.json describes the API
         redoc_url=None,
         description="Loads each new checkpoint from shared storage into SGLang.",
@@ -256,8 +257,9 @@ def create_app(settings: SidecarSettings) -> FastAPI:
                 " (the root is slow or busy); ask again, or send no body to load the newest step"
             )
             return SafeJSONResponse({"error": RootUnresponsive.reason, "detail": detail}, status_code=503)
-        except CheckpointError as exc:
-            return SafeJSONResponse({"error": exc.reason, "detail": str(exc)}, status_code=400)
+        except CheckpointError as exc:  # a step the loop would not load is a conflict with its state
+            status = 409 if exc.reason in NOT_LOADABLE_NOW else 400
+            return SafeJSONResponse({"error": exc.reason, "detail": str(exc)}, status_code=status)
         except (OSError, ValueError) as exc:
             return SafeJSONResponse(
                 {"error": "bad_request", "detail": f"cannot use that checkpoint name: {type(exc).__name__}"},

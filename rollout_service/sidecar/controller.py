@@ -37,7 +37,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -359,10 +359,34 @@ class SyncController:
         if not path.is_dir():
             what = "is not a directory" if os.path.lexists(path) else "does not exist"
             raise CheckpointError("missing_checkpoint", f"{path.name} {what} under {self.root}")
+        loaded, rejected = self.state.loaded_step, self.state.rejected.get(step)
+        if loaded is not None and step < loaded and self.state.loaded_current:
+            raise CheckpointError(
+                "older_than_served",
+                f"{path.name} is older than step {loaded}, which SGLang serves: the sidecar serves the newest"
+                " valid step of the root and never goes back while it is published. To serve older weights,"
+                " publish them as a new step (or remove the newer steps from the root)",
+            )
+        if rejected is not None and self._rejected_unchanged(step, path):
+            raise CheckpointError(
+                "checkpoint_rejected",
+                f"{path.name} was rejected ({rejected}; GET /status says why) and is looked at again only"
+                " once it changes: publish it again",
+            )
         if len(self._named) < 64:
             self._named[step] = self.root / path.name
         self.notify(f"api:{path.name}")
         return path
+
+    def _rejected_unchanged(self, step: int, path: Path) -> bool:
+        """(Blocking: on the root.) Whether rejected ``step``'s folder and manifest are as they were
+        when it was rejected (a step republished since is looked at anew: not refused)."""
+        then = self._rejected_at.get(step)
+        try:
+            seen = _read_identity(path, files=False)
+        except OSError:
+            return False
+        return then is not None and seen == then[: len(seen)]
 
     # --- the loop --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -545,6 +569,7 @@ class SyncController:
         it passed over a newer step that failed without a rejection (a hung root cut its check
         short): that one is still to load, so the replica is not ready yet."""
         self.state.sglang_seen_at = time.time()  # it answered the load: a long pass is no silence
+        self.state.sglang_healthy = True  # (the pass's watch may have seen it silent before)
         known = self.state.newest_known_step
         if known is not None and known in self.state.rejected and not any(p > step for p in self._passed_over):
             known = None
@@ -579,17 +604,7 @@ class SyncController:
             if self.adapters.serving
             else view.weight_version != version_for_step(loaded)
         ):
-            log.warning(
-                "SGLang reports weight version %r but step %d was loaded: it restarted;"
-                " re-applying the newest checkpoint",
-                view.weight_version,
-                loaded,
-            )
-            self.metrics.sglang_restarts.inc()  # counted only when the weights were really lost
-            self.state.loaded_step = None
-            self.state.loaded_fingerprint = self.state.loaded_run_id = None
-            self.state.ready = False  # not until a step is served again (the pass may take minutes)
-            self.metrics.ready.set(0)
+            self._weights_lost(view.weight_version, loaded)
         if self.state.loaded_step is None and view.weight_version is not None:
             adopted = await self.root_gate.call(
                 adoptable, view, self.root, self.stage, self._sent, what="looking for the step SGLang already serves"
@@ -613,6 +628,29 @@ class SyncController:
                 await self.root_gate.call(
                     self._ensure_reference, view, revision, what="reading the served model's tensor list"
                 )
+
+    def _weights_lost(self, version: str | None, loaded: int) -> None:
+        """(On the loop.) SGLang answers with weights other than step ``loaded``'s: it restarted.
+        Nothing is served from now on (``/wait`` and the ack file say so at once), until a step
+        is loaded again (the pass may take minutes)."""
+        log.warning(
+            "SGLang reports weight version %r but step %d was loaded: it restarted; re-applying the newest checkpoint",
+            version,
+            loaded,
+        )
+        self.metrics.sglang_restarts.inc()  # counted only when the weights were really lost
+        self.state.loaded_step = None
+        self.state.loaded_fingerprint = self.state.loaded_run_id = None
+        self.state.sglang_weight_version = version
+        self._not_serving()
+
+    def _not_serving(self) -> None:
+        """(On the loop.) Unready now, and the ack file rewritten at once (not at the next
+        heartbeat): a trainer waiting through it must not count this replica meanwhile."""
+        self.state.ready = False
+        self.metrics.ready.set(0)
+        if self._ack_now is not None:
+            self._ack_now.set()
 
     async def _served_revision(self) -> str | None | bool:
         """The Hub revision SGLang was started with (``--revision``: its ``/server_info``), so
@@ -682,24 +720,34 @@ class SyncController:
         ``sglang_seen_at`` fresh from SGLang's answers every ``health_interval``: ``/readyz``
         must not call a serving replica unready because the loop is busy (anyone who can write
         the root could otherwise take every replica out of service for ``--validate-timeout``).
-        Only a cheap ``/model_info``; an SGLang that stops answering goes stale as before, and one
-        that answers with weights this replica neither serves nor loads (it restarted on its
-        start-up weights) makes the replica unready at once (the pass after this one reloads)."""
+        Only a cheap ``/model_info``. What it sees counts as the loop's own check would: an
+        SGLang that stops answering serves nothing (``/wait`` and the ack file stop confirming
+        the step it held: a pass can last ``--validate-timeout``), and one that answers with
+        weights this replica neither serves nor loads (it restarted on its start-up weights)
+        lost the served step (the pass after this one reloads)."""
         while not done.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(done.wait(), self.settings.health_interval_s)
             if done.is_set():
                 return
             view = await self.client.view(deep=False)
-            if not view.healthy or done.is_set():
-                continue
+            if done.is_set():
+                return
             s = self.state
+            if not view.healthy:
+                if s.sglang_healthy:
+                    log.warning("SGLang at %s stopped answering", self.settings.sglang_url)
+                    self._error("sglang_down", f"SGLang at {self.settings.sglang_url} is not answering")
+                s.sglang_healthy = self._was_healthy = False
+                self._unconfirmed = None  # as the loop's check: a load in flight is lost with SGLang
+                self._not_serving()
+                continue
+            s.sglang_healthy = True
             expected = {version_for_step(step) for step in (s.loaded_step, s.loading_step) if step is not None}
             if self.adapters.serving or s.loaded_step is None or view.weight_version in expected:
                 s.sglang_seen_at = time.time()
             else:
-                s.ready = False
-                self.metrics.ready.set(0)
+                self._weights_lost(view.weight_version, s.loaded_step)
 
     async def _sync_newest(self) -> None:
         """Serve the newest valid checkpoint in the root (if SGLang does not already)."""
@@ -915,7 +963,8 @@ class SyncController:
             version = version_for_step(step)
             self._sent = (step, report.manifest.source_fingerprint())
             try:
-                await self.client.load_from_disk(str(report.path), version)
+                with self.sglang_loading(step):
+                    await self.client.load_from_disk(str(report.path), version)
             except SGLangLoadRejected as exc:
                 self._reject(ckpt, "sglang_rejected", str(exc))
                 await self._discard_copy(built)  # SGLang is done with it
@@ -992,6 +1041,17 @@ class SyncController:
             return True
         finally:
             self.state.loading_step = None
+
+    @contextlib.contextmanager
+    def sglang_loading(self, step: int) -> Iterator[None]:
+        """While SGLang runs ``step``'s load call (``/status``'s ``sglang_loading_step``): the
+        liveness probe counts SGLang alive then, not while the step is validated or staged (an
+        SGLang that dies or hangs meanwhile would go unrestarted for ``--validate-timeout``)."""
+        self.state.sglang_loading_step = step
+        try:
+            yield
+        finally:
+            self.state.sglang_loading_step = None
 
     def loading(self, step: int) -> None:
         """Mark ``step`` as being loaded (a full checkpoint or an adapter): the heartbeat writes
@@ -1288,6 +1348,11 @@ def _publication_identity(path: Path) -> tuple[int, ...] | None:
         return _read_identity(path)
     except OSError:
         return None
+
+
+NOT_LOADABLE_NOW = frozenset({"older_than_served", "checkpoint_rejected"})
+"""``request_checkpoint``'s refusals of a step that exists but that the loop would not load now
+(``POST /sync`` answers them 409, a bad name 400)."""
 
 
 def _served_in(ack: dict[str, Any] | None) -> tuple[int, str] | None:

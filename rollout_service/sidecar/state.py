@@ -31,6 +31,10 @@ class SidecarState:
     loaded_current: bool = True
     """False once the served checkpoint's directory is gone or was republished."""
     loading_step: int | None = None
+    sglang_loading_step: int | None = None
+    """The step whose load SGLang runs now (its weight or adapter load call is in flight; not
+    while the step is validated or staged): SGLang's ``/health`` waits on it, and
+    ``rollout-service liveness`` counts SGLang alive meanwhile."""
     newest_known_step: int | None = None
     sglang_healthy: bool = False
     sglang_weight_version: str | None = None

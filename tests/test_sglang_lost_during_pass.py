@@ -1,0 +1,125 @@
+"""What SGLang does while a pass validates and stages a step (minutes for a large model) counts at once.
+
+A pass's watch of SGLang used to only keep ``/readyz`` fresh: an SGLang that died, or came back
+on its start-up weights, left ``loaded_step`` and ``sglang_healthy`` as they were until the pass
+ended, so ``GET /wait`` answered 200 for the step SGLang no longer held and the ack file told the
+trainer (and its retention) the same. And the liveness probe counted SGLang alive for the whole
+validate-and-stage phase (``loading_step`` is set from its start), though SGLang's ``/health``
+waits only on the load call itself: an SGLang that died meanwhile went unrestarted for up to
+``--validate-timeout``. The probe now reads ``sglang_loading_step``, set around the load call.
+
+SGLang is the in-process fake client of tests/test_sync_loop_hazards.py (a restart or a death
+on cue in the middle of a pass is what a real server cannot be made to show); the sidecar's
+``/status`` is served to the real probe by ``fake_sglang.CannedServer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from fake_sglang import CannedServer, canned_reply, dead_url
+from rollout_service.checkpoint_writer import publish_checkpoint
+from rollout_service.liveness import check_liveness
+from rollout_service.sidecar.controller import SyncController
+from test_sync_loop_hazards import CONFIG, RUN, make, run_with, tensors, until
+
+STAGE_S = 4.0
+"""How long step 2's validation and staging lasts here (a large step on network storage)."""
+
+
+def slow_step_2(c: SyncController) -> None:
+    prepare = c._prepare
+
+    def slow(path: Path) -> Any:
+        if path.name.endswith("2"):
+            time.sleep(STAGE_S)
+        return prepare(path)
+
+    c._prepare = slow  # type: ignore[method-assign]
+
+
+def ack(root: Path) -> dict[str, Any]:
+    return json.loads((root / "acks" / "r0.json").read_text())
+
+
+def test_sglang_restarted_during_a_pass_stops_wait_and_the_ack_confirming_the_old_step(tmp_path: Path) -> None:
+    root, c, sglang = make(tmp_path, ack_interval_s=30.0)
+    publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
+    slow_step_2(c)
+
+    async def during() -> None:
+        await until(lambda: c.serves(1))
+        publish_checkpoint(root, 2, tensors(2), config=CONFIG, run_id=RUN)
+        await until(lambda: c.state.loading_step == 2)
+        sglang.version = "default"  # SGLang restarted on its start-up weights
+        await until(lambda: not c.serves(1), STAGE_S / 2)
+        assert await c.wait_for_step(1, 0.5, run_id=RUN) is False
+        await until(lambda: ack(root).get("loaded_step") is None, STAGE_S / 2)  # at once, not at the heartbeat
+        assert ack(root)["ready"] is False and c.state.loading_step == 2  # the pass goes on
+        await until(lambda: c.serves(2), 20)
+        assert await c.wait_for_step(2, 1.0, run_id=RUN) is True
+
+    run_with(c, during)
+    assert c.metrics.sglang_restarts._value.get() == 1
+
+
+def test_sglang_down_during_a_pass_stops_wait_confirming_and_comes_back(tmp_path: Path) -> None:
+    root, c, sglang = make(tmp_path, ack_interval_s=30.0)
+    publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
+    slow_step_2(c)
+
+    async def during() -> None:
+        await until(lambda: c.serves(1))
+        publish_checkpoint(root, 2, tensors(2), config=CONFIG, run_id=RUN)
+        await until(lambda: c.state.loading_step == 2)
+        sglang.unanswered_views = 10**9  # SGLang stops answering
+        await until(lambda: not c.state.sglang_healthy, STAGE_S / 2)
+        assert await c.wait_for_step(1, 0.5, run_id=RUN) is False
+        await until(lambda: ack(root).get("sglang_healthy") is False, STAGE_S / 2)
+        assert ack(root)["ready"] is False and c.readiness()[0] is False
+        sglang.unanswered_views = 0  # back, on the same weights
+        await until(lambda: c.serves(1) or c.serves(2), 20)
+        await until(lambda: c.serves(2), 20)
+
+    run_with(c, during)
+
+
+def test_the_liveness_probe_counts_only_sglangs_load_call_not_the_staging_before_it(tmp_path: Path) -> None:
+    root, c, sglang = make(tmp_path)
+    status = CannedServer(lambda path, body, count: canned_reply(200, c.state.to_dict()) if path == "/status" else None)
+    dead_sglang = dead_url()
+    seen: dict[str, tuple[bool, str]] = {}
+
+    async def probe() -> tuple[bool, str]:
+        return await asyncio.to_thread(check_liveness, dead_sglang, status.url, timeout_s=2.0)
+
+    async def in_the_load(path: str, version: str) -> None:
+        if version == "2":
+            assert c.state.sglang_loading_step == 2
+            seen["load"] = await probe()
+
+    sglang.load_hook = in_the_load
+    publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
+    slow_step_2(c)
+
+    async def during() -> None:
+        await until(lambda: c.serves(1))
+        publish_checkpoint(root, 2, tensors(2), config=CONFIG, run_id=RUN)
+        await until(lambda: c.state.loading_step == 2)
+        assert c.state.sglang_loading_step is None
+        seen["staging"] = await probe()
+        await until(lambda: c.serves(2), 20)
+        assert c.state.sglang_loading_step is None
+
+    try:
+        run_with(c, during)
+    finally:
+        status.stop()
+    alive, why = seen["staging"]
+    assert not alive and "/health failed" in why, "a dead SGLang counted alive while its sidecar staged a step"
+    alive, why = seen["load"]
+    assert alive and "loading step 2" in why
