@@ -641,6 +641,26 @@ def write_small(path: Path, data: str | bytes) -> FileEntry:
     return file_entry(raw)
 
 
+def stale_temp_entries(root: Path | str, older_than_s: float = 3600.0) -> list[Path]:
+    """The hidden ``.tmp-*`` entries of ``root`` that :func:`cleanup_stale_temp_dirs` removes:
+    older than ``older_than_s`` (by their own modification time: a writer at work adds files to
+    its folder), or a work folder of a writer on this host whose process is gone."""
+    root = Path(root)
+    stale: list[Path] = []
+    now = time.time()
+    if not root.is_dir():
+        return stale
+    for entry in root.iterdir():
+        if not entry.name.startswith(TEMP_PREFIX):
+            continue
+        try:
+            if now - entry.lstat().st_mtime >= older_than_s or left_by_dead_writer(entry.name):
+                stale.append(entry)
+        except FileNotFoundError:
+            continue
+    return stale
+
+
 def cleanup_stale_temp_dirs(root: Path | str, older_than_s: float = 3600.0) -> list[Path]:
     """Remove hidden ``.tmp-*`` entries left by killed writers: older than ``older_than_s``, or
     a step work folder of a writer on this host whose process is gone (a trainer that crashed
@@ -650,17 +670,9 @@ def cleanup_stale_temp_dirs(root: Path | str, older_than_s: float = 3600.0) -> l
     a tree too deep for ``shutil.rmtree``) is logged with its path and what to do, and the others
     are still removed: a clean-up never stops the trainer that runs it.
     """
-    root = Path(root)
     removed: list[Path] = []
-    now = time.time()
-    if not root.is_dir():
-        return removed
-    for entry in root.iterdir():
-        if not entry.name.startswith(TEMP_PREFIX):
-            continue
+    for entry in stale_temp_entries(root, older_than_s):
         try:
-            if now - entry.lstat().st_mtime < older_than_s and not left_by_dead_writer(entry.name):
-                continue
             remove_tree(entry)
             removed.append(entry)
         except FileNotFoundError:

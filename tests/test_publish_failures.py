@@ -154,6 +154,9 @@ def test_a_storage_error_names_the_root_the_version_and_what_to_do(
     monkeypatch.setattr(os, "fsync", real_fsync)
     message = str(err.value)
     assert err.value.errno == code and "version 2" in message and str(root) in message and hint in message
+    if code == errno.ENOSPC:  # what retention holds whatever keep_checkpoints says
+        assert "live replica" in message
+        assert ("checkpoint_full_every" in message) == delta, message
     assert [c.step for c in list_checkpoints(root)] == [1]
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
     # The next publish is right (for deltas: not encoded against the version that failed).

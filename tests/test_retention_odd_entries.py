@@ -322,7 +322,7 @@ def test_folders_that_cannot_be_emptied_are_logged_and_the_rest_goes_on(tmp_path
     assert result == {"steps": [5], "stale_left": True, "other_left": False, "pruned": 4}
     log = done.stderr
     assert "could not remove the stale temporary entry" in log and ".tmp-step-00000003" in log
-    assert "deleted old checkpoint step-00000001" in log and "remove it by hand" in log
+    assert "removing the files of step-00000001 failed" in log and "remove it by hand" in log
 
 
 def test_a_root_too_full_to_list_does_not_end_a_run_that_has_published(tmp_path: Path, monkeypatch) -> None:

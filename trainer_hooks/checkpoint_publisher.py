@@ -39,6 +39,7 @@ import os
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -49,7 +50,12 @@ import torch
 
 from rollout_service.checkpoint_format import MAX_STEP, CheckpointError, new_run_id, step_dir_name
 from rollout_service.checkpoint_reader import PublishedCheckpoint
-from rollout_service.checkpoint_writer import PublishResult, cleanup_stale_temp_dirs, publish_checkpoint
+from rollout_service.checkpoint_writer import (
+    PublishResult,
+    cleanup_stale_temp_dirs,
+    publish_checkpoint,
+    stale_temp_entries,
+)
 from rollout_service.delta_writer import DeltaCheckpointWriter
 from rollout_service.full_writes import bytes_written
 from rollout_service.protocol import ACK_EXPIRY_S, AcksCutShort, fresh_acks, list_acks, remove_expired_acks
@@ -221,6 +227,8 @@ class CheckpointPublisher:
         self._future: Future[SyncRecord] | None = None
         self._job: _BackgroundJob | None = None
         """What :attr:`_future` runs (its version, how far its write got)."""
+        self._swept_at: float | None = None
+        """When :meth:`_sweep_leftovers` last looked (the start's clean-up counts as none)."""
         self._prune_skipped_said: float | None = None
         """When the log last said retention is skipped (acks not all read); None: it is not."""
         self._torch_dtype = target_dtype(dtype)
@@ -231,9 +239,12 @@ class CheckpointPublisher:
         self._remover = HiddenRemover()
         """Removes deleted steps' files beside training, not in a look at the root: a slow removal
         would otherwise make the next sync's look find the root "not answering"."""
+        self._root_fd: int | None = None
+        """The root, held open from the start (see :meth:`_prepare_root`)."""
         self._root_identity = self._on_root(self._prepare_root, "making it and removing stale temporary entries")
         """(device, inode) of the root as it was at the start: a root unmounted or replaced since is
         not published into (a folder at the same path is not what the replicas watch)."""
+        self._release_root = weakref.finalize(self, os.close, self._root_fd) if self._root_fd is not None else None
 
     def _on_root(self, look: Callable[[], T], what: str) -> T:
         """``look()``, given up on after ``sync_timeout_s`` (``RootUnresponsive`` naming the root):
@@ -241,11 +252,18 @@ class CheckpointPublisher:
         return self._looks.run(lambda deadline: look(), time.monotonic() + self.sync_timeout_s, what)
 
     def _prepare_root(self) -> tuple[int, int]:
+        """Make the root, remove killed writers' leftovers, and hold the root open: a FUSE file
+        system (sshfs) numbers a folder's inode afresh once the kernel has dropped it from its
+        cache (memory pressure on a training node), so the same root would look replaced at the
+        next publish; a folder held open stays cached, and keeps its number."""
         self.root.mkdir(parents=True, exist_ok=True)  # made once; if it vanishes later, publishing stops
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._root_fd = fd
         removed = cleanup_stale_temp_dirs(self.root)
         if removed:
             log.info("removed %d stale temporary entries under %s left by killed writers", len(removed), self.root)
-        return _identity(self.root)
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino
 
     def next_version(self) -> int:
         """One above both the last version used and the newest checkpoint published under the root.
@@ -408,9 +426,20 @@ class CheckpointPublisher:
         except OSError as exc:
             if exc.errno is None:  # not from the storage: nothing to add
                 raise
+            keeps = (
+                "keep fewer checkpoints (keep_checkpoints); retention also keeps every step a live replica"
+                " serves or loads"
+                + (
+                    ", and every step of the newest delta chain back to its full step whatever keep_checkpoints"
+                    " says (a smaller checkpoint_full_every shortens the chain; the next publish after a failed"
+                    " one is a full checkpoint, the largest)"
+                    if self.delta is not None
+                    else ""
+                )
+            )
             hint = {
-                errno.ENOSPC: "free space there, or keep fewer checkpoints (keep_checkpoints)",
-                errno.EDQUOT: "the disk quota is spent: free space there or keep fewer checkpoints",
+                errno.ENOSPC: f"free space there, or {keeps}",
+                errno.EDQUOT: f"the disk quota is spent: free space there, or {keeps}",
                 errno.EROFS: "the root is read-only: mount it writable",
                 errno.EACCES: "the trainer may not write there: fix the root's permissions",
                 errno.EIO: "the storage reported an I/O error: check it",
@@ -563,6 +592,8 @@ class CheckpointPublisher:
             if self._pool is not None:
                 self._pool.shutdown(wait=not stuck)
                 self._pool = None
+            if self._release_root is not None and not stuck:
+                self._release_root()  # (once: a finalizer runs at most once)
             left = 0 if stuck else self._remover.join(self.sync_timeout_s)
             if left:
                 log.warning(
@@ -615,6 +646,7 @@ class CheckpointPublisher:
         wait_s = time.perf_counter() - t_wait
         self.confirmed_version = max(self.confirmed_version or 0, version)
         pruned = self._prune(version)
+        self._sweep_leftovers()
         record = SyncRecord(
             version=version,
             gather_s=gather_s,
@@ -641,6 +673,25 @@ class CheckpointPublisher:
             " (background)" if background else "",
         )
         return record
+
+    def _sweep_leftovers(self) -> None:
+        """Every ``LEFTOVER_SWEEP_S``, hand the root's stale temporary entries (a killed writer's
+        work folder an hour old, as at the start) to the background remover. A trainer killed
+        mid-publish in a container leaves one that its restarted successor cannot tell dead (a
+        new PID namespace) and keeps at the start: without this it stayed for the whole run, one
+        model copy per crash. Given up on after ``sync_timeout_s``, like every look at the root."""
+        now = time.monotonic()
+        if self._swept_at is not None and now - self._swept_at < LEFTOVER_SWEEP_S:
+            return
+        self._swept_at = now
+        try:
+            stale = self._on_root(lambda: stale_temp_entries(self.root), "looking for stale temporary entries")
+        except (OSError, RootUnresponsive) as exc:
+            log.warning("could not look for stale temporary entries under %s: %s", self.root, exc)
+            return
+        for entry in stale:
+            log.info("removing %s, a temporary entry left by a writer that was killed over an hour ago", entry)
+            self._remover(entry, entry.name)
 
     def _prune(self, newest: int) -> list[int]:
         """Delete checkpoints past ``keep`` that no replica needs, given up on after
@@ -710,6 +761,11 @@ class CheckpointPublisher:
 def _is_step(value: Any) -> TypeGuard[int]:
     """Whether an ack's field holds a step number (an int, not a bool: JSON ``true`` is no step)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+LEFTOVER_SWEEP_S = 600.0
+"""How often a publish also looks for killed writers' temporary entries an hour old (they are
+removed by age: a look every ten minutes finds each within 70 minutes)."""
 
 
 def _written(job: _BackgroundJob) -> str:

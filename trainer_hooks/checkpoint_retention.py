@@ -237,6 +237,9 @@ def _identity(path: Path) -> tuple[int, ...] | None:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+MAX_ASKED = 10_000
+"""Paths a :class:`HiddenRemover` keeps track of (past it, more are not taken: a root flooded
+with leftovers is not held in memory)."""
 REMOVER_IDLE_S = 5.0
 """A :class:`HiddenRemover`'s thread ends after this long with nothing to remove."""
 
@@ -253,9 +256,14 @@ class HiddenRemover:
         self._lock = threading.Condition()
         self._left = 0
         """Copies queued or being removed."""
+        self._asked: set[Path] = set()
+        """Paths queued, being removed, or whose removal failed (logged once: not asked again)."""
 
     def __call__(self, hidden: Path, name: str) -> None:
         with self._lock:
+            if hidden in self._asked or len(self._asked) >= MAX_ASKED:
+                return
+            self._asked.add(hidden)
             self._left += 1
             self._queue.put((hidden, name))
             if self._thread is None:
@@ -272,11 +280,14 @@ class HiddenRemover:
                         self._thread = None
                         return
                 continue
+            removed = False
             try:
-                remove_hidden(hidden, name)
+                removed = remove_hidden(hidden, name)
             finally:
                 with self._lock:
                     self._left -= 1
+                    if removed:
+                        self._asked.discard(hidden)
                     self._lock.notify_all()
 
     def join(self, timeout_s: float) -> int:
@@ -286,23 +297,26 @@ class HiddenRemover:
             return self._left
 
 
-def remove_hidden(hidden: Path, name: str) -> None:
-    """Remove the hidden copy of a deleted step; a failure (a folder someone made read-only, a
-    tree too deep to walk) is logged with what to do, and retention goes on with the next step."""
+def remove_hidden(hidden: Path, name: str) -> bool:
+    """Remove the hidden copy of a deleted step (or a killed writer's leftover); a failure (a
+    folder someone made read-only, a tree too deep to walk) is logged with what to do, and
+    retention goes on with the next step. False when it failed."""
     try:
         remove_tree(hidden)
     except FileNotFoundError:
         pass
     except Exception as exc:  # any error from a tree a stray process shaped: never the trainer's end
         log.warning(
-            "deleted old checkpoint %s from the root's view, but removing its files failed: %s: %s;"
-            " %s takes space until removed: remove it by hand (give yourself write permission inside"
-            " it first if needed); a trainer started after it is an hour old removes it too",
+            "removing the files of %s failed: %s: %s; %s takes space until removed: remove it by hand"
+            " (give yourself write permission inside it first if needed); a trainer started after it is"
+            " an hour old removes it too",
             name,
             type(exc).__name__,
             exc,
             hidden,
         )
+        return False
+    return True
 
 
 def chain_dependencies(root: Path, steps: set[int]) -> set[int]:
