@@ -158,3 +158,36 @@ def test_one_parser_reads_a_version_the_same_as_int_or_string() -> None:
     assert parse_weight_version(10**8) is None and parse_weight_version("99999999") == 99999999
     for junk in [" 5 ", "5.0", 5.0, True, [5], "\uff15", "default", None, -1]:
         assert parse_weight_version(junk) is None, junk
+
+
+class Adapter:
+    """Adapter sync: the trainer's newest adapter is version 5, named as the sidecars load it."""
+
+    def current(self) -> tuple[int, str]:
+        from rollout_service.protocol import adapter_name_for
+
+        return 5, adapter_name_for(5, "R1")
+
+
+@pytest.mark.parametrize("version", ["default", "9", "3", "5"])
+def test_an_adapter_run_on_a_full_checkpoint_is_refused_not_labelled_the_adapters_version(
+    labelled: Any, version: str
+) -> None:
+    """With adapter sync each completion is labelled with the adapter's version, SGLang's own being
+    its base model's start-up ``"default"``. SGLang keeps adapters loaded across a full weight
+    update, so a replica where a full checkpoint was loaded (another run's, a full publish into this
+    root) answered the adapter's requests on those weights, and the answers passed as adapter
+    version 5. A checkpoint's version from SGLang now means that: refused, named, after retries."""
+    policy, server = labelled(version)
+    policy.adapters = Adapter()  # type: ignore[assignment]
+    if version == "default":  # the base model, as adapters need: taken as the adapter's version
+        groups, record = run(policy)
+        assert record.versions == [5, 5] and {c.raw_weight_version for c in groups[0]} == {"v00000005-R1"}
+        assert server.generate_requests[0]["lora_path"] == "v00000005-R1"
+        return
+    with pytest.raises(StaleWeightsError) as caught:
+        run(policy)
+    message = str(caught.value)
+    assert f"LoRA adapter run on full checkpoint version(s) ['{version}']" in message, message
+    assert "base model" in message and "checkpoint_path of its own" in message
+    assert len(server.generate_requests) >= 2  # retried until sync_timeout

@@ -276,10 +276,23 @@ def choose_adapter_sync(
     return AdapterPublisher(publisher, model, dtype)
 
 
+BASE_REPLACED = "on full checkpoint "
+"""How :func:`label_with_adapter` labels a completion whose adapter ran on a full checkpoint
+loaded over SGLang's base model (``raw_weight_version``; ``weight_version`` None)."""
+
+
 def label_with_adapter(groups: list[list[Any]], version: int, name: str) -> None:
-    """Completions generated with adapter ``name`` carry its version (SGLang's own weight version
-    is the base model's)."""
+    """Completions generated with adapter ``name`` carry its version, when SGLang ran it on its
+    base model: SGLang's own weight version is then its start-up one, no checkpoint's. One
+    answered with a checkpoint's version ran the adapter on a full checkpoint loaded over the
+    base (another run's, or a full publish into this root; SGLang keeps adapters loaded across a
+    weight update): labelled :data:`BASE_REPLACED` and that version, with none of its own, so
+    the staleness check refuses it instead of taking it for adapter version ``version``."""
     for group in groups:
         for completion in group:
-            completion.weight_version = version
-            completion.raw_weight_version = name
+            if completion.weight_version is not None:
+                completion.raw_weight_version = f"{name} {BASE_REPLACED}{completion.weight_version}"
+                completion.weight_version = None
+            else:
+                completion.weight_version = version
+                completion.raw_weight_version = name

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .adapter_publish import AdapterPublisher, label_with_adapter
+from .adapter_publish import BASE_REPLACED, AdapterPublisher, label_with_adapter
 from .checkpoint_publisher import CheckpointPublisher
 from .replica_wait import ReplicaFailed, ReplicaSyncTimeout, ReplicaWaiter
 from .sglang_endpoints import RetryBudget, SGLangEndpoints
@@ -202,6 +202,14 @@ class StaleRetryPolicy:
                 f"endpoints {urls} loads another run's checkpoints (another trainer publishes under its "
                 "--checkpoint-path, or it watches another folder): point it at this run's checkpoint_path"
             )
+        if outside.base_replaced:
+            parts.append(
+                f"this run's LoRA adapter run on full checkpoint version(s) {_some(outside.base_replaced)} instead of"
+                " SGLang's base model: a full checkpoint was loaded into a replica behind the endpoints"
+                f" {urls} (another run's, or one published under this checkpoint_path without adapter sync), and"
+                " SGLang keeps adapters loaded over it. Restart that SGLang on its base model (adapters need it;"
+                " its sidecar's /status says adapter_base_replaced), and give each run a checkpoint_path of its own"
+            )
         if outside.missing:
             parts.append(
                 "no meta_info.weight_version at all: SGLang too old to report it (use the SGLang version "
@@ -243,6 +251,8 @@ class _Outside:
         """Some answer had no ``weight_version`` at all."""
         self.malformed: set[str] = set()
         """Labels that are no version string (``5.0``, ``"5.0"``, ``true``, ...)."""
+        self.base_replaced: set[str] = set()
+        """Versions of full checkpoints an adapter ran on instead of SGLang's base model."""
 
     def add(self, group: list[Completion], required: int, latest: int | None) -> bool:
         """Record ``group``'s completions outside ``required .. latest``; whether there was one."""
@@ -258,13 +268,16 @@ class _Outside:
                 self.missing = True
             elif raw == SGLANG_START_VERSION:
                 self.older.add(raw)
+            elif BASE_REPLACED in raw:
+                self.base_replaced.add(raw.split(BASE_REPLACED, 1)[1])
             else:
                 self.malformed.add(raw)  # bounded where it is parsed (sglang_responses._raw_version)
         return found
 
     def labels(self) -> list[str]:
         """Every refused label, for the log ("missing" for an answer without one)."""
-        return sorted(self.older | self.newer | self.malformed) + (["missing"] if self.missing else [])
+        replaced = {BASE_REPLACED.strip() + " " + v for v in self.base_replaced}
+        return sorted(self.older | self.newer | self.malformed | replaced) + (["missing"] if self.missing else [])
 
 
 def _some(values: set[str], most: int = 5) -> str:
