@@ -433,3 +433,20 @@ def test_a_restarted_no_stage_sidecar_adopts_the_step_its_ack_says_it_served(
     fake = fake_sglang(model_path=served, version="5")
     controller = run_sidecar(root, fake, lambda c: c.state.loaded_step == 5 and c.state.ready)
     assert fake.loads == [] and controller.state.loaded_fingerprint == fingerprint
+
+
+def test_the_base_model_is_found_once_sglang_restarts_on_it(fake_sglang: Any, root: Path, base_model: Path) -> None:
+    """A sidecar that started beside SGLang serving a full step of the root knew no base model
+    folder (adapters' recorded base values are compared with it); when SGLang came back on its
+    base model it still knew none, and the comparison was skipped for the sidecar's life. It is
+    looked for again once SGLang serves its base model."""
+    served = publish(root, 5)
+    fake = fake_sglang(model_path=served, version="5")
+
+    def restarted_then_found(c: SyncController) -> bool:
+        if c.state.loaded_step == 5 and fake.version == "5" and c.base_dir is None:
+            fake.model_path, fake.version = str(base_model), "default"  # SGLang restarted on its base
+        return c.base_dir is not None
+
+    controller = run_sidecar(root, fake, restarted_then_found)
+    assert controller.base_dir == base_model

@@ -57,7 +57,7 @@ from ..checkpoint_reader import (
     list_checkpoints,
     validate_checkpoint,
 )
-from ..protocol import MAX_ACK_TEXT, read_ack, version_for_step
+from ..protocol import MAX_ACK_TEXT, read_ack, step_for_version, version_for_step
 from ..shown_values import shown_text
 from ..untrusted_files import Deadline
 from .acks import AckWriter
@@ -161,6 +161,9 @@ class SyncController:
         self._reference: TensorSpecs | None = None
         self.base_dir: Path | None = None
         """The local base model folder adapters' recorded base values are compared with (None: not known)."""
+        self._base_dir_pending = False
+        """``base_dir`` was not known when the reference was learnt (SGLang served a full step):
+        looked for again once SGLang serves its base model (restarted on it)."""
         self._served_path: str | None = None
         self._last_ack = 0.0
         self._ack_now: asyncio.Event | None = None
@@ -628,6 +631,19 @@ class SyncController:
                 await self.root_gate.call(
                     self._ensure_reference, view, revision, what="reading the served model's tensor list"
                 )
+        elif self._base_dir_pending and step_for_version(view.weight_version) is None:
+            revision = await self._served_revision()
+            if revision is not False:
+                self._base_dir_pending = False
+                self.base_dir = await self.root_gate.call(
+                    base_model_dir,
+                    view,
+                    self.root,
+                    self.stage,
+                    self.settings.reference_dir,
+                    revision,
+                    what="looking for the base model's folder",
+                )
 
     def _weights_lost(self, version: str | None, loaded: int) -> None:
         """(On the loop.) SGLang answers with weights other than step ``loaded``'s: it restarted.
@@ -683,6 +699,7 @@ class SyncController:
             return
         self._reference, self.state.reference = found
         self.base_dir = base_model_dir(view, self.root, self.stage, self.settings.reference_dir, revision)
+        self._base_dir_pending = self.base_dir is None and step_for_version(view.weight_version) is not None
         if self.stage is not None:
             self.stage.save_reference(*found)
             self.stage.prune_before_first_load(view.model_path)
