@@ -127,7 +127,29 @@ class LoraLimits:
         )
 
     def serves_module(self, module: str) -> bool:
-        return module in self.target_modules or "all" in self.target_modules
+        """Whether SGLang serves LoRA on ``module``: compared as SGLang compares them, by the
+        name of the layer it fuses the module into (:data:`FUSED_MODULES`), so ``q_proj`` is
+        served by ``--lora-target-modules qkv_proj`` and ``k_proj`` by ``q_proj v_proj``."""
+        if "all" in self.target_modules:
+            return True
+        return fused_name(module) in {fused_name(m) for m in self.target_modules}
+
+
+FUSED_MODULES = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+"""The layers SGLang 0.5.23 fuses these modules into, and by whose names it checks an adapter's
+``target_modules`` against its ``--lora-target-modules`` (both sides: ``get_normalized_target_modules``
+in ``sglang/srt/lora/utils.py``), for the decoder architectures this project serves."""
+
+
+def fused_name(module: str) -> str:
+    """The name SGLang checks ``module`` by (:data:`FUSED_MODULES`; others as they are)."""
+    return FUSED_MODULES.get(module, module)
 
 
 @dataclass

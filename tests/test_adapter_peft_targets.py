@@ -99,3 +99,27 @@ def test_adapters_the_sidecars_serve_still_sync_as_adapters(
     assert (
         adapter_sync_problem(peft_model(tiny_model_dir, **lora), None, [lora_server_info.url], None, "bfloat16") is None
     )
+
+
+@pytest.mark.parametrize(
+    "served,targets",
+    [
+        (["qkv_proj", "gate_up_proj", "o_proj", "down_proj"], ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]),
+        (["qkv_proj"], ["q_proj", "v_proj"]),
+        (["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj"]),
+        (["gate_up_proj", "q_proj", "v_proj"], ["q_proj", "v_proj", "gate_proj", "up_proj"]),
+    ],
+    ids=["fused-names", "qkv-for-q-v", "k-by-q-v", "gate-up"],
+)
+def test_target_modules_are_checked_as_sglang_checks_them_by_fused_layer(served: list[str], targets: list[str]) -> None:
+    """SGLang compares an adapter's ``target_modules`` with its ``--lora-target-modules`` by the
+    layer each module is fused into (``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj``, ``gate_proj``/
+    ``up_proj`` -> ``gate_up_proj``), on both sides: a server started with the fused names, or with
+    ``q_proj v_proj``, serves these adapters, which were refused (the run synced merged models)."""
+    from rollout_service.adapter_reader import LoraLimits, adapter_support_problem
+
+    limits = LoraLimits(enabled=True, max_rank=16, target_modules=frozenset(served))
+    config = {"r": 8, "lora_alpha": 16, "target_modules": targets, "peft_type": "LORA"}
+    assert adapter_support_problem(config, limits) is None
+    fewer = LoraLimits(enabled=True, max_rank=16, target_modules=frozenset({"o_proj"}))
+    assert "not among the server's --lora-target-modules" in str(adapter_support_problem(config, fewer))
