@@ -55,6 +55,25 @@ def test_a_root_on_sshfs_is_the_same_root_after_the_kernel_dropped_it(tmp_path: 
         assert [c.step for c in list_checkpoints(server / "shared" / "ckpts")] == [1, 2, 3]
 
 
+def test_a_closed_publisher_publishing_again_still_holds_its_root(tmp_path: Path) -> None:
+    """``train()`` closes the publisher at its end and ``evaluate()`` after it publishes again: the
+    root stays held (released, its inode could be renumbered before the next publish)."""
+    with sshfs_mount(tmp_path / "fs") as (server, mount):
+        root = mount / "shared" / "ckpts"
+        root.mkdir(parents=True)
+        publisher = _publisher(root)
+        try:
+            model = Model(lr=1e-3)
+            publisher.publish_and_wait(1, model.tensors())
+            publisher.close()
+            drop_cached_inodes()
+            model.step()
+            publisher.publish_and_wait(2, model.tensors())
+        finally:
+            publisher.close()
+        assert [c.step for c in list_checkpoints(server / "shared" / "ckpts")] == [1, 2]
+
+
 def test_a_root_on_sshfs_replaced_is_still_refused(tmp_path: Path) -> None:
     """Replaced through the mount (moved away, a new folder made at its path): refused. (Replaced
     on the server behind sshfs's back, the new folder is what every client sees at that path, the

@@ -123,3 +123,60 @@ def test_the_liveness_probe_counts_only_sglangs_load_call_not_the_staging_before
     assert not alive and "/health failed" in why, "a dead SGLang counted alive while its sidecar staged a step"
     alive, why = seen["load"]
     assert alive and "loading step 2" in why
+
+
+def test_one_lost_answer_during_a_pass_does_not_leave_the_replica_unready_for_the_rest_of_it(tmp_path: Path) -> None:
+    """SGLang misses a few /model_info answers (a busy CPU) and answers again on the same weights:
+    the replica is ready again at once and a /wait for the served step answers, not only once
+    the pass (up to --validate-timeout) has ended."""
+    root, c, sglang = make(tmp_path, ack_interval_s=30.0)
+    publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
+    slow_step_2(c)
+
+    async def during() -> None:
+        await until(lambda: c.serves(1) and c.readiness()[0])
+        publish_checkpoint(root, 2, tensors(2), config=CONFIG, run_id=RUN)
+        await until(lambda: c.state.loading_step == 2)
+        sglang.unanswered_views = 2
+        await until(lambda: not c.state.sglang_healthy, STAGE_S / 4)
+        waiting = asyncio.create_task(c.wait_for_step(1, STAGE_S / 2, run_id=RUN))
+        await until(lambda: c.state.sglang_healthy, STAGE_S / 4)
+        assert c.state.loading_step == 2, "the pass is still staging step 2"
+        assert await waiting is True, "a /wait for the served step waited past SGLang's return"
+        assert c.readiness()[0] is True and c.state.loading_step == 2
+
+    run_with(c, during)
+
+
+def test_a_root_that_did_not_answer_the_base_model_look_is_asked_again(tmp_path: Path) -> None:
+    """The look for the base model's folder (once SGLang serves its base again) was given up on
+    for good when the root gate refused it once; it is asked again at the next check."""
+    from rollout_service.sidecar import controller as controller_module
+    from rollout_service.sidecar.root_gate import RootUnresponsive
+
+    root, c, sglang = make(tmp_path)
+    sglang.version = "default"  # SGLang serves its base model
+    looks: list[str] = []
+    real = c.root_gate.call
+
+    async def call(fn: Any, *args: Any, what: str) -> Any:
+        if fn is controller_module.base_model_dir:
+            looks.append(what)
+            if len(looks) == 1:
+                raise RootUnresponsive("an earlier look at the root has not come back")
+        return await real(fn, *args, what=what)
+
+    c.root_gate.call = call  # type: ignore[method-assign]
+
+    async def checks() -> None:
+        c._changed, c._ack_now = asyncio.Condition(), asyncio.Event()
+        c._reference = {}  # learnt earlier, while SGLang served a full step
+        c.base_dir, c._base_dir_pending = None, True
+        try:
+            await c._check_server()
+        except RootUnresponsive:
+            pass
+        await c._check_server()
+
+    asyncio.run(checks())
+    assert len(looks) == 2 and c._base_dir_pending is False

@@ -356,5 +356,9 @@ def test_sync_naming_a_step_the_loop_would_not_load_is_a_409_saying_why(tmp_path
         (tmp_path / "step-00000003" / "manifest.json").write_text('{"step": 3}')
         assert c.post("/sync", json={"checkpoint": "step-00000003"}).status_code == 202
         assert c.post("/sync", json={"checkpoint": "step-00000002"}).status_code == 202  # the served one: a rescan
-        controller.state.loaded_current = False  # the served step is gone: an older one may be loaded
+        controller.state.loaded_current = False  # republished: the loop still does not go back
+        assert c.post("/sync", json={"checkpoint": "step-00000001"}).status_code == 409
+        import shutil
+
+        shutil.rmtree(tmp_path / "step-00000002")  # gone (the loop's test, made now): it goes back
         assert c.post("/sync", json={"checkpoint": "step-00000001"}).status_code == 202

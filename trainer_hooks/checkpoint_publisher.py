@@ -240,11 +240,12 @@ class CheckpointPublisher:
         """Removes deleted steps' files beside training, not in a look at the root: a slow removal
         would otherwise make the next sync's look find the root "not answering"."""
         self._root_fd: int | None = None
-        """The root, held open from the start (see :meth:`_prepare_root`)."""
+        """The root, held open from the start for the publisher's life (see :meth:`_prepare_root`;
+        closed when the publisher is collected: not by :meth:`close`, as ``evaluate()`` after
+        ``train()`` publishes again)."""
         self._root_identity = self._on_root(self._prepare_root, "making it and removing stale temporary entries")
         """(device, inode) of the root as it was at the start: a root unmounted or replaced since is
         not published into (a folder at the same path is not what the replicas watch)."""
-        self._release_root = weakref.finalize(self, os.close, self._root_fd) if self._root_fd is not None else None
 
     def _on_root(self, look: Callable[[], T], what: str) -> T:
         """``look()``, given up on after ``sync_timeout_s`` (``RootUnresponsive`` naming the root):
@@ -259,6 +260,7 @@ class CheckpointPublisher:
         self.root.mkdir(parents=True, exist_ok=True)  # made once; if it vanishes later, publishing stops
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._root_fd = fd
+        weakref.finalize(self, os.close, fd)  # (also when this look fails or was given up on)
         removed = cleanup_stale_temp_dirs(self.root)
         if removed:
             log.info("removed %d stale temporary entries under %s left by killed writers", len(removed), self.root)
@@ -592,8 +594,6 @@ class CheckpointPublisher:
             if self._pool is not None:
                 self._pool.shutdown(wait=not stuck)
                 self._pool = None
-            if self._release_root is not None and not stuck:
-                self._release_root()  # (once: a finalizer runs at most once)
             left = 0 if stuck else self._remover.join(self.sync_timeout_s)
             if left:
                 log.warning(

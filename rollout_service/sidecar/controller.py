@@ -363,7 +363,8 @@ class SyncController:
             what = "is not a directory" if os.path.lexists(path) else "does not exist"
             raise CheckpointError("missing_checkpoint", f"{path.name} {what} under {self.root}")
         loaded, rejected = self.state.loaded_step, self.state.rejected.get(step)
-        if loaded is not None and step < loaded and self.state.loaded_current:
+        # (The loop's own test: it goes back only once the served step is gone from the root.)
+        if loaded is not None and step < loaded and self._loaded_presence(loaded) != "gone":
             raise CheckpointError(
                 "older_than_served",
                 f"{path.name} is older than step {loaded}, which SGLang serves: the sidecar serves the newest"
@@ -634,7 +635,6 @@ class SyncController:
         elif self._base_dir_pending and step_for_version(view.weight_version) is None:
             revision = await self._served_revision()
             if revision is not False:
-                self._base_dir_pending = False
                 self.base_dir = await self.root_gate.call(
                     base_model_dir,
                     view,
@@ -644,6 +644,7 @@ class SyncController:
                     revision,
                     what="looking for the base model's folder",
                 )
+                self._base_dir_pending = False  # (after the look: a root that did not answer is asked again)
 
     def _weights_lost(self, version: str | None, loaded: int) -> None:
         """(On the loop.) SGLang answers with weights other than step ``loaded``'s: it restarted.
@@ -759,10 +760,16 @@ class SyncController:
                 self._unconfirmed = None  # as the loop's check: a load in flight is lost with SGLang
                 self._not_serving()
                 continue
+            back = not s.sglang_healthy
             s.sglang_healthy = True
             expected = {version_for_step(step) for step in (s.loaded_step, s.loading_step) if step is not None}
             if self.adapters.serving or s.loaded_step is None or view.weight_version in expected:
                 s.sglang_seen_at = time.time()
+                if back:  # it answers again on the same weights: ready as before, the /waits told
+                    log.info("SGLang at %s answers again", self.settings.sglang_url)
+                    await self._wake_waiters(s.newest_known_step)
+                    if self._ack_now is not None:
+                        self._ack_now.set()
             else:
                 self._weights_lost(view.weight_version, s.loaded_step)
 
