@@ -101,12 +101,7 @@ def resolve_device(requested: str) -> str:
         return "cuda"
     gpus = listed_gpus()
     if requested == "cuda" or gpus:
-        raise SystemExit(
-            "error: "
-            + cuda_unavailable_message(
-                gpus or ["none listed by nvidia-smi"], f"--device {requested}", torch.__version__
-            )
-        )
+        raise SystemExit("error: " + cuda_unavailable_message(gpus, f"--device {requested}", torch.__version__))
     return "cpu"
 
 

@@ -555,8 +555,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             return 0
         return run_serve(server, settings, policy, listeners=listeners)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, replaced in previous.items():
+            signal.signal(sig, replaced)
 
 
 def _handle_signals(*signums: int) -> dict[int, Any]:
@@ -600,6 +600,7 @@ def _serve_setup(
     try:
         made = _make_root(setting_path(args.checkpoint_path, "--checkpoint-path"), sidecar["root_timeout_s"])
         settings = SERVE_SIDECAR_SETTINGS.build(args, sglang_url=server_url(config.host, port), sglang_api_key=api_key)
+        _check_stage(settings)
         server = SGLangServer(**{**sglang, "port": port})
     except BaseException:
         for sock in listeners:
@@ -609,6 +610,22 @@ def _serve_setup(
                 folder.rmdir()
         raise
     return server, settings, policy, listeners
+
+
+def _check_stage(settings: SidecarSettings) -> None:
+    """Take the stage directory over once (made, owner and content checked, its lock taken) and
+    remove what that made, before SGLang starts: one the sidecar would refuse (another user's,
+    holding entries it did not make, locked by a running sidecar) is a ValueError naming
+    ``--stage-dir``, not a replica found unready after SGLang's start (minutes on a GPU). (What a
+    stopped ``serve`` left there is of no use: SGLang starts on its base model.)"""
+    if settings.stage_dir is None:
+        return
+    from .sidecar.staging import Stage, StageError
+
+    try:
+        Stage(settings.stage_dir, fallback=settings.stage_fallback).remove()
+    except StageError as exc:
+        raise ValueError(f"--stage-dir: {exc}") from None
 
 
 def _make_root(root: Path, bound_s: float) -> list[Path]:
@@ -939,10 +956,13 @@ def main(argv: list[str] | None = None, extra_commands: Sequence[Registrar] = ()
     handler = logging.StreamHandler()
     handler.setFormatter(log_formatter())
     logging.basicConfig(level=getattr(logging, args.log_level), handlers=[handler])
+    if args.log_level != "DEBUG":  # a line per HTTP call (the sidecar asks SGLang every --health-interval)
+        for chatty in QUIET_LOGGERS:
+            logging.getLogger(chatty).setLevel(logging.WARNING)
     interruptible = (
         args.command not in SIGNAL_HANDLING_COMMANDS and threading.current_thread() is threading.main_thread()
     )
-    previous = signal.signal(signal.SIGTERM, _interrupt) if interruptible else None
+    previous = {sig: signal.signal(sig, _interrupt) for sig in INTERRUPTING_SIGNALS} if interruptible else {}
     try:
         return int(args.func(args) or 0)
     except (OSError, ValueError) as exc:  # bad paths and values: a message, not a traceback
@@ -953,8 +973,8 @@ def main(argv: list[str] | None = None, extra_commands: Sequence[Registrar] = ()
         print(f"interrupted by {signal.Signals(signum).name}: stopped; nothing half-done was left", file=sys.stderr)
         return 128 + signum
     finally:
-        if interruptible:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, replaced in previous.items():
+            signal.signal(sig, replaced)
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -970,9 +990,14 @@ def log_formatter() -> logging.Formatter:
 
 
 SIGNAL_HANDLING_COMMANDS = {"serve", "sidecar"}
-"""Commands that stop gracefully on SIGTERM themselves; for the others a SIGTERM interrupts like
-Ctrl-C does, so their clean-up (``finally``: a work folder removed, a server stopped) runs
-instead of the process dying on the spot with a full-size hidden folder left behind."""
+"""Commands that stop gracefully on SIGTERM themselves; for the others a SIGTERM (or a SIGHUP: a
+closed terminal or SSH session) interrupts like Ctrl-C does, so their clean-up (``finally``: a
+work folder removed, ``demo``'s ``serve`` stopped) runs instead of the process dying on the spot
+with a full-size hidden folder left behind."""
+INTERRUPTING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""The signals that interrupt the other commands like Ctrl-C (exit ``128 + signal``)."""
+QUIET_LOGGERS = ("httpx", "httpcore")
+"""Loggers that log every HTTP call at INFO: shown at ``--log-level DEBUG`` only."""
 _interrupted_by: list[int] = []
 
 

@@ -388,8 +388,9 @@ def run_serve(
     ``settings.host:port`` once SGLang is up.
 
     0 after a signal (SIGTERM, SIGINT or SIGHUP, also during SGLang's first start), 2 when SGLang
-    does not start, 3 when stopped after the restart budget was spent or the supervisor failed (the
-    sidecar stays up until then, reporting why), 4 when the sidecar's HTTP server cannot start
+    does not start, 3 when stopped after the restart budget was spent, the supervisor failed, or
+    the sidecar reported another error it cannot recover from (``stage_failed``, ...; the sidecar
+    stays up until then, reporting why), 4 when the sidecar's HTTP server cannot start
     (`EXIT_SIDECAR_FAILED`: its start-up failed; or, without ``listeners``, its port cannot be bound).
     SIGTERM, SIGINT and SIGHUP are handled from before SGLang's first start until SGLang is stopped.
     """
@@ -447,6 +448,10 @@ def run_serve(
                 supervisor.shutdown()
             finally:
                 _remove_stage(controller)
+        fatal = None if controller is None else controller.state.fatal
+        if exit_code == 0 and fatal is not None:  # the sidecar could not go on (stage_failed, ...)
+            log.error("stopped with the replica unable to recover (%s): %s", fatal["reason"], fatal["message"])
+            exit_code = 3
     finally:
         signals.restore()
         for sock in listeners or ():

@@ -142,7 +142,16 @@ def driver_version() -> str | None:
 
 
 def cuda_unavailable_message(gpus: Sequence[str], who: str, torch_version: str | None = None) -> str:
-    """Why torch sees no GPU although `gpus` are listed, and what to do (for a loud failure)."""
+    """Why torch sees no GPU although `gpus` are listed, and what to do (for a loud failure); with
+    none listed, that there is no GPU here at all (no driver to blame)."""
+    if not gpus:
+        return (
+            f"{who}: no NVIDIA GPU found (nvidia-smi is missing or lists none) and torch"
+            f"{' ' + torch_version if torch_version else ''} sees no CUDA device (torch.cuda.is_available() is"
+            " False): this machine has no GPU"
+            " to run on. Use --device cpu (or auto, which picks the CPU here); on a GPU machine, install"
+            " the NVIDIA driver first (README, 'Install on GPU machines'). Not falling back to the CPU."
+        )
     driver = driver_version()
     listed = "; ".join(gpus[:4]) + (f"; ... ({len(gpus)} in all)" if len(gpus) > 4 else "")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -271,6 +271,9 @@ def test_example_device_cuda_without_a_gpu_fails_and_auto_on_a_gpu_less_machine_
     with pytest.raises(SystemExit) as exc:
         example.resolve_device("cuda")
     assert "torch.cuda.is_available() is False" in str(exc.value)
+    # No GPU at all: not a driver to upgrade (the message said "nvidia-smi lists 0 GPU(s)").
+    assert "no NVIDIA GPU found" in str(exc.value) and "--device cpu" in str(exc.value)
+    assert "upgrade the driver" not in str(exc.value)
     assert example.resolve_device("auto") == "cpu"
 
 
