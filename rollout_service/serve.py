@@ -107,6 +107,16 @@ class RestartPolicy:
         ),
     )
     progress_grace_s: float = field(default=120.0, metadata=bounds_metadata(1.0, 86400.0))
+    hang_timeout_s: float = field(
+        default=300.0,
+        metadata=setting(
+            "--hang-timeout",
+            "seconds SGLang may go without answering its /health (while no weight load is in flight,"
+            " which /health waits on) before it is restarted as hung (a wedged GPU or scheduler),"
+            " counted against --max-restarts; 0: only an SGLang that exited is restarted",
+            bounds=(0.0, TIMEOUT_S[1]),
+        ),
+    )
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     restarts: int = field(default=0, init=False)
     """Restarts over the server's whole life (reported; the budget uses the window)."""
@@ -183,6 +193,7 @@ class Supervisor(threading.Thread):
         on_restart: Callable[[], None] = lambda: None,
         on_give_up: Callable[[str, str], None] = lambda reason, message: None,
         check_interval_s: float = 1.0,
+        hung: Callable[[float], str | None] = lambda healthy_since: None,
     ):
         super().__init__(name="sglang-supervisor", daemon=True)
         self.server = server
@@ -198,6 +209,13 @@ class Supervisor(threading.Thread):
         self._interrupted = False
         """Set by `interrupt()` (a signal handler): no start, and the start under way ends."""
         self._stop_when: Callable[[], bool] = lambda: False
+        self._hung = hung
+        """Why SGLang is hung though running (None: it is not), given when its latest start got
+        healthy (``time.time()``): ``serve`` asks its sidecar how long SGLang has not answered."""
+        self.healthy_since = time.time()
+        """When SGLang's latest start answered ``/health`` (``time.time()``)."""
+        self._why = "exited"
+        """Why the latest restart was needed (the log line says it)."""
         self._last_failure: str | None = None
         """Why the latest restart failed (None after one that succeeded): the budget's give-up
         message says it, since a restart that failed before SGLang ran (its port taken) left
@@ -222,6 +240,7 @@ class Supervisor(threading.Thread):
         self.server.wait_healthy(
             self.policy.startup_timeout_s, progress_grace_s=self.policy.progress_grace_s, timeout_hint=STARTUP_HINT
         )
+        self.healthy_since = time.time()
 
     def interrupt(self, sig: int = signal.SIGTERM) -> None:
         """End a `startup()` under way in the main thread (called from a signal handler there).
@@ -245,8 +264,17 @@ class Supervisor(threading.Thread):
         return self._stopping.is_set() or self._stop_when()
 
     def should_restart(self) -> bool:
-        """True when SGLang has exited (overridable, as uvicorn's `should_restart`)."""
-        return not self.server.is_running()
+        """True when SGLang has exited, or is hung (``hung``: it has not answered for
+        ``--hang-timeout``); overridable, as uvicorn's `should_restart`."""
+        if not self.server.is_running():
+            self._why = "exited"
+            return True
+        hung = self._hung(self.healthy_since)
+        if hung is not None:
+            self._why = f"is hung: {hung}"
+            log.error("SGLang at %s %s; stopping it to start it again", self.server.url, self._why)
+            return True
+        return False
 
     def restart(self) -> None:
         """Stop what is left of SGLang's process group and start it again (`startup`)."""
@@ -312,7 +340,8 @@ class Supervisor(threading.Thread):
                 return
             in_window = policy.record_restart()
             log.warning(
-                "SGLang exited; restart %d of %d in %.0f s (%d within the last %.0f s; %d in all)",
+                "SGLang %s; restart %d of %d in %.0f s (%d within the last %.0f s; %d in all)",
+                self._why,
                 in_window,
                 policy.max_restarts,
                 backoff,
@@ -356,13 +385,13 @@ class Supervisor(threading.Thread):
         policy = self.policy
         if policy.max_restarts and policy.failed_in_a_row >= policy.max_restarts:
             why = (
-                f"SGLang exited and the last {policy.failed_in_a_row} restart(s) in a row failed (it"
+                f"SGLang {self._why} and the last {policy.failed_in_a_row} restart(s) in a row failed (it"
                 f" never became healthy again; the budget is {policy.describe()}, and as many failed"
                 " restarts in a row; --max-restarts, --restart-window)"
             )
         else:
             why = (
-                f"SGLang exited and {policy.restarts_in_window()} restart(s) already happened"
+                f"SGLang {self._why} and {policy.restarts_in_window()} restart(s) already happened"
                 f" within the last {policy.restart_window_s:.0f} s, not counting the time the restarts"
                 f" took (the budget is {policy.describe()}; --max-restarts, --restart-window)"
             )
@@ -407,7 +436,11 @@ def run_serve(
         exit_code = 3
         controller.report_fatal(reason, message)  # /readyz: 503 with `fatal`; /status: `fatal`
 
-    supervisor = Supervisor(server, policy, on_restart=restarted, on_give_up=give_up)
+    def hung(healthy_since: float) -> str | None:
+        state = None if controller is None else controller.state
+        return None if state is None else hang_reason(state, healthy_since, policy.hang_timeout_s, time.time())
+
+    supervisor = Supervisor(server, policy, on_restart=restarted, on_give_up=give_up, hung=hung)
     signals = _Signals(supervisor)
     signals.install()
     warn_unguarded_listeners(settings, sglang_host=server.config.host)
@@ -457,6 +490,19 @@ def run_serve(
         for sock in listeners or ():
             sock.close()
     return exit_code
+
+
+def hang_reason(state: Any, healthy_since: float, limit_s: float, now: float) -> str | None:
+    """Why SGLang counts as hung, or None: it has answered neither the sidecar's checks
+    (``state``: the sidecar's ``SidecarState``, its ``sglang_seen_at``) nor, when it was just
+    started, its start-up wait (``healthy_since``) for ``limit_s`` (``--hang-timeout``; 0: never),
+    while no weight load is in flight (``sglang_loading_step``: SGLang's ``/health`` waits on it)."""
+    if not limit_s or state.sglang_loading_step is not None:
+        return None
+    silent = now - max(state.sglang_seen_at or 0.0, healthy_since)
+    if silent <= limit_s:
+        return None
+    return f"it has not answered the sidecar's health checks for {silent:.0f} s (--hang-timeout {limit_s:g} s)"
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

@@ -285,11 +285,22 @@ def test_a_missing_required_setting_names_its_flag_and_variable(clean_env, dirs,
 
 
 def test_serve_restart_and_lora_settings_are_derived_from_their_dataclasses(clean_env, dirs):
-    assert [s.field for s in SERVE_RESTART_SETTINGS.flags] == ["max_restarts", "restart_window_s", "startup_timeout_s"]
+    assert [s.field for s in SERVE_RESTART_SETTINGS.flags] == [
+        "max_restarts",
+        "restart_window_s",
+        "startup_timeout_s",
+        "hang_timeout_s",
+    ]
     assert {f.name for f, _ in declared_settings(LoraServing)} == {f.name for f in dataclasses.fields(LoraServing)}
     serve = subparser("serve")
     text = " ".join(serve.format_help().split())
-    for name in ("ROLLOUT_MAX_RESTARTS", "ROLLOUT_RESTART_WINDOW", "ROLLOUT_STARTUP_TIMEOUT", "ROLLOUT_LORA_BACKEND"):
+    for name in (
+        "ROLLOUT_MAX_RESTARTS",
+        "ROLLOUT_RESTART_WINDOW",
+        "ROLLOUT_STARTUP_TIMEOUT",
+        "ROLLOUT_HANG_TIMEOUT",
+        "ROLLOUT_LORA_BACKEND",
+    ):
         assert f"[env {name}" in text and [e.env for e in serve.env_flags].count(name) == 1
     argv = ["serve", "--model", "m", "--checkpoint-path", str(dirs["ckpt"])]
     clean_env.setenv("ROLLOUT_MAX_RESTARTS", "2")

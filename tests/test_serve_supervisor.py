@@ -298,3 +298,55 @@ def test_the_demo_waits_for_serve_while_its_logs_grow_and_names_the_timeout_afte
         unit.group.stop(5.0, signal.SIGKILL)
     assert time.monotonic() - t0 >= 3.5  # 3 s of progress, then 1 s of silence
     assert "serve --startup-timeout" in str(exc.value)
+
+
+def test_a_hung_sglang_is_restarted_and_counted_like_a_crash():
+    """An SGLang that still runs but no longer answers (a wedged GPU or scheduler: SIGSTOPped
+    here in spirit) was never restarted by `serve`: only an exit was. ``hung`` (serve asks its
+    sidecar how long SGLang has not answered) now makes the supervisor stop and start it again,
+    counted against the budget, and the restarted server gets a fresh ``healthy_since``."""
+    server = StandInServer()
+    policy = RestartPolicy(max_restarts=1, backoff_s=0.0)
+    asked: list[float] = []
+    restarts, gave_up = [], []
+
+    def hung(healthy_since: float) -> str | None:
+        asked.append(healthy_since)
+        return "it has not answered for 301 s" if len(asked) in (3, 9) else None
+
+    supervisor = Supervisor(
+        server,
+        policy,
+        on_restart=lambda: restarts.append(1),
+        on_give_up=lambda reason, message: gave_up.append((reason, message)),
+        check_interval_s=0.01,
+        hung=hung,
+    )
+    supervisor.start()
+    deadline = time.monotonic() + 20
+    try:
+        while not gave_up and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        supervisor.stop()
+        supervisor.join(5)
+    assert restarts == [1] and ("stop",) in server.calls and server.calls.count(("start",)) == 1
+    assert asked[3] > asked[2], "the restarted server's healthy_since is its own start's"
+    [(reason, message)] = gave_up
+    assert reason == RESTART_BUDGET_SPENT and "is hung: it has not answered for 301 s" in message
+
+
+def test_what_counts_as_hung():
+    from types import SimpleNamespace
+
+    from rollout_service.serve import hang_reason
+
+    state = SimpleNamespace(sglang_seen_at=1000.0, sglang_loading_step=None)
+    assert hang_reason(state, 900.0, 300.0, 1299.0) is None  # answered 299 s ago
+    assert "301 s" in str(hang_reason(state, 900.0, 300.0, 1301.0))
+    assert hang_reason(state, 1200.0, 300.0, 1301.0) is None  # restarted since: its own start counts
+    assert hang_reason(state, 900.0, 0.0, 9999.0) is None  # --hang-timeout 0: off
+    state.sglang_loading_step = 7  # a weight load in flight: /health waits on it
+    assert hang_reason(state, 900.0, 300.0, 9999.0) is None
+    never = SimpleNamespace(sglang_seen_at=None, sglang_loading_step=None)
+    assert hang_reason(never, 900.0, 300.0, 1201.0) is not None  # never answered the sidecar at all
