@@ -16,10 +16,13 @@ on FUSE, and what killed writers left in it goes within the run, not only at the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,6 +34,19 @@ from test_publish_failures import _publisher
 from trainer_hooks import checkpoint_publisher
 
 
+@contextlib.contextmanager
+def publisher_on_sshfs(tmp_path: Path, delta: bool = False) -> Iterator[tuple[Path, Path, Any]]:
+    """(the server's side of the root, the root as the trainer mounts it, a publisher into it)."""
+    with sshfs_mount(tmp_path / "fs") as (server, mount):
+        root = mount / "shared" / "ckpts"
+        root.mkdir(parents=True)
+        publisher = _publisher(root, DeltaCheckpointWriter(full_every=100) if delta else None)
+        try:
+            yield server / "shared" / "ckpts", root, publisher
+        finally:
+            publisher.close()
+
+
 def drop_cached_inodes() -> None:
     """What memory pressure does to folders nobody holds: the kernel forgets them."""
     with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -39,61 +55,43 @@ def drop_cached_inodes() -> None:
 
 @pytest.mark.parametrize("delta", [False, True])
 def test_a_root_on_sshfs_is_the_same_root_after_the_kernel_dropped_it(tmp_path: Path, delta: bool) -> None:
-    with sshfs_mount(tmp_path / "fs") as (server, mount):
-        root = mount / "shared" / "ckpts"
-        root.mkdir(parents=True)
-        publisher = _publisher(root, DeltaCheckpointWriter(full_every=100) if delta else None)
-        try:
-            model = Model(lr=1e-3)
-            publisher.publish_and_wait(1, model.tensors())
-            for version in (2, 3):
-                drop_cached_inodes()
-                model.step()
-                publisher.publish_and_wait(version, model.tensors())
-        finally:
-            publisher.close()
-        assert [c.step for c in list_checkpoints(server / "shared" / "ckpts")] == [1, 2, 3]
+    with publisher_on_sshfs(tmp_path, delta) as (served, _, publisher):
+        model = Model(lr=1e-3)
+        publisher.publish_and_wait(1, model.tensors())
+        for version in (2, 3):
+            drop_cached_inodes()
+            model.step()
+            publisher.publish_and_wait(version, model.tensors())
+        assert [c.step for c in list_checkpoints(served)] == [1, 2, 3]
 
 
 def test_a_closed_publisher_publishing_again_still_holds_its_root(tmp_path: Path) -> None:
     """``train()`` closes the publisher at its end and ``evaluate()`` after it publishes again: the
     root stays held (released, its inode could be renumbered before the next publish)."""
-    with sshfs_mount(tmp_path / "fs") as (server, mount):
-        root = mount / "shared" / "ckpts"
-        root.mkdir(parents=True)
-        publisher = _publisher(root)
-        try:
-            model = Model(lr=1e-3)
-            publisher.publish_and_wait(1, model.tensors())
-            publisher.close()
-            drop_cached_inodes()
-            model.step()
-            publisher.publish_and_wait(2, model.tensors())
-        finally:
-            publisher.close()
-        assert [c.step for c in list_checkpoints(server / "shared" / "ckpts")] == [1, 2]
+    with publisher_on_sshfs(tmp_path) as (served, _, publisher):
+        model = Model(lr=1e-3)
+        publisher.publish_and_wait(1, model.tensors())
+        publisher.close()
+        drop_cached_inodes()
+        model.step()
+        publisher.publish_and_wait(2, model.tensors())
+        assert [c.step for c in list_checkpoints(served)] == [1, 2]
 
 
 def test_a_root_on_sshfs_replaced_is_still_refused(tmp_path: Path) -> None:
     """Replaced through the mount (moved away, a new folder made at its path): refused. (Replaced
     on the server behind sshfs's back, the new folder is what every client sees at that path, the
     replicas too: sshfs reports it as the folder held, and publishing there is what they watch.)"""
-    with sshfs_mount(tmp_path / "fs") as (server, mount):
-        root = mount / "shared" / "ckpts"
-        root.mkdir(parents=True)
-        publisher = _publisher(root)
-        try:
-            model = Model(lr=1e-3)
-            publisher.publish_and_wait(1, model.tensors())
-            root.rename(mount / "shared" / "old")  # another folder at the same path
-            root.mkdir()
-            drop_cached_inodes()
-            model.step()
-            with pytest.raises(FileNotFoundError, match="another folder than at the start"):
-                publisher.publish_and_wait(2, model.tensors())
-        finally:
-            publisher.close()
-        assert list_checkpoints(server / "shared" / "ckpts") == []
+    with publisher_on_sshfs(tmp_path) as (served, root, publisher):
+        model = Model(lr=1e-3)
+        publisher.publish_and_wait(1, model.tensors())
+        root.rename(root.parent / "old")  # another folder at the same path
+        root.mkdir()
+        drop_cached_inodes()
+        model.step()
+        with pytest.raises(FileNotFoundError, match="another folder than at the start"):
+            publisher.publish_and_wait(2, model.tensors())
+        assert list_checkpoints(served) == []
 
 
 def test_a_killed_writers_folder_kept_at_the_start_goes_once_an_hour_old(

@@ -94,15 +94,21 @@ class StandInServer:
         return "RuntimeError: the last words of SGLang"
 
 
-def _run_supervisor(server, policy, crashes: int, timeout_s: float = 20.0):
-    restarts, gave_up = [], []
-    supervisor = Supervisor(
+def _supervisor(server, policy, restarts: list, gave_up: list, **kwargs) -> Supervisor:
+    """A supervisor of ``server`` checking every 10 ms, recording its restarts and give-ups."""
+    return Supervisor(
         server,
         policy,
         on_restart=lambda: restarts.append(1),
         on_give_up=lambda reason, message: gave_up.append((reason, message)),
         check_interval_s=0.01,
+        **kwargs,
     )
+
+
+def _run_supervisor(server, policy, crashes: int, timeout_s: float = 20.0):
+    restarts, gave_up = [], []
+    supervisor = _supervisor(server, policy, restarts, gave_up)
     supervisor.start()
     deadline = time.monotonic() + timeout_s
     try:
@@ -314,14 +320,7 @@ def test_a_hung_sglang_is_restarted_and_counted_like_a_crash():
         asked.append(healthy_since)
         return "it has not answered for 301 s" if len(asked) in (3, 9) else None
 
-    supervisor = Supervisor(
-        server,
-        policy,
-        on_restart=lambda: restarts.append(1),
-        on_give_up=lambda reason, message: gave_up.append((reason, message)),
-        check_interval_s=0.01,
-        hung=hung,
-    )
+    supervisor = _supervisor(server, policy, restarts, gave_up, hung=hung)
     supervisor.start()
     deadline = time.monotonic() + 20
     try:

@@ -46,15 +46,26 @@ def ack(root: Path) -> dict[str, Any]:
     return json.loads((root / "acks" / "r0.json").read_text())
 
 
-def test_sglang_restarted_during_a_pass_stops_wait_and_the_ack_confirming_the_old_step(tmp_path: Path) -> None:
-    root, c, sglang = make(tmp_path, ack_interval_s=30.0)
+def serving_step_1(tmp_path: Path, **overrides: Any) -> tuple[Path, SyncController, Any]:
+    """A sidecar that loads step 1, then takes ``STAGE_S`` to stage step 2 (see :func:`step_2_staging`)."""
+    root, c, sglang = make(tmp_path, **overrides)
     publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
     slow_step_2(c)
+    return root, c, sglang
+
+
+async def step_2_staging(root: Path, c: SyncController) -> None:
+    """(In the loop's run.) Once step 1 is served, publish step 2 and wait until it is being staged."""
+    await until(lambda: c.serves(1))
+    publish_checkpoint(root, 2, tensors(2), config=CONFIG, run_id=RUN)
+    await until(lambda: c.state.loading_step == 2)
+
+
+def test_sglang_restarted_during_a_pass_stops_wait_and_the_ack_confirming_the_old_step(tmp_path: Path) -> None:
+    root, c, sglang = serving_step_1(tmp_path, ack_interval_s=30.0)
 
     async def during() -> None:
-        await until(lambda: c.serves(1))
-        publish_checkpoint(root, 2, tensors(2), config=CONFIG, run_id=RUN)
-        await until(lambda: c.state.loading_step == 2)
+        await step_2_staging(root, c)
         sglang.version = "default"  # SGLang restarted on its start-up weights
         await until(lambda: not c.serves(1), STAGE_S / 2)
         assert await c.wait_for_step(1, 0.5, run_id=RUN) is False
@@ -68,14 +79,10 @@ def test_sglang_restarted_during_a_pass_stops_wait_and_the_ack_confirming_the_ol
 
 
 def test_sglang_down_during_a_pass_stops_wait_confirming_and_comes_back(tmp_path: Path) -> None:
-    root, c, sglang = make(tmp_path, ack_interval_s=30.0)
-    publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
-    slow_step_2(c)
+    root, c, sglang = serving_step_1(tmp_path, ack_interval_s=30.0)
 
     async def during() -> None:
-        await until(lambda: c.serves(1))
-        publish_checkpoint(root, 2, tensors(2), config=CONFIG, run_id=RUN)
-        await until(lambda: c.state.loading_step == 2)
+        await step_2_staging(root, c)
         sglang.unanswered_views = 10**9  # SGLang stops answering
         await until(lambda: not c.state.sglang_healthy, STAGE_S / 2)
         assert await c.wait_for_step(1, 0.5, run_id=RUN) is False
@@ -89,7 +96,7 @@ def test_sglang_down_during_a_pass_stops_wait_confirming_and_comes_back(tmp_path
 
 
 def test_the_liveness_probe_counts_only_sglangs_load_call_not_the_staging_before_it(tmp_path: Path) -> None:
-    root, c, sglang = make(tmp_path)
+    root, c, sglang = serving_step_1(tmp_path)
     status = CannedServer(lambda path, body, count: canned_reply(200, c.state.to_dict()) if path == "/status" else None)
     dead_sglang = dead_url()
     seen: dict[str, tuple[bool, str]] = {}
@@ -103,13 +110,9 @@ def test_the_liveness_probe_counts_only_sglangs_load_call_not_the_staging_before
             seen["load"] = await probe()
 
     sglang.load_hook = in_the_load
-    publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
-    slow_step_2(c)
 
     async def during() -> None:
-        await until(lambda: c.serves(1))
-        publish_checkpoint(root, 2, tensors(2), config=CONFIG, run_id=RUN)
-        await until(lambda: c.state.loading_step == 2)
+        await step_2_staging(root, c)
         assert c.state.sglang_loading_step is None
         seen["staging"] = await probe()
         await until(lambda: c.serves(2), 20)
@@ -129,14 +132,11 @@ def test_one_lost_answer_during_a_pass_does_not_leave_the_replica_unready_for_th
     """SGLang misses a few /model_info answers (a busy CPU) and answers again on the same weights:
     the replica is ready again at once and a /wait for the served step answers, not only once
     the pass (up to --validate-timeout) has ended."""
-    root, c, sglang = make(tmp_path, ack_interval_s=30.0)
-    publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
-    slow_step_2(c)
+    root, c, sglang = serving_step_1(tmp_path, ack_interval_s=30.0)
 
     async def during() -> None:
         await until(lambda: c.serves(1) and c.readiness()[0])
-        publish_checkpoint(root, 2, tensors(2), config=CONFIG, run_id=RUN)
-        await until(lambda: c.state.loading_step == 2)
+        await step_2_staging(root, c)
         sglang.unanswered_views = 2
         await until(lambda: not c.state.sglang_healthy, STAGE_S / 4)
         waiting = asyncio.create_task(c.wait_for_step(1, STAGE_S / 2, run_id=RUN))
