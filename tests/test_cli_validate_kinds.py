@@ -113,7 +113,7 @@ def test_the_cli_validates_an_adapter_step_by_the_adapter_rules(root: Path) -> N
     "flags,reason,says",
     [
         (["--max-lora-rank", "2"], "adapter_unservable", "above the server's --max-lora-rank 2"),
-        (["--lora-target-modules", "q_proj,k_proj"], "adapter_unservable", "['v_proj'] are not among"),
+        (["--lora-target-modules", "o_proj,gate_proj"], "adapter_unservable", "['q_proj', 'v_proj'] are not among"),
         (["--reference", "OTHER"], "adapter_mismatch", "at rank 4 it must be"),
     ],
 )
