@@ -239,10 +239,6 @@ class CheckpointPublisher:
         self._remover = HiddenRemover()
         """Removes deleted steps' files beside training, not in a look at the root: a slow removal
         would otherwise make the next sync's look find the root "not answering"."""
-        self._root_fd: int | None = None
-        """The root, held open from the start for the publisher's life (see :meth:`_prepare_root`;
-        closed when the publisher is collected: not by :meth:`close`, as ``evaluate()`` after
-        ``train()`` publishes again)."""
         self._root_identity = self._on_root(self._prepare_root, "making it and removing stale temporary entries")
         """(device, inode) of the root as it was at the start: a root unmounted or replaced since is
         not published into (a folder at the same path is not what the replicas watch)."""
@@ -259,8 +255,9 @@ class CheckpointPublisher:
         next publish; a folder held open stays cached, and keeps its number."""
         self.root.mkdir(parents=True, exist_ok=True)  # made once; if it vanishes later, publishing stops
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self._root_fd = fd
-        weakref.finalize(self, os.close, fd)  # (also when this look fails or was given up on)
+        # Held for the publisher's life, closed when it is collected (also when this look fails or
+        # was given up on); not by close(): ``evaluate()`` after ``train()`` publishes again.
+        weakref.finalize(self, os.close, fd)
         removed = cleanup_stale_temp_dirs(self.root)
         if removed:
             log.info("removed %d stale temporary entries under %s left by killed writers", len(removed), self.root)

@@ -390,7 +390,7 @@ class SyncController:
             seen = _read_identity(path, files=False)
         except OSError:
             return False
-        return then is not None and seen == then[: len(seen)]
+        return _same_publication(seen, then)
 
     # --- the loop --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -589,11 +589,7 @@ class SyncController:
         self.state.sglang_healthy = view.healthy
         self._was_healthy = view.healthy
         if not view.healthy:
-            self._unconfirmed = None  # a load in flight is lost with SGLang (or shows as a new version)
-            if was:
-                log.warning("SGLang at %s stopped answering", self.settings.sglang_url)
-                self._error("sglang_down", f"SGLang at {self.settings.sglang_url} is not answering")
-            self.state.ready = False
+            self._sglang_silent(was)
             return
         self.state.sglang_seen_at = time.time()
         self.state.sglang_weight_version = view.weight_version
@@ -645,6 +641,16 @@ class SyncController:
                     what="looking for the base model's folder",
                 )
                 self._base_dir_pending = False  # (after the look: a root that did not answer is asked again)
+
+    def _sglang_silent(self, was_healthy: bool) -> None:
+        """(On the loop.) SGLang did not answer: nothing is served (``serves`` is False), a load
+        in flight is lost with it (or shows as a new version), and the first silence is logged."""
+        if was_healthy:
+            log.warning("SGLang at %s stopped answering", self.settings.sglang_url)
+            self._error("sglang_down", f"SGLang at {self.settings.sglang_url} is not answering")
+        self.state.sglang_healthy = self._was_healthy = False
+        self._unconfirmed = None
+        self.state.ready = False
 
     def _weights_lost(self, version: str | None, loaded: int) -> None:
         """(On the loop.) SGLang answers with weights other than step ``loaded``'s: it restarted.
@@ -753,12 +759,8 @@ class SyncController:
                 return
             s = self.state
             if not view.healthy:
-                if s.sglang_healthy:
-                    log.warning("SGLang at %s stopped answering", self.settings.sglang_url)
-                    self._error("sglang_down", f"SGLang at {self.settings.sglang_url} is not answering")
-                s.sglang_healthy = self._was_healthy = False
-                self._unconfirmed = None  # as the loop's check: a load in flight is lost with SGLang
-                self._not_serving()
+                self._sglang_silent(s.sglang_healthy)
+                self._not_serving()  # (and the ack file says so at once)
                 continue
             back = not s.sglang_healthy
             s.sglang_healthy = True
@@ -934,8 +936,8 @@ class SyncController:
         if step not in identities:
             return True
         seen, then = identities[step], self._rejected_at.get(step)
-        if seen == then or (seen and then and seen == then[: len(seen)]):
-            return True  # unchanged (a look without the files' part compares the folder and manifest only)
+        if _same_publication(seen, then):
+            return True
         self.state.rejected.pop(step, None)
         self._rejected_at.pop(step, None)
         self._crashes.pop(step, None)
@@ -1377,6 +1379,12 @@ def _publication_identity(path: Path) -> tuple[int, ...] | None:
 NOT_LOADABLE_NOW = frozenset({"older_than_served", "checkpoint_rejected"})
 """``request_checkpoint``'s refusals of a step that exists but that the loop would not load now
 (``POST /sync`` answers them 409, a bad name 400)."""
+
+
+def _same_publication(seen: tuple[int, ...] | None, then: tuple[int, ...] | None) -> bool:
+    """A rejected step's identity read now (``seen``) is the one it was rejected with (``then``);
+    a look without the files' part compares the folder and manifest only."""
+    return seen == then or bool(seen and then and seen == then[: len(seen)])
 
 
 def _served_in(ack: dict[str, Any] | None) -> tuple[int, str] | None:
