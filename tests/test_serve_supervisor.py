@@ -9,6 +9,7 @@ SGLang under `rollout-service serve`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import stat
@@ -349,3 +350,51 @@ def test_what_counts_as_hung():
     assert hang_reason(state, 900.0, 300.0, 9999.0) is None
     never = SimpleNamespace(sglang_seen_at=None, sglang_loading_step=None)
     assert hang_reason(never, 900.0, 300.0, 1201.0) is not None  # never answered the sidecar at all
+
+
+@pytest.mark.sglang
+def test_serve_gives_a_hung_real_sglang_up_as_hung(tiny_model_dir, checkpoint_root, tmp_path):
+    """A real SGLang whose scheduler is stopped (SIGSTOP: a wedged GPU or scheduler in spirit) keeps
+    running but answers no /health: past --hang-timeout `serve` counts it as a restart it needs
+    (here the budget is 0, so it gives up at once, naming the hang; with a budget it restarts it)."""
+    port, sidecar_port = free_port(), free_port()
+    serve = CLIProcess(
+        serve_argv(
+            tiny_model_dir,
+            checkpoint_root,
+            port,
+            sidecar_port,
+            "hung",
+            "--max-restarts",
+            "0",
+            "--hang-timeout",
+            "10",
+            "--deep-health-interval",
+            "1",
+            "--stage-dir",
+            str(tmp_path / "stage"),
+        ),
+        tmp_path / "serve.log",
+    )
+    sidecar = f"http://127.0.0.1:{sidecar_port}"
+    scheduler = None
+    try:
+        wait_http(f"{sidecar}/readyz", 400, serve)
+        [scheduler] = [
+            p for p in psutil.Process(serve.proc.pid).children(recursive=True) if "scheduler" in " ".join(p.cmdline())
+        ]
+        scheduler.suspend()
+        deadline = time.monotonic() + 120
+        fatal = None
+        while time.monotonic() < deadline and not fatal:
+            time.sleep(1)
+            fatal = httpx.get(f"{sidecar}/status", timeout=10).json().get("fatal")
+        assert fatal is not None, serve.log_tail()
+        assert fatal["reason"] == RESTART_BUDGET_SPENT and "SGLang is hung" in fatal["message"], fatal
+        assert "--hang-timeout 10 s" in fatal["message"]
+    finally:
+        if scheduler is not None:
+            with contextlib.suppress(psutil.Error):
+                scheduler.resume()
+        serve.kill(signal.SIGTERM)
+    assert serve.proc.returncode == 3, serve.log_tail()
