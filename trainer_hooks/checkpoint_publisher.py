@@ -48,7 +48,7 @@ from typing import Any, TypeGuard, TypeVar
 
 import torch
 
-from rollout_service.checkpoint_format import MAX_STEP, CheckpointError, new_run_id, step_dir_name
+from rollout_service.checkpoint_format import MAX_STEP, CheckpointError, Manifest, new_run_id, step_dir_name
 from rollout_service.checkpoint_reader import PublishedCheckpoint
 from rollout_service.checkpoint_writer import (
     PublishResult,
@@ -279,6 +279,8 @@ class CheckpointPublisher:
                 raise RuntimeError(f"cannot number the first checkpoint of this run: {exc}") from None
             log.warning("numbering on from version %d without a listing of the root: %s", self.latest_version, exc)
             return self.latest_version + 1  # a name already taken is refused by the publish itself
+        if newest is not None and self.latest_version is not None and newest.step > self.latest_version:
+            self._refuse_a_second_writer(newest)
         version = max(0, self.latest_version or 0, newest.step if newest else 0) + 1
         taken = {c.step for c in entries.published + entries.odd}
         while version in taken:
@@ -286,6 +288,29 @@ class CheckpointPublisher:
         if version > MAX_STEP:
             raise RuntimeError(self._no_step_left(newest))
         return version
+
+    def _refuse_a_second_writer(self, newer: PublishedCheckpoint) -> None:
+        """Raise ``RuntimeError`` if ``newer`` (a step above every version this run started, or the
+        step this run found taken when publishing it) was published by another run: two trainers
+        publishing into one root take turns at the newest step, and every replica serves whichever
+        is newest, so each run's rollouts would come from the other's weights. Once this run has
+        published, no other run may publish above it. (A listing served from a network file
+        system's cache can miss the other run's newest step: the publish then finds its name taken.)
+
+        A manifest that cannot be read now passes (the caller goes on as without this check)."""
+        try:
+            run_id = self._on_root(lambda: Manifest.load(newer.path, root=self.root).run_id, "reading a manifest")
+        except (CheckpointError, OSError, RootUnresponsive):
+            return
+        if run_id == self.run_id:
+            return
+        raise RuntimeError(
+            f"{newer.path} was published by another run (run id {run_id or 'not recorded'}), not by this run"
+            f" (run id {self.run_id}): two trainers are publishing into the"
+            f" checkpoint root {self.root}, and the replicas serve whichever published last, so neither"
+            " run's rollouts come from its own weights. Stop the other trainer, or give each run its own"
+            " checkpoint_path, and restart this run"
+        )
 
     def _newest(self) -> tuple[StepEntries, PublishedCheckpoint | None]:
         entries = list_step_entries(self.root)
@@ -421,6 +446,8 @@ class CheckpointPublisher:
         try:
             return write(version)
         except FileExistsError:
+            if self.first_version is not None and version > self.first_version:
+                self._refuse_a_second_writer(PublishedCheckpoint(version, self.root / step_dir_name(version)))
             raise
         except OSError as exc:
             if exc.errno is None:  # not from the storage: nothing to add

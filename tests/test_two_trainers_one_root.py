@@ -1,0 +1,117 @@
+"""Two trainers publishing into one checkpoint root are stopped at the publish, not at generation.
+
+Each replica serves the newest step under the root, whichever run published it, so two runs
+sharing a root take turns serving each other's weights. The publisher numbers above the newest
+step of any run (a restarted trainer is a new run), and once it has published, a newer step of
+another run means a second writer: its next publish refuses, naming both runs and what to do.
+Before, this surfaced only at generation, after ``sync_timeout``, as a completion "newer than any
+version this run published".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from delta_helpers import Model
+from rollout_service.checkpoint_format import MANIFEST_NAME, Manifest, step_dir_name
+from rollout_service.delta_writer import DeltaCheckpointWriter
+from shared_fs import sshfs_mount
+from test_publish_failures import _publisher
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_the_run_that_finds_another_runs_newer_step_stops_before_publishing(tmp_path: Path, delta: bool) -> None:
+    root = tmp_path / "root"
+    first = _publisher(root, DeltaCheckpointWriter(full_every=100) if delta else None)
+    model = Model(lr=1e-3)
+    first.publish_and_wait(first.next_version(), model.tensors())
+    second = _publisher(root)  # a restart (or a second trainer): numbers above the first run's newest
+    try:
+        assert second.next_version() == 2
+        second.publish_and_wait(2, model.tensors())
+        with pytest.raises(RuntimeError) as err:
+            first.next_version()
+        message = str(err.value)
+        assert str(root / step_dir_name(2)) in message
+        assert first.run_id in message and second.run_id in message
+        assert "two trainers are publishing" in message and "checkpoint_path" in message
+        assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+            step_dir_name(1),
+            step_dir_name(2),
+        ]
+        # The newer run goes on: its own steps are no second writer.
+        model.step()
+        assert second.next_version() == 3
+        second.publish_and_wait(3, model.tensors())
+        assert second.next_version() == 4
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_newer_step_without_a_run_id_is_another_writer_too(tmp_path: Path) -> None:
+    """A manifest written without a run id (another tool, an older writer) is not this run's."""
+    root = tmp_path / "root"
+    publisher = _publisher(root)
+    other = _publisher(tmp_path / "other")
+    try:
+        publisher.publish_and_wait(publisher.next_version(), Model(lr=1e-3).tensors())
+        other.publish_and_wait(2, Model(lr=1e-3).tensors())
+        manifest = json.loads((tmp_path / "other" / step_dir_name(2) / MANIFEST_NAME).read_text())
+        del manifest["run_id"]
+        (tmp_path / "other" / step_dir_name(2) / MANIFEST_NAME).write_text(json.dumps(manifest))
+        (tmp_path / "other" / step_dir_name(2)).rename(root / step_dir_name(2))
+        with pytest.raises(RuntimeError, match=r"another run \(run id not recorded\)"):
+            publisher.next_version()
+    finally:
+        publisher.close()
+        other.close()
+
+
+def test_an_unreadable_newer_manifest_does_not_stop_the_run(tmp_path: Path) -> None:
+    """A step whose manifest cannot be read now may be anything: numbering goes on above it."""
+    root = tmp_path / "root"
+    publisher = _publisher(root)
+    try:
+        publisher.publish_and_wait(publisher.next_version(), Model(lr=1e-3).tensors())
+        stray = root / step_dir_name(2)
+        stray.mkdir()
+        (stray / MANIFEST_NAME).mkdir()  # a folder where the manifest should be: read fails with EISDIR
+        assert publisher.next_version() == 3
+    finally:
+        publisher.close()
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_two_trainers_on_two_hosts_of_a_network_file_system(tmp_path: Path, cached: bool) -> None:
+    """One trainer writes through an sshfs mount, the other on the server's disk (another host).
+
+    With sshfs's default caches the mount's listing still misses the other host's new step for a
+    while, so the trainer numbers its next version onto it: the publish finds the name taken, and
+    says why. Without caches the numbering sees the step and refuses before anything is written."""
+    options = () if cached else ("dir_cache=no", "attr_timeout=0", "entry_timeout=0")
+    with sshfs_mount(tmp_path / "fs", *options) as (server, mount):
+        (server / "ckpts").mkdir()
+        remote = _publisher(mount / "ckpts")
+        local = _publisher(server / "ckpts")
+        try:
+            model = Model(lr=1e-3)
+            remote.publish_and_wait(remote.next_version(), model.tensors())
+            local.publish_and_wait(local.next_version(), model.tensors())
+            model.step()
+            with pytest.raises(RuntimeError, match="two trainers are publishing") as err:
+                remote.publish_and_wait(remote.next_version(), model.tensors())
+            assert local.run_id in str(err.value)
+            assert remote.latest_version == (2 if cached else 1), "the listing was not what this test expects"
+            published = Manifest.load(server / "ckpts" / step_dir_name(2))
+            assert published.run_id == local.run_id  # nothing of the other run's step was replaced
+            assert sorted(p.name for p in (server / "ckpts").iterdir() if p.name.startswith("step-")) == [
+                step_dir_name(1),
+                step_dir_name(2),
+            ]
+        finally:
+            remote.close()
+            local.close()
