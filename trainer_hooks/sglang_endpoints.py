@@ -106,6 +106,15 @@ class SGLangRequestError(RuntimeError):
     """An SGLang endpoint rejected the request itself (4xx): retrying elsewhere will not help."""
 
 
+class _ContextRefused(SGLangRequestError):
+    """SGLang refused the request as longer than its context (a 400 of its length check)."""
+
+
+CONTEXT_REFUSALS = ("exceeds the model's maximum context length", "is longer than the model's context length")
+"""What SGLang 0.5.23's 400 says when a prompt (+ ``max_new_tokens``) does not fit its context
+(``TokenizerManager._validate_one_request``)."""
+
+
 class SGLangPoisonRequestError(RuntimeError):
     """A request killed an SGLang server, and again after the server came back."""
 
@@ -507,20 +516,26 @@ class SGLangEndpoints:
         if lora_path is not None:
             payload["lora_path"] = lora_path
         max_new_tokens = sampling_params.get("max_new_tokens")
+        limits: ContextLimits | None = None
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             max_new_tokens = None
         else:  # a prompt near the context length gets fewer new tokens, not a 400 for the batch
             limits = self._context_limits(client, url)
-            rescoring = rescore and want_logprobs
-            caps = (
-                None
-                if limits is None
-                else limits.caps([len(p) for p in input_ids], max_new_tokens, rescoring=rescoring)
+            payload["sampling_params"] = _capped(
+                sampling_params, input_ids, limits, rescoring=rescore and want_logprobs
             )
-            if caps is not None:
-                payload["sampling_params"] = [{**sampling_params, "max_new_tokens": cap} for cap in caps]
         tokens = len(input_ids) * n * (UNKNOWN_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens)
-        data = self._request(client, url, payload, tokens=tokens)
+        try:
+            data = self._request(client, url, payload, tokens=tokens)
+        except _ContextRefused:
+            # Limits read before a restart with a smaller context (no failed request in between
+            # told this trainer): read again, and send once more if they changed.
+            fresh = self._context_limits(client, url, forget=True) if limits is not None else None
+            if fresh is None or fresh == limits:
+                raise
+            log.warning("SGLang at %s has other length limits than it had (restarted?): %s", url, fresh)
+            payload["sampling_params"] = _capped(sampling_params, input_ids, fresh, rescoring=rescore and want_logprobs)
+            data = self._request(client, url, payload, tokens=tokens)
         groups = parse_generate_response(
             data,
             num_prompts=len(input_ids),
@@ -535,10 +550,12 @@ class SGLangEndpoints:
             self._rescore(client, url, input_ids, groups, lora_path)
         return groups
 
-    def _context_limits(self, client: httpx.Client, url: str) -> ContextLimits | None:
-        """``url``'s length limits (:mod:`~trainer_hooks.context_limits`), read once; None while
-        they cannot be read (the request then goes as it is)."""
+    def _context_limits(self, client: httpx.Client, url: str, *, forget: bool = False) -> ContextLimits | None:
+        """``url``'s length limits (:mod:`~trainer_hooks.context_limits`), read once (``forget``:
+        read again); None while they cannot be read (the request then goes as it is)."""
         with self._lock:
+            if forget:
+                self._limits.pop(url, None)
             known = self._limits.get(url)
         if known is None:
             known = read_context_limits(client, url, headers=self._headers, timeout_s=SETTINGS_TIMEOUT_S)
@@ -648,7 +665,8 @@ class SGLangEndpoints:
                 + ("a different key" if self._headers else "none")
                 + "; set sglang_api_token in the config to that key"
             )
-        raise SGLangRequestError(
+        refused = _ContextRefused if status == 400 and any(r in text for r in CONTEXT_REFUSALS) else SGLangRequestError
+        raise refused(
             f"SGLang at {url} rejected POST /generate with HTTP {status}: "
             f"{text[:1000]}. Check the sampling parameters (generation_kwargs use SGLang's "
             "names, e.g. max_new_tokens, stop_token_ids) and that prompts fit the server's context length"
@@ -899,3 +917,13 @@ def _split(items: list[int], parts: int) -> list[list[int]]:
         chunks.append(items[start:end])
         start = end
     return chunks
+
+
+def _capped(
+    sampling_params: dict[str, Any], input_ids: list[list[int]], limits: ContextLimits | None, *, rescoring: bool
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """``sampling_params`` as sent for ``input_ids``: one set for all, or one per prompt with the
+    ``max_new_tokens`` that fits ``limits`` where any prompt would not fit."""
+    max_new_tokens = sampling_params["max_new_tokens"]
+    caps = None if limits is None else limits.caps([len(p) for p in input_ids], max_new_tokens, rescoring=rescoring)
+    return sampling_params if caps is None else [{**sampling_params, "max_new_tokens": cap} for cap in caps]
