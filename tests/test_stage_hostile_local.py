@@ -64,10 +64,16 @@ def test_a_spare_file_with_another_name_or_owner_is_not_written_over(tmp_path: P
             os.chown(target, OTHER_UID, OTHER_UID)
         else:
             os.chmod(target, 0o664)
-        inode = os.stat(target).st_ino
-        served = build(stage, root, 3).path
-        assert_same_files(served, full_root / step_dir_name(3))
-        assert os.stat(served / target.name).st_ino != inode  # a fresh file, not the suspect one
+        # Held open, the suspect file keeps its inode number once unlinked: a fresh file cannot
+        # be given the same number (the file system reuses a freed one at once).
+        held = os.open(target, os.O_RDONLY)
+        try:
+            inode = os.fstat(held).st_ino
+            served = build(stage, root, 3).path
+            assert_same_files(served, full_root / step_dir_name(3))
+            assert os.stat(served / target.name).st_ino != inode  # a fresh file, not the suspect one
+        finally:
+            os.close(held)
         if how == "hard-link":
             assert outside.read_bytes() == before  # nothing was written outside the stage
             assert os.stat(served / target.name).st_nlink == 1
