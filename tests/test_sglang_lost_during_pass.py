@@ -128,6 +128,51 @@ def test_the_liveness_probe_counts_only_sglangs_load_call_not_the_staging_before
     assert alive and "loading step 2" in why
 
 
+def test_a_scheduler_hung_during_a_pass_counts_as_silence_not_as_answers(tmp_path: Path) -> None:
+    """SGLang's HTTP front still answers ``/model_info`` while its scheduler hangs (a wedged GPU):
+    the pass's watch asked only that, so the sidecar kept SGLang counted alive, ready and served,
+    and ``serve``'s hang check (``--hang-timeout``, from ``sglang_seen_at``) saw nothing until the
+    pass ended (up to ``--validate-timeout``). The watch asks ``/health`` too, at its interval."""
+    from rollout_service.serve import hang_reason
+
+    root, c, sglang = serving_step_1(tmp_path, ack_interval_s=30.0, deep_health_interval_s=0.2)
+
+    async def during() -> None:
+        await step_2_staging(root, c)
+        sglang.hung = True
+        await until(lambda: not c.state.sglang_healthy, STAGE_S / 2)
+        assert c.state.loading_step == 2, "seen by the pass's watch, while the pass stages step 2"
+        assert await c.wait_for_step(1, 0.3, run_id=RUN) is False and c.readiness()[0] is False
+        seen = c.state.sglang_seen_at
+        await asyncio.sleep(0.5)
+        assert c.state.sglang_seen_at == seen, "answers of the HTTP front alone count as SGLang's"
+        assert hang_reason(c.state, 0.0, 0.4, time.time()) is not None
+        sglang.hung = False
+        await until(lambda: c.serves(2), 20)
+
+    run_with(c, during)
+
+
+def test_the_watch_does_not_ask_health_during_the_load_call(tmp_path: Path) -> None:
+    """SGLang's ``/health`` waits on a load in flight: asked then, it would time out and count
+    SGLang silent for the length of a load."""
+    root, c, sglang = serving_step_1(tmp_path, deep_health_interval_s=0.05)
+
+    async def slow_load(path: str, version: str) -> None:
+        if version == "2":
+            await asyncio.sleep(1.0)
+
+    sglang.load_hook = slow_load
+
+    async def during() -> None:
+        await step_2_staging(root, c)
+        await until(lambda: c.serves(2), 20)
+
+    run_with(c, during)
+    assert sglang.deep_views_while_loading == 0
+    assert c.state.sglang_healthy
+
+
 def test_one_lost_answer_during_a_pass_does_not_leave_the_replica_unready_for_the_rest_of_it(tmp_path: Path) -> None:
     """SGLang misses a few /model_info answers (a busy CPU) and answers again on the same weights:
     the replica is ready again at once and a /wait for the served step answers, not only once

@@ -58,9 +58,17 @@ class FakeSGLang:
         self.model_path = str(model_path)
         self.loads: list[tuple[str, str]] = []
         self.unanswered_views = 0
+        self.hung = False
+        """Its scheduler hangs: ``/health`` (a deep view) is not answered, ``/model_info`` is."""
+        self.deep_views_while_loading = 0
+        self.loading = False
         self.load_hook: Callable[[str, str], Awaitable[None]] | None = None
 
     async def view(self, deep: bool = False) -> ServerView:
+        if deep and self.loading:
+            self.deep_views_while_loading += 1
+        if deep and self.hung:
+            return ServerView(False)
         if self.unanswered_views:
             self.unanswered_views -= 1
             return ServerView(False)
@@ -72,7 +80,11 @@ class FakeSGLang:
     async def load_from_disk(self, path: str, version: str) -> dict[str, Any]:
         self.loads.append((path, version))
         if self.load_hook is not None:
-            await self.load_hook(path, version)
+            self.loading = True
+            try:
+                await self.load_hook(path, version)
+            finally:
+                self.loading = False
         self.version, self.model_path = version, path
         return {}
 

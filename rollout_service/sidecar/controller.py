@@ -580,11 +580,7 @@ class SyncController:
         await self._wake_waiters(max(step, known or step))
 
     async def _check_server(self) -> None:
-        now = time.monotonic()
-        deep = not self._was_healthy or now - self._last_deep >= self.settings.deep_health_interval_s
-        view = await self.client.view(deep=deep)
-        if deep and view.healthy:
-            self._last_deep = now
+        view, deep = await self._view()
         was = self._was_healthy
         self.state.sglang_healthy = view.healthy
         self._was_healthy = view.healthy
@@ -641,6 +637,19 @@ class SyncController:
                     what="looking for the base model's folder",
                 )
                 self._base_dir_pending = False  # (after the look: a root that did not answer is asked again)
+
+    async def _view(self, *, loading: bool = False) -> tuple[ServerView, bool]:
+        """SGLang's answer, and whether it was a deep one (``/health`` too): deep while SGLang has
+        not answered one since it was last silent, and every ``--deep-health-interval``, so that a
+        scheduler that hangs behind a live HTTP front is seen (``/model_info`` alone would still
+        answer); never while a load call is in flight (``loading``: ``/health`` waits on it)."""
+        now = time.monotonic()
+        due = not self._was_healthy or now - self._last_deep >= self.settings.deep_health_interval_s
+        deep = due and not loading
+        view = await self.client.view(deep=deep)
+        if deep and view.healthy:
+            self._last_deep = now
+        return view, deep
 
     def _sglang_silent(self, was_healthy: bool) -> None:
         """(On the loop.) SGLang did not answer: nothing is served (``serves`` is False), a load
@@ -744,17 +753,19 @@ class SyncController:
         ``sglang_seen_at`` fresh from SGLang's answers every ``health_interval``: ``/readyz``
         must not call a serving replica unready because the loop is busy (anyone who can write
         the root could otherwise take every replica out of service for ``--validate-timeout``).
-        Only a cheap ``/model_info``. What it sees counts as the loop's own check would: an
-        SGLang that stops answering serves nothing (``/wait`` and the ack file stop confirming
-        the step it held: a pass can last ``--validate-timeout``), and one that answers with
-        weights this replica neither serves nor loads (it restarted on its start-up weights)
-        lost the served step (the pass after this one reloads)."""
+        It asks as the loop's own check does (:meth:`_view`: ``/health`` too at its interval,
+        but not during the load call), and what it sees counts the same: an SGLang that stops
+        answering, or whose scheduler hangs, serves nothing (``/wait`` and the ack file stop
+        confirming the step it held, and ``serve``'s hang check counts from its last answer: a
+        pass can last ``--validate-timeout``), and one that answers with weights this replica
+        neither serves nor loads (it restarted on its start-up weights) lost the served step
+        (the pass after this one reloads)."""
         while not done.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(done.wait(), self.settings.health_interval_s)
             if done.is_set():
                 return
-            view = await self.client.view(deep=False)
+            view, deep = await self._view(loading=self.state.sglang_loading_step is not None)
             if done.is_set():
                 return
             s = self.state
@@ -762,6 +773,8 @@ class SyncController:
                 self._sglang_silent(s.sglang_healthy)
                 self._not_serving()  # (and the ack file says so at once)
                 continue
+            if deep:
+                self._was_healthy = True
             back = not s.sglang_healthy
             s.sglang_healthy = True
             expected = {version_for_step(step) for step in (s.loaded_step, s.loading_step) if step is not None}
