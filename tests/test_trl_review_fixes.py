@@ -32,7 +32,7 @@ from trainer_hooks.sglang_endpoints import SGLangEndpoints
 def test_caps_give_each_prompt_what_fits_and_nothing_when_all_fit() -> None:
     limits = ContextLimits(context_len=64, max_input_len=58)
     assert limits.caps([10, 20], 20, rescoring=False) is None  # all fit: the request goes unchanged
-    assert limits.caps([10, 50, 64, 70], 20, rescoring=False) == [20, 14, 0, 0]
+    assert limits.caps([10, 50], 20, rescoring=False) == [20, 14]
     # a rescore sends prompt + completion as an input, which must stay under 58 tokens
     assert limits.caps([10, 50], 20, rescoring=True) == [20, 7]
     assert ContextLimits(None, 58).caps([50], 20, rescoring=False) is None

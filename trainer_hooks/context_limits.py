@@ -10,10 +10,15 @@ for every prompt, and its tool loop sends prompt + completion + tool result agai
 budget, so near-limit prompts are normal there. :meth:`ContextLimits.caps` gives each prompt the
 ``max_new_tokens`` that fits, as vLLM does.
 
-A rescore (``SGLangEndpoints``'s prefill-only request of prompt + completion) is an *input*, which
-SGLang's scheduler refuses from ``max_req_input_len`` tokens on (the context length less a few
-tokens of its own, or less when the KV cache is smaller): with rescoring, completions are capped so
-that prompt + completion stays under it.
+SGLang's scheduler refuses any *input* from ``max_req_input_len`` tokens on (the context length
+less a few tokens of its own, or less when the KV cache is smaller): such a prompt cannot be
+served at all, and the request is refused here, naming it, before it is sent
+(:class:`PromptTooLong`). A rescore (``SGLangEndpoints``'s prefill-only request of prompt +
+completion) is an input too: with rescoring, completions are capped so that prompt + completion
+stays under it, except where that leaves a prompt no new token (it then gets what fits the context,
+and its completion is not rescored: no importance-sampling correction for it, as
+:meth:`ContextLimits.rescorable` says). A cap never goes below 1, nor ``min_new_tokens`` above its
+prompt's cap (SGLang would refuse the batch).
 
 With speculative decoding SGLang counts its draft slots on top of each input
 (:func:`reserved_tokens`), and the caps leave room for them.
@@ -21,8 +26,7 @@ With speculative decoding SGLang counts its draft slots on top of each input
 Both numbers are read once per endpoint: the context length from ``GET /v1/models``
 (``max_model_len`` of the base model's card, the number the 400 compares with) and
 ``max_req_input_len`` from ``GET /server_info``. A server that does not say (a router, an older
-SGLang) gets the request as before. A prompt that alone fills the context still gets SGLang's own
-400, as vLLM refuses it too.
+SGLang) gets the request as before. A prompt that alone fills the context is refused, as vLLM refuses it too.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ MAX_CONTEXT_TOKENS = 1 << 31
 """The largest context length taken from a server's answer (a larger one is not believed)."""
 
 
+class PromptTooLong(ValueError):
+    """A prompt the server cannot take at all (it alone fills the context or the longest input)."""
+
+
 @dataclass(frozen=True)
 class ContextLimits:
     """One server's length limits; None where it did not say."""
@@ -55,15 +63,39 @@ class ContextLimits:
 
     def caps(self, prompt_lengths: list[int], max_new_tokens: int, *, rescoring: bool) -> list[int] | None:
         """Per prompt, the ``max_new_tokens`` to send it with; None when every prompt may have
-        ``max_new_tokens`` as it is (the request is then sent unchanged)."""
+        ``max_new_tokens`` as it is (the request is then sent unchanged). Raises
+        :class:`PromptTooLong` for a prompt the server cannot take."""
+        self.check_prompts(prompt_lengths)
         limit = None if self.context_len is None else self.context_len - self.reserved
-        if rescoring and self.max_input_len is not None:
-            # prompt + completion, rescored as an input, must stay under max_input_len
-            limit = self.max_input_len - 1 if limit is None else min(limit, self.max_input_len - 1)
-        if limit is None:
+        if limit is None and not (rescoring and self.max_input_len is not None):
             return None
-        caps = [max(0, min(max_new_tokens, limit - n)) for n in prompt_lengths]
+        caps = []
+        for n in prompt_lengths:
+            cap = max_new_tokens if limit is None else min(max_new_tokens, limit - n)
+            if rescoring and self.max_input_len is not None and self.max_input_len - 1 - n >= 1:
+                cap = min(cap, self.max_input_len - 1 - n)  # prompt + completion rescored as an input
+            caps.append(cap)  # at least 1: check_prompts refused a prompt that leaves none
         return caps if any(c < max_new_tokens for c in caps) else None
+
+    def check_prompts(self, prompt_lengths: list[int]) -> None:
+        """Raise :class:`PromptTooLong` naming the first prompt the server refuses whatever it is
+        asked to generate: one that leaves no token of the context, or is no shorter than the
+        longest input its scheduler takes (``max_req_input_len``)."""
+        for i, n in enumerate(prompt_lengths):
+            if self.context_len is not None and n + self.reserved >= self.context_len:
+                raise PromptTooLong(
+                    f"prompt {i} is {n} tokens long, and the server's context length is {self.context_len}"
+                    + (f" (of which {self.reserved} are speculative decoding's)" if self.reserved else "")
+                )
+            if self.max_input_len is not None and n >= self.max_input_len:
+                raise PromptTooLong(
+                    f"prompt {i} is {n} tokens long, and the server takes inputs shorter than"
+                    f" {self.max_input_len} tokens (its max_req_input_len)"
+                )
+
+    def rescorable(self, length: int) -> bool:
+        """Whether prompt + completion of ``length`` tokens can be rescored (it is an input)."""
+        return self.max_input_len is None or length < self.max_input_len
 
 
 def read_context_limits(

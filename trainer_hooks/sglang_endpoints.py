@@ -63,7 +63,7 @@ from rollout_service.bounded_http import client as bounded_client
 from rollout_service.http_auth import bearer_headers
 from rollout_service.process_group import LOG_TAIL_BYTES, log_end
 
-from .context_limits import ContextLimits, read_context_limits
+from .context_limits import ContextLimits, PromptTooLong, read_context_limits
 from .sglang_responses import Completion, parse_generate_response, parse_rescore_response
 
 log = logging.getLogger(__name__)
@@ -522,7 +522,7 @@ class SGLangEndpoints:
         else:  # a prompt near the context length gets fewer new tokens, not a 400 for the batch
             limits = self._context_limits(client, url)
             payload["sampling_params"] = _capped(
-                sampling_params, input_ids, limits, rescoring=rescore and want_logprobs
+                url, sampling_params, input_ids, limits, rescoring=rescore and want_logprobs
             )
         tokens = len(input_ids) * n * (UNKNOWN_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens)
         try:
@@ -534,7 +534,9 @@ class SGLangEndpoints:
             if fresh is None or fresh == limits:
                 raise
             log.warning("SGLang at %s has other length limits than it had (restarted?): %s", url, fresh)
-            payload["sampling_params"] = _capped(sampling_params, input_ids, fresh, rescoring=rescore and want_logprobs)
+            payload["sampling_params"] = _capped(
+                url, sampling_params, input_ids, fresh, rescoring=rescore and want_logprobs
+            )
             data = self._request(client, url, payload, tokens=tokens)
         groups = parse_generate_response(
             data,
@@ -686,9 +688,18 @@ class SGLangEndpoints:
         does not score (no IS correction there). The request and its answer are checked as
         ``/generate``'s are (:meth:`_request`, :func:`parse_rescore_response`)."""
         sequences, starts, owners = [], [], []
+        with self._lock:
+            limits = self._limits.get(url)
         for prompt, group in zip(input_ids, groups):
             for completion in group:
-                if completion.token_ids:
+                if (
+                    completion.token_ids
+                    and limits is not None
+                    and not limits.rescorable(len(prompt) + len(completion.token_ids))
+                ):
+                    # (a prompt the rescore cap would have left no token: generated to the context)
+                    completion.logprobs = [None] * len(completion.token_ids)
+                elif completion.token_ids:
                     sequences.append(list(prompt) + completion.token_ids)
                     starts.append(len(prompt) - 1)
                     owners.append(completion)
@@ -920,10 +931,30 @@ def _split(items: list[int], parts: int) -> list[list[int]]:
 
 
 def _capped(
-    sampling_params: dict[str, Any], input_ids: list[list[int]], limits: ContextLimits | None, *, rescoring: bool
+    url: str,
+    sampling_params: dict[str, Any],
+    input_ids: list[list[int]],
+    limits: ContextLimits | None,
+    *,
+    rescoring: bool,
 ) -> dict[str, Any] | list[dict[str, Any]]:
     """``sampling_params`` as sent for ``input_ids``: one set for all, or one per prompt with the
-    ``max_new_tokens`` that fits ``limits`` where any prompt would not fit."""
+    ``max_new_tokens`` that fits ``limits`` where any prompt would not fit (``min_new_tokens`` no
+    higher: SGLang refuses the batch otherwise). A prompt the server cannot take at all raises
+    :class:`SGLangRequestError` naming it."""
     max_new_tokens = sampling_params["max_new_tokens"]
-    caps = None if limits is None else limits.caps([len(p) for p in input_ids], max_new_tokens, rescoring=rescoring)
-    return sampling_params if caps is None else [{**sampling_params, "max_new_tokens": cap} for cap in caps]
+    if limits is None:
+        return sampling_params
+    try:
+        caps = limits.caps([len(p) for p in input_ids], max_new_tokens, rescoring=rescoring)
+    except PromptTooLong as exc:
+        raise SGLangRequestError(
+            f"SGLang at {url} cannot take this batch: {exc}. Shorten the prompts (GRPOConfig"
+            " max_prompt_length; in a tool loop, fewer turns), or start SGLang with a larger --context-length"
+        ) from None
+    if caps is None:
+        return sampling_params
+    least = sampling_params.get("min_new_tokens")
+    if isinstance(least, bool) or not isinstance(least, int):
+        return [{**sampling_params, "max_new_tokens": cap} for cap in caps]
+    return [{**sampling_params, "max_new_tokens": cap, "min_new_tokens": min(least, cap)} for cap in caps]
