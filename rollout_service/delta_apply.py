@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -159,6 +160,14 @@ def resolve_chain(
             )
         if find_staged is not None:
             staged = find_staged(delta.base_step, delta.base_fingerprint)
+            held = None if staged is None else staged_chain(staged[1])
+            if staged is not None and (
+                held is None or held[0] != top.chain_start or held[1] + len(deltas) > MAX_CHAIN_LENGTH
+            ):
+                # A copy rebuilt in another chain (the step says another full step starts it), or
+                # whose chain would grow past the cap: the walk through the root decides, as it
+                # does for a replica without that copy (every replica gives the step one verdict).
+                staged = None
             if staged is not None:
                 if staged[1].run_id != cur.manifest.run_id:  # as a base read from the root is checked
                     raise CheckpointError(
@@ -186,6 +195,12 @@ def resolve_chain(
                 "broken_chain", f"{cur.path.name} and its base {base_path.name} belong to different runs"
             )
         cur = ChainLink(base_path, base)
+    if top is not None and cur.manifest.kind != "full":
+        raise CheckpointError(
+            "broken_chain",
+            f"{link.path.name}'s delta chain reaches {cur.path.name}, which is an {cur.manifest.kind} step, not a"
+            " full one: the chain cannot be rebuilt; the replica keeps its weights until the next full step",
+        )
     if top is not None and cur.manifest.step != top.chain_start:
         raise CheckpointError(
             "broken_chain",
@@ -203,6 +218,23 @@ def resolve_chain(
                 " its weights until the next full step",
             )
     return Chain(cur, False, deltas)
+
+
+def staged_chain(copy: Manifest) -> tuple[int, int] | None:
+    """(the full step its chain starts at, the deltas applied since) of a verified full copy:
+    ``(its step, 0)`` for a copy of a full step; what :func:`reconstruct` recorded for one rebuilt
+    from a delta; None when a rebuilt copy does not say (then it starts no walk)."""
+    source = copy.extra.get("reconstructed_from")
+    if not isinstance(source, dict) or source.get("kind") != "delta":
+        return copy.step, 0
+    start, length = source.get("chain_start"), source.get("chain_length")
+    if not (_count(start) and _count(length)):
+        return None
+    return start, length
+
+
+def _count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _layout(delta: DeltaInfo) -> list[tuple[str, str, str, list[int]]]:
@@ -295,6 +327,7 @@ def reconstruct(
                 "fingerprint": manifest.fingerprint(),
                 "kind": "delta",
                 "chain_start": delta.chain_start,
+                "chain_length": (staged_chain(base.manifest) or (delta.chain_start, 0))[1] + 1,
             }
         },
     )

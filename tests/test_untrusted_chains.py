@@ -744,3 +744,81 @@ def test_a_base_shard_header_of_other_names_is_refused_before_it_is_parsed(
     for err in build_and_materialize(root, tmp_path):
         assert err.reason == "delta_layout_mismatch", err
     assert len(raw) not in parsed  # the junk header was counted, never parsed
+
+
+# --- one verdict per step, whatever a replica has staged -----------------------------------------
+
+
+def _follow(stage: Stage, root: Path, steps: tuple[int, ...]) -> None:
+    """Build ``steps`` in turn, as a replica that followed the chain does (each copy kept)."""
+    for step in steps:
+        stage.build(root, _dir(root, step), Manifest.load(_dir(root, step)), Deadline(60))
+
+
+def _verdicts(root: Path, tmp_path: Path, followed: tuple[int, ...], step: int = 3) -> list[CheckpointError]:
+    """Step ``step`` built by a replica that staged ``followed`` before, by a late joiner, and
+    materialized: the error each raised (each must raise one)."""
+    errors = []
+    for name, steps in (("following", followed), ("late", ())):
+        stage = Stage(tmp_path / f"stage-{name}")
+        try:
+            _follow(stage, root, steps)
+            with pytest.raises(CheckpointError) as err:
+                stage.build(root, _dir(root, step), Manifest.load(_dir(root, step)), Deadline(60))
+            errors.append(err.value)
+        finally:
+            stage.close()
+    with pytest.raises(CheckpointError) as made:
+        materialize(root, step, tmp_path / "made" / "model", timeout_s=60)
+    return [*errors, made.value]
+
+
+def test_a_step_naming_another_chain_start_is_refused_also_where_its_base_is_staged(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 3 says its chain starts at step 2 (a delta): a replica that had staged step 2 served
+    it (its walk ended at the staged copy, unchecked), while a late joiner refused it."""
+    stage = Stage(tmp_path / "stage-following")
+    try:
+        _follow(stage, root, (1, 2))
+        spoil(root, 3, lambda d: d["delta"].update(chain_start=2), monkeypatch)
+        with pytest.raises(CheckpointError) as err:
+            _follow(stage, root, (3,))
+        assert err.value.reason == "broken_chain" and "another full step" in str(err.value)
+    finally:
+        stage.close()
+    for err_ in _verdicts(root, tmp_path, ()):
+        assert err_.reason == "broken_chain" and "another full step" in str(err_), err_
+
+
+def test_a_chain_must_start_at_a_full_step(root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 1 relabelled an adapter step: only ``materialize`` refused the chain before."""
+    adapter = {"rank": 8, "alpha": 16.0, "target_modules": ["q_proj"], "peft_type": "LORA"}
+    spoil(root, 1, lambda d: d.update(kind="adapter", adapter=adapter), monkeypatch)
+    assert Manifest.load(_dir(root, 1)).kind == "adapter"
+    stage = Stage(tmp_path / "stage")
+    try:
+        with pytest.raises(CheckpointError) as err:
+            stage.build(root, _dir(root, 3), Manifest.load(_dir(root, 3)), Deadline(60))
+    finally:
+        stage.close()
+    with pytest.raises(CheckpointError) as made:
+        materialize(root, 3, tmp_path / "made" / "model", timeout_s=60)
+    for e in (err.value, made.value):
+        assert e.reason == "broken_chain" and "is an adapter step, not a full one" in str(e), e
+
+
+def test_the_chain_length_cap_holds_also_where_a_base_is_staged(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A staged copy records how many deltas its chain applied, so a replica that followed a chain
+    past the cap refuses its next step as a late joiner does (there: 2 deltas, cap 1)."""
+    stage = Stage(tmp_path / "stage-following")
+    try:
+        _follow(stage, root, (1, 2))  # step 2: one delta, within the cap
+        monkeypatch.setattr(delta_apply, "MAX_CHAIN_LENGTH", 1)
+        with pytest.raises(CheckpointError) as err:
+            _follow(stage, root, (3,))
+    finally:
+        stage.close()
+    assert err.value.reason == "broken_chain" and "longer than 1 steps" in str(err.value), err.value
