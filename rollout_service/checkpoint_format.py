@@ -94,6 +94,14 @@ tensor of the model, changed or not; ~600 bytes each once parsed, so ~300 MB at 
 model lists ~340 per link and a 70B ~1,000 (chains of up to ~500 links); a model of 100,000
 tensors (MoE experts stored one by one) gets chains of 5 links. The writer starts a new chain
 before this, as for :data:`MAX_CHAIN_FRAMES`."""
+MAX_CHAIN_NAME_CHARS = 64 << 20
+"""The most characters of names (each tensor entry's tensor, shard and delta file names) the
+manifests of one chain may hold in all: the tensor entries' count is bounded above, their names'
+length is not (a 15 MB name fits a manifest, and every link holds its own copy: ~16 GB for 1,000
+links). A 7B model's names take ~35 k per link (1,000 links: 35 M); the writer starts a new chain
+before this, estimating :data:`FILE_NAME_CHARS` for each file name."""
+FILE_NAME_CHARS = 64
+"""What the writer counts for each shard or delta file name a tensor entry holds (its own are 32)."""
 DEFAULT_DELTA_MAX_RATIO = 0.5
 MANIFEST_NAME = "manifest.json"
 CONFIG_NAME = "config.json"

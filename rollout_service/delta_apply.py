@@ -39,6 +39,7 @@ from .checkpoint_format import (
     MAX_CHAIN_FRAMES,
     MAX_CHAIN_FREE_TEXT,
     MAX_CHAIN_LENGTH,
+    MAX_CHAIN_NAME_CHARS,
     MAX_CHAIN_TENSORS,
     TEMP_PREFIX,
     CheckpointError,
@@ -105,8 +106,8 @@ def resolve_chain(
     Every step on the way is untrusted as much as ``link``: a base that is gone, unreadable,
     republished (another fingerprint), of another run, of another tensor layout, or in another
     chain (``chain_start``), and a walk longer than ``MAX_CHAIN_LENGTH`` steps or holding more
-    than ``MAX_CHAIN_FRAMES`` frame sizes or ``MAX_CHAIN_TENSORS`` tensor entries in its
-    manifests, raise
+    than ``MAX_CHAIN_FRAMES`` frame sizes, ``MAX_CHAIN_TENSORS`` tensor entries or
+    ``MAX_CHAIN_NAME_CHARS`` characters of their names in its manifests, raise
     ``CheckpointError('broken_chain')``: the step cannot be rebuilt until the next full one.
     The walk checks ``deadline`` at every step and holds only manifests of ``link``'s layout.
     """
@@ -114,7 +115,7 @@ def resolve_chain(
     cur = link
     top = link.manifest.delta
     top_layout = _layout(top) if top is not None else []
-    frames_held = tensors_held = text_held = 0
+    frames_held = tensors_held = text_held = names_held = 0
     while cur.manifest.kind == "delta":
         delta = cur.manifest.delta
         assert delta is not None and top is not None
@@ -149,6 +150,14 @@ def resolve_chain(
                 f"{link.path.name}: the manifests of its delta chain hold more than {MAX_CHAIN_FREE_TEXT} characters"
                 f" of writer and extra data ({len(deltas)} steps so far); the replica keeps its weights until the"
                 " next full step",
+            )
+        names_held += sum(len(n) + len(t.shard) + len(t.delta_file or "") for n, t in delta.tensors.items())
+        if names_held > MAX_CHAIN_NAME_CHARS:
+            raise CheckpointError(
+                "broken_chain",
+                f"{link.path.name}: the manifests of its delta chain hold more than {MAX_CHAIN_NAME_CHARS} characters"
+                f" of tensor and file names ({len(deltas)} steps so far): publish full steps more often"
+                " (checkpoint_full_every); the replica keeps its weights until the next full step",
             )
         tensors_held += len(delta.tensors)
         if tensors_held > MAX_CHAIN_TENSORS:

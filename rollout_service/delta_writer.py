@@ -47,10 +47,12 @@ from .checkpoint_format import (
     DEFAULT_DELTA_MAX_RATIO,
     DEFAULT_FULL_EVERY,
     DTYPE_SIZES,
+    FILE_NAME_CHARS,
     FLOAT_DTYPES,
     INDEX_NAME,
     MAX_CHAIN_FRAMES,
     MAX_CHAIN_LENGTH,
+    MAX_CHAIN_NAME_CHARS,
     MAX_CHAIN_TENSORS,
     CheckpointError,
     DeltaInfo,
@@ -261,12 +263,14 @@ class DeltaCheckpointWriter:
 
     def _longest_chain(self) -> int:
         """``full_every``, or fewer versions when a chain of this model's deltas would list more
-        frame sizes or tensor entries than a reader holds (``MAX_CHAIN_FRAMES``,
-        ``MAX_CHAIN_TENSORS``: a 70B model's chain stops at ~500)."""
+        frame sizes, tensor entries or characters of names than a reader holds (``MAX_CHAIN_FRAMES``,
+        ``MAX_CHAIN_TENSORS``: a 70B model's chain stops at ~500; ``MAX_CHAIN_NAME_CHARS``)."""
         frames = sum(-(-h.nbytes // delta_codec.CHUNK_BYTES) for h in self._held.values())
         by_frames = MAX_CHAIN_FRAMES // max(frames, 1)
         by_tensors = MAX_CHAIN_TENSORS // max(len(self._held), 1)
-        return max(1, min(self.full_every, 1 + min(by_frames, by_tensors)))
+        names = sum(len(name) + 2 * FILE_NAME_CHARS for name in self._held)
+        by_names = MAX_CHAIN_NAME_CHARS // max(names, 1)
+        return max(1, min(self.full_every, 1 + min(by_frames, by_tensors, by_names)))
 
     def publish(
         self,
@@ -317,7 +321,7 @@ class DeltaCheckpointWriter:
         elif base.deltas_since_full + 1 >= full_every:
             why_full = f"a full checkpoint every {full_every} versions"
             if full_every < self.full_every:
-                why_full += f" (a chain of this model's deltas may list at most {MAX_CHAIN_FRAMES} frames)"
+                why_full += " (the longest chain of this model's deltas a reader holds)"
         else:
             floor = self._delta_manifest_floor(base, max_shard_bytes)
             if floor + MANIFEST_TIME_SLACK > MAX_MANIFEST_BYTES:

@@ -552,6 +552,44 @@ def test_a_chain_whose_manifests_list_too_many_tensor_entries_is_refused_before_
     assert "checkpoint_full_every" in str(err.value)
 
 
+def test_a_chain_whose_manifests_hold_too_many_name_characters_is_refused_and_the_writer_keeps_within(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tensor entries a chain lists are bounded, their names' length was not: a chain whose
+    links each name a tensor with ~15 MB of characters (within a manifest's 16 MiB) grew a walk by
+    ~15 MB per link (~16 GB at the length cap), in ``validate`` and ``materialize``. The names a
+    chain holds in all are bounded; here the bound is lowered to what ~2.5 links of a model with
+    one long name hold (two deltas), and the writer keeps its chains within it."""
+    from rollout_service import delta_apply, delta_writer
+
+    def tensors(model: Model) -> list[tuple[str, torch.Tensor]]:
+        return [(("x" * 5000 if i == 0 else "") + name, t) for i, (name, t) in enumerate(model.tensors())]
+
+    model = Model()
+    per_link = sum(len(n) for n, _ in tensors(model))
+    for module in (delta_apply, delta_writer):
+        monkeypatch.setattr(module, "MAX_CHAIN_NAME_CHARS", 2 * per_link + per_link // 2)
+    root, writer = tmp_path / "root", DeltaCheckpointWriter(full_every=100)
+    kinds = []
+    for step in range(1, 6):
+        model.step()
+        writer.publish(root, step, tensors(model), config=CONFIG, dtype="bfloat16", run_id=RUN)
+        manifest = Manifest.load(root / step_dir_name(step))
+        kinds.append(manifest.kind)
+        resolve_chain(root, ChainLink(root / step_dir_name(step), manifest))  # a reader walks each
+    assert kinds == ["full", "delta", "delta", "full", "delta"], kinds
+    other, writer = tmp_path / "other", DeltaCheckpointWriter(full_every=100)
+    monkeypatch.setattr(delta_writer, "MAX_CHAIN_NAME_CHARS", 100 * per_link)
+    for step in (1, 2, 3, 4):
+        model.step()
+        writer.publish(other, step, tensors(model), config=CONFIG, dtype="bfloat16", run_id=RUN)
+    assert Manifest.load(other / step_dir_name(4)).kind == "delta"
+    with pytest.raises(CheckpointError) as err:
+        resolve_chain(other, ChainLink(other / step_dir_name(4), Manifest.load(other / step_dir_name(4))))
+    assert err.value.reason == "broken_chain" and "characters of tensor and file names" in str(err.value)
+    assert "checkpoint_full_every" in str(err.value)
+
+
 def test_the_writer_starts_a_new_chain_before_its_frames_pass_what_a_reader_holds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
