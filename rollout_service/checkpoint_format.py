@@ -94,6 +94,15 @@ tensor of the model, changed or not; ~600 bytes each once parsed, so ~300 MB at 
 model lists ~340 per link and a 70B ~1,000 (chains of up to ~500 links); a model of 100,000
 tensors (MoE experts stored one by one) gets chains of 5 links. The writer starts a new chain
 before this, as for :data:`MAX_CHAIN_FRAMES`."""
+
+
+def frame_bound(part_bytes: int) -> int:
+    """The most bytes a zstd frame of ``part_bytes`` bytes may take: above zstd's worst case
+    (``ZSTD_compressBound``: the part + 1/256 + 64 bytes for small parts, with a frame's header
+    and checksum)."""
+    return part_bytes + (part_bytes >> 7) + 1024
+
+
 MAX_CHAIN_NAME_CHARS = 64 << 20
 """The most characters of names (each tensor entry's tensor, shard and delta file names) the
 manifests of one chain may hold in all: the tensor entries' count is bounded above, their names'
@@ -657,17 +666,27 @@ class _FieldReader:
 
     def frames(self, value: Any, name: str, dtype: str, shape: list[int], frame_bytes: int) -> list[int]:
         """A changed tensor's frame sizes: one per ``frame_bytes`` of it, each at most what zstd
-        can make of that many bytes, at least one non-zero."""
+        can make of the bytes of *its* part (the last part may be short: a 2-byte tensor's frame
+        cannot carry megabytes of padding that every replica reads), at least one non-zero."""
         size = DTYPE_SIZES[dtype] * math.prod(shape)
         count = -(-size // frame_bytes)
-        bound = frame_bytes + (frame_bytes >> 7) + 1024  # above zstd's worst case (ZSTD_compressBound)
         if (
             not isinstance(value, list)
             or len(value) != count
-            or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= bound for x in value)
+            or not all(
+                isinstance(x, int)
+                and not isinstance(x, bool)
+                and 0 <= x <= frame_bound(min(frame_bytes, size - i * frame_bytes))
+                for i, x in enumerate(value)
+            )
             or not any(value)
         ):
-            raise self._bad(name, f"{count} frame sizes (one per {frame_bytes} bytes of the tensor), not all 0", value)
+            raise self._bad(
+                name,
+                f"{count} frame sizes (one per {frame_bytes} bytes of the tensor, each at most what zstd makes of"
+                " its part), not all 0",
+                value,
+            )
         return list(value)
 
     def delta(self, value: Any) -> DeltaInfo:

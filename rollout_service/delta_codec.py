@@ -57,6 +57,10 @@ SLICE_BYTES = 1 << 20
 check and write all stay in the CPU cache, where a whole 16 MiB part would not."""
 
 
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+"""The first four bytes of a zstd frame (RFC 8878; a skippable frame has another)."""
+
+
 class FrameReader:
     """One frame decompressed slice by slice and XORed into the part it rebuilds.
 
@@ -67,6 +71,8 @@ class FrameReader:
 
     def __init__(self, frame: bytes | memoryview, n: int, *, where: str):
         self.n, self.where, self._got = n, where, 0
+        if bytes(frame[:4]) != ZSTD_MAGIC:  # (a skippable frame first would be read past)
+            raise CheckpointError("delta_corrupt", f"{where}: not a zstd frame (it does not start with zstd's magic)")
         try:
             declared = zstandard.get_frame_parameters(frame).content_size
         except zstandard.ZstdError as exc:

@@ -860,3 +860,66 @@ def test_the_chain_length_cap_holds_also_where_a_base_is_staged(
     finally:
         stage.close()
     assert err.value.reason == "broken_chain" and "longer than 1 steps" in str(err.value), err.value
+
+
+# --- what a frame may carry ------------------------------------------------------------------
+
+
+def _rewrite_a_frame(root: Path, rewrite: Callable[[bytes], bytes]) -> tuple[str, str]:
+    """Give the smallest changed tensor of step 3 the frame ``rewrite(its frame)``, its file's and
+    manifest's entries updated as a consistent attacker would; (the tensor, its delta file)."""
+    from safetensors.torch import load_file, save_file
+
+    top = _dir(root, 3)
+    data = json.loads((top / MANIFEST_NAME).read_text())
+    tensors = data["delta"]["tensors"]
+    name = min((n for n, t in tensors.items() if t.get("delta_file")), key=lambda n: sum(tensors[n]["frames"]))
+    assert len(tensors[name]["frames"]) == 1
+    fname = tensors[name]["delta_file"]
+    blobs = load_file(str(top / fname))
+    frame = rewrite(blobs[name].numpy().tobytes())
+    blobs[name] = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+    save_file(blobs, str(top / fname))
+    tensors[name]["frames"] = [len(frame)]
+    spoiled = (top / fname).read_bytes()
+    data["total_bytes"] += len(spoiled) - data["files"][fname]["size"]
+    data["files"][fname].update(size=len(spoiled), digest=_digest(spoiled))
+    (top / MANIFEST_NAME).write_text(json.dumps(data))
+    return name, fname
+
+
+def _skippable(size: int) -> bytes:
+    return struct.pack("<II", 0x184D2A50, size) + bytes(size)
+
+
+def _smallest_part(root: Path) -> int:
+    """The bytes of the part :func:`_rewrite_a_frame` rewrites (one frame: the whole tensor)."""
+    delta = Manifest.load(_dir(root, 3)).delta
+    assert delta is not None
+    name = min((n for n, t in delta.tensors.items() if t.frames), key=lambda n: sum(delta.tensors[n].frames or ()))
+    part = checkpoint_format.DTYPE_SIZES[delta.tensors[name].dtype] * int(
+        torch.tensor(delta.tensors[name].shape).prod()
+    )
+    assert part < delta.frame_bytes
+    return part
+
+
+def test_a_frame_larger_than_zstd_makes_of_its_own_part_is_refused(root: Path) -> None:
+    """The bound on a frame's size was zstd's worst case for ``frame_bytes`` (16 MiB), whatever the
+    part: a tiny tensor's frame could carry ~16 MiB of padding (a skippable frame after it) that
+    every replica reads into memory, for each changed tensor. It is now that of its own part."""
+    from rollout_service.checkpoint_format import frame_bound
+
+    part = _smallest_part(root)
+    _rewrite_a_frame(root, lambda frame: frame + _skippable(frame_bound(part) - len(frame) + 1 - 8))
+    with pytest.raises(CheckpointError) as err:
+        Manifest.load(_dir(root, 3))
+    assert err.value.reason == "bad_manifest" and "frames" in str(err.value)
+
+
+def test_a_frame_that_starts_with_a_skippable_frame_is_refused(root: Path, tmp_path: Path) -> None:
+    """One as long as the part: zstd reports its length as the frame's content size."""
+    part = _smallest_part(root)
+    _rewrite_a_frame(root, lambda frame: _skippable(part) + frame)
+    for err in build_and_materialize(root, tmp_path):
+        assert err.reason == "delta_corrupt" and "zstd's magic" in str(err), err
