@@ -46,7 +46,8 @@ from .http_urls import bindable_port, listening_sockets
 from .lora_serving import DEFAULT_MAX_RANK, DEFAULT_TARGET_MODULES, add_lora_flags, lora_from_args, module_list
 from .publish_dtypes import PUBLISHABLE_DTYPES, publishable_dtype_argument
 from .serve import STOP_SIGNALS, RestartPolicy, run_serve
-from .sglang_launcher import API_KEY_OPTIONS, SGLangServer, SGLangServerConfig, flag_value, free_port, server_url
+from .sglang_key import API_KEY_OPTIONS
+from .sglang_launcher import SGLangServer, SGLangServerConfig, flag_value, free_port, server_url
 from .shown_values import ShownLogFormatter, escape_controls
 from .sidecar.root_gate import answered_within
 from .sidecar.settings import SidecarSettings
@@ -527,6 +528,13 @@ def _cmd_liveness(args: argparse.Namespace) -> int:
     return 0 if alive else 1
 
 
+def _cmd_sglang(args: argparse.Namespace) -> int:
+    from .http_auth import check_token
+    from .sglang_container import run_sglang
+
+    return run_sglang(list(args.sglang_args or []), check_token(args.sglang_api_key, "--sglang-api-key"))
+
+
 def _cmd_sidecar(args: argparse.Namespace) -> int:
     from .sidecar.app import run_sidecar
 
@@ -904,6 +912,24 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
     add_lora_flags(p)
     p.set_defaults(func=_cmd_serve, sglang_args=[])
 
+    p = sub.add_parser(
+        "sglang",
+        help="run SGLang (as a container's command) with its API key kept secret",
+        description="Run `python -m sglang.launch_server SGLANG_ARGS` (the arguments after '--') with"
+        " --sglang-api-key (ROLLOUT_SGLANG_API_KEY) as its --api-key, given to SGLang in a file only"
+        " its user reads rather than on its command line, and SGLang's output copied with every"
+        " credential hidden (SGLang logs its arguments, key included, when it starts). Adds"
+        " `--log-level-http warning` unless SGLANG_ARGS set it. Forwards SIGTERM/SIGINT/SIGHUP to"
+        " SGLang and exits with its status. For the rollout container of the Kubernetes and"
+        " docker-compose manifests; `serve` does the same for the SGLang it starts.",
+    )
+    add_env_argument(
+        p,
+        "--sglang-api-key",
+        help="SGLang's API key (its --api-key; default none: SGLang answers anyone who reaches its port)",
+    )
+    p.set_defaults(func=_cmd_sglang, sglang_args=[])
+
     for register in extra_commands:
         register(sub, add_env_argument)
     for command in sub.choices.values():
@@ -914,8 +940,9 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
             default="INFO",
             help=f"logging level: {', '.join(LOG_LEVELS)} (also taken before the command)",
         )
-    serve = sub.choices["serve"]
-    serve.usage = serve.format_usage().removeprefix("usage: ").rstrip() + " [-- SGLANG_ARGS ...]"
+    for name in ("serve", "sglang"):
+        command = sub.choices[name]
+        command.usage = command.format_usage().removeprefix("usage: ").rstrip() + " [-- SGLANG_ARGS ...]"
     return parser
 
 
@@ -951,7 +978,7 @@ def main(argv: list[str] | None = None, extra_commands: Sequence[Registrar] = ()
     args = parser.parse_args(argv)
     if passthrough:
         if not hasattr(args, "sglang_args"):
-            parser.error("arguments after '--' are only accepted by `serve`")
+            parser.error("arguments after '--' are only accepted by `serve` and `sglang`")
         args.sglang_args = passthrough
     handler = logging.StreamHandler()
     handler.setFormatter(log_formatter())
@@ -989,7 +1016,7 @@ def log_formatter() -> logging.Formatter:
     return ShownLogFormatter(LOG_FORMAT)
 
 
-SIGNAL_HANDLING_COMMANDS = {"serve", "sidecar"}
+SIGNAL_HANDLING_COMMANDS = {"serve", "sidecar", "sglang"}
 """Commands that stop gracefully on SIGTERM themselves; for the others a SIGTERM (or a SIGHUP: a
 closed terminal or SSH session) interrupts like Ctrl-C does, so their clean-up (``finally``: a
 work folder removed, ``demo``'s ``serve`` stopped) runs instead of the process dying on the spot

@@ -402,7 +402,8 @@ def open_log(path: str | os.PathLike[str], name: str) -> int:
         raise ValueError(problem)
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+        # Its user's alone when made here: SGLang logs its arguments at start, API key included.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         if exc.errno == errno.ENXIO:  # a FIFO (or a socket's /proc link) with no reader
             raise ValueError(

@@ -41,7 +41,8 @@ from .process_group import (
     port_listeners,
     rotate_log,
 )
-from .redaction import SGLANG_CREDENTIAL_OPTIONS, shown_command, spellings
+from .redaction import shown_command, spellings
+from .sglang_key import key_off_command_line, remove_key_file
 
 logger = logging.getLogger(__name__)
 
@@ -249,8 +250,6 @@ Given again in ``extra_args`` (after ``serve --``) one would win, argparse keepi
 would listen elsewhere than `SGLangServer.url` (where the supervisor and the sidecar look) or
 serve another model than the one the sidecar checks checkpoints against."""
 
-API_KEY_OPTIONS = spellings("--api-key", SGLANG_CREDENTIAL_OPTIONS["--api-key"])
-"""SGLang's ``--api-key`` as its parser takes it."""
 
 LOG_LEVEL_HTTP_OPTIONS = spellings("--log-level-http", "--log-level-")
 """SGLang 0.5.23's ``--log-level-http`` as its parser takes it (``--log-level`` is another option)."""
@@ -536,6 +535,8 @@ class SGLangServer:
         self._keep_log = False
         """SGLang failed (an error quoted the log): the temporary log stays, and `stop()` says where."""
         self._said_kept: Path | None = None
+        self._key_file: Path | None = None
+        """The file SGLang reads its ``--api-key`` from while it runs (:mod:`~rollout_service.sglang_key`)."""
         # Last: the only thing made on disk, once every setting passed.
         self.log_path = self._new_temp_log() if config.log_path is None else Path(config.log_path)
 
@@ -681,15 +682,22 @@ class SGLangServer:
         if taken:
             raise SGLangStartError(f"SGLang was not started: {taken}; stop that process, or give serve another --port")
         rotate_log(self.log_path, LOG_ROTATE_BYTES)
-        self._group = ProcessGroup(
-            cmd,
-            self.log_path,
-            name="SGLang server",
-            env=env,
-            die_with_parent=self.config.die_with_parent,
-            log_name=_setting_flag("log_path") if not self._temp_log else "SGLang's temporary log",
-        )
-        self._group.start()
+        remove_key_file(self._key_file)
+        cmd, self._key_file = key_off_command_line(cmd)  # not on a command line every user can read
+        try:
+            self._group = ProcessGroup(
+                cmd,
+                self.log_path,
+                name="SGLang server",
+                env=env,
+                die_with_parent=self.config.die_with_parent,
+                log_name=_setting_flag("log_path") if not self._temp_log else "SGLang's temporary log",
+            )
+            self._group.start()
+        except BaseException:
+            remove_key_file(self._key_file)
+            self._key_file = None
+            raise
 
     def _track_probe(self, probe: subprocess.Popen[bytes]) -> None:
         self._probe = probe
@@ -801,6 +809,8 @@ class SGLangServer:
             self._group.stop(timeout_s)
         self._interrupted = False
         self._probe = None
+        remove_key_file(self._key_file)
+        self._key_file = None
         if self._temp_log:
             self._remove_temp_log()
 

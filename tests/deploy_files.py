@@ -376,8 +376,8 @@ def check_cli(argv: list[str], env: dict[str, str], where: str, monkeypatch: pyt
     subcommands = cli_subcommands(parser)
     argv, passthrough = split_passthrough(argv)
     command = argv[1]
-    assert not passthrough or command == "serve", (
-        f"{where}: only `rollout-service serve` takes arguments after '--', not `{command}`"
+    assert not passthrough or command in ("serve", "sglang"), (
+        f"{where}: only `rollout-service serve` and `sglang` take arguments after '--', not `{command}`"
     )
     if command not in subcommands:
         raise AssertionError(f"{where}: `rollout-service {command}` is not a command; commands: {sorted(subcommands)}")
@@ -514,3 +514,19 @@ def dockerfile_invocations() -> Iterator[tuple[str, list[str], dict[str, str]]]:
     for (dockerfile, target), stage in dockerfile_images().items():
         if stage["cmd"] and stage["cmd"][0] == "rollout-service":
             yield f"{dockerfile} {target or 'default'} CMD", stage["cmd"], {}
+
+
+def sglang_launch_argv(argv: list[str], env: dict[str, str]) -> list[str] | None:
+    """What a container's command line starts SGLang with (``python3 -m sglang.launch_server
+    ...``), with ``env`` its environment: its own, or what `rollout-service sglang -- FLAGS` runs
+    (``ROLLOUT_SGLANG_API_KEY`` as its ``--api-key``; the key then goes to SGLang in a file, see
+    ``rollout_service.sglang_key``); None for any other command."""
+    from rollout_service.sglang_container import sglang_command
+
+    if argv[:3] == ["python3", "-m", "sglang.launch_server"]:
+        return argv
+    command = rollout_service_argv(argv)
+    if command is None or command[1:2] != ["sglang"]:
+        return None
+    _, flags = split_passthrough(command)
+    return sglang_command("python3", flags, env.get("ROLLOUT_SGLANG_API_KEY"))

@@ -14,6 +14,7 @@ from deploy_files import (
     REPO,
     check_cli,
     cli_subcommands,
+    compose_environment,
     compose_invocations,
     compose_services,
     dockerfile_images,
@@ -25,6 +26,7 @@ from deploy_files import (
     load_compose,
     pod_specs,
     render_kustomization,
+    sglang_launch_argv,
 )
 from rollout_demo.cli import build_parser
 from rollout_service.cli_env import env_name
@@ -56,15 +58,20 @@ def test_sglang_and_accelerate_command_lines_parse_with_their_own_parsers():
     ServerArgs.add_cli_args(sglang_parser)
     command_lines: list[tuple[str, list[str]]] = []
     for name, service in compose_services(load_compose()).items():
-        command_lines.append((f"compose service {name}", [str(t) for t in service["command"]]))
+        argv = [str(t) for t in service["command"]]
+        command_lines.append(
+            (f"compose service {name}", sglang_launch_argv(argv, compose_environment(service)) or argv)
+        )
     for kustomization in K8S_KUSTOMIZATIONS:
         manifests = render_kustomization(kustomization)
         for workload, pod in pod_specs(manifests).items():
             for container in pod["containers"]:
+                env = k8s_env(container, manifests)
+                argv = k8s_argv(container, env)
                 command_lines.append(
                     (
                         f"{kustomization.relative_to(REPO)} {workload}/{container['name']}",
-                        k8s_argv(container, k8s_env(container, manifests)),
+                        sglang_launch_argv(argv, env) or argv,
                     )
                 )
     seen = set()
@@ -72,9 +79,11 @@ def test_sglang_and_accelerate_command_lines_parse_with_their_own_parsers():
         if argv[:3] == ["python3", "-m", "sglang.launch_server"]:
             seen.add("sglang")
             try:
-                sglang_parser.parse_args(argv[3:])
+                parsed = sglang_parser.parse_args(argv[3:])
             except (argparse.ArgumentError, SystemExit) as exc:
                 raise AssertionError(f"{where}: SGLang rejects {argv[3:]}: {exc}") from None
+            # as `serve` starts it: no access-log line per sidecar poll (~43,000 a day)
+            assert parsed.log_level_http == "warning", f"{where}: --log-level-http {parsed.log_level_http}"
         elif argv[:2] == ["accelerate", "launch"]:
             seen.add("accelerate")
             args = launch_command_parser().parse_args(argv[2:])

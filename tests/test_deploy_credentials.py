@@ -38,11 +38,13 @@ from deploy_files import (
     pod_specs,
     render_kustomization,
     rollout_service_argv,
+    sglang_launch_argv,
     split_passthrough,
     urls_in,
 )
 from rollout_service.cli import _one_sglang_api_key
 from rollout_service.cli_env import env_name
+from rollout_service.sglang_key import API_KEY_OPTIONS
 
 TOKEN_ENV = env_name("--token")  # the sidecar's --token
 SGLANG_API_KEY_ENV = env_name("--sglang-api-key")  # the sidecar's --sglang-api-key
@@ -52,7 +54,7 @@ EXAMPLE_IN_IMAGE = "/opt/rollout-service/examples/grpo_tldr_gpu.py"
 
 def _role(argv: list[str]) -> str | None:
     """What a container's command line runs: sglang, sidecar, serve (SGLang + sidecar), trainer."""
-    if argv[:3] == ["python3", "-m", "sglang.launch_server"]:
+    if sglang_launch_argv(argv, {}) is not None:
         return "sglang"
     service = rollout_service_argv(argv)
     if service is not None:
@@ -66,7 +68,7 @@ def _sglang_flags(argv: list[str], env: dict[str, str]) -> list[str]:
     """An SGLang command line, or the flags `serve` (with the environment ``env``) adds to SGLang's
     own: its passthrough after `--` and the API key it starts SGLang with."""
     if _role(argv) != "serve":
-        return argv
+        return sglang_launch_argv(argv, env) or argv
     _, passthrough = split_passthrough(argv)
     return _one_sglang_api_key(passthrough, env.get(SGLANG_API_KEY_ENV))[0]
 
@@ -122,17 +124,19 @@ def test_kubernetes_sglang_requires_a_secret_api_key_that_sidecar_and_trainer_se
     for kustomization, roles in by_kustomization.items():
         assert {"sglang", "sidecar", "trainer"} <= set(roles), f"{kustomization}: {sorted(roles)}"
         sources = {}
-        for where, container, _, argv in roles["sglang"]:
+        for where, container, env, argv in roles["sglang"]:
             raw = [str(a) for a in container["command"] + container.get("args", [])]
-            assert "--api-key" in raw, f"{where}: SGLang is started without --api-key"
-            reference = raw[raw.index("--api-key") + 1]
-            assert reference.startswith("$(") and reference.endswith(")"), (
-                f"{where}: --api-key {reference!r} must come from a Secret through an env variable, not the manifest"
+            assert not any(a.split("=", 1)[0] in API_KEY_OPTIONS for a in raw), (
+                f"{where}: SGLang's --api-key is on its command line (ps, the pod spec) and in its log:"
+                " start it with `rollout-service sglang`, the key in ROLLOUT_SGLANG_API_KEY"
             )
-            source = _env_source(container, reference[2:-1])
-            assert source and "secretKeyRef" in source, f"{where}: {reference} is not read from a Secret"
+            assert raw[:2] == ["rollout-service", "sglang"], f"{where}: {raw[:3]}"
+            source = _env_source(container, SGLANG_API_KEY_ENV)
+            assert source and "secretKeyRef" in source, f"{where}: {SGLANG_API_KEY_ENV} is not read from a Secret"
             sources[where] = source["secretKeyRef"]
-            _sglang_parses(argv[argv.index("--api-key") : argv.index("--api-key") + 2], where)
+            flags = _sglang_flags(argv, {**env, SGLANG_API_KEY_ENV: "k"})
+            assert _api_key_flag(flags, where) == "k"
+            _sglang_parses(flags[flags.index("--api-key") : flags.index("--api-key") + 2], where)
         for role in ("sidecar", "trainer"):
             for where, container, _, _ in roles[role]:
                 source = _env_source(container, SGLANG_API_KEY_ENV)
@@ -191,6 +195,9 @@ def test_compose_sglang_requires_the_api_key_that_sidecars_and_trainers_send():
             flags = _sglang_flags(argv, service_env)
             assert _api_key_flag(flags, where) == env["ROLLOUT_SGLANG_API_KEY"], (
                 f"{where}: SGLang's --api-key must be the .env variable ROLLOUT_SGLANG_API_KEY"
+            )
+            assert env["ROLLOUT_SGLANG_API_KEY"] not in " ".join(argv), (
+                f"{where}: SGLang's key is in the container's command line (docker inspect, ps)"
             )
             if _role(argv) == "serve":
                 _sglang_parses(flags, where)

@@ -114,3 +114,17 @@ def test_image_names_and_tags_agree_between_dockerfiles_compose_and_kubernetes()
                     f"{kustomization.relative_to(REPO)} {workload}/{container['name']} uses"
                     f" {container['image']}, not one of {sorted(built)}"
                 )
+
+
+def test_the_root_dockerignore_lets_in_only_what_the_per_dockerfile_ones_do():
+    """A builder that reads only the context's own .dockerignore (legacy builder, kaniko) must not
+    get .env files, .git or virtual environments into a `COPY .` layer."""
+    root = (REPO / ".dockerignore").read_text().split("\n")
+    rules = [line.strip() for line in root if line.strip() and not line.startswith("#")]
+    assert rules[0] == "*" and not any(line.startswith("!.env") or line.startswith("!.git") for line in rules)
+    allowed = {line for line in rules if line.startswith("!")}
+    per_file = set()
+    for path in sorted(DOCKER_DIR.glob("*.Dockerfile.dockerignore")):
+        per_file |= {line.strip() for line in path.read_text().splitlines() if line.startswith("!")}
+    assert allowed == per_file
+

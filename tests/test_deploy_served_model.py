@@ -33,6 +33,7 @@ from deploy_files import (
     load_compose,
     pod_specs,
     render_kustomization,
+    sglang_launch_argv,
     volume_at,
 )
 
@@ -50,7 +51,7 @@ def _is_sidecar(argv: list[str]) -> bool:
 
 
 def _is_sglang(argv: list[str]) -> bool:
-    return argv[:3] == ["python3", "-m", "sglang.launch_server"]
+    return sglang_launch_argv(argv, {}) is not None
 
 
 def _why_not_resolvable(

@@ -146,6 +146,7 @@ def _pass_ready_controller(tmp_path: Path, sglang_url: str, pass_s: float) -> Sy
     controller = SyncController(settings(tmp_path, sglang_url=sglang_url, health_interval_s=0.2))
     controller.state.sglang_healthy = True
     controller.state.sglang_seen_at = time.time()
+    controller._was_healthy, controller._last_deep = True, time.monotonic()  # as the loop's check left it
     controller._reference = {}
 
     async def long_pass() -> None:

@@ -9,7 +9,8 @@
 #
 # The default command, `rollout-service serve`, runs SGLang and its sidecar as one supervised unit
 # configured by ROLLOUT_* variables (compose's `cpu` profile runs it so); compose's `gpu` profile
-# and Kubernetes override it to run SGLang alone (`python3 -m sglang.launch_server ...`) beside
+# and Kubernetes override it to run SGLang alone (`rollout-service sglang -- ...`, which starts
+# `sglang.launch_server` with its API key kept off the command line and out of its log) beside
 # the slim sidecar image. No secrets are baked in:
 # the sidecar token comes from ROLLOUT_TOKEN at run time.
 
@@ -39,7 +40,7 @@ RUN pip install --no-deps /tmp/build/src \
  && ln -s "$(python -c 'from rollout_service.sglang_launcher import CPU_SHIMS_DIR; print(CPU_SHIMS_DIR)')" /opt/rollout-cpu-shims \
  && rm -rf /tmp/build
 # What `rollout-service serve --device cpu` sets for SGLang, set for the whole image so that
-# `python3 -m sglang.launch_server --device cpu ...` works as well (Kubernetes cpu-dev overlay).
+# `rollout-service sglang -- --device cpu ...` works as well (Kubernetes cpu-dev overlay).
 ENV SGLANG_USE_CPU_ENGINE=1 PYTHONPATH=/opt/rollout-cpu-shims
 RUN groupadd --gid ${APP_UID} rollout \
  && useradd --uid ${APP_UID} --gid ${APP_UID} --create-home --shell /usr/sbin/nologin rollout \

@@ -1,0 +1,116 @@
+"""``rollout-service sglang``: SGLang as a container's main process, its API key kept secret.
+
+The Kubernetes and docker-compose manifests used to start ``python -m sglang.launch_server ...
+--api-key KEY``: the key then stood in the container's command line (``ps``, ``docker inspect``,
+``docker compose config``) and in SGLang's first log line (``server_args={..., 'api_key':
+'KEY', ...}``), which ``kubectl logs`` / ``docker compose logs`` and every log shipper keep.
+This command starts SGLang with the key (``ROLLOUT_SGLANG_API_KEY``, or ``--api-key`` after ``--``)
+in a private config file (:mod:`~rollout_service.sglang_key`), copies SGLang's output to its own
+with every credential hidden (:func:`~rollout_service.redaction.redact_text`, the key's own value
+too), forwards SIGTERM/SIGINT/SIGHUP to SGLang, and exits with SGLang's status.
+Like ``serve`` it passes ``--log-level-http warning`` unless told another level (SGLang logs an
+access line per request at its default: the sidecar's polls alone, ~43,000 a day).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from typing import IO
+
+from .process_group import kill_me_with_parent
+from .redaction import redact_text, remember_secret
+from .sglang_key import key_off_command_line, remove_key_file, take_key
+from .sglang_launcher import HTTP_LOG_LEVEL, LOG_LEVEL_HTTP_OPTIONS
+
+log = logging.getLogger(__name__)
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+OUTPUT_DRAIN_S = 5.0
+"""How long SGLang's output is still copied once its main process exited (its children may hold
+the pipe open for good: then they are killed)."""
+
+
+def sglang_command(python: str, args: Sequence[str], key: str | None) -> list[str]:
+    """SGLang's command line: ``args`` with ``key`` as its ``--api-key`` (ValueError when ``args``
+    give another one) and a quiet HTTP log unless ``args`` set its level."""
+    rest, given = take_key(list(args))
+    if given is not None and key is not None and given != key:
+        raise ValueError(
+            "SGLang's --api-key (after --) and ROLLOUT_SGLANG_API_KEY differ: give the key once,"
+            " in ROLLOUT_SGLANG_API_KEY (the sidecar and the trainers are given the same)"
+        )
+    key = key if key is not None else given
+    quiet = (
+        [] if any(a.split("=", 1)[0] in LOG_LEVEL_HTTP_OPTIONS for a in rest) else ["--log-level-http", HTTP_LOG_LEVEL]
+    )
+    return [python, "-m", "sglang.launch_server", *quiet, *rest, *(["--api-key", key] if key else [])]
+
+
+def run_sglang(
+    args: Sequence[str], key: str | None, *, python: str = sys.executable, out: IO[str] | None = None
+) -> int:
+    """Run SGLang with ``args`` until it exits; its exit status (128 + N when killed by signal N)."""
+    out = out if out is not None else sys.stdout
+    cmd, key_file = key_off_command_line(sglang_command(python, args, key))
+    remember_secret(key if key is not None else take_key(list(args))[1])
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group, which signals reach through `_forward`
+            preexec_fn=kill_me_with_parent,  # this process killed (SIGKILL): SGLang is not left behind
+        )
+    except BaseException:
+        remove_key_file(key_file)
+        raise
+    previous = {sig: signal.signal(sig, lambda signum, frame: _forward(proc, signum)) for sig in FORWARDED_SIGNALS}
+    # (to SGLang's main process, which stops its scheduler and detokenizer itself: signalled too,
+    # they die first and SGLang then kills itself, exit 137)
+    copier = threading.Thread(target=_copy_redacted, args=(proc.stdout, out), daemon=True, name="sglang-output")
+    copier.start()
+    try:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except InterruptedError:  # pragma: no cover (PEP 475 retries)
+                continue
+        copier.join(OUTPUT_DRAIN_S)
+        _kill_group(proc)  # what SGLang left running (it holds its output open, or would be orphaned)
+        copier.join(OUTPUT_DRAIN_S)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        remove_key_file(key_file)
+    return 128 - code if code < 0 else code
+
+
+def _forward(proc: subprocess.Popen[bytes], signum: int) -> None:
+    """Send ``signum`` to SGLang's main process (once it has exited: nothing)."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL what is left of SGLang's process group, right after its leader was reaped."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _copy_redacted(source: IO[bytes] | None, out: IO[str]) -> None:
+    """Copy SGLang's output line by line, every credential hidden."""
+    if source is None:
+        return
+    for line in iter(source.readline, b""):
+        out.write(redact_text(line.decode("utf-8", errors="replace")))
+        out.flush()

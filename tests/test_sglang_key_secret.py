@@ -1,0 +1,142 @@
+"""SGLang's API key stays off command lines and out of the logs this project writes or copies.
+
+A review found the key on SGLang's command line (``ps``, ``/proc/PID/cmdline``: every user of the
+machine; ``docker inspect``), in SGLang's first log line (``server_args={... 'api_key': 'KEY' ...}``), which
+``kubectl logs`` keeps when the manifests start SGLang directly, and in ``serve --sglang-log``
+files made world-readable. Now ``serve`` (:class:`SGLangServer`) and the containers' ``rollout-service
+sglang`` hand the key to SGLang in a 0600 ``--config`` file, ``rollout-service sglang`` copies
+SGLang's output with credentials hidden, and SGLang's log files are made 0600. Real SGLang here.
+"""
+
+from __future__ import annotations
+
+import signal
+import stat
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from conftest import SERVER_EXTRA_ARGS, SERVER_HEALTH_TIMEOUT_S
+from helpers import free_port
+from rollout_service.sglang_key import key_off_command_line, take_key
+from rollout_service.sglang_launcher import SGLangServer
+from sidecar_helpers import CLIProcess
+
+KEY = "k3y-" + "s3cr3t" * 6
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--api-key", KEY], [f"--api-key={KEY}"], ["--api-ke", KEY], ["--api-key", "old", "--api-key", KEY]],
+)
+def test_the_key_is_taken_from_every_spelling_sglang_takes(args: list[str]) -> None:
+    rest, key = take_key(["--port", "1", *args, "--dtype", "float32"])
+    assert key == KEY and rest == ["--port", "1", "--dtype", "float32"]
+
+
+def test_the_key_moves_into_a_file_only_its_user_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    cmd, path = key_off_command_line(["python", "-m", "sglang.launch_server", "--api-key", KEY, "--port", "1"])
+    assert path is not None and KEY not in " ".join(cmd) and cmd[-2:] == ["--config", str(path)]
+    assert path.read_text() == f'api-key: "{KEY}"\n'
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    # A --config of the user's: SGLang takes one only, so the key stays (and the log says so).
+    given = ["python", "-m", "sglang.launch_server", "--config", "mine.yaml", "--api-key", KEY]
+    assert key_off_command_line(given) == (given, None)
+
+
+def _command_lines(root_pid: int) -> list[str]:
+    procs = [psutil.Process(root_pid), *psutil.Process(root_pid).children(recursive=True)]
+    lines = []
+    for proc in procs:
+        try:
+            lines.append(" ".join(proc.cmdline()))
+        except psutil.Error:
+            pass
+    return lines
+
+
+def _sglang_pids(root_pid: int) -> list[int]:
+    return [p.pid for p in [psutil.Process(root_pid), *psutil.Process(root_pid).children(recursive=True)]]
+
+
+def _answers_only_with_the_key(url: str) -> None:
+    assert httpx.get(f"{url}/model_info", timeout=30).status_code == 401
+    assert httpx.get(f"{url}/model_info", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).status_code == 200
+
+
+@pytest.mark.sglang
+def test_serve_starts_sglang_with_its_key_in_a_private_file(tiny_model_dir: Path, tmp_path: Path) -> None:
+    log = tmp_path / "sglang.log"
+    server = SGLangServer(
+        tiny_model_dir,
+        device="cpu",
+        python=sys.executable,
+        log_path=log,
+        extra_args=(*SERVER_EXTRA_ARGS, "--api-key", KEY),
+        die_with_parent=True,
+    )
+    server.start()
+    try:
+        server.wait_healthy(SERVER_HEALTH_TIMEOUT_S)
+        assert server.pid is not None
+        lines = _command_lines(server.pid)
+        assert lines and not any(KEY in line for line in lines), lines
+        _answers_only_with_the_key(server.url)
+        assert stat.S_IMODE(log.stat().st_mode) == 0o600  # SGLang logs its arguments, key included
+        key_file = server._key_file
+        assert key_file is not None and key_file.exists()
+    finally:
+        server.stop()
+    assert not key_file.exists() and not key_file.parent.exists()
+
+
+@pytest.mark.sglang
+def test_the_sglang_command_keeps_the_key_off_its_command_line_and_out_of_its_output(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    # The flags and environment `serve` gives SGLang on the CPU (the CPU image sets them for the
+    # container): the arguments after `--` are SGLang's own.
+    like_serve = SGLangServer(
+        tiny_model_dir, device="cpu", port=port, python=sys.executable, extra_args=SERVER_EXTRA_ARGS
+    )
+    args = like_serve.command()[3:]
+    env = {**like_serve.environment(), "ROLLOUT_SGLANG_API_KEY": KEY, "TMPDIR": str(tmp_path)}
+    like_serve.stop()  # (its temporary log only: it never started)
+    output = tmp_path / "container.log"
+    proc = CLIProcess(["sglang", "--", *args], output, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_HEALTH_TIMEOUT_S
+        while True:
+            assert proc.proc.poll() is None, proc.log_tail()
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, proc.log_tail()
+            time.sleep(1)
+        lines = _command_lines(proc.proc.pid)
+        assert len(lines) >= 2 and not any(KEY in line for line in lines), lines
+        assert any("--config" in line and "--log-level-http warning" in line for line in lines), lines
+        _answers_only_with_the_key(url)
+        [key_file] = list(tmp_path.glob("sglang-key-*/sglang-key.yaml"))
+        pids = _sglang_pids(proc.proc.pid)
+        proc.group.process.send_signal(signal.SIGTERM)  # to the command alone (a container's PID 1)
+        assert proc.proc.wait(60) == 0, proc.log_tail()
+    finally:
+        proc.kill()
+    text = output.read_text()
+    assert "server_args=" in text and "'api_key': '***'" in text, text[-3000:]  # SGLang logs it; hidden
+    assert KEY not in text
+    assert not key_file.exists() and not key_file.parent.exists()
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids)
