@@ -127,4 +127,3 @@ def test_the_root_dockerignore_lets_in_only_what_the_per_dockerfile_ones_do():
     for path in sorted(DOCKER_DIR.glob("*.Dockerfile.dockerignore")):
         per_file |= {line.strip() for line in path.read_text().splitlines() if line.startswith("!")}
     assert allowed == per_file
-

@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BeforeValidator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..checkpoint_format import RUN_ID_RE, CheckpointError
+from ..checkpoint_format import MAX_STEP, RUN_ID_RE, CheckpointError
 from ..http_auth import is_loopback_authority, is_loopback_host
 from ..http_urls import url_host
 from ..number_text import STEP_PATTERN, digits_value, plain_seconds
@@ -155,9 +155,19 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         return {"ok": True}
 
     @app.get("/readyz")
-    async def readyz() -> JSONResponse:
+    async def readyz(
+        staleness: Annotated[
+            int,
+            Query(
+                ge=0,
+                le=MAX_STEP,
+                description="also ready while serving a step at most this many older than the newest"
+                " (the trainers' max_staleness; default 0: only the newest)",
+            ),
+        ] = 0,
+    ) -> JSONResponse:
         s = controller.state
-        ready, why = controller.readiness()
+        ready, why = controller.readiness(staleness)
         body = {
             "ready": ready,
             "reason": why,

@@ -314,8 +314,13 @@ class SyncController:
                 self.state.loaded_current = False
             self.notify("wait")
 
-    def readiness(self) -> tuple[bool, str]:
-        """Whether the replica is ready *now*, and why not: computed when asked, never cached."""
+    def readiness(self, staleness: int = 0) -> tuple[bool, str]:
+        """Whether the replica is ready *now*, and why not: computed when asked, never cached.
+
+        ``staleness`` (``GET /readyz?staleness=K``): ready also while SGLang serves a step at most
+        K steps older than the newest published one, being loaded meanwhile, as a trainer with
+        ``max_staleness=K`` takes its rollouts: a Service that routes only to ready replicas then
+        keeps them all during a sync, instead of none."""
         s = self.state
         now = time.time()
         fresh = max(3 * self.settings.health_interval_s, 3.0)
@@ -332,10 +337,31 @@ class SyncController:
         if s.sglang_seen_at is None or now - s.sglang_seen_at > fresh:
             return False, f"SGLang at {self.settings.sglang_url} has not answered recently"
         if not s.ready:
+            behind = self._steps_behind()
+            if behind is not None and behind <= staleness:
+                return True, (
+                    f"serving step {s.loaded_step}, {behind} older than the newest ({s.newest_known_step}):"
+                    f" within staleness {staleness}"
+                )
             if s.loaded_step is None and s.last_error is not None:
                 return False, f"{s.last_error['reason']}: {s.last_error['message']}"
             return False, "not serving the newest valid checkpoint yet"
         return True, "serving the newest valid checkpoint"
+
+    def _steps_behind(self) -> int | None:
+        """How many steps the served step is older than the newest known valid one, while SGLang
+        answers and serves it as published; None when it serves nothing (or nothing newer is known)."""
+        s = self.state
+        if (
+            not s.sglang_healthy
+            or s.fatal is not None
+            or s.loaded_step is None
+            or not s.loaded_current
+            or s.newest_known_step is None
+            or s.newest_known_step <= s.loaded_step
+        ):
+            return None
+        return s.newest_known_step - s.loaded_step
 
     def request_checkpoint(self, checkpoint: str) -> Path:
         """Confine a client-named checkpoint to the root, check it names a step, and wake the loop.
