@@ -13,6 +13,7 @@ which :func:`cleanup_stale_temp_dirs` removes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -573,7 +574,12 @@ def atomic_step_dir(root: Path | str, step: int) -> Iterator[Path]:
         fsync_dir(tmp)
         if os.path.lexists(final):
             raise FileExistsError(f"{final} was published by another writer meanwhile")
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except OSError as exc:  # a folder there after all (a network file system's cached "absent")
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise FileExistsError(f"{final} was published by another writer meanwhile") from None
+            raise
     except BaseException:
         try:  # whatever was written into the hidden folder meanwhile, however deep
             remove_tree(tmp)

@@ -27,9 +27,9 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import asdict, astuple, dataclass, fields
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 import numpy as np
 
@@ -115,7 +115,7 @@ def resolve_chain(
     cur = link
     top = link.manifest.delta
     top_layout = _layout(top) if top is not None else []
-    frames_held = tensors_held = text_held = names_held = 0
+    load = ChainLoad()
     while cur.manifest.kind == "delta":
         delta = cur.manifest.delta
         assert delta is not None and top is not None
@@ -130,52 +130,15 @@ def resolve_chain(
                 " its weights until the next full step",
             )
         deltas.insert(0, cur)
-        if len(deltas) > MAX_CHAIN_LENGTH:
-            raise CheckpointError(
-                "broken_chain", f"{link.path.name}: the delta chain is longer than {MAX_CHAIN_LENGTH} steps"
-            )
-        frames_held += sum(len(t.frames or ()) for t in delta.tensors.values())
-        if frames_held > MAX_CHAIN_FRAMES:
-            raise CheckpointError(
-                "broken_chain",
-                f"{link.path.name}: the manifests of its delta chain list more than {MAX_CHAIN_FRAMES} frames"
-                f" ({len(deltas)} steps so far, {delta.frame_bytes}-byte frames): publish full steps more"
-                " often (checkpoint_full_every) or larger frames; the replica keeps its weights until the"
-                " next full step",
-            )
-        text_held += len(json.dumps([cur.manifest.writer, cur.manifest.extra]))
-        if text_held > MAX_CHAIN_FREE_TEXT:
-            raise CheckpointError(
-                "broken_chain",
-                f"{link.path.name}: the manifests of its delta chain hold more than {MAX_CHAIN_FREE_TEXT} characters"
-                f" of writer and extra data ({len(deltas)} steps so far); the replica keeps its weights until the"
-                " next full step",
-            )
-        names_held += sum(len(n) + len(t.shard) + len(t.delta_file or "") for n, t in delta.tensors.items())
-        if names_held > MAX_CHAIN_NAME_CHARS:
-            raise CheckpointError(
-                "broken_chain",
-                f"{link.path.name}: the manifests of its delta chain hold more than {MAX_CHAIN_NAME_CHARS} characters"
-                f" of tensor and file names ({len(deltas)} steps so far): publish full steps more often"
-                " (checkpoint_full_every); the replica keeps its weights until the next full step",
-            )
-        tensors_held += len(delta.tensors)
-        if tensors_held > MAX_CHAIN_TENSORS:
-            raise CheckpointError(
-                "broken_chain",
-                f"{link.path.name}: the manifests of its delta chain list more than {MAX_CHAIN_TENSORS} tensor"
-                f" entries ({len(deltas)} steps so far, {len(delta.tensors)} tensors each): publish full steps"
-                " more often (checkpoint_full_every); the replica keeps its weights until the next full step",
-            )
+        load = load.plus(cur.manifest)
+        load.check(link.path.name, delta.frame_bytes)
         if find_staged is not None:
             staged = find_staged(delta.base_step, delta.base_fingerprint)
             held = None if staged is None else staged_chain(staged[1])
-            if staged is not None and (
-                held is None or held[0] != top.chain_start or held[1] + len(deltas) > MAX_CHAIN_LENGTH
-            ):
+            if staged is not None and (held is None or held[0] != top.chain_start or not held[1].add(load).within()):
                 # A copy rebuilt in another chain (the step says another full step starts it), or
-                # whose chain would grow past the cap: the walk through the root decides, as it
-                # does for a replica without that copy (every replica gives the step one verdict).
+                # whose chain would pass a cap with this step: the walk through the root decides,
+                # as it does for a replica without that copy (every replica gives one verdict).
                 staged = None
             if staged is not None:
                 if staged[1].run_id != cur.manifest.run_id:  # as a base read from the root is checked
@@ -229,21 +192,100 @@ def resolve_chain(
     return Chain(cur, False, deltas)
 
 
-def staged_chain(copy: Manifest) -> tuple[int, int] | None:
-    """(the full step its chain starts at, the deltas applied since) of a verified full copy:
-    ``(its step, 0)`` for a copy of a full step; what :func:`reconstruct` recorded for one rebuilt
-    from a delta; None when a rebuilt copy does not say (then it starts no walk)."""
+@dataclass(frozen=True)
+class ChainLoad:
+    """What the manifests of a chain's deltas hold in all, each bounded (``MAX_CHAIN_*``): a
+    reader holds every link's manifest until the chain is applied. A copy rebuilt from a delta
+    records its chain's (:func:`reconstruct`), so that a walk ending at it counts the whole chain
+    from its full step, as a walk through the root does."""
+
+    links: int = 0
+    frames: int = 0
+    tensors: int = 0
+    names: int = 0
+    """Characters of tensor, shard and delta file names."""
+    text: int = 0
+    """Characters of free-form JSON (``writer``, ``extra``)."""
+
+    def plus(self, manifest: Manifest) -> ChainLoad:
+        """This load with the delta ``manifest``'s added."""
+        delta = manifest.delta
+        assert delta is not None
+        return self.add(
+            ChainLoad(
+                1,
+                sum(len(t.frames or ()) for t in delta.tensors.values()),
+                len(delta.tensors),
+                sum(len(n) + len(t.shard) + len(t.delta_file or "") for n, t in delta.tensors.items()),
+                len(json.dumps([manifest.writer, manifest.extra])),
+            )
+        )
+
+    def add(self, other: ChainLoad) -> ChainLoad:
+        return ChainLoad(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def within(self) -> bool:
+        """Whether no cap is passed."""
+        caps = (MAX_CHAIN_LENGTH, MAX_CHAIN_FRAMES, MAX_CHAIN_TENSORS, MAX_CHAIN_NAME_CHARS, MAX_CHAIN_FREE_TEXT)
+        return all(n <= cap for n, cap in zip(astuple(self), caps, strict=True))
+
+    def check(self, name: str, frame_bytes: int) -> None:
+        """Raise ``CheckpointError('broken_chain')`` naming the first cap passed (``name``: the
+        step whose chain this is)."""
+        keeps = "the replica keeps its weights until the next full step"
+        more_often = "publish full steps more often (checkpoint_full_every)"
+        so_far = f"{self.links} steps so far"
+        if self.links > MAX_CHAIN_LENGTH:
+            why = f"the delta chain is longer than {MAX_CHAIN_LENGTH} steps"
+        elif self.frames > MAX_CHAIN_FRAMES:
+            why = (
+                f"the manifests of its delta chain list more than {MAX_CHAIN_FRAMES} frames ({so_far},"
+                f" {frame_bytes}-byte frames): {more_often} or larger frames; {keeps}"
+            )
+        elif self.text > MAX_CHAIN_FREE_TEXT:
+            why = (
+                f"the manifests of its delta chain hold more than {MAX_CHAIN_FREE_TEXT} characters of writer and"
+                f" extra data ({so_far}); {keeps}"
+            )
+        elif self.names > MAX_CHAIN_NAME_CHARS:
+            why = (
+                f"the manifests of its delta chain hold more than {MAX_CHAIN_NAME_CHARS} characters of tensor and"
+                f" file names ({so_far}): {more_often}; {keeps}"
+            )
+        elif self.tensors > MAX_CHAIN_TENSORS:
+            why = (
+                f"the manifests of its delta chain list more than {MAX_CHAIN_TENSORS} tensor entries ({so_far}):"
+                f" {more_often}; {keeps}"
+            )
+        else:
+            return
+        raise CheckpointError("broken_chain", f"{name}: {why}")
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, value: Any) -> ChainLoad | None:
+        """The load a rebuilt copy's manifest recorded; None when it is not one (any other shape)."""
+        if not isinstance(value, dict) or set(value) != {f.name for f in fields(cls)}:
+            return None
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value.values()):
+            return None
+        return cls(**value)
+
+
+def staged_chain(copy: Manifest) -> tuple[int, ChainLoad] | None:
+    """(the full step its chain starts at, the load of the deltas applied since) of a verified
+    full copy: ``(its step, nothing)`` for a copy of a full step; what :func:`reconstruct`
+    recorded for one rebuilt from a delta; None when a rebuilt copy does not say (then it starts
+    no walk)."""
     source = copy.extra.get("reconstructed_from")
     if not isinstance(source, dict) or source.get("kind") != "delta":
-        return copy.step, 0
-    start, length = source.get("chain_start"), source.get("chain_length")
-    if not (_count(start) and _count(length)):
+        return copy.step, ChainLoad()
+    start, load = source.get("chain_start"), ChainLoad.from_json(source.get("chain_load"))
+    if isinstance(start, bool) or not isinstance(start, int) or load is None:
         return None
-    return start, length
-
-
-def _count(value: Any) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return start, load
 
 
 def _layout(delta: DeltaInfo) -> list[tuple[str, str, str, list[int]]]:
@@ -336,7 +378,9 @@ def reconstruct(
                 "fingerprint": manifest.fingerprint(),
                 "kind": "delta",
                 "chain_start": delta.chain_start,
-                "chain_length": (staged_chain(base.manifest) or (delta.chain_start, 0))[1] + 1,
+                "chain_load": (staged_chain(base.manifest) or (delta.chain_start, ChainLoad()))[1]
+                .plus(manifest)
+                .to_json(),
             }
         },
     )

@@ -412,9 +412,12 @@ def open_log(path: str | os.PathLike[str], name: str) -> int:
             ) from None
         raise ValueError(f"cannot open {name} {path} to append to it: {exc.strerror or exc}") from None
     try:
-        kind = _not_a_log(os.fstat(fd).st_mode)
+        st = os.fstat(fd)
+        kind = _not_a_log(st.st_mode)
         if kind:  # replaced between the look and the open
             raise ValueError(f"{name} {path} is {kind}: name a file")
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077:
+            os.fchmod(fd, 0o600)  # one made before (by an older release, by hand): SGLang logs its key
         os.set_blocking(fd, True)  # the child writes its output as to any file: waiting when a pipe is full
     except BaseException:
         os.close(fd)

@@ -1,8 +1,8 @@
 """``rollout-service sglang``: SGLang as a container's main process, its API key kept secret.
 
 The Kubernetes and docker-compose manifests used to start ``python -m sglang.launch_server ...
---api-key KEY``: the key then stood in the container's command line (``ps``, ``docker inspect``,
-``docker compose config``) and in SGLang's first log line (``server_args={..., 'api_key':
+--api-key KEY``: the key then stood in the container's command line (``ps`` on the node, the pod
+spec) and in SGLang's first log line (``server_args={..., 'api_key':
 'KEY', ...}``), which ``kubectl logs`` / ``docker compose logs`` and every log shipper keep.
 This command starts SGLang with the key (``ROLLOUT_SGLANG_API_KEY``, or ``--api-key`` after ``--``)
 in a private config file (:mod:`~rollout_service.sglang_key`), copies SGLang's output to its own

@@ -1,7 +1,7 @@
 """SGLang's API key kept off command lines: handed to SGLang in a file only its user reads.
 
 SGLang 0.5.23 takes its key as ``--api-key KEY``, where every user of the machine (``ps``,
-``/proc/PID/cmdline``), ``docker inspect`` and anyone who can read the process list sees it. It
+``/proc/PID/cmdline``) and anyone who can read the process list sees it. It
 also reads a YAML ``--config`` file (its values count under the command line's), so the launchers
 (``serve``'s :class:`~rollout_service.sglang_launcher.SGLangServer`, the containers' ``rollout-service
 sglang``) take ``--api-key`` out of SGLang's arguments and put it into such a file: mode 0600, in a
@@ -68,7 +68,9 @@ def write_key_file(key: str) -> Path:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(f"api-key: {json.dumps(key)}\n")  # a JSON string is a YAML double-quoted scalar
+            # A JSON string is a YAML double-quoted scalar (as is, not as \u escapes: YAML reads a
+            # surrogate pair as two characters)
+            f.write(f"api-key: {json.dumps(key, ensure_ascii=False)}\n")
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -86,6 +88,12 @@ def key_off_command_line(cmd: list[str]) -> tuple[list[str], Path | None]:
     file (None when ``cmd`` gives no key, or gives its own ``--config``: then it is unchanged)."""
     rest, key = take_key(cmd)
     if key is None:
+        return cmd, None
+    if key.startswith("-"):  # SGLang's config merger hands it on as `--api-key -...`: its parser refuses that
+        log.warning(
+            "SGLang's --api-key stays on its command line (visible to every user of this machine): a key"
+            " starting with '-' cannot go through its --config file; choose a key that does not"
+        )
         return cmd, None
     if has_config(rest):
         log.warning(

@@ -67,8 +67,8 @@ def test_real_sglang_restarted_with_a_smaller_context_gets_capped_requests(
         try:
             (second,) = endpoints.generate([prompt], params, want_logprobs=True, deadline=time.monotonic() + 300)
             assert 0 < len(second[0].token_ids) <= 16, len(second[0].token_ids)
-            # A prompt that alone fills the new context is SGLang's own refusal, sent once more only
-            # if the limits changed again (they did not).
+            # A prompt that alone fills the new context is refused before it is sent (the limits
+            # read again first: they did not change).
             with pytest.raises(SGLangRequestError, match="context length"):
                 endpoints.generate([prompt + prompt], params, want_logprobs=False, deadline=time.monotonic() + 300)
         finally:
@@ -98,3 +98,56 @@ def test_a_context_refusal_with_unchanged_limits_is_sent_once(servers: list[Cann
             )
     assert len(server.generate_requests) == 1
     assert [path for _, path, _ in server.requests].count("/v1/models") == 2  # read again after the refusal
+
+
+def _server_whose_limits_change(servers: list[CannedServer], infos: list[dict[str, Any]], refusal: str | None):
+    """A scripted server (``fake_sglang.CannedServer``) that states the limits ``infos`` in turn
+    (the last from then on), refuses the first /generate with ``refusal`` (if given), answers the rest."""
+    from fake_sglang import canned_answer
+
+    reads: list[int] = []
+
+    def handler(path: str, body: Any, count: int) -> Any:
+        if path == "/v1/models":
+            return canned_reply(200, {"data": [{"id": "m", "max_model_len": 8192}]})
+        if path == "/server_info":
+            reads.append(count)
+            return canned_reply(200, infos[min(len(reads), len(infos)) - 1])
+        if path == "/generate":
+            if refusal is not None and len(server.generate_requests) == 1:
+                return canned_reply(400, {"object": "error", "message": refusal})
+            return canned_reply(200, canned_answer(body))
+        return None
+
+    server = CannedServer(handler)
+    servers.append(server)
+    return server, reads
+
+
+def test_limits_that_grew_are_read_again_before_a_prompt_is_refused(servers: list[CannedServer]) -> None:
+    """SGLang restarted with a larger KV pool (its max_req_input_len grew) and no request failed:
+    a prompt the old limits refused is sent, not refused from limits read before the restart."""
+    server, reads = _server_whose_limits_change(servers, [{"max_req_input_len": 58}, {"max_req_input_len": 4090}], None)
+    with closing(SGLangEndpoints([server.url], request_timeout_s=10)) as endpoints:
+        endpoints.generate(
+            [[2] * 10], {"n": 1, "max_new_tokens": 8}, want_logprobs=False, deadline=time.monotonic() + 10
+        )
+        endpoints.generate(
+            [[2] * 100], {"n": 1, "max_new_tokens": 8}, want_logprobs=False, deadline=time.monotonic() + 10
+        )
+    assert len(reads) == 2 and len(server.generate_requests) == 2
+
+
+def test_an_input_refused_by_the_scheduler_makes_the_limits_read_again(servers: list[CannedServer]) -> None:
+    """SGLang's scheduler says "exceeds the maximum allowed length" (its max_req_input_len shrank,
+    the context did not): the limits are read again and the prompt refused here, naming it."""
+    refusal = "Input length (60 tokens) exceeds the maximum allowed length (58 tokens). Use a shorter input"
+    server, reads = _server_whose_limits_change(
+        servers, [{"max_req_input_len": 4090}, {"max_req_input_len": 58}], refusal
+    )
+    with closing(SGLangEndpoints([server.url], request_timeout_s=10)) as endpoints:
+        with pytest.raises(SGLangRequestError, match="prompt 0 is 60 tokens long"):
+            endpoints.generate(
+                [[2] * 60], {"n": 1, "max_new_tokens": 8}, want_logprobs=False, deadline=time.monotonic() + 10
+            )
+    assert len(reads) == 2 and len(server.generate_requests) == 1

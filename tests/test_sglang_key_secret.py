@@ -10,6 +10,7 @@ SGLang's output with credentials hidden, and SGLang's log files are made 0600. R
 
 from __future__ import annotations
 
+import os
 import signal
 import stat
 import sys
@@ -22,7 +23,7 @@ import pytest
 
 from conftest import SERVER_EXTRA_ARGS, SERVER_HEALTH_TIMEOUT_S
 from helpers import free_port
-from rollout_service.sglang_key import key_off_command_line, take_key
+from rollout_service.sglang_key import key_off_command_line, remove_key_file, take_key
 from rollout_service.sglang_launcher import SGLangServer
 from sidecar_helpers import CLIProcess
 
@@ -50,6 +51,36 @@ def test_the_key_moves_into_a_file_only_its_user_reads(tmp_path: Path, monkeypat
     # A --config of the user's: SGLang takes one only, so the key stays (and the log says so).
     given = ["python", "-m", "sglang.launch_server", "--config", "mine.yaml", "--api-key", KEY]
     assert key_off_command_line(given) == (given, None)
+
+
+@pytest.mark.parametrize("key", ["a: b #c", "k\u00e9y-\U0001f600-" + "x" * 40, "true", 'q"uo\\te'])
+def test_sglang_reads_back_exactly_the_key_written(tmp_path: Path, key: str) -> None:
+    """Through SGLang 0.5.23's own argument parsing (its --config merger, then argparse)."""
+    from sglang.srt.server_args import prepare_server_args
+
+    cmd, path = key_off_command_line(["--model-path", "m", "--api-key", key])
+    try:
+        assert prepare_server_args(cmd).api_key == key
+    finally:
+        remove_key_file(path)
+
+
+def test_a_key_starting_with_a_dash_stays_on_the_command_line(caplog: pytest.LogCaptureFixture) -> None:
+    """SGLang's config merger would hand it on as `--api-key -...`, which its parser refuses."""
+    given = ["python", "-m", "sglang.launch_server", "--api-key=-dash-key-" + "x" * 20]
+    assert key_off_command_line(given) == (given, None)
+    assert "starting with '-'" in caplog.text
+
+
+def test_an_existing_log_file_others_could_read_is_made_its_users_alone(tmp_path: Path) -> None:
+    """A log made before (an older release, by hand) kept its mode, and SGLang writes its key there."""
+    from rollout_service.process_group import open_log
+
+    log = tmp_path / "sglang.log"
+    log.write_text("old\n")
+    log.chmod(0o644)
+    os.close(open_log(log, "--sglang-log"))
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600 and log.read_text() == "old\n"
 
 
 def _command_lines(root_pid: int) -> list[str]:

@@ -173,6 +173,35 @@ def test_the_watch_does_not_ask_health_during_the_load_call(tmp_path: Path) -> N
     assert c.state.sglang_healthy
 
 
+def test_a_health_check_caught_behind_a_load_call_is_not_silence(tmp_path: Path) -> None:
+    """The watch asks /health only while no load call is in flight, but a load can start while
+    /health is on its way: SGLang then answers /health after the load (or the call times out),
+    which said nothing about SGLang's health and counted it silent, unready, mid-load."""
+    root, c, sglang = serving_step_1(tmp_path, deep_health_interval_s=0.05)
+    sglang.health_waits_on_loads = True
+
+    async def slow_load(path: str, version: str) -> None:
+        if version == "2":
+            await asyncio.sleep(1.0)
+
+    sglang.load_hook = slow_load
+    silent: list[float] = []
+    real = c._sglang_silent
+
+    def counted(was_healthy: bool) -> None:
+        silent.append(time.monotonic())
+        real(was_healthy)
+
+    c._sglang_silent = counted  # type: ignore[method-assign]
+
+    async def during() -> None:
+        await step_2_staging(root, c)
+        await until(lambda: c.serves(2), 20)
+
+    run_with(c, during)
+    assert silent == [], "SGLang counted silent because /health waited on a load"
+
+
 def test_one_lost_answer_during_a_pass_does_not_leave_the_replica_unready_for_the_rest_of_it(tmp_path: Path) -> None:
     """SGLang misses a few /model_info answers (a busy CPU) and answers again on the same weights:
     the replica is ready again at once and a /wait for the served step answers, not only once

@@ -61,12 +61,18 @@ class FakeSGLang:
         self.hung = False
         """Its scheduler hangs: ``/health`` (a deep view) is not answered, ``/model_info`` is."""
         self.deep_views_while_loading = 0
+        self.health_waits_on_loads = False
         self.loading = False
         self.load_hook: Callable[[str, str], Awaitable[None]] | None = None
 
     async def view(self, deep: bool = False) -> ServerView:
         if deep and self.loading:
             self.deep_views_while_loading += 1
+        if deep and self.health_waits_on_loads:  # /health queued behind a load call that starts now
+            loads = len(self.loads)
+            await asyncio.sleep(0.3)
+            if self.loading or len(self.loads) != loads:
+                return ServerView(False)  # it timed out waiting on the load
         if deep and self.hung:
             return ServerView(False)
         if self.unanswered_views:

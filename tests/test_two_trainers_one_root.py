@@ -85,6 +85,34 @@ def test_an_unreadable_newer_manifest_does_not_stop_the_run(tmp_path: Path) -> N
         publisher.close()
 
 
+def test_a_step_published_between_the_last_look_and_the_rename_is_another_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rename onto a folder another run published meanwhile fails with ENOTEMPTY, not
+    EEXIST (the looks before it said the name was free: a network file system's cached absence);
+    it said "check the storage"."""
+    from rollout_service import checkpoint_writer
+
+    root = tmp_path / "root"
+    first, second = _publisher(root), _publisher(root)
+    try:
+        model = Model(lr=1e-3)
+        first.publish_and_wait(first.next_version(), model.tensors())
+        version = first.next_version()
+        second.publish_and_wait(second.next_version(), model.tensors())  # the other run takes it
+        taken = str(root / step_dir_name(version))
+        lexists, published = checkpoint_writer.os.path.lexists, checkpoint_writer.is_published_dir
+        monkeypatch.setattr(checkpoint_writer.os.path, "lexists", lambda p: str(p) != taken and lexists(p))
+        monkeypatch.setattr(checkpoint_writer, "is_published_dir", lambda p: None if str(p) == taken else published(p))
+        with pytest.raises(RuntimeError, match="two trainers are publishing") as err:
+            first.publish_and_wait(version, model.tensors())
+        assert second.run_id in str(err.value)
+        assert Manifest.load(root / step_dir_name(version)).run_id == second.run_id
+    finally:
+        first.close()
+        second.close()
+
+
 @pytest.mark.parametrize("cached", [True, False])
 def test_two_trainers_on_two_hosts_of_a_network_file_system(tmp_path: Path, cached: bool) -> None:
     """One trainer writes through an sshfs mount, the other on the server's disk (another host).

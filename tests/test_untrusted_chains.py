@@ -846,6 +846,42 @@ def test_a_chain_must_start_at_a_full_step(root: Path, tmp_path: Path, monkeypat
         assert e.reason == "broken_chain" and "is an adapter step, not a full one" in str(e), e
 
 
+@pytest.mark.parametrize(
+    "cap", ["MAX_CHAIN_TENSORS", "MAX_CHAIN_FRAMES", "MAX_CHAIN_NAME_CHARS", "MAX_CHAIN_FREE_TEXT"]
+)
+def test_every_chain_cap_counts_the_whole_chain_also_where_a_base_is_staged(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cap: str
+) -> None:
+    """A staged copy records what its chain's manifests held, so a walk ending at it counts from
+    the full step for every cap, as a late joiner's walk does (there: each cap lowered to what one
+    delta's manifest holds, so step 2 passes and step 3 does not)."""
+    from rollout_service.delta_apply import ChainLoad
+
+    one = ChainLoad().plus(Manifest.load(_dir(root, 2)))
+    per_link = {
+        "MAX_CHAIN_TENSORS": one.tensors,
+        "MAX_CHAIN_FRAMES": one.frames,
+        "MAX_CHAIN_NAME_CHARS": one.names,
+        "MAX_CHAIN_FREE_TEXT": one.text,
+    }[cap]
+    stage = Stage(tmp_path / "stage-following")
+    try:
+        _follow(stage, root, (1, 2))
+        monkeypatch.setattr(delta_apply, cap, per_link + per_link // 2)
+        with pytest.raises(CheckpointError) as following:
+            _follow(stage, root, (3,))
+    finally:
+        stage.close()
+    late = Stage(tmp_path / "stage-late")
+    try:
+        with pytest.raises(CheckpointError) as joiner:
+            _follow(late, root, (3,))
+    finally:
+        late.close()
+    assert following.value.reason == joiner.value.reason == "broken_chain"
+    assert str(following.value) == str(joiner.value)
+
+
 def test_the_chain_length_cap_holds_also_where_a_base_is_staged(
     root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -110,9 +110,14 @@ class _ContextRefused(SGLangRequestError):
     """SGLang refused the request as longer than its context (a 400 of its length check)."""
 
 
-CONTEXT_REFUSALS = ("exceeds the model's maximum context length", "is longer than the model's context length")
+CONTEXT_REFUSALS = (
+    "exceeds the model's maximum context length",
+    "is longer than the model's context length",
+    "exceeds the maximum allowed length",
+)
 """What SGLang 0.5.23's 400 says when a prompt (+ ``max_new_tokens``) does not fit its context
-(``TokenizerManager._validate_one_request``)."""
+(``TokenizerManager._validate_one_request``), or an input its scheduler's ``max_req_input_len``
+(``validate_input_length``)."""
 
 
 class SGLangPoisonRequestError(RuntimeError):
@@ -521,23 +526,24 @@ class SGLangEndpoints:
             max_new_tokens = None
         else:  # a prompt near the context length gets fewer new tokens, not a 400 for the batch
             limits = self._context_limits(client, url)
-            payload["sampling_params"] = _capped(
-                url, sampling_params, input_ids, limits, rescoring=rescore and want_logprobs
-            )
         tokens = len(input_ids) * n * (UNKNOWN_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens)
-        try:
-            data = self._request(client, url, payload, tokens=tokens)
-        except _ContextRefused:
-            # Limits read before a restart with a smaller context (no failed request in between
-            # told this trainer): read again, and send once more if they changed.
-            fresh = self._context_limits(client, url, forget=True) if limits is not None else None
-            if fresh is None or fresh == limits:
-                raise
-            log.warning("SGLang at %s has other length limits than it had (restarted?): %s", url, fresh)
-            payload["sampling_params"] = _capped(
-                url, sampling_params, input_ids, fresh, rescoring=rescore and want_logprobs
-            )
-            data = self._request(client, url, payload, tokens=tokens)
+        for retried in (False, True):
+            try:
+                if max_new_tokens is not None:
+                    payload["sampling_params"] = _capped(
+                        url, sampling_params, input_ids, limits, rescoring=rescore and want_logprobs
+                    )
+                data = self._request(client, url, payload, tokens=tokens)
+                break
+            except _ContextRefused:
+                # Limits read before SGLang restarted with others (no failed request in between
+                # told this trainer; smaller: its 400, larger: refused here): read again, and send
+                # once more if they changed.
+                fresh = None if retried or limits is None else self._context_limits(client, url, forget=True)
+                if fresh is None or fresh == limits:
+                    raise
+                log.warning("SGLang at %s has other length limits than it had (restarted?): %s", url, fresh)
+                limits = fresh
         groups = parse_generate_response(
             data,
             num_prompts=len(input_ids),
@@ -948,7 +954,7 @@ def _capped(
     try:
         caps = limits.caps([len(p) for p in input_ids], max_new_tokens, rescoring=rescoring)
     except PromptTooLong as exc:
-        raise SGLangRequestError(
+        raise _ContextRefused(
             f"SGLang at {url} cannot take this batch: {exc}. Shorten the prompts (GRPOConfig"
             " max_prompt_length; in a tool loop, fewer turns), or start SGLang with a larger --context-length"
         ) from None

@@ -173,6 +173,8 @@ class SyncController:
         never lands after a newer one."""
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._last_deep = 0.0
+        self._loads_started = 0
+        """Load calls started (:meth:`sglang_loading`): a /health asked meanwhile waited on one."""
         self._stopping = False
         self._was_healthy = False
         self._logged_errors: set[str] = set()
@@ -791,10 +793,13 @@ class SyncController:
                 await asyncio.wait_for(done.wait(), self.settings.health_interval_s)
             if done.is_set():
                 return
+            loads = self._loads_started
             view, deep = await self._view(loading=self.state.sglang_loading_step is not None)
             if done.is_set():
                 return
             s = self.state
+            if not view.healthy and deep and (s.sglang_loading_step is not None or self._loads_started != loads):
+                continue  # the load call started while /health was asked: /health waited on it
             if not view.healthy:
                 self._sglang_silent(s.sglang_healthy)
                 self._not_serving()  # (and the ack file says so at once)
@@ -1113,6 +1118,7 @@ class SyncController:
         liveness probe counts SGLang alive then, not while the step is validated or staged (an
         SGLang that dies or hangs meanwhile would go unrestarted for ``--validate-timeout``)."""
         self.state.sglang_loading_step = step
+        self._loads_started += 1
         try:
             yield
         finally:
