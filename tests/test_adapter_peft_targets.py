@@ -123,3 +123,19 @@ def test_target_modules_are_checked_as_sglang_checks_them_by_fused_layer(served:
     assert adapter_support_problem(config, limits) is None
     fewer = LoraLimits(enabled=True, max_rank=16, target_modules=frozenset({"o_proj"}))
     assert "not among the server's --lora-target-modules" in str(adapter_support_problem(config, fewer))
+
+
+@pytest.mark.parametrize("fsdp_version", [1, 2])
+def test_an_fsdp_run_is_judged_sharded_before_prepare_shards_it(
+    tiny_model_dir: Path, lora_server_info: CannedServer, fsdp_version: int
+) -> None:
+    """Adapter sync is chosen when the trainer is built, before ``accelerator.prepare`` wraps or
+    shards the model: the modules showed nothing, adapter sync was chosen, and the first sync
+    failed on the sharded adapter (FSDP2: ".numpy() is not supported for tensor subclasses").
+    accelerate's FSDP plugin says it will be sharded."""
+    model = peft_model(tiny_model_dir, target_modules=["q_proj", "v_proj"])
+    plugin = types.SimpleNamespace(fsdp_version=fsdp_version)
+    accelerator = types.SimpleNamespace(state=types.SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=plugin))
+    problem = adapter_sync_problem(model, accelerator, [lora_server_info.url], None)
+    assert problem is not None and "sharded" in problem and "FSDP" in problem
+    assert adapter_sync_problem(model, None, [lora_server_info.url], None) is None  # unsharded: adapter sync

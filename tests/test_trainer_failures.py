@@ -126,3 +126,35 @@ def test_stale_answers_fail_after_sync_timeout(tiny_model_dir: Path, tmp_path: P
         r"version 1 and max_staleness=0 requires version >= 1",
     ):
         trainer.train()
+
+
+def test_the_weights_are_gathered_from_the_model_train_wrapped(
+    tiny_model_dir: Path, tmp_path: Path, fake: FakeRollout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRL hands the backend the model before ``accelerator.prepare``; ``train()`` then wraps it
+    (transformers' ``model_wrapped``: FSDP's root unit, the DeepSpeed engine, DDP). Under FSDP1 the
+    pre-prepare object is the module inside the root unit, whose flat parameter holds the
+    embeddings, final norm and head: gathered from there, the checkpoint lacked them and every
+    sidecar refused it (tests/scripts/fsdp1_gather.py gathers from the root as this does now)."""
+    import torch
+
+    from trainer_hooks import sglang_generation
+
+    trainer = make_trainer(tiny_model_dir, make_config(tmp_path, tmp_path, [fake.url], [fake.url], sync_timeout=2))
+    backend = trainer.vllm_generation
+    assert backend.model_source() is trainer.model_wrapped
+    wrapped = torch.nn.Module()  # stands in for the root FSDP unit `train()` makes
+    trainer.model_wrapped = wrapped
+    gathered: list[object] = []
+
+    class Gathered(Exception):
+        pass
+
+    def record(model: object, accelerator: object) -> None:
+        gathered.append(model)
+        raise Gathered
+
+    monkeypatch.setattr(sglang_generation, "iter_full_weights", record)
+    with pytest.raises(Gathered):
+        backend.sync_weights()
+    assert gathered == [wrapped]

@@ -91,8 +91,10 @@ def adapter_sync_problem(
     config = peft_adapter_config(model)
     if config is None:
         return "the model is not a PEFT LoRA model"
+    backend = distributed_backend(accelerator)
     if (
-        distributed_backend(accelerator).is_zero3
+        backend.is_zero3
+        or backend.is_fsdp  # judged before `prepare` shards the model: the plugin says it will be
         or is_fsdp1(model)
         or any(hasattr(p, "full_tensor") for p in model.parameters())
     ):

@@ -139,6 +139,11 @@ class SGLangGeneration:
                 "trainer_hooks.build_sglang_generation(...)"
             )
         self.model = model
+        self.model_source: Callable[[], Any] | None = None
+        """The trainer's current model, set by the trainer after TRL built this backend: ``model``
+        is the one TRL had before ``accelerator.prepare`` wrapped it, which under FSDP1 is the
+        module inside the root FSDP unit, whose flat parameter holds the weights no inner unit owns
+        (embeddings, final norm, head): gathered from there, they were missing."""
         self.accelerator = accelerator
         self.processing_class = processing_class
         self.publisher = publisher
@@ -198,7 +203,7 @@ class SGLangGeneration:
         if self.syncs_adapters:  # the main process publishes the adapter alone
             self._sync_adapter(step)
             return
-        tensors = iter_full_weights(self.model, accelerator)
+        tensors = iter_full_weights(self.model_source() if self.model_source is not None else self.model, accelerator)
         error: BaseException | None = None
         if accelerator.is_main_process:
             assert self.publisher is not None and self.rollouts is not None

@@ -331,6 +331,9 @@ class _SGLangBackendMixin:
                 "TRL did not build the SGLang generation backend (use_vllm was off?); trainer_hooks needs updating "
                 "for this TRL"
             )
+        # The model as `train()` wrapped it (transformers' model_wrapped: FSDP's root unit, the
+        # DeepSpeed engine, DDP), not the one TRL handed the backend before `prepare`.
+        self.vllm_generation.model_source = lambda: getattr(self, "model_wrapped", None) or self.model  # type: ignore[attr-defined]
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """TRL's ``train``, then wait for a background checkpoint sync still in flight (and its errors).
