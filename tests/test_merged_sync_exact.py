@@ -63,3 +63,38 @@ def test_syncs_leave_the_frozen_base_bit_for_bit_and_publish_the_merged_model(
         assert sorted(published) == sorted(k for k in expected if k != "lm_head.weight" or k in published)
         for name, tensor in published.items():
             assert torch.equal(tensor, expected[name]), f"{name} differs from PEFT's merge_and_unload"
+
+
+@pytest.mark.parametrize(
+    "lora, says",
+    [
+        (dict(target_modules=["q_proj"], modules_to_save=["lm_head"]), "ties its input and output embeddings"),
+        (dict(target_modules=["q_proj", "lm_head"]), "ties its input and output embeddings"),
+        (dict(target_modules=["q_proj"], trainable_token_indices=[1, 2]), "trainable_token_indices"),
+    ],
+)
+def test_a_trainer_whose_merged_weights_sglang_cannot_serve_is_refused_when_built(
+    tiny_model_dir: Path, tiny_model_dir_tied: Path, tmp_path: Path, lora: dict[str, Any], says: str
+) -> None:
+    """Before, every sidecar refused every version ('extra_tensor: lm_head.weight', or the
+    token adapter's tensors), and the run ended at its first sync, after sync_timeout."""
+    from peft import get_peft_model as peft
+
+    from fake_sglang import dead_url
+    from trainer_helpers import make_config
+    from trainer_hooks.trainer import build_sglang_generation
+    from trainer_hooks.weight_gather import merged_sync_problem
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir_tied, dtype=torch.float32)
+    model = peft(base, LoraConfig(r=4, lora_alpha=8, **lora))
+    problem = merged_sync_problem(model)
+    assert problem is not None and says in problem
+    config = make_config(tmp_path, tmp_path, [dead_url()], [dead_url()], adapter_sync=False)
+    accelerator = type("Solo", (), {"is_main_process": True, "num_processes": 1, "device": torch.device("cpu")})()
+    with pytest.raises(ValueError, match=says):
+        build_sglang_generation(model, accelerator, None, args=config)
+    untied = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+        LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+    )
+    assert merged_sync_problem(untied) is None  # an untied head in modules_to_save syncs merged

@@ -59,7 +59,7 @@ from .sampling_checks import check_token_ids_in_vocab
 from .sglang_endpoints import SGLangEndpoints
 from .sglang_generation import SGLangGeneration
 from .stale_retry import StaleRetryPolicy
-from .weight_gather import unwrap_model
+from .weight_gather import merged_sync_problem, unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,14 @@ def build_sglang_generation(
     publisher = rollouts = adapters = None
     if accelerator.is_main_process:
         publisher, rollouts, adapters = _wire_main_process(model, accelerator, args, vocab_size)
+    syncs_adapters = _as_the_main_process_says(accelerator, adapters is not None)
+    if not syncs_adapters:
+        problem = merged_sync_problem(model)
+        if problem is not None:  # every sidecar would refuse every version, after sync_timeout
+            if publisher is not None and rollouts is not None:
+                publisher.close()
+                rollouts.endpoints.close()
+            raise ValueError(problem)
     return SGLangGeneration(
         model,
         accelerator,
@@ -113,7 +121,7 @@ def build_sglang_generation(
         publisher=publisher,
         rollouts=rollouts,
         adapters=adapters,
-        syncs_adapters=_as_the_main_process_says(accelerator, adapters is not None),
+        syncs_adapters=syncs_adapters,
         current_step=current_step,
         **sampling,
     )

@@ -69,6 +69,40 @@ def clean_name(name: str, peft_prefix: str | None = None) -> str | None:
     return name
 
 
+def merged_sync_problem(model: nn.Module) -> str | None:
+    """Why the merged weights of the PEFT model ``model`` cannot be what SGLang serves (every
+    sidecar would refuse every version); None when they can (or ``model`` is no PEFT model).
+
+    - ``trainable_token_indices``: PEFT keeps the trained rows apart from the embedding (a
+      ``token_adapter``), which the merged sync does not fold back;
+    - a model whose input and output embeddings are tied (``tie_word_embeddings``) with either of
+      them adapted or in ``modules_to_save``: training unties them, but the served model holds one
+      tensor for both (it has no ``lm_head.weight``), so the trained head cannot be served."""
+    if not is_peft_model(model):
+        return None
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper, TrainableTokensWrapper
+
+    base = unwrap_model(model).get_base_model()
+    embeddings = {"input embeddings": base.get_input_embeddings(), "output embeddings": base.get_output_embeddings()}
+    if any(isinstance(m, TrainableTokensWrapper) for m in embeddings.values()):
+        return (
+            "PEFT's trainable_token_indices is not synced: PEFT keeps the trained token rows apart from the"
+            " embedding, and the merged checkpoint would not hold them where SGLang reads them. Train the"
+            " embedding whole (modules_to_save=['embed_tokens'], untied models) or leave it frozen"
+        )
+    adapted = [what for what, m in embeddings.items() if isinstance(m, (BaseTunerLayer, AuxiliaryTrainingWrapper))]
+    if adapted and bool(getattr(base.config, "tie_word_embeddings", False)):
+        return (
+            f"the model ties its input and output embeddings (tie_word_embeddings), and its {' and '.join(adapted)}"
+            " are adapted or in modules_to_save: training unties them, but SGLang serves the tied model (one"
+            " tensor for both, no lm_head.weight), so the synced checkpoint cannot be what is trained. Leave"
+            " embed_tokens and lm_head out of target_modules and modules_to_save, or untie the model before"
+            " training (and serve the untied model)"
+        )
+    return None
+
+
 def is_fsdp1(model: nn.Module) -> bool:
     """True when ``model`` is (or holds) a ``FullyShardedDataParallel`` (FSDP version 1) module."""
     try:
