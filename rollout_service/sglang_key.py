@@ -5,7 +5,8 @@ SGLang 0.5.23 takes its key as ``--api-key KEY``, where every user of the machin
 also reads a YAML ``--config`` file (its values count under the command line's), so the launchers
 (``serve``'s :class:`~rollout_service.sglang_launcher.SGLangServer`, the containers' ``rollout-service
 sglang``) take ``--api-key`` out of SGLang's arguments and put it into such a file: mode 0600, in a
-folder of mode 0700 made for it, removed when SGLang stops. (SGLang then still logs its arguments,
+folder of mode 0700 made for it, removed once SGLang answers (``serve``: it has read it) or when
+it stops. (SGLang then still logs its arguments,
 key included, at start: its logs are redacted where this project shows them, see
 :mod:`rollout_service.redaction`, and the log files it writes are its user's alone.)
 

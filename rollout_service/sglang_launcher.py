@@ -777,6 +777,10 @@ class SGLangServer:
         except ProcessStartError as exc:
             self._keep_log = self._keep_log or not self._interrupted  # the message names the log
             raise SGLangStartError(self._taken_note() + str(exc)) from None
+        # SGLang read its key when it parsed its arguments: the file goes now, not at stop (a
+        # `serve` killed with SIGKILL would leave it behind)
+        remove_key_file(self._key_file)
+        self._key_file = None
 
     def _taken_note(self) -> str:
         """What a failed wait's message starts with when SGLang's port was taken by another process
