@@ -78,7 +78,7 @@ def merged_sync_problem(model: nn.Module) -> str | None:
     - a model whose input and output embeddings are tied (``tie_word_embeddings``) with either of
       them adapted or in ``modules_to_save``: training unties them, but the served model holds one
       tensor for both (it has no ``lm_head.weight``), so the trained head cannot be served."""
-    if not is_peft_model(model):
+    if not isinstance(model, nn.Module) or not is_peft_model(model):  # (a stand-in: nothing to judge)
         return None
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper, TrainableTokensWrapper
