@@ -27,7 +27,7 @@ from typing import IO
 from .process_group import kill_me_with_parent
 from .redaction import redact_text, remember_secret
 from .sglang_key import key_off_command_line, remove_key_file, take_key
-from .sglang_launcher import HTTP_LOG_LEVEL, LOG_LEVEL_HTTP_OPTIONS
+from .sglang_launcher import quiet_http_log
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +47,7 @@ def sglang_command(python: str, args: Sequence[str], key: str | None) -> list[st
             " in ROLLOUT_SGLANG_API_KEY (the sidecar and the trainers are given the same)"
         )
     key = key if key is not None else given
-    quiet = (
-        [] if any(a.split("=", 1)[0] in LOG_LEVEL_HTTP_OPTIONS for a in rest) else ["--log-level-http", HTTP_LOG_LEVEL]
-    )
-    return [python, "-m", "sglang.launch_server", *quiet, *rest, *(["--api-key", key] if key else [])]
+    return [python, "-m", "sglang.launch_server", *quiet_http_log(rest), *rest, *(["--api-key", key] if key else [])]
 
 
 def run_sglang(

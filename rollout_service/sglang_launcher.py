@@ -235,6 +235,11 @@ def _count_flag(args: Sequence[str], default: int, *names: str) -> int | None:
     return default if value is None else digits_value(value.strip())
 
 
+def quiet_http_log(args: Sequence[str]) -> list[str]:
+    """``--log-level-http`` at `HTTP_LOG_LEVEL`, unless SGLang's arguments ``args`` set it."""
+    return [] if _has_flag(args, *LOG_LEVEL_HTTP_OPTIONS) else ["--log-level-http", HTTP_LOG_LEVEL]
+
+
 def _has_flag(args: Sequence[str], *names: str) -> bool:
     return any(a in names or a.split("=", 1)[0] in names for a in args)
 
@@ -559,7 +564,7 @@ class SGLangServer:
         """The command line that `start()` runs."""
         cfg = self.config
         # On every device, and ahead of the device's flags (the deploy manifests repeat those).
-        quiet = [] if _has_flag(cfg.extra_args, *LOG_LEVEL_HTTP_OPTIONS) else ["--log-level-http", HTTP_LOG_LEVEL]
+        quiet = quiet_http_log(cfg.extra_args)
         cmd = [
             cfg.python,
             "-m",
