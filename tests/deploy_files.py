@@ -228,6 +228,13 @@ def dockerfile_stages(path: Path) -> list[dict[str, Any]]:
     return stages
 
 
+def healthcheck_command(stage: dict[str, Any]) -> str:
+    """The command of a stage's HEALTHCHECK (shell form: run by ``/bin/sh -c``)."""
+    options, _, command = stage["healthcheck"].partition(" CMD ")
+    assert command and not command.lstrip().startswith("["), f"expected a shell-form CMD: {stage['healthcheck']}"
+    return command.strip()
+
+
 def expand_args(text: str, args: dict[str, str]) -> str:
     return re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), text)
 

@@ -98,8 +98,17 @@ def test_compose_probes_ports_and_volumes_match_the_cli_and_sidecar():
     sidecar_env = compose_environment(gpu["sidecar"])
     assert httpx.URL(sidecar_env["ROLLOUT_SGLANG_URL"]) == httpx.URL(f"http://sglang:{sglang_port}")
     assert ("checkpoints", sidecar_env["ROLLOUT_CHECKPOINT_PATH"], True) in compose_volumes(gpu["sglang"])
-    (health,) = urls_in(" ".join(gpu["sglang"]["healthcheck"]["test"]))
-    assert httpx.URL(health).path == "/health" and url_port(health) == sglang_port
+    # SGLang's check is the load-aware probe (its /health waits on a weight load), asking this
+    # SGLang and its sidecar, both calls within the healthcheck's timeout.
+    probe = [str(t) for t in gpu["sglang"]["healthcheck"]["test"]]
+    assert probe[:3] == ["CMD", "rollout-service", "liveness"], probe
+    health = probe[probe.index("--sglang-url") + 1]
+    assert httpx.URL(health) == httpx.URL(f"http://127.0.0.1:{sglang_port}")
+    sidecar_url = probe[probe.index("--sidecar-url") + 1]
+    assert httpx.URL(sidecar_url) == httpx.URL(f"http://sidecar:{sidecar_env['ROLLOUT_PORT']}")
+    assert 2 * float(probe[probe.index("--timeout") + 1]) < float(
+        str(gpu["sglang"]["healthcheck"]["timeout"]).removesuffix("s")
+    )
 
     # The trainers write where the sidecars watch and talk to the right services and ports.
     cpu = compose_services(compose, "cpu")

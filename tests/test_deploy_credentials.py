@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from deploy_files import (
@@ -32,6 +32,7 @@ from deploy_files import (
     compose_environment,
     compose_services,
     dockerfile_images,
+    healthcheck_command,
     k8s_argv,
     k8s_env,
     load_compose,
@@ -40,7 +41,6 @@ from deploy_files import (
     rollout_service_argv,
     sglang_launch_argv,
     split_passthrough,
-    urls_in,
 )
 from rollout_service.cli import _one_sglang_api_key
 from rollout_service.cli_env import env_name
@@ -227,6 +227,13 @@ def test_compose_trainers_get_the_sidecar_token_the_sidecars_require():
 # ------------------------------------------------------------------------- SGLang's probes
 
 
+def _checked_path(argv: list[str]) -> str:
+    """The SGLang path a health check command asks: `rollout-service liveness` asks ``/health``
+    (and the sidecar's ``/status``, which needs no key either)."""
+    assert argv[:2] == ["rollout-service", "liveness"], argv
+    return "/health"
+
+
 def _sglang_probe_paths() -> list[tuple[str, str]]:
     paths = []
     for where, role, container, _, _, _ in _k8s_containers():
@@ -243,12 +250,12 @@ def _sglang_probe_paths() -> list[tuple[str, str]]:
     for name, service in compose_services(load_compose()).items():
         argv = [str(t) for t in service["command"]]
         if _role(argv) == "sglang":
-            for url in urls_in(" ".join(service["healthcheck"]["test"])):
-                paths.append((f"compose service {name} healthcheck", httpx.URL(url).path))
+            test = [str(t) for t in service["healthcheck"]["test"]]
+            paths.append((f"compose service {name} healthcheck", _checked_path(test[1:])))
     for (dockerfile, target), stage in dockerfile_images().items():
         if dockerfile == "rollout.Dockerfile" and stage["healthcheck"]:
-            for url in urls_in(stage["healthcheck"]):
-                paths.append((f"{dockerfile} {target} HEALTHCHECK", httpx.URL(url).path))
+            argv = shlex.split(healthcheck_command(stage))
+            paths.append((f"{dockerfile} {target} HEALTHCHECK", _checked_path(argv)))
     return paths
 
 

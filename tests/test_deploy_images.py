@@ -5,6 +5,7 @@ name and tag (the project version) across Dockerfiles, compose and Kubernetes.
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import httpx
@@ -19,12 +20,12 @@ from deploy_files import (
     dockerfile_images,
     dockerfile_stages,
     expand_args,
+    healthcheck_command,
     load_compose,
     option_default,
     pod_specs,
     render_kustomization,
     sidecar_routes,
-    url_port,
     urls_in,
 )
 
@@ -61,9 +62,20 @@ def test_dockerfiles_pin_bases_run_as_non_root_and_declare_health_checks():
                     and f"or {option_default('sidecar', '--port')})" in stage["healthcheck"]
                 )
             if path.name == "rollout.Dockerfile":
-                (url,) = urls_in(stage["healthcheck"])
-                assert httpx.URL(url).path == "/health"
-                assert url_port(url) == option_default("serve", "--port")
+                # SGLang's /health waits on a weight load: the image's check is the load-aware probe,
+                # on the ports `serve` uses (its ROLLOUT_* variables, else its defaults).
+                argv = shlex.split(healthcheck_command(stage))
+                assert argv[:2] == ["rollout-service", "liveness"], argv
+                sglang_url = argv[argv.index("--sglang-url") + 1]
+                sidecar_url = argv[argv.index("--sidecar-url") + 1]
+                assert sglang_url == f"http://127.0.0.1:${{ROLLOUT_PORT:-{option_default('serve', '--port')}}}"
+                assert sidecar_url == (
+                    f"http://127.0.0.1:${{ROLLOUT_SIDECAR_PORT:-{option_default('serve', '--sidecar-port')}}}"
+                )
+                interval_timeout = float(re.search(r"--timeout=(\d+)s", stage["healthcheck"]).group(1))
+                assert 2 * float(argv[argv.index("--timeout") + 1]) < interval_timeout, (
+                    f"{where}: the probe's two calls must end within Docker's --timeout"
+                )
         for name in ("PYTHON_VERSION", "DEBIAN_SUITE", "APP_UID"):
             shared_args.setdefault(name, set()).add(dockerfile_stages(path)[0]["args"][name])
     # One Python for the CPU rollout, sidecar and trainer images: the tiny model (its tokenizer is

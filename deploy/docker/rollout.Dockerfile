@@ -50,8 +50,12 @@ RUN groupadd --gid ${APP_UID} rollout \
 USER ${APP_UID}:${APP_UID}
 WORKDIR /home/rollout
 EXPOSE 30000 8100
+# Alive, not ready: `rollout-service liveness` asks the sidecar first and counts SGLang alive while a
+# weight load runs (SGLang's /health waits on the load), else asks /health; the ports follow
+# `serve`'s ROLLOUT_PORT and ROLLOUT_SIDECAR_PORT. Each of its two calls gets 4 s (8 s in all).
 HEALTHCHECK --interval=30s --timeout=10s --start-period=300s --retries=3 \
-  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:30000/health', timeout=8)"]
+  CMD rollout-service liveness --timeout 4 --sglang-url "http://127.0.0.1:${ROLLOUT_PORT:-30000}" \
+      --sidecar-url "http://127.0.0.1:${ROLLOUT_SIDECAR_PORT:-8100}"
 CMD ["rollout-service", "serve"]
 
 # ---------------------------------------------------------------------------------------------
@@ -78,6 +82,10 @@ RUN groupadd --gid ${APP_UID} rollout \
 USER ${APP_UID}:${APP_UID}
 WORKDIR /home/rollout
 EXPOSE 30000 8100
+# Alive, not ready: `rollout-service liveness` asks the sidecar first and counts SGLang alive while a
+# weight load runs (SGLang's /health waits on the load), else asks /health; the ports follow
+# `serve`'s ROLLOUT_PORT and ROLLOUT_SIDECAR_PORT. Each of its two calls gets 4 s (8 s in all).
 HEALTHCHECK --interval=30s --timeout=10s --start-period=600s --retries=3 \
-  CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:30000/health', timeout=8)"]
+  CMD rollout-service liveness --timeout 4 --sglang-url "http://127.0.0.1:${ROLLOUT_PORT:-30000}" \
+      --sidecar-url "http://127.0.0.1:${ROLLOUT_SIDECAR_PORT:-8100}"
 CMD ["rollout-service", "serve"]
