@@ -143,3 +143,55 @@ def test_two_trainers_on_two_hosts_of_a_network_file_system(tmp_path: Path, cach
         finally:
             remote.close()
             local.close()
+
+
+def test_a_first_checkpoint_numbered_onto_another_runs_step_says_so(tmp_path: Path) -> None:
+    """A run whose first version was numbered before another run published that step (the
+    listing did not show it) stopped with "already published; steps are immutable", which reads
+    like a bug of this run: it now names the other run and says a restart numbers above it."""
+    root = tmp_path / "root"
+    restarted = _publisher(root)
+    other = _publisher(root)
+    try:
+        model = Model(lr=1e-3)
+        version = restarted.next_version()
+        other.publish_and_wait(other.next_version(), model.tensors())
+        with pytest.raises(RuntimeError) as err:
+            restarted.publish_and_wait(version, model.tensors())
+        message = str(err.value)
+        assert other.run_id in message and restarted.run_id in message
+        assert "did not show" in message and "Restart the run" in message
+        assert Manifest.load(root / step_dir_name(version)).run_id == other.run_id
+        fresh = _publisher(root)  # the restart it asks for numbers above the other run's step
+        try:
+            assert fresh.next_version() == version + 1
+        finally:
+            fresh.close()
+    finally:
+        restarted.close()
+        other.close()
+
+
+def test_a_dead_runs_step_hidden_by_a_cached_listing_is_named_at_the_first_publish(tmp_path: Path) -> None:
+    """Real sshfs with its default caches: a run that died on the server's host published its
+    last step just after the restarted run's mount listed the root; the restart numbers onto it."""
+    with sshfs_mount(tmp_path / "fs") as (server, mount):
+        (server / "ckpts").mkdir()
+        restarted = _publisher(mount / "ckpts")
+        dead = _publisher(server / "ckpts")
+        try:
+            model = Model(lr=1e-3)
+            assert restarted.next_version() == 1  # lists the (empty) root through the mount
+            dead.publish_and_wait(dead.next_version(), model.tensors())
+            version = restarted.next_version()
+            assert version == 1, "the mount's listing was not cached as this test expects"
+            with pytest.raises(RuntimeError, match="did not show") as err:
+                restarted.publish_and_wait(version, model.tensors())
+            assert dead.run_id in str(err.value)
+            assert Manifest.load(server / "ckpts" / step_dir_name(1)).run_id == dead.run_id
+            assert sorted(p.name for p in (server / "ckpts").iterdir() if not p.name.startswith("acks")) == [
+                step_dir_name(1)
+            ]
+        finally:
+            restarted.close()
+            dead.close()

@@ -312,6 +312,24 @@ class CheckpointPublisher:
             " checkpoint_path, and restart this run"
         )
 
+    def _refuse_a_hidden_step(self, taken: PublishedCheckpoint) -> None:
+        """Raise ``RuntimeError`` if ``taken``, the name this run's first checkpoint was numbered
+        onto, holds another run's published step: the root's listing did not show it when this run
+        numbered (a network file system serves listings from its cache for a while, e.g. a run that
+        died on another host just before). Nothing of this run was published; a restart numbers
+        above it. A manifest that cannot be read passes (the caller raises the write's error)."""
+        try:
+            run_id = self._on_root(lambda: Manifest.load(taken.path, root=self.root).run_id, "reading a manifest")
+        except (CheckpointError, OSError, RootUnresponsive):
+            return
+        raise RuntimeError(
+            f"{taken.path} was published by another run (run id {run_id or 'not recorded'}), which the"
+            f" listing of the checkpoint root {self.root} did not show when this run (run id {self.run_id})"
+            " numbered its first checkpoint: a network file system may serve a folder's listing from its"
+            " cache for a while. Nothing of this run was published. Restart the run (it numbers above that"
+            " step); if the other run is still publishing, stop it or give each run its own checkpoint_path"
+        )
+
     def _newest(self) -> tuple[StepEntries, PublishedCheckpoint | None]:
         entries = list_step_entries(self.root)
         return entries, next(iter(newest_checkpoints(self.root, entries.published, 1)), None)
@@ -446,8 +464,11 @@ class CheckpointPublisher:
         try:
             return write(version)
         except FileExistsError:
+            taken = PublishedCheckpoint(version, self.root / step_dir_name(version))
             if self.first_version is not None and version > self.first_version:
-                self._refuse_a_second_writer(PublishedCheckpoint(version, self.root / step_dir_name(version)))
+                self._refuse_a_second_writer(taken)
+            elif version == self.first_version:
+                self._refuse_a_hidden_step(taken)
             raise
         except OSError as exc:
             if exc.errno is None:  # not from the storage: nothing to add
