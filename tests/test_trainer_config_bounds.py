@@ -136,6 +136,33 @@ def test_a_float64_model_needs_checkpoint_dtype_set() -> None:
     assert checkpoint_dtype(None, _model_in(torch.bfloat16)) == "bfloat16"
 
 
+def test_a_model_cast_narrower_after_loading_publishes_in_the_dtype_it_holds() -> None:
+    """transformers keeps the loaded dtype in the config across ``.to(dtype)``: a model loaded in
+    float32 and cast to bfloat16 published float32 checkpoints, twice the bytes of the same values."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        dtype="float32",
+    )
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    assert model.config.dtype == torch.float32  # what made it go wrong
+    assert checkpoint_dtype(None, model) == "bfloat16"
+    # float32 masters of a bfloat16 model (mixed precision) keep the configured, served dtype.
+    masters = Qwen2ForCausalLM(Qwen2Config(**{**config.to_dict(), "dtype": "bfloat16"})).to(torch.float32)
+    assert checkpoint_dtype(None, masters) == "bfloat16"
+    # Parameters in two dtypes (modules kept in float32) leave the configured one too.
+    mixed = Qwen2ForCausalLM(config)
+    mixed.model.layers.to(torch.bfloat16)
+    assert checkpoint_dtype(None, mixed) == "float32"
+    assert checkpoint_dtype("float32", model) == "float32"  # the setting still decides
+
+
 # --- numbers: timeouts, shard size, delta ratio ------------------------------------------------
 
 

@@ -39,15 +39,29 @@ def checkpoint_dtype(requested: str | None, model: torch.nn.Module) -> str:
 
 
 def _model_dtype(model: torch.nn.Module) -> str:
-    """The model's configured dtype, else its first floating parameter's, else float32."""
+    """The model's configured dtype, else its first floating parameter's, else float32.
+
+    A model cast to a narrower dtype after loading (``from_pretrained`` in float32, then
+    ``.to(torch.bfloat16)``) keeps the loaded dtype in its config: when every floating parameter
+    is in one narrower dtype, that one is taken (the wider checkpoint would hold the same values
+    in twice the bytes). Wider parameters than the config says (float32 masters under mixed
+    precision) leave the configured dtype, which is what the model is served in.
+    """
+    held = {p.dtype for p in model.parameters() if p.is_floating_point()}
     configured = getattr(model.config, "dtype", None) or getattr(model.config, "torch_dtype", None)
     if isinstance(configured, torch.dtype):
         configured = str(configured).removeprefix("torch.")
     if isinstance(configured, str) and configured not in ("auto", ""):
         try:
-            return DTYPE_NAME_OF_TAG[normalize_dtype(configured)]  # type: ignore[index]
+            name = DTYPE_NAME_OF_TAG[normalize_dtype(configured)]  # type: ignore[index]
         except (KeyError, ValueError):
             pass
+        else:
+            if len(held) == 1:
+                (only,) = held
+                if only.itemsize < getattr(torch, name).itemsize:
+                    return str(only).removeprefix("torch.")
+            return name
     for param in model.parameters():
         if param.is_floating_point():
             return str(param.dtype).removeprefix("torch.")

@@ -81,7 +81,8 @@ class SGLangRolloutArguments:
             importance-sampling correction weighs back (a warning when nothing does: RLOO, the
             correction off, or NaN logprobs; :func:`uncorrected_staleness`).
         checkpoint_dtype: floating dtype of published checkpoints ("bfloat16", "float16",
-            "float32"); default: the model's configured dtype (what SGLang serves).
+            "float32"); default: the model's configured dtype (what SGLang serves), or the one
+            narrower dtype all its floating parameters hold when it was cast after loading.
         checkpoint_max_shard_mb: largest safetensors shard written, in MiB (times 2**20 bytes).
         checkpoint_delta: publish XOR+zstd deltas against the previous version instead of the
             whole model (the sidecars rebuild the full checkpoint in their node-local stage).
@@ -148,7 +149,10 @@ class SGLangRolloutArguments:
     )
     checkpoint_dtype: str | None = field(
         default=None,
-        metadata={"help": "dtype of published checkpoints (default: the model's configured dtype)."},
+        metadata={
+            "help": "dtype of published checkpoints (default: the model's configured dtype, or the"
+            " narrower one all its floating parameters hold when it was cast after loading)."
+        },
     )
     checkpoint_max_shard_mb: float = field(
         default=2048.0,
