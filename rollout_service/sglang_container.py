@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO
 
 from .process_group import kill_me_with_parent
@@ -72,7 +72,14 @@ def run_sglang(
     previous = {sig: signal.signal(sig, lambda signum, frame: _forward(proc, signum)) for sig in FORWARDED_SIGNALS}
     # (to SGLang's main process, which stops its scheduler and detokenizer itself: signalled too,
     # they die first and SGLang then kills itself, exit 137)
-    copier = threading.Thread(target=_copy_redacted, args=(proc.stdout, out), daemon=True, name="sglang-output")
+    # SGLang has read its --config file once it logs the arguments it parsed: the key file goes
+    # then, so that a SIGKILL of this command (nothing then runs its cleanup) leaves no key behind.
+    copier = threading.Thread(
+        target=_copy_redacted,
+        args=(proc.stdout, out, lambda: remove_key_file(key_file)),
+        daemon=True,
+        name="sglang-output",
+    )
     copier.start()
     try:
         while True:
@@ -104,10 +111,18 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _copy_redacted(source: IO[bytes] | None, out: IO[str]) -> None:
-    """Copy SGLang's output line by line, every credential hidden."""
+ARGS_READ_MARK = "server_args="
+"""What SGLang's log line of its parsed arguments holds (SGLang 0.5.23 logs it as it starts)."""
+
+
+def _copy_redacted(source: IO[bytes] | None, out: IO[str], args_read: Callable[[], None]) -> None:
+    """Copy SGLang's output line by line, every credential hidden; call ``args_read`` when SGLang
+    logs the arguments it parsed."""
     if source is None:
         return
-    for line in iter(source.readline, b""):
-        out.write(redact_text(line.decode("utf-8", errors="replace")))
+    for raw in iter(source.readline, b""):
+        line = raw.decode("utf-8", errors="replace")
+        if ARGS_READ_MARK in line:
+            args_read()
+        out.write(redact_text(line))
         out.flush()
