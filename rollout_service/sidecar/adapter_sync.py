@@ -51,7 +51,7 @@ from ..checkpoint_format import CheckpointError, Manifest
 from ..checkpoint_reader import PublishedCheckpoint
 from ..protocol import adapter_name_for, step_for_adapter_name, step_for_version
 from ..untrusted_files import Deadline
-from .sglang_client import SGLangLoadRejected, SGLangUnavailable
+from .sglang_client import SGLangErrorAnswer, SGLangLoadRejected, SGLangUnavailable
 from .staging import StageError
 from .sync_record import SyncRecord
 
@@ -160,9 +160,13 @@ class AdapterSync:
         """A full checkpoint is served now."""
         self.serving = None
 
-    async def try_load(self, ckpt: PublishedCheckpoint, published: float | None) -> bool:
+    async def try_load(self, ckpt: PublishedCheckpoint, published: float | None) -> bool | None:
         """Validate, stage, load and confirm one adapter step (``published``: when, if this is
-        its first load); False when it was not loaded."""
+        its first load), as the controller's ``_try_load``: True when SGLang serves it, False when
+        not (an older step may be tried), None when not for a reason that is not the step's
+        (SGLang's state or answers, the served model's folder): the pass ends, since an older step
+        would meet the same, and an older full step would replace SGLang's base model, after which
+        no adapter loads until SGLang restarts."""
         c = self.c
         step, path = ckpt.step, ckpt.path
         detected = c._detected_at.pop(step, time.time())
@@ -173,7 +177,7 @@ class AdapterSync:
                 info = await c.client.server_info()
             except SGLangUnavailable as exc:
                 c._error("sglang_unavailable", str(exc), step=step)
-                return False
+                return None
             view_version = c.state.sglang_weight_version
             if step_for_version(view_version) is not None:
                 # SGLang's state, not the step's: not a rejection (it loads once SGLang serves its base again).
@@ -185,17 +189,19 @@ class AdapterSync:
                     " adapters again",
                     step=step,
                 )
-                return False
+                return None
             try:
                 limits = LoraLimits.from_server_info(info)
             except ValueError as exc:  # SGLang's answer, not the step's fault: tried again next pass
                 c._error("sglang_unavailable", f"SGLang's /server_info cannot be read: {exc}", step=step)
-                return False
+                return None
             budget = c.settings.validate_timeout_s
             try:
                 report = await c.bounded(self._validate, path, limits, name=path.name, step=step)
-                if report is None or not await self._base_matches(ckpt, report):
+                if report is None:
                     return False
+                if not await self._base_matches(ckpt, report):
+                    return None  # the served model's folder cannot be read: not the step's fault
                 if c.stage is not None:
                     report = await c.bounded(self._stage, report, limits, name=path.name, step=step)
                     if report is None:
@@ -223,8 +229,9 @@ class AdapterSync:
             name = adapter_name_for(step, report.manifest.run_id)
             t1 = time.perf_counter()
             fingerprint = report.manifest.source_fingerprint()
-            if not await self._load(ckpt, name, str(report.path), fingerprint):
-                return False
+            loaded = await self._load(ckpt, name, str(report.path), fingerprint)
+            if not loaded:
+                return loaded
             load_s = time.perf_counter() - t1
             self.loaded.pop(name, None)  # the newest load now
             self.loaded[name] = fingerprint
@@ -266,12 +273,13 @@ class AdapterSync:
         finally:
             c.state.loading_step = None
 
-    async def _load(self, ckpt: PublishedCheckpoint, name: str, path: str, fingerprint: str) -> bool:
+    async def _load(self, ckpt: PublishedCheckpoint, name: str, path: str, fingerprint: str) -> bool | None:
         """Load ``path`` (the publication ``fingerprint``) into SGLang as ``name`` unless SGLang
-        has it already (:meth:`_has_publication`), and confirm that SGLang lists it; False,
-        reported, when it is not served. SGLang dying meanwhile counts against the step (the
+        has it already (:meth:`_has_publication`), and confirm that SGLang lists it; when it is
+        not served, reported, False (the step's doing: refused, or SGLang died of it) or None (not
+        the step's: see :meth:`try_load`). SGLang dying meanwhile counts against the step (the
         controller's ``died_during_load``: rejected once it killed SGLang ``MAX_CRASHES_PER_STEP``
-        times)."""
+        times); a confirmation SGLang does not give while it answers does not."""
         c = self.c
         await self._settle(name, name + TRIAL_SUFFIX)
         try:
@@ -280,7 +288,7 @@ class AdapterSync:
             c.state.sglang_healthy = False
             c.metrics.syncs.labels("failed", "sglang_unavailable").inc()
             c._error("sglang_unavailable", str(exc), step=ckpt.step)
-            return False
+            return None
         before = set(listed) if self._adopted else await self._adopt(listed)
         try:
             with c.sglang_loading(ckpt.step):
@@ -290,7 +298,6 @@ class AdapterSync:
                     await self._replace(name, path, before)
                 else:
                     await c.client.load_lora_adapter(name, path)
-            confirmed = name in await c.client.loaded_adapters()
         except SGLangLoadRejected as exc:
             await self._forget_unless_listed(name)
             c._reject(ckpt, "sglang_rejected", str(exc))
@@ -299,14 +306,30 @@ class AdapterSync:
             await self._forget_unless_listed(name)
             c.metrics.syncs.labels("failed", "adapter_replace_raced").inc()
             c._error("adapter_replace_raced", str(exc), step=ckpt.step)
-            return False
+            return None
         except _TrialInTheWay as exc:  # SGLang serves the old files under the name, as before
             if exc.reason == "sglang_unavailable":
                 c.state.sglang_healthy = False
             c.metrics.syncs.labels("failed", exc.reason).inc()
             c._error(exc.reason, str(exc), step=ckpt.step)
-            return False
+            return None
         except SGLangUnavailable as exc:
+            c.died_during_load(ckpt, exc)
+            return False
+        try:
+            confirmed = name in await c.client.loaded_adapters()
+        except SGLangUnavailable as exc:
+            # SGLang took the load; the list that confirms it did not come. Only an SGLang that no
+            # longer answers at all died of the step (a proxy's 5xx, a slow list: looked at again).
+            if isinstance(exc, SGLangErrorAnswer) or (await c.client.view()).healthy:
+                self.loaded[name] = fingerprint  # SGLang said it loaded it: not loaded again if listed
+                c.metrics.syncs.labels("failed", "adapter_not_confirmed").inc()
+                c._error(
+                    "adapter_not_confirmed",
+                    f"SGLang took {ckpt.path.name} as {name!r}, but its adapter list did not come: {exc}",
+                    step=ckpt.step,
+                )
+                return None
             c.died_during_load(ckpt, exc)
             return False
         if not confirmed:

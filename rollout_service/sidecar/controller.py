@@ -133,6 +133,11 @@ class SyncController:
         self._loaded_before: set[int] = set()
         self._passed_over: set[int] = set()
         """Steps this pass tried before the one it loads that failed without a rejection."""
+        self._below_adapter: int | None = None
+        """The newest adapter step this pass tried or passed over as rejected: no older full step
+        is loaded under it (it would replace SGLang's base model, and adapters would no longer load)."""
+        self._adapter_steps: set[int] = set()
+        """Listed steps found to be adapter steps when last tried."""
         self._unconfirmed: tuple[int, float] | None = None
         """A step SGLang took but did not confirm (its load timed out, or SGLang stopped answering
         right after it), and until when (monotonic) no other load is sent: SGLang would run it
@@ -831,12 +836,15 @@ class SyncController:
             self.state.loaded_current = presence == "same"
         loaded = self.state.loaded_step
         self._passed_over = set()
+        self._below_adapter = None
         for ckpt in reversed(checkpoints):
             if loaded is not None and ckpt.step == loaded and presence in ("same", "unknown"):
                 return
             if loaded is not None and ckpt.step < loaded and presence != "gone":
                 return  # never go back while the served step is still published
             if self._still_rejected(ckpt.step, identities):
+                if ckpt.step in self._adapter_steps:
+                    self._below_adapter = self._below_adapter or ckpt.step
                 continue
             outcome = await self._try_load(ckpt)
             if outcome is None or outcome:
@@ -959,6 +967,7 @@ class SyncController:
         dropped there and removed leaves nothing behind (a step that comes back is looked at
         anew)."""
         steps = {c.step for c in listed}
+        self._adapter_steps &= steps
         loaded, now = self.state.loaded_step, time.time()
         for step, seen in list(self._detected_at.items()):
             # (Unlisted for a minute: an event may come before a listing shows its step.)
@@ -996,7 +1005,15 @@ class SyncController:
             self._look_before_load, ckpt, what=f"reading {path.name}'s manifest"
         )
         if adapter:
+            self._adapter_steps.add(step)
+            self._below_adapter = self._below_adapter or step
             return await self.adapters.try_load(ckpt, published)
+        self._adapter_steps.discard(step)
+        if self._below_adapter is not None:
+            # A full step replaces SGLang's base model, and no adapter loads after that until SGLang
+            # restarts: the newer adapter step (not loaded this pass) is waited for instead.
+            log.debug("not loading %s: the newer adapter step %d was not loaded", path.name, self._below_adapter)
+            return None
         detected = self._detected_at.pop(step, time.time())
         self.loading(step)
         try:

@@ -154,6 +154,7 @@ class SGLangClient:
         them from (the card's ``root`` in SGLang 0.5.23; None when not a string)."""
         try:
             resp = await self._get("/v1/models", self._timeout)
+            _not_sglangs_answer(resp, self.base_url, "/v1/models")
             if resp.status_code != 200:
                 raise SGLangUnavailable(f"SGLang at {self.base_url} answered /v1/models with HTTP {resp.status_code}")
             cards = resp.json().get("data") or []
