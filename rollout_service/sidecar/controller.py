@@ -72,6 +72,7 @@ from .sglang_client import (
     SGLangErrorAnswer,
     SGLangLoadRejected,
     SGLangLoadTimedOut,
+    SGLangNotReached,
     SGLangUnavailable,
 )
 from .stage_folder import remove_entry
@@ -1048,6 +1049,13 @@ class SyncController:
             validate_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             version = version_for_step(step)
+            if not self.state.sglang_healthy:  # silent since the pass began (its watch): nothing sent
+                self._error(
+                    "sglang_unavailable",
+                    f"SGLang stopped answering while {path.name} was validated; it is loaded once SGLang answers",
+                    step=step,
+                )
+                return False
             self._sent = (step, report.manifest.source_fingerprint())
             try:
                 with self.sglang_loading(step):
@@ -1156,7 +1164,7 @@ class SyncController:
         step = ckpt.step
         self.state.sglang_healthy = False
         self.metrics.syncs.labels("failed", "sglang_unavailable").inc()
-        if isinstance(exc, SGLangErrorAnswer):  # a proxy's 5xx: SGLang did not die of the step
+        if isinstance(exc, (SGLangErrorAnswer, SGLangNotReached)):  # a proxy's 5xx, or never sent: not a crash
             self._error("sglang_unavailable", str(exc), step=step)
             return
         self._crashes[step] = self._crashes.get(step, 0) + 1

@@ -20,6 +20,16 @@ class SGLangErrorAnswer(SGLangUnavailable):
     step (it answers 400) nor dying of it (the connection would drop): not counted as a crash."""
 
 
+class SGLangNotReached(SGLangUnavailable):
+    """A load that never reached SGLang (connection refused, or none made in time: SGLang down,
+    restarting, or its accept queue full): SGLang cannot have died of a step it was never sent,
+    so it is not counted as a crash."""
+
+
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+"""httpx's errors for a request that was never sent."""
+
+
 class SGLangLoadTimedOut(SGLangUnavailable):
     """A load sent to SGLang was not answered within ``--load-timeout``: SGLang may still be
     loading it (and serve it once done), or be stuck in it."""
@@ -122,6 +132,8 @@ class SGLangClient:
                 f"SGLang at {self.base_url} did not answer the weight update within --load-timeout"
                 f" ({self._load_timeout:g} s); it may still be loading {model_path}"
             ) from exc
+        except NOT_SENT as exc:
+            raise SGLangNotReached(f"the weight update never reached SGLang at {self.base_url}: {exc!r}") from exc
         except httpx.HTTPError as exc:
             raise SGLangUnavailable(f"SGLang at {self.base_url} failed during the weight update: {exc!r}") from exc
         _not_sglangs_answer(resp, self.base_url, "the weight update")
@@ -180,6 +192,8 @@ class SGLangClient:
     async def _adapter_call(self, route: str, body: dict) -> dict:
         try:
             resp = await self._post(route, body, self._load_timeout)
+        except NOT_SENT as exc:
+            raise SGLangNotReached(f"{route} never reached SGLang at {self.base_url}: {exc!r}") from exc
         except httpx.HTTPError as exc:
             raise SGLangUnavailable(f"SGLang at {self.base_url} failed during {route}: {exc!r}") from exc
         _not_sglangs_answer(resp, self.base_url, route)
