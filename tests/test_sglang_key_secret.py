@@ -10,6 +10,7 @@ SGLang's output with credentials hidden, and SGLang's log files are made 0600. R
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import stat
@@ -25,6 +26,7 @@ from conftest import SERVER_EXTRA_ARGS, SERVER_HEALTH_TIMEOUT_S
 from helpers import free_port
 from rollout_service.sglang_key import key_off_command_line, remove_key_file, take_key
 from rollout_service.sglang_launcher import SGLangServer
+from rollout_service.sidecar.sglang_client import ServerView, SGLangClient
 from sidecar_helpers import CLIProcess
 
 KEY = "k3y-" + "s3cr3t" * 6
@@ -101,6 +103,19 @@ def _sglang_pids(root_pid: int) -> list[int]:
 def _answers_only_with_the_key(url: str) -> None:
     assert httpx.get(f"{url}/model_info", timeout=30).status_code == 401
     assert httpx.get(f"{url}/model_info", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).status_code == 200
+    # The sidecar's view of this SGLang with a wrong or no key names the key, not silence.
+    for key in ("wrong", None):
+        view = asyncio.run(_sidecar_view(url, key))
+        assert not view.healthy and view.refusal is not None and "API key" in view.refusal, view
+    assert asyncio.run(_sidecar_view(url, KEY)).healthy
+
+
+async def _sidecar_view(url: str, key: str | None) -> ServerView:
+    client = SGLangClient(url, api_key=key, timeout_s=30)
+    try:
+        return await client.view(deep=True)
+    finally:
+        await client.aclose()
 
 
 @pytest.mark.sglang

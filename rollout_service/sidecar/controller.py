@@ -134,6 +134,8 @@ class SyncController:
         self._loaded_before: set[int] = set()
         self._passed_over: set[int] = set()
         """Steps this pass tried before the one it loads that failed without a rejection."""
+        self._sglang_refusal: str | None = None
+        """Why SGLang's last answer was not usable (a wrong API key, not SGLang's URL), else None."""
         self._below_adapter: int | None = None
         """The newest adapter step this pass tried or passed over as rejected: no older full step
         is loaded under it (it would replace SGLang's base model, and adapters would no longer load)."""
@@ -343,6 +345,8 @@ class SyncController:
         ):
             return False, "the sync loop has not completed a pass recently"
         if s.sglang_seen_at is None or now - s.sglang_seen_at > fresh:
+            if self._sglang_refusal is not None:
+                return False, self._sglang_refusal
             return False, f"SGLang at {self.settings.sglang_url} has not answered recently"
         if not s.ready:
             behind = self._steps_behind()
@@ -619,8 +623,9 @@ class SyncController:
         self.state.sglang_healthy = view.healthy
         self._was_healthy = view.healthy
         if not view.healthy:
-            self._sglang_silent(was)
+            self._sglang_silent(was, view.refusal)
             return
+        self._sglang_refusal = None
         self.state.sglang_seen_at = time.time()
         self.state.sglang_weight_version = view.weight_version
         loaded = self.state.loaded_step
@@ -685,12 +690,18 @@ class SyncController:
             self._last_deep = now
         return view, deep
 
-    def _sglang_silent(self, was_healthy: bool) -> None:
+    def _sglang_silent(self, was_healthy: bool, refusal: str | None = None) -> None:
         """(On the loop.) SGLang did not answer: nothing is served (``serves`` is False), a load
-        in flight is lost with it (or shows as a new version), and the first silence is logged."""
-        if was_healthy:
+        in flight is lost with it (or shows as a new version), and the first silence is logged.
+        ``refusal``: something answered, but not as SGLang does for the sidecar (a wrong API key,
+        a URL that is not SGLang's): logged and reported each time it changes."""
+        if refusal is not None and refusal != self._sglang_refusal:
+            log.error("%s", refusal)
+            self._error("sglang_refused", refusal)
+        elif was_healthy:
             log.warning("SGLang at %s stopped answering", self.settings.sglang_url)
             self._error("sglang_down", f"SGLang at {self.settings.sglang_url} is not answering")
+        self._sglang_refusal = refusal
         self.state.sglang_healthy = self._was_healthy = False
         self._unconfirmed = None
         self.state.ready = False
@@ -807,11 +818,12 @@ class SyncController:
             if not view.healthy and deep and (s.sglang_loading_step is not None or self._loads_started != loads):
                 continue  # the load call started while /health was asked: /health waited on it
             if not view.healthy:
-                self._sglang_silent(s.sglang_healthy)
+                self._sglang_silent(s.sglang_healthy, view.refusal)
                 self._not_serving()  # (and the ack file says so at once)
                 continue
             if deep:
                 self._was_healthy = True
+            self._sglang_refusal = None
             back = not s.sglang_healthy
             s.sglang_healthy = True
             expected = {version_for_step(step) for step in (s.loaded_step, s.loading_step) if step is not None}

@@ -49,6 +49,9 @@ class ServerView:
     weight_version: str | None = None
     model_path: str | None = None
     launch_model_path: str | None = None
+    refusal: str | None = None
+    """Not healthy, though something answered at SGLang's URL: what, and what to do (a wrong
+    API key, a URL that is not SGLang's); None when nothing answered."""
 
 
 class SGLangClient:
@@ -83,15 +86,22 @@ class SGLangClient:
                 health = await self._get("/health", self._timeout)
                 if health.status_code != 200:
                     self._launch_model_path = None
-                    return ServerView(healthy=False)
+                    return ServerView(healthy=False, refusal=self._refusal("/health", health.status_code))
             info = await self._get("/model_info", self._timeout)
-            data = info.json() if info.status_code == 200 else None
+            if info.status_code != 200:
+                self._launch_model_path = None
+                return ServerView(healthy=False, refusal=self._refusal("/model_info", info.status_code))
+            data = info.json()
         except (httpx.HTTPError, ValueError):
             self._launch_model_path = None
             return ServerView(healthy=False)
         if not isinstance(data, dict):  # an answer that is not SGLang's: not a server to load into
             self._launch_model_path = None
-            return ServerView(healthy=False)
+            return ServerView(
+                healthy=False,
+                refusal=f"{self.base_url}/model_info answered with something that is not SGLang's model info:"
+                " is --sglang-url SGLang's address?",
+            )
         if deep:  # one /server_info that fails keeps what was read: the same server answered /model_info
             self._launch_model_path = await self._launch_model() or self._launch_model_path
         version, path = data.get("weight_version"), data.get("model_path")
@@ -101,6 +111,19 @@ class SGLangClient:
             model_path=path if isinstance(path, str) and "\0" not in path else None,
             launch_model_path=self._launch_model_path,
         )
+
+    def _refusal(self, route: str, status: int) -> str | None:
+        """What an answer other than 200 says, and what to do; None for a 5xx or 429 (busy,
+        starting, or a proxy's: SGLang counts as not answering)."""
+        where = f"{self.base_url}{route} answered HTTP {status}"
+        if status in (401, 403):
+            return (
+                f"{where}: SGLang refuses the sidecar's API key. Give the sidecar SGLang's --api-key"
+                " (--sglang-api-key, or ROLLOUT_SGLANG_API_KEY)"
+            )
+        if status >= 500 or status == 429:
+            return None
+        return f"{where}: is --sglang-url SGLang's address (not the sidecar's, nor a proxy's)?"
 
     async def _launch_model(self) -> str | None:
         """``/server_info``'s ``model_path``: SGLang's ``--model-path`` as it was started (its
