@@ -59,7 +59,21 @@ def test_a_replica_loading_the_next_step_is_ready_within_the_staleness_asked(tmp
     assert seen["newest"] == (True, "serving the newest valid checkpoint")
 
 
-@pytest.mark.parametrize("query", ["staleness=-1", "staleness=1.5", "staleness=x", "staleness=100000000"])
+@pytest.mark.parametrize(
+    "query",
+    [
+        "staleness=-1",
+        "staleness=1.5",
+        "staleness=x",
+        "staleness=100000000",
+        # Spellings pydantic's int reads (a probe's typo widened the window instead of a 400):
+        "staleness=1_0",
+        "staleness=%2B10",
+        "staleness=%2010",
+        "staleness=10.0",
+        "staleness=",
+    ],
+)
 def test_a_staleness_that_is_no_step_count_is_refused_naming_it(tmp_path: Path, query: str) -> None:
     with TestClient(create_app(settings(tmp_path)), base_url="http://127.0.0.1") as client:
         answer = client.get(f"/readyz?{query}")

@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BeforeValidator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..checkpoint_format import MAX_STEP, RUN_ID_RE, CheckpointError
+from ..checkpoint_format import RUN_ID_RE, CheckpointError
 from ..http_auth import is_loopback_authority, is_loopback_host
 from ..http_urls import url_host
 from ..number_text import STEP_PATTERN, digits_value, plain_seconds
@@ -156,18 +156,16 @@ def create_app(settings: SidecarSettings) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz(
-        staleness: Annotated[
-            int,
-            Query(
-                ge=0,
-                le=MAX_STEP,
-                description="also ready while serving a step at most this many older than the newest"
-                " (the trainers' max_staleness; default 0: only the newest)",
-            ),
-        ] = 0,
+        staleness_text: str = Query(
+            "0",
+            alias="staleness",
+            pattern=f"^{STEP_PATTERN}$",
+            description="also ready while serving a step at most this many older than the newest"
+            " (the trainers' max_staleness, 1-8 ASCII digits; default 0: only the newest)",
+        ),
     ) -> JSONResponse:
         s = controller.state
-        ready, why = controller.readiness(staleness)
+        ready, why = controller.readiness(int(staleness_text))
         body = {
             "ready": ready,
             "reason": why,
