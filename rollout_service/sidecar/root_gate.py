@@ -108,6 +108,8 @@ class RootGate:
         except asyncio.CancelledError:  # the caller went away; when the thread comes back, that is an answer
             result.add_done_callback(self._late_answer)
             raise
+        except StorageTimedOut as exc:  # the storage's own time-out: it does not answer either
+            raise self._unresponsive(f"{what} timed out in the storage ({exc})") from None
         except BaseException:  # fn's own error: the storage answered
             self._answered()
             raise
@@ -183,8 +185,17 @@ def answered_within(fn: Callable[[], T], timeout_s: float, name: str) -> tuple[b
     return True, value
 
 
+class StorageTimedOut(OSError):
+    """The storage's own ``ETIMEDOUT`` (an NFS soft mount, a FUSE backend) from a call run by
+    :func:`in_daemon_thread`. Python makes every ``OSError`` with that errno a ``TimeoutError``,
+    the class ``asyncio.wait_for`` raises when a bound runs out, so the callers' bounds took the
+    storage's error for their own ("did not come back within 10 s" after a millisecond): this is
+    an ``OSError`` like the storage's others, and no ``TimeoutError``."""
+
+
 def in_daemon_thread(fn: Callable[..., T], *args: Any, name: str) -> asyncio.Future[T]:
-    """``fn(*args)`` on a new daemon thread; its outcome as a future of the running loop.
+    """``fn(*args)`` on a new daemon thread; its outcome as a future of the running loop (an
+    ``ETIMEDOUT`` from the storage as :class:`StorageTimedOut`).
 
     Unlike ``asyncio.to_thread`` a call blocked for good (in a hung file system) holds up
     neither the default executor's few workers nor the process's exit."""
@@ -203,6 +214,11 @@ def in_daemon_thread(fn: Callable[..., T], *args: Any, name: str) -> asyncio.Fut
         try:
             value: Any = fn(*args)
             ok = True
+        except TimeoutError as exc:
+            value, ok = exc, False
+            if exc.errno is not None:  # the storage's, not a bound's (see StorageTimedOut)
+                value = StorageTimedOut(exc.errno, exc.strerror, exc.filename)
+                value.__cause__ = exc
         except BaseException as exc:  # handed to the awaiting caller
             value, ok = exc, False
         try:

@@ -1,0 +1,113 @@
+"""The storage's own ``ETIMEDOUT`` (an NFS ``softerr`` mount, a FUSE backend) is not the
+sidecar's time bound running out.
+
+Python makes ``OSError(errno.ETIMEDOUT, ...)`` a ``TimeoutError``, the class ``asyncio.wait_for``
+raises, so every bound around a look at the root took the storage's error for its own: the root
+gate said "did not come back within 10 s" after a millisecond, a validation that failed so was
+rejected as ``validation_timeout`` ("did not finish within 600 s"), ``POST /sync`` said the lookup
+"took more than 4 s". Each now says what happened. The storage is a function raising the error
+(no file system here can be made to time out on cue); the sync loop and the app are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from rollout_service.checkpoint_writer import publish_checkpoint
+from rollout_service.sidecar.app import create_app
+from rollout_service.sidecar.root_gate import RootGate, RootUnresponsive, StorageTimedOut, in_daemon_thread
+from rollout_service.sidecar.settings import SidecarSettings
+from test_sync_loop_hazards import CONFIG, RUN, make, run_with, tensors, until
+
+
+def timed_out(path: Path) -> OSError:
+    return OSError(errno.ETIMEDOUT, "Connection timed out", str(path))
+
+
+def test_the_root_gate_says_the_storage_timed_out_not_its_bound(tmp_path: Path) -> None:
+    gate = RootGate(tmp_path, 10.0)
+
+    def look() -> None:
+        raise timed_out(tmp_path / "step-00000001")
+
+    async def scenario() -> tuple[BaseException, float]:
+        t0 = time.monotonic()
+        with pytest.raises(RootUnresponsive) as raised:
+            await gate.call(look, what="listing the root")
+        return raised.value, time.monotonic() - t0
+
+    exc, took = asyncio.run(scenario())
+    assert took < 5
+    assert "listing the root timed out in the storage" in str(exc) and "within 10 s" not in str(exc), exc
+
+
+def test_a_threads_etimedout_is_an_oserror_and_no_timeout(tmp_path: Path) -> None:
+    async def scenario() -> BaseException:
+        future = in_daemon_thread(lambda: (_ for _ in ()).throw(timed_out(tmp_path)), name="t")
+        try:
+            await asyncio.wait_for(future, 10)
+        except BaseException as exc:
+            return exc
+        raise AssertionError("no error")
+
+    exc = asyncio.run(scenario())
+    assert isinstance(exc, StorageTimedOut) and isinstance(exc, OSError)
+    assert not isinstance(exc, TimeoutError) and exc.errno == errno.ETIMEDOUT
+    # A bound of the thread's own (asyncio's, no errno) still is one.
+    plain = asyncio.run(_raise_in_thread(TimeoutError()))
+    assert type(plain) is TimeoutError
+
+
+async def _raise_in_thread(error: BaseException) -> BaseException:
+    def fail() -> None:
+        raise error
+
+    try:
+        await in_daemon_thread(fail, name="t")
+    except BaseException as exc:
+        return exc
+    raise AssertionError("no error")
+
+
+def test_a_step_whose_read_times_out_in_the_storage_is_not_called_a_validation_timeout(tmp_path: Path) -> None:
+    root, c, fake = make(tmp_path)
+    publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
+    real_prepare = c._prepare
+
+    def prepare(path: Path):
+        if path.name == "step-00000002":
+            raise timed_out(path / "model.safetensors")
+        return real_prepare(path)
+
+    c._prepare = prepare  # type: ignore[method-assign]
+
+    async def during() -> None:
+        await until(lambda: c.state.loaded_step == 1)
+        publish_checkpoint(root, 2, tensors(2), config=CONFIG, run_id=RUN)
+        await until(lambda: 2 in c.state.rejected, timeout_s=30)
+
+    run_with(c, during)
+    assert c.state.rejected[2] == "unreadable", c.state.rejected
+    assert "Connection timed out" in c.state.last_error["message"], c.state.last_error
+
+
+def test_post_sync_says_the_lookup_timed_out_in_the_storage(tmp_path: Path, monkeypatch) -> None:
+    settings = SidecarSettings(checkpoint_path=tmp_path, sglang_url="http://127.0.0.1:9", replica_id="r", stage=False)
+    app = create_app(settings)
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        controller = app.state.controller
+
+        def lookup(name: str) -> Path:
+            raise timed_out(tmp_path / name)
+
+        monkeypatch.setattr(controller, "request_checkpoint", lookup)
+        answer = client.post("/sync", json={"checkpoint": "step-00000001"})
+    assert answer.status_code == 503, answer.text
+    detail = answer.json()["detail"]
+    assert "timed out in the storage" in detail and "took more than" not in detail, detail
