@@ -104,6 +104,9 @@ class ReplicaReport:
     sglang_url: str | None = None
     last_error: dict[str, Any] | None = None
     rejected: dict[str, str] = field(default_factory=dict)
+    fatal: dict[str, Any] | None = None
+    """Set when the replica cannot load any checkpoint until it is fixed (its ``reason`` and
+    ``message``): the trainer stops waiting for it."""
     heartbeat: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -140,6 +143,7 @@ class ReplicaReport:
             }
             if isinstance(rejected, dict)
             else {},
+            fatal=typed("fatal", (dict,)),
             heartbeat=_seconds(data.get("heartbeat")),
         )
 

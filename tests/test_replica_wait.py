@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rollout_service.sidecar.acks import write_ack
-from trainer_hooks.replica_wait import AckFileWaiter, ReplicaSyncTimeout
+from trainer_hooks.replica_wait import AckFileWaiter, CheckpointRejected, ReplicaSyncTimeout
 
 
 def test_ack_file_timeout_names_lagging_and_dead_replicas(tmp_path: Path) -> None:
@@ -26,3 +26,27 @@ def test_ack_file_timeout_names_lagging_and_dead_replicas(tmp_path: Path) -> Non
         r"\(dead\?\): gone \(last heartbeat 60\d s ago\)",
     ):
         waiter.wait(4, timeout_s=1)
+
+
+def test_the_ack_wait_stops_at_once_for_a_replica_that_cannot_load_any_checkpoint(tmp_path: Path) -> None:
+    """A sidecar whose SGLang restart budget is spent (``fatal``) says so in its ack file now; the
+    ack-file wait gave up only at ``sync_timeout``, as if the replica were slow."""
+    from rollout_service.sidecar.acks import AckWriter
+    from rollout_service.sidecar.state import SidecarState
+    from trainer_hooks.replica_wait import ReplicaFailed
+
+    state = SidecarState(replica_id="r0", checkpoint_path=str(tmp_path), sglang_url="http://x", loaded_step=3)
+    state.sglang_healthy = True
+    state.fatal = {"reason": "restart_budget_spent", "message": "SGLang crashed 5 times in 600 s"}
+    AckWriter(tmp_path, "r0").write(state.report())  # what the sidecar writes
+    waiter = AckFileWaiter(tmp_path, 1, max_age_s=60)
+    t0 = time.monotonic()
+    with pytest.raises(ReplicaFailed, match="replica r0 cannot load any checkpoint .restart_budget_spent: SGLang"):
+        waiter.wait(4, timeout_s=30)
+    assert time.monotonic() - t0 < 5
+    state.fatal = None
+    state.rejected = {4: "shape_mismatch"}
+    AckWriter(tmp_path, "r0").write(state.report())
+    with pytest.raises(CheckpointRejected, match="replica r0 rejected checkpoint step-00000004 .shape_mismatch"):
+        waiter.wait(4, timeout_s=30)
+    assert waiter.wait(3, timeout_s=5)  # what it serves still counts

@@ -79,6 +79,12 @@ def test_an_ack_too_large_for_readers_is_written_with_its_error_message_cut(tmp_
     controller.acks.write(controller.state.report())
     ack = read_acks(tmp_path)["r0"]
     assert ack["last_error"]["reason"] == "x" and ack["last_error"]["message"].startswith("zzz")
+    # The fatal condition (which the trainer's ack-file wait stops at) too: `serve` puts SGLang's
+    # last log lines in its message.
+    controller.state.fatal = {"reason": "restart_budget_spent", "message": "log " * MAX_ACK_BYTES}
+    controller.acks.write(controller.state.report())
+    ack = read_acks(tmp_path)["r0"]
+    assert ack["fatal"]["reason"] == "restart_budget_spent" and ack["fatal"]["message"].startswith("log log")
 
 
 def test_waits_on_a_slow_root_leave_the_loops_threads_free(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

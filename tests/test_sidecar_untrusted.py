@@ -197,6 +197,11 @@ def test_poison_entries_are_each_rejected_and_the_loop_keeps_serving(
     with pytest.raises(CheckpointRejected, match="non_finite"):
         SidecarWaiter([sidecar.url]).wait(7, timeout_s=120)
     assert time.monotonic() - t0 < 15
+    # So does one that reads the ack files (expected_replicas): it waited out sync_timeout.
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointRejected, match="replica r0 rejected checkpoint step-00000007 \\(non_finite\\)"):
+        AckFileWaiter(checkpoint_root, 1, max_age_s=60).wait(7, timeout_s=120)
+    assert time.monotonic() - t0 < 15
     log = sidecar.log_path.read_text()
     assert log.count("Traceback") == 0, "rejections are log lines, not tracebacks"
     # A step copied in file by file, seen while its manifest was half written, is rejected; once

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
 
@@ -87,6 +87,10 @@ class ReplicaView:
     wait_ended: str | None = None
     """Why the replica's last ``GET /wait`` ended before its step was served other than by its
     timeout (e.g. ``root_unresponsive``: its checkpoint root did not answer), and what to do."""
+    rejected: dict[str, str] = field(default_factory=dict)
+    """The steps the replica rejected (the newest ones), by step number as text: their reasons."""
+    fatal: str | None = None
+    """Why the replica cannot load any checkpoint until it is fixed, if so (bounded text)."""
 
     def describe(self) -> str:
         if self.unreachable:
@@ -222,22 +226,8 @@ class SidecarWaiter:
             view.unreachable = f"GET /wait answered HTTP {r.status_code}: {r.text[:200]}"
             _pause_until(until)
             return False
-        rejected = ReplicaReport.from_dict(body, replica_id=view.name).rejected if body is not None else {}
-        reason = rejected.get(str(version))
-        if reason is not None:
-            raise CheckpointRejected(  # bounded, like every field of a report that reaches a message
-                f"replica {view.name} rejected checkpoint {step_dir_name(version)} ({reason[:200]}): "
-                f"{view.last_error or 'see the sidecar log'}. The trainer will not wait for a checkpoint the "
-                "replica refuses to load: fix the cause (e.g. tensor names or dtype differ from what the "
-                "replica serves) and restart training"
-            )
-        fatal = body.get("fatal") if body is not None else None
-        if isinstance(fatal, dict):
-            raise ReplicaFailed(
-                f"replica {view.name} cannot load any checkpoint ({shown_text(fatal.get('reason'), 80)}:"
-                f" {shown_text(fatal.get('message'), 300)}): fix it and restart that replica's sidecar (and"
-                " training, if it stopped); the trainer does not wait out sync_timeout for it"
-            )
+        if body is not None:
+            _raise_if_refused(view, version)
         error = body.get("error") if body is not None else None
         if body is not None and isinstance(error, str) and error != "wait_timeout":
             # Ended early, e.g. root_unresponsive: asked again, and named in progress and timeout messages.
@@ -370,6 +360,9 @@ class AckFileWaiter:
             done = [v for v in views if self._acked(v, version)]
             if len(done) >= self.expected:
                 return views
+            for view in views:
+                if not self._acked(view, version):
+                    _raise_if_refused(view, version)
             now = time.monotonic()
             if now >= deadline:
                 raise ReplicaSyncTimeout(
@@ -465,9 +458,33 @@ def _unconfirmed(view: ReplicaView, version: int, run_id: str | None) -> str | N
     return None
 
 
+def _raise_if_refused(view: ReplicaView, version: int) -> None:
+    """Raise when the replica's report (``/wait`` body or ack file) says it will never serve
+    ``version``: it rejected the checkpoint (:class:`CheckpointRejected`), or it cannot load any
+    (:class:`ReplicaFailed`). The trainer does not wait out ``sync_timeout`` for either."""
+    reason = view.rejected.get(str(version))
+    if reason is not None:
+        raise CheckpointRejected(  # bounded, like every field of a report that reaches a message
+            f"replica {view.name} rejected checkpoint {step_dir_name(version)} ({reason[:200]}): "
+            f"{view.last_error or 'see the sidecar log'}. The trainer will not wait for a checkpoint the "
+            "replica refuses to load: fix the cause (e.g. tensor names or dtype differ from what the "
+            "replica serves) and restart training"
+        )
+    if view.fatal is not None:
+        raise ReplicaFailed(
+            f"replica {view.name} cannot load any checkpoint ({view.fatal}): fix it and restart that"
+            " replica's sidecar (and training, if it stopped); the trainer does not wait out sync_timeout for it"
+        )
+
+
 def _update_view(view: ReplicaView, body: dict[str, Any]) -> None:
     """Take what the trainer needs from a replica report (``/wait`` body or ack file)."""
     report = ReplicaReport.from_dict(body, replica_id=view.name)
+    view.rejected = report.rejected
+    fatal = report.fatal
+    view.fatal = (
+        None if fatal is None else f"{shown_text(fatal.get('reason'), 80)}: {shown_text(fatal.get('message'), 300)}"
+    )
     view.loaded_step, view.loading_step = report.loaded_step, report.loading_step
     view.run_id, view.current = report.run_id, report.loaded_current
     view.healthy = report.sglang_healthy if "sglang_healthy" in body else None

@@ -61,10 +61,13 @@ class AckWriter:
         """Atomically replace this replica's ack file with ``report`` and a fresh heartbeat.
 
         A report that would not fit what readers read (:data:`MAX_ACK_BYTES`) is written with its
-        ``last_error`` message cut short: an ack readers skip counts the replica as dead."""
+        ``last_error`` and ``fatal`` messages cut short: an ack readers skip counts the replica as dead."""
         fields = report.to_dict()
-        if len(json.dumps(fields)) > MAX_ACK_BYTES - 256 and isinstance(report.last_error, dict):
-            fields["last_error"] = {**report.last_error, "message": shown_text(report.last_error.get("message"))}
+        if len(json.dumps(fields)) > MAX_ACK_BYTES - 256:
+            for name in ("last_error", "fatal"):
+                error = fields.get(name)
+                if isinstance(error, dict):
+                    fields[name] = {**error, "message": shown_text(error.get("message"))}
         self.write_fields(fields)
 
     def write_fields(self, fields: dict[str, Any]) -> None:

@@ -72,6 +72,7 @@ class SidecarState:
             sglang_url=self.sglang_url,
             last_error=self.last_error,
             rejected={str(k): self.rejected[k] for k in sorted(self.rejected)[-MAX_REPORTED_REJECTIONS:]},
+            fatal=self.fatal,
         )
 
     def to_dict(self) -> dict[str, Any]:
