@@ -360,9 +360,79 @@ def test_the_next_sync_gives_up_on_a_background_write_blocked_in_the_storage(
     error = outcome[0]
     assert isinstance(error, RootUnresponsive), repr(error)
     assert "version 2" in str(error) and str(root) in str(error) and "has written nothing for" in str(error)
-    assert "waiting for the background sync of version 2" in caplog.text
+    assert "waiting for the sync of version 2" in caplog.text
     pub.close()  # the write is released: it finishes
     assert [c.step for c in list_checkpoints(root)] == [1, 2]
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["streamed", "delta"])
+def test_a_foreground_sync_gives_up_on_a_write_blocked_in_the_storage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, delta: bool
+) -> None:
+    """``max_staleness=0`` (the default) writes every sync in the foreground: a write blocked in
+    the storage hung the trainer for good, without a line in its log (the other ranks then died
+    in the NCCL watchdog). It now ends like a blocked background write, and every weight is still
+    drawn (gathers are collective)."""
+    from rollout_service.delta_writer import DeltaCheckpointWriter
+    from rollout_service.sidecar.root_gate import RootUnresponsive
+
+    root = tmp_path / "root"
+    pub = _bounded_publisher(root, monkeypatch, sync_timeout_s=1.0)
+    if delta:
+        pub.delta = DeltaCheckpointWriter(full_every=100)
+    weights = [(f"w{i}", torch.full((64,), float(i))) for i in range(8)]
+    pub.publish_and_wait(1, weights)
+    hang = threading.Event()
+    real = checkpoint_writer.write_all
+    monkeypatch.setattr(checkpoint_writer, "write_all", lambda fd, data: (hang.wait(60), real(fd, data)))
+    drawn: list[str] = []
+
+    def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in weights:
+            drawn.append(name)
+            yield name, t + 1
+
+    outcome: list[BaseException | None] = []
+
+    def sync() -> None:
+        try:
+            pub.publish_and_wait(2, gathered())
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    with caplog.at_level(logging.INFO, logger="trainer_hooks.checkpoint_publisher"):
+        syncing = threading.Thread(target=sync, daemon=True)
+        syncing.start()
+        syncing.join(15)
+        hang.set()
+    assert outcome, "the foreground sync still hangs on the blocked write"
+    error = outcome[0]
+    assert isinstance(error, RootUnresponsive), repr(error)
+    assert "version 2" in str(error) and str(root) in str(error) and "has written nothing for" in str(error)
+    assert "waiting for the sync of version 2" in caplog.text  # progress while it waited
+    assert drawn == [name for name, _ in weights]  # every gather ran
+    pub.close()  # the write is released: it finishes (waited for, as a pending job)
+    assert [c.step for c in list_checkpoints(root)] == [1, 2]
+
+
+def test_a_foreground_sync_whose_gather_fails_publishes_nothing(tmp_path: Path, monkeypatch) -> None:
+    """The weights are drawn on the calling thread and written on the job's: a gather that fails
+    there leaves the write without its weights, which must fail it (nothing is published)."""
+    root = tmp_path / "root"
+    pub = _bounded_publisher(root, monkeypatch, sync_timeout_s=1.0)
+
+    def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+        yield "w0", torch.ones(4)
+        raise RuntimeError("CUDA out of memory in the gather")
+
+    with pytest.raises(RuntimeError, match="out of memory in the gather"):
+        pub.publish_and_wait(1, gathered())
+    time.sleep(1.0)  # the job notices within JOIN_POLL_S
+    assert list_checkpoints(root) == []
+    assert not [p for p in root.iterdir() if p.name.startswith("step-")]
+    pub.publish_and_wait(1, [("w0", torch.ones(4))])  # the next sync goes on
+    assert [c.step for c in list_checkpoints(root)] == [1]
 
 
 def test_a_slow_background_write_that_makes_progress_is_waited_for(

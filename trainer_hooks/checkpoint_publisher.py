@@ -10,10 +10,12 @@ each phase took (:class:`SyncRecord`).
 Every sync takes one path (:meth:`CheckpointPublisher.publish`): the weights are *taken in*
 on the calling thread (the gather, which is collective), then a job writes the checkpoint and
 waits for the replicas; it returns a ``concurrent.futures.Future`` of the job. In the
-foreground the job runs at once on the calling thread; in the background it runs on a worker
+foreground the caller waits for the job before it returns; in the background it runs on a worker
 thread while training goes on (at most one is in flight: the next sync first waits for it, and
-an error in the worker is raised by the next call into the publisher; that wait logs its
-progress and gives up on a write blocked in the storage, see :func:`background_sync_bound_s`).
+an error in the worker is raised by the next call into the publisher). Either wait logs its
+progress and gives up on a write blocked in the storage (see :func:`background_sync_bound_s`):
+a foreground job runs on a thread of its own too, the caller watching it (and drawing the
+weights, which a streamed write takes from it through a small queue).
 A checkpoint the caller writes itself (the LoRA adapter, ``adapter_publish.py``) takes the same
 path through :meth:`CheckpointPublisher.publish_prepared`, with the caller's writer as the job's
 write.
@@ -36,6 +38,7 @@ import contextlib
 import errno
 import logging
 import os
+import queue
 import stat
 import threading
 import time
@@ -79,6 +82,8 @@ JOIN_PROGRESS_EVERY_S = 30.0
 """How often a sync waiting for the background one before it logs that it still waits."""
 JOIN_POLL_S = 1.0
 """How often that wait looks at the background sync's progress."""
+HAND_OFF_TENSORS = 2
+"""Tensors drawn ahead of a foreground write (see :class:`_HandOff`)."""
 WRITE_ALLOWANCE_BYTES_PER_S = 10e6
 """The slowest storage a background write is given time for: 10 MB/s (a 15 GB checkpoint: 25
 minutes). Slower, and still writing, it is waited for all the same (see :func:`background_sync_bound_s`)."""
@@ -101,7 +106,7 @@ def background_sync_bound_s(sync_timeout_s: float, bytes_to_write: int) -> float
 
 @dataclass
 class _BackgroundJob:
-    """The background sync in flight, as :meth:`CheckpointPublisher.join` watches it."""
+    """The sync job in flight (background, or foreground on its own thread), as its waiter watches it."""
 
     version: int
     bytes_to_write: int
@@ -166,6 +171,64 @@ class _TimedIterator:
         """Consume what is left (gathers are collective: other processes wait for them)."""
         for _ in self:
             pass
+
+    def hand_off(self, replacement: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Read ``replacement`` from now on; return what was read so far (to be read elsewhere)."""
+        source, self._it = self._it, replacement
+        return source
+
+
+_END = object()
+"""The hand-off's last item: the weights are all drawn."""
+
+
+class _HandOff:
+    """The weights drawn on the calling thread (the gather is collective: it stays there) and
+    written by a foreground job on its own thread, through a queue of :data:`HAND_OFF_TENSORS`."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(HAND_OFF_TENSORS)
+        self.abandoned = threading.Event()
+        """Set by the calling thread when it stops drawing before the end (an error, Ctrl-C)."""
+
+    def consume(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(The job's thread.) The weights as the calling thread hands them over."""
+        while True:
+            try:
+                item = self._queue.get(timeout=JOIN_POLL_S)
+            except queue.Empty:
+                if self.abandoned.is_set():
+                    raise RuntimeError("the sync was given up on the calling thread: no more weights come") from None
+                continue
+            if item is _END:
+                return
+            yield item
+
+    def put(self, item: Any, give_up: Callable[[], bool]) -> bool:
+        """(The calling thread.) Hand ``item`` over once there is room; False when ``give_up()``
+        said so first (asked every :data:`JOIN_POLL_S` while the queue is full)."""
+        while True:
+            try:
+                self._queue.put(item, timeout=JOIN_POLL_S)
+                return True
+            except queue.Full:
+                if give_up():
+                    return False
+
+
+def _in_daemon_thread(fn: Callable[[], T], name: str) -> Future[T]:
+    """``fn()`` on a new daemon thread (one blocked for good in the storage holds up no exit)."""
+    future: Future[T] = Future()
+    future.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 def cast_on_device(
@@ -431,20 +494,65 @@ class CheckpointPublisher:
                 background=background,
             )
 
+        self._job = _BackgroundJob(version, bytes_to_write, time.monotonic(), bytes_written())
+        watched.append(self._job)
         if background:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-sync")
-            self._job = _BackgroundJob(version, bytes_to_write, time.monotonic(), bytes_written())
-            watched.append(self._job)
             self._future = self._pool.submit(job)
             return self._future
-        future: Future[SyncRecord] = Future()
-        future.set_running_or_notify_cancel()
-        try:
-            future.set_result(job())
-        except BaseException as exc:
-            future.set_exception(exc)
+        # In the foreground too the job runs on a thread of its own, the caller watching it as the
+        # next sync watches a background one: a write blocked in the storage (a hung NFS server)
+        # ends the wait with RootUnresponsive instead of hanging the trainer without a word. The
+        # weights are still drawn here (collective gathers), handed to the job's write.
+        handoff = _HandOff() if streamed is not None else None
+        source = streamed.hand_off(handoff.consume()) if streamed is not None and handoff is not None else None
+        future = self._future = _in_daemon_thread(job, f"checkpoint-sync-{version}")
+        if source is not None and handoff is not None:
+            try:
+                self._pump(source, handoff, future, self._job)
+            except Exception as exc:  # the gather failed: the write, without its weights, fails at once
+                if not isinstance(exc, RootUnresponsive):
+                    with contextlib.suppress(RootUnresponsive):  # (else it stays pending: the next sync waits)
+                        self._wait_for(future)
+                        self._future = self._job = None
+                raise
+        self._wait_for(future)
+        self._future = self._job = None
         return future
+
+    def _pump(
+        self,
+        source: Iterator[tuple[str, torch.Tensor]],
+        handoff: _HandOff,
+        future: Future[SyncRecord],
+        job: _BackgroundJob,
+    ) -> None:
+        """Draw the weights here and hand them to the foreground job's write. A job that ended
+        (failed) takes no more, and one whose write is blocked in the storage raises
+        ``RootUnresponsive`` (:meth:`_check_stuck`); the rest of the weights are drawn all the
+        same (gathers are collective: other processes wait for them)."""
+
+        def give_up() -> bool:
+            self._check_stuck(job)
+            return future.done()
+
+        try:
+            for item in source:
+                if not handoff.put(item, give_up):
+                    break
+            else:
+                handoff.put(_END, give_up)
+                return
+        except BaseException:
+            handoff.abandoned.set()
+            with contextlib.suppress(Exception):
+                for _ in source:
+                    pass
+            raise
+        handoff.abandoned.set()
+        for _ in source:
+            pass
 
     def _write_under_root(self, write: Callable[[int], PublishResult], version: int) -> PublishResult:
         """``write(version)``, into the root this publisher started with: a root that vanished
@@ -604,25 +712,31 @@ class CheckpointPublisher:
             if job is None:
                 continue
             now = time.monotonic()
-            job.look(now)
-            waited, still = now - job.started, now - job.moved_at
-            bound = background_sync_bound_s(self.sync_timeout_s, job.bytes_to_write)
-            if waited > bound and still > self.sync_timeout_s and not job.write_done:
-                raise RootUnresponsive(
-                    f"the checkpoint root {self.root} is not answering: the background sync of version"
-                    f" {job.version} has written nothing for {still:.0f} s ({_written(job)} in {waited:.0f} s, past"
-                    f" the {bound:.0f} s it may take): its write is blocked in the storage. Check the root's file"
-                    f" system on the trainer's machine (NFS server, mount: does `ls {self.root}` return?) and"
-                    " restart the run once it answers; raise sync_timeout if it is only slow"
-                )
+            self._check_stuck(job)
             if now >= next_report:
                 log.info(
-                    "waiting for the background sync of version %d to finish: %.0f s so far, %s",
+                    "waiting for the sync of version %d to finish: %.0f s so far, %s",
                     job.version,
-                    waited,
+                    now - job.started,
                     _written(job),
                 )
                 next_report = now + JOIN_PROGRESS_EVERY_S
+
+    def _check_stuck(self, job: _BackgroundJob) -> None:
+        """Raise ``RootUnresponsive`` when ``job`` ran past :func:`background_sync_bound_s` and its
+        write wrote nothing for ``sync_timeout_s``: it is blocked in the storage."""
+        now = time.monotonic()
+        job.look(now)
+        waited, still = now - job.started, now - job.moved_at
+        bound = background_sync_bound_s(self.sync_timeout_s, job.bytes_to_write)
+        if waited > bound and still > self.sync_timeout_s and not job.write_done:
+            raise RootUnresponsive(
+                f"the checkpoint root {self.root} is not answering: the sync of version"
+                f" {job.version} has written nothing for {still:.0f} s ({_written(job)} in {waited:.0f} s, past"
+                f" the {bound:.0f} s it may take): its write is blocked in the storage. Check the root's file"
+                f" system on the trainer's machine (NFS server, mount: does `ls {self.root}` return?) and"
+                " restart the run once it answers; raise sync_timeout if it is only slow"
+            )
 
     def close(self) -> None:
         """Wait for the background job and stop the worker thread (raises the job's error), then
