@@ -31,6 +31,9 @@ class Published:
     latest_version = 5
     first_version = 1
 
+    def version_back(self, publishes: int) -> int:
+        return max(self.latest_version - publishes, self.first_version)
+
     def raise_if_failed(self) -> None:
         pass
 
@@ -191,3 +194,42 @@ def test_an_adapter_run_on_a_full_checkpoint_is_refused_not_labelled_the_adapter
     assert f"LoRA adapter run on full checkpoint version(s) ['{version}']" in message, message
     assert "base model" in message and "checkpoint_path of its own" in message
     assert len(server.generate_requests) >= 2  # retried until sync_timeout
+
+
+def test_the_staleness_bound_counts_publishes_not_version_numbers(labelled: Any, tmp_path: Any) -> None:
+    """A stray entry named like a step makes the numbering skip it (1, then 3): with
+    ``max_staleness=1`` rollouts of the previous publish (1) were refused as two versions old, and
+    the error blamed the replicas for not catching up."""
+    import torch
+
+    from rollout_service.checkpoint_format import step_dir_name
+    from trainer_helpers import NoWaiter
+    from trainer_hooks.checkpoint_publisher import CheckpointPublisher
+
+    publisher = CheckpointPublisher(
+        tmp_path,
+        NoWaiter(),
+        config={"model_type": "x"},
+        dtype=None,
+        max_shard_bytes=1 << 20,
+        keep=None,
+        sync_timeout_s=5,
+        heartbeat_max_age_s=60,
+    )
+    try:
+        publisher.publish_and_wait(publisher.next_version(), [("w", torch.zeros(4))])
+        (tmp_path / step_dir_name(2)).write_text("stray")
+        second = publisher.next_version()
+        publisher.publish_and_wait(second, [("w", torch.ones(4))])
+        assert (publisher.first_version, second) == (1, 3)
+        policy, _ = labelled("1")  # the replicas still serve the previous publish
+        policy = StaleRetryPolicy(policy.endpoints, publisher, NoWait(), max_staleness=1, sync_timeout_s=0.6)
+        assert policy.required_version() == 1
+        groups, record = run(policy)
+        assert record.stale_retries == 0 and record.versions == [1, 1]
+        strict = StaleRetryPolicy(policy.endpoints, publisher, NoWait(), max_staleness=0, sync_timeout_s=0.6)
+        assert strict.required_version() == 3
+        with pytest.raises(StaleWeightsError, match="requires version >= 3"):
+            run(strict)
+    finally:
+        publisher.close()

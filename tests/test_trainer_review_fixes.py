@@ -239,6 +239,9 @@ class _Published:
     latest_version = 1
     first_version = 1
 
+    def version_back(self, publishes: int) -> int:
+        return 1
+
     def raise_if_failed(self) -> None:
         pass
 

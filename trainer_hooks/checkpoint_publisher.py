@@ -34,6 +34,7 @@ CPU (:func:`cast_on_device`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
@@ -89,6 +90,8 @@ WRITE_ALLOWANCE_BYTES_PER_S = 10e6
 minutes). Slower, and still writing, it is waited for all the same (see :func:`background_sync_bound_s`)."""
 WRITE_ALLOWANCE_BASE_S = 60.0
 """Time every background write is given besides its bytes (opening, fsyncs, renames)."""
+MAX_VERSIONS_KEPT = 1 << 16
+"""How many of its newest versions a publisher remembers (``max_staleness`` looks that far back at most)."""
 PRUNE_SKIPPED_LOG_EVERY_S = 600.0
 """How often the same reason to leave old checkpoints in place (acks not all read) is logged again."""
 
@@ -284,6 +287,8 @@ class CheckpointPublisher:
         self.confirmed_version: int | None = None
         """The newest version every expected replica acknowledged."""
         self.first_version: int | None = None
+        self._started: collections.deque[int] = collections.deque(maxlen=MAX_VERSIONS_KEPT)
+        """The versions this publisher started publishing, oldest first (the newest ones)."""
         self._records: list[SyncRecord] = []
         self._records_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -784,8 +789,19 @@ class CheckpointPublisher:
 
     def _start(self, version: int) -> None:
         self.latest_version = version
+        self._started.append(version)
         if self.first_version is None:
             self.first_version = version
+
+    def version_back(self, publishes: int) -> int | None:
+        """The version this publisher started ``publishes`` publishes before the newest one (its
+        first when it has published fewer; None before any). Versions can skip numbers (a name
+        taken by a stray entry, another run's step), so this is not ``latest_version - publishes``."""
+        if not self._started:
+            return None
+        if publishes < len(self._started):
+            return self._started[-1 - publishes]
+        return self.first_version
 
     def _finish(
         self,

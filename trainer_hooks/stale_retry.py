@@ -96,11 +96,10 @@ class StaleRetryPolicy:
         return self.max_staleness > 0 and self.publisher.first_version is not None
 
     def required_version(self) -> int | None:
-        """The oldest checkpoint version a completion may come from (None before the first sync)."""
-        latest, first = self.publisher.latest_version, self.publisher.first_version
-        if latest is None or first is None:
-            return None
-        return max(latest - self.max_staleness, first)
+        """The oldest checkpoint version a completion may come from (None before the first sync):
+        the one published ``max_staleness`` publishes before the newest (counted in publishes, not
+        in version numbers, which can skip), never one before this run's first."""
+        return self.publisher.version_back(self.max_staleness)
 
     def generate(
         self, unique: list[list[int]], params: dict[str, Any], *, want_logprobs: bool, rescore: bool
