@@ -229,8 +229,37 @@ def test_a_deep_stale_temp_folder_is_removed_at_the_trainers_start(scrubbed: Pat
     stale.mkdir()
     _deep_tree(stale, DEPTH)
     _age(stale)
-    _publisher(tmp_path)
+    publisher = _publisher(tmp_path)
+    publisher.close()  # (waits for the removals it asked for)
     assert not stale.exists()
+
+
+def test_a_slow_removal_of_leftovers_does_not_stop_the_trainer_from_starting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start removed killed writers' leftovers inside its bounded look at the root: a removal
+    slower than ``sync_timeout`` (a large model's folder on NFS) made the trainer refuse to start,
+    saying the root does not answer, at every restart until the removal was done."""
+    from rollout_service import checkpoint_writer
+    from trainer_hooks import checkpoint_retention
+
+    stale = tmp_path / ".tmp-deleting-step-00000001-abcd1234"
+    (stale / "d").mkdir(parents=True)
+    _age(stale)
+    real = checkpoint_retention.remove_tree
+
+    def slow(path: Path) -> None:
+        time.sleep(3.0)
+        real(path)
+
+    monkeypatch.setattr(checkpoint_retention, "remove_tree", slow)
+    monkeypatch.setattr(checkpoint_writer, "remove_tree", slow)
+    t0 = time.monotonic()
+    publisher = bare_publisher(tmp_path, 2, sync_timeout_s=1.0)
+    assert time.monotonic() - t0 < 2.0  # started; the removal goes on beside it
+    assert publisher.next_version() == 1
+    assert publisher._remover.join(30) == 0 and not stale.exists()
+    publisher.close()
 
 
 def test_remove_tree_never_follows_links(tmp_path: Path) -> None:
@@ -321,7 +350,7 @@ def test_folders_that_cannot_be_emptied_are_logged_and_the_rest_goes_on(tmp_path
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"steps": [5], "stale_left": True, "other_left": False, "pruned": 4}
     log = done.stderr
-    assert "could not remove the stale temporary entry" in log and ".tmp-step-00000003" in log
+    assert "removing the files of .tmp-step-00000003" in log and "remove it by hand" in log
     assert "removing the files of step-00000001 failed" in log and "remove it by hand" in log
 
 

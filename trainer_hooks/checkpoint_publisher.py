@@ -56,7 +56,6 @@ from rollout_service.checkpoint_format import MAX_STEP, CheckpointError, Manifes
 from rollout_service.checkpoint_reader import PublishedCheckpoint
 from rollout_service.checkpoint_writer import (
     PublishResult,
-    cleanup_stale_temp_dirs,
     publish_checkpoint,
     stale_temp_entries,
 )
@@ -307,17 +306,20 @@ class CheckpointPublisher:
         self._remover = HiddenRemover()
         """Removes deleted steps' files beside training, not in a look at the root: a slow removal
         would otherwise make the next sync's look find the root "not answering"."""
-        self._root_identity = self._on_root(self._prepare_root, "making it and removing stale temporary entries")
+        self._root_identity, stale = self._on_root(self._prepare_root, "making it and listing stale temporary entries")
         """(device, inode) of the root as it was at the start: a root unmounted or replaced since is
         not published into (a folder at the same path is not what the replicas watch)."""
+        for entry in stale:  # removed beside training: a slow removal is no root that does not answer
+            log.info("removing %s, a temporary entry left by a writer that was killed", entry)
+            self._remover(entry, entry.name)
 
     def _on_root(self, look: Callable[[], T], what: str) -> T:
         """``look()``, given up on after ``sync_timeout_s`` (``RootUnresponsive`` naming the root):
         on a hung network file system a read blocks in the kernel for good."""
         return self._looks.run(lambda deadline: look(), time.monotonic() + self.sync_timeout_s, what)
 
-    def _prepare_root(self) -> tuple[int, int]:
-        """Make the root, remove killed writers' leftovers, and hold the root open: a FUSE file
+    def _prepare_root(self) -> tuple[tuple[int, int], list[Path]]:
+        """Make the root, list killed writers' leftovers, and hold the root open: a FUSE file
         system (sshfs) numbers a folder's inode afresh once the kernel has dropped it from its
         cache (memory pressure on a training node), so the same root would look replaced at the
         next publish; a folder held open stays cached, and keeps its number."""
@@ -326,11 +328,9 @@ class CheckpointPublisher:
         # Held for the publisher's life, closed when it is collected (also when this look fails or
         # was given up on); not by close(): ``evaluate()`` after ``train()`` publishes again.
         weakref.finalize(self, os.close, fd)
-        removed = cleanup_stale_temp_dirs(self.root)
-        if removed:
-            log.info("removed %d stale temporary entries under %s left by killed writers", len(removed), self.root)
+        stale = stale_temp_entries(self.root)
         st = os.fstat(fd)
-        return st.st_dev, st.st_ino
+        return (st.st_dev, st.st_ino), stale
 
     def next_version(self) -> int:
         """One above both the last version used and the newest checkpoint published under the root.
