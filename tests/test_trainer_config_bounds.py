@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import torch
 from rollout_service.adapter_reader import LoraLimits
 from rollout_service.cli import SHARD_MB
 from rollout_service.cli_env import TIMEOUT_S
-from rollout_service.protocol import MIN_HEARTBEAT_MAX_AGE_S
+from rollout_service.protocol import ACK_EXPIRY_S, MIN_HEARTBEAT_MAX_AGE_S
 from rollout_service.sidecar.settings import SidecarSettings
 from trainer_helpers import make_config
 from trainer_hooks.adapter_publish import server_lora_limits
@@ -177,7 +178,7 @@ def test_every_seconds_field_shares_the_clis_timeout_range() -> None:
     }
     assert described and described <= set(SECONDS_FIELDS)
     assert all(NUMBER_RANGES[name][:2] == TIMEOUT_S for name in SECONDS_FIELDS if name != HEARTBEAT)
-    assert NUMBER_RANGES[HEARTBEAT][:2] == (MIN_HEARTBEAT_MAX_AGE_S, TIMEOUT_S[1])
+    assert NUMBER_RANGES[HEARTBEAT][:2] == (MIN_HEARTBEAT_MAX_AGE_S, ACK_EXPIRY_S)
 
 
 HEARTBEAT = "replica_heartbeat_max_age"
@@ -188,8 +189,8 @@ a dead one between two writes (retention then deletes the step it is loading).""
 @pytest.mark.parametrize("name", SECONDS_FIELDS)
 @pytest.mark.parametrize("value", [1e12, 0.001, 0, -1.0, float("inf"), "600", True])
 def test_a_timeout_outside_the_shared_range_is_refused_naming_it(tmp_path: Path, name: str, value: Any) -> None:
-    low = "15" if name == HEARTBEAT else "0.01"
-    with pytest.raises(ValueError, match=rf"{name} \(in seconds\) must be a finite number from {low} to 604800, got"):
+    low, high = ("15", "86400") if name == HEARTBEAT else ("0.01", "604800")
+    with pytest.raises(ValueError, match=rf"{name} \(in seconds\) must be a finite number from {low} to {high}, got"):
         config(tmp_path, **{name: value})
 
 
@@ -203,7 +204,8 @@ def test_a_heartbeat_age_a_live_replica_outlives_between_its_writes_is_refused(t
 
 @pytest.mark.parametrize("name", SECONDS_FIELDS)
 def test_the_longest_timeout_is_accepted(tmp_path: Path, name: str) -> None:
-    assert getattr(config(tmp_path, **{name: TIMEOUT_S[1]}), name) == TIMEOUT_S[1]
+    longest = NUMBER_RANGES[name][1]
+    assert getattr(config(tmp_path, **{name: longest}), name) == longest
 
 
 def test_timeouts_are_checked_before_the_collective_budget_computes_with_them(
@@ -346,3 +348,26 @@ def test_a_log_path_given_as_a_path_object_or_with_tilde_is_read_like_a_string(
         config(tmp_path, sglang_log_paths=7)
     with pytest.raises(ValueError, match=r"sglang_log_paths entry .*no home directory"):
         config(tmp_path, sglang_log_paths=["~no_such_user_zz91/x.log"])
+
+
+# --- settings that contradict each other ---------------------------------------------------------
+
+
+def test_an_url_in_both_sglang_urls_and_sidecar_urls_is_refused(tmp_path: Path) -> None:
+    """The trainer then asked SGLang's /wait (a 404) until sync_timeout ran out."""
+    with pytest.raises(ValueError, match=r"http://127\.0\.0\.1:1 is in both sglang_urls and sidecar_urls"):
+        make_config(tmp_path, tmp_path, URLS, ["http://127.0.0.1:1/", *SIDECARS])
+
+
+def test_a_sidecar_token_without_sidecar_urls_is_named_as_unused(tmp_path: Path, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="trainer_hooks.config"):
+        make_config(tmp_path, tmp_path, URLS, None, expected_replicas=1, sidecar_token="t" * 16)
+    assert "sidecar_token is set but unused" in caplog.text
+
+
+def test_a_heartbeat_age_past_the_acks_expiry_is_refused(tmp_path: Path) -> None:
+    """Acks older than a day are removed (and retention then no longer spares the replica's step),
+    so a replica counted live for longer would lose its protection."""
+    with pytest.raises(ValueError, match="replica_heartbeat_max_age"):
+        config(tmp_path, replica_heartbeat_max_age=2 * 86400.0)
+    assert config(tmp_path, replica_heartbeat_max_age=86400.0).replica_heartbeat_max_age == 86400.0

@@ -35,7 +35,7 @@ from rollout_service.checkpoint_format import (
 from rollout_service.cli_env import SHARD_MB_RANGE, TIMEOUT_S, check_range
 from rollout_service.http_auth import check_token
 from rollout_service.http_urls import check_http_url
-from rollout_service.protocol import ACK_INTERVAL_S, MIN_HEARTBEAT_MAX_AGE_S
+from rollout_service.protocol import ACK_EXPIRY_S, ACK_INTERVAL_S, MIN_HEARTBEAT_MAX_AGE_S
 from rollout_service.sidecar.root_gate import answered_within
 from rollout_service.user_paths import setting_path
 
@@ -51,12 +51,13 @@ DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 NUMBER_RANGES: dict[str, tuple[float, float, str]] = {
     "sync_timeout": (*TIMEOUT_S, "seconds"),
     "sglang_request_timeout": (*TIMEOUT_S, "seconds"),
-    "replica_heartbeat_max_age": (MIN_HEARTBEAT_MAX_AGE_S, TIMEOUT_S[1], "seconds"),
+    "replica_heartbeat_max_age": (MIN_HEARTBEAT_MAX_AGE_S, ACK_EXPIRY_S, "seconds"),
     "checkpoint_max_shard_mb": (*SHARD_MB_RANGE, "MiB"),
 }
 """The number fields of :class:`SGLangRolloutArguments` with their ``(low, high, unit)``: every
 seconds-valued one shares the CLI's ``TIMEOUT_S`` (rollout_service/cli_env.py), the heartbeat's
-from ``MIN_HEARTBEAT_MAX_AGE_S`` (rollout_service/protocol.py)."""
+from ``MIN_HEARTBEAT_MAX_AGE_S`` to ``ACK_EXPIRY_S`` (rollout_service/protocol.py: an ack older
+than that is removed, so a replica counted live past it would lose its retention protection)."""
 
 
 @dataclass
@@ -290,6 +291,18 @@ class SGLangRolloutArguments:
             raise ValueError(
                 "no SGLang endpoint: set sglang_urls to one server, several servers or a router URL, "
                 "e.g. sglang_urls=['http://127.0.0.1:30000']"
+            )
+        both = sorted(set(self.sglang_urls) & set(self.sidecar_urls))
+        if both:
+            raise ValueError(
+                f"{both[0]} is in both sglang_urls and sidecar_urls: SGLang's endpoint is not its sidecar's"
+                " (`rollout-service serve` puts SGLang on --port, 30000, and the sidecar on --sidecar-port,"
+                " 8100); give each list its own servers"
+            )
+        if self.sidecar_token is not None and not self.sidecar_urls:
+            log.warning(
+                "sidecar_token is set but unused: the trainer sends it only to sidecar_urls, and waits on ack"
+                " files here (expected_replicas)"
             )
         if self.sidecar_urls and self.expected_replicas is not None:
             raise ValueError(
