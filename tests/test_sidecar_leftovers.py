@@ -238,11 +238,12 @@ def test_past_the_cap_of_held_waits_a_wait_is_refused_with_the_reason_and_later_
     import httpx
 
     from fake_sglang import dead_url
-    from rollout_service.sidecar.app import MAX_WAITERS
+    from rollout_service.sidecar.app import MAX_WAITERS, TOKEN_WAITERS
     from sidecar_helpers import Sidecar
 
     (tmp_path / "root").mkdir()
-    sidecar = Sidecar(tmp_path / "root", dead_url(), tmp_path / "sidecar.log")
+    token = "trainer-token-123456"
+    sidecar = Sidecar(tmp_path / "root", dead_url(), tmp_path / "sidecar.log", "--token", token)
     try:
 
         async def go() -> None:
@@ -260,6 +261,20 @@ def test_past_the_cap_of_held_waits_a_wait_is_refused_with_the_reason_and_later_
                 refused = await client.get(f"{sidecar.url}/wait", params={"version": 5, "timeout": 600})
                 assert time.monotonic() - t0 < 10
                 assert refused.status_code == 503 and refused.json()["error"] == "too_many_waits", refused.text
+                # The trainer (it sends the token) still has slots: held, not refused.
+                trainer = asyncio.ensure_future(
+                    client.get(
+                        f"{sidecar.url}/wait",
+                        params={"version": 5, "timeout": 600},
+                        headers={"Authorization": f"Bearer {token}"},
+                    )
+                )
+                held.append(trainer)
+                while (await client.get(f"{sidecar.url}/status")).json()["open_waits"] < MAX_WAITERS + 1:
+                    assert not trainer.done(), trainer.result().text
+                    assert time.monotonic() < deadline, "the trainer's wait was not held"
+                    await asyncio.sleep(0.2)
+                assert TOKEN_WAITERS >= 1
                 for task in held:
                     task.cancel()
                 await asyncio.gather(*held, return_exceptions=True)

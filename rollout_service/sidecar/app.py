@@ -52,6 +52,10 @@ HTTP_ERRORS = {
 MAX_WAITERS = 256
 """``/wait`` requests held at once; more are answered 503 at once (idle long-polls must not use
 up the process's file descriptors, which the health probes and the ack file need too)."""
+TOKEN_WAITERS = 16
+"""``/wait`` requests held beyond :data:`MAX_WAITERS` for clients that send the sidecar's token
+(the trainers, when one is configured): ``/wait`` needs none, so anyone who reaches the sidecar
+could otherwise hold every slot and keep the trainer from confirming a sync."""
 SHUTDOWN_GRACE_S = 5
 """How long a stopping sidecar lets open requests (a /wait of up to an hour) finish."""
 MAX_CONNECTIONS = 2 * MAX_WAITERS
@@ -140,14 +144,18 @@ def create_app(settings: SidecarSettings) -> FastAPI:
             {"error": error, "detail": exc.detail}, status_code=exc.status_code, headers=exc.headers
         )
 
-    def require_token(request: Request) -> None:
+    def has_token(request: Request) -> bool:
+        """Whether the request carries the configured token (False when none is configured)."""
         if not settings.token:
-            return
+            return False
         supplied = request.headers.get("x-rollout-token") or ""
         auth = request.headers.get("authorization") or ""
         if auth.lower().startswith("bearer "):
             supplied = supplied or auth[7:]
-        if not hmac.compare_digest(supplied.encode(), settings.token.encode()):
+        return hmac.compare_digest(supplied.encode(), settings.token.encode())
+
+    def require_token(request: Request) -> None:
+        if settings.token and not has_token(request):
             raise HTTPException(status_code=401, detail="missing or wrong token: send 'Authorization: Bearer <token>'")
 
     @app.get("/healthz")
@@ -177,7 +185,7 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         return SafeJSONResponse(body, status_code=200 if ready else 503)
 
     waiting: set[asyncio.Future[bool]] = set()
-    """The /wait requests held now (at most MAX_WAITERS)."""
+    """The /wait requests held now (at most MAX_WAITERS, and TOKEN_WAITERS more with the token)."""
 
     @app.get("/status")
     async def status() -> dict[str, Any]:
@@ -201,7 +209,7 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         ),
     ) -> Response:
         version = int(version_text)
-        if len(waiting) >= MAX_WAITERS:
+        if len(waiting) >= MAX_WAITERS + (TOKEN_WAITERS if has_token(request) else 0):
             return SafeJSONResponse(
                 {
                     "error": "too_many_waits",
