@@ -5,8 +5,10 @@ Only the sync loop (``controller.py``) changes it; the HTTP API and the ack writ
 
 from __future__ import annotations
 
+import copy
+import heapq
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ..protocol import ReplicaReport, version_for_step
@@ -71,13 +73,17 @@ class SidecarState:
             sglang_healthy=self.sglang_healthy,
             sglang_url=self.sglang_url,
             last_error=self.last_error,
-            rejected={str(k): self.rejected[k] for k in sorted(self.rejected)[-MAX_REPORTED_REJECTIONS:]},
+            rejected={str(k): self.rejected[k] for k in sorted(heapq.nlargest(MAX_REPORTED_REJECTIONS, self.rejected))},
             fatal=self.fatal,
         )
 
     def to_dict(self) -> dict[str, Any]:
         """``/status``: the replica report and everything else the sidecar knows."""
-        data = asdict(self)
+        # Field by field, without the rejections (junk by the million costs a copy per /status and
+        # per /wait answer otherwise): the report below names the newest ones.
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rejected"}
+        data["last_sync"] = None if self.last_sync is None else asdict(self.last_sync)
+        data = copy.deepcopy(data)
         data["loaded_version"] = None if self.loaded_step is None else version_for_step(self.loaded_step)
         data["pending_step"] = (
             self.newest_known_step
