@@ -111,3 +111,94 @@ def test_post_sync_says_the_lookup_timed_out_in_the_storage(tmp_path: Path, monk
     assert answer.status_code == 503, answer.text
     detail = answer.json()["detail"]
     assert "timed out in the storage" in detail and "took more than" not in detail, detail
+
+
+def _eio(path: Path) -> OSError:
+    from rollout_service.untrusted_files import UnreadableFile
+
+    return UnreadableFile(errno.EIO, f"{path.name} cannot be read: Input/output error (the storage failed)")
+
+
+def test_one_storage_blip_reading_a_step_costs_no_step(tmp_path: Path) -> None:
+    """An EIO on a step's file (a Ceph or FUSE blip) while the root answers rejected the step for
+    good, and every trainer waiting for it stopped with CheckpointRejected."""
+    root, c, fake = make(tmp_path)
+    publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
+    real_prepare = c._prepare
+    failed: list[str] = []
+
+    def prepare(path: Path):
+        if path.name == "step-00000002" and not failed:
+            failed.append(path.name)
+            raise _eio(path / "model.safetensors")
+        return real_prepare(path)
+
+    c._prepare = prepare  # type: ignore[method-assign]
+
+    async def during() -> None:
+        await until(lambda: c.state.loaded_step == 1)
+        publish_checkpoint(root, 2, tensors(2), config=CONFIG, run_id=RUN)
+        await until(lambda: c.state.loaded_step == 2 or 2 in c.state.rejected, timeout_s=30)
+
+    run_with(c, during)
+    assert failed and 2 not in c.state.rejected and c.state.loaded_step == 2
+
+
+def test_a_step_the_storage_fails_at_every_read_is_rejected(tmp_path: Path) -> None:
+    root, c, fake = make(tmp_path)
+    publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
+    real_prepare = c._prepare
+    tries: list[str] = []
+
+    def prepare(path: Path):
+        if path.name == "step-00000002":
+            tries.append(path.name)
+            raise _eio(path / "model.safetensors")
+        return real_prepare(path)
+
+    c._prepare = prepare  # type: ignore[method-assign]
+    errors: list[str] = []
+
+    async def during() -> None:
+        await until(lambda: c.state.loaded_step == 1)
+        publish_checkpoint(root, 2, tensors(2), config=CONFIG, run_id=RUN)
+        await until(lambda: (c.state.last_error or {}).get("reason") == "storage_error" or 2 in c.state.rejected)
+        errors.append((c.state.last_error or {}).get("reason", ""))
+        await until(lambda: 2 in c.state.rejected, timeout_s=30)
+
+    run_with(c, during)
+    assert errors == ["storage_error"]
+    assert c.state.rejected[2] == "unreadable" and len(tries) == 2 and c.state.loaded_step == 1
+
+
+def test_a_root_whose_own_look_fails_too_rejects_nothing(tmp_path: Path, monkeypatch) -> None:
+    """The look at the root after a failed validation counted an OSError (EIO on the root itself:
+    a soft mount whose server is gone) as "the root answered", and rejected the step."""
+    from rollout_service.sidecar import controller as controller_module
+
+    root, c, fake = make(tmp_path)
+    publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
+    real_prepare, real_look = c._prepare, controller_module._look_at
+    down: list[bool] = []
+
+    def prepare(path: Path):
+        if path.name == "step-00000002" and len(down) < 3:
+            down.append(True)
+            raise _eio(path / "model.safetensors")
+        return real_prepare(path)
+
+    def look(path: Path) -> None:
+        if down and len(down) < 3:
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        real_look(path)
+
+    c._prepare = prepare  # type: ignore[method-assign]
+    monkeypatch.setattr(controller_module, "_look_at", look)
+
+    async def during() -> None:
+        await until(lambda: c.state.loaded_step == 1)
+        publish_checkpoint(root, 2, tensors(2), config=CONFIG, run_id=RUN)
+        await until(lambda: c.state.loaded_step == 2 or 2 in c.state.rejected, timeout_s=30)
+
+    run_with(c, during)
+    assert len(down) == 3 and 2 not in c.state.rejected and c.state.loaded_step == 2

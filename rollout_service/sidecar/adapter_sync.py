@@ -212,7 +212,7 @@ class AdapterSync:
                 )
                 return False
             except CheckpointError as exc:
-                await c.reject_unless_root(ckpt, exc.reason, str(exc))
+                await c.reject_unless_root(ckpt, exc.reason, str(exc), storage=isinstance(exc, OSError))
                 return False
             except StageError as exc:  # the stage's fault (no room, a broken disk): not the step's
                 c.metrics.syncs.labels("failed", "stage_failed").inc()
@@ -223,6 +223,7 @@ class AdapterSync:
                     ckpt,
                     "unreadable",
                     f"adapter {path.name} could not be validated: {type(exc).__name__}: {str(exc)[:300]}",
+                    storage=isinstance(exc, OSError),
                 )
                 return False
             validate_s = time.perf_counter() - t0

@@ -85,6 +85,10 @@ T = TypeVar("T")
 
 # Loads of one step during which SGLang died, before that step is given up on.
 MAX_CRASHES_PER_STEP = 2
+MAX_STORAGE_FAULTS_PER_STEP = 2
+"""Validations of one step the storage failed (EIO, ESTALE, ETIMEDOUT on its files, the root
+answering) before the step is rejected: a blip of a network file system costs no step, a file
+that cannot be read at every try does."""
 DETECTING_EVENTS = frozenset({"created", "moved", "modified", "api"})
 """Wake-ups (``kind:name``) that can mean a step just landed: their time is its detection time."""
 MAX_DETECTED = 256
@@ -131,6 +135,8 @@ class SyncController:
         self._changed: asyncio.Condition | None = None
         self._detected_at: dict[int, float] = {}
         self._crashes: dict[int, int] = {}
+        self._storage_faults: dict[int, int] = {}
+        """Validations of each step the storage failed in a row (see :meth:`reject_unless_root`)."""
         self._loaded_before: set[int] = set()
         self._passed_over: set[int] = set()
         """Steps this pass tried before the one it loads that failed without a rejection."""
@@ -864,8 +870,13 @@ class SyncController:
                 return
             if ckpt.step not in self.state.rejected:
                 self._passed_over.add(ckpt.step)  # failed for now, not rejected: still to load
-            if not self.state.sglang_healthy or self._validation_stuck() or self.root_gate.problem is not None:
-                return  # an older step would wait on the same storage: end the pass
+            if (
+                not self.state.sglang_healthy
+                or self._validation_stuck()
+                or self.root_gate.problem is not None
+                or ckpt.step in self._storage_faults
+            ):
+                return  # an older step would wait on the same storage (or SGLang): end the pass
 
     def _scan(self) -> tuple[list[PublishedCheckpoint], dict[int, tuple[int, ...] | None], str]:
         """(Blocking: on the root.) :meth:`_listing` and the served step's presence."""
@@ -986,6 +997,8 @@ class SyncController:
             # (Unlisted for a minute: an event may come before a listing shows its step.)
             if (loaded is not None and step <= loaded) or (step not in steps and now - seen > 60.0):
                 self._detected_at.pop(step, None)
+        for step in [s for s in self._storage_faults if s not in steps]:
+            self._storage_faults.pop(step, None)
         for step in [s for s in self.state.rejected if s not in steps]:
             self.state.rejected.pop(step, None)
             self._rejected_at.pop(step, None)
@@ -1047,7 +1060,7 @@ class SyncController:
                 )
                 return False
             except CheckpointError as exc:
-                await self.reject_unless_root(ckpt, exc.reason, str(exc))
+                await self.reject_unless_root(ckpt, exc.reason, str(exc), storage=isinstance(exc, OSError))
                 return False
             except StageError as exc:
                 self.metrics.syncs.labels("failed", "stage_failed").inc()
@@ -1055,7 +1068,10 @@ class SyncController:
                 raise
             except Exception as exc:  # whatever broke while reading step N rejects step N
                 await self.reject_unless_root(
-                    ckpt, "unreadable", f"{path.name} could not be validated: {type(exc).__name__}: {str(exc)[:300]}"
+                    ckpt,
+                    "unreadable",
+                    f"{path.name} could not be validated: {type(exc).__name__}: {str(exc)[:300]}",
+                    storage=isinstance(exc, OSError),
                 )
                 return False
             validate_s = time.perf_counter() - t0
@@ -1240,11 +1256,16 @@ class SyncController:
             except OSError:
                 pass  # it answered: what the error says is the validation's to find
 
-    async def reject_unless_root(self, ckpt: PublishedCheckpoint, reason: str, message: str) -> None:
+    async def reject_unless_root(
+        self, ckpt: PublishedCheckpoint, reason: str, message: str, *, storage: bool = False
+    ) -> None:
         """Reject ``ckpt`` for a failed validation, unless the checkpoint root stopped answering
-        during it (a look at the root then, or one now, that did not come back): a hung or
-        failing file system (an NFS server down, a soft mount's EIO) would otherwise cost a good
-        step for good. Such a step is not rejected; it is validated again once the root answers."""
+        during it (a look at the root then, or one now, that did not come back or failed): a hung
+        or failing file system (an NFS server down, a soft mount's EIO) would otherwise cost a good
+        step for good. Such a step is not rejected; it is validated again once the root answers.
+        ``storage``: the failure was the storage's, reading the step's files (an ``OSError``: EIO,
+        ESTALE...), while the root answers: the step is rejected only the
+        :data:`MAX_STORAGE_FAULTS_PER_STEP`-th time in a row (a blip costs no step)."""
         hung = self._root_hung_in_validation
         if not hung:
             try:
@@ -1253,9 +1274,23 @@ class SyncController:
                 )
             except RootUnresponsive:
                 hung = self.root_gate.problem is not None  # not when all threads were only busy
-            except OSError:
-                pass
+            except OSError as exc:  # the root's own look fails too: the file system, not the step
+                hung = True
+                message = f"{message}; the root itself failed: {exc}"
+        if not hung and storage:
+            faults = self._storage_faults[ckpt.step] = self._storage_faults.get(ckpt.step, 0) + 1
+            if faults < MAX_STORAGE_FAULTS_PER_STEP:
+                log.warning("step %d: %s; the storage failed: it is validated again", ckpt.step, message)
+                self.metrics.syncs.labels("failed", "storage_error").inc()
+                self._error(
+                    "storage_error",
+                    f"{message} (the storage failed: {ckpt.path.name} is validated again, and rejected if it"
+                    " fails so once more)",
+                    step=ckpt.step,
+                )
+                return
         if not hung:
+            self._storage_faults.pop(ckpt.step, None)
             self._reject(ckpt, reason, message)
             return
         log.warning("not rejecting step %d (%s: %s): the checkpoint root stopped answering", ckpt.step, reason, message)
@@ -1280,6 +1315,7 @@ class SyncController:
         self._loaded_before.add(step)
         self._unconfirmed = None
         self._crashes.pop(step, None)
+        self._storage_faults.pop(step, None)
         self._identity_seen.pop(step, None)
         if self.state.last_error is not None and self.state.last_error.get("step") == step:
             self.state.last_error = None
