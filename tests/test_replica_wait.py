@@ -50,3 +50,38 @@ def test_the_ack_wait_stops_at_once_for_a_replica_that_cannot_load_any_checkpoin
     with pytest.raises(CheckpointRejected, match="replica r0 rejected checkpoint step-00000004 .shape_mismatch"):
         waiter.wait(4, timeout_s=30)
     assert waiter.wait(3, timeout_s=5)  # what it serves still counts
+
+
+@pytest.mark.parametrize("spare", ["fatal", "rejected"])
+def test_a_spare_replicas_refusal_does_not_stop_a_wait_others_can_satisfy(tmp_path: Path, spare: str) -> None:
+    """expected_replicas counts live replicas: one of two that cannot serve the step leaves the
+    other to ack it (the wait stopped at once at the first refusal, a single point of failure)."""
+    import threading
+
+    from rollout_service.sidecar.acks import AckWriter
+    from rollout_service.sidecar.state import SidecarState
+
+    def ack(replica: str, loaded: int, **fields: object) -> None:
+        state = SidecarState(replica_id=replica, checkpoint_path=str(tmp_path), sglang_url="http://x")
+        state.loaded_step, state.sglang_healthy = loaded, True
+        for name, value in fields.items():
+            setattr(state, name, value)
+        AckWriter(tmp_path, replica).write(state.report())
+
+    ack("good", 3)
+    if spare == "fatal":
+        ack("spare", 3, fatal={"reason": "restart_budget_spent", "message": "x"})
+    else:
+        ack("spare", 3, rejected={4: "sglang_crashed_on_load"})
+    later = threading.Timer(1.0, lambda: ack("good", 4))
+    later.start()
+    try:
+        views = AckFileWaiter(tmp_path, 1, max_age_s=60).wait(4, timeout_s=20)
+    finally:
+        later.cancel()
+    assert {v.name for v in views} == {"good", "spare"}
+    # With two expected, the spare's refusal leaves too few: the wait ends at once, naming it.
+    t0 = time.monotonic()
+    with pytest.raises((CheckpointRejected, ReplicaSyncTimeout), match="replica spare"):
+        AckFileWaiter(tmp_path, 2, max_age_s=60).wait(5 if spare == "fatal" else 4, timeout_s=20)
+    assert time.monotonic() - t0 < 5

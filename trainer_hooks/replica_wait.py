@@ -106,6 +106,8 @@ class ReplicaView:
             parts.append(f"last error: {self.last_error}")
         if self.wait_ended:
             parts.append(f"GET /wait: {self.wait_ended}")
+        if self.fatal:
+            parts.append(f"cannot load any checkpoint: {self.fatal}")
         return f"{self.name} ({', '.join(parts)})"
 
 
@@ -360,9 +362,11 @@ class AckFileWaiter:
             done = [v for v in views if self._acked(v, version)]
             if len(done) >= self.expected:
                 return views
-            for view in views:
-                if not self._acked(view, version):
-                    _raise_if_refused(view, version)
+            # A replica that refused the step (or cannot load any) never acks it: once too few are
+            # left that can, the wait ends now, naming one (a spare's refusal alone ends nothing).
+            refusing = [v for v in views if not self._acked(v, version) and _refusal(v, version) is not None]
+            if refusing and len(views) - len(refusing) < self.expected:
+                _raise_if_refused(refusing[0], version)
             now = time.monotonic()
             if now >= deadline:
                 raise ReplicaSyncTimeout(
@@ -424,7 +428,11 @@ class AckFileWaiter:
         return _AckSnapshot(live, dead, listing.cut_short)
 
     def _situation(self, snapshot: _AckSnapshot, version: int) -> str:
-        lagging = [v.describe() for v in snapshot.live if not self._acked(v, version)]
+        lagging = [
+            v.describe() + (f" rejected it: {v.rejected[str(version)]}" if str(version) in v.rejected else "")
+            for v in snapshot.live
+            if not self._acked(v, version)
+        ]
         text = f"Live replicas: {len(snapshot.live)}."
         if lagging:
             text += f" Lagging: {'; '.join(lagging)}."
@@ -456,6 +464,14 @@ def _unconfirmed(view: ReplicaView, version: int, run_id: str | None) -> str | N
     if view.current is False:
         return "it reports its loaded checkpoint is no longer the published one"
     return None
+
+
+def _refusal(view: ReplicaView, version: int) -> str | None:
+    """Why the replica will never serve ``version`` (rejected it, or cannot load any), or None."""
+    reason = view.rejected.get(str(version))
+    if reason is not None:
+        return reason
+    return view.fatal
 
 
 def _raise_if_refused(view: ReplicaView, version: int) -> None:
