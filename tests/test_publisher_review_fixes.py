@@ -543,3 +543,72 @@ def test_a_slow_removal_of_an_old_step_does_not_fail_the_next_sync(
     while [p for p in root.iterdir() if p.name.startswith(".tmp-deleting-")]:
         assert time.monotonic() < deadline, "the deleted steps' files were never removed"
         time.sleep(0.1)
+
+
+def test_a_slow_gather_in_the_foreground_is_no_write_blocked_in_the_storage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job's idle time waiting for the caller's gather counted as "nothing written": once the
+    gather outlasted the job's bound, the first slow write(2) ended the run with RootUnresponsive."""
+    monkeypatch.setattr(checkpoint_publisher, "JOIN_POLL_S", 0.05)
+    pub = _bounded_publisher(tmp_path / "root", monkeypatch, sync_timeout_s=1.0)
+    monkeypatch.setattr(checkpoint_publisher, "JOIN_POLL_S", 0.05)
+    real = checkpoint_writer.write_all
+    monkeypatch.setattr(checkpoint_writer, "write_all", lambda fd, data: (time.sleep(0.3), real(fd, data)))
+    pub.max_shard_bytes = 4096
+
+    def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+        time.sleep(2.5)  # a slow ZeRO-3 gather: past the job's bound before the first byte
+        for i in range(8):
+            yield f"w{i}", torch.full((1024,), float(i))
+
+    pub.publish_and_wait(1, gathered())
+    assert [c.step for c in list_checkpoints(tmp_path / "root")] == [1]
+    pub.close()
+
+
+def test_ctrl_c_during_a_foreground_replica_wait_does_not_hold_up_close(tmp_path: Path) -> None:
+    """The job runs on a thread of its own: after Ctrl-C, close() (which train() calls) waited out
+    the whole replica wait (sync_timeout, 600 s by default) of a sync the user gave up on."""
+    import _thread
+
+    class SlowReplicas(NoWaiter):
+        def wait(self, version: int, timeout_s: float) -> list:
+            time.sleep(8)
+            return []
+
+    pub = CheckpointPublisher(
+        tmp_path / "root",
+        SlowReplicas(),
+        config=CONFIG,
+        dtype=None,
+        max_shard_bytes=1 << 20,
+        keep=None,
+        sync_timeout_s=600,
+        heartbeat_max_age_s=60,
+    )
+    threading.Timer(1.0, _thread.interrupt_main).start()  # the user's Ctrl-C
+    with pytest.raises(KeyboardInterrupt):
+        pub.publish_and_wait(1, [("w", torch.ones(4))])
+    t0 = time.monotonic()
+    pub.close()  # raises nothing of the abandoned sync either
+    assert time.monotonic() - t0 < 3
+    assert [c.step for c in list_checkpoints(tmp_path / "root")] == [1]  # its write had ended
+
+
+def test_ctrl_c_while_the_weights_are_drawn_publishes_nothing_and_close_says_nothing(tmp_path: Path, monkeypatch):
+    import _thread
+
+    pub = _bounded_publisher(tmp_path / "root", monkeypatch, sync_timeout_s=5.0)
+
+    def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+        yield "w0", torch.ones(4)
+        _thread.interrupt_main()
+        time.sleep(0.5)
+        yield "w1", torch.ones(4)
+
+    with pytest.raises(KeyboardInterrupt):
+        pub.publish_and_wait(1, gathered())
+    pub.close()
+    assert list_checkpoints(tmp_path / "root") == []
+    assert not [p for p in (tmp_path / "root").iterdir() if p.name.startswith(("step-", ".tmp-step"))]

