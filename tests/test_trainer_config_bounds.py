@@ -162,6 +162,9 @@ def test_a_model_cast_narrower_after_loading_publishes_in_the_dtype_it_holds() -
     mixed.model.layers.to(torch.bfloat16)
     assert checkpoint_dtype(None, mixed) == "float32"
     assert checkpoint_dtype("float32", model) == "float32"  # the setting still decides
+    # Parameters in a dtype no checkpoint is published in (float8) leave the configured one.
+    fp8 = Qwen2ForCausalLM(Qwen2Config(**{**config.to_dict(), "dtype": "bfloat16"})).to(torch.float8_e4m3fn)
+    assert checkpoint_dtype(None, fp8) == "bfloat16"
 
 
 # --- numbers: timeouts, shard size, delta ratio ------------------------------------------------

@@ -59,8 +59,9 @@ def _model_dtype(model: torch.nn.Module) -> str:
         else:
             if len(held) == 1:
                 (only,) = held
-                if only.itemsize < getattr(torch, name).itemsize:
-                    return str(only).removeprefix("torch.")
+                narrower = str(only).removeprefix("torch.")
+                if narrower in PUBLISHABLE_DTYPES and only.itemsize < getattr(torch, name).itemsize:
+                    return narrower
             return name
     for param in model.parameters():
         if param.is_floating_point():
