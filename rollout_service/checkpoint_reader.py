@@ -56,6 +56,8 @@ class PublishedCheckpoint:
 
     step: int
     path: Path
+    is_dir: bool = field(default=True, compare=False)
+    """Whether the listing saw a directory (not a link): a file named like a step is no publish."""
 
 
 @dataclass
@@ -97,10 +99,20 @@ def list_checkpoints(root: Path | str) -> list[PublishedCheckpoint]:
                     )
                 step = parse_step_dir_name(entry.name)
                 if step is not None:
-                    found.append(PublishedCheckpoint(step=step, path=root / entry.name))
+                    is_dir = _is_dir_entry(entry)
+                    found.append(PublishedCheckpoint(step=step, path=root / entry.name, is_dir=is_dir))
     except FileNotFoundError:
         return []
     return sorted(found, key=lambda c: c.step)
+
+
+def _is_dir_entry(entry: os.DirEntry[str]) -> bool:
+    """The listing's own word (no extra look where the file system names the type); an entry
+    gone meanwhile, or whose type cannot be read, counts as a directory (validation decides)."""
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return True
 
 
 def latest_checkpoint(root: Path | str) -> PublishedCheckpoint | None:

@@ -14,6 +14,7 @@ parameter is checked on the real app.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,30 @@ def test_a_staleness_that_is_no_step_count_is_refused_naming_it(tmp_path: Path, 
         answer = client.get(f"/readyz?{query}")
         assert answer.status_code == 400 and "staleness" in answer.text
         assert client.get("/readyz?staleness=3").status_code == 503  # (nothing served here)
+
+
+def test_staleness_counts_published_steps_not_step_numbers(tmp_path: Path) -> None:
+    """A trainer counts ``max_staleness`` in publishes, and its numbering skips names a stray
+    entry holds: serving step 1 with step 3 the next published one is one behind, not two."""
+    root, c, sglang = serving_step_1(tmp_path)
+    seen: dict[str, tuple[bool, str]] = {}
+
+    async def during() -> None:
+        await until(lambda: c.readiness()[0])
+        (root / "step-00000002").write_text("a stray file, not a checkpoint")
+        hold = asyncio.Event()
+
+        async def slow_load(path: str, version: str) -> None:
+            await hold.wait()
+
+        sglang.load_hook = slow_load
+        publish_checkpoint(root, 3, tensors(3), config=CONFIG, run_id=RUN)
+        await until(lambda: c.state.sglang_loading_step == 3, 30)
+        await c._publish_state()
+        seen["one publish behind"] = c.readiness(1)
+        hold.set()
+        await until(lambda: c.serves(3), 30)
+
+    run_with(c, during)
+    ready, why = seen["one publish behind"]
+    assert ready and "serving step 1, 1 older than the newest (3): within staleness 1" == why, why

@@ -145,6 +145,9 @@ class SyncController:
         self._below_adapter: int | None = None
         """The newest adapter step this pass tried or passed over as rejected: no older full step
         is loaded under it (it would replace SGLang's base model, and adapters would no longer load)."""
+        self._listed_steps: list[int] = []
+        """The step folders the last listing of the root held (oldest first; files named like a
+        step, which a trainer's numbering skips, left out)."""
         self._adapter_steps: set[int] = set()
         """Listed steps found to be adapter steps when last tried."""
         self._unconfirmed: tuple[int, float] | None = None
@@ -367,8 +370,10 @@ class SyncController:
         return True, "serving the newest valid checkpoint"
 
     def _steps_behind(self) -> int | None:
-        """How many steps the served step is older than the newest known valid one, while SGLang
-        answers and serves it as published; None when it serves nothing (or nothing newer is known)."""
+        """How many published steps, not rejected, the last listing held above the served one, up
+        to the newest known, while SGLang answers and serves it as published (step numbers can
+        skip: a trainer counts its staleness in publishes); None when it serves nothing (or
+        nothing newer is known)."""
         s = self.state
         if (
             not s.sglang_healthy
@@ -379,7 +384,9 @@ class SyncController:
             or s.newest_known_step <= s.loaded_step
         ):
             return None
-        return s.newest_known_step - s.loaded_step
+        loaded, newest = s.loaded_step, s.newest_known_step
+        between = [st for st in self._listed_steps if loaded < st <= newest and st not in s.rejected]
+        return max(len(between), 1)
 
     def request_checkpoint(self, checkpoint: str) -> Path:
         """Confine a client-named checkpoint to the root, check it names a step, and wake the loop.
@@ -575,6 +582,7 @@ class SyncController:
             return
         self._listing_problem = None
         self._forget_unlisted(candidates)
+        self._listed_steps = [c.step for c in candidates if c.is_dir]
         steps = [c.step for c in candidates if not self._still_rejected(c.step, identities)]
         await self._wake_waiters(steps[-1] if steps else None)
 
@@ -851,6 +859,7 @@ class SyncController:
             self._error(exc.reason, str(exc))
             return  # unready with the reason: see _publish_state
         self._forget_unlisted(checkpoints)
+        self._listed_steps = [c.step for c in checkpoints if c.is_dir]
         if presence != "unknown":  # (a look that failed says nothing: as the last pass found)
             self.state.loaded_current = presence == "same"
         loaded = self.state.loaded_step
