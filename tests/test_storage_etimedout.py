@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import os
 import time
 from pathlib import Path
 
@@ -202,3 +203,22 @@ def test_a_root_whose_own_look_fails_too_rejects_nothing(tmp_path: Path, monkeyp
 
     run_with(c, during)
     assert len(down) == 3 and 2 not in c.state.rejected and c.state.loaded_step == 2
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "error"),
+    [(errno.EIO, 503, "storage_error"), (errno.ESTALE, 503, "storage_error"), (errno.ENAMETOOLONG, 400, "bad_request")],
+)
+def test_post_sync_tells_a_storage_fault_from_a_bad_name(tmp_path: Path, monkeypatch, code, status, error) -> None:
+    """An EIO looking up the named step was answered 400 "cannot use that checkpoint name", as if
+    the client had sent a bad name."""
+    settings = SidecarSettings(checkpoint_path=tmp_path, sglang_url="http://127.0.0.1:9", replica_id="r", stage=False)
+    app = create_app(settings)
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+
+        def lookup(name: str) -> Path:
+            raise OSError(code, os.strerror(code), str(tmp_path / name))
+
+        monkeypatch.setattr(app.state.controller, "request_checkpoint", lookup)
+        answer = client.post("/sync", json={"checkpoint": "step-00000001"})
+    assert answer.status_code == status and answer.json()["error"] == error, answer.text

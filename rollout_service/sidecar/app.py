@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import json
 import logging
@@ -49,6 +50,8 @@ HTTP_ERRORS = {
     421: "misdirected_request",
 }
 """Every error answer names its kind under ``error`` (the others: ``path_escape``, ``root_unresponsive``...)."""
+NAME_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EINVAL})
+"""Errors of a lookup that come from the name a client sent (400); any other is the storage's (503)."""
 MAX_WAITERS = 256
 """``/wait`` requests held at once; more are answered 503 at once (idle long-polls must not use
 up the process's file descriptors, which the health probes and the ack file need too)."""
@@ -276,7 +279,19 @@ def create_app(settings: SidecarSettings) -> FastAPI:
         except CheckpointError as exc:  # a step the loop would not load is a conflict with its state
             status = 409 if exc.reason in NOT_LOADABLE_NOW else 400
             return SafeJSONResponse({"error": exc.reason, "detail": str(exc)}, status_code=status)
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
+            if exc.errno not in NAME_ERRNOS:  # EIO, ESTALE...: the storage's fault, not the name's
+                detail = (
+                    f"looking up {checkpoint[:200]!r} under the checkpoint root failed in the storage"
+                    f" ({errno.errorcode.get(exc.errno or 0, type(exc).__name__)}); ask again, and check the root's"
+                    " file system if it lasts"
+                )
+                return SafeJSONResponse({"error": "storage_error", "detail": detail}, status_code=503)
+            return SafeJSONResponse(
+                {"error": "bad_request", "detail": f"cannot use that checkpoint name: {type(exc).__name__}"},
+                status_code=400,
+            )
+        except ValueError as exc:
             return SafeJSONResponse(
                 {"error": "bad_request", "detail": f"cannot use that checkpoint name: {type(exc).__name__}"},
                 status_code=400,
