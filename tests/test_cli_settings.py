@@ -30,7 +30,7 @@ from rollout_service.lora_serving import DEFAULT_TARGET_MODULES, LoraServing, lo
 from rollout_service.serve import RestartPolicy
 from rollout_service.sidecar.settings import SidecarSettings
 
-NOT_ON_THE_COMMAND_LINE = {"rescan_interval_s", "ack_interval_s", "request_timeout_s"}
+NOT_ON_THE_COMMAND_LINE = {"ack_interval_s", "request_timeout_s"}
 """SidecarSettings fields that are tuning knobs for tests and embedders, deliberately without a flag."""
 
 FIELDS = {f.name for f in dataclasses.fields(SidecarSettings)}

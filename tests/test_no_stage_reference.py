@@ -257,7 +257,6 @@ def run_sidecar(root: Path, fake: FakeSGLang, done: Any, **overrides: Any) -> Sy
         replica_id="r0",
         stage=False,
         health_interval_s=0.05,
-        rescan_interval_s=0.05,
         poll_interval_s=0.05,
         **overrides,
     )

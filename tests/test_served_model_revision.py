@@ -83,7 +83,6 @@ def controller_with(root: Path, client: HubClient) -> SyncController:
         sglang_url="http://127.0.0.1:9",
         replica_id="r0",
         health_interval_s=0.05,
-        rescan_interval_s=0.05,
         poll_interval_s=0.05,
     )
     return SyncController(settings, client=client)  # type: ignore[arg-type]

@@ -453,7 +453,6 @@ def test_a_validation_blocked_past_its_deadline_holds_off_the_next_until_it_ends
         replica_id="straggler",
         stage_dir=tmp_path / "stage",
         health_interval_s=0.2,
-        rescan_interval_s=0.2,
         validate_timeout_s=1.0,
     )
     controller = SyncController(settings)

@@ -87,7 +87,6 @@ def controller_for(tmp_path: Path, root: Path, **kw) -> tuple[SyncController, Ac
         replica_id="r0",
         reference_dir=reference / step_dir_name(0),
         health_interval_s=0.05,
-        rescan_interval_s=0.05,
         poll_interval_s=0.05,
         **kw,
     )
@@ -308,7 +307,6 @@ def test_sglang_serves_a_step_too_large_for_the_default_shm_stage_from_the_disk_
         sglang_url=sglang_server_at_base.url,
         replica_id="r0",
         health_interval_s=0.2,
-        rescan_interval_s=0.2,
     )
     assert settings.stage_dir == shm / "rollout-stage-r0"
     controller = SyncController(settings)

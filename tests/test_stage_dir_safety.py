@@ -50,7 +50,6 @@ def controller_for(root: Path, stage_dir: Path, reference: Path) -> tuple[SyncCo
         stage_dir=stage_dir,
         reference_dir=reference,
         health_interval_s=0.05,
-        rescan_interval_s=0.05,
         poll_interval_s=0.05,
     )
     client = AcceptingSGLang(reference)

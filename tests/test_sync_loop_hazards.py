@@ -116,7 +116,6 @@ def make(tmp: Path, **overrides: Any) -> tuple[Path, SyncController, FakeSGLang]
             "stage_dir": tmp / "stage",
             "reference_dir": ref,
             "health_interval_s": 0.05,
-            "rescan_interval_s": 0.05,
             "poll_interval_s": 0.05,
             **overrides,
         }

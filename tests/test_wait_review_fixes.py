@@ -189,7 +189,6 @@ def _sidecar_app(tmp: Path) -> tuple[Path, Any]:
         stage_dir=tmp / "stage",
         reference_dir=tmp / "ref",
         health_interval_s=0.05,
-        rescan_interval_s=0.05,
         poll_interval_s=0.05,
     )
     app = create_app(settings)

@@ -482,7 +482,6 @@ class SyncController:
             except StageError as exc:
                 self.report_fatal("stage_failed", str(exc))
         self._heartbeat_task = asyncio.create_task(self._heartbeat(), name="sidecar-ack-heartbeat")
-        last_scan = 0.0
         backoff = 0.0
         while not self._stopping:
             failed = False
@@ -494,7 +493,6 @@ class SyncController:
                 except Exception as exc:  # keep serving: report, back off, retry
                     failed = True
                     self._loop_error(phase.__name__, exc)
-            last_scan = time.monotonic()
             for always in (self._maybe_ack, self._publish_state):
                 try:
                     await always()
@@ -507,9 +505,7 @@ class SyncController:
             if not failed:
                 self._logged_errors.clear()
             backoff = min(max(2 * backoff, 0.5), MAX_BACKOFF_S) if failed else 0.0
-            timeout = backoff or self.settings.health_interval_s
-            if not failed and time.monotonic() - last_scan > self.settings.rescan_interval_s:
-                timeout = 0.0
+            timeout = backoff or self.settings.health_interval_s  # (every pass lists the root)
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=max(timeout, 0.01))
             except asyncio.TimeoutError:

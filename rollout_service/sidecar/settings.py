@@ -109,7 +109,6 @@ class SidecarSettings:
             bounds=(INTERVAL_S[0], 86400.0),
         ),
     )
-    rescan_interval_s: float = field(default=30.0, metadata=bounds_metadata(*INTERVAL_S))
     ack_interval_s: float = field(default=ACK_INTERVAL_S, metadata=bounds_metadata(*INTERVAL_S))
     load_timeout_s: float = field(
         default=1800.0,
