@@ -139,3 +139,28 @@ def test_an_fsdp_run_is_judged_sharded_before_prepare_shards_it(
     problem = adapter_sync_problem(model, accelerator, [lora_server_info.url], None)
     assert problem is not None and "sharded" in problem and "FSDP" in problem
     assert adapter_sync_problem(model, None, [lora_server_info.url], None) is None  # unsharded: adapter sync
+
+
+@pytest.mark.parametrize(("served", "named"), [("7", True), (7, True), ("default", False), (None, False)])
+def test_a_server_on_a_full_checkpoint_gets_merged_syncs_saying_why(tiny_model_dir: Path, served, named) -> None:
+    """SGLang that serves a full checkpoint (an earlier run's merged sync) refuses every adapter
+    until it restarts on its base: adapter sync then waited out sync_timeout at every sync."""
+    info = {"enable_lora": True, "max_lora_rank": 64, "lora_target_modules": ["all"]}
+
+    def answer(path: str, body: Any, count: int) -> Any:
+        if path == "/server_info":
+            return canned_reply(200, info)
+        if path == "/model_info":
+            return canned_reply(200, {"weight_version": served, "model_path": "/m"})
+        return None
+
+    server = CannedServer(answer)
+    try:
+        problem = adapter_sync_problem(peft_model(tiny_model_dir), None, [server.url], None)
+    finally:
+        server.stop()
+    if named:
+        assert problem is not None and "serves the full checkpoint version 7" in problem, problem
+        assert "restart SGLang on its base model" in problem
+    else:
+        assert problem is None, problem

@@ -22,6 +22,7 @@ from rollout_service.protocol import adapter_name_for
 from rollout_service.sglang_launcher import SGLangServer
 from rollout_service.tiny_model import make_tiny_model
 from sidecar_helpers import Sidecar
+from trainer_hooks.adapter_publish import adapter_sync_problem
 
 PROMPTS = [[11, 42, 7, 99, 256, 3], [5, 17, 1200, 64, 9]]
 NEW_TOKENS = 10
@@ -332,7 +333,12 @@ def test_an_adapter_waits_while_sglang_serves_a_full_checkpoint_and_loads_once_i
     assert status["last_error"]["reason"] == "adapter_base_replaced" and status["last_error"]["step"] == 2, status
     assert "2" not in status["rejected"] and status["loaded_step"] == 1
     assert adapter_name_for(2, run) not in served_adapters(lora_server.url)
+    # A trainer starting now chooses merged syncs, saying why (each adapter sync would wait out
+    # sync_timeout), and adapter sync again once SGLang runs on its base.
+    problem = adapter_sync_problem(model, None, [lora_server.url], None)
+    assert problem is not None and "serves the full checkpoint version 1" in problem, problem
     lora_server.restart(300)
+    assert adapter_sync_problem(model, None, [lora_server.url], None) is None
     assert sidecar.wait_step(2, timeout_s=180)["loaded_step"] == 2
     for prompt in PROMPTS:
         assert sglang_greedy(lora_server.url, prompt, adapter_name_for(2, run))[0] == peft_greedy(model, prompt)

@@ -42,7 +42,7 @@ from rollout_service.checkpoint_format import BaseTensor, CheckpointError
 from rollout_service.checkpoint_reader import TensorSpecs
 from rollout_service.checkpoint_writer import _TORCH_TO_TAG, PublishResult
 from rollout_service.http_auth import bearer_headers
-from rollout_service.protocol import adapter_name_for
+from rollout_service.protocol import adapter_name_for, step_for_version
 
 from .checkpoint_dtype import target_dtype
 from .checkpoint_publisher import CheckpointPublisher, SyncRecord
@@ -66,18 +66,46 @@ def peft_adapter_config(model: torch.nn.Module) -> dict[str, Any] | None:
 def server_lora_limits(
     urls: Sequence[str], api_key: str | None, timeout_s: float = 30.0
 ) -> list[tuple[str, LoraLimits | str]]:
-    """Each endpoint's LoRA limits from ``/server_info``, or why they could not be read."""
+    """Each endpoint's LoRA limits from ``/server_info``, or why adapters cannot be served there:
+    the limits could not be read, or the server serves a full checkpoint (``/model_info``'s
+    ``weight_version`` names a step: an earlier run's merged sync replaced its base model, and
+    every adapter would be refused until SGLang restarts on its base)."""
     found: list[tuple[str, LoraLimits | str]] = []
     with bounded_client(timeout=timeout_s, headers=bearer_headers(api_key), trust_env=False) as client:
         for url in urls:
+            base = url.rstrip("/")
             try:
-                r = request(client, "GET", f"{url.rstrip('/')}/server_info", timeout_s=timeout_s)
+                r = request(client, "GET", f"{base}/server_info", timeout_s=timeout_s)
                 if r.status_code != 200:
                     raise ValueError(f"HTTP {r.status_code}")
-                found.append((url, LoraLimits.from_server_info(r.json())))
+                limits = LoraLimits.from_server_info(r.json())
             except (httpx.HTTPError, ValueError, AttributeError) as exc:
                 found.append((url, f"cannot read {url}/server_info ({type(exc).__name__}: {str(exc)[:120]})"))
+                continue
+            served = _served_step(client, base, timeout_s)
+            if served is not None:
+                found.append(
+                    (
+                        url,
+                        f"{url} serves the full checkpoint version {served} (an earlier run's merged sync), not its"
+                        " base model, and loads adapters only on its base: restart SGLang on its base model to"
+                        " sync adapters",
+                    )
+                )
+                continue
+            found.append((url, limits))
     return found
+
+
+def _served_step(client: httpx.Client, base: str, timeout_s: float) -> int | None:
+    """The checkpoint step SGLang at ``base`` serves (``/model_info``'s ``weight_version``), or
+    None: its start-up weights, or no answer to tell (the sidecar judges again at each load)."""
+    try:
+        r = request(client, "GET", f"{base}/model_info", timeout_s=timeout_s)
+        data = r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return step_for_version(data.get("weight_version")) if isinstance(data, dict) else None
 
 
 def adapter_sync_problem(
