@@ -419,6 +419,9 @@ def test_evaluate_after_train_syncs_the_final_weights_before_generating(
     records = list(generation.history)[seen:]
     assert records and publisher.latest_version == before + 1  # evaluation published the final weights
     assert {v for r in records for v in r.versions} == {publisher.latest_version}, records
+    # ... and only the newest is accepted (a replica not waited for may serve an older one).
+    assert {r.required_version for r in records} == {publisher.latest_version}, records
+    assert generation.rollouts.newest_only is False  # training takes max_staleness again
     assert not busy
 
 

@@ -326,10 +326,14 @@ class SGLangGeneration:
         them, and it leaves no sync running behind it. Every process must enter it."""
         self.finish_pending_sync()
         self._foreground = True
+        if self.rollouts is not None:
+            self.rollouts.newest_only = True  # (a replica not waited for may serve an older version)
         try:
             yield
         finally:
             self._foreground = False
+            if self.rollouts is not None:
+                self.rollouts.newest_only = False
 
     def finish_pending_sync(self) -> None:
         """Wait for a background sync to finish; raise its error on every process."""

@@ -89,6 +89,10 @@ class StaleRetryPolicy:
         self.max_staleness = int(max_staleness)
         self.sync_timeout_s = float(sync_timeout_s)
         self.adapters = adapters
+        self.newest_only = False
+        """Within evaluation (``SGLangGeneration.syncing_in_foreground``): completions must come
+        from the newest version, whatever ``max_staleness`` allows in training (a replica not
+        waited for, or behind a router, may still serve an older one)."""
 
     def publishes_in_background(self) -> bool:
         """Whether the next sync may publish without waiting for the replicas: rollouts may lag
@@ -99,7 +103,7 @@ class StaleRetryPolicy:
         """The oldest checkpoint version a completion may come from (None before the first sync):
         the one published ``max_staleness`` publishes before the newest (counted in publishes, not
         in version numbers, which can skip), never one before this run's first."""
-        return self.publisher.version_back(self.max_staleness)
+        return self.publisher.version_back(0 if self.newest_only else self.max_staleness)
 
     def generate(
         self, unique: list[list[int]], params: dict[str, Any], *, want_logprobs: bool, rescore: bool
