@@ -567,6 +567,20 @@ def test_a_slow_gather_in_the_foreground_is_no_write_blocked_in_the_storage(
     pub.close()
 
 
+@pytest.fixture
+def ctrl_c() -> Iterator[None]:
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test: ``_thread.interrupt_main`` calls
+    whatever handler is installed, and code tested earlier in the session may have left another."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("ctrl_c")
 def test_ctrl_c_during_a_foreground_replica_wait_does_not_hold_up_close(tmp_path: Path) -> None:
     """The job runs on a thread of its own: after Ctrl-C, close() (which train() calls) waited out
     the whole replica wait (sync_timeout, 600 s by default) of a sync the user gave up on."""
@@ -596,6 +610,7 @@ def test_ctrl_c_during_a_foreground_replica_wait_does_not_hold_up_close(tmp_path
     assert [c.step for c in list_checkpoints(tmp_path / "root")] == [1]  # its write had ended
 
 
+@pytest.mark.usefixtures("ctrl_c")
 def test_ctrl_c_while_the_weights_are_drawn_publishes_nothing_and_close_says_nothing(tmp_path: Path, monkeypatch):
     import _thread
 
