@@ -1,4 +1,5 @@
-"""SGLang's API key kept off command lines: handed to SGLang in a file only its user reads.
+"""SGLang's API key (and its other credentials) kept off command lines: handed to SGLang in a
+file only its user reads.
 
 SGLang 0.5.23 takes its key as ``--api-key KEY``, where every user of the machine (``ps``,
 ``/proc/PID/cmdline``) and anyone who can read the process list sees it. It
@@ -29,24 +30,27 @@ log = logging.getLogger(__name__)
 
 API_KEY_OPTIONS = spellings("--api-key", SGLANG_CREDENTIAL_OPTIONS["--api-key"])
 """SGLang's ``--api-key`` as its parser takes it (abbreviations included)."""
+CREDENTIAL_SPELLINGS = {option: spellings(option, shortest) for option, shortest in SGLANG_CREDENTIAL_OPTIONS.items()}
+"""Each of SGLang's credential options (``--api-key``, ``--admin-api-key``, ``--ssl-keyfile-password``)
+with the spellings its parser takes."""
 CONFIG_OPTION = "--config"
 KEY_FILE_NAME = "sglang-key.yaml"
 
 
-def take_key(args: list[str]) -> tuple[list[str], str | None]:
-    """``args`` without SGLang's ``--api-key`` (``--api-key KEY``, ``--api-key=KEY``, any
-    abbreviation SGLang takes), and the key given (the last one, as SGLang's parser takes it)."""
+def _take(args: list[str], spelled: tuple[str, ...]) -> tuple[list[str], str | None]:
+    """``args`` without the option spelled any of ``spelled`` (``--opt V``, ``--opt=V``), and its
+    value (the last one given, as SGLang's parser takes it)."""
     rest: list[str] = []
-    key = None
+    value = None
     i = 0
     while i < len(args):
         arg = args[i]
-        flag, eq, value = arg.partition("=")
-        if flag in API_KEY_OPTIONS:
+        flag, eq, given = arg.partition("=")
+        if flag in spelled:
             if eq:
-                key = value
+                value = given
             elif i + 1 < len(args):
-                key = args[i + 1]
+                value = args[i + 1]
                 i += 1
             else:
                 rest.append(arg)  # no value: SGLang's parser says so
@@ -54,16 +58,34 @@ def take_key(args: list[str]) -> tuple[list[str], str | None]:
             continue
         rest.append(arg)
         i += 1
-    return rest, key
+    return rest, value
+
+
+def take_key(args: list[str]) -> tuple[list[str], str | None]:
+    """``args`` without SGLang's ``--api-key`` (``--api-key KEY``, ``--api-key=KEY``, any
+    abbreviation SGLang takes), and the key given (the last one, as SGLang's parser takes it)."""
+    return _take(args, API_KEY_OPTIONS)
+
+
+def take_credentials(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """``args`` without any of SGLang's credential options, and the values given, by option."""
+    found: dict[str, str] = {}
+    for option, spelled in CREDENTIAL_SPELLINGS.items():
+        args, value = _take(args, spelled)
+        if value is not None:
+            found[option] = value
+    return args, found
 
 
 def has_config(args: list[str]) -> bool:
     return any(a == CONFIG_OPTION or a.startswith(CONFIG_OPTION + "=") for a in args)
 
 
-def write_key_file(key: str) -> Path:
-    """A new file holding ``api-key: KEY`` as SGLang's ``--config`` reads it, in a new folder
-    only this user may enter (under ``$TMPDIR``); remove it with :func:`remove_key_file`."""
+def write_key_file(key: str | dict[str, str]) -> Path:
+    """A new file holding ``api-key: KEY`` (or each ``option: value`` of a dict of SGLang's
+    credential options) as SGLang's ``--config`` reads it, in a new folder only this user may
+    enter (under ``$TMPDIR``); remove it with :func:`remove_key_file`."""
+    values = {"--api-key": key} if isinstance(key, str) else key
     folder = Path(tempfile.mkdtemp(prefix="sglang-key-"))
     path = folder / KEY_FILE_NAME
     try:
@@ -71,7 +93,8 @@ def write_key_file(key: str) -> Path:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             # A JSON string is a YAML double-quoted scalar (as is, not as \u escapes: YAML reads a
             # surrogate pair as two characters)
-            f.write(f"api-key: {json.dumps(key, ensure_ascii=False)}\n")
+            for option, value in values.items():
+                f.write(f"{option.removeprefix('--')}: {json.dumps(value, ensure_ascii=False)}\n")
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -85,22 +108,30 @@ def remove_key_file(path: Path | None) -> None:
 
 
 def key_off_command_line(cmd: list[str]) -> tuple[list[str], Path | None]:
-    """``cmd`` with its ``--api-key`` moved into a key file (:func:`write_key_file`), and that
-    file (None when ``cmd`` gives no key, or gives its own ``--config``: then it is unchanged)."""
-    rest, key = take_key(cmd)
-    if key is None:
-        return cmd, None
-    if key.startswith("-"):  # SGLang's config merger hands it on as `--api-key -...`: its parser refuses that
-        log.warning(
-            "SGLang's --api-key stays on its command line (visible to every user of this machine): a key"
-            " starting with '-' cannot go through its --config file; choose a key that does not"
-        )
+    """``cmd`` with SGLang's credential options (``--api-key``, ``--admin-api-key``,
+    ``--ssl-keyfile-password``) moved into a key file (:func:`write_key_file`), and that file
+    (None when ``cmd`` gives none, or gives its own ``--config``: then it is unchanged). A value
+    starting with ``-`` stays on the command line (SGLang's config merger cannot pass it on)."""
+    rest, found = take_credentials(cmd)
+    if not found:
         return cmd, None
     if has_config(rest):
         log.warning(
-            "SGLang's --api-key stays on its command line (visible to every user of this machine):"
-            " SGLang is given a --config file of its own; put `api-key: ...` into that file instead"
+            "SGLang's %s stays on its command line (visible to every user of this machine):"
+            " SGLang is given a --config file of its own; put it into that file instead",
+            ", ".join(found),
         )
         return cmd, None
-    path = write_key_file(key)
-    return [*rest, CONFIG_OPTION, str(path)], path
+    dashed = {option: value for option, value in found.items() if value.startswith("-")}
+    for option in dashed:  # SGLang's config merger hands it on as `--option -...`: its parser refuses that
+        log.warning(
+            "SGLang's %s stays on its command line (visible to every user of this machine): a value"
+            " starting with '-' cannot go through its --config file; choose one that does not",
+            option,
+        )
+    moved = {option: value for option, value in found.items() if option not in dashed}
+    if not moved:
+        return cmd, None
+    kept = [f"{option}={value}" for option, value in dashed.items()]  # (argparse takes "-..." only so)
+    path = write_key_file(moved)
+    return [*rest, *kept, CONFIG_OPTION, str(path)], path

@@ -186,3 +186,33 @@ def test_the_sglang_command_keeps_the_key_off_its_command_line_and_out_of_its_ou
     assert "server_args=" in text and "'api_key': '***'" in text, text[-3000:]  # SGLang logs it; hidden
     assert KEY not in text
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids)
+
+
+def test_every_credential_sglang_takes_moves_into_the_file_and_sglang_reads_them_back(tmp_path: Path) -> None:
+    """``--admin-api-key`` and ``--ssl-keyfile-password`` stood on SGLang's command line (``ps``)."""
+    from sglang.srt.server_args import prepare_server_args
+
+    given = [
+        "--model-path",
+        "m",
+        "--api-key",
+        KEY,
+        "--admin-ap",  # an abbreviation SGLang's parser takes
+        "admin-" + KEY,
+        "--ssl-keyfile-password=pw-" + KEY,
+    ]
+    cmd, path = key_off_command_line(given)
+    try:
+        assert path is not None and not any(KEY in arg for arg in cmd), cmd
+        args = prepare_server_args(cmd)
+        assert (args.api_key, args.admin_api_key, args.ssl_keyfile_password) == (KEY, "admin-" + KEY, "pw-" + KEY)
+    finally:
+        remove_key_file(path)
+    # One starting with '-' stays (in its '=' form, the one argparse takes); the others move.
+    cmd, path = key_off_command_line(["--model-path", "m", "--admin-api-key=-dash", "--api-key", KEY])
+    try:
+        assert "--admin-api-key=-dash" in cmd and KEY not in " ".join(cmd)
+        args = prepare_server_args(cmd)
+        assert (args.api_key, args.admin_api_key) == (KEY, "-dash")
+    finally:
+        remove_key_file(path)
