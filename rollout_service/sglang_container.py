@@ -26,7 +26,7 @@ from typing import IO
 
 from .process_group import kill_me_with_parent
 from .redaction import redact_text, remember_secret
-from .sglang_key import key_off_command_line, remove_key_file, take_key
+from .sglang_key import key_off_command_line, remove_key_file, take_credentials, take_key
 from .sglang_launcher import quiet_http_log
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ def run_sglang(
     out = out if out is not None else sys.stdout
     cmd, key_file = key_off_command_line(sglang_command(python, args, key))
     remember_secret(key if key is not None else take_key(list(args))[1])
+    for value in take_credentials(list(args))[1].values():  # --admin-api-key, --ssl-keyfile-password
+        remember_secret(value)
     try:
         proc = subprocess.Popen(
             cmd,
