@@ -84,6 +84,7 @@ def values(dirs: dict[str, Path]) -> dict[str, tuple[str, Any, str, Any]]:
         "load_timeout_s": ("99", 99.0, "98", 98.0),
         "stage": ("on", False, "", False),
         "stage_dir": (str(dirs["stage"]), dirs["stage"], str(dirs["stage2"]), dirs["stage2"]),
+        "stage_max_gb": ("60", 60.0, "0.5", 0.5),
         "check_finite": ("1", False, "", False),
         "validate_timeout_s": ("12", 12.0, "13", 13.0),
         "root_timeout_s": ("3", 3.0, "4.5", 4.5),

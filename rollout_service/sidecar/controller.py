@@ -477,7 +477,10 @@ class SyncController:
         if self.settings.stage_dir is not None:
             try:
                 self.stage = await asyncio.to_thread(
-                    Stage, self.settings.stage_dir, fallback=self.settings.stage_fallback
+                    Stage,
+                    self.settings.stage_dir,
+                    fallback=self.settings.stage_fallback,
+                    max_bytes=None if self.settings.stage_max_gb is None else int(self.settings.stage_max_gb * 2**30),
                 )
             except StageError as exc:
                 self.report_fatal("stage_failed", str(exc))

@@ -145,6 +145,16 @@ class SidecarSettings:
     )
     """None with stage=True: /dev/shm when it has room, else $XDG_CACHE_HOME (default ~/.cache).
     Never the checkpoint root, inside it or around it (see :func:`stage_dir_conflict`)."""
+    stage_max_gb: float | None = field(
+        default=None,
+        metadata=setting(
+            "--stage-max-gb",
+            "most GiB the stage may hold (its copies together), below what its file system has free;"
+            " set it under a Kubernetes emptyDir's sizeLimit, past which the pod is evicted (default:"
+            " no limit but the file system's)",
+            bounds=(0.01, 1 << 20),
+        ),
+    )
     check_finite: bool = field(
         default=True,
         metadata=setting(

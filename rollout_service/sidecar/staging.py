@@ -199,9 +199,11 @@ class Stage:
     ``fallback``: for a stage the user did not choose (the default in /dev/shm), the local-disk
     folder it moves to when a step does not fit (:meth:`_move`); None: it stays where it is."""
 
-    def __init__(self, path: Path, *, fallback: Path | None = None):
+    def __init__(self, path: Path, *, fallback: Path | None = None, max_bytes: int | None = None):
         self.path = Path(path)
         self._fallback = None if fallback is None else Path(fallback)
+        self.max_bytes = max_bytes
+        """The most the stage may hold (``--stage-max-gb``), below its file system's room; None: no limit."""
         self._left: Path | None = None
         """The stage this one moved from, still holding the copy SGLang serves, until :meth:`prune`
         (a load from the new folder) or :meth:`remove` removes it."""
@@ -396,7 +398,7 @@ class Stage:
             return
         try:
             size = bytes_under(path)
-            roomy = shutil.disk_usage(self.path).free >= size + SPACE_MARGIN_BYTES
+            roomy = self._free() >= size + SPACE_MARGIN_BYTES
             if roomy:
                 spare = self.path / f"{SPARE_PREFIX}{uuid.uuid4().hex[:8]}"
                 os.rename(path, spare)
@@ -466,13 +468,23 @@ class Stage:
         return self.path / f"{step_dir_name(step)}-{fingerprint[:12]}"
 
     # --- room ------------------------------------------------------------------------------
+    def _free(self) -> int:
+        """Bytes free for the stage now: its file system's free space, within ``max_bytes``."""
+        free = shutil.disk_usage(self.path).free
+        if self.max_bytes is not None:
+            free = min(free, max(0, self.max_bytes - self.usage_bytes()))
+        return free
+
     def _room(self) -> tuple[int, int]:
-        """(bytes a new copy may take, bytes the stage's file system holds): the free space plus
-        the spare's bytes, since the next copy writes over the spare's files or drops it."""
-        usage = shutil.disk_usage(self.path)
+        """(bytes a new copy may take, bytes the stage may hold at all): the free space plus the
+        spare's bytes, since the next copy writes over the spare's files or drops it; both within
+        ``max_bytes``."""
+        total = shutil.disk_usage(self.path).total
+        if self.max_bytes is not None:
+            total = min(total, self.max_bytes)
         spare = self._spare
         spare_bytes = bytes_under(spare) if spare is not None and spare.is_dir() else 0
-        return usage.free + spare_bytes, usage.total
+        return self._free() + spare_bytes, total
 
     def _check_room(self, manifest_step: int, nbytes: int, *, peak: int | None = None, why: str = "") -> None:
         """Room for the new copies of step ``manifest_step``: ``nbytes`` is its largest copy,
@@ -487,8 +499,9 @@ class Stage:
                 CheckpointError(
                     "too_large_for_stage",
                     f"step {manifest_step} needs {(nbytes + SPACE_MARGIN_BYTES) >> 20} MiB in the stage, more than the"
-                    f" {total >> 20} MiB its file system holds: its manifest lists files larger than"
-                    " the model (or give --stage-dir a file system with room for two copies of the model)",
+                    f" {total >> 20} MiB the stage may hold (its file system, or --stage-max-gb): its manifest lists"
+                    " files larger than the model (or give --stage-dir a file system with room for two copies of"
+                    " the model)",
                 )
             )
         if free < need:
