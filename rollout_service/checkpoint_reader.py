@@ -41,7 +41,15 @@ from .finite import count_non_finite
 from .full_writes import write_all
 from .safetensors_header import count_entries, read_header
 from .shown_values import shown
-from .untrusted_files import NO_DEADLINE, Deadline, any_failure_is_the_steps, fd_path, open_regular, read_small
+from .untrusted_files import (
+    NO_DEADLINE,
+    Deadline,
+    any_failure_is_the_steps,
+    fd_path,
+    open_regular,
+    read_small,
+    unreadable,
+)
 
 TensorSpecs = dict[str, tuple[str, tuple[int, ...]]]
 """tensor name -> (safetensors dtype tag, shape)"""
@@ -668,7 +676,7 @@ def _pread(fd: int, into: memoryview, offset: int, where: str) -> int:
     try:
         return os.preadv(fd, [into], offset)
     except OSError as exc:
-        raise CheckpointError("unreadable", f"{where}: reading at byte {offset} failed: {exc.strerror}") from None
+        raise unreadable(exc, f"{where}: reading at byte {offset} failed: {exc.strerror}") from None
 
 
 def _pread_exactly(fd: int, into: memoryview, offset: int, where: str, size: int) -> None:

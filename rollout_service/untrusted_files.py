@@ -86,7 +86,7 @@ def open_regular(
                 f"{where} is not a regular file ({_kind(mode)}); checkpoints hold only regular files:"
                 " remove it and republish",
             ) from None
-        raise CheckpointError("unreadable", f"{where} cannot be opened: {exc.strerror}") from None
+        raise unreadable(exc, f"{where} cannot be opened: {exc.strerror}") from None
     try:
         _check_opened_inside(fd, top, where)
         st = os.fstat(fd)
@@ -117,8 +117,37 @@ def any_failure_is_the_steps(name: str, what: str = "checkpoint") -> Iterator[No
         raise CheckpointError(
             "unreadable", f"{name}: out of memory while reading it; the {what} is not what its manifest describes"
         ) from None
+    except OSError as exc:
+        raise unreadable(exc, f"{name} cannot be read: {type(exc).__name__}: {str(exc)[:200]}") from None
     except Exception as exc:
         raise CheckpointError("unreadable", f"{name} cannot be read: {type(exc).__name__}: {str(exc)[:200]}") from None
+
+
+STORAGE_ERRNOS = frozenset(
+    {
+        errno.EIO,
+        errno.ESTALE,
+        errno.ETIMEDOUT,
+        errno.ENOTCONN,
+        errno.ECONNRESET,
+        errno.EHOSTDOWN,
+        errno.EREMOTEIO,
+        errno.EAGAIN,
+        errno.EMFILE,
+        errno.ENFILE,
+        errno.ENOMEM,
+    }
+)
+"""Errors a read or an open gets from the storage or this process, not from what the file is:
+a step that meets one is validated again before it is rejected (see :class:`UnreadableFile`)."""
+
+
+def unreadable(exc: OSError, message: str) -> CheckpointError:
+    """``CheckpointError('unreadable')`` saying ``message``; an :class:`UnreadableFile` (also an
+    ``OSError``) when ``exc`` is the storage's failure (:data:`STORAGE_ERRNOS`), not the file's."""
+    if exc.errno in STORAGE_ERRNOS:
+        return UnreadableFile(exc.errno, message)
+    return CheckpointError("unreadable", message)
 
 
 class UnreadableFile(CheckpointError, OSError):

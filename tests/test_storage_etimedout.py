@@ -222,3 +222,49 @@ def test_post_sync_tells_a_storage_fault_from_a_bad_name(tmp_path: Path, monkeyp
         monkeypatch.setattr(app.state.controller, "request_checkpoint", lookup)
         answer = client.post("/sync", json={"checkpoint": "step-00000001"})
     assert answer.status_code == status and answer.json()["error"] == error, answer.text
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["no-stage", "staged"])
+@pytest.mark.parametrize("call", ["read", "open"])
+def test_one_eio_in_the_real_readers_costs_no_step(tmp_path: Path, monkeypatch, call: str, staged: bool) -> None:
+    """The readers that do a step's reads (a shard's header and bytes, its open) raised a plain
+    ``CheckpointError('unreadable')`` for the storage's EIO: the step was rejected at once."""
+    import rollout_service.untrusted_files as untrusted_files
+
+    root, c, fake = make(tmp_path) if staged else make(tmp_path, stage=False, stage_dir=None)
+    publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
+    failed: list[str] = []
+
+    def hit(target: str) -> bool:
+        if not failed and "/root/step-00000002/" in target and target.endswith(".safetensors"):
+            failed.append(target)
+            return True
+        return False
+
+    if call == "read":
+        real_read = os.preadv
+
+        def read(fd: int, *args: object, **kwargs: object) -> int:
+            if hit(os.readlink(f"/proc/self/fd/{fd}")):
+                raise OSError(errno.EIO, "Input/output error")
+            return real_read(fd, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(os, "preadv", read)
+    else:
+        real_open = untrusted_files._open_beneath
+
+        def open_(top: str, path: Path, flags: int, where: str) -> int:
+            if hit(str(path)):
+                raise OSError(errno.EIO, "Input/output error")
+            return real_open(top, path, flags, where)
+
+        monkeypatch.setattr(untrusted_files, "_open_beneath", open_)
+
+    async def during() -> None:
+        await until(lambda: c.state.loaded_step == 1)
+        publish_checkpoint(root, 2, tensors(2), config=CONFIG, run_id=RUN)
+        await until(lambda: c.state.loaded_step == 2 or 2 in c.state.rejected, timeout_s=30)
+
+    run_with(c, during)
+    assert failed, "the blip was never hit"
+    assert 2 not in c.state.rejected and c.state.loaded_step == 2, (c.state.rejected, c.state.last_error)
