@@ -627,3 +627,37 @@ def test_ctrl_c_while_the_weights_are_drawn_publishes_nothing_and_close_says_not
     pub.close()
     assert list_checkpoints(tmp_path / "root") == []
     assert not [p for p in (tmp_path / "root").iterdir() if p.name.startswith(("step-", ".tmp-step"))]
+
+
+@pytest.mark.usefixtures("ctrl_c")
+@pytest.mark.parametrize("how", ["publish_and_wait", "publish_in_background", "raise_if_failed"])
+def test_the_next_sync_after_ctrl_c_is_not_failed_by_the_interrupted_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """``raise_if_failed`` (the next sync's and generate's first call) raised the interrupted
+    job's "given up" as "the background checkpoint sync failed": after Ctrl-C in ``evaluate()``,
+    which does not close the publisher, the next ``train()`` failed at its first sync."""
+    import _thread
+
+    pub = _bounded_publisher(tmp_path / "root", monkeypatch, sync_timeout_s=5.0)
+
+    def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+        yield "w0", torch.ones(4)
+        _thread.interrupt_main()
+        time.sleep(0.5)
+        yield "w1", torch.ones(4)
+
+    with pytest.raises(KeyboardInterrupt):
+        pub.publish_and_wait(pub.next_version(), gathered())
+    time.sleep(1.0)  # the job sees the weights stop coming, and fails
+    version = pub.next_version()
+    if how == "publish_and_wait":
+        pub.publish_and_wait(version, [("w0", torch.ones(4)), ("w1", torch.ones(4))])
+    elif how == "publish_in_background":
+        pub.publish_in_background(version, [("w0", torch.ones(4)), ("w1", torch.ones(4))])
+        pub.join()
+    else:  # StaleRetryPolicy.generate's first call
+        pub.raise_if_failed()
+    if how != "raise_if_failed":
+        assert [c.step for c in list_checkpoints(tmp_path / "root")] == [version]
+    pub.close()

@@ -730,6 +730,8 @@ class CheckpointPublisher:
             job = self._job
             if job is not None and job.abandoned:  # its caller gave up on it: its write has ended
                 self._future = self._job = None
+                if future.done() and not future.cancelled() and future.exception() is not None:
+                    log.warning("the interrupted sync of version %d failed: %s", job.version, future.exception())
                 return
             with contextlib.suppress(CancelledError):
                 future.exception()
@@ -801,6 +803,10 @@ class CheckpointPublisher:
         return self._future is not None and not self._future.done()
 
     def raise_if_failed(self) -> None:
+        job = self._job
+        if job is not None and job.abandoned:  # interrupted (Ctrl-C): its write ends before anything goes on
+            self.join()
+            return
         future = self._future
         if future is None or not future.done():
             return
