@@ -15,6 +15,7 @@ parameter is checked on the real app.
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,36 @@ def test_staleness_counts_published_steps_not_step_numbers(tmp_path: Path) -> No
     run_with(c, during)
     ready, why = seen["one publish behind"]
     assert ready and "serving step 1, 1 older than the newest (3): within staleness 1" == why, why
+
+
+def test_steps_retention_deleted_between_still_count(tmp_path: Path) -> None:
+    """A trainer's retention deletes publishes no replica needs: serving 5 with 9 the newest and 6
+    deleted is four publishes behind (the count of listed folders said three: ready within 3)."""
+    root, c, sglang = serving_step_1(tmp_path)
+    seen: dict[str, tuple[bool, str]] = {}
+
+    async def during() -> None:
+        await until(lambda: c.readiness()[0])
+        hold = asyncio.Event()
+
+        async def slow_load(path: str, version: str) -> None:
+            await hold.wait()
+
+        sglang.load_hook = slow_load
+        for step in (2, 3, 4, 5):  # 2 and 4 deleted by retention, 3 a stray file: 5 is 3 publishes on
+            publish_checkpoint(root, step, tensors(step), config=CONFIG, run_id=RUN)
+        shutil.rmtree(root / "step-00000002")
+        shutil.rmtree(root / "step-00000003")
+        (root / "step-00000003").write_text("a stray file, not a checkpoint")
+        shutil.rmtree(root / "step-00000004")
+        await until(lambda: c.state.sglang_loading_step == 5, 30)
+        await c._publish_state()
+        seen["2"] = c.readiness(2)
+        seen["3"] = c.readiness(3)
+        hold.set()
+        await until(lambda: c.serves(5), 30)
+
+    run_with(c, during)
+    assert seen["2"][0] is False, seen["2"]
+    ready, why = seen["3"]
+    assert ready and "serving step 1, 3 older than the newest (5): within staleness 3" == why, why

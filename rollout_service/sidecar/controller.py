@@ -145,9 +145,9 @@ class SyncController:
         self._below_adapter: int | None = None
         """The newest adapter step this pass tried or passed over as rejected: no older full step
         is loaded under it (it would replace SGLang's base model, and adapters would no longer load)."""
-        self._listed_steps: list[int] = []
-        """The step folders the last listing of the root held (oldest first; files named like a
-        step, which a trainer's numbering skips, left out)."""
+        self._listed_files: set[int] = set()
+        """The steps the last listing of the root held as files (named like a step, no folder):
+        a trainer's numbering skips them, so they are no publishes."""
         self._adapter_steps: set[int] = set()
         """Listed steps found to be adapter steps when last tried."""
         self._unconfirmed: tuple[int, float] | None = None
@@ -370,10 +370,11 @@ class SyncController:
         return True, "serving the newest valid checkpoint"
 
     def _steps_behind(self) -> int | None:
-        """How many published steps, not rejected, the last listing held above the served one, up
-        to the newest known, while SGLang answers and serves it as published (step numbers can
-        skip: a trainer counts its staleness in publishes); None when it serves nothing (or
-        nothing newer is known)."""
+        """How many publishes the served step is older than the newest known valid one, while
+        SGLang answers and serves it as published: the step numbers in between, less those known
+        to be no publish (a file named like a step, which a trainer's numbering skips; a rejected
+        step); steps deleted by retention still count. None when it serves nothing (or nothing
+        newer is known)."""
         s = self.state
         if (
             not s.sglang_healthy
@@ -385,8 +386,13 @@ class SyncController:
         ):
             return None
         loaded, newest = s.loaded_step, s.newest_known_step
-        between = [st for st in self._listed_steps if loaded < st <= newest and st not in s.rejected]
-        return max(len(between), 1)
+        between = range(loaded + 1, newest)
+        known = (self._listed_files, s.rejected)
+        if len(between) <= len(s.rejected) + len(self._listed_files):  # (junk rejected by the million)
+            skipped = sum(1 for st in between if any(st in k for k in known))
+        else:
+            skipped = len({st for k in known for st in k if loaded < st < newest})
+        return max(newest - loaded - skipped, 1)
 
     def request_checkpoint(self, checkpoint: str) -> Path:
         """Confine a client-named checkpoint to the root, check it names a step, and wake the loop.
@@ -581,7 +587,7 @@ class SyncController:
             return
         self._listing_problem = None
         self._forget_unlisted(candidates)
-        self._listed_steps = [c.step for c in candidates if c.is_dir]
+        self._listed_files = {c.step for c in candidates if not c.is_dir}
         steps = [c.step for c in candidates if not self._still_rejected(c.step, identities)]
         await self._wake_waiters(steps[-1] if steps else None)
 
@@ -858,7 +864,7 @@ class SyncController:
             self._error(exc.reason, str(exc))
             return  # unready with the reason: see _publish_state
         self._forget_unlisted(checkpoints)
-        self._listed_steps = [c.step for c in checkpoints if c.is_dir]
+        self._listed_files = {c.step for c in checkpoints if not c.is_dir}
         if presence != "unknown":  # (a look that failed says nothing: as the last pass found)
             self.state.loaded_current = presence == "same"
         loaded = self.state.loaded_step
