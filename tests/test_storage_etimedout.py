@@ -268,3 +268,22 @@ def test_one_eio_in_the_real_readers_costs_no_step(tmp_path: Path, monkeypatch, 
     run_with(c, during)
     assert failed, "the blip was never hit"
     assert 2 not in c.state.rejected and c.state.loaded_step == 2, (c.state.rejected, c.state.last_error)
+
+
+def test_post_sync_on_a_step_the_storage_fails_to_look_at_is_a_503(tmp_path: Path, monkeypatch) -> None:
+    """The lookup's own look at the named step (not a stub of it): an EIO there is the storage's."""
+    publish_checkpoint(tmp_path, 1, tensors(1), config=CONFIG, run_id=RUN)
+    settings = SidecarSettings(checkpoint_path=tmp_path, sglang_url="http://127.0.0.1:9", replica_id="r", stage=False)
+    target = str(tmp_path / "step-00000001")
+    real_stat = os.stat
+
+    def failing_stat(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if os.fspath(path) == target:
+            raise OSError(errno.EIO, "Input/output error", target)
+        return real_stat(path, *args, **kwargs)
+
+    with TestClient(create_app(settings), base_url="http://127.0.0.1") as client:
+        monkeypatch.setattr(os, "stat", failing_stat)
+        answer = client.post("/sync", json={"checkpoint": "step-00000001"})
+        monkeypatch.setattr(os, "stat", real_stat)
+    assert answer.status_code == 503 and answer.json()["error"] == "storage_error", answer.text

@@ -416,7 +416,11 @@ class SyncController:
                 f"{checkpoint[:200]!r} is not a step directory"
                 f" ('step-' and 8 digits, e.g. step-00000042) directly under {self.root}",
             )
-        if not path.is_dir():
+        try:  # (not Path.is_dir, which takes the storage's EIO for "no folder": a 503, not a 400)
+            is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            is_dir = False
+        if not is_dir:
             what = "is not a directory" if os.path.lexists(path) else "does not exist"
             raise CheckpointError("missing_checkpoint", f"{path.name} {what} under {self.root}")
         loaded, rejected = self.state.loaded_step, self.state.rejected.get(step)
