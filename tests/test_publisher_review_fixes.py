@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -325,10 +325,35 @@ def _bounded_publisher(root: Path, monkeypatch: pytest.MonkeyPatch, sync_timeout
     )
 
 
+def _ended_within(call: Callable[[], object], seconds: float, release: threading.Event) -> list[BaseException | None]:
+    """Run ``call`` on a thread for up to ``seconds``, then set ``release`` (the storage answers
+    again); ``[what it raised]`` (``[None]``: it returned), or ``[]`` when it had not ended."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    release.set()
+    return outcome
+
+
+def _assert_blocked_write_named(error: BaseException | None, root: Path) -> None:
+    from rollout_service.sidecar.root_gate import RootUnresponsive
+
+    assert isinstance(error, RootUnresponsive), repr(error)
+    assert "version 2" in str(error) and str(root) in str(error) and "has written nothing for" in str(error)
+
+
 def test_the_next_sync_gives_up_on_a_background_write_blocked_in_the_storage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from rollout_service.sidecar.root_gate import RootUnresponsive
 
     root = tmp_path / "root"
     pub = _bounded_publisher(root, monkeypatch, sync_timeout_s=1.0)
@@ -342,24 +367,10 @@ def test_the_next_sync_gives_up_on_a_background_write_blocked_in_the_storage(
 
     monkeypatch.setattr(checkpoint_writer, "write_all", blocked)
     pub.publish_in_background(2, [("w", torch.ones(4))])
-    outcome: list[BaseException | None] = []
-
-    def next_sync() -> None:
-        try:
-            pub.publish_in_background(3, [("w", torch.ones(4))])
-            outcome.append(None)
-        except BaseException as exc:
-            outcome.append(exc)
-
     with caplog.at_level(logging.INFO, logger="trainer_hooks.checkpoint_publisher"):
-        waiting = threading.Thread(target=next_sync, daemon=True)
-        waiting.start()
-        waiting.join(15)
-        hang.set()
+        outcome = _ended_within(lambda: pub.publish_in_background(3, [("w", torch.ones(4))]), 15, hang)
     assert outcome, "the next sync still waits for the blocked write"
-    error = outcome[0]
-    assert isinstance(error, RootUnresponsive), repr(error)
-    assert "version 2" in str(error) and str(root) in str(error) and "has written nothing for" in str(error)
+    _assert_blocked_write_named(outcome[0], root)
     assert "waiting for the sync of version 2" in caplog.text
     pub.close()  # the write is released: it finishes
     assert [c.step for c in list_checkpoints(root)] == [1, 2]
@@ -374,7 +385,6 @@ def test_a_foreground_sync_gives_up_on_a_write_blocked_in_the_storage(
     in the NCCL watchdog). It now ends like a blocked background write, and every weight is still
     drawn (gathers are collective)."""
     from rollout_service.delta_writer import DeltaCheckpointWriter
-    from rollout_service.sidecar.root_gate import RootUnresponsive
 
     root = tmp_path / "root"
     pub = _bounded_publisher(root, monkeypatch, sync_timeout_s=1.0)
@@ -392,24 +402,10 @@ def test_a_foreground_sync_gives_up_on_a_write_blocked_in_the_storage(
             drawn.append(name)
             yield name, t + 1
 
-    outcome: list[BaseException | None] = []
-
-    def sync() -> None:
-        try:
-            pub.publish_and_wait(2, gathered())
-            outcome.append(None)
-        except BaseException as exc:
-            outcome.append(exc)
-
     with caplog.at_level(logging.INFO, logger="trainer_hooks.checkpoint_publisher"):
-        syncing = threading.Thread(target=sync, daemon=True)
-        syncing.start()
-        syncing.join(15)
-        hang.set()
+        outcome = _ended_within(lambda: pub.publish_and_wait(2, gathered()), 15, hang)
     assert outcome, "the foreground sync still hangs on the blocked write"
-    error = outcome[0]
-    assert isinstance(error, RootUnresponsive), repr(error)
-    assert "version 2" in str(error) and str(root) in str(error) and "has written nothing for" in str(error)
+    _assert_blocked_write_named(outcome[0], root)
     assert "waiting for the sync of version 2" in caplog.text  # progress while it waited
     assert drawn == [name for name, _ in weights]  # every gather ran
     pub.close()  # the write is released: it finishes (waited for, as a pending job)

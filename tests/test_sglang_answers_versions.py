@@ -203,19 +203,9 @@ def test_the_staleness_bound_counts_publishes_not_version_numbers(labelled: Any,
     import torch
 
     from rollout_service.checkpoint_format import step_dir_name
-    from trainer_helpers import NoWaiter
-    from trainer_hooks.checkpoint_publisher import CheckpointPublisher
+    from trainer_helpers import bare_publisher
 
-    publisher = CheckpointPublisher(
-        tmp_path,
-        NoWaiter(),
-        config={"model_type": "x"},
-        dtype=None,
-        max_shard_bytes=1 << 20,
-        keep=None,
-        sync_timeout_s=5,
-        heartbeat_max_age_s=60,
-    )
+    publisher = bare_publisher(tmp_path, None)
     try:
         publisher.publish_and_wait(publisher.next_version(), [("w", torch.zeros(4))])
         (tmp_path / step_dir_name(2)).write_text("stray")

@@ -324,25 +324,24 @@ class AdapterSync:
             # longer answers at all died of the step (a proxy's 5xx, a slow list: looked at again).
             if isinstance(exc, SGLangErrorAnswer) or (await c.client.view()).healthy:
                 self.loaded[name] = fingerprint  # SGLang said it loaded it: not loaded again if listed
-                c.metrics.syncs.labels("failed", "adapter_not_confirmed").inc()
-                c._error(
-                    "adapter_not_confirmed",
-                    f"SGLang took {ckpt.path.name} as {name!r}, but its adapter list did not come: {exc}",
-                    step=ckpt.step,
+                self._not_confirmed(
+                    ckpt, f"SGLang took {ckpt.path.name} as {name!r}, but its adapter list did not come: {exc}"
                 )
                 return None
             c.died_during_load(ckpt, exc)
             return False
         if not confirmed:
             self._forget(name)
-            c.metrics.syncs.labels("failed", "adapter_not_confirmed").inc()
-            c._error(
-                "adapter_not_confirmed",
-                f"after loading {ckpt.path.name} SGLang does not list the adapter {name!r} in /v1/models",
-                step=ckpt.step,
+            self._not_confirmed(
+                ckpt, f"after loading {ckpt.path.name} SGLang does not list the adapter {name!r} in /v1/models"
             )
             return False
         return True
+
+    def _not_confirmed(self, ckpt: PublishedCheckpoint, message: str) -> None:
+        """Report an adapter load SGLang did not confirm (``adapter_not_confirmed``: looked at again)."""
+        self.c.metrics.syncs.labels("failed", "adapter_not_confirmed").inc()
+        self.c._error("adapter_not_confirmed", message, step=ckpt.step)
 
     def _has_publication(self, name: str, fingerprint: str, path: str | None = None) -> bool:
         """Whether what SGLang has under ``name`` is the publication ``fingerprint``, because
