@@ -653,6 +653,7 @@ class ProcessGroup:
         request_timeout_s: float = 5.0,
         failed: Callable[[httpx.Client], str | None] | None = None,
         listen_port: int | None = None,
+        stopped: Callable[[], bool] | None = None,
     ) -> float:
         """Block until GET `url` answers `status`; returns the seconds waited.
 
@@ -668,11 +669,13 @@ class ProcessGroup:
 
         `failed` is asked on every poll whether the process reported that it cannot become
         ready (e.g. a sidecar's fatal error in `/status`); a message ends the wait at once.
+        `stopped` is asked on every poll too: true (a signal asked the caller to stop) ends the
+        wait at once, also for a process that does not exit when it is told to.
 
         Raises:
             ProcessExitedError: the process exited first (the message has its exit code).
             StartTimeoutError: the time ran out; the message has `timeout_hint`.
-            ProcessStartError: `failed` returned a message.
+            ProcessStartError: `failed` returned a message, or `stopped` said so.
             All messages end with the last lines of the log.
         """
         if self.process is None:
@@ -684,6 +687,8 @@ class ProcessGroup:
         size, last_growth = _total_size(logs), started
         with httpx.Client(timeout=httpx.Timeout(request_timeout_s, connect=min(2.0, request_timeout_s))) as client:
             while True:
+                if stopped is not None and stopped():
+                    raise ProcessStartError(f"the wait for {self.name} at {url} was stopped: the caller is stopping")
                 code = self._poll()
                 if code is not None:
                     raise ProcessExitedError(

@@ -778,6 +778,7 @@ class SGLangServer:
                 progress_grace_s=progress_grace_s,
                 timeout_hint=timeout_hint,
                 listen_port=self.port,
+                stopped=lambda: self._interrupted,  # (an SGLang that ignores the signal is not waited for)
             )
         except ProcessStartError as exc:
             self._keep_log = self._keep_log or not self._interrupted  # the message names the log

@@ -242,3 +242,54 @@ def test_a_second_sigterm_while_stopping_sglang_does_not_kill_serve(checkpoint_r
         serve.stop(5.0, signal.SIGKILL)
         for p in _alive(fake_sglang if "fake_sglang" in locals() else []):
             p.kill()
+
+
+FAKE_DEAF_START = r'''#!__PYTHON__
+"""Fake `python -m sglang.launch_server` whose start never ends: it ignores SIGTERM (a handler, a
+C call) and logs loading progress every second without ever listening."""
+import signal, time
+signal.signal(signal.SIGTERM, lambda *a: print("fake SGLang ignores SIGTERM", flush=True))
+while True:
+    print("Loading safetensors checkpoint shards: ...", flush=True)
+    time.sleep(1)
+'''
+
+
+def test_sigterm_while_an_sglang_that_ignores_it_first_starts_ends_serve_within_the_stop_bound(
+    checkpoint_root, tmp_path
+):
+    """The wait for SGLang's first /health went on after the signal until the start-up timeout
+    ran out, three times it while the log grew (30 minutes by default): `serve` now stops waiting
+    at once and stops SGLang as everywhere else (SIGTERM, SIGKILL 20 s later). A fake SGLang: a
+    real one exits on SIGTERM."""
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE_DEAF_START.replace("__PYTHON__", sys.executable))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    argv = serve_argv(tmp_path / "model", checkpoint_root, free_port(), free_port(), "deaf-start")
+    argv += ["--stage-dir", str(tmp_path / "stage"), "--sglang-log", str(tmp_path / "sglang.log")]
+    argv += ["--startup-timeout", "120"]
+    serve = ProcessGroup(
+        [sys.executable, "-c", SERVE_WITH, str(fake), *argv], tmp_path / "serve.log", name="serve", die_with_parent=True
+    )
+    serve.start()
+    assert serve.process is not None
+    log_file = tmp_path / "sglang.log"
+    try:
+        _wait_for(
+            lambda: log_file.exists() and "Loading safetensors" in log_file.read_text(), 120, "the fake", serve.log_tail
+        )
+        fake_sglang = _sglang_processes(serve.process.pid, str(fake))
+        assert fake_sglang
+        t0 = time.monotonic()
+        os.kill(serve.process.pid, signal.SIGTERM)
+        code = serve.process.wait(timeout=90)
+        took = time.monotonic() - t0
+        log = serve.log_tail(200)
+        assert code == 0, log
+        assert took < 60, f"serve took {took:.0f} s to stop (the start-up timeout is 120 s): {log}"
+        assert "ignored SIGTERM for 20 s; sending SIGKILL" in log, log
+        _wait_for(lambda: not _alive(fake_sglang), 30, "the fake SGLang to be gone", serve.log_tail)
+    finally:
+        serve.stop(5.0, signal.SIGKILL)
+        for p in _alive(fake_sglang if "fake_sglang" in locals() else []):
+            p.kill()
