@@ -211,9 +211,10 @@ class Supervisor(threading.Thread):
         self._stop_when: Callable[[], bool] = lambda: False
         self._hung = hung
         """Why SGLang is hung though running (None: it is not), given when its latest start got
-        healthy (``time.time()``): ``serve`` asks its sidecar how long SGLang has not answered."""
-        self.healthy_since = time.time()
-        """When SGLang's latest start answered ``/health`` (``time.time()``)."""
+        healthy (``time.monotonic()``): ``serve`` asks its sidecar how long SGLang has not answered."""
+        self.healthy_since = time.monotonic()
+        """When SGLang's latest start answered ``/health`` (``time.monotonic()``: a step of the
+        wall clock must not make a live SGLang look hung)."""
         self._why = "exited"
         """Why the latest restart was needed (the log line says it)."""
         self._last_failure: str | None = None
@@ -240,7 +241,7 @@ class Supervisor(threading.Thread):
         self.server.wait_healthy(
             self.policy.startup_timeout_s, progress_grace_s=self.policy.progress_grace_s, timeout_hint=STARTUP_HINT
         )
-        self.healthy_since = time.time()
+        self.healthy_since = time.monotonic()
 
     def interrupt(self, sig: int = signal.SIGTERM) -> None:
         """End a `startup()` under way in the main thread (called from a signal handler there).
@@ -438,7 +439,7 @@ def run_serve(
 
     def hung(healthy_since: float) -> str | None:
         state = None if controller is None else controller.state
-        return None if state is None else hang_reason(state, healthy_since, policy.hang_timeout_s, time.time())
+        return None if state is None else hang_reason(state, healthy_since, policy.hang_timeout_s, time.monotonic())
 
     supervisor = Supervisor(server, policy, on_restart=restarted, on_give_up=give_up, hung=hung)
     signals = _Signals(supervisor)
@@ -494,12 +495,13 @@ def run_serve(
 
 def hang_reason(state: Any, healthy_since: float, limit_s: float, now: float) -> str | None:
     """Why SGLang counts as hung, or None: it has answered neither the sidecar's checks
-    (``state``: the sidecar's ``SidecarState``, its ``sglang_seen_at``) nor, when it was just
+    (``state``: the sidecar's ``SidecarState``, its ``sglang_seen_mono``) nor, when it was just
     started, its start-up wait (``healthy_since``) for ``limit_s`` (``--hang-timeout``; 0: never),
-    while no weight load is in flight (``sglang_loading_step``: SGLang's ``/health`` waits on it)."""
+    while no weight load is in flight (``sglang_loading_step``: SGLang's ``/health`` waits on it).
+    Times are ``time.monotonic()``'s (``now`` too)."""
     if not limit_s or state.sglang_loading_step is not None:
         return None
-    silent = now - max(state.sglang_seen_at or 0.0, healthy_since)
+    silent = now - max(state.sglang_seen_mono or 0.0, healthy_since)
     if silent <= limit_s:
         return None
     return f"it has not answered the sidecar's health checks for {silent:.0f} s (--hang-timeout {limit_s:g} s)"

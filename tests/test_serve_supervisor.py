@@ -341,15 +341,31 @@ def test_what_counts_as_hung():
 
     from rollout_service.serve import hang_reason
 
-    state = SimpleNamespace(sglang_seen_at=1000.0, sglang_loading_step=None)
+    state = SimpleNamespace(sglang_seen_mono=1000.0, sglang_loading_step=None)
     assert hang_reason(state, 900.0, 300.0, 1299.0) is None  # answered 299 s ago
     assert "301 s" in str(hang_reason(state, 900.0, 300.0, 1301.0))
     assert hang_reason(state, 1200.0, 300.0, 1301.0) is None  # restarted since: its own start counts
     assert hang_reason(state, 900.0, 0.0, 9999.0) is None  # --hang-timeout 0: off
     state.sglang_loading_step = 7  # a weight load in flight: /health waits on it
     assert hang_reason(state, 900.0, 300.0, 9999.0) is None
-    never = SimpleNamespace(sglang_seen_at=None, sglang_loading_step=None)
+    never = SimpleNamespace(sglang_seen_mono=None, sglang_loading_step=None)
     assert hang_reason(never, 900.0, 300.0, 1201.0) is not None  # never answered the sidecar at all
+
+
+def test_a_step_of_the_wall_clock_makes_no_live_sglang_hung(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Silence was wall-clock time: a forward step past --hang-timeout (a resumed VM, an NTP step)
+    made an SGLang that had just answered look hung, and serve restarted it."""
+    from rollout_service.serve import hang_reason
+    from rollout_service.sidecar.state import SidecarState
+
+    state = SidecarState(replica_id="r", checkpoint_path="/c", sglang_url="http://x")
+    started = time.monotonic()
+    state.saw_sglang()
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 400.0)  # the wall clock jumps
+    assert hang_reason(state, started, 300.0, time.monotonic()) is None
+    assert hang_reason(state, started, 300.0, time.monotonic() + 301.0) is not None  # real silence still counts
+    assert "sglang_seen_mono" not in state.to_dict() and state.to_dict()["sglang_seen_at"] is not None
 
 
 @pytest.mark.sglang

@@ -146,7 +146,7 @@ def test_a_scheduler_hung_during_a_pass_counts_as_silence_not_as_answers(tmp_pat
         seen = c.state.sglang_seen_at
         await asyncio.sleep(0.5)
         assert c.state.sglang_seen_at == seen, "answers of the HTTP front alone count as SGLang's"
-        assert hang_reason(c.state, 0.0, 0.4, time.time()) is not None
+        assert hang_reason(c.state, 0.0, 0.4, time.monotonic()) is not None
         sglang.hung = False
         await until(lambda: c.serves(2), 20)
 

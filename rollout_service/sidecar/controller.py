@@ -353,7 +353,7 @@ class SyncController:
             s.loading_step is None and now - s.loop_heartbeat > max(5 * self.settings.health_interval_s, 15.0)
         ):
             return False, "the sync loop has not completed a pass recently"
-        if s.sglang_seen_at is None or now - s.sglang_seen_at > fresh:
+        if s.sglang_seen_mono is None or time.monotonic() - s.sglang_seen_mono > fresh:
             if self._sglang_refusal is not None:
                 return False, self._sglang_refusal
             return False, f"SGLang at {self.settings.sglang_url} has not answered recently"
@@ -633,7 +633,7 @@ class SyncController:
         (else the replica would stay unready, a valid step served, until the next listing); unless
         it passed over a newer step that failed without a rejection (a hung root cut its check
         short): that one is still to load, so the replica is not ready yet."""
-        self.state.sglang_seen_at = time.time()  # it answered the load: a long pass is no silence
+        self.state.saw_sglang()  # it answered the load: a long pass is no silence
         self.state.sglang_healthy = True  # (the pass's watch may have seen it silent before)
         known = self.state.newest_known_step
         if known is not None and known in self.state.rejected and not any(p > step for p in self._passed_over):
@@ -649,7 +649,7 @@ class SyncController:
             self._sglang_silent(was, view.refusal)
             return
         self._sglang_refusal = None
-        self.state.sglang_seen_at = time.time()
+        self.state.saw_sglang()
         self.state.sglang_weight_version = view.weight_version
         loaded = self.state.loaded_step
         unconfirmed = None if self._unconfirmed is None else self._unconfirmed[0]
@@ -851,7 +851,7 @@ class SyncController:
             s.sglang_healthy = True
             expected = {version_for_step(step) for step in (s.loaded_step, s.loading_step) if step is not None}
             if self.adapters.serving or s.loaded_step is None or view.weight_version in expected:
-                s.sglang_seen_at = time.time()
+                s.saw_sglang()
                 if back:  # it answers again on the same weights: ready as before, the /waits told
                     log.info("SGLang at %s answers again", self.settings.sglang_url)
                     await self._wake_waiters(s.newest_known_step)

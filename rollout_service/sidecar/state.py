@@ -41,6 +41,9 @@ class SidecarState:
     sglang_healthy: bool = False
     sglang_weight_version: str | None = None
     sglang_seen_at: float | None = None
+    sglang_seen_mono: float | None = None
+    """``time.monotonic()`` of ``sglang_seen_at``: what silence is measured with (a step of the wall
+    clock, a resumed VM, must not make a live SGLang look hung). Not in ``/status``."""
     ready: bool = False
     last_sync: SyncRecord | None = None
     last_error: dict[str, Any] | None = None
@@ -58,6 +61,10 @@ class SidecarState:
     fatal: dict[str, Any] | None = None
     """Set when the replica cannot recover by itself (e.g. its restart budget is spent)."""
     started_at: float = field(default_factory=time.time)
+
+    def saw_sglang(self) -> None:
+        """SGLang answered now."""
+        self.sglang_seen_at, self.sglang_seen_mono = time.time(), time.monotonic()
 
     def report(self) -> ReplicaReport:
         """The part of the state the trainer reads (the replica protocol)."""
@@ -81,7 +88,7 @@ class SidecarState:
         """``/status``: the replica report and everything else the sidecar knows."""
         # Field by field, without the rejections (junk by the million costs a copy per /status and
         # per /wait answer otherwise): the report below names the newest ones.
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rejected"}
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("rejected", "sglang_seen_mono")}
         data["last_sync"] = None if self.last_sync is None else asdict(self.last_sync)
         data = copy.deepcopy(data)
         data["loaded_version"] = None if self.loaded_step is None else version_for_step(self.loaded_step)
