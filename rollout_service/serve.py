@@ -337,6 +337,8 @@ class Supervisor(threading.Thread):
             if self._halted():
                 return
             if not policy.may_restart():
+                if self.server.is_running():  # hung, not exited: it is left down, whoever started it
+                    self._stop_server()
                 self._give_up()
                 return
             in_window = policy.record_restart()

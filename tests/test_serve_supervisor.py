@@ -336,6 +336,26 @@ def test_a_hung_sglang_is_restarted_and_counted_like_a_crash():
     assert reason == RESTART_BUDGET_SPENT and "is hung: it has not answered for 301 s" in message
 
 
+def test_a_hung_sglang_the_budget_gives_up_on_is_stopped_whoever_started_it():
+    """With the budget spent (--max-restarts 0 here) a hung SGLang that the main thread started
+    stayed up, holding its GPU and port, while /readyz said "not restarting it"; one a restart had
+    started was stopped. Now it is stopped in both cases."""
+    server = StandInServer()
+    restarts, gave_up = [], []
+    policy = RestartPolicy(max_restarts=0, backoff_s=0.0)
+    supervisor = _supervisor(server, policy, restarts, gave_up, hung=lambda since: "x")
+    supervisor.start()
+    deadline = time.monotonic() + 20
+    try:
+        while not gave_up and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        supervisor.stop()
+        supervisor.join(5)
+    assert gave_up and gave_up[0][0] == RESTART_BUDGET_SPENT
+    assert ("stop",) in server.calls and ("start",) not in server.calls
+
+
 def test_what_counts_as_hung():
     from types import SimpleNamespace
 
