@@ -164,3 +164,15 @@ def test_a_server_on_a_full_checkpoint_gets_merged_syncs_saying_why(tiny_model_d
         assert "restart SGLang on its base model" in problem
     else:
         assert problem is None, problem
+
+
+def test_a_server_that_does_not_say_its_largest_rank_gets_merged_syncs(tiny_model_dir: Path) -> None:
+    """SGLang started with --lora-paths and no --max-lora-rank takes the largest rank of those
+    adapters and reports none: an adapter above it was refused at the first sync, ending training."""
+    info = {"enable_lora": True, "max_lora_rank": None, "lora_target_modules": ["all"], "lora_paths": ["a=/x"]}
+    server = CannedServer(lambda path, body, count: canned_reply(200, info) if path == "/server_info" else None)
+    try:
+        problem = adapter_sync_problem(peft_model(tiny_model_dir), None, [server.url], None)
+    finally:
+        server.stop()
+    assert problem is not None and "--max-lora-rank" in problem, problem

@@ -134,6 +134,12 @@ def adapter_sync_problem(
         problem = adapter_support_problem(config, limits)
         if problem is not None:
             return f"{url}: {problem}"
+        if limits.max_rank is None:  # SGLang took it from its --lora-paths, and refuses any adapter above it
+            return (
+                f"{url} does not say the largest LoRA rank it serves (started without --max-lora-rank: SGLang"
+                " took it from its --lora-paths), so an adapter above it would be refused at its first sync;"
+                " start SGLang with --max-lora-rank (rollout-service serve --lora does) to sync adapters"
+            )
         servers.append((url, limits))
     return published_adapter_problem(model, config, dtype, servers)
 
