@@ -287,3 +287,40 @@ def test_post_sync_on_a_step_the_storage_fails_to_look_at_is_a_503(tmp_path: Pat
         answer = client.post("/sync", json={"checkpoint": "step-00000001"})
         monkeypatch.setattr(os, "stat", real_stat)
     assert answer.status_code == 503 and answer.json()["error"] == "storage_error", answer.text
+
+
+def test_a_hung_model_folder_is_named_and_keeps_no_look_at_the_root_waiting(tmp_path: Path, monkeypatch) -> None:
+    """The served model's files (its folder, the Hugging Face cache, --reference-dir) may be on
+    another mount than the checkpoint root: a look there that hung went through the root's gate,
+    so the root was reported "not answering" and every look at it refused behind the blocked one."""
+    import threading
+
+    from rollout_service.sidecar import controller as controller_module
+
+    root, c, fake = make(tmp_path)
+    c.settings.root_timeout_s = 0.5
+    c.root_gate.timeout_s = c.wait_gate.timeout_s = c.model_gate.timeout_s = 0.5
+    release = threading.Event()
+    real_find = controller_module.find_reference
+
+    def hung_find(*args, **kwargs):  # type: ignore[no-untyped-def]
+        release.wait(30)
+        return real_find(*args, **kwargs)
+
+    monkeypatch.setattr(controller_module, "find_reference", hung_find)
+
+    async def during() -> None:
+        await until(lambda: (c.state.last_error or {}).get("reason") == "model_unresponsive", timeout_s=30)
+        heartbeat = c.state.loop_heartbeat
+        await until(lambda: c.state.loop_heartbeat != heartbeat, timeout_s=30)  # the loop goes on
+        assert c.root_gate.problem is None and c.state.root_problem is None
+        assert "the served model's files" in c.state.last_error["message"]
+        await c._publish_state()  # a listing of the root: not refused behind the model's look
+        release.set()
+        publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
+        await until(lambda: c.state.loaded_step == 1, timeout_s=30)
+
+    try:
+        run_with(c, during)
+    finally:
+        release.set()

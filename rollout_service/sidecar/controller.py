@@ -127,6 +127,14 @@ class SyncController:
         self.root_gate = RootGate(self.root, settings.root_timeout_s, on_change=self._root_problem)
         """Every look at the root by the loop and the ack writer passes through it, under a time bound."""
         self.wait_gate = RootGate(self.root, settings.root_timeout_s)
+        self.model_gate = RootGate(
+            self.root,
+            settings.root_timeout_s,
+            where="the served model's files (its folder, the Hugging Face cache, --reference-dir, or the"
+            " checkpoint SGLang serves)",
+        )
+        """Looks at the served model's files, which may live on another (hung) mount than the root:
+        blocked, they must not keep the root's own looks waiting behind them."""
         """``/wait``'s looks (no token needed): a gate of their own, so that clients waiting by the
         dozen on a slow root cannot take the threads the sync loop and the ack heartbeat need (a
         heartbeat that stops makes trainers count this replica dead)."""
@@ -683,22 +691,29 @@ class SyncController:
         if self._reference is None:
             revision = await self._served_revision()
             if revision is not False:
-                await self.root_gate.call(
-                    self._ensure_reference, view, revision, what="reading the served model's tensor list"
-                )
+                try:
+                    await self.model_gate.call(
+                        self._ensure_reference, view, revision, what="reading the served model's tensor list"
+                    )
+                except RootUnresponsive as exc:
+                    self._error("model_unresponsive", str(exc))
         elif self._base_dir_pending and step_for_version(view.weight_version) is None:
             revision = await self._served_revision()
             if revision is not False:
-                self.base_dir = await self.root_gate.call(
-                    base_model_dir,
-                    view,
-                    self.root,
-                    self.stage,
-                    self.settings.reference_dir,
-                    revision,
-                    what="looking for the base model's folder",
-                )
-                self._base_dir_pending = False  # (after the look: a root that did not answer is asked again)
+                try:
+                    self.base_dir = await self.model_gate.call(
+                        base_model_dir,
+                        view,
+                        self.root,
+                        self.stage,
+                        self.settings.reference_dir,
+                        revision,
+                        what="looking for the base model's folder",
+                    )
+                except RootUnresponsive as exc:
+                    self._error("model_unresponsive", str(exc))
+                    return
+                self._base_dir_pending = False  # (after the look: one that did not answer is asked again)
 
     async def _view(self, *, loading: bool = False) -> tuple[ServerView, bool]:
         """SGLang's answer, and whether it was a deep one (``/health`` too): deep while SGLang has

@@ -42,8 +42,17 @@ class RootUnresponsive(Exception):
 class RootGate:
     """Runs blocking calls on the checkpoint root under a time bound (one instance per root)."""
 
-    def __init__(self, root: Path, timeout_s: float, on_change: Callable[[str | None], None] | None = None):
+    def __init__(
+        self,
+        root: Path,
+        timeout_s: float,
+        on_change: Callable[[str | None], None] | None = None,
+        *,
+        where: str | None = None,
+    ):
         self.root = root
+        self.where = where or f"the checkpoint root {root}"
+        """What the calls look at, as messages name it (another gate's files are not the root)."""
         self.timeout_s = timeout_s
         self._on_change = on_change
         """Told each new :attr:`problem` (None once the root answers again), on the event loop."""
@@ -118,9 +127,9 @@ class RootGate:
 
     def _unresponsive(self, why: str) -> RootUnresponsive:
         message = (
-            f"the checkpoint root {self.root} is not answering: {why}. Check its file system (NFS server,"
-            " mount; raise --root-timeout if it is only slow); the replica keeps serving what it loaded"
-            " and picks up new checkpoints once the root answers"
+            f"{self.where} is not answering: {why}. Check its file system (NFS server, mount; raise"
+            " --root-timeout if it is only slow); the replica keeps serving what it loaded and picks up"
+            " new checkpoints once it answers"
         )
         if self.problem is None:
             log.warning("%s", message)
