@@ -21,17 +21,23 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import IO
+
+import httpx
 
 from .process_group import kill_me_with_parent
 from .redaction import redact_text, remember_secret
-from .sglang_key import key_off_command_line, remove_key_file, take_credentials, take_key
-from .sglang_launcher import quiet_http_log
+from .sglang_key import key_off_command_line, remove_key_file, take_credentials, take_key, take_option
+from .sglang_launcher import OWN_SGLANG_OPTIONS, quiet_http_log
 
 log = logging.getLogger(__name__)
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SGLANG_DEFAULT_PORT = 30000
+"""SGLang 0.5.23's ``--port`` when none is given."""
 OUTPUT_DRAIN_S = 5.0
 """How long SGLang's output is still copied once its main process exited (its children may hold
 the pipe open for good: then they are killed)."""
@@ -74,8 +80,13 @@ def run_sglang(
     previous = {sig: signal.signal(sig, lambda signum, frame: _forward(proc, signum)) for sig in FORWARDED_SIGNALS}
     # (to SGLang's main process, which stops its scheduler and detokenizer itself: signalled too,
     # they die first and SGLang then kills itself, exit 137)
-    # SGLang has read its --config file once it logs the arguments it parsed: the key file goes
-    # then, so that a SIGKILL of this command (nothing then runs its cleanup) leaves no key behind.
+    # SGLang has read its --config file once it logs the arguments it parsed (or, at a --log-level
+    # that hides that line, once it answers /health): the key file goes then, so that a SIGKILL of
+    # this command (nothing then runs its cleanup) leaves no key behind.
+    if key_file is not None:
+        threading.Thread(
+            target=_remove_once_serving, args=(_health_url(args), proc, key_file), daemon=True, name="sglang-key"
+        ).start()
     copier = threading.Thread(
         target=_copy_redacted,
         args=(proc.stdout, out, lambda: remove_key_file(key_file)),
@@ -111,6 +122,33 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL what is left of SGLang's process group, right after its leader was reaped."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+KEY_POLL_S = 2.0
+"""How often SGLang's /health is asked until it answers (then the key file goes)."""
+
+
+def _health_url(args: Sequence[str]) -> str:
+    """SGLang's /health as ``args`` set its host and port (SGLang's defaults otherwise)."""
+    _, host = take_option(list(args), OWN_SGLANG_OPTIONS["host"])
+    _, port = take_option(list(args), OWN_SGLANG_OPTIONS["port"])
+    if not host or host in ("0.0.0.0", "::"):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port or SGLANG_DEFAULT_PORT}/health"
+
+
+def _remove_once_serving(url: str, proc: subprocess.Popen[bytes], key_file: Path) -> None:
+    """Remove ``key_file`` once SGLang answers ``url`` (it read its arguments long before)."""
+    while proc.poll() is None and key_file.exists():
+        try:
+            if httpx.get(url, timeout=KEY_POLL_S).status_code == 200:
+                remove_key_file(key_file)
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(KEY_POLL_S)
 
 
 ARGS_READ_MARK = "server_args="

@@ -37,7 +37,7 @@ CONFIG_OPTION = "--config"
 KEY_FILE_NAME = "sglang-key.yaml"
 
 
-def _take(args: list[str], spelled: tuple[str, ...]) -> tuple[list[str], str | None]:
+def take_option(args: list[str], spelled: tuple[str, ...]) -> tuple[list[str], str | None]:
     """``args`` without the option spelled any of ``spelled`` (``--opt V``, ``--opt=V``), and its
     value (the last one given, as SGLang's parser takes it)."""
     rest: list[str] = []
@@ -64,14 +64,14 @@ def _take(args: list[str], spelled: tuple[str, ...]) -> tuple[list[str], str | N
 def take_key(args: list[str]) -> tuple[list[str], str | None]:
     """``args`` without SGLang's ``--api-key`` (``--api-key KEY``, ``--api-key=KEY``, any
     abbreviation SGLang takes), and the key given (the last one, as SGLang's parser takes it)."""
-    return _take(args, API_KEY_OPTIONS)
+    return take_option(args, API_KEY_OPTIONS)
 
 
 def take_credentials(args: list[str]) -> tuple[list[str], dict[str, str]]:
     """``args`` without any of SGLang's credential options, and the values given, by option."""
     found: dict[str, str] = {}
     for option, spelled in CREDENTIAL_SPELLINGS.items():
-        args, value = _take(args, spelled)
+        args, value = take_option(args, spelled)
         if value is not None:
             found[option] = value
     return args, found

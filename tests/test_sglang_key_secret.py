@@ -216,3 +216,42 @@ def test_every_credential_sglang_takes_moves_into_the_file_and_sglang_reads_them
         assert (args.api_key, args.admin_api_key) == (KEY, "-dash")
     finally:
         remove_key_file(path)
+
+
+@pytest.mark.parametrize(
+    ("args", "url"),
+    [
+        ([], "http://127.0.0.1:30000/health"),
+        (["--host", "0.0.0.0", "--port", "31000"], "http://127.0.0.1:31000/health"),
+        (["--ho=10.1.2.3", "--po=1234"], "http://10.1.2.3:1234/health"),
+        (["--host", "::1"], "http://[::1]:30000/health"),
+    ],
+)
+def test_the_command_asks_sglang_where_its_arguments_put_it(args: list[str], url: str) -> None:
+    from rollout_service.sglang_container import _health_url
+
+    assert _health_url(["--model-path", "m", *args]) == url
+
+
+def test_the_key_file_goes_once_sglang_answers_when_its_log_hides_its_arguments(tmp_path: Path) -> None:
+    """At ``--log-level warning`` SGLang never logs its parsed arguments: the key file stayed until
+    SGLang exited (a SIGKILL of the command then left it). It goes once /health answers too. The
+    server here is `fake_sglang.CannedServer` answering /health; a real SGLang's start is in
+    `test_the_sglang_command_keeps_the_key_off_its_command_line_and_out_of_its_output`."""
+    import subprocess
+
+    from fake_sglang import CannedServer
+    from rollout_service.sglang_container import _remove_once_serving
+    from rollout_service.sglang_key import write_key_file
+
+    key_file = write_key_file(KEY)
+    server = CannedServer(lambda path, body, count: None)  # /health: 200
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        _remove_once_serving(f"{server.url}/health", running, key_file)
+        assert not key_file.exists() and not key_file.parent.exists()
+    finally:
+        running.kill()
+        running.wait()
+        server.stop()
+        remove_key_file(key_file)
