@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -307,6 +308,29 @@ def rotate_log(path: str | os.PathLike[str], max_bytes: int = LOG_ROTATE_BYTES) 
         logger.warning("could not move the log %s (%.0f MiB) to %s: %s", path, info.st_size / 2**20, older, exc)
         return None
     logger.info("moved the log %s (%.0f MiB) to %s; a new one starts", path, info.st_size / 2**20, older)
+    return older
+
+
+def trim_log(path: str | os.PathLike[str], max_bytes: int = LOG_ROTATE_BYTES) -> Path | None:
+    """A log a running process appends to, past ``max_bytes``: its bytes copied to ``<path>.1``
+    (replacing an older one) and the file emptied in place (the process's ``O_APPEND`` descriptor
+    writes on at its new end; a few lines written between the copy and the truncation are lost).
+    Returns where the bytes went, or None (small, missing, not a regular file, or a failure, logged)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or info.st_size <= max_bytes:
+        return None
+    older = Path(f"{os.fspath(path)}.1")
+    try:
+        shutil.copyfile(path, older)
+        os.chmod(older, 0o600)
+        os.truncate(path, 0)
+    except OSError as exc:
+        logger.warning("could not trim the log %s (%.0f MiB) into %s: %s", path, info.st_size / 2**20, older, exc)
+        return None
+    logger.info("moved the log %s (%.0f MiB) to %s; it goes on from empty", path, info.st_size / 2**20, older)
     return older
 
 

@@ -41,6 +41,7 @@ from types import FrameType
 from typing import Any
 
 from .cli_env import TIMEOUT_S, bounds_metadata, check_bounds, setting
+from .process_group import trim_log
 from .sglang_launcher import SGLangServer, SGLangStartError
 from .sidecar.settings import SidecarSettings, warn_unguarded_listeners
 
@@ -332,6 +333,7 @@ class Supervisor(threading.Thread):
         policy = self.policy
         backoff = policy.backoff_s
         while not self._stopping.wait(self._interval):
+            trim_log(self.server.log_path)  # a long-lived SGLang's log is bounded too, not only at a start
             if not self.should_restart():
                 continue
             if self._halted():

@@ -484,7 +484,7 @@ class SGLangServerConfig:
             "--sglang-log",
             "file SGLang's output is appended to (a FIFO or /dev/stdout only while something reads it; default:"
             " a temporary file, removed when SGLang stops unless it failed); a file past 64 MiB is moved to"
-            " FILE.1 when SGLang (re)starts",
+            " FILE.1 when SGLang (re)starts, and under serve also while it runs",
             parse=log_file,
         ),
     )

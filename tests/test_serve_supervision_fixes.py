@@ -247,6 +247,39 @@ def test_a_log_past_64_mib_is_moved_aside_at_each_start(tmp_path):
     assert process_group.LOG_ROTATE_BYTES == LOG_CAP
 
 
+def test_a_running_processs_log_past_the_cap_is_trimmed_in_place_and_it_writes_on(tmp_path):
+    """A long-lived SGLang's log was bounded only at a (re)start: one that logged a traceback per
+    bad request grew --sglang-log without end. serve's watch now trims it while SGLang runs: the
+    bytes go to ``.1`` and the file is emptied in place, SGLang's append descriptor writing on."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "sglang.log"
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfor i in range(400):\n    print(f'line {i:04d} ' + 'x' * 2000, flush=True)\n"
+            "    time.sleep(0.01)",
+        ],
+        stdout=process_group.open_log(log, "--sglang-log"),
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while log.stat().st_size <= 200_000:
+            assert time.monotonic() < deadline and writer.poll() is None
+            time.sleep(0.05)
+        older = process_group.trim_log(log, max_bytes=200_000)
+        assert older == tmp_path / "sglang.log.1" and older.stat().st_size > 200_000
+        assert writer.wait(30) == 0
+    finally:
+        writer.kill()
+    kept = log.read_bytes()
+    assert kept and len(kept) < 800_000 and b"\0" not in kept  # written on from the start, no hole
+    assert older.read_bytes().startswith(b"line 0000 ") and kept.rstrip().endswith(b"x")
+    assert b"line 0399 " in kept and process_group.trim_log(log, max_bytes=10**9) is None
+
+
 def test_a_log_named_through_a_link_is_never_moved(tmp_path):
     """``--sglang-log /dev/stdout`` is a link: renaming it would move the link, not the file."""
     target = tmp_path / "big.log"

@@ -356,6 +356,29 @@ def test_a_hung_sglang_the_budget_gives_up_on_is_stopped_whoever_started_it():
     assert ("stop",) in server.calls and ("start",) not in server.calls
 
 
+def test_the_watch_trims_the_log_of_an_sglang_that_runs_on(tmp_path: Path) -> None:
+    """Between restarts SGLang's log grew without bound; the watch trims it (see process_group.trim_log)."""
+    from rollout_service.process_group import LOG_ROTATE_BYTES
+
+    server = StandInServer()
+    server.log_path = tmp_path / "sglang.log"
+    with open(server.log_path, "wb") as f:
+        f.write(b"old lines\n")
+        f.truncate(LOG_ROTATE_BYTES + 1)
+    restarts, gave_up = [], []
+    supervisor = _supervisor(server, RestartPolicy(max_restarts=1, backoff_s=0.0), restarts, gave_up)
+    supervisor.start()
+    try:
+        deadline = time.monotonic() + 20
+        while server.log_path.stat().st_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        supervisor.stop()
+        supervisor.join(5)
+    assert server.log_path.stat().st_size == 0 and not restarts and not gave_up
+    assert (tmp_path / "sglang.log.1").read_bytes().startswith(b"old lines\n")
+
+
 def test_what_counts_as_hung():
     from types import SimpleNamespace
 
