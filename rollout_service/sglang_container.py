@@ -157,12 +157,21 @@ ARGS_READ_MARK = "server_args="
 
 def _copy_redacted(source: IO[bytes] | None, out: IO[str], args_read: Callable[[], None]) -> None:
     """Copy SGLang's output line by line, every credential hidden; call ``args_read`` when SGLang
-    logs the arguments it parsed."""
+    logs the arguments it parsed. Once ``out`` cannot be written (closed, a broken pipe, a locale
+    that cannot encode a line) the output is still read to its end and dropped: SGLang writing into
+    a full pipe would block, in its SIGTERM handler too."""
     if source is None:
         return
+    writing = True
     for raw in iter(source.readline, b""):
         line = raw.decode("utf-8", errors="replace")
         if ARGS_READ_MARK in line:
             args_read()
-        out.write(redact_text(line))
-        out.flush()
+        if not writing:
+            continue
+        try:
+            out.write(redact_text(line))
+            out.flush()
+        except (OSError, ValueError) as exc:  # (UnicodeEncodeError is a ValueError)
+            writing = False
+            log.warning("SGLang's output can no longer be copied (%s): it is read and dropped from now on", exc)

@@ -255,3 +255,29 @@ def test_the_key_file_goes_once_sglang_answers_when_its_log_hides_its_arguments(
         running.wait()
         server.stop()
         remove_key_file(key_file)
+
+
+def test_sglangs_output_is_still_drained_when_it_can_no_longer_be_copied() -> None:
+    """The copier stopped at the first write that failed (a closed stdout, an encoding error):
+    SGLang's pipe then filled and SGLang blocked at its next log line, in its SIGTERM handler too."""
+    import subprocess
+
+    from rollout_service.sglang_container import _copy_redacted
+
+    class Closed:
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self) -> None:
+            pass
+
+    talker = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfor i in range(2000): print('x' * 500, flush=True)"],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        _copy_redacted(talker.stdout, Closed(), lambda: None)  # type: ignore[arg-type]
+        assert talker.wait(30) == 0  # ~1 MB through a 64 KiB pipe: it was read to its end
+    finally:
+        talker.kill()
+        talker.wait()
