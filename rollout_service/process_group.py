@@ -54,19 +54,31 @@ class StartTimeoutError(ProcessStartError, TimeoutError):
     """The endpoint did not answer in time (the process is still running)."""
 
 
+def _libc_prctl() -> Callable[..., int] | None:
+    """libc's ``prctl``, resolved here in the parent (None where there is none): the child between
+    fork and exec must not import or ``dlopen`` (another thread of the parent may have held the
+    loader's lock at the fork, which the child would then wait on forever)."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl()
+PR_SET_PDEATHSIG = 1
+
+
 def kill_me_with_parent() -> None:
     """In the child before exec: SIGKILL this process when the thread that started it dies.
 
     So a killed test run or supervisor never leaves a server behind (Linux only; a no-op
     elsewhere). The server's own children are in its process group and are stopped with it.
+    Calls only what the parent resolved (:data:`_PRCTL`).
     """
-    try:
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except OSError:
-        pass
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _group_listed(pgid: int) -> bool:

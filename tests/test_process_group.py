@@ -125,3 +125,24 @@ def test_a_process_that_reports_it_cannot_become_ready_ends_the_wait_at_once(tmp
         assert time.monotonic() - t0 < 30
     finally:
         group.stop()
+
+
+def test_a_child_dies_with_the_thread_that_started_it(tmp_path):
+    """``die_with_parent``: the child is SIGKILLed when the starting thread ends, with only what
+    the parent resolved called between fork and exec (no import nor dlopen there)."""
+    import threading
+
+    started: list[ProcessGroup] = []
+
+    def start() -> None:
+        command = [sys.executable, "-c", "import time; time.sleep(60)"]
+        group = ProcessGroup(command, tmp_path / "child.log", name="child", die_with_parent=True)
+        group.start()
+        started.append(group)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join()
+    [group] = started
+    assert group.process is not None
+    assert group.process.wait(timeout=20) == -9  # SIGKILL once its thread ended
