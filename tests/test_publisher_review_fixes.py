@@ -657,3 +657,32 @@ def test_the_next_sync_after_ctrl_c_is_not_failed_by_the_interrupted_one(
     if how != "raise_if_failed":
         assert [c.step for c in list_checkpoints(tmp_path / "root")] == [version]
     pub.close()
+
+
+@pytest.mark.usefixtures("ctrl_c")
+def test_ctrl_c_while_close_waits_for_a_background_sync_waits_no_more(tmp_path: Path) -> None:
+    """A second Ctrl-C while ``close()`` waited for a background sync left ``close`` waiting for
+    the worker without a bound (``shutdown(wait=True)``), as long as its replica wait took."""
+    import _thread
+
+    class SlowReplicas(NoWaiter):
+        def wait(self, version: int, timeout_s: float) -> list:
+            time.sleep(8)
+            return []
+
+    pub = CheckpointPublisher(
+        tmp_path / "root",
+        SlowReplicas(),
+        config=CONFIG,
+        dtype=None,
+        max_shard_bytes=1 << 20,
+        keep=None,
+        sync_timeout_s=600,
+        heartbeat_max_age_s=60,
+    )
+    pub.publish_in_background(1, [("w", torch.ones(4))])
+    threading.Timer(1.0, _thread.interrupt_main).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        pub.close()
+    assert time.monotonic() - t0 < 4

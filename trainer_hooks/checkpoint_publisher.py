@@ -777,12 +777,16 @@ class CheckpointPublisher:
         """Wait for the background job and stop the worker thread (raises the job's error), then
         for the removal of deleted steps' files, at most ``sync_timeout_s`` (what is left stays
         under hidden names, removed by a later trainer). A job stuck in the storage
-        (``RootUnresponsive``) is left to its thread."""
+        (``RootUnresponsive``) is left to its thread, and so is one whose wait Ctrl-C (or
+        SystemExit) cut short: nothing more is waited for then."""
         stuck = False
         try:
             self.join()
         except RootUnresponsive:
             stuck = True
+            raise
+        except BaseException as exc:
+            stuck = not isinstance(exc, Exception)
             raise
         finally:
             if self._pool is not None:
