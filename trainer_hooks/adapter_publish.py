@@ -66,46 +66,39 @@ def peft_adapter_config(model: torch.nn.Module) -> dict[str, Any] | None:
 def server_lora_limits(
     urls: Sequence[str], api_key: str | None, timeout_s: float = 30.0
 ) -> list[tuple[str, LoraLimits | str]]:
-    """Each endpoint's LoRA limits from ``/server_info``, or why adapters cannot be served there:
-    the limits could not be read, or the server serves a full checkpoint (``/model_info``'s
-    ``weight_version`` names a step: an earlier run's merged sync replaced its base model, and
-    every adapter would be refused until SGLang restarts on its base)."""
+    """Each endpoint's LoRA limits from ``/server_info``, or why they could not be read."""
     found: list[tuple[str, LoraLimits | str]] = []
     with bounded_client(timeout=timeout_s, headers=bearer_headers(api_key), trust_env=False) as client:
         for url in urls:
-            base = url.rstrip("/")
             try:
-                r = request(client, "GET", f"{base}/server_info", timeout_s=timeout_s)
+                r = request(client, "GET", f"{url.rstrip('/')}/server_info", timeout_s=timeout_s)
                 if r.status_code != 200:
                     raise ValueError(f"HTTP {r.status_code}")
-                limits = LoraLimits.from_server_info(r.json())
+                found.append((url, LoraLimits.from_server_info(r.json())))
             except (httpx.HTTPError, ValueError, AttributeError) as exc:
                 found.append((url, f"cannot read {url}/server_info ({type(exc).__name__}: {str(exc)[:120]})"))
-                continue
-            served = _served_step(client, base, timeout_s)
-            if served is not None:
-                found.append(
-                    (
-                        url,
-                        f"{url} serves the full checkpoint version {served} (an earlier run's merged sync), not its"
-                        " base model, and loads adapters only on its base: restart SGLang on its base model to"
-                        " sync adapters",
-                    )
-                )
-                continue
-            found.append((url, limits))
     return found
 
 
-def _served_step(client: httpx.Client, base: str, timeout_s: float) -> int | None:
-    """The checkpoint step SGLang at ``base`` serves (``/model_info``'s ``weight_version``), or
-    None: its start-up weights, or no answer to tell (the sidecar judges again at each load)."""
-    try:
-        r = request(client, "GET", f"{base}/model_info", timeout_s=timeout_s)
-        data = r.json() if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
-        return None
-    return step_for_version(data.get("weight_version")) if isinstance(data, dict) else None
+def served_full_checkpoint(urls: Sequence[str], api_key: str | None, timeout_s: float = 30.0) -> str | None:
+    """Why an endpoint cannot load adapters now: it serves a full checkpoint (``/model_info``'s
+    ``weight_version`` names a step: an earlier run's merged sync replaced its base model, and every
+    adapter is refused until SGLang restarts on its base); None when none does, or none says."""
+    with bounded_client(timeout=timeout_s, headers=bearer_headers(api_key), trust_env=False) as client:
+        for url in urls:
+            try:
+                r = request(client, "GET", f"{url.rstrip('/')}/model_info", timeout_s=timeout_s)
+                data = r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                continue  # (the sidecar judges again at each load)
+            served = step_for_version(data.get("weight_version")) if isinstance(data, dict) else None
+            if served is not None:
+                return (
+                    f"{url} serves the full checkpoint version {served} (an earlier run's merged sync), not its"
+                    " base model, and loads adapters only on its base: restart SGLang on its base model to"
+                    " sync adapters"
+                )
+    return None
 
 
 def adapter_sync_problem(
@@ -141,7 +134,7 @@ def adapter_sync_problem(
                 " start SGLang with --max-lora-rank (rollout-service serve --lora does) to sync adapters"
             )
         servers.append((url, limits))
-    return published_adapter_problem(model, config, dtype, servers)
+    return published_adapter_problem(model, config, dtype, servers) or served_full_checkpoint(urls, api_key)
 
 
 def published_adapter_problem(
