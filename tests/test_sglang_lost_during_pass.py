@@ -224,23 +224,24 @@ def test_one_lost_answer_during_a_pass_does_not_leave_the_replica_unready_for_th
 
 def test_a_root_that_did_not_answer_the_base_model_look_is_asked_again(tmp_path: Path) -> None:
     """The look for the base model's folder (once SGLang serves its base again) was given up on
-    for good when the root gate refused it once; it is asked again at the next check."""
+    for good when the gate refused it once; it is asked again at the next check. (The look goes
+    through the model files' own gate: a hung model mount keeps no look at the root waiting.)"""
     from rollout_service.sidecar import controller as controller_module
     from rollout_service.sidecar.root_gate import RootUnresponsive
 
     root, c, sglang = make(tmp_path)
     sglang.version = "default"  # SGLang serves its base model
     looks: list[str] = []
-    real = c.root_gate.call
+    real = c.model_gate.call
 
     async def call(fn: Any, *args: Any, what: str) -> Any:
         if fn is controller_module.base_model_dir:
             looks.append(what)
             if len(looks) == 1:
-                raise RootUnresponsive("an earlier look at the root has not come back")
+                raise RootUnresponsive("an earlier look at the model's files has not come back")
         return await real(fn, *args, what=what)
 
-    c.root_gate.call = call  # type: ignore[method-assign]
+    c.model_gate.call = call  # type: ignore[method-assign]
 
     async def checks() -> None:
         c._changed, c._ack_now = asyncio.Condition(), asyncio.Event()
