@@ -307,20 +307,7 @@ def rotate_log(path: str | os.PathLike[str], max_bytes: int = LOG_ROTATE_BYTES) 
     regular file: a FIFO, and any link, is never moved: renaming ``/dev/stdout`` would move the
     link, not the file it names). A log that cannot be moved stays, with a warning: the process
     still starts, appending to it."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
-    if not stat.S_ISREG(info.st_mode) or info.st_size <= max_bytes:
-        return None
-    older = Path(f"{os.fspath(path)}.1")
-    try:
-        os.replace(path, older)
-    except OSError as exc:
-        logger.warning("could not move the log %s (%.0f MiB) to %s: %s", path, info.st_size / 2**20, older, exc)
-        return None
-    logger.info("moved the log %s (%.0f MiB) to %s; a new one starts", path, info.st_size / 2**20, older)
-    return older
+    return _set_aside(path, max_bytes, os.replace, "a new one starts")
 
 
 def trim_log(path: str | os.PathLike[str], max_bytes: int = LOG_ROTATE_BYTES) -> Path | None:
@@ -328,6 +315,23 @@ def trim_log(path: str | os.PathLike[str], max_bytes: int = LOG_ROTATE_BYTES) ->
     (replacing an older one) and the file emptied in place (the process's ``O_APPEND`` descriptor
     writes on at its new end; a few lines written between the copy and the truncation are lost).
     Returns where the bytes went, or None (small, missing, not a regular file, or a failure, logged)."""
+
+    def copy_and_empty(source: str | os.PathLike[str], older: Path) -> None:
+        shutil.copyfile(source, older)
+        os.chmod(older, 0o600)
+        os.truncate(source, 0)
+
+    return _set_aside(path, max_bytes, copy_and_empty, "it goes on from empty")
+
+
+def _set_aside(
+    path: str | os.PathLike[str],
+    max_bytes: int,
+    move: Callable[[str | os.PathLike[str], Path], None],
+    after: str,
+) -> Path | None:
+    """``move(path, <path>.1)`` when ``path`` is a regular file (no link) of more than ``max_bytes``;
+    where its bytes went, or None (small, missing, not a regular file, or ``move`` failed: logged)."""
     try:
         info = os.lstat(path)
     except OSError:
@@ -336,13 +340,11 @@ def trim_log(path: str | os.PathLike[str], max_bytes: int = LOG_ROTATE_BYTES) ->
         return None
     older = Path(f"{os.fspath(path)}.1")
     try:
-        shutil.copyfile(path, older)
-        os.chmod(older, 0o600)
-        os.truncate(path, 0)
+        move(path, older)
     except OSError as exc:
-        logger.warning("could not trim the log %s (%.0f MiB) into %s: %s", path, info.st_size / 2**20, older, exc)
+        logger.warning("could not move the log %s (%.0f MiB) to %s: %s", path, info.st_size / 2**20, older, exc)
         return None
-    logger.info("moved the log %s (%.0f MiB) to %s; it goes on from empty", path, info.st_size / 2**20, older)
+    logger.info("moved the log %s (%.0f MiB) to %s; %s", path, info.st_size / 2**20, older, after)
     return older
 
 
