@@ -576,20 +576,18 @@ def ctrl_c() -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-@pytest.mark.usefixtures("ctrl_c")
-def test_ctrl_c_during_a_foreground_replica_wait_does_not_hold_up_close(tmp_path: Path) -> None:
-    """The job runs on a thread of its own: after Ctrl-C, close() (which train() calls) waited out
-    the whole replica wait (sync_timeout, 600 s by default) of a sync the user gave up on."""
-    import _thread
+class _SlowReplicas(NoWaiter):
+    """Replicas that take 8 s to load each version (``sync_timeout`` is 600 s)."""
 
-    class SlowReplicas(NoWaiter):
-        def wait(self, version: int, timeout_s: float) -> list:
-            time.sleep(8)
-            return []
+    def wait(self, version: int, timeout_s: float) -> list:
+        time.sleep(8)
+        return []
 
-    pub = CheckpointPublisher(
-        tmp_path / "root",
-        SlowReplicas(),
+
+def _slow_replicas_publisher(root: Path) -> CheckpointPublisher:
+    return CheckpointPublisher(
+        root,
+        _SlowReplicas(),
         config=CONFIG,
         dtype=None,
         max_shard_bytes=1 << 20,
@@ -597,6 +595,15 @@ def test_ctrl_c_during_a_foreground_replica_wait_does_not_hold_up_close(tmp_path
         sync_timeout_s=600,
         heartbeat_max_age_s=60,
     )
+
+
+@pytest.mark.usefixtures("ctrl_c")
+def test_ctrl_c_during_a_foreground_replica_wait_does_not_hold_up_close(tmp_path: Path) -> None:
+    """The job runs on a thread of its own: after Ctrl-C, close() (which train() calls) waited out
+    the whole replica wait (sync_timeout, 600 s by default) of a sync the user gave up on."""
+    import _thread
+
+    pub = _slow_replicas_publisher(tmp_path / "root")
     threading.Timer(1.0, _thread.interrupt_main).start()  # the user's Ctrl-C
     with pytest.raises(KeyboardInterrupt):
         pub.publish_and_wait(1, [("w", torch.ones(4))])
@@ -665,21 +672,7 @@ def test_ctrl_c_while_close_waits_for_a_background_sync_waits_no_more(tmp_path: 
     the worker without a bound (``shutdown(wait=True)``), as long as its replica wait took."""
     import _thread
 
-    class SlowReplicas(NoWaiter):
-        def wait(self, version: int, timeout_s: float) -> list:
-            time.sleep(8)
-            return []
-
-    pub = CheckpointPublisher(
-        tmp_path / "root",
-        SlowReplicas(),
-        config=CONFIG,
-        dtype=None,
-        max_shard_bytes=1 << 20,
-        keep=None,
-        sync_timeout_s=600,
-        heartbeat_max_age_s=60,
-    )
+    pub = _slow_replicas_publisher(tmp_path / "root")
     pub.publish_in_background(1, [("w", torch.ones(4))])
     threading.Timer(1.0, _thread.interrupt_main).start()
     t0 = time.monotonic()

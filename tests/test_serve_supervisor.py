@@ -307,6 +307,18 @@ def test_the_demo_waits_for_serve_while_its_logs_grow_and_names_the_timeout_afte
     assert "serve --startup-timeout" in str(exc.value)
 
 
+def _until_it_gives_up(supervisor: Supervisor, gave_up: list, timeout_s: float = 20.0) -> None:
+    """Run ``supervisor`` until it gives up (or ``timeout_s``), then stop it."""
+    supervisor.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not gave_up and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        supervisor.stop()
+        supervisor.join(5)
+
+
 def test_a_hung_sglang_is_restarted_and_counted_like_a_crash():
     """An SGLang that still runs but no longer answers (a wedged GPU or scheduler: SIGSTOPped
     here in spirit) was never restarted by `serve`: only an exit was. ``hung`` (serve asks its
@@ -322,14 +334,7 @@ def test_a_hung_sglang_is_restarted_and_counted_like_a_crash():
         return "it has not answered for 301 s" if len(asked) in (3, 9) else None
 
     supervisor = _supervisor(server, policy, restarts, gave_up, hung=hung)
-    supervisor.start()
-    deadline = time.monotonic() + 20
-    try:
-        while not gave_up and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        supervisor.stop()
-        supervisor.join(5)
+    _until_it_gives_up(supervisor, gave_up)
     assert restarts == [1] and ("stop",) in server.calls and server.calls.count(("start",)) == 1
     assert asked[3] > asked[2], "the restarted server's healthy_since is its own start's"
     [(reason, message)] = gave_up
@@ -344,14 +349,7 @@ def test_a_hung_sglang_the_budget_gives_up_on_is_stopped_whoever_started_it():
     restarts, gave_up = [], []
     policy = RestartPolicy(max_restarts=0, backoff_s=0.0)
     supervisor = _supervisor(server, policy, restarts, gave_up, hung=lambda since: "x")
-    supervisor.start()
-    deadline = time.monotonic() + 20
-    try:
-        while not gave_up and time.monotonic() < deadline:
-            time.sleep(0.01)
-    finally:
-        supervisor.stop()
-        supervisor.join(5)
+    _until_it_gives_up(supervisor, gave_up)
     assert gave_up and gave_up[0][0] == RESTART_BUDGET_SPENT
     assert ("stop",) in server.calls and ("start",) not in server.calls
 
