@@ -17,11 +17,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import os
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -51,7 +53,7 @@ from .sglang_launcher import SGLangServer, SGLangServerConfig, flag_value, free_
 from .shown_values import ShownLogFormatter, escape_controls
 from .sidecar.root_gate import answered_within
 from .sidecar.settings import SidecarSettings
-from .user_paths import setting_path
+from .user_paths import new_folder_path, setting_path
 
 if TYPE_CHECKING:  # checkpoint_reader imports safetensors: only the commands that read checkpoints do
     from .checkpoint_reader import TensorSpecs
@@ -186,12 +188,29 @@ def _about_path(exc: OSError, path: Path, *, area: Path) -> bool:
     return _within(name, area) or _within(os.path.abspath(path), Path(name))
 
 
+def path_text(text: str) -> str:
+    """The type of the commands' path arguments: ``text`` itself, refusing an empty or blank one
+    (``Path("")`` is the current directory: ``--checkpoint-path ""`` would publish into it and
+    ``--reference ""`` would compare nothing)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"must not be empty, got {text!r}: give a path (an empty one would mean the current directory)"
+        )
+    return text
+
+
+path_text.__name__ = "path"  # argparse names it: "invalid path value"
+
+
 def _os_error_text(exc: OSError) -> str:
     """``Permission denied: /x/y`` for ``[Errno 13] Permission denied: '/x/y'``: the reason and the
     file, without the errno number (the message itself for an error that has no errno)."""
     if not exc.strerror:
         return str(exc)
-    return f"{exc.strerror}: {os.fsdecode(exc.filename)}" if exc.filename is not None else exc.strerror
+    if exc.filename is None:
+        return exc.strerror
+    names = os.fsdecode(exc.filename) + ("" if exc.filename2 is None else f" -> {os.fsdecode(exc.filename2)}")
+    return f"{exc.strerror}: {names}"
 
 
 def _print_published(
@@ -219,7 +238,7 @@ def _published_here(step_dir: Path, *, since: float) -> Manifest | None:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     try:
-        reference = _reference_specs(Path(args.reference)) if args.reference else None
+        reference = _reference_specs(Path(args.reference)) if args.reference is not None else None
     except (OSError, CheckpointError) as exc:
         why = f" ({exc.reason}): {exc}" if isinstance(exc, CheckpointError) else f": {_os_error_text(exc)}"
         print(escape_controls(f"error: cannot read --reference {args.reference}{why}"), file=sys.stderr)
@@ -227,10 +246,58 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     try:
         summary = _validate_step(args, reference)
     except CheckpointError as exc:  # every bad input arrives as one (see checkpoint_reader, adapter_reader)
-        print(escape_controls(f"INVALID ({exc.reason}): {exc}"), file=sys.stderr)
+        usage = None if args.root is None else _folder_problem(Path(args.root), "--root")
+        if usage is not None:  # not the step's fault: a usage error
+            print(escape_controls(f"error: {usage}"), file=sys.stderr)
+            return 2
+        hint = _root_given_hint(Path(args.dir)) if exc.reason == "missing_manifest" else None
+        print(escape_controls(f"INVALID ({exc.reason}): {exc}{hint or ''}"), file=sys.stderr)
         return 1
     print(json.dumps(summary))
     return 0
+
+
+LOOK_BOUND_S = 10.0
+"""How long the commands' look at a folder a user named may take when explaining an error (a
+hung network file system would otherwise hang the explanation)."""
+
+
+def _folder_problem(folder: Path, flag: str) -> str | None:
+    """What is wrong with ``folder`` (the folder ``flag`` names) when it does not exist, is not a
+    directory, or does not answer within :data:`LOOK_BOUND_S`; None when it is a directory."""
+
+    def look() -> str | None:
+        try:
+            st = os.stat(folder)
+        except FileNotFoundError:
+            return f"{flag} {folder} does not exist: name an existing directory"
+        except OSError as exc:
+            return f"{flag} {folder} cannot be looked at: {_os_error_text(exc)}"
+        return None if stat.S_ISDIR(st.st_mode) else f"{flag} {folder} is not a directory: name a directory"
+
+    answered, problem = answered_within(look, LOOK_BOUND_S, f"looking at {flag}")
+    return problem if answered else f"{flag} {folder} did not answer within {LOOK_BOUND_S:g} s (a hung mount?)"
+
+
+def _root_given_hint(folder: Path) -> str | None:
+    """When ``folder`` (given as a step) holds ``step-*`` folders instead of a manifest: it is a
+    checkpoint root, and the hint names one of its steps; else None (the look is bounded)."""
+    from .checkpoint_format import parse_step_dir_name
+
+    def look() -> str | None:
+        with os.scandir(folder) as entries:
+            for entry in itertools.islice(entries, 10_000):  # a root of a million entries is not listed whole
+                if parse_step_dir_name(entry.name) is not None:
+                    return entry.name
+        return None
+
+    try:
+        answered, step = answered_within(look, LOOK_BOUND_S, "looking for steps")
+    except OSError:
+        return None
+    if not answered or step is None:
+        return None
+    return f"; {folder} looks like a checkpoint root: validate one of its steps, e.g. {folder / step}"
 
 
 def _reference_specs(path: Path) -> TensorSpecs:
@@ -378,7 +445,7 @@ def _validate_adapter_step(args: argparse.Namespace, reference: TensorSpecs | No
     )
     info = report.manifest.adapter
     assert info is not None  # validate_adapter refuses an adapter step without it
-    reference_kind = _manifest_kind(args.reference, None) if args.reference else "none"
+    reference_kind = _manifest_kind(args.reference, None) if args.reference is not None else "none"
     if info.base_values and reference_kind in (None, "full"):
         from .base_values import check_base_values  # a model folder, or a full step: its shards
 
@@ -428,6 +495,10 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
         print(f"interrupted by {signal.Signals(signum).name} after {out} was complete: it stays", file=sys.stderr)
         manifest = done
     except CheckpointError as exc:
+        usage = _materialize_root_problem(Path(args.root)) if exc.reason in ("missing_manifest", "unreadable") else None
+        if usage is not None:  # not the step's fault: a usage error
+            print(escape_controls(f"error: {usage}"), file=sys.stderr)
+            return 2
         print(
             escape_controls(
                 f"error: cannot materialize {step_dir_name(args.step)} under {args.root} ({exc.reason}): {exc}"
@@ -453,6 +524,20 @@ def _cmd_materialize(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _materialize_root_problem(root: Path) -> str | None:
+    """What is wrong with ``materialize``'s ROOT itself, when it is not a directory or is a
+    published step (it holds a manifest): the root is its parent; else None."""
+    from .checkpoint_format import MANIFEST_NAME
+
+    problem = _folder_problem(root, "ROOT")
+    if problem is not None:
+        return f"{problem} (the checkpoint root: the trainer's checkpoint_path)"
+    answered, is_step = answered_within(lambda: os.path.lexists(root / MANIFEST_NAME), LOOK_BOUND_S, "looking at ROOT")
+    if answered and is_step:
+        return f"ROOT {root} is a published step, not the checkpoint root: give its parent, {root.absolute().parent}"
+    return None
 
 
 def _materialized_at(out: Path, root: Path, step: int) -> Manifest | None:
@@ -506,11 +591,14 @@ def _within(name: str, folder: Path) -> bool:
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from .tiny_model import make_tiny_model
-
-    out = Path(args.out)
+    out = new_folder_path(args.out, "--out")
     try:
-        path = make_tiny_model(out, tied=args.tied, seed=args.seed)
+        # stdout is the model's path alone (`MODEL=$(rollout-service make-tiny-model ...)`): what the
+        # libraries print while they load (DeepSpeed's accelerator line) goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            from .tiny_model import make_tiny_model
+
+            path = make_tiny_model(out, tied=args.tied, seed=args.seed)
     except OSError as exc:
         if exc.errno is None or not _about_path(exc, out, area=out.absolute().parent):
             raise  # the model's own messages (an --out that is not empty) name it already
@@ -750,6 +838,7 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         dest=_TOP_LOG_LEVEL,
         default=None,
         type=log_level,
+        metavar="LEVEL",
         help="logging level (default INFO; also taken after the command, and from ROLLOUT_LOG_LEVEL)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=EnvArgumentParser)
@@ -761,8 +850,8 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         " config.json) atomically as <checkpoint-path>/step-<N>. For seeding a"
         " checkpoint root, rolling back, and tests.",
     )
-    p.add_argument("--model-dir", required=True, help="HF model directory to publish")
-    p.add_argument("--checkpoint-path", required=True, help="checkpoint root directory")
+    p.add_argument("--model-dir", required=True, type=path_text, help="HF model directory to publish")
+    p.add_argument("--checkpoint-path", required=True, type=path_text, help="checkpoint root directory")
     p.add_argument("--step", required=True, type=STEP, help=f"step number ({range_text(0, MAX_STEP)})")
     p.add_argument(
         "--dtype",
@@ -789,10 +878,11 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         " --max-lora-rank and --lora-target-modules); exits 1 with the reason when it is not loadable,"
         " 2 when --reference cannot be read.",
     )
-    p.add_argument("dir", help="checkpoint directory (e.g. ROOT/step-00000003)")
+    p.add_argument("dir", type=path_text, help="checkpoint directory (e.g. ROOT/step-00000003)")
     p.add_argument(
         "--reference",
         default=None,
+        type=path_text,
         help="model or checkpoint directory whose tensor names/shapes/dtypes must match (default: none; the"
         " step is checked on its own, an adapter step against its own shapes and the LoRA limits)",
     )
@@ -812,7 +902,12 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         default=600.0,
         help=f"give up (INVALID, validation_timeout) after this many seconds ({range_text(*TIMEOUT_S)}; default 600)",
     )
-    p.add_argument("--root", default=None, help="checkpoint root that paths must stay inside (default: DIR's parent)")
+    p.add_argument(
+        "--root",
+        default=None,
+        type=path_text,
+        help="checkpoint root that paths must stay inside (default: DIR's parent)",
+    )
     p.add_argument(
         "--max-lora-rank",
         type=LORA_RANK,
@@ -845,11 +940,11 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         " stdout), 1 the step cannot be rebuilt (`error: cannot materialize STEP under ROOT"
         " (<reason>): ...`, e.g. missing_manifest, delta_corrupt), 2 a usage error or OUT exists or cannot be written.",
     )
-    p.add_argument("root", help="checkpoint root (the trainer's checkpoint_path)")
+    p.add_argument("root", type=path_text, help="checkpoint root (the trainer's checkpoint_path)")
     p.add_argument(
         "--step", required=True, type=STEP, help=f"the step (version) to rebuild ({range_text(0, MAX_STEP)})"
     )
-    p.add_argument("--out", required=True, help="new directory to write the model into")
+    p.add_argument("--out", required=True, type=path_text, help="new directory to write the model into")
     p.add_argument(
         "--timeout",
         type=SECONDS,
@@ -863,7 +958,7 @@ def build_parser(extra_commands: Sequence[Registrar] = ()) -> argparse.ArgumentP
         help="build the tiny local test model",
         description="Build a tiny deterministic Qwen2 model with a locally trained tokenizer (no model hub needed).",
     )
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, type=path_text, help="output directory (new, or an empty folder)")
     p.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     p.add_argument(
         "--seed", type=SEED, default=0, help=f"seed of the random weights ({range_text(*SEED_RANGE)}; default 0)"
@@ -975,7 +1070,12 @@ def main(argv: list[str] | None = None, extra_commands: Sequence[Registrar] = ()
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1 :]
     parser = build_parser(extra_commands)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        hint = ""
+        if hasattr(args, "sglang_args"):  # serve, sglang: SGLang's own flags go after "--"
+            hint = f" (SGLang's own flags go after '--': rollout-service {args.command} ... -- {' '.join(unknown)})"
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     if passthrough:
         if not hasattr(args, "sglang_args"):
             parser.error("arguments after '--' are only accepted by `serve` and `sglang`")
@@ -993,7 +1093,8 @@ def main(argv: list[str] | None = None, extra_commands: Sequence[Registrar] = ()
     try:
         return int(args.func(args) or 0)
     except (OSError, ValueError) as exc:  # bad paths and values: a message, not a traceback
-        print(escape_controls(f"error: {exc}"), file=sys.stderr)  # it may quote a name from the root
+        text = _os_error_text(exc) if isinstance(exc, OSError) else str(exc)  # no "[Errno 13]" prefix
+        print(escape_controls(f"error: {text}"), file=sys.stderr)  # it may quote a name from the root
         return 2
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (timeout, Kubernetes, systemd): cleaned up on the way out
         signum = _interrupted_by.pop() if _interrupted_by else signal.SIGINT

@@ -57,6 +57,7 @@ from .ordered_digests import Abandoned, OrderedDigests
 from .safetensors_header import count_entries, header_length, parse_entries, read_header
 from .tree_removal import remove_tree
 from .untrusted_files import Deadline, VerifiedRead, copy_verified, open_regular
+from .user_paths import new_folder_path
 from .work_folders import owner_tag, remove_left_by_dead_writers
 
 log = logging.getLogger(__name__)
@@ -805,9 +806,7 @@ def materialize(
 def materialize_target(out: Path | str) -> Path:
     """Where :func:`materialize` puts ``out``: its folder with links and ``..`` resolved as the
     kernel would (``../models/x`` is fine), then its own name, which must be a name (not ``..``)."""
-    path = Path(out)
-    if path.name in ("", ".", ".."):
-        raise ValueError(f"--out {out}: end it with the name of the new directory (not '..' or '.')")
+    path = new_folder_path(out, "--out")
     return Path(os.path.realpath(path.absolute().parent)) / path.name
 
 

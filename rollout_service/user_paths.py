@@ -27,3 +27,13 @@ def setting_path(value: object, name: str) -> Path:
         user = text[1:].split("/", 1)[0]
         whose = f"the user {user!r} has no home directory here" if user else "this process has no home directory"
         raise ValueError(f"{name} {text!r} starts with ~, but {whose}: write the path out in full") from None
+
+
+def new_folder_path(value: str | os.PathLike[str], name: str) -> Path:
+    """``value`` as the path of a new folder to make: it must end with the folder's own name
+    (``.``, ``..`` or ``/`` name a folder that exists, whose parent would be written instead);
+    a ``ValueError`` naming the setting ``name`` otherwise."""
+    path = Path(value)
+    if path.name in ("", ".", ".."):
+        raise ValueError(f"{name} {value}: end it with the name of the new directory (not '..' or '.')")
+    return path

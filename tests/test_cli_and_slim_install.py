@@ -70,7 +70,11 @@ def test_environment_variables_set_flags_and_bad_values_are_named(checkpoint_roo
     out = run_cli(
         "sidecar", "--sglang-url", "http://127.0.0.1:1", "--checkpoint-path", str(checkpoint_root / "missing")
     )
-    assert out.returncode == 2 and "is not a directory" in out.stderr
+    assert (
+        out.returncode == 2
+        and "--checkpoint-path (ROLLOUT_CHECKPOINT_PATH)" in out.stderr
+        and "does not exist" in out.stderr
+    )
     # An address that would only fail once the sidecar runs is refused at start, without a traceback.
     for url, why in [("http://::1:30000", "IPv6 host in brackets"), ("http://u:pw@127.0.0.1:1", "user name or")]:
         out = run_cli("sidecar", "--sglang-url", url, "--checkpoint-path", str(checkpoint_root))

@@ -242,9 +242,10 @@ class SidecarSettings:
         nothing loads, and the stage is checked on the paths as written)."""
         root, stage, reference = self.checkpoint_path, self.stage_dir, self.reference_dir
 
-        def look() -> tuple[bool, bool, str | None]:
+        def look() -> tuple[str, bool, str | None]:
             reference_ok = reference is None or reference.is_dir()
-            return root.is_dir(), reference_ok, stage_dir_conflict(stage, root, reference, is_inside)
+            root_is = "a directory" if root.is_dir() else "missing" if not os.path.lexists(root) else "other"
+            return root_is, reference_ok, stage_dir_conflict(stage, root, reference, is_inside)
 
         answered, found = answered_within(look, self.root_timeout_s, "checking the root")
         if not answered or found is None:
@@ -253,11 +254,13 @@ class SidecarSettings:
                 root,
                 self.root_timeout_s,
             )
-            found = (True, True, stage_dir_conflict(stage, root, reference, _inside_as_written))
-        is_dir, reference_ok, conflict = found
-        if not is_dir:
+            found = ("a directory", True, stage_dir_conflict(stage, root, reference, _inside_as_written))
+        root_is, reference_ok, conflict = found
+        if root_is != "a directory":
+            what = "does not exist" if root_is == "missing" else "is not a directory"
             raise ValueError(
-                f"checkpoint path {root} is not a directory; create it or mount the shared checkpoint volume there"
+                f"--checkpoint-path (ROLLOUT_CHECKPOINT_PATH) {root} {what}; create it or mount the shared"
+                " checkpoint volume there"
             )
         if not reference_ok:
             raise ValueError(
