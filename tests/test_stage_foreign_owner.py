@@ -314,3 +314,70 @@ def test_another_users_dead_stage_in_shm_is_left_alone(tmp_path: Path, monkeypat
         assert sorted(os.listdir(theirs)) == before and (theirs / MARKER_NAME).is_file()
     finally:
         new.remove()
+
+
+# --- D. the group a umask of 002 lets in ---------------------------------------------------------
+def test_the_stage_folder_and_its_work_folders_are_closed_to_the_group_whatever_the_umask(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Made under a umask of 002 (multi-user and HPC nodes), the stage folder was group-writable: a
+    user of the group could rename a verified copy away between its check and SGLang's load and
+    put its own folder under that name. The folder (an existing one of this user's too) and the
+    hidden work folders copies are made in are closed to others now."""
+    root, full_root = delta_chain(tmp_path, 1)
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    os.chmod(existing, 0o777)
+    work_modes: list[int] = []
+    copy = staging.copy_verified
+
+    def watching(root_: Path, source: Path, target: Path, **kw: object) -> object:
+        work_modes.append(stat.S_IMODE(os.stat(target.parent).st_mode))
+        return copy(root_, source, target, **kw)
+
+    monkeypatch.setattr(staging, "copy_verified", watching)
+    old = os.umask(0o002)
+    try:
+        for folder in (tmp_path / "made", existing):
+            stage = Stage(folder)
+            try:
+                assert not os.stat(stage.path).st_mode & 0o022, oct(os.stat(stage.path).st_mode)
+                built = build(stage, root, 1)
+                own_copy(built.path)
+                assert_same_files(built.path, full_root / step_dir_name(1))
+            finally:
+                stage.close()
+    finally:
+        os.umask(old)
+    assert work_modes and all(not mode & 0o022 for mode in work_modes), [oct(m) for m in work_modes]
+
+
+def test_a_file_another_user_put_into_a_copy_being_made_fails_the_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file of another user's in the hidden folder a copy is being made in (written there while
+    the copy ran) used to be sealed and renamed into place with the rest; the copy now fails, and
+    nothing appears under the copy's name. The next try, undisturbed, makes the copy."""
+    root, full_root = delta_chain(tmp_path, 1)
+    copy = staging.copy_verified
+    tampered: list[Path] = []
+
+    def tampering(root_: Path, source: Path, target: Path, **kw: object) -> object:
+        result = copy(root_, source, target, **kw)
+        if not tampered:
+            os.chown(target, OTHER_UID, OTHER_UID)  # stands for a file another user swapped in
+            tampered.append(target)
+        return result
+
+    monkeypatch.setattr(staging, "copy_verified", tampering)
+    stage = Stage(tmp_path / "stage")
+    try:
+        with pytest.raises(StageError, match="not this user's alone.*belongs to user id 4242"):
+            build(stage, root, 1)
+        assert not any(stage_folder.COPY_NAME_RE.match(name) for name in os.listdir(stage.path))
+        assert not any(name.startswith(".tmp-") for name in os.listdir(stage.path))
+        built = build(stage, root, 1)
+        own_copy(built.path)
+        assert_same_files(built.path, full_root / step_dir_name(1))
+    finally:
+        stage.close()

@@ -54,6 +54,9 @@ SHM_STAGE_PREFIX = "rollout-stage-"
 """Default stages are ``SHM_DIR / (SHM_STAGE_PREFIX + replica id)``."""
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+WORK_FOLDER_MODE = 0o755
+"""The mode the stage's hidden work folders are made with (the umask may only take bits away):
+SGLang, another user maybe, reads the copies; nobody but this user writes into them."""
 
 
 class StageError(RuntimeError):
@@ -120,6 +123,26 @@ def check_owner(folder: Path, *, link: Path | None = None) -> None:
             f" ({os.geteuid()}): whoever owns it could replace the verified copies SGLang loads. Remove it (if"
             " nobody should have made it) or pass a --stage-dir of this user's"
         )
+
+
+def close_to_others(folder: Path) -> None:
+    """Make the stage folder ``folder`` (checked by :func:`check_owner`) writable by nobody but
+    this user when it is this user's: made under a umask of 002, the group could rename a verified
+    copy away between its check and SGLang's load, and put its own folder under that name. A
+    folder of root's (a Kubernetes emptyDir, private to its pod) is left as it is. ``StageError``
+    when that fails."""
+    try:
+        fd = os.open(folder, _DIR_FLAGS)
+        try:
+            if os.fstat(fd).st_uid == os.geteuid():
+                _drop_others_write(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise StageError(
+            f"cannot make the stage directory {folder} writable by this user only: {exc.strerror or exc};"
+            " pass a --stage-dir of this user's"
+        ) from None
 
 
 def _lstat_stage(path: Path, via: str = "") -> os.stat_result:
@@ -220,11 +243,17 @@ def seal_copy(folder: Path) -> None:
                     os.close(file_fd)
         finally:
             os.close(fd)
+        why = foreign_copy(folder)
     except OSError as exc:
         raise StageError(
             f"cannot make the copy {folder} writable by this user only: {exc.strerror or exc}; check the stage"
             " directory"
         ) from None
+    if why is not None:  # someone else wrote into this sidecar's work folder: nothing in it is trusted
+        raise StageError(
+            f"the copy being made in {folder} is not this user's alone: {why}; another user wrote into the"
+            " stage directory: pass a --stage-dir only this user may write to"
+        )
 
 
 def _drop_others_write(fd: int) -> None:

@@ -84,10 +84,12 @@ from .stage_folder import (
     REFERENCE_NAME,
     SHM_DIR,
     SHM_STAGE_PREFIX,
+    WORK_FOLDER_MODE,
     StageError,
     bytes_under,
     check_is_stage,
     check_owner,
+    close_to_others,
     empty_stage,
     foreign_copy,
     is_default_shm_stage,
@@ -241,6 +243,7 @@ class Stage:
                 ) from None
             self.path = resolve_stage_path(named)
             check_owner(self.path)
+            close_to_others(self.path)
             check_is_stage(self.path)  # before anything is written in it
             self._lock = take_lock(self.path)
             try:
@@ -767,7 +770,7 @@ class Stage:
         final = self._name_for(link.manifest.step, link.manifest.fingerprint())
         self._clear_name(final)  # a copy from an earlier try (or anything else there): rebuild it
         tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
+        tmp.mkdir(mode=WORK_FOLDER_MODE)  # (a umask of 002 must not let the group in)
         try:
             delta = link.manifest.delta
             assert delta is not None
@@ -812,7 +815,7 @@ class Stage:
             final = self._name_for(manifest.step, manifest.fingerprint())
             self._clear_name(final)  # a copy of the same bytes from an earlier try (or anything else): redo it
             tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-            tmp.mkdir()
+            tmp.mkdir(mode=WORK_FOLDER_MODE)
             try:
                 self._fill_from_spare(tmp, sorted(manifest.files))
                 for fname, entry in sorted(manifest.files.items()):
