@@ -85,7 +85,7 @@ class PublishRefused(ValueError):
 
     Raised before the step's folder appears in the root (a work folder already made is removed),
     so the newest published checkpoint stays the last good one. ``tensor`` is the tensor at
-    fault, ``rule`` what it breaks (``tensor_name``, ``duplicate``, ``header_too_large``,
+    fault, ``rule`` what it breaks (``tensor_name``, ``duplicate``, ``dtype``, ``header_too_large``,
     ``non_finite``; for a model folder, the rules of
     :func:`~rollout_service.model_dir_source.check_model_dir`), ``count`` its NaN/Inf values
     (``non_finite`` only).
@@ -153,6 +153,19 @@ def check_tensor_names(names: Iterable[object]) -> None:
         if check_tensor_name(name) in seen:
             raise duplicate_refusal(str(name))
         seen.add(str(name))
+
+
+def check_tensor_dtype(name: str, tensor: torch.Tensor) -> None:
+    """:class:`PublishRefused` (rule ``dtype``) naming ``name`` when ``tensor``'s dtype is none a
+    checkpoint holds (complex, unsigned beyond 8 bits, ...), before anything is written."""
+    if tensor.dtype not in _TORCH_TO_TAG:
+        kinds = ", ".join(str(d).removeprefix("torch.") for d in _TORCH_TO_TAG)
+        raise PublishRefused(
+            f"tensor {_shown(name)} is {tensor.dtype}, which a checkpoint cannot hold (it holds {kinds}); keep"
+            " such a tensor out of the published state or convert it. Nothing was published",
+            tensor=name,
+            rule="dtype",
+        )
 
 
 def duplicate_refusal(name: str) -> PublishRefused:
@@ -365,6 +378,7 @@ def _shards(
         if check_tensor_name(name) in seen:
             raise duplicate_refusal(name)
         seen.add(name)
+        check_tensor_dtype(name, tensor)
         t = _prepare(tensor, target)
         if planner.starts_new_shard(t.numel() * t.element_size()) and batch:
             yield batch

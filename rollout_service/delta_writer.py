@@ -75,6 +75,7 @@ from .checkpoint_writer import (
     _write_shard,
     atomic_step_dir,
     check_run_id,
+    check_tensor_dtype,
     check_tensor_name,
     config_text,
     count_non_finite_bytes,
@@ -389,6 +390,7 @@ class DeltaCheckpointWriter:
                 try:
                     if check_tensor_name(name) in held:
                         raise duplicate_refusal(name)
+                    check_tensor_dtype(name, tensor)
                 except PublishRefused as exc:
                     refusal = exc
                     continue

@@ -278,7 +278,7 @@ class CheckpointPublisher:
         base_model: str | None = None,
         delta: DeltaCheckpointWriter | None = None,
     ) -> None:
-        self.root = Path(root)
+        self.root = Path(root).absolute()  # (manifests read under a relative root were never found)
         self.waiter = waiter
         self.config = config
         self.dtype = dtype
@@ -792,6 +792,8 @@ class CheckpointPublisher:
             if self._pool is not None:
                 self._pool.shutdown(wait=not stuck)
                 self._pool = None
+            if self.delta is not None and not stuck:  # its encode threads (the held copy stays)
+                self.delta.close()
             left = 0 if stuck else self._remover.join(self.sync_timeout_s)
             if left:
                 log.warning(

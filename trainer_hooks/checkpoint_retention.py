@@ -65,7 +65,7 @@ def list_step_entries(root: Path | str) -> StepEntries:
     Looked at with ``lstat`` only (a link is never followed out of the root). Odd entries are
     logged once per root while they stay the same, not at every publish.
     """
-    root = Path(root)
+    root = Path(root).absolute()  # (a relative step path would be read relative to the root again)
     published: list[PublishedCheckpoint] = []
     odd: list[PublishedCheckpoint] = []
     for ckpt in list_checkpoints(root):
@@ -125,7 +125,7 @@ def prune_checkpoints(
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1 (the newest checkpoint is what replicas load), got {keep}")
-    root = Path(root)
+    root = Path(root).absolute()
     found = list_step_entries(root).published
     newest = newest_checkpoints(root, found, keep)
     if len(newest) < keep:
@@ -173,6 +173,7 @@ def newest_checkpoints(root: Path, published: list[PublishedCheckpoint], count: 
     manifest, or names another step, was never published there: passed over (logged once), so
     that it takes no ``keep`` slot and steers no numbering.
     """
+    root = Path(root).absolute()
     newest: list[PublishedCheckpoint] = []
     passed: list[str] = []
     for ckpt in reversed(published):
@@ -328,6 +329,7 @@ def chain_dependencies(root: Path, steps: set[int]) -> set[int]:
     :data:`UNREADABLE_NOW`) might be a delta: that raises its ``CheckpointError``, so that nothing
     its chain needs is deleted on a guess.
     """
+    root = Path(root).absolute()
     needed: set[int] = set()
     todo = sorted(steps)
     seen: set[int] = set()
