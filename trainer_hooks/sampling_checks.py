@@ -71,7 +71,10 @@ _SWITCH = (lambda v: isinstance(v, bool), "true or false")
 _TEXT = (lambda v: isinstance(v, str), "a string (SGLang takes the grammar as text)")
 
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "max_new_tokens": (lambda v: _whole(v) and v >= 0, "a whole number >= 0"),
+    "max_new_tokens": (
+        lambda v: _whole(v) and v >= 1,
+        "a whole number >= 1 (TRL reads each completion's last token: an empty one cannot be trained on)",
+    ),
     "min_new_tokens": (lambda v: _whole(v) and v >= 0, "a whole number >= 0"),
     "temperature": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
     "top_p": (lambda v: _finite(v) and 0 < v <= 1, "a number in (0, 1]"),

@@ -955,8 +955,8 @@ def _capped(
         caps = limits.caps([len(p) for p in input_ids], max_new_tokens, rescoring=rescoring)
     except PromptTooLong as exc:
         raise _ContextRefused(
-            f"SGLang at {url} cannot take this batch: {exc}. Shorten the prompts (GRPOConfig"
-            " max_prompt_length; in a tool loop, fewer turns), or start SGLang with a larger --context-length"
+            f"SGLang at {url} cannot take this batch: {exc}. Shorten or filter out the dataset's"
+            " longest prompts (in a tool loop, allow fewer turns), or start SGLang with a larger --context-length"
         ) from None
     if caps is None:
         return sampling_params

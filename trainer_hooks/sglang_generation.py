@@ -223,7 +223,7 @@ class SGLangGeneration:
             except Exception as exc:  # reported to every process below
                 error = exc
         _drain(tensors)
-        _raise_everywhere(accelerator, error, "sync_weights")
+        raise_everywhere(accelerator, error, "sync_weights")
         self._synced_step = step
 
     def _sync_adapter(self, step: int | None) -> None:
@@ -237,7 +237,7 @@ class SGLangGeneration:
                 self.adapters.publish_and_wait()
             except Exception as exc:  # reported to every process
                 error = exc
-        _raise_everywhere(self.accelerator, error, "sync_weights")
+        raise_everywhere(self.accelerator, error, "sync_weights")
         self._synced_step = step
 
     def generate(
@@ -293,7 +293,7 @@ class SGLangGeneration:
                 )
             except Exception as exc:  # reported to every process below
                 error = exc
-        _raise_everywhere(accelerator, error, "generate")
+        raise_everywhere(accelerator, error, "generate")
         if accelerator.num_processes > 1:
             box = [payload]
             broadcast_object_list(box, from_process=0)
@@ -343,7 +343,7 @@ class SGLangGeneration:
                 self.publisher.join()
             except Exception as exc:  # reported to every process below
                 error = exc
-        _raise_everywhere(self.accelerator, error, "the last background sync")
+        raise_everywhere(self.accelerator, error, "the last background sync")
 
     @property
     def endpoints(self) -> SGLangEndpoints | None:
@@ -419,7 +419,7 @@ def _drain(iterator: Any) -> None:
         pass
 
 
-def _raise_everywhere(accelerator: Any, error: BaseException | None, where: str) -> None:
+def raise_everywhere(accelerator: Any, error: BaseException | None, where: str) -> None:
     """Raise ``error`` (found on the main process) on every process; a no-op when there is none."""
     if accelerator.num_processes > 1:
         box = [None if error is None else f"{type(error).__name__}: {error}"]

@@ -278,6 +278,11 @@ def _parse_item(
     finish = meta.get("finish_reason")
     if isinstance(finish, dict):
         finish = finish.get("type")
+    if not token_ids and finish != "abort":  # (an aborted one is generated again)
+        raise SGLangResponseError(
+            f"{where}: no output ids (finish_reason {shown(finish, 40)}), although every request asks for at least"
+            " one token; TRL cannot train on an empty completion. Check the SGLang server behind this URL"
+        )
     return Completion(
         token_ids=token_ids,
         logprobs=logprobs,

@@ -52,12 +52,13 @@ from .config import (
     process_group_timeout_s,
     rescoring_needed,
     syncs_in_background,
+    translate_generation_kwargs,
 )
 from .cpu_contention import warn_if_sharing_the_cpu
 from .replica_wait import AckFileWaiter, ReplicaWaiter, SidecarWaiter
 from .sampling_checks import check_token_ids_in_vocab
 from .sglang_endpoints import SGLangEndpoints
-from .sglang_generation import SGLangGeneration
+from .sglang_generation import SGLangGeneration, raise_everywhere
 from .stale_retry import StaleRetryPolicy
 from .weight_gather import merged_sync_problem, unwrap_model
 
@@ -102,10 +103,17 @@ def build_sglang_generation(
     ``logit_bias`` key in ``generation_kwargs`` outside the model's vocabulary.
     """
     vocab_size = model_vocab_size(model)
+    if "generation_kwargs" in sampling:  # again: one set on the config after it was built was never translated
+        sampling["generation_kwargs"] = translate_generation_kwargs(sampling["generation_kwargs"])
     check_token_ids_in_vocab(sampling.get("generation_kwargs") or {}, vocab_size)
     publisher = rollouts = adapters = None
+    error: Exception | None = None
     if accelerator.is_main_process:
-        publisher, rollouts, adapters = _wire_main_process(model, accelerator, args, vocab_size)
+        try:
+            publisher, rollouts, adapters = _wire_main_process(model, accelerator, args, vocab_size)
+        except Exception as exc:  # raised on every process: the others wait for the main one below
+            error = exc
+    raise_everywhere(accelerator, error, "building the SGLang backend")
     syncs_adapters = _as_the_main_process_says(accelerator, adapters is not None)
     if not syncs_adapters:
         problem = merged_sync_problem(model)
@@ -157,6 +165,20 @@ def model_vocab_size(model: torch.nn.Module | None) -> int | None:
 def _wire_main_process(
     model: torch.nn.Module, accelerator: Any, args: SGLangRolloutArguments, vocab_size: int | None
 ) -> tuple[CheckpointPublisher, StaleRetryPolicy, AdapterPublisher | None]:
+    with contextlib.ExitStack() as built:  # closed when a later part fails
+        wired = _wire_parts(model, accelerator, args, vocab_size, built)
+        built.pop_all()
+    return wired
+
+
+def _wire_parts(
+    model: torch.nn.Module,
+    accelerator: Any,
+    args: SGLangRolloutArguments,
+    vocab_size: int | None,
+    built: contextlib.ExitStack,
+) -> tuple[CheckpointPublisher, StaleRetryPolicy, AdapterPublisher | None]:
+    """:func:`_wire_main_process`'s parts, each one that holds resources registered on ``built``."""
     base = _base_model(model)
     config = base.config
     endpoints = SGLangEndpoints(
@@ -167,6 +189,7 @@ def _wire_main_process(
         log_paths=getattr(args, "sglang_log_paths", None) or (),
         status_urls=args.sidecar_urls or (),
     )
+    built.callback(endpoints.close)
     root = args.checkpoint_path
     assert root is not None  # the config refuses to be built without one
     waiter: ReplicaWaiter
@@ -192,6 +215,7 @@ def _wire_main_process(
         base_model=getattr(base, "name_or_path", None) or None,
         delta=delta_writer_for(args, dtype),
     )
+    built.callback(publisher.close)
     adapters = choose_adapter_sync(publisher, model, accelerator, args, dtype)
     rollouts = StaleRetryPolicy(
         endpoints,
