@@ -89,3 +89,17 @@ def test_generation_kwargs_set_after_the_config_was_built_are_translated_and_che
     assert params["top_k"] == 1  # do_sample=False: greedy
     with pytest.raises(ValueError, match="seed"):
         trainer_module.build_sglang_generation(model, _NotMain(), None, args=config, generation_kwargs={"seed": 3})
+
+
+def test_a_sampling_temperature_other_than_the_scoring_one_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="trainer_hooks.config"):
+        make_config(tmp_path, tmp_path, [dead_url()], [dead_url()], generation_kwargs={"temperature": 0.7})
+    assert "TRL scores the completions" in caplog.text and "temperature=0.7" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trainer_hooks.config"):
+        make_config(
+            tmp_path, tmp_path, [dead_url()], [dead_url()], temperature=0.7, generation_kwargs={"temperature": 0.7}
+        )
+    assert "TRL scores the completions" not in caplog.text

@@ -722,6 +722,17 @@ def _warn_about_sampling(config: Any, params: dict[str, Any]) -> None:
             "SGLang takes one grammar per request): only the regex is sent. Drop one of the two",
             replaced[0],
         )
+    sampled_at = (config.generation_kwargs or {}).get("temperature")
+    if sampled_at is not None and sampled_at != config.temperature:
+        log.warning(
+            "generation_kwargs temperature=%g overrides temperature=%g for SGLang's sampling, but TRL scores the"
+            " completions (the loss and the importance-sampling correction) at temperature=%g: the two disagree"
+            " (as with TRL's vLLM generation). Set temperature=%g instead and drop it from generation_kwargs",
+            sampled_at,
+            config.temperature,
+            config.temperature,
+            sampled_at,
+        )
     penalty = params.get("repetition_penalty")
     if penalty is not None and penalty != 1.0:
         log.warning(
