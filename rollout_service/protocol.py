@@ -188,8 +188,47 @@ def heartbeat_problem(value: Any, *, now: float, max_age_s: float | None = None)
             " allowed: a stray file, or a clock to fix)"
         )
     if max_age_s is not None and age > max_age_s:
-        return f"last heartbeat {age:.0f} s ago"
+        return f"last heartbeat {age:.0f} s ago by this host's clock"
     return None
+
+
+class HeartbeatClock:
+    """A reader's memory of each replica's heartbeat, timed on the reader's own monotonic clock.
+
+    :func:`heartbeat_problem` compares the replica's wall clock with the reader's: a replica whose
+    host clock runs behind by more than ``max_age_s`` looks dead however often it writes. A
+    heartbeat this reader saw *change* within ``max_age_s`` of its own clock shows a live replica
+    whatever the two clocks say; until it was seen to change (the first read), the age decides.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[float, float, bool]] = {}
+        """replica -> (its heartbeat, monotonic time this reader first saw that value, whether
+        it replaced an earlier heartbeat this reader saw)."""
+
+    def problem(self, name: str, value: Any, *, now: float, max_age_s: float) -> str | None:
+        """:func:`heartbeat_problem` of ``value``, except that a heartbeat seen to change within
+        ``max_age_s`` is not too old. Never raises (acks are untrusted)."""
+        seconds = _seconds(value)
+        mono = time.monotonic()
+        previous = self._seen.get(name)
+        if seconds is None:
+            self._seen.pop(name, None)
+        elif previous is None or previous[0] != seconds:  # moving on: a clock that runs, not a file put back
+            self._seen[name] = (seconds, mono, previous is not None and seconds > previous[0])
+        why = heartbeat_problem(value, now=now, max_age_s=max_age_s)
+        if why is None or seconds is None or seconds > now:  # none, or not a time, or in the future
+            return why
+        _, since, changed = self._seen[name]
+        if changed and mono - since <= max_age_s:
+            return None  # it moves: the replica's clock is behind this host's
+        return why
+
+    def keep_only(self, names: Any) -> None:
+        """Forget the replicas not among ``names`` (their ack files are gone)."""
+        keep = set(names)
+        for name in [n for n in self._seen if n not in keep]:
+            del self._seen[name]
 
 
 _TEMP_SUFFIX_HEX = 8

@@ -64,7 +64,7 @@ def test_fresh_heartbeats_within_the_clock_skew_allowance_are_live(tmp_path: Pat
         (tmp_path / "acks" / f"{name}.json").write_text(json.dumps({"loaded_step": 3, "heartbeat": beat}))
     (tmp_path / "acks" / "old.json").write_text(json.dumps({"loaded_step": 3, "heartbeat": now - 120}))
     assert sorted(read_acks(tmp_path, max_age_s=60)) == ["ahead", "int", "now"]
-    assert heartbeat_problem(now - 120, now=now, max_age_s=60) == "last heartbeat 120 s ago"
+    assert heartbeat_problem(now - 120, now=now, max_age_s=60) == "last heartbeat 120 s ago by this host's clock"
     assert len(AckFileWaiter(tmp_path, 3, max_age_s=60).wait(3, timeout_s=5)) == 3
 
 

@@ -61,7 +61,14 @@ from rollout_service.checkpoint_writer import (
 )
 from rollout_service.delta_writer import DeltaCheckpointWriter
 from rollout_service.full_writes import bytes_written
-from rollout_service.protocol import ACK_EXPIRY_S, AcksCutShort, fresh_acks, list_acks, remove_expired_acks
+from rollout_service.protocol import (
+    ACK_EXPIRY_S,
+    MAX_CLOCK_SKEW_S,
+    AcksCutShort,
+    fresh_acks,
+    list_acks,
+    remove_expired_acks,
+)
 from rollout_service.sidecar.root_gate import RootUnresponsive
 
 from .checkpoint_dtype import target_dtype
@@ -931,7 +938,9 @@ class CheckpointPublisher:
             if listing.cut_short is not None:
                 raise AcksCutShort(listing.cut_short)
             protected = {newest} | self.waiter.protected_versions()
-            for ack in fresh_acks(listing.acks, now=time.time(), max_age_s=self.heartbeat_max_age_s).values():
+            # (a replica whose clock runs behind this host's looks older than it is: allow for it)
+            recent_s = self.heartbeat_max_age_s + MAX_CLOCK_SKEW_S
+            for ack in fresh_acks(listing.acks, now=time.time(), max_age_s=recent_s).values():
                 protected.update(s for s in (ack.get("loaded_step"), ack.get("loading_step")) if _is_step(s))
             return prune_checkpoints(self.root, keep, protected, remove=self._remover)
 

@@ -31,7 +31,14 @@ from rollout_service.bounded_http import Answer, request
 from rollout_service.bounded_http import client as bounded_client
 from rollout_service.checkpoint_format import ACKS_DIR, step_dir_name
 from rollout_service.http_auth import bearer_headers
-from rollout_service.protocol import AcksCutShort, ReplicaReport, heartbeat_problem, list_acks
+from rollout_service.protocol import (
+    MAX_CLOCK_SKEW_S,
+    AcksCutShort,
+    HeartbeatClock,
+    ReplicaReport,
+    heartbeat_problem,
+    list_acks,
+)
 from rollout_service.shown_values import shown_text
 from rollout_service.sidecar.root_gate import RootUnresponsive, answered_within
 
@@ -311,11 +318,15 @@ class _AckSnapshot:
     """What one read of the ack files showed."""
 
     live: list[ReplicaView]
-    """Replicas with a fresh heartbeat, by name."""
+    """Replicas with a fresh heartbeat (or one seen to change: :class:`HeartbeatClock`), by name."""
     dead: list[str]
     """Replicas with an ack file but no fresh heartbeat, each with why."""
     cut_short: str | None
     """Why the read stopped before the end of the folder (see ``list_acks``); None if it did not."""
+    recent: list[ReplicaView]
+    """The live ones and those whose heartbeat is at most ``MAX_CLOCK_SKEW_S`` older than the
+    freshness asks for (a replica whose clock runs behind, not yet seen to change): what they
+    serve or load is kept from retention."""
 
 
 class AckFileWaiter:
@@ -334,6 +345,7 @@ class AckFileWaiter:
         self.run_id: str | None = None
         """The publisher's run id: an ack of another run's checkpoint does not count."""
         self._looks = RootLooks(self.root)
+        self._clock = HeartbeatClock()
 
     def notify(self, version: int) -> None:
         """Nothing to wake: sidecars watch the directory."""
@@ -408,7 +420,7 @@ class AckFileWaiter:
         if snapshot.cut_short is not None:
             raise AcksCutShort(snapshot.cut_short)
         steps: set[int] = set()
-        for view in snapshot.live:
+        for view in snapshot.recent:
             steps.update(s for s in (view.loaded_step, view.loading_step) if s is not None)
         return steps
 
@@ -416,16 +428,23 @@ class AckFileWaiter:
         """One bounded read of the ack files, until ``deadline`` (``time.monotonic()``)."""
         listing = self._looks.run(lambda until: list_acks(self.root, deadline=until), deadline, "listing the acks")
         now = time.time()
-        live, dead = [], []
+        live, dead, recent = [], [], []
         for name, ack in sorted(listing.acks.items()):
-            why = heartbeat_problem(ack.get("heartbeat"), now=now, max_age_s=self.max_age_s)
+            why = self._clock.problem(name, ack.get("heartbeat"), now=now, max_age_s=self.max_age_s)
+            view = ReplicaView(name)
+            _update_view(view, ack)
             if why is None:
-                view = ReplicaView(name)
-                _update_view(view, ack)
                 live.append(view)
             else:
                 dead.append(f"{name} ({why})")
-        return _AckSnapshot(live, dead, listing.cut_short)
+            if (
+                why is None
+                or heartbeat_problem(ack.get("heartbeat"), now=now, max_age_s=self.max_age_s + MAX_CLOCK_SKEW_S) is None
+            ):
+                recent.append(view)
+        if listing.cut_short is None:
+            self._clock.keep_only(listing.acks)
+        return _AckSnapshot(live, dead, listing.cut_short, recent)
 
     def _situation(self, snapshot: _AckSnapshot, version: int) -> str:
         lagging = [

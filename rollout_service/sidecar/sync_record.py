@@ -49,6 +49,8 @@ class SyncRecord:
         finished = time.time()
         if published is not None and created_at is not None:
             published = rename_time(published, created_at)
+        if published is not None:  # a file server's clock ahead of this host's: not published after it was seen
+            published = min(published, detected)
         return cls(
             detect_s=None if published is None else max(0.0, detected - published),
             validate_s=validate_s,
