@@ -13,8 +13,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import time
 import tracemalloc
+
+import pytest
 
 from rollout_service.sidecar import watcher as watcher_module
 from rollout_service.sidecar.watcher import CheckpointWatcher, step_entries
@@ -171,5 +174,37 @@ def test_out_of_inotify_watches_the_failed_observer_is_stopped_before_polling(tm
         assert made and not made[0]._inotify_fd.is_alive(), "the failed inotify observer's thread still runs"
         (tmp_path / "step-00000001").mkdir()
         assert wait_for(seen, "created:step-00000001", timeout_s=5.0), seen
+    finally:
+        watcher.stop()
+
+
+@pytest.mark.parametrize("poll", [0.05, None], ids=["polling", "inotify"])
+@pytest.mark.parametrize("how", ["removed-and-made-again", "replaced-by-rename"])
+def test_a_root_removed_or_replaced_is_watched_anew(tmp_path, monkeypatch, caplog, poll, how):
+    """A reused root (``rm -rf root && mkdir root``, or another folder renamed into its place, a
+    volume remounted) ended watchdog's watch of it without a word: ``/status`` still named its
+    mode, and new steps were found only by the sync loop's own look. The watcher notices within
+    ``WATCH_CHECK_S``, says so, and watches the new folder."""
+    monkeypatch.setattr(watcher_module, "WATCH_CHECK_S", 0.1, raising=False)
+    root = tmp_path / "root"
+    root.mkdir()
+    seen: list[str] = []
+    watcher = CheckpointWatcher(root, seen.append, poll_interval_s=poll)
+    watcher.start()
+    try:
+        (root / "step-00000001").mkdir()
+        assert wait_for(seen, "created:step-00000001", 5)
+        if how == "removed-and-made-again":
+            shutil.rmtree(root)
+            time.sleep(0.3)  # (the watch ends with the folder)
+            root.mkdir()
+        else:
+            (tmp_path / "new").mkdir()
+            os.rename(root, tmp_path / "old")
+            os.rename(tmp_path / "new", root)
+        time.sleep(0.5)  # the guard watches the new folder
+        (root / "step-00000002").mkdir()
+        assert wait_for(seen, "created:step-00000002", 5), seen
+        assert "stopped watching it" in caplog.text
     finally:
         watcher.stop()

@@ -104,7 +104,12 @@ def create_app(settings: SidecarSettings) -> FastAPI:
     """Build the app; the sync loop and the watcher run for the app's lifetime."""
     controller = SyncController(settings)
     lookups = RootGate(settings.checkpoint_path, min(ROOT_LOOKUP_TIMEOUT_S, settings.root_timeout_s))
-    watcher = CheckpointWatcher(settings.checkpoint_path, controller.notify, settings.poll_interval_s)
+
+    def watching_with(mode: str) -> None:  # inotify may be out of instances, also when watching anew
+        controller.state.watch_mode = mode
+        controller.notify(f"watch:{mode}")
+
+    watcher = CheckpointWatcher(settings.checkpoint_path, controller.notify, settings.poll_interval_s, watching_with)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

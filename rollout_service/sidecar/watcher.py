@@ -41,6 +41,9 @@ INOTIFY_EXHAUSTED = (errno.EMFILE, errno.ENOSPC)
 state: 128 instances per user by default), after which the watcher polls instead."""
 INOTIFY_FALLBACK_POLL_S = 1.0
 """The polling period when inotify is out of instances or watches."""
+WATCH_CHECK_S = 5.0
+"""How often the watcher checks that it still watches the root: a root removed and made again
+(a reused root, a volume remounted) ends watchdog's watch of it without a word."""
 
 
 def is_completion_event(event: FileSystemEvent) -> bool:
@@ -84,16 +87,26 @@ class _Handler(FileSystemEventHandler):
 class CheckpointWatcher:
     """Calls ``on_change(description)`` from a watchdog thread when a publication may have landed."""
 
-    def __init__(self, root: Path, on_change: Callable[[str], None], poll_interval_s: float | None = None):
+    def __init__(
+        self,
+        root: Path,
+        on_change: Callable[[str], None],
+        poll_interval_s: float | None = None,
+        on_mode: Callable[[str], None] | None = None,
+    ):
         self.root = Path(root)
         self.mode = "inotify" if poll_interval_s is None else "polling"
         self._on_change = on_change
+        self._on_mode = on_mode or (lambda mode: None)
         self._poll_interval_s = poll_interval_s
         self._observer: BaseObserver | None = None
+        self._watched: tuple[int, int] | None = None
+        """The root's (device, inode) when its watch started."""
         self._start_error: BaseException | None = None
         self._lock = threading.Lock()
         self._stopped = False
         """Set by :meth:`stop`: an observer whose start was still blocked then never starts."""
+        self._halt = threading.Event()
 
     def start(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Start watching, waiting at most ``timeout_s``: watchdog looks at the root when a watch
@@ -105,6 +118,8 @@ class CheckpointWatcher:
         starter.join(timeout_s)
         if self._start_error is not None:
             raise self._start_error
+        guard = threading.Thread(target=self._guard, args=(starter,), name="watcher-guard", daemon=True)
+        guard.start()
         if starter.is_alive():
             log.warning(
                 "the %s watcher of %s has not started within %g s (its file system does not answer);"
@@ -118,23 +133,72 @@ class CheckpointWatcher:
 
     def _start(self) -> None:
         try:
-            try:
-                self._start_observer(self._poll_interval_s)
-            except OSError as exc:
-                if self._poll_interval_s is not None or exc.errno not in INOTIFY_EXHAUSTED:
-                    raise
-                log.warning(
-                    "inotify cannot watch %s (%s: raise the fs.inotify.max_user_instances or"
-                    " max_user_watches sysctl, or pass --poll); polling it every %g s instead",
-                    self.root,
-                    exc.strerror or exc,
-                    INOTIFY_FALLBACK_POLL_S,
-                )
-                self.mode = f"polling (inotify: {exc.strerror or exc})"
-                self._start_observer(INOTIFY_FALLBACK_POLL_S)
+            self._start_watching()
         except Exception as exc:  # raised by start() when it comes in time, else logged here
             self._start_error = exc
             log.error("cannot watch %s: %s (the sync loop still looks at every pass)", self.root, exc)
+
+    def _start_watching(self) -> None:
+        """Start an observer of the mode asked for, or polling when inotify is out of instances."""
+        try:
+            self._start_observer(self._poll_interval_s)
+            mode = "inotify" if self._poll_interval_s is None else "polling"
+        except OSError as exc:
+            if self._poll_interval_s is not None or exc.errno not in INOTIFY_EXHAUSTED:
+                raise
+            log.warning(
+                "inotify cannot watch %s (%s: raise the fs.inotify.max_user_instances or"
+                " max_user_watches sysctl, or pass --poll); polling it every %g s instead",
+                self.root,
+                exc.strerror or exc,
+                INOTIFY_FALLBACK_POLL_S,
+            )
+            mode = f"polling (inotify: {exc.strerror or exc})"
+            self._start_observer(INOTIFY_FALLBACK_POLL_S)
+        if mode != self.mode:
+            self.mode = mode
+            self._on_mode(mode)
+
+    def _guard(self, starter: threading.Thread) -> None:
+        """(Its own thread.) Every :data:`WATCH_CHECK_S`: when the watch ended (the root removed,
+        or replaced by another folder), say so and watch the root anew once it is there again.
+        Meanwhile the sync loop's own look at every pass still finds new checkpoints."""
+        lost: str | None = None
+        while not self._halt.wait(WATCH_CHECK_S):
+            if starter.is_alive():  # the first start still waits on the root
+                continue
+            with self._lock:
+                if self._stopped:
+                    return
+                observer = self._observer
+            if observer is not None:
+                lost = self._watch_lost(observer)
+                if lost is None:
+                    continue
+                log.warning(
+                    "the %s watcher of %s stopped watching it (%s); watching it anew", self.mode, self.root, lost
+                )
+                with self._lock:
+                    self._observer = None
+                threading.Thread(target=_stop_observer, args=(observer,), name="watcher-stop", daemon=True).start()
+            try:
+                self._start_watching()
+            except OSError as exc:
+                log.debug("cannot watch %s again yet: %s", self.root, exc)
+                continue
+            log.info("watching %s again with %s", self.root, self.mode)
+
+    def _watch_lost(self, observer: BaseObserver) -> str | None:
+        """Why ``observer`` no longer watches the root; None while it does."""
+        if not observer.is_alive() or not all(emitter.is_alive() for emitter in list(observer.emitters)):
+            return "its watch ended: the root was removed or unmounted"
+        try:
+            st = os.stat(self.root)
+        except OSError:
+            return None  # gone, or not answering: nothing else to watch now (its watch ends, or ended)
+        if (st.st_dev, st.st_ino) != self._watched:
+            return "the root was replaced by another folder"
+        return None
 
     def _start_observer(self, poll_interval_s: float | None) -> None:
         observer = (
@@ -143,13 +207,14 @@ class CheckpointWatcher:
             else PollingObserverVFS(_stat_root_or_entry, step_entries, polling_interval=poll_interval_s)
         )
         try:
+            st = os.stat(self.root)
             observer.schedule(_Handler(self._on_change), str(self.root), recursive=False)
             with self._lock:
                 if self._stopped:  # stopped while the root kept this start waiting
                     observer.stop()
                     return
                 observer.start()
-                self._observer = observer
+                self._observer, self._watched = observer, (st.st_dev, st.st_ino)
         except BaseException:
             # inotify's reader thread and descriptor come with the observer (out of watches, it
             # fails only here): stopped, or the fallback would keep one of the scarce instances.
@@ -173,13 +238,19 @@ class CheckpointWatcher:
             )
 
     def _stop_and_join(self) -> None:
+        self._halt.set()
         with self._lock:
             self._stopped = True
             observer = self._observer
         if observer is None:  # never started (the root did not answer)
             return
-        observer.stop()
-        try:
-            observer.join()
-        except RuntimeError:  # it never started (its first listing is still blocked)
-            pass
+        _stop_observer(observer)
+
+
+def _stop_observer(observer: BaseObserver) -> None:
+    """Stop ``observer`` and wait for its thread (unbounded: call it where that may hang)."""
+    observer.stop()
+    try:
+        observer.join()
+    except RuntimeError:  # it never started (its first listing is still blocked)
+        pass
