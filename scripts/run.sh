@@ -18,6 +18,11 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${ROLLOUT_CACHE_DIR:-$HOME/.cache/rollout-service}"
 PYTHON="${ROLLOUT_PYTHON:-python3}"
 LOCK="$REPO/requirements/cpu.lock"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || {
+    echo "[run.sh] $PYTHON is not Python >= 3.11, which sglang 0.5.23 and TRL 1.16 need: install one and" \
+        "point ROLLOUT_PYTHON at it (e.g. ROLLOUT_PYTHON=python3.11)" >&2
+    exit 1
+}
 KEY="$( (cat "$LOCK"; "$PYTHON" -c 'import sys; print(sys.version)'; echo v2) | sha256sum | cut -c1-16)"
 VENV="$CACHE/venv-$KEY"
 
@@ -28,9 +33,13 @@ if [ ! -f "$VENV/.complete" ]; then
     echo "[run.sh] building environment $VENV from requirements/cpu.lock (several minutes, once per machine)" >&2
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet --upgrade "pip>=25" "setuptools>=77,<81" wheel 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+    # (pipefail: a pip that fails, a full disk mid-way, stops here, before the venv is marked complete)
+    quiet() { grep -v "is ignored: it is neither" >&2 || true; }
+    "$VENV/bin/pip" install --quiet --upgrade "pip>=25" "setuptools>=77,<81" wheel 2>&1 | quiet \
+        || { echo "[run.sh] pip could not upgrade itself in $VENV; see above" >&2; exit 1; }
     # --no-deps: the lock is complete, and sglang's own metadata asks for CUDA-only kernels.
-    "$VENV/bin/pip" install --quiet --no-deps -r "$LOCK" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
+    "$VENV/bin/pip" install --quiet --no-deps -r "$LOCK" 2>&1 | quiet \
+        || { echo "[run.sh] pip could not install requirements/cpu.lock into $VENV; see above" >&2; exit 1; }
     "$VENV/bin/python" -c "import sglang, trl, torch, safetensors, watchdog, fastapi" \
         || { echo "[run.sh] the environment is incomplete; see the pip output above" >&2; exit 1; }
     touch "$VENV/.complete"

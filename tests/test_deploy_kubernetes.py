@@ -51,7 +51,16 @@ def test_rendered_kustomization_validates_against_the_kubernetes_schema(kustomiz
     manifests = render_kustomization(kustomization)
     kinds = sorted(doc["kind"] for doc in manifests)
     assert kinds == sorted(
-        ["ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "Service", "PodDisruptionBudget", "Job"]
+        [
+            "ConfigMap",
+            "PersistentVolumeClaim",
+            "Deployment",
+            "Service",
+            "Service",
+            "Service",
+            "PodDisruptionBudget",
+            "Job",
+        ]
     ), kinds
     for doc in manifests:
         validate_k8s(doc, f"rendered {kustomization.relative_to(REPO)}")
@@ -118,7 +127,8 @@ def test_kubernetes_probes_and_ports_match_the_sidecar_and_sglang():
                 assert flag == "--sidecar-url" and "--expected-replicas" in argv, f"{where}: {flag}"
                 continue
             url = httpx.URL(argv[argv.index(flag) + 1])
-            assert url.host == "rollout" and url.port == service_ports[target], f"{where}: {flag}"
+            host = "rollout" if target == "sglang" else "rollout-sidecar"  # (see the test below)
+            assert url.host == host and url.port == service_ports[target], f"{where}: {flag}"
         wait = find_container(trainer_pod, "wait-for-rollout")
         (url,) = urls_in(" ".join(wait["command"]))
         assert httpx.URL(url).path == "/readyz" and url_port(url) == service_ports["sidecar"]
@@ -211,3 +221,36 @@ def test_a_trainer_beside_several_rollout_replicas_waits_for_each_one():
             assert argv[argv.index("--expected-replicas") + 1] == str(replicas), kustomization
         else:
             assert "--sidecar-url" in argv or "--expected-replicas" in argv, kustomization
+
+
+def test_the_trainer_reaches_a_sidecar_that_is_not_ready():
+    """A replica is not Ready while it loads a step or once it cannot go on (replica_fatal); the
+    trainer's ``--sidecar-url`` pointed at the readiness-gated ``rollout`` Service, so it got
+    "connection refused" until sync_timeout instead of the replica's own answer."""
+    for kustomization in K8S_KUSTOMIZATIONS:
+        manifests = render_kustomization(kustomization)
+        trainer = find_container(pod_specs(manifests)["trainer"], "trainer")
+        argv = k8s_argv(trainer, k8s_env(trainer, manifests))
+        if "--sidecar-url" not in argv:
+            continue
+        host = httpx.URL(argv[argv.index("--sidecar-url") + 1]).host
+        service = by_kind(manifests, "Service")[host]
+        assert service["spec"].get("publishNotReadyAddresses") is True, (kustomization, host)
+        rollout = by_kind(manifests, "Deployment")["rollout"]["spec"]["template"]["metadata"]["labels"]
+        assert all(rollout.get(k) == v for k, v in service["spec"]["selector"].items()), kustomization
+
+
+def test_the_cpu_dev_overlay_fits_a_two_cpu_node():
+    """kind and minikube default to 2 CPUs, of which the control plane takes ~0.8: the rollout pod
+    and the trainer (which run at once) requested 2.1 CPUs and one of them stayed Pending."""
+    pods = pod_specs(render_kustomization(K8S_DIR / "overlays" / "cpu-dev"))
+
+    def cpus(text: str) -> float:
+        return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+    requested = sum(
+        cpus(str(c.get("resources", {}).get("requests", {}).get("cpu", "0")))
+        for pod in pods.values()
+        for c in pod["containers"]
+    )
+    assert requested <= 1.2, requested
