@@ -18,6 +18,7 @@ import math
 import os
 import re
 import stat
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields
@@ -197,38 +198,52 @@ class HeartbeatClock:
 
     :func:`heartbeat_problem` compares the replica's wall clock with the reader's: a replica whose
     host clock runs behind by more than ``max_age_s`` looks dead however often it writes. A
-    heartbeat this reader saw *change* within ``max_age_s`` of its own clock shows a live replica
-    whatever the two clocks say; until it was seen to change (the first read), the age decides.
+    heartbeat this reader saw move on between two of its reads at most ``max_age_s`` apart shows
+    a live replica for ``max_age_s`` after that read, whatever the two clocks say, as long as it is
+    no more than :data:`MAX_CLOCK_SKEW_S` older than ``max_age_s`` allows (the same allowance a
+    heartbeat in the future gets). Until it was seen to move (the first read), the age decides.
+    Safe to use from several threads.
     """
 
-    def __init__(self) -> None:
-        self._seen: dict[str, tuple[float, float, bool]] = {}
-        """replica -> (its heartbeat, monotonic time this reader first saw that value, whether
-        it replaced an earlier heartbeat this reader saw)."""
+    def __init__(self, monotonic: Any = time.monotonic) -> None:
+        self._monotonic = monotonic
+        self._seen: dict[str, tuple[float, float, float | None]] = {}
+        """replica -> (its heartbeat, the monotonic time of this reader's last read of it, the
+        monotonic time of the read that last saw it move on, or None)."""
+        self._lock = threading.Lock()
 
     def problem(self, name: str, value: Any, *, now: float, max_age_s: float) -> str | None:
-        """:func:`heartbeat_problem` of ``value``, except that a heartbeat seen to change within
-        ``max_age_s`` is not too old. Never raises (acks are untrusted)."""
+        """:func:`heartbeat_problem` of ``value``, except that a heartbeat seen to move on within
+        ``max_age_s`` is not too old (see the class). Never raises (acks are untrusted)."""
         seconds = _seconds(value)
-        mono = time.monotonic()
-        previous = self._seen.get(name)
-        if seconds is None:
-            self._seen.pop(name, None)
-        elif previous is None or previous[0] != seconds:  # moving on: a clock that runs, not a file put back
-            self._seen[name] = (seconds, mono, previous is not None and seconds > previous[0])
         why = heartbeat_problem(value, now=now, max_age_s=max_age_s)
-        if why is None or seconds is None or seconds > now:  # none, or not a time, or in the future
+        if seconds is None:
+            with self._lock:
+                self._seen.pop(name, None)
             return why
-        _, since, changed = self._seen[name]
-        if changed and mono - since <= max_age_s:
+        mono = self._monotonic()
+        with self._lock:
+            previous = self._seen.get(name)
+            moved_at = None
+            if previous is not None:
+                last, read_at, moved_before = previous
+                if seconds > last and mono - read_at <= max_age_s:  # written since a recent read
+                    moved_at = mono
+                elif seconds == last:
+                    moved_at = moved_before
+            self._seen[name] = (seconds, mono, moved_at)
+        if why is None or seconds > now:  # fresh, or in the future (that allowance is the function's)
+            return why
+        if moved_at is not None and mono - moved_at <= max_age_s and now - seconds <= max_age_s + MAX_CLOCK_SKEW_S:
             return None  # it moves: the replica's clock is behind this host's
         return why
 
     def keep_only(self, names: Any) -> None:
         """Forget the replicas not among ``names`` (their ack files are gone)."""
         keep = set(names)
-        for name in [n for n in self._seen if n not in keep]:
-            del self._seen[name]
+        with self._lock:
+            for name in [n for n in self._seen if n not in keep]:
+                del self._seen[name]
 
 
 _TEMP_SUFFIX_HEX = 8

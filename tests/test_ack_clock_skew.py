@@ -89,3 +89,63 @@ def test_a_file_servers_clock_ahead_gives_no_negative_sync_time() -> None:
     assert record.detect_s == 0.0
     assert record.total_s is not None and record.total_s >= 0.0
     assert record.total_s >= time.time() - now - 1e-3  # at least from when it was seen
+
+
+class _Clocks:
+    """The trainer's wall and monotonic clocks, moved by hand."""
+
+    def __init__(self) -> None:
+        self.wall, self.mono = 1_800_000_000.0, 1000.0
+
+    def advance(self, seconds: float) -> None:
+        self.wall += seconds
+        self.mono += seconds
+
+
+def test_a_heartbeat_seen_to_move_long_ago_or_far_behind_shows_no_live_replica() -> None:
+    """What moved between two reads far apart may have died since; a heartbeat a day behind that
+    moves is no clock skew (the allowance is MAX_CLOCK_SKEW_S, as for one in the future)."""
+    from rollout_service.protocol import MAX_CLOCK_SKEW_S, HeartbeatClock
+
+    clocks = _Clocks()
+    clock = HeartbeatClock(monotonic=lambda: clocks.mono)
+
+    def problem(heartbeat: float) -> str | None:
+        return clock.problem("r1", heartbeat, now=clocks.wall, max_age_s=60)
+
+    behind = 70.0  # a replica 70 s slow, writing every 5 s: live once seen to move
+    assert problem(clocks.wall - behind) is not None  # first read: its age decides
+    clocks.advance(5)
+    assert problem(clocks.wall - behind) is None
+    clocks.advance(5)
+    assert problem(clocks.wall - behind) is None
+    # It writes once more just after this read, then dies; the next read is 10 minutes later.
+    last = clocks.wall + 1 - behind
+    clocks.advance(600)
+    assert problem(last) is not None, "moved since a read 600 s ago: not a live replica now"
+    # A heartbeat a day behind, moving between reads 5 s apart: beyond any clock skew allowed.
+    day = HeartbeatClock(monotonic=lambda: clocks.mono)
+    for _ in range(3):
+        assert day.problem("r2", clocks.wall - 86_400, now=clocks.wall, max_age_s=60) is not None
+        clocks.advance(5)
+    near = HeartbeatClock(monotonic=lambda: clocks.mono)  # just inside the allowance: live once it moves
+    near.problem("r3", clocks.wall - 60 - MAX_CLOCK_SKEW_S + 20, now=clocks.wall, max_age_s=60)
+    clocks.advance(5)
+    assert near.problem("r3", clocks.wall - 60 - MAX_CLOCK_SKEW_S + 20, now=clocks.wall, max_age_s=60) is None
+
+
+def test_a_heartbeat_that_stops_moving_is_dead_after_max_age() -> None:
+    from rollout_service.protocol import HeartbeatClock
+
+    clocks = _Clocks()
+    clock = HeartbeatClock(monotonic=lambda: clocks.mono)
+    heartbeat = clocks.wall - 70
+    clock.problem("r1", heartbeat, now=clocks.wall, max_age_s=60)
+    clocks.advance(5)
+    heartbeat += 5
+    assert clock.problem("r1", heartbeat, now=clocks.wall, max_age_s=60) is None
+    for _ in range(11):  # the replica is gone: the same heartbeat, read every 5 s
+        clocks.advance(5)
+        assert clock.problem("r1", heartbeat, now=clocks.wall, max_age_s=60) is None
+    clocks.advance(10)
+    assert clock.problem("r1", heartbeat, now=clocks.wall, max_age_s=60) is not None

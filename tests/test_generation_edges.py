@@ -103,3 +103,13 @@ def test_a_sampling_temperature_other_than_the_scoring_one_is_warned_about(
             tmp_path, tmp_path, [dead_url()], [dead_url()], temperature=0.7, generation_kwargs={"temperature": 0.7}
         )
     assert "TRL scores the completions" not in caplog.text
+
+
+def test_a_temperature_trl_cannot_score_at_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """TRL 1.16 divides the logits by ``temperature`` at the first loss: 0 passed the config's
+    checks (SGLang takes it: greedy) and crashed there; the warning even advised it."""
+    with pytest.raises(ValueError, match=r"temperature=0\.0: TRL divides .* keep it > 0"):
+        make_config(tmp_path, tmp_path, [dead_url()], [dead_url()], temperature=0.0)
+    with caplog.at_level("WARNING", logger="trainer_hooks.config"):
+        make_config(tmp_path, tmp_path, [dead_url()], [dead_url()], generation_kwargs={"temperature": 0.0})
+    assert "TRL scores the completions" in caplog.text and "Set temperature=0 instead" not in caplog.text

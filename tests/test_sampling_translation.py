@@ -321,7 +321,7 @@ def test_the_collective_budget_counts_the_rescoring_sglang_will_do(
         ({"top_p": 0.0}, r"^top_p must be a number in \(0, 1\], got 0.0"),
         ({"top_k": -2}, r"^top_k must be -1 \(no limit\) or a whole number >= 1, got -2"),
         ({"min_p": 1.5}, r"^min_p must be a number in \[0, 1\], got 1.5"),
-        ({"temperature": -0.5}, r"^temperature must be a finite number >= 0"),
+        ({"temperature": -0.5}, r"^temperature=-0\.5: TRL divides .* keep it > 0"),
         (
             {"max_completion_length": 4, "generation_kwargs": {"min_new_tokens": 6}},
             r"min_new_tokens=6 is above max_completion_length=4: lower min_new_tokens or raise max_completion_length",

@@ -381,3 +381,17 @@ def test_a_file_another_user_put_into_a_copy_being_made_fails_the_copy(
         assert_same_files(built.path, full_root / step_dir_name(1))
     finally:
         stage.close()
+
+
+def test_a_folder_refused_as_a_stage_keeps_its_mode(tmp_path: Path) -> None:
+    """The stage folder is closed to the group only once it is known to be a stage: a group's
+    shared folder given as ``--stage-dir`` by mistake (or ``/dev/shm`` itself, to a sidecar running
+    as root) is refused as it is, not first made unwritable for everyone else."""
+    for mode in (0o2775, 0o1777):
+        shared = tmp_path / f"shared-{mode:o}"
+        shared.mkdir()
+        os.chmod(shared, mode)
+        (shared / "notes.txt").write_text("the group's")
+        with pytest.raises(StageError, match="not a stage folder"):
+            Stage(shared)
+        assert stat.S_IMODE(os.stat(shared).st_mode) == mode

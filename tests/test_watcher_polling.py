@@ -186,6 +186,7 @@ def test_a_root_removed_or_replaced_is_watched_anew(tmp_path, monkeypatch, caplo
     mode, and new steps were found only by the sync loop's own look. The watcher notices within
     ``WATCH_CHECK_S``, says so, and watches the new folder."""
     monkeypatch.setattr(watcher_module, "WATCH_CHECK_S", 0.1, raising=False)
+    caplog.set_level("INFO", logger=watcher_module.__name__)
     root = tmp_path / "root"
     root.mkdir()
     seen: list[str] = []
@@ -202,7 +203,10 @@ def test_a_root_removed_or_replaced_is_watched_anew(tmp_path, monkeypatch, caplo
             (tmp_path / "new").mkdir()
             os.rename(root, tmp_path / "old")
             os.rename(tmp_path / "new", root)
-        time.sleep(0.5)  # the guard watches the new folder
+        deadline = time.monotonic() + 10
+        while "watching" not in caplog.text or "again with" not in caplog.text:  # the guard watches anew
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.05)
         (root / "step-00000002").mkdir()
         assert wait_for(seen, "created:step-00000002", 5), seen
         assert "stopped watching it" in caplog.text

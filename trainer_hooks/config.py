@@ -111,7 +111,9 @@ class SGLangRolloutArguments:
         sglang_request_timeout: seconds one ``POST /generate`` may take before its endpoint
             counts as failed.
         replica_heartbeat_max_age: seconds after which an ack file's heartbeat counts as dead
-            (sidecars refresh it every 5 seconds, so at least 15: three missed writes).
+            (sidecars refresh it every 5 seconds, so at least 15: three missed writes); one the
+            trainer sees move on counts as live although its host's clock runs behind (by up to
+            ``MAX_CLOCK_SKEW_S``, 300 s, more).
         sglang_log_paths: SGLang's log files, readable by the trainer (same machine or shared
             storage), one per ``sglang_urls`` entry or a single one for all. When a request kills
             a server twice, the step's error quotes SGLang's last error lines from them (and the
@@ -724,14 +726,19 @@ def _warn_about_sampling(config: Any, params: dict[str, Any]) -> None:
         )
     sampled_at = (config.generation_kwargs or {}).get("temperature")
     if sampled_at is not None and sampled_at != config.temperature:
+        instead = (
+            f"Set temperature={sampled_at:g} instead and drop it from generation_kwargs"
+            if sampled_at > 0
+            else "(temperature 0: greedy rollouts; TRL cannot score at temperature 0, so keep temperature > 0)"
+        )
         log.warning(
             "generation_kwargs temperature=%g overrides temperature=%g for SGLang's sampling, but TRL scores the"
             " completions (the loss and the importance-sampling correction) at temperature=%g: the two disagree"
-            " (as with TRL's vLLM generation). Set temperature=%g instead and drop it from generation_kwargs",
+            " (as with TRL's vLLM generation). %s",
             sampled_at,
             config.temperature,
             config.temperature,
-            sampled_at,
+            instead,
         )
     penalty = params.get("repetition_penalty")
     if penalty is not None and penalty != 1.0:
@@ -862,6 +869,13 @@ def adapt_trl_fields(config: Any, *, world_size: int) -> None:
     """Refuse or adapt the TRL fields that do not work as in TRL's own generation (before TRL's
     ``__post_init__``, which starts the process group with ``ddp_timeout``)."""
     config.generation_kwargs = translate_generation_kwargs(config.generation_kwargs)
+    temperature = getattr(config, "temperature", 1.0)
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not temperature > 0:
+        raise ValueError(
+            f"temperature={temperature!r}: TRL divides the policy's logits by it to score the completions (a"
+            " division by zero at the first loss); keep it > 0. For greedy rollouts pass generation_kwargs="
+            '{"do_sample": False} (SGLang samples with top_k=1)'
+        )
     params = config_sampling_params(config)  # every sampling value checked, as SGLang will get them
     _warn_about_sampling(config, params)
     why = uncorrected_staleness(config, params)

@@ -129,12 +129,14 @@ def close_to_others(folder: Path) -> None:
     """Make the stage folder ``folder`` (checked by :func:`check_owner`) writable by nobody but
     this user when it is this user's: made under a umask of 002, the group could rename a verified
     copy away between its check and SGLang's load, and put its own folder under that name. A
-    folder of root's (a Kubernetes emptyDir, private to its pod) is left as it is. ``StageError``
-    when that fails."""
+    folder of another user's (root's: a Kubernetes emptyDir, private to its pod) or one with the
+    sticky bit (every user's, as ``/dev/shm``, given as the stage itself) is left as it is.
+    ``StageError`` when that fails."""
     try:
         fd = os.open(folder, _DIR_FLAGS)
         try:
-            if os.fstat(fd).st_uid == os.geteuid():
+            st = os.fstat(fd)
+            if st.st_uid == os.geteuid() and not st.st_mode & stat.S_ISVTX:
                 _drop_others_write(fd)
         finally:
             os.close(fd)

@@ -243,11 +243,11 @@ class Stage:
                 ) from None
             self.path = resolve_stage_path(named)
             check_owner(self.path)
-            close_to_others(self.path)
             check_is_stage(self.path)  # before anything is written in it
             self._lock = take_lock(self.path)
             try:
                 mark_as_stage(self.path)
+                close_to_others(self.path)  # (only a folder that is the stage's: never one refused)
                 self._clear_leftovers()
             except BaseException:
                 self._unlock()

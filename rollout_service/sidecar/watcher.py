@@ -138,10 +138,12 @@ class CheckpointWatcher:
             self._start_error = exc
             log.error("cannot watch %s: %s (the sync loop still looks at every pass)", self.root, exc)
 
-    def _start_watching(self) -> None:
-        """Start an observer of the mode asked for, or polling when inotify is out of instances."""
+    def _start_watching(self) -> bool:
+        """Start an observer of the mode asked for, or polling when inotify is out of instances;
+        False when :meth:`stop` came first (nothing started)."""
         try:
-            self._start_observer(self._poll_interval_s)
+            if not self._start_observer(self._poll_interval_s):
+                return False
             mode = "inotify" if self._poll_interval_s is None else "polling"
         except OSError as exc:
             if self._poll_interval_s is not None or exc.errno not in INOTIFY_EXHAUSTED:
@@ -154,10 +156,12 @@ class CheckpointWatcher:
                 INOTIFY_FALLBACK_POLL_S,
             )
             mode = f"polling (inotify: {exc.strerror or exc})"
-            self._start_observer(INOTIFY_FALLBACK_POLL_S)
+            if not self._start_observer(INOTIFY_FALLBACK_POLL_S):
+                return False
         if mode != self.mode:
             self.mode = mode
             self._on_mode(mode)
+        return True
 
     def _guard(self, starter: threading.Thread) -> None:
         """(Its own thread.) Every :data:`WATCH_CHECK_S`: when the watch ended (the root removed,
@@ -182,11 +186,13 @@ class CheckpointWatcher:
                     self._observer = None
                 threading.Thread(target=_stop_observer, args=(observer,), name="watcher-stop", daemon=True).start()
             try:
-                self._start_watching()
+                if not self._start_watching():
+                    return  # stopped meanwhile
             except OSError as exc:
                 log.debug("cannot watch %s again yet: %s", self.root, exc)
                 continue
             log.info("watching %s again with %s", self.root, self.mode)
+            self._on_change("watch:anew")  # a step published while nothing watched: the loop looks
 
     def _watch_lost(self, observer: BaseObserver) -> str | None:
         """Why ``observer`` no longer watches the root; None while it does."""
@@ -200,7 +206,7 @@ class CheckpointWatcher:
             return "the root was replaced by another folder"
         return None
 
-    def _start_observer(self, poll_interval_s: float | None) -> None:
+    def _start_observer(self, poll_interval_s: float | None) -> bool:
         observer = (
             Observer()
             if poll_interval_s is None
@@ -212,7 +218,7 @@ class CheckpointWatcher:
             with self._lock:
                 if self._stopped:  # stopped while the root kept this start waiting
                     observer.stop()
-                    return
+                    return False
                 observer.start()
                 self._observer, self._watched = observer, (st.st_dev, st.st_ino)
         except BaseException:
@@ -221,6 +227,7 @@ class CheckpointWatcher:
             with contextlib.suppress(Exception):
                 observer.stop()
             raise
+        return True
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Stop watching, giving up after ``timeout_s``: watchdog's stop joins its polling thread
