@@ -23,7 +23,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow  # subprocesses with torch start-ups: several seconds
-def test_fsdp1_publishes_full_weights_not_flat_shards(tmp_path):
+@pytest.mark.parametrize("peft", [False, True], ids=["plain", "peft-lora"])
+def test_fsdp1_publishes_full_weights_not_flat_shards(tmp_path, peft):
+    """With PEFT (a review, session 30) the tuner layers were looked up by names that carry FSDP1's
+    wrapper prefixes, under parameter names that do not: no layer was merged, and every version
+    published the frozen base weights, the trained adapters left out (accepted by every sidecar)."""
     out = tmp_path / "fsdp1.json"
     done = subprocess.run(
         [
@@ -38,6 +42,7 @@ def test_fsdp1_publishes_full_weights_not_flat_shards(tmp_path):
             str(out),
             "--root",
             str(tmp_path / "ckpts"),
+            *(["--peft"] if peft else []),
         ],
         capture_output=True,
         text=True,
@@ -51,11 +56,11 @@ def test_fsdp1_publishes_full_weights_not_flat_shards(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     main = json.loads(out.with_suffix(".rank0.json").read_text())
     other = json.loads(out.with_suffix(".rank1.json").read_text())
-    assert main["is_fsdp1"] and main["flat_local"], main  # the model really was FSDP1-sharded
+    assert main["is_fsdp1"] and (main["flat_local"] or peft), main  # FSDP1-sharded (use_orig_params: no flat names)
     assert main["names_match"], (main["missing"], main["extra"])
     assert main["shapes_match"] and main["values_match"], main
     assert main["files"] > 1
-    assert other["yielded"] == 27  # every parameter, gathered collectively on the other rank too
+    assert other["yielded"] == 27  # every parameter (LoRA's merged in), gathered collectively on the other rank too
 
 
 class _Recorder:

@@ -57,10 +57,18 @@ def distributed_backend(accelerator: Any) -> DistributedBackend:
     return DistributedBackend(SimpleNamespace(state=plugins))
 
 
-def clean_name(name: str, peft_prefix: str | None = None) -> str | None:
-    """The Hugging Face checkpoint name of a parameter, or None when it must not be published."""
+def unwrapped_name(name: str) -> str:
+    """A parameter's or module's name without the prefixes wrappers add (FSDP1 units, activation
+    checkpointing, ``torch.compile``): FSDP1 shows them in ``named_modules()`` but not in the
+    parameter names ``summon_full_params`` restores."""
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
+    return name
+
+
+def clean_name(name: str, peft_prefix: str | None = None) -> str | None:
+    """The Hugging Face checkpoint name of a parameter, or None when it must not be published."""
+    name = unwrapped_name(name)
     if peft_prefix is not None:
         name = name.removeprefix("base_model.model.").replace(".base_layer", "")
         if peft_prefix in name or "original_module" in name:
@@ -136,7 +144,7 @@ def iter_full_weights(model: nn.Module, accelerator: Any = None) -> Iterator[tup
                 hf_name = clean_name(name, prefix)
                 if hf_name is None:
                     continue
-                with _merged_exactly(owners.get(name)):
+                with _merged_exactly(owners.get(unwrapped_name(name))):
                     # A copy: the merged values vanish when the layer is restored, as soon as the
                     # writer has drawn the tensor, before it writes that shard.
                     full = _full(param, device)
@@ -166,7 +174,7 @@ def iter_full_weights(model: nn.Module, accelerator: Any = None) -> Iterator[tup
 
 def _tuner_layers_by_param(model: nn.Module) -> dict[str, Any]:
     """Each PEFT tuner layer (LoRA, DoRA, ...) by the names of its base layer's own parameters,
-    which merging it changes."""
+    which merging it changes (without wrappers' prefixes: :func:`unwrapped_name`)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     owners: dict[str, Any] = {}
@@ -174,7 +182,7 @@ def _tuner_layers_by_param(model: nn.Module) -> dict[str, Any]:
         base = getattr(module, "base_layer", None)
         if isinstance(module, BaseTunerLayer) and isinstance(base, nn.Module):
             for param_name, _ in base.named_parameters(recurse=False):
-                owners[f"{module_name}.base_layer.{param_name}"] = module
+                owners[unwrapped_name(f"{module_name}.base_layer.{param_name}")] = module
     return owners
 
 

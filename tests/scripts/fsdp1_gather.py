@@ -1,11 +1,14 @@
 """FSDP1 (accelerate's default FSDP version) gathered into full weights, on CPU processes (gloo).
 
-    torchrun --standalone --nproc_per_node 2 tests/scripts/fsdp1_gather.py --out result.json --root DIR
+    torchrun --standalone --nproc_per_node 2 tests/scripts/fsdp1_gather.py --out result.json --root DIR [--peft]
 
 Wraps the tiny model with ``torch.distributed.fsdp.FullyShardedDataParallel`` (each decoder layer,
 then the root, as accelerate's transformer auto-wrap policy does), runs
 ``trainer_hooks.weight_gather.iter_full_weights`` on every process, publishes on rank 0 and
-records what the published checkpoint holds against the unsharded model.
+records what the published checkpoint holds against the unsharded model. With ``--peft`` the
+model is first a PEFT LoRA model (trained adapters: random weights) in bf16, wrapped with
+``use_orig_params=True`` (as accelerate does for PEFT), and the expected checkpoint is PEFT's own
+``merge_and_unload`` of an unsharded copy.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--root", required=True)
+    p.add_argument("--peft", action="store_true")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -41,9 +45,24 @@ def main() -> None:
     with torch.no_grad():  # move the weights away from the saved ones (same on every rank)
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.01)
-    full = {k: v.clone() for k, v in model.state_dict().items()}
+    if a.peft:
+        import copy
+
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).to(torch.bfloat16)
+        with torch.no_grad():  # trained adapters (B starts at zero: nothing to merge)
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.add_(torch.randn_like(param) * 0.05)
+        full = {k: v.clone() for k, v in copy.deepcopy(model).merge_and_unload().state_dict().items()}
+    else:
+        full = {k: v.clone() for k, v in model.state_dict().items()}
     wrapped = FullyShardedDataParallel(
-        model, auto_wrap_policy=ModuleWrapPolicy({Qwen2DecoderLayer}), device_id=torch.device("cpu")
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({Qwen2DecoderLayer}),
+        device_id=torch.device("cpu"),
+        use_orig_params=a.peft,
     )
     local = {n: tuple(t.shape) for n, t in wrapped.named_parameters()}
     accelerator = SimpleNamespace(is_main_process=rank == 0, device=torch.device("cpu"), state=None)
