@@ -113,3 +113,19 @@ def test_a_temperature_trl_cannot_score_at_is_refused(tmp_path: Path, caplog: py
     with caplog.at_level("WARNING", logger="trainer_hooks.config"):
         make_config(tmp_path, tmp_path, [dead_url()], [dead_url()], generation_kwargs={"temperature": 0.0})
     assert "TRL scores the completions" in caplog.text and "Set temperature=0 instead" not in caplog.text
+
+
+def test_a_model_made_from_its_config_publishes_its_architecture(tmp_path: Path) -> None:
+    """``from_config`` leaves ``architectures`` unset until the model is saved: the published
+    config.json had none, and a materialized version was a model directory SGLang refuses."""
+    from transformers import AutoConfig
+
+    config = make_config(tmp_path, tmp_path, [dead_url()], [dead_url()])
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ensure_tiny_model(tied=False)))
+    model.config.architectures = None
+    generation = trainer_module.build_sglang_generation(model, _Accelerator(0, 1), None, args=config)
+    try:
+        assert generation.publisher is not None
+        assert generation.publisher.config["architectures"] == ["Qwen2ForCausalLM"]
+    finally:
+        generation.close()

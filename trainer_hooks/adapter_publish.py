@@ -46,7 +46,7 @@ from rollout_service.protocol import adapter_name_for, step_for_version
 
 from .checkpoint_dtype import target_dtype
 from .checkpoint_publisher import CheckpointPublisher, SyncRecord
-from .weight_gather import clean_name, distributed_backend, is_fsdp1, unwrap_model
+from .weight_gather import active_adapter, clean_name, distributed_backend, is_fsdp1, unwrap_model
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +179,9 @@ def _base_parameters(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.n
     """(checkpoint name, parameter name, parameter) of each base weight of a PEFT model; its
     LoRA weights are left out."""
     prefix = getattr(model, "prefix", "lora_")
+    adapter = active_adapter(model)
     for name, param in model.named_parameters():
-        hf_name = clean_name(name, prefix)
+        hf_name = clean_name(name, prefix, adapter)
         if hf_name is not None:
             yield hf_name, name, param
 

@@ -203,6 +203,10 @@ def _wire_parts(
     _warn_if_a_sync_outlasts_the_process_group(args, base, dtype, accelerator.num_processes)
     config_dict = json.loads(config.to_json_string())
     config_dict["dtype"] = dtype
+    # A model made with from_config has no `architectures` until saved; a materialized version
+    # (a plain HF model directory) needs it for SGLang or transformers to load it.
+    if not config_dict.get("architectures"):
+        config_dict["architectures"] = [type(base).__name__]
     publisher = CheckpointPublisher(
         root,
         waiter,

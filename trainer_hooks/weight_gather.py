@@ -66,15 +66,28 @@ def unwrapped_name(name: str) -> str:
     return name
 
 
-def clean_name(name: str, peft_prefix: str | None = None) -> str | None:
-    """The Hugging Face checkpoint name of a parameter, or None when it must not be published."""
+def clean_name(name: str, peft_prefix: str | None = None, adapter: str = "default") -> str | None:
+    """The Hugging Face checkpoint name of a parameter, or None when it must not be published
+    (a PEFT model's adapter weights, and the copies ``modules_to_save`` keeps of its module: the
+    original's, and other adapters' than the active ``adapter``)."""
     name = unwrapped_name(name)
     if peft_prefix is not None:
         name = name.removeprefix("base_model.model.").replace(".base_layer", "")
         if peft_prefix in name or "original_module" in name:
             return None
-        name = name.replace("modules_to_save.default.", "")
+        saved, kept = ".modules_to_save.", f".modules_to_save.{adapter}."
+        if saved in name:
+            if kept not in name:
+                return None  # another adapter's trained copy
+            name = name.replace(kept, ".")
     return name
+
+
+def active_adapter(model: nn.Module) -> str:
+    """The name of the PEFT model's active adapter (the one merged and published); ``default``
+    when it names none or several."""
+    active = getattr(model, "active_adapter", "default")
+    return active if isinstance(active, str) else "default"
 
 
 def merged_sync_problem(model: nn.Module) -> str | None:
@@ -85,13 +98,22 @@ def merged_sync_problem(model: nn.Module) -> str | None:
       ``token_adapter``), which the merged sync does not fold back;
     - a model whose input and output embeddings are tied (``tie_word_embeddings``) with either of
       them adapted or in ``modules_to_save``: training unties them, but the served model holds one
-      tensor for both (it has no ``lm_head.weight``), so the trained head cannot be served."""
+      tensor for both (it has no ``lm_head.weight``), so the trained head cannot be served;
+    - a quantized base (QLoRA): PEFT's merge re-quantizes packed weights (the base drifts) and
+      replaces the parameters it merges, so what would be published is neither served nor trained."""
     if not isinstance(model, nn.Module) or not is_peft_model(model):  # (a stand-in: nothing to judge)
         return None
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper, TrainableTokensWrapper
 
     base = unwrap_model(model).get_base_model()
+    if _is_quantized(base):
+        return (
+            "the base model is quantized (bitsandbytes/GPTQ/... : QLoRA): merging the adapter into packed"
+            " weights re-quantizes them, which changes the frozen base at every sync, and publishes weights"
+            " SGLang cannot load as the served model's. Sync the adapter instead (start SGLang with"
+            " `rollout-service serve ... --lora`, serving the unquantized base), or train on an unquantized base"
+        )
     embeddings = {"input embeddings": base.get_input_embeddings(), "output embeddings": base.get_output_embeddings()}
     if any(isinstance(m, TrainableTokensWrapper) for m in embeddings.values()):
         return (
@@ -109,6 +131,16 @@ def merged_sync_problem(model: nn.Module) -> str | None:
             " training (and serve the untied model)"
         )
     return None
+
+
+def _is_quantized(base: nn.Module) -> bool:
+    """Whether transformers loaded ``base`` quantized (its quantizer, or the 4/8-bit flags), or a
+    parameter of it holds packed, non-floating values."""
+    if getattr(base, "hf_quantizer", None) is not None or getattr(base, "is_quantized", False) is True:
+        return True
+    if getattr(base, "is_loaded_in_4bit", False) is True or getattr(base, "is_loaded_in_8bit", False) is True:
+        return True
+    return any(not p.dtype.is_floating_point for p in base.parameters())
 
 
 def is_fsdp1(model: nn.Module) -> bool:
@@ -138,10 +170,11 @@ def iter_full_weights(model: nn.Module, accelerator: Any = None) -> Iterator[tup
         if allowed is not None:  # as PEFT's merge_adapter asks first (a quantized base cannot merge)
             allowed()
         owners = _tuner_layers_by_param(model)
+        adapter = active_adapter(model)
         # Merging needs every shard of the base weights at once.
         with _fsdp1_full_params(model, fsdp1), dist.gather_params(list(model.parameters())):
             for name, param in model.named_parameters():
-                hf_name = clean_name(name, prefix)
+                hf_name = clean_name(name, prefix, adapter)
                 if hf_name is None:
                     continue
                 with _merged_exactly(owners.get(unwrapped_name(name))):
