@@ -36,6 +36,7 @@ def test_retention_keeps_the_newest_and_what_a_live_replica_serves(tmp_path: Pat
         publisher.publish_and_wait(version, [("w", torch.full((4,), float(version)))])
     assert [c.step for c in list_checkpoints(tmp_path)] == [1, 4, 5]
     assert prune_checkpoints(tmp_path, keep=1, protected={4}) == [1]
+    publisher.close()  # waits for the background removal of the steps it deleted
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 

@@ -146,3 +146,30 @@ def test_a_child_dies_with_the_thread_that_started_it(tmp_path):
     [group] = started
     assert group.process is not None
     assert group.process.wait(timeout=20) == -9  # SIGKILL once its thread ended
+
+
+def test_nothing_is_loaded_between_fork_and_exec(tmp_path, monkeypatch):
+    """``libc`` is resolved in the parent, once: a ``dlopen`` in the forked child (the old
+    ``preexec_fn``) can deadlock on a loader lock another thread of the parent held at the fork.
+    With loading made to fail now, the child still starts and still dies with its thread."""
+    import ctypes
+    import threading
+
+    def no_loading(*args, **kwargs):
+        raise OSError("dlopen after start-up (a loader lock another thread may hold at the fork)")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_loading)
+    started: list[ProcessGroup] = []
+
+    def start() -> None:
+        command = [sys.executable, "-c", "import time; time.sleep(60)"]
+        group = ProcessGroup(command, tmp_path / "child.log", name="child", die_with_parent=True)
+        group.start()
+        started.append(group)
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join()
+    [group] = started
+    assert group.process is not None
+    assert group.process.wait(timeout=20) == -9

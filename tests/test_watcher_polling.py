@@ -207,8 +207,35 @@ def test_a_root_removed_or_replaced_is_watched_anew(tmp_path, monkeypatch, caplo
         while "watching" not in caplog.text or "again with" not in caplog.text:  # the guard watches anew
             assert time.monotonic() < deadline, caplog.text
             time.sleep(0.05)
+        assert "watch:anew" in seen  # the loop is woken to look at what came while nothing watched
         (root / "step-00000002").mkdir()
         assert wait_for(seen, "created:step-00000002", 5), seen
         assert "stopped watching it" in caplog.text
     finally:
         watcher.stop()
+
+
+def test_a_watcher_stopped_while_its_root_is_gone_watches_nothing_again(tmp_path, monkeypatch, caplog):
+    """The guard that watches a lost root anew ends with ``stop()``: a root that comes back later
+    is not watched by a sidecar that was stopped (its event loop is gone)."""
+    import threading
+
+    monkeypatch.setattr(watcher_module, "WATCH_CHECK_S", 0.05)
+    caplog.set_level("INFO", logger=watcher_module.__name__)
+    root = tmp_path / "root"
+    root.mkdir()
+    seen: list[str] = []
+    modes: list[str] = []
+    watcher = CheckpointWatcher(root, seen.append, poll_interval_s=0.05, on_mode=modes.append)
+    before = set(threading.enumerate())
+    watcher.start()
+    shutil.rmtree(root)
+    deadline = time.monotonic() + 10
+    while "stopped watching it" not in caplog.text:
+        assert time.monotonic() < deadline, caplog.text
+        time.sleep(0.02)
+    watcher.stop()
+    root.mkdir()
+    time.sleep(0.5)  # ten guard periods
+    assert "again with" not in caplog.text and "watch:anew" not in seen and modes == []
+    assert not [t for t in set(threading.enumerate()) - before if t.name == "watcher-guard"]
