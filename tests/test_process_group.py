@@ -127,9 +127,8 @@ def test_a_process_that_reports_it_cannot_become_ready_ends_the_wait_at_once(tmp
         group.stop()
 
 
-def test_a_child_dies_with_the_thread_that_started_it(tmp_path):
-    """``die_with_parent``: the child is SIGKILLed when the starting thread ends, with only what
-    the parent resolved called between fork and exec (no import nor dlopen there)."""
+def _child_of_a_thread_that_ended(tmp_path) -> ProcessGroup:
+    """A ``die_with_parent`` child started by a thread that has ended since."""
     import threading
 
     started: list[ProcessGroup] = []
@@ -145,7 +144,14 @@ def test_a_child_dies_with_the_thread_that_started_it(tmp_path):
     thread.join()
     [group] = started
     assert group.process is not None
-    assert group.process.wait(timeout=20) == -9  # SIGKILL once its thread ended
+    return group
+
+
+def test_a_child_dies_with_the_thread_that_started_it(tmp_path):
+    """``die_with_parent``: the child is SIGKILLed when the starting thread ends, with only what
+    the parent resolved called between fork and exec (no import nor dlopen there)."""
+    group = _child_of_a_thread_that_ended(tmp_path)
+    assert group.process is not None and group.process.wait(timeout=20) == -9  # SIGKILL once its thread ended
 
 
 def test_nothing_is_loaded_between_fork_and_exec(tmp_path, monkeypatch):
@@ -153,23 +159,10 @@ def test_nothing_is_loaded_between_fork_and_exec(tmp_path, monkeypatch):
     ``preexec_fn``) can deadlock on a loader lock another thread of the parent held at the fork.
     With loading made to fail now, the child still starts and still dies with its thread."""
     import ctypes
-    import threading
 
     def no_loading(*args, **kwargs):
         raise OSError("dlopen after start-up (a loader lock another thread may hold at the fork)")
 
     monkeypatch.setattr(ctypes, "CDLL", no_loading)
-    started: list[ProcessGroup] = []
-
-    def start() -> None:
-        command = [sys.executable, "-c", "import time; time.sleep(60)"]
-        group = ProcessGroup(command, tmp_path / "child.log", name="child", die_with_parent=True)
-        group.start()
-        started.append(group)
-
-    thread = threading.Thread(target=start)
-    thread.start()
-    thread.join()
-    [group] = started
-    assert group.process is not None
-    assert group.process.wait(timeout=20) == -9
+    group = _child_of_a_thread_that_ended(tmp_path)
+    assert group.process is not None and group.process.wait(timeout=20) == -9
