@@ -41,6 +41,7 @@ from .cli_env import (
     SettingFlags,
     add_env_argument,
     given_as,
+    not_blank,
     number_type,
     range_text,
 )
@@ -188,18 +189,14 @@ def _about_path(exc: OSError, path: Path, *, area: Path) -> bool:
     return _within(name, area) or _within(os.path.abspath(path), Path(name))
 
 
-def path_text(text: str) -> str:
-    """The type of the commands' path arguments: ``text`` itself, refusing an empty or blank one
-    (``Path("")`` is the current directory: ``--checkpoint-path ""`` would publish into it and
-    ``--reference ""`` would compare nothing)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError(
-            f"must not be empty, got {text!r}: give a path (an empty one would mean the current directory)"
-        )
+def _path(text: str) -> str:
     return text
 
 
-path_text.__name__ = "path"  # argparse names it: "invalid path value"
+path_text = not_blank(_path, "give a path (an empty one would mean the current directory)")
+"""The type of the commands' path arguments: the text itself, refusing an empty or blank one
+(``Path("")`` is the current directory: ``--checkpoint-path ""`` would publish into it and
+``--reference ""`` would compare nothing)."""
 
 
 def _os_error_text(exc: OSError) -> str:

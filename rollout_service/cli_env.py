@@ -266,7 +266,7 @@ class SettingFlags:
             else:
                 parse = declaration.parse or _text_converter(hints[f.name], where)
                 if required:
-                    parse = _not_blank(parse)
+                    parse = not_blank(parse)
                 help_text = declaration.help
                 span = declared_bounds(f)
                 if span is not None:
@@ -332,13 +332,13 @@ def _text_converter(hint: Any, where: str) -> Callable[[str], Any]:
     return optional_value
 
 
-def _not_blank(convert: Callable[[str], Any]) -> Callable[[str], Any]:
-    """``convert``, refusing an empty or blank text first: the value of a required setting
-    (``Path("")`` is the current directory, ``str("")`` no model or URL at all)."""
+def not_blank(convert: Callable[[str], Any], what_to_do: str = "give a value") -> Callable[[str], Any]:
+    """``convert``, refusing an empty or blank text first (saying ``what_to_do``): the value of a
+    required setting (``Path("")`` is the current directory, ``str("")`` no model or URL at all)."""
 
     def checked(text: str) -> Any:
         if not text.strip():
-            raise argparse.ArgumentTypeError(f"must not be empty, got {text!r}: give a value")
+            raise argparse.ArgumentTypeError(f"must not be empty, got {text!r}: {what_to_do}")
         return convert(text)
 
     checked.__name__ = getattr(convert, "__name__", "value")  # argparse names it: "invalid float value: 'x'"

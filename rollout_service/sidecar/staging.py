@@ -769,8 +769,7 @@ class Stage:
         """Rebuild ``link`` (a delta) from ``current`` (the copy of its base) into its own copy here."""
         final = self._name_for(link.manifest.step, link.manifest.fingerprint())
         self._clear_name(final)  # a copy from an earlier try (or anything else there): rebuild it
-        tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir(mode=WORK_FOLDER_MODE)  # (a umask of 002 must not let the group in)
+        tmp = self._work_folder(final)
         try:
             delta = link.manifest.delta
             assert delta is not None
@@ -782,6 +781,13 @@ class Stage:
             remove_entry(tmp)
             raise
         return ChainLink(final, rebuilt)
+
+    def _work_folder(self, final: Path) -> Path:
+        """A new hidden folder to make the copy ``final`` in (renamed to it once verified), never
+        writable by the group whatever the umask."""
+        tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(mode=WORK_FOLDER_MODE)
+        return tmp
 
     def _clear_name(self, final: Path) -> None:
         """Remove whatever is at ``final``, the name a copy is about to take; ``StageError`` saying
@@ -814,8 +820,7 @@ class Stage:
             self._check_room(manifest.step, manifest.total_bytes)
             final = self._name_for(manifest.step, manifest.fingerprint())
             self._clear_name(final)  # a copy of the same bytes from an earlier try (or anything else): redo it
-            tmp = self.path / f"{TEMP_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}"
-            tmp.mkdir(mode=WORK_FOLDER_MODE)
+            tmp = self._work_folder(final)
             try:
                 self._fill_from_spare(tmp, sorted(manifest.files))
                 for fname, entry in sorted(manifest.files.items()):

@@ -104,9 +104,9 @@ class CheckpointWatcher:
         """The root's (device, inode) when its watch started."""
         self._start_error: BaseException | None = None
         self._lock = threading.Lock()
-        self._stopped = False
-        """Set by :meth:`stop`: an observer whose start was still blocked then never starts."""
         self._halt = threading.Event()
+        """Set by :meth:`stop` (under ``_lock``): an observer whose start was still blocked then
+        never starts, and the guard ends."""
 
     def start(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Start watching, waiting at most ``timeout_s``: watchdog looks at the root when a watch
@@ -167,13 +167,10 @@ class CheckpointWatcher:
         """(Its own thread.) Every :data:`WATCH_CHECK_S`: when the watch ended (the root removed,
         or replaced by another folder), say so and watch the root anew once it is there again.
         Meanwhile the sync loop's own look at every pass still finds new checkpoints."""
-        lost: str | None = None
         while not self._halt.wait(WATCH_CHECK_S):
             if starter.is_alive():  # the first start still waits on the root
                 continue
             with self._lock:
-                if self._stopped:
-                    return
                 observer = self._observer
             if observer is not None:
                 lost = self._watch_lost(observer)
@@ -216,7 +213,7 @@ class CheckpointWatcher:
             st = os.stat(self.root)
             observer.schedule(_Handler(self._on_change), str(self.root), recursive=False)
             with self._lock:
-                if self._stopped:  # stopped while the root kept this start waiting
+                if self._halt.is_set():  # stopped while the root kept this start waiting
                     observer.stop()
                     return False
                 observer.start()
@@ -245,9 +242,8 @@ class CheckpointWatcher:
             )
 
     def _stop_and_join(self) -> None:
-        self._halt.set()
         with self._lock:
-            self._stopped = True
+            self._halt.set()
             observer = self._observer
         if observer is None:  # never started (the root did not answer)
             return
