@@ -23,11 +23,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow  # subprocesses with torch start-ups: several seconds
-@pytest.mark.parametrize("peft", [False, True], ids=["plain", "peft-lora"])
-def test_fsdp1_publishes_full_weights_not_flat_shards(tmp_path, peft):
+@pytest.mark.parametrize(
+    "peft, tied", [(False, False), (False, True), (True, False)], ids=["plain", "plain-tied", "peft-lora"]
+)
+def test_fsdp1_publishes_full_weights_not_flat_shards(tmp_path, peft, tied):
     """With PEFT (a review, session 30) the tuner layers were looked up by names that carry FSDP1's
     wrapper prefixes, under parameter names that do not: no layer was merged, and every version
-    published the frozen base weights, the trained adapters left out (accepted by every sidecar)."""
+    published the frozen base weights, the trained adapters left out (accepted by every sidecar).
+    Without PEFT the units are unsharded one at a time (the whole model was, on every process),
+    and the tensors come in the unsharded model's order, a tied head once."""
     out = tmp_path / "fsdp1.json"
     done = subprocess.run(
         [
@@ -43,6 +47,7 @@ def test_fsdp1_publishes_full_weights_not_flat_shards(tmp_path, peft):
             "--root",
             str(tmp_path / "ckpts"),
             *(["--peft"] if peft else []),
+            *(["--tied"] if tied else []),
         ],
         capture_output=True,
         text=True,
@@ -60,7 +65,15 @@ def test_fsdp1_publishes_full_weights_not_flat_shards(tmp_path, peft):
     assert main["names_match"], (main["missing"], main["extra"])
     assert main["shapes_match"] and main["values_match"], main
     assert main["files"] > 1
-    assert other["yielded"] == 27  # every parameter (LoRA's merged in), gathered collectively on the other rank too
+    # every parameter (LoRA's merged in; a tied head once), gathered collectively on the other rank too
+    assert other["yielded"] == len(main["order"]) == (26 if tied else 27)
+    for rank in (main, other):
+        assert rank["in_model_order"], main["order"]
+        assert rank["units"] >= 3, rank  # the root and each decoder layer
+        if peft:  # merging draws a layer's base weights and its adapters at once: every unit
+            assert rank["most_units_full"] == rank["units"], rank
+        else:  # the root's own parameters and the one decoder layer being drawn
+            assert rank["most_units_full"] == 2, rank
 
 
 class _Recorder:

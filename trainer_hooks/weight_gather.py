@@ -2,7 +2,8 @@
 
 :func:`iter_full_weights` yields ``(name, full tensor)`` one parameter at a time, whatever
 holds the parameters: a plain module, DDP (unwrapped), FSDP2 (``DTensor.full_tensor()``), FSDP1
-(``FullyShardedDataParallel.summon_full_params``, accelerate's default FSDP version),
+(``FullyShardedDataParallel.summon_full_params`` one unit at a time, accelerate's default
+FSDP version; merged PEFT models: all units at once),
 DeepSpeed ZeRO-3 (``deepspeed.zero.GatheredParameters`` per parameter, through TRL's
 ``DistributedBackend``) or PEFT (each tuner layer merged into its base weights while they are
 drawn, then its base weights restored exactly, ``base_model.model.`` / ``.base_layer`` stripped,
@@ -184,16 +185,15 @@ def iter_full_weights(model: nn.Module, accelerator: Any = None) -> Iterator[tup
                     yield hf_name, full.clone() if writes else full
         return
     if fsdp1:
-        # FSDP1 holds flat shards (`_flat_param`); summon_full_params restores the original
-        # parameters, full, on every process (as TRL does for vLLM). They are resharded when the
-        # context ends, which can come before the writer writes its last shard: the writer gets
-        # copies. Peak memory: the whole unsharded model on each process while this runs.
-        with _fsdp1_full_params(model, True):
-            for name, param in model.named_parameters():
-                hf_name = clean_name(name)
-                assert hf_name is not None
-                full = param.detach()
-                yield hf_name, full.clone() if writes else full
+        # FSDP1 holds flat shards (`_flat_param`); each unit's summon_full_params restores its
+        # original parameters, full, on every process, one unit at a time (as TRL does for vLLM):
+        # see _fsdp1_unit_walk. A unit is resharded when the walk leaves it, which can come
+        # before the writer writes its last shard: the writer gets copies.
+        for name, param in _fsdp1_unit_walk(model, "", {}):
+            hf_name = clean_name(name)
+            assert hf_name is not None
+            full = param.detach()
+            yield hf_name, full.clone() if writes else full
         return
     for name, param in model.named_parameters():
         hf_name = clean_name(name)
@@ -240,6 +240,33 @@ def _merged_exactly(layer: Any) -> Iterator[None]:
             layer.unmerge()  # PEFT's own bookkeeping (merged_adapters, DoRA's cached norms)
             for param, value in saved:
                 param.copy_(value)
+
+
+def _fsdp1_unit_walk(unit: nn.Module, prefix: str, seen: dict[int, nn.Parameter]) -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters under the FSDP1 ``unit``, in ``named_parameters`` order (so the shards a
+    sync writes are laid out as without FSDP), each full while it is drawn: the unit's own are
+    summoned (``recurse=False``) for its walk, and each nested unit only while the walk is inside
+    it. Peak memory: the units on the path from the root to the current one (the root's own
+    parameters, embeddings and head, and one decoder layer), not the whole unsharded model. A
+    parameter tied to another (FSDP1 keeps both in one unit) is drawn once, as
+    ``named_parameters`` does (``seen`` holds the drawn ones, so that an id is never reused by
+    another unit's summoned parameter; a resharded unit's storage is freed all the same)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False):
+        yield from _module_walk(unit, prefix, seen)
+
+
+def _module_walk(module: nn.Module, prefix: str, seen: dict[int, nn.Parameter]) -> Iterator[tuple[str, nn.Parameter]]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for name, param in module.named_parameters(recurse=False):
+        if id(param) not in seen:
+            seen[id(param)] = param
+            yield f"{prefix}{name}", param
+    for name, child in module.named_children():
+        walk = _fsdp1_unit_walk if isinstance(child, FullyShardedDataParallel) else _module_walk
+        yield from walk(child, f"{prefix}{name}.", seen)
 
 
 @contextlib.contextmanager

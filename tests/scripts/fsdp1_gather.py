@@ -1,6 +1,6 @@
 """FSDP1 (accelerate's default FSDP version) gathered into full weights, on CPU processes (gloo).
 
-    torchrun --standalone --nproc_per_node 2 tests/scripts/fsdp1_gather.py --out result.json --root DIR [--peft]
+    torchrun --standalone --nproc_per_node 2 tests/scripts/fsdp1_gather.py --out OUT.json --root DIR [--peft] [--tied]
 
 Wraps the tiny model with ``torch.distributed.fsdp.FullyShardedDataParallel`` (each decoder layer,
 then the root, as accelerate's transformer auto-wrap policy does), runs
@@ -8,7 +8,10 @@ then the root, as accelerate's transformer auto-wrap policy does), runs
 records what the published checkpoint holds against the unsharded model. With ``--peft`` the
 model is first a PEFT LoRA model (trained adapters: random weights) in bf16, wrapped with
 ``use_orig_params=True`` (as accelerate does for PEFT), and the expected checkpoint is PEFT's own
-``merge_and_unload`` of an unsharded copy.
+``merge_and_unload`` of an unsharded copy. With ``--tied`` the model ties its embeddings to its
+head (one parameter, drawn once). Each process also records how many FSDP units were unsharded
+at once while the walk drew a tensor (``most_units_full``, of ``units``) and the order the
+tensors came in against the unwrapped model's ``named_parameters``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.fsdp._common_utils import TrainingState
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
@@ -36,10 +40,11 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--root", required=True)
     p.add_argument("--peft", action="store_true")
+    p.add_argument("--tied", action="store_true")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model_dir = ensure_tiny_model(tied=False)
+    model_dir = ensure_tiny_model(tied=a.tied)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     torch.manual_seed(0)
     with torch.no_grad():  # move the weights away from the saved ones (same on every rank)
@@ -55,9 +60,11 @@ def main() -> None:
             for name, param in model.named_parameters():
                 if "lora_" in name:
                     param.add_(torch.randn_like(param) * 0.05)
-        full = {k: v.clone() for k, v in copy.deepcopy(model).merge_and_unload().state_dict().items()}
+        source = copy.deepcopy(model).merge_and_unload()
     else:
-        full = {k: v.clone() for k, v in model.state_dict().items()}
+        source = model
+    # What a sync of the unsharded model publishes: its parameters (a tied head once), in order.
+    full = {k: v.detach().clone() for k, v in source.named_parameters()}
     wrapped = FullyShardedDataParallel(
         model,
         auto_wrap_policy=ModuleWrapPolicy({Qwen2DecoderLayer}),
@@ -66,7 +73,18 @@ def main() -> None:
     )
     local = {n: tuple(t.shape) for n, t in wrapped.named_parameters()}
     accelerator = SimpleNamespace(is_main_process=rank == 0, device=torch.device("cpu"), state=None)
-    tensors = iter_full_weights(wrapped, accelerator)
+    units = FullyShardedDataParallel.fsdp_modules(wrapped)
+    order: list[str] = []
+    most_full = 0
+
+    def watched():  # how many units are unsharded while each tensor is drawn
+        nonlocal most_full
+        for name, tensor in iter_full_weights(wrapped, accelerator):
+            most_full = max(most_full, sum(u.training_state == TrainingState.SUMMON_FULL_PARAMS for u in units))
+            order.append(name)
+            yield name, tensor
+
+    tensors = watched()
     result = {
         "rank": rank,
         "is_fsdp1": is_fsdp1(wrapped),
@@ -90,6 +108,7 @@ def main() -> None:
         )
     else:
         result.update(yielded=sum(1 for _ in tensors))  # takes part in the collective gathers
+    result.update(units=len(units), most_units_full=most_full, in_model_order=order == list(full), order=order)
     dist.barrier()
     Path(a.out).with_suffix(f".rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
