@@ -195,3 +195,11 @@ def overlap_seconds(spans: Iterable[tuple[float, float]], start: float, end: flo
     """Seconds of [start, end] that probes were in flight (probes run one at a time, so their
     spans do not overlap each other)."""
     return sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans)
+
+
+def spans_near(
+    spans: Iterable[tuple[float, float]], start: float, end: float, margin: float = 0.5
+) -> list[tuple[float, float]]:
+    """The probes in flight within ``margin`` seconds of [start, end], as (sent, answered) in
+    seconds from ``start`` (ms precision): what the JSON keeps to show how probes met a load."""
+    return [(round(a - start, 3), round(b - start, 3)) for a, b in spans if a < end + margin and b > start - margin]

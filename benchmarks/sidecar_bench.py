@@ -7,9 +7,12 @@ Starts one real SGLang server on the tiny model (CPU), then for each watch mode
 ``--syncs`` checkpoints one after another, waiting for each to be served. From
 the sidecar's ``/status`` it takes, per sync:
 
-* detection latency: publish finished (step directory renamed into place) -> load started;
+* detect -> load start: publish finished (step directory renamed into place) -> the sidecar's
+  ``/update_weights_from_disk`` call sent (``last_sync``'s ``load_started_at``);
 * SGLang's own ``/update_weights_from_disk`` time;
-* the sidecar's overhead: publish finished -> acknowledged, minus SGLang's load time.
+* the sidecar's overhead: publish finished -> served (the sidecar's ``total_s``), minus SGLang's
+  load time;
+* publish -> acknowledged: publish finished -> the trainer's ``/wait`` for the step returned.
 
 As a baseline, in the same process and on the same server, it times the trainer
 calling ``/update_weights_from_disk`` itself on the same checkpoints (the path of
@@ -49,16 +52,19 @@ def run_mode(
             step = first_step + i
             publish_step(root, model, step)
             sidecar.wait_step(step, timeout_s=120)
+            acked = time.time()
             last = sidecar.status()["last_sync"]
+            published = last["finished_at"] - last["total_s"]
             records.append(
                 {
                     "step": step,
-                    "detect_to_load_start_s": last["detect_s"] + last["validate_s"],
+                    "detect_to_load_start_s": last["load_started_at"] - published,
                     "detect_s": last["detect_s"],
                     "validate_s": last["validate_s"],
                     "load_s": last["load_s"],
                     "total_s": last["total_s"],
                     "overhead_s": last["total_s"] - last["load_s"],
+                    "acked_s": acked - published,
                 }
             )
             time.sleep(0.2)
@@ -101,26 +107,27 @@ def main() -> None:
     print(f"{args.syncs} syncs per mode, tiny model, polling period {args.poll} s")
     print(
         f"{'path':<10}{'detect->load start':>20}{'SGLang load':>13}{'sidecar overhead':>18}"
-        f"{'publish->acked':>16}   (medians, seconds)"
+        f"{'publish->served':>17}{'publish->acked':>16}   (medians, seconds)"
     )
     summary = {}
+    keys = ("detect_to_load_start_s", "load_s", "overhead_s", "total_s", "acked_s")
     for mode in ("inotify", "polling"):
         recs = results[mode]
-        row = {k: med([r[k] for r in recs]) for k in ("detect_to_load_start_s", "load_s", "overhead_s", "total_s")}
+        row = {k: med([r[k] for r in recs]) for k in keys}
         summary[mode] = row
         print(
             f"{mode:<10}{row['detect_to_load_start_s']:>20.3f}{row['load_s']:>13.3f}"
-            f"{row['overhead_s']:>18.3f}{row['total_s']:>16.3f}"
+            f"{row['overhead_s']:>18.3f}{row['total_s']:>17.3f}{row['acked_s']:>16.3f}"
         )
     direct = med(results["direct_load_s"])
     summary["direct_load_s"] = direct
     print(
-        f"{'direct':<10}{'-':>20}{direct:>13.3f}{'-':>18}{direct:>16.3f}"
+        f"{'direct':<10}{'-':>20}{direct:>13.3f}{'-':>18}{direct:>17.3f}{direct:>16.3f}"
         "   (trainer calls /update_weights_from_disk itself)"
     )
     print(
         "ratio publish->acked / direct load: "
-        + ", ".join(f"{m} {summary[m]['total_s'] / direct:.1f}x" for m in ("inotify", "polling"))
+        + ", ".join(f"{m} {summary[m]['acked_s'] / direct:.1f}x" for m in ("inotify", "polling"))
     )
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "runs": results}, indent=2))

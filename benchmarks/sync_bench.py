@@ -46,8 +46,11 @@ Before each timed sync the probe times one-token ``/generate`` requests for ``--
 seconds with nothing else running: their median is the idle baseline. During the timed sync a
 probe thread sends them back to back; the longest probe that overlapped the sync less that
 baseline is SGLang's ``pause``, from the publish's rename on ``replica_pause``, over the
-sidecar's recorded load interval ``load_pause`` (``load_pause_sent``: only probes sent during
-it; with ``load_probe_overlap_s``, the seconds of that interval probes were in flight). Right
+load's own interval as the sidecar recorded it (``last_sync``'s ``load_started_at`` and
+``load_ended_at``) ``load_pause`` (``load_pause_sent``: only probes sent during it; with
+``load_probe_overlap_s``, the seconds of that interval probes were in flight, and
+``load_probe_spans``, the probes near it, in seconds from its start). Probes flow before the
+sync starts, and the figures are read once the last probe is answered. Right
 after the timed sync, SGLang loads the copy it now serves once more through a bare
 ``/update_weights_from_disk`` call, with the probe and nothing else running: ``bare_load_s`` and
 ``bare_pause_s`` are SGLang's own floor, which the sync's pause over its load is read against.
@@ -322,18 +325,28 @@ class Probe:
         self.idle = measures.idle_baseline(idle)
         self.spans: list[tuple[float, float]] = []
         self._stop = threading.Event()
+        self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pause-probe", daemon=True)
 
     def __enter__(self) -> Probe:
+        """Starts the probes and returns once they flow (the thread's start and its client's
+        first connection are no part of what a sync is measured against)."""
         self._thread.start()
+        if not self._ready.wait(timeout=120):
+            raise RuntimeError(f"the pause probe got no answer from {self.url}/generate within 120 s")
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        """Stops sending and waits for the probe in flight: its span is recorded before any
+        figure is read (the probe a load held back ends after the load, often after the
+        trainer's wait returned)."""
         self._stop.set()
         self._thread.join(timeout=600)
 
     def _run(self) -> None:
         with httpx.Client(timeout=900) as client:
+            client.post(f"{self.url}/generate", json=PROBE_REQUEST)  # a fresh connection is not a probe's cost
+            self._ready.set()
             while not self._stop.is_set():
                 t0 = time.time()
                 try:
@@ -354,7 +367,10 @@ class Probe:
         """The sync's pause figures: the whole sync's (publish start -> acknowledged), the
         replica's part (from the publish's rename on: what SGLang feels where the trainer runs on
         other hosts; here the trainer's encode and write share SGLang's cores), and over the
-        sidecar's recorded load interval, with how long probes were in flight during it."""
+        sidecar's recorded load interval, with how long probes were in flight during it. Read
+        once the probe has stopped (after ``with``): every probe sent before ``acked`` is in."""
+        if self._thread.is_alive():
+            raise RuntimeError("the probe's figures are read once it has stopped (after its with block)")
         return {
             "idle_probe_s": self.idle,
             "idle_probes": len(self.idle_durations),
@@ -364,6 +380,7 @@ class Probe:
             "load_pause_s": self.pause(load_start, load_end),
             "load_pause_sent_s": self.pause_sent(load_start, load_end),
             "load_probe_overlap_s": measures.overlap_seconds(self.spans, load_start, load_end),
+            "load_probe_spans": measures.spans_near(self.spans, load_start, load_end),
         }
 
 
@@ -375,11 +392,11 @@ def our_sync(
     sidecar: Any | None,
     timeout_s: float,
     delta: Any | None = None,
-    probe: Probe | None = None,
     dtype: str | None = None,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Publish (in full, or as a delta with ``delta``), then wait until the sidecar serves it;
-    ``dtype`` casts a full publish's tensors (a delta is always published in bf16)."""
+    ``dtype`` casts a full publish's tensors (a delta is always published in bf16). With a
+    sidecar, ``window`` holds the times a probe's figures are read over (:meth:`Probe.figures`)."""
     t0 = time.time()
     if delta is not None:
         result = delta.publish(
@@ -411,7 +428,11 @@ def our_sync(
     if last.get("step") != step or last.get("total_s") is None:
         raise RuntimeError(f"the sidecar's last_sync is not step {step}'s first load: {last}")
     published = last["finished_at"] - last["total_s"]
-    load_end = published + last["detect_s"] + last["validate_s"] + last["load_s"]
+    if last.get("load_started_at") is not None:  # the load's own interval, as the sidecar sent it
+        load_start, load_end = last["load_started_at"], last["load_ended_at"]
+    else:  # an older sidecar: rebuilt from the phases (leaves out the look before and after)
+        load_end = published + last["detect_s"] + last["validate_s"] + last["load_s"]
+        load_start = load_end - last["load_s"]
     out.update(
         detect_s=last["detect_s"],
         validate_s=last["validate_s"],
@@ -422,8 +443,8 @@ def our_sync(
         apply_s=last.get("apply_s"),
         bytes_read=last.get("bytes_read"),
     )
-    if probe is not None:
-        out.update(probe.figures(t0, published, load_end - last["load_s"], load_end, acked))
+    out["window"] = (t0, published, load_start, load_end, acked)
+    out["load_interval"] = "recorded" if last.get("load_started_at") is not None else "rebuilt"
     return out
 
 
@@ -607,9 +628,10 @@ def sidecar_run(
                 if kind != "ours_nostage" and server is not None:
                     spare = any(p.name.startswith(SPARE_PREFIX) for p in stage.iterdir()) if stage.is_dir() else False
             with probe if probe is not None else contextlib.nullcontext():
-                run = our_sync(
-                    root, step, handed, config, sidecar, args.sync_timeout, delta=writer, probe=probe, dtype=dtype
-                )
+                run = our_sync(root, step, handed, config, sidecar, args.sync_timeout, delta=writer, dtype=dtype)
+            window = run.pop("window", None)
+            if probe is not None and window is not None:
+                run.update(probe.figures(*window))
             del handed
             # Served (or, without SGLang, never read): keep only the newest step on the storage
             # (deltas: the whole chain, a late joiner needs it).
@@ -651,6 +673,7 @@ def bare_load(url: str, sidecar: Any, args: argparse.Namespace) -> dict[str, flo
         "bare_load_s": end - start,
         "bare_pause_s": probe.pause(start, end),
         "bare_pause_sent_s": probe.pause_sent(start, end),
+        "bare_probe_spans": measures.spans_near(probe.spans, start, end),
         "bare_idle_probe_s": probe.idle,
     }
 

@@ -280,3 +280,13 @@ def uvicorn_served(app: Any, settings_: Any) -> Iterator[int]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def assert_load_interval_inside_sync(last: dict) -> None:
+    """``load_started_at``/``load_ended_at`` (the /update_weights_from_disk call, this host's
+    clock) lie after the step was seen and validated and before the sync ended, and span load_s."""
+    start, end = last["load_started_at"], last["load_ended_at"]
+    assert abs((end - start) - last["load_s"]) < 1e-6, last
+    published = last["finished_at"] - last["total_s"]
+    assert published + last["detect_s"] + last["validate_s"] <= start + 0.005, last
+    assert start < end <= last["finished_at"], last

@@ -96,6 +96,9 @@ def test_pause_is_measured_against_an_idle_baseline() -> None:
     assert measures.pause_started_in(spans, 0.5, 1.5, idle) == 0.0  # the one sent at 0.9 took 0.1 s
     assert measures.pause_started_in(spans, 0.05, 1.5, idle) == 0.8 - idle  # sent at 0.1: inside
     assert measures.pause_started_in(spans, 1.2, 1.8, idle) is None  # none sent then
+    # The spans kept beside a load: those within the margin, in seconds from the load's start.
+    assert measures.spans_near(spans, 1.0, 1.2, margin=0.5) == [(-0.9, -0.1), (-0.1, 0.0)]
+    assert measures.spans_near(spans, 1.0, 1.6, margin=0.5) == [(-0.9, -0.1), (-0.1, 0.0), (1.0, 1.1)]
 
 
 def test_physical_limits_time_every_part(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from rollout_service.lora_serving import LoraServing
 from rollout_service.protocol import adapter_name_for
 from rollout_service.sglang_launcher import SGLangServer
 from rollout_service.tiny_model import make_tiny_model
-from sidecar_helpers import Sidecar
+from sidecar_helpers import Sidecar, assert_load_interval_inside_sync
 from trainer_hooks.adapter_publish import adapter_sync_problem
 
 PROMPTS = [[11, 42, 7, 99, 256, 3], [5, 17, 1200, 64, 9]]
@@ -177,6 +177,7 @@ def test_adapter_versions_from_training_serve_what_peft_computes(
         last = status["last_sync"]
         assert (last["step"], last["kind"], last["weight_version"]) == (version, "adapter", name), last
         assert last["validate_s"] >= 0 and last["load_s"] > 0
+        assert_load_interval_inside_sync(last)
         assert sidecar.metric("rollout_sidecar_last_sync_kind", kind="adapter") == 1
         for prompt in PROMPTS:
             tokens, logprobs = sglang_greedy(lora_server.url, prompt, name)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from helpers import generate
-from sidecar_helpers import perturbed_state, publish_step, transformers_greedy
+from sidecar_helpers import assert_load_interval_inside_sync, perturbed_state, publish_step, transformers_greedy
 
 PROMPT = [11, 42, 7, 99, 256, 3]
 
@@ -37,6 +37,7 @@ def test_steps_load_in_order_and_serve_exactly_those_weights(
         )
     status = sidecar.status()
     assert status["last_sync"]["step"] == 3 and status["last_error"] is None
+    assert_load_interval_inside_sync(status["last_sync"])
     assert sidecar.metric("rollout_sidecar_syncs_total", outcome="loaded", reason="ok") == 3
     # The ack file is written on a thread of its own just after /wait is answered (a slow root
     # never delays the answer): it follows within moments.

@@ -228,7 +228,7 @@ class AdapterSync:
                 return False
             validate_s = time.perf_counter() - t0
             name = adapter_name_for(step, report.manifest.run_id)
-            t1 = time.perf_counter()
+            t1, load_started_at = time.perf_counter(), time.time()
             fingerprint = report.manifest.source_fingerprint()
             loaded = await self._load(ckpt, name, str(report.path), fingerprint)
             if not loaded:
@@ -245,6 +245,7 @@ class AdapterSync:
                     detected=detected,
                     validate_s=validate_s,
                     load_s=load_s,
+                    load_started_at=load_started_at,
                     step=step,
                     weight_version=name,
                     path=str(report.path),

@@ -1108,7 +1108,6 @@ class SyncController:
                 )
                 return False
             validate_s = time.perf_counter() - t0
-            t1 = time.perf_counter()
             version = version_for_step(step)
             if not self.state.sglang_healthy:  # silent since the pass began (its watch): nothing sent
                 self._error(
@@ -1118,6 +1117,7 @@ class SyncController:
                 )
                 return False
             self._sent = (step, report.manifest.source_fingerprint())
+            t1, load_started_at = time.perf_counter(), time.time()
             try:
                 with self.sglang_loading(step):
                     await self.client.load_from_disk(str(report.path), version)
@@ -1164,6 +1164,7 @@ class SyncController:
                 detected=detected,
                 validate_s=validate_s,
                 load_s=load_s,
+                load_started_at=load_started_at,
                 step=step,
                 weight_version=version,
                 path=str(report.path),

@@ -31,6 +31,11 @@ class SyncRecord:
     """Seconds spent copying or rebuilding the step in the stage (part of validate_s)."""
     chain_length: int = 0
     """Deltas applied for this sync (more than 1: a chain was replayed)."""
+    load_started_at: float | None = None
+    """When the ``/update_weights_from_disk`` call began, by this host's clock (Unix seconds)."""
+    load_ended_at: float | None = None
+    """When SGLang answered that call, by this host's clock: with ``load_started_at``, the
+    interval in which SGLang loaded (what a pause measurement reads the probes against)."""
 
     @classmethod
     def ended_now(
@@ -41,11 +46,14 @@ class SyncRecord:
         detected: float,
         validate_s: float,
         load_s: float,
+        load_started_at: float | None = None,
         **fields: Any,
     ) -> SyncRecord:
         """The record of a sync that ends now; its publish-time latencies from ``published`` (the
         step's rename, :func:`published_at`; None when they mean nothing: a step loaded before),
-        made exact with the manifest's ``created_at`` (see :func:`rename_time`), and ``detected``."""
+        made exact with the manifest's ``created_at`` (see :func:`rename_time`), and ``detected``;
+        the load's interval from ``load_started_at`` (``time.time()`` as the load was sent) and
+        ``load_s``."""
         finished = time.time()
         if published is not None and created_at is not None:
             published = rename_time(published, created_at)
@@ -55,6 +63,8 @@ class SyncRecord:
             detect_s=None if published is None else max(0.0, detected - published),
             validate_s=validate_s,
             load_s=load_s,
+            load_started_at=load_started_at,
+            load_ended_at=None if load_started_at is None else load_started_at + load_s,
             total_s=None if published is None else finished - published,
             finished_at=finished,
             **fields,
