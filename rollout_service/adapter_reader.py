@@ -35,6 +35,7 @@ from .checkpoint_format import (
     Manifest,
     parse_json_object,
     parse_step_dir_name,
+    refuse_step_link,
 )
 from .checkpoint_paths import resolve_inside
 from .checkpoint_reader import TensorSpecs, read_every_byte, read_safetensors_specs
@@ -296,6 +297,7 @@ def validate_adapter(
     the only byte check)."""
     deadline = Deadline(timeout_s) if timeout_s is not None else NO_DEADLINE
     checkpoint_dir = Path(checkpoint_dir)
+    refuse_step_link(checkpoint_dir)
     real_dir = resolve_inside(root, checkpoint_dir)
     name = checkpoint_dir.name
     if not real_dir.is_dir():

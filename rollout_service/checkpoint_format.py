@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import uuid
 from dataclasses import asdict, dataclass, field, replace
@@ -182,6 +183,20 @@ def step_dir_name(step: int) -> str:
     if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
         raise ValueError(f"step must be an integer between 0 and {MAX_STEP}, got {step!r}")
     return f"step-{step:08d}"
+
+
+def refuse_step_link(checkpoint_dir: Path) -> None:
+    """Raise ``not_a_checkpoint`` when ``checkpoint_dir`` is named like a step and is a symbolic
+    link. A published step is the folder its writer renamed into place; the trainer's numbering
+    and retention never count a link, so a reader that followed one could serve a step the
+    trainer does not know of (``ln -s x step-00000099`` would pin every replica to it)."""
+    if parse_step_dir_name(checkpoint_dir.name) is not None and os.path.islink(checkpoint_dir):
+        raise CheckpointError(
+            "not_a_checkpoint",
+            f"{checkpoint_dir.name} is a symbolic link; a published step is the folder its writer renamed"
+            " into place, and links named like steps are not followed. Remove the link (materialize a"
+            " version to evaluate it elsewhere)",
+        )
 
 
 def parse_step_dir_name(name: str) -> int | None:
@@ -459,6 +474,7 @@ class Manifest:
 
         checkpoint_dir = Path(checkpoint_dir)
         path = checkpoint_dir / MANIFEST_NAME
+        refuse_step_link(checkpoint_dir)
         try:
             raw = read_small(
                 root if root is not None else checkpoint_dir.parent,

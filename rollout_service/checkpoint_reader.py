@@ -34,6 +34,7 @@ from .checkpoint_format import (
     Manifest,
     parse_json_object,
     parse_step_dir_name,
+    refuse_step_link,
 )
 from .checkpoint_paths import resolve_inside
 from .digest import format_digest, new_hasher
@@ -353,6 +354,7 @@ def _validate(
     check_finite: bool,
     deadline: Deadline,
 ) -> ValidationReport:
+    refuse_step_link(checkpoint_dir)
     real_dir = resolve_inside(root, checkpoint_dir)
     if not real_dir.is_dir():
         raise CheckpointError("missing_checkpoint", f"{checkpoint_dir.name} is not a directory")

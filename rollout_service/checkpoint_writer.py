@@ -661,23 +661,44 @@ def write_small(path: Path, data: str | bytes) -> FileEntry:
     return file_entry(raw)
 
 
+MAX_STALE_PER_SWEEP = 1000
+"""Stale temporary entries one sweep collects (the next sweep takes the rest): a root flooded
+with ``.tmp-*`` entries costs each sweep a bounded number of looks, not one per entry."""
+
+
 def stale_temp_entries(root: Path | str, older_than_s: float = 3600.0) -> list[Path]:
     """The hidden ``.tmp-*`` entries of ``root`` that :func:`cleanup_stale_temp_dirs` removes:
     older than ``older_than_s`` (by their own modification time: a writer at work adds files to
-    its folder), or a work folder of a writer on this host whose process is gone."""
+    its folder), or a work folder of a writer on this host whose process is gone. At most
+    :data:`MAX_STALE_PER_SWEEP` of them, from the first ``MAX_ROOT_ENTRIES`` entries listed (as
+    every reader of the root stops there)."""
+    from .checkpoint_reader import MAX_ROOT_ENTRIES
+
     root = Path(root)
     stale: list[Path] = []
     now = time.time()
     if not root.is_dir():
         return stale
-    for entry in root.iterdir():
-        if not entry.name.startswith(TEMP_PREFIX):
-            continue
-        try:
-            if now - entry.lstat().st_mtime >= older_than_s or left_by_dead_writer(entry.name):
-                stale.append(entry)
-        except FileNotFoundError:
-            continue
+    with os.scandir(root) as listing:
+        for i, found in enumerate(listing):
+            if i >= MAX_ROOT_ENTRIES or len(stale) >= MAX_STALE_PER_SWEEP:
+                log.warning(
+                    "the checkpoint root %s holds more entries than one sweep of stale temporary entries"
+                    " looks at (%d listed, %d stale found): the rest wait for the next sweep; remove what"
+                    " is not a checkpoint from it",
+                    root,
+                    i,
+                    len(stale),
+                )
+                break
+            if not found.name.startswith(TEMP_PREFIX):
+                continue
+            entry = root / found.name
+            try:
+                if now - entry.lstat().st_mtime >= older_than_s or left_by_dead_writer(entry.name):
+                    stale.append(entry)
+            except FileNotFoundError:
+                continue
     return stale
 
 

@@ -123,6 +123,26 @@ def test_cleanup_removes_only_stale_temp_dirs(tmp_path):
     assert fresh.exists() and (tmp_path / "step-00000001").exists()
 
 
+def test_a_sweep_of_a_root_flooded_with_temporary_entries_is_bounded(tmp_path, monkeypatch, caplog):
+    """Each sweep looks at a bounded number of entries (a review, session 31: 300,000 stray
+    ``.tmp-*`` files cost every sweep one look each, and the start-up sweep could outlast
+    ``sync_timeout`` and read as a root that does not answer)."""
+    from rollout_service import checkpoint_reader, checkpoint_writer
+
+    for i in range(10):
+        (tmp_path / f".tmp-x{i}").write_bytes(b"")
+    monkeypatch.setattr(checkpoint_writer, "MAX_STALE_PER_SWEEP", 3)
+    with caplog.at_level("WARNING", logger="rollout_service.checkpoint_writer"):
+        removed = [len(cleanup_stale_temp_dirs(tmp_path, older_than_s=0)) for _ in range(4)]
+    assert removed == [3, 3, 3, 1]
+    assert "the rest wait for the next sweep" in caplog.text
+    monkeypatch.setattr(checkpoint_writer, "MAX_STALE_PER_SWEEP", 1000)
+    for i in range(10):
+        (tmp_path / f".tmp-y{i}").write_bytes(b"")
+    monkeypatch.setattr(checkpoint_reader, "MAX_ROOT_ENTRIES", 4)  # every reader of the root stops there
+    assert len(checkpoint_writer.stale_temp_entries(tmp_path, older_than_s=0)) <= 4
+
+
 # --- validation failures, each with its own reason and message -------------------------------
 
 
@@ -203,10 +223,13 @@ def test_symlink_escaping_the_root_is_rejected(tmp_path):
     (path / "config.json").unlink()
     (path / "config.json").symlink_to(outside)
     expect_error("path_escape", r"outside the checkpoint root", path, root=root)
-    # A whole checkpoint directory linked in from outside is refused too.
+    # A whole checkpoint directory linked in from outside is refused too: under another name
+    # for leaving the root, under a step's name for being a link at all.
     other = publish(tmp_path / "elsewhere", 5).path
+    (root / "latest").symlink_to(other)
+    expect_error("path_escape", r"outside the checkpoint root", root / "latest", root=root)
     (root / "step-00000005").symlink_to(other)
-    expect_error("path_escape", r"outside the checkpoint root", root / "step-00000005", root=root)
+    expect_error("not_a_checkpoint", r"is a symbolic link", root / "step-00000005", root=root)
 
 
 def test_missing_manifest_is_rejected(tmp_path):

@@ -196,10 +196,30 @@ def test_a_step_named_link_into_a_hung_mount_does_not_stop_syncing(tmp_path: Pat
                 os.symlink(mnt / "somewhere", root / "step-00000099")
                 publish_checkpoint(root, 2, tensors(2), config=CONFIG, run_id=RUN)
                 await until(lambda: c.state.loaded_step == 2 and 99 in c.state.rejected, timeout_s=15)
-                assert c.state.rejected[99] == "path_escape"
+                assert c.state.rejected[99] == "not_a_checkpoint"  # a link: never followed into the mount
                 assert c.readiness()[0], c.readiness()
 
         run_with(c, during)
+
+
+def test_a_step_named_link_to_a_valid_step_inside_the_root_is_rejected_not_served(tmp_path: Path) -> None:
+    # The trainer's numbering and retention ignore a link named like a step: serving what it
+    # points at pinned the replica to a step the trainer never publishes (a review, session 31).
+    root, c, client = make(tmp_path)
+    publish_checkpoint(root, 1, tensors(1), config=CONFIG, run_id=RUN)
+    publish_checkpoint(tmp_path / "elsewhere", 99, tensors(99), config=CONFIG, run_id=RUN)
+
+    async def during() -> None:
+        await until(lambda: c.state.loaded_step == 1)
+        os.rename(tmp_path / "elsewhere" / "step-00000099", root / ".aside")  # a valid step 99, inside
+        os.symlink(".aside", root / "step-00000099")
+        await until(lambda: 99 in c.state.rejected)
+        assert c.state.rejected[99] == "not_a_checkpoint"
+        publish_checkpoint(root, 2, tensors(2), config=CONFIG, run_id=RUN)
+        await until(lambda: c.state.loaded_step == 2)
+
+    run_with(c, during)
+    assert "99" not in client.loaded_versions(), client.loaded_versions()
 
 
 def test_a_load_that_ends_a_long_pass_is_ready_at_once(tmp_path: Path) -> None:

@@ -959,3 +959,34 @@ def test_a_frame_that_starts_with_a_skippable_frame_is_refused(root: Path, tmp_p
     _rewrite_a_frame(root, lambda frame: _skippable(part) + frame)
     for err in build_and_materialize(root, tmp_path):
         assert err.reason == "delta_corrupt" and "zstd's magic" in str(err), err
+
+
+@pytest.mark.parametrize("linked", [3, 2, 1], ids=["the-step", "its-delta-base", "its-full-step"])
+def test_a_link_named_like_a_step_is_never_followed(root: Path, tmp_path: Path, linked: int) -> None:
+    """The trainer's numbering and retention never count a link named like a step (a review,
+    session 31): a reader that followed one served what it pointed at, a step the trainer does
+    not know of (``ln -s .x step-00000099`` pinned every replica there). The link here points at
+    the step's own folder, moved aside inside the root: nothing but the link is wrong."""
+    aside = root / f".moved-{linked}"
+    os.rename(_dir(root, linked), aside)
+    os.symlink(aside.name, _dir(root, linked))
+    if linked == 3:
+        from rollout_service.checkpoint_reader import validate_checkpoint
+
+        with pytest.raises(CheckpointError, match="symbolic link") as refused:
+            validate_checkpoint(_dir(root, 3), root=root)
+        assert refused.value.reason == "not_a_checkpoint"
+        with pytest.raises(CheckpointError, match="symbolic link"):
+            Manifest.load(_dir(root, 3), root=root)
+    else:  # the link is a base the chain passes through: the replica's rebuild refuses it
+        stage = Stage(tmp_path / "stage")
+        try:
+            with pytest.raises(CheckpointError) as staged:
+                stage.build(root, _dir(root, 3), Manifest.load(_dir(root, 3)), Deadline(60))
+        finally:
+            stage.close()
+        assert staged.value.reason == "broken_chain" and "not_a_checkpoint" in str(staged.value), staged.value
+    with pytest.raises(CheckpointError) as made:
+        materialize(root, 3, tmp_path / "made" / "model", timeout_s=60)
+    assert "symbolic link" in str(made.value) or "not_a_checkpoint" in str(made.value), made.value
+    assert not (tmp_path / "made" / "model").exists()
