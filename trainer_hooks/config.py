@@ -484,7 +484,7 @@ SGLANG_SAMPLING_PARAMS = frozenset(
 
 CONSTRAINT_PARAMS = ("regex", "json_schema", "ebnf", "structural_tag")
 
-_RENAMED = {  # transformers / vLLM name -> SGLang name, same meaning
+_RENAMED = {  # transformers / vLLM name -> SGLang name, same meaning (eos_token_id: added to the model's own)
     "stop_strings": "stop",
     "eos_token_id": "stop_token_ids",
     "max_tokens": "max_new_tokens",
@@ -583,7 +583,11 @@ def translate_generation_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]
                 "identical and every GRPO advantage is zero. Drop it from generation_kwargs (the config's seed "
                 "still seeds the trainer; SGLang's rollouts are not reproducible per sample)"
             )
-        if key in SGLANG_SAMPLING_PARAMS:
+        if key == "top_k" and type(value) is int and value == 0:
+            # 0 means "no limit" to transformers, vLLM and TRL's own top_k field; SGLang spells it -1.
+            log.info("generation_kwargs: top_k=0 (no limit) sent as SGLang's top_k=-1")
+            out[key] = -1
+        elif key in SGLANG_SAMPLING_PARAMS:
             out[key] = value
         elif key == "do_sample":
             if value is False:
@@ -605,7 +609,16 @@ def translate_generation_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]
             new = _RENAMED[key]
             if new in kwargs or new in out:
                 raise ValueError(f"generation_kwargs has both {key!r} and SGLang's {new!r}: keep only {new!r}")
-            log.warning("generation_kwargs: %s=%r renamed to SGLang's %s", key, value, new)
+            if new == "stop_token_ids":
+                log.warning(
+                    "generation_kwargs: eos_token_id=%r sent as SGLang's stop_token_ids: SGLang stops at these ids"
+                    " and still at the model's and tokenizer's own end-of-sequence ids (they are added to, not"
+                    " replaced). TRL counts a completion that ends on an id it does not know as its EOS as"
+                    " truncated (mask_truncated_completions masks it), as with vLLM's stop_token_ids",
+                    value,
+                )
+            else:
+                log.warning("generation_kwargs: %s=%r renamed to SGLang's %s", key, value, new)
             if new == "stop_token_ids":  # one id or several, as transformers takes it
                 value = list(value) if isinstance(value, (list, tuple, set)) else [value]
             out[new] = value
@@ -745,8 +758,9 @@ def _warn_about_sampling(config: Any, params: dict[str, Any]) -> None:
         log.warning(
             "repetition_penalty=%g is adapted: SGLang 0.5.23 penalises only the tokens generated so far in each "
             "completion, not the prompt's tokens as vLLM and transformers do (and TRL's docs describe), and has no "
-            "setting that penalises the prompt's too. Completions are rescored for the importance-sampling correction",
+            "setting that penalises the prompt's too.%s",
             penalty,
+            " Completions are rescored for the importance-sampling correction" if engine_logprobs_used(config) else "",
         )
 
 
@@ -837,6 +851,23 @@ def rescoring_needed(params: dict[str, Any]) -> bool:
     return bool(distribution_changing_keys(params))
 
 
+def engine_logprobs_used(config: Any) -> bool:
+    """Whether TRL reads the logprobs the rollout engine returns: GRPO's importance-sampling
+    correction (``vllm_importance_sampling_correction``) and its off-policy sequence mask
+    (``off_policy_mask_threshold``) do; RLOO asks for none. TRL's GRPO asks for them in any case
+    (``logprobs=0``) and drops them otherwise, so they are then SGLang's own, never rescored."""
+    return bool(getattr(config, "vllm_importance_sampling_correction", False)) or (
+        getattr(config, "off_policy_mask_threshold", None) is not None
+    )
+
+
+def completions_rescored(config: Any, params: dict[str, Any]) -> bool:
+    """Whether each batch of completions is rescored (a second, prefill-only request): TRL reads
+    the engine's logprobs (:func:`engine_logprobs_used`) and ``params`` change SGLang's
+    distribution (:func:`rescoring_needed`)."""
+    return rescoring_needed(params) and engine_logprobs_used(config)
+
+
 def greedy(params: dict[str, Any]) -> bool:
     """Whether SGLang decodes ``params`` greedily: ``top_k=1``, or a temperature below SGLang's 1e-6
     (which it turns into ``top_k=1``). SGLang 0.5.23 then returns the *untempered* log-softmax as the
@@ -913,7 +944,7 @@ def adapt_trl_fields(config: Any, *, world_size: int) -> None:
         )
         config.vllm_importance_sampling_mode = "token_truncate"
     if world_size > 1:
-        _fit_collective_budget(config, world_size, rescoring_needed(params))
+        _fit_collective_budget(config, world_size, completions_rescored(config, params))
 
 
 def _fit_collective_budget(config: Any, world_size: int, rescoring: bool) -> None:

@@ -95,6 +95,8 @@ class SGLangGeneration:
             0 or None and ``min_p`` None mean disabled).
         max_completion_length: SGLang's ``max_new_tokens``.
         logprobs: 0 to return the sampled token's logprob (GRPO), None for none (RLOO).
+        logprobs_used: whether TRL reads those logprobs (``config.engine_logprobs_used``); when
+            not, they are SGLang's own and never rescored.
         generation_kwargs: extra SGLang sampling parameters, by SGLang's names; they override
             the ones above.
         structured_outputs_regex: TRL's ``vllm_structured_outputs_regex``, sent as SGLang's
@@ -127,6 +129,7 @@ class SGLangGeneration:
         generation_kwargs: dict[str, Any] | None = None,
         structured_outputs_regex: str | None = None,
         current_step: Callable[[], int] | None = None,
+        logprobs_used: bool = True,
     ) -> None:
         if logprobs not in (None, 0):
             raise ValueError(
@@ -167,7 +170,9 @@ class SGLangGeneration:
             generation_kwargs=generation_kwargs,
             structured_outputs_regex=structured_outputs_regex,
         )
-        self.logprob_source = _logprob_source(self.sampling_params, temperature, self.want_logprobs)
+        # Logprobs TRL asks for but drops (the correction off: config.engine_logprobs_used) are
+        # SGLang's own: no rescore to pay for.
+        self.logprob_source = _logprob_source(self.sampling_params, temperature, self.want_logprobs and logprobs_used)
         """Which logprobs reach TRL's importance-sampling correction: ``"sampled"`` (SGLang's
         logprobs of the sampling distribution, after temperature), ``"rescored"`` (the model's own
         logprobs read back by a prefill-only request, because the sampling parameters change the

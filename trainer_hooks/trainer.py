@@ -48,9 +48,10 @@ from .config import (
     RLOOConfig,
     SGLangRolloutArguments,
     collective_budget_s,
+    completions_rescored,
     config_sampling_params,
+    engine_logprobs_used,
     process_group_timeout_s,
-    rescoring_needed,
     syncs_in_background,
     translate_generation_kwargs,
 )
@@ -131,6 +132,7 @@ def build_sglang_generation(
         adapters=adapters,
         syncs_adapters=syncs_adapters,
         current_step=current_step,
+        logprobs_used=engine_logprobs_used(args),
         **sampling,
     )
 
@@ -244,7 +246,7 @@ def _warn_if_a_sync_outlasts_the_process_group(args: Any, base: Any, dtype: str,
     budget = collective_budget_s(
         args.sync_timeout,
         args.sglang_request_timeout,
-        rescoring_needed(config_sampling_params(args)),
+        completions_rescored(args, config_sampling_params(args)),
         background_syncs=syncs_in_background(args),
         checkpoint_bytes=checkpoint_bytes,
     )
