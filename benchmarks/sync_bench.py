@@ -326,6 +326,7 @@ class Probe:
         self.spans: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._ready = threading.Event()
+        self._failed: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="pause-probe", daemon=True)
 
     def __enter__(self) -> Probe:
@@ -333,7 +334,10 @@ class Probe:
         first connection are no part of what a sync is measured against)."""
         self._thread.start()
         if not self._ready.wait(timeout=120):
+            self._stop.set()
             raise RuntimeError(f"the pause probe got no answer from {self.url}/generate within 120 s")
+        if self._failed is not None:
+            raise RuntimeError(f"the pause probe's first /generate failed: {self._failed!r}") from self._failed
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -345,8 +349,13 @@ class Probe:
 
     def _run(self) -> None:
         with httpx.Client(timeout=900) as client:
-            client.post(f"{self.url}/generate", json=PROBE_REQUEST)  # a fresh connection is not a probe's cost
-            self._ready.set()
+            try:
+                client.post(f"{self.url}/generate", json=PROBE_REQUEST)  # a fresh connection is not a probe's cost
+            except Exception as exc:  # told by __enter__, not lost with the thread
+                self._failed = exc
+                return
+            finally:
+                self._ready.set()
             while not self._stop.is_set():
                 t0 = time.time()
                 try:

@@ -662,8 +662,9 @@ def write_small(path: Path, data: str | bytes) -> FileEntry:
 
 
 MAX_STALE_PER_SWEEP = 1000
-"""Stale temporary entries one sweep collects (the next sweep takes the rest): a root flooded
-with ``.tmp-*`` entries costs each sweep a bounded number of looks, not one per entry."""
+"""Stale temporary entries one sweep collects (the next sweep takes the rest): the removals
+one sweep makes, and the list it keeps, stay bounded however many stale ``.tmp-*`` entries a
+root holds. Fresh ones are still looked at (one ``lstat`` each, up to ``MAX_ROOT_ENTRIES``)."""
 
 
 def stale_temp_entries(root: Path | str, older_than_s: float = 3600.0) -> list[Path]:

@@ -124,9 +124,9 @@ def test_cleanup_removes_only_stale_temp_dirs(tmp_path):
 
 
 def test_a_sweep_of_a_root_flooded_with_temporary_entries_is_bounded(tmp_path, monkeypatch, caplog):
-    """Each sweep looks at a bounded number of entries (a review, session 31: 300,000 stray
-    ``.tmp-*`` files cost every sweep one look each, and the start-up sweep could outlast
-    ``sync_timeout`` and read as a root that does not answer)."""
+    """Each sweep collects and removes a bounded number of stale entries and lists no further
+    than every reader of the root (a review, session 31: the sweep kept and removed every one of
+    300,000 stray ``.tmp-*`` files at once, listed without end)."""
     from rollout_service import checkpoint_reader, checkpoint_writer
 
     for i in range(10):

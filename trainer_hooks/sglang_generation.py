@@ -420,6 +420,10 @@ def _unique_prompts(all_prompts: list[list[int]], num_generations: int) -> list[
 
 
 def _drain(iterator: Any) -> None:
+    """Exhaust the weights iterator, whatever the writer took of it. Never close it instead:
+    under FSDP1 and ZeRO-3 each unit or parameter drawn is a collective gather that every
+    process must take part in, in the same order; a main process that stopped early would
+    leave the others waiting in one."""
     for _ in iterator:
         pass
 

@@ -32,10 +32,12 @@ class SyncRecord:
     chain_length: int = 0
     """Deltas applied for this sync (more than 1: a chain was replayed)."""
     load_started_at: float | None = None
-    """When the ``/update_weights_from_disk`` call began, by this host's clock (Unix seconds)."""
+    """When the load began, by this host's clock (Unix seconds): for a full or delta step the
+    ``/update_weights_from_disk`` call; for an adapter, its load with the looks around it that
+    ``load_s`` times too (settling, the adapters SGLang lists, the confirmation)."""
     load_ended_at: float | None = None
-    """When SGLang answered that call, by this host's clock: with ``load_started_at``, the
-    interval in which SGLang loaded (what a pause measurement reads the probes against)."""
+    """``load_started_at`` + ``load_s``: for a full or delta step, when SGLang answered the load
+    call, so the interval in which SGLang loaded (what a pause measurement reads probes against)."""
 
     @classmethod
     def ended_now(
