@@ -57,7 +57,7 @@ def test_transformers_generation_kwargs_are_renamed_or_dropped_with_a_log_line(
         "stop": ["\n"],
     }
     text = _messages(caplog)
-    assert "do_sample=False -> top_k=1" in text and "eos_token_id=7 renamed to SGLang's stop_token_ids" in text
+    assert "do_sample=False -> top_k=1" in text and "eos_token_id=7 sent as SGLang's stop_token_ids" in text
     assert "use_cache dropped" in text and "num_beams=1 dropped" in text
 
 
