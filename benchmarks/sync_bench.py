@@ -437,11 +437,7 @@ def our_sync(
     if last.get("step") != step or last.get("total_s") is None:
         raise RuntimeError(f"the sidecar's last_sync is not step {step}'s first load: {last}")
     published = last["finished_at"] - last["total_s"]
-    if last.get("load_started_at") is not None:  # the load's own interval, as the sidecar sent it
-        load_start, load_end = last["load_started_at"], last["load_ended_at"]
-    else:  # an older sidecar: rebuilt from the phases (leaves out the look before and after)
-        load_end = published + last["detect_s"] + last["validate_s"] + last["load_s"]
-        load_start = load_end - last["load_s"]
+    load_start, load_end = last["load_started_at"], last["load_ended_at"]  # the load's own interval
     out.update(
         detect_s=last["detect_s"],
         validate_s=last["validate_s"],
@@ -453,7 +449,6 @@ def our_sync(
         bytes_read=last.get("bytes_read"),
     )
     out["window"] = (t0, published, load_start, load_end, acked)
-    out["load_interval"] = "recorded" if last.get("load_started_at") is not None else "rebuilt"
     return out
 
 

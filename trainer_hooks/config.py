@@ -617,10 +617,9 @@ def translate_generation_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]
                     " truncated (mask_truncated_completions masks it), as with vLLM's stop_token_ids",
                     value,
                 )
+                value = list(value) if isinstance(value, (list, tuple, set)) else [value]  # one id or several
             else:
                 log.warning("generation_kwargs: %s=%r renamed to SGLang's %s", key, value, new)
-            if new == "stop_token_ids":  # one id or several, as transformers takes it
-                value = list(value) if isinstance(value, (list, tuple, set)) else [value]
             out[new] = value
             named[new] = key
         elif key in _DROPPED:
