@@ -619,3 +619,24 @@ def test_without_a_stage_a_materialized_step_published_again_loads_once_and_stay
     time.sleep(3.0)  # several passes (--health-interval 0.5)
     assert sidecar.metric("rollout_sidecar_syncs_total", outcome="loaded", reason="ok") == 1
     assert sidecar.wait_step(1, timeout_s=10)["loaded_current"]
+
+
+def test_a_step_named_link_is_rejected_and_never_reaches_sglang(
+    sglang_server, sidecar_factory, checkpoint_root, tiny_model_dir, tmp_path
+):
+    """A link named like a step, to a valid step inside the root (a review, session 31): the
+    trainer's numbering and retention never count it, so serving it would pin the replica to a
+    step the trainer does not know of. Refused as not_a_checkpoint; the served step stays, and
+    the trainer's next step loads."""
+    sidecar = sidecar_factory()
+    publish_step(checkpoint_root, tiny_model_dir, 1)
+    sidecar.wait_step(1)
+    aside = checkpoint_root / ".aside"
+    os.rename(publish_step(tmp_path / "elsewhere", tiny_model_dir, 99).path, aside)
+    os.symlink(aside.name, checkpoint_root / "step-00000099")
+    wait_until(lambda: "99" in sidecar.status()["rejected"], 60, "the step-named link rejected")
+    status = sidecar.status()
+    assert status["rejected"]["99"] == "not_a_checkpoint" and status["loaded_step"] == 1, status
+    assert generate(sglang_server.url, PROMPT, max_new_tokens=4)["meta_info"]["weight_version"] == "1"
+    publish_step(checkpoint_root, tiny_model_dir, 2)
+    assert sidecar.wait_step(2)["loaded_step"] == 2
