@@ -139,3 +139,45 @@ def test_which_logprobs_reach_the_is_correction(
         assert "Use temperature=1.0 to keep it" in "\n".join(r.getMessage() for r in caplog.records)
     # RLOO asks for no logprobs at all: nothing to rescore.
     assert SGLangGeneration(None, _NotMain(), None, logprobs=None, generation_kwargs=kwargs).logprob_source == "sampled"
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("correction", [True, False], ids=["correction-on", "correction-off"])
+def test_constrained_rollouts_are_rescored_only_when_trl_reads_the_logprobs(
+    unit: Any, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, correction: bool
+) -> None:
+    """With the importance-sampling correction off (and no off-policy mask) TRL drops the engine's
+    logprobs: the real SGLang server gets no rescore request then (a review, session 31: every
+    batch paid a second, prefill-only request for nothing). The requests are watched on their
+    way out (the real server answers them); with the correction on, the same run rescores."""
+    from trainer_hooks.sglang_endpoints import SGLangEndpoints
+
+    sent: list[bool] = []
+    request = SGLangEndpoints._request
+
+    def watched(self: Any, client: Any, url: str, payload: Any, *, tokens: int, rescoring: bool = False) -> Any:
+        sent.append(rescoring)
+        return request(self, client, url, payload, tokens=tokens, rescoring=rescoring)
+
+    monkeypatch.setattr(SGLangEndpoints, "_request", watched)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    args = learning_config(
+        tmp_path / "out",
+        unit.checkpoint_root,
+        unit.sglang_url,
+        unit.sidecar_url,
+        steps=1,
+        learning_rate=0.0,
+        generation_kwargs={"regex": REGEX},
+        vllm_importance_sampling_correction=correction,
+    )
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32),
+        reward_funcs=word_start_reward(tokenizer),
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": make_prompts(16)}),
+    )
+    trainer.train()
+    assert trainer.vllm_generation.logprob_source == ("rescored" if correction else "sampled")
+    assert sent and (True in sent) == correction, sent
