@@ -150,6 +150,15 @@ def test_a_link_out_of_the_root_is_refused(tmp_path):
     assert rejected(root).reason in ("path_escape", "not_a_regular_file", "unreadable")
 
 
+def test_an_adapter_step_named_link_is_refused_even_to_a_valid_adapter_inside_the_root(tmp_path):
+    # As for full and delta steps (a review, session 31): the trainer never counts such a link.
+    root = tmp_path / "root"
+    os.rename(publish(root, 1).path, root / ".aside")
+    os.symlink(".aside", root / "step-00000001")
+    error = rejected(root)
+    assert error.reason == "not_a_checkpoint" and "symbolic link" in str(error), error
+
+
 def test_an_adapter_for_another_model_or_with_wrong_shapes_is_rejected_naming_the_tensor(tmp_path):
     tensors = lora_tensors()
     tensors["base_model.model.model.layers.7.self_attn.q_proj.lora_A.weight"] = torch.zeros(4, HIDDEN)
